@@ -1,0 +1,106 @@
+"""The `grouped_int` layout (formats/grouped-int.md): packed codes, float16 scales, uint8 zero points."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtool.errors import CheckpointError
+from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
+from qtool.quant.grid import GridSpec
+
+FORMAT = "grouped_int"
+
+
+@dataclass
+class GroupedIntWeight:
+    spec: GridSpec
+    in_features: int
+    out_features: int
+    qweight: torch.Tensor  # int32 [N, ceil(K*bits/32)]
+    scales: torch.Tensor  # float16 [N, G]
+    zeros: torch.Tensor | None  # uint8 [N, G] when asymmetric
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: GridSpec) -> GroupedIntWeight:
+        """Build from integer codes [N, K] and per-group scales/zeros [N, G] (any float dtype)."""
+        n, k = codes.shape
+        return cls(
+            spec=spec,
+            in_features=k,
+            out_features=n,
+            qweight=pack_codes(codes.to(torch.int64).cpu(), spec.bits),
+            scales=scales.to(torch.float16).cpu().contiguous(),
+            zeros=None if spec.symmetric else zeros.round().to(torch.uint8).cpu().contiguous(),
+        )
+
+    def codes(self) -> torch.Tensor:
+        return unpack_codes(self.qweight, self.spec.bits, self.in_features)
+
+    def group_index(self) -> torch.Tensor:
+        g = self.spec.group_size or self.in_features
+        return torch.arange(self.in_features, device=self.qweight.device) // g
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        idx = self.group_index()
+        scales = self.scales.to(torch.float32)[:, idx]
+        if self.zeros is None:
+            zeros = float(self.spec.sym_zero)
+        else:
+            zeros = self.zeros.to(torch.float32)[:, idx]
+        return ((self.codes().to(torch.float32) - zeros) * scales).to(dtype)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"qweight": self.qweight, "scales": self.scales}
+        if self.zeros is not None:
+            out["zeros"] = self.zeros
+        return out
+
+    def layer_config(self, has_bias: bool) -> dict:
+        return {
+            "format": FORMAT,
+            "bits": self.spec.bits,
+            "group_size": self.spec.group_size,
+            "symmetric": self.spec.symmetric,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": has_bias,
+        }
+
+    def stored_bits(self) -> int:
+        return sum(t.numel() * t.element_size() * 8 for t in self.tensors().values())
+
+    @staticmethod
+    def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        spec = spec_from_config(cfg)
+        n, k = cfg["out_features"], cfg["in_features"]
+        g = spec.num_groups(k)
+        shapes = {"qweight": ((n, packed_words(k, spec.bits)), torch.int32), "scales": ((n, g), torch.float16)}
+        if not spec.symmetric:
+            shapes["zeros"] = ((n, g), torch.uint8)
+        return shapes
+
+    @classmethod
+    def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> GroupedIntWeight:
+        """Validate stored tensors against the layer config; errors name the tensor."""
+        for field, (shape, dtype) in cls.expected_shapes(cfg).items():
+            t = tensors.get(field)
+            if t is None:
+                raise CheckpointError(f"tensor {name}.{field}: missing; expected {dtype} {list(shape)}")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CheckpointError(
+                    f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
+                )
+        spec = spec_from_config(cfg)
+        scales = tensors["scales"]
+        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+            raise CheckpointError(f"tensor {name}.scales: found non-positive or non-finite scales, expected > 0")
+        zeros = tensors.get("zeros")
+        if zeros is not None and int(zeros.max()) > spec.maxq:
+            raise CheckpointError(f"tensor {name}.zeros: found {int(zeros.max())}, expected at most {spec.maxq}")
+        return cls(spec, cfg["in_features"], cfg["out_features"], tensors["qweight"], scales, zeros)
+
+
+def spec_from_config(cfg: dict) -> GridSpec:
+    return GridSpec(bits=int(cfg["bits"]), symmetric=bool(cfg["symmetric"]), group_size=cfg["group_size"])

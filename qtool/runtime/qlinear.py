@@ -1,0 +1,44 @@
+"""Quantized replacements for `nn.Linear`, one class per packed layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.quant.grid import GridSpec
+
+
+class GroupedIntLinear(nn.Module):
+    """Executes the `grouped_int` layout. The reference path dequantizes in float32 and runs a dense matmul;
+    it is the ground truth every CUDA kernel is tested against."""
+
+    def __init__(self, weight: GroupedIntWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.spec: GridSpec = weight.spec
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("zeros", weight.zeros)
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+        else:
+            self.bias = None
+
+    @property
+    def layout(self) -> GroupedIntWeight:
+        return GroupedIntWeight(self.spec, self.in_features, self.out_features, self.qweight, self.scales, self.zeros)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.layout.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(torch.float32).to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        g = self.spec.group_size or "channel"
+        kind = "sym" if self.spec.symmetric else "asym"
+        return f"in={self.in_features}, out={self.out_features}, w{self.spec.bits} g={g} {kind}"
