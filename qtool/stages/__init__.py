@@ -1,0 +1,19 @@
+"""Registry of recipe stages, keyed by the name used in recipes."""
+
+from __future__ import annotations
+
+from qtool.stages.base import QuantizerStage
+
+STAGES: dict[str, type[QuantizerStage]] = {}
+
+
+def register(cls: type[QuantizerStage]) -> type[QuantizerStage]:
+    STAGES[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    from qtool.stages import gptq, rtn  # noqa: F401  (importing registers them)
+
+
+_load_builtin()

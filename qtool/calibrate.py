@@ -1,0 +1,57 @@
+"""`qtool calibrate`: input statistics of every decoder-block linear of the original model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qtool.console import Reporter
+from qtool.errors import QtoolError
+
+
+def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessians: bool, device: str,
+                  reporter: Reporter) -> dict:
+    from qtool.calibration.capture import block_output, capture_block_inputs
+    from qtool.calibration.data import TextSource, sample_windows
+    from qtool.calibration.stats import LinearStats, save_stats
+    from qtool.models.loading import load_model
+    from qtool.pipeline import resolve_device
+    from qtool.recipe import CalibrationSpec, load_recipe, validate_recipe
+
+    if recipe_path is not None:
+        recipe = load_recipe(recipe_path, overrides)
+        model_ref, cal = recipe.model, recipe.calibration
+    else:
+        if "model" not in overrides or "calibration.source" not in overrides:
+            raise QtoolError("calibrate: expected a RECIPE or both --model and --calibration")
+        raw = {"model": overrides["model"], "stages": [{"stage": "rtn"}]}
+        recipe = validate_recipe(raw, "command line", Path.cwd(), overrides)
+        model_ref, cal = recipe.model, recipe.calibration
+    if cal is None:
+        raise QtoolError(f"{recipe_path}:calibration: missing; expected calibration data")
+    assert isinstance(cal, CalibrationSpec)
+    dev = resolve_device(device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.float16
+    model, tokenizer, adapter, _ = load_model(model_ref, dtype)
+    windows, digest = sample_windows(tokenizer, TextSource(cal.source, cal.text_field, cal.split, cal.config),
+                                     cal.num_samples, cal.seq_len, cal.seed)
+    blocks = adapter.blocks(model)
+    inputs, kwargs = capture_block_inputs(model, blocks, windows, dev)
+    stats: dict[str, LinearStats] = {}
+    for i in reporter.track(range(len(blocks)), total=len(blocks), description="calibrating blocks"):
+        block = blocks[i].to(dev)
+        local = {rel: LinearStats(block.get_submodule(rel).in_features, hessians, dev) for rel in adapter.linear_names()}
+        handles = [block.get_submodule(rel).register_forward_hook(
+            lambda m, a, o, s=local[rel]: s.update(a[0])) for rel in adapter.linear_names()]
+        with torch.no_grad():
+            inputs = [block_output(block(x, **kwargs)) for x in inputs]
+        for h in handles:
+            h.remove()
+        stats.update({f"{adapter.block_prefix(i)}.{rel}": s for rel, s in local.items()})
+        blocks[i] = block.to("cpu")
+    stamp = {"model": model_ref, "source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
+             "seed": cal.seed, "data_sha256": digest, "hessians": hessians}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_stats(out, stats, stamp)
+    return {"output": str(out), "linears": len(stats), "tokens": int(windows.numel()), **stamp}

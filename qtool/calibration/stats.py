@@ -1,0 +1,94 @@
+"""Per-linear input statistics (absmax, mean square, token count, optional Hessian) and their stats file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qtool.errors import QtoolError
+
+STATS_KEY = "qtool_stats"
+
+
+class LinearStats:
+    """Accumulates statistics of the inputs x [..., K] seen by one linear layer.
+
+    The Hessian is GPTQ's `H = 2/n Σ x xᵀ` (n tokens), the curvature of the layer's squared output error.
+    """
+
+    def __init__(self, in_features: int, hessian: bool, device: torch.device | str = "cpu") -> None:
+        self.in_features = in_features
+        self.tokens = 0
+        self.absmax = torch.zeros(in_features, dtype=torch.float32, device=device)
+        self.sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
+        self._xtx = torch.zeros(in_features, in_features, dtype=torch.float32, device=device) if hessian else None
+
+    @property
+    def has_hessian(self) -> bool:
+        return self._xtx is not None
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.in_features).to(torch.float32)
+        self.tokens += x.shape[0]
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
+        self.sq_sum += (x.double() ** 2).sum(dim=0)
+        if self._xtx is not None:
+            self._xtx.addmm_(x.T, x)
+
+    @property
+    def mean_sq(self) -> torch.Tensor:
+        return (self.sq_sum / max(self.tokens, 1)).to(torch.float32)
+
+    def hessian(self) -> torch.Tensor:
+        if self._xtx is None:
+            raise ValueError("these statistics were collected without a Hessian")
+        return self._xtx * (2.0 / max(self.tokens, 1))
+
+    def hessian_diag(self) -> torch.Tensor:
+        """diag(H) = 2·E[x²]: available even without the full Hessian."""
+        return 2.0 * self.mean_sq
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"absmax": self.absmax.cpu(), "mean_sq": self.mean_sq.cpu(),
+               "tokens": torch.tensor([self.tokens], dtype=torch.int64)}
+        if self._xtx is not None:
+            out["hessian"] = self.hessian().cpu()
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> LinearStats:
+        k = t["absmax"].shape[0]
+        s = cls(k, hessian=False)
+        s.tokens = int(t["tokens"][0])
+        s.absmax = t["absmax"].to(torch.float32)
+        s.sq_sum = t["mean_sq"].double() * s.tokens
+        if "hessian" in t:
+            s._xtx = t["hessian"].to(torch.float32) * (max(s.tokens, 1) / 2.0)
+        return s
+
+
+def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict) -> None:
+    tensors = {f"{name}.{field}": v.contiguous() for name, s in sorted(stats.items()) for field, v in s.tensors().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
+    tmp.replace(path)
+
+
+def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if STATS_KEY not in meta:
+                raise QtoolError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
+            stamp = json.loads(meta[STATS_KEY])
+            grouped: dict[str, dict[str, torch.Tensor]] = {}
+            for key in f.keys():
+                name, field = key.rsplit(".", 1)
+                grouped.setdefault(name, {})[field] = f.get_tensor(key)
+    except (OSError, ValueError) as e:  # safetensors raises these for unreadable files
+        raise QtoolError(f"{path}: cannot read stats file: {e}") from None
+    return {name: LinearStats.from_tensors(t) for name, t in grouped.items()}, stamp

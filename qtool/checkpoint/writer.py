@@ -1,0 +1,117 @@
+"""Write a packed checkpoint directory atomically (temporary sibling, then rename)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, dumps, hash_files, package_versions
+from qtool.errors import QtoolError
+from qtool.packing.grouped_int import GroupedIntWeight
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor to store: packed fields as they are, other floating tensors in `dtype`; tied weights once."""
+    packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:  # a tied weight (lm_head ↔ embed_tokens): the config's tie flag restores it
+            continue
+        seen.add(key)
+        if name not in packed_fields and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(
+    out_dir: Path,
+    *,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    layers: dict[str, dict],
+    tokenizer,
+    recipe_as_run: dict | None,
+    manifest_extra: dict,
+    max_shard_bytes: int,
+    overwrite: bool,
+) -> dict:
+    """Write the checkpoint and return its manifest. Nothing appears at `out_dir` until it is complete."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise QtoolError(f"output '{out_dir}': already exists; expected a new path (or pass --overwrite)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+        config = dict(config)
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+                                         "layers": layers}
+        (tmp / "config.json").write_text(dumps(config))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if recipe_as_run is not None:
+            (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
+        manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
+                    **manifest_extra}
+        (tmp / MANIFEST_NAME).write_text(dumps(manifest))
+
+        if out_dir.exists():
+            trash = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(trash)
+            tmp.rename(out_dir)
+            shutil.rmtree(trash)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def bits_per_weight(packed: dict[str, GroupedIntWeight], tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    qbits = sum(p.stored_bits() for p in packed.values())
+    qweights = sum(p.in_features * p.out_features for p in packed.values())
+    packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
+    other = [t for name, t in tensors.items() if name not in packed_fields and t.is_floating_point()]
+    all_bits = qbits + sum(t.numel() * t.element_size() * 8 for t in other)
+    all_weights = qweights + sum(t.numel() for t in other)
+    return {"quantized_linears": round(qbits / max(qweights, 1), 4),
+            "all_parameters": round(all_bits / max(all_weights, 1), 4)}

@@ -1,0 +1,244 @@
+"""The `qtool` command line: calibrate, quantize, pack, eval, bench."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from qtool import __version__
+from qtool.console import Reporter
+from qtool.errors import NotImplementedYet, QtoolError
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def output_options(f):
+    """--json, --quiet, --verbose on every command; builds the Reporter passed as `reporter`."""
+
+    @click.option("--json", "json_mode", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
+    @click.option("-q", "--quiet", is_flag=True, help="Only print results and errors.")
+    @click.option("-v", "--verbose", is_flag=True, help="Print more detail while working.")
+    @functools.wraps(f)
+    def wrapper(*args, json_mode: bool, quiet: bool, verbose: bool, **kwargs):
+        _quiet_libraries()
+        return f(*args, reporter=Reporter(quiet=quiet, verbose=verbose, json_mode=json_mode), **kwargs)
+
+    return wrapper
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        import datasets
+
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+
+
+def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: str) -> None:
+    if reporter.json_mode:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        return
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, v)
+    reporter.out.print(table)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="qtool")
+def cli() -> None:
+    """Quantize Hugging Face causal LMs into packed checkpoints, and measure them.
+
+    \b
+    Typical use:
+      qtool quantize recipes/gptq-w4a16-g128.yaml --model meta-llama/Llama-2-7b-hf -o out/llama2-7b-w4
+      qtool eval out/llama2-7b-w4 --text wikitext2.txt --seq-len 2048
+    """
+
+
+def _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats) -> dict:
+    over = {"model": model, "output": output, "calibration.source": calibration,
+            "calibration.num_samples": num_samples, "calibration.seq_len": seq_len, "calibration.seed": seed,
+            "calibration.stats": stats}
+    return {k: v for k, v in over.items() if v is not None}
+
+
+def recipe_override_options(f):
+    for opt in reversed([
+        click.option("--model", help="Model directory or hub id (overrides the recipe's `model`)."),
+        click.option("--calibration", help="Calibration text: .txt/.jsonl file or datasets name (overrides "
+                                           "`calibration.source`)."),
+        click.option("--num-samples", type=int, help="Calibration windows (overrides `calibration.num_samples`)."),
+        click.option("--seq-len", type=int, help="Tokens per calibration window (overrides `calibration.seq_len`)."),
+        click.option("--seed", type=int, help="Calibration sampling seed (overrides `calibration.seed`)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@recipe_override_options
+@click.option("-o", "--output", help="Checkpoint directory to write (overrides the recipe's `output`).")
+@click.option("--stats", help="Stats file from `qtool calibrate` (overrides `calibration.stats`).")
+@click.option("--eval/--no-eval", "run_eval", default=True, show_default=True,
+              help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@output_options
+def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, output, stats, run_eval, overwrite,
+             reporter: Reporter) -> None:
+    """Run RECIPE: load the model, run its stages block by block, write a packed checkpoint.
+
+    The recipe is validated completely before any model is loaded. The checkpoint directory appears only when
+    it is complete, with recipe.yaml (as run) and a manifest of file hashes beside the tensors.
+    """
+    from qtool.quantize import run_quantize
+
+    overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
+    summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter)
+    rows = [("checkpoint", summary["output"]),
+            ("quantized linears", str(summary["quantized_linears"])),
+            ("bits per weight", f"{summary['bits_per_weight']['quantized_linears']:.3f} (linears), "
+                                f"{summary['bits_per_weight']['all_parameters']:.3f} (all)"),
+            ("wall time", f"{summary['timings']['total_s']:.1f} s"),
+            ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
+    ev = summary.get("eval")
+    if ev:
+        rows.append(("perplexity (original)", f"{ev['original']['perplexity']:.4f}"))
+        rows.append(("perplexity (quantized)", f"{ev['quantized']['perplexity']:.4f}"))
+        p = ev["protocol"]
+        rows.append(("protocol", f"{Path(p['text']).name}, {ev['quantized']['windows']} windows x {p['seq_len']}, "
+                                 f"stride {p['stride']}"))
+    emit(reporter, summary, rows, "qtool quantize")
+
+
+@cli.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@recipe_override_options
+@click.option("-o", "--output", "stats_out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Stats file to write (safetensors).")
+@click.option("--hessians/--no-hessians", default=False, show_default=True,
+              help="Also store each linear's input Hessian (K×K floats per linear).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@output_options
+def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out, hessians, device,
+              reporter: Reporter) -> None:
+    """Collect per-linear input statistics of the original model into a stats file.
+
+    For every linear in the decoder blocks: per-channel absmax and mean square, token count and optionally the
+    Hessian, stamped with the calibration data hash and settings. Model and calibration come from RECIPE and/or
+    --model/--calibration; `quantize --stats` reuses the file.
+    """
+    from qtool.calibrate import run_calibrate
+
+    overrides = _recipe_overrides(model, None, calibration, num_samples, seq_len, seed, None)
+    summary = run_calibrate(recipe, overrides, stats_out, hessians=hessians, device=device, reporter=reporter)
+    emit(reporter, summary, [("stats file", summary["output"]), ("linears", str(summary["linears"])),
+                             ("tokens", str(summary["tokens"])), ("data sha256", summary["data_sha256"][:16])],
+         "qtool calibrate")
+
+
+@cli.command("eval")
+@click.argument("model")
+@click.option("--text", required=False, help="Text to score: .txt/.jsonl file, datasets folder or datasets name.")
+@click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per window.")
+@click.option("--windows", "max_windows", type=int, help="Score only the first N windows.")
+@click.option("--stride", type=int, help="Tokens between window starts (default: seq-len, no overlap).")
+@click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")
+@click.option("--text-field", default="text", show_default=True, help="Field holding text in jsonl/datasets.")
+@click.option("--split", default="test", show_default=True, help="datasets split.")
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per forward pass.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--tasks", help="Zero-shot tasks through lm-eval-harness (not implemented yet).")
+@output_options
+def eval_cmd(model, text, seq_len, max_windows, stride, separator, text_field, split, batch_size, device, tasks,
+             reporter: Reporter) -> None:
+    """Perplexity of MODEL (a qtool checkpoint, a model directory or a hub id) on a text.
+
+    The protocol (sequence length, windows, stride, tokenizer, token hash) is printed and stored in the JSON
+    result, so the original and the quantized model are one command each.
+    """
+    if tasks:
+        raise NotImplementedYet("eval --tasks: zero-shot evaluation is not implemented yet; use perplexity (--text)")
+    if not text:
+        raise QtoolError("eval: --text is required; expected a text file, datasets folder or datasets name")
+    from qtool.evaluate import run_eval
+
+    summary = run_eval(model, text=text, seq_len=seq_len, max_windows=max_windows, stride=stride,
+                       separator=separator, text_field=text_field, split=split, batch_size=batch_size,
+                       device=device, reporter=reporter)
+    p = summary["protocol"]
+    emit(reporter, summary, [("model", summary["model"]), ("perplexity", f"{summary['perplexity']:.4f}"),
+                             ("text", p["text"]), ("windows", f"{summary['windows']} x {p['seq_len']} tokens, "
+                                                               f"stride {p['stride']}"),
+                             ("scored tokens", str(summary["scored_tokens"])),
+                             ("tokenizer", p["tokenizer"]), ("seconds", f"{summary['seconds']:.1f}")],
+         "qtool eval")
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              help="Write a re-packed copy here (default: only verify).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file in the copy.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@output_options
+def pack(checkpoint: Path, output, max_shard_size, overwrite, reporter: Reporter) -> None:
+    """Verify a packed CHECKPOINT (hashes, layouts, tensor shapes) and optionally re-pack it (e.g. re-shard).
+
+    Prints the quantized layers, their layouts and the bits per weight.
+    """
+    from qtool.repack import run_pack
+
+    summary = run_pack(checkpoint, output, max_shard_size, overwrite, reporter)
+    emit(reporter, summary, [(k, str(v)) for k, v in summary.items() if k != "layouts"], "qtool pack")
+
+
+def _bench_stub():
+    @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def bench() -> None:
+        """Time the packed kernels against cuBLAS FP16/INT8/FP8 baselines (needs a CUDA GPU)."""
+        raise NotImplementedYet("bench: kernel and end-to-end benchmarks are not implemented yet")
+
+
+try:
+    from qtool.bench.command import bench as _bench
+
+    cli.add_command(_bench)
+except ImportError:
+    _bench_stub()
+
+
+def main() -> None:
+    try:
+        rv = cli.main(standalone_mode=False)
+    except QtoolError as e:
+        click.echo(f"qtool: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("qtool: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

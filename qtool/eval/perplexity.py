@@ -1,0 +1,84 @@
+"""Perplexity of a causal LM on a text, with the protocol recorded next to the number.
+
+Protocol: the text is tokenized once (or, with a separator, document by document with the tokenizer's special
+tokens, e.g. BOS per story); windows of `seq_len` tokens start every `stride` tokens; every window but the first
+scores only the tokens the previous window did not score; ppl = exp(mean token NLL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qtool.calibration.data import TextSource, read_documents
+from qtool.console import Reporter
+from qtool.errors import QtoolError
+from qtool.recipe import EvalSpec
+
+
+def tokenize_eval_text(tokenizer, spec: EvalSpec) -> torch.Tensor:
+    docs = read_documents(TextSource(spec.text, spec.text_field, spec.split, spec.config))
+    if spec.separator is None:
+        return tokenizer("\n\n".join(docs), return_tensors="pt").input_ids[0]
+    pieces = [p.strip() for d in docs for p in d.split(spec.separator)]
+    ids = tokenizer([p for p in pieces if p], add_special_tokens=True).input_ids
+    return torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+
+
+def windows(num_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, number of scored tokens at the end of the window) for each window."""
+    out = []
+    prev_end = 0
+    for begin in range(0, num_tokens - 1, stride):
+        end = min(begin + seq_len, num_tokens)
+        scored = end - prev_end if begin else end - begin - 1
+        if end - begin < 2 or scored <= 0:
+            break
+        # Non-overlapping windows only keep full windows, as GPTQ-style protocols do.
+        if stride >= seq_len and end - begin < seq_len:
+            break
+        out.append((begin, end, min(scored, end - begin - 1)))
+        prev_end = end
+        if end == num_tokens:
+            break
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None) -> dict:
+    t0 = time.perf_counter()
+    ids = tokenize_eval_text(tokenizer, spec)
+    stride = spec.stride or spec.seq_len
+    spans = windows(ids.numel(), spec.seq_len, stride)
+    if spec.max_windows is not None:
+        spans = spans[: spec.max_windows]
+    if not spans:
+        raise QtoolError(f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}")
+    total_nll = 0.0
+    total_tokens = 0
+    batches = [spans[i:i + spec.batch_size] for i in range(0, len(spans), spec.batch_size)]
+    items = reporter.track(batches, len(batches), "perplexity") if reporter else batches
+    for batch in items:
+        same_len = len({e - b for b, e, _ in batch}) == 1
+        groups = [batch] if same_len else [[s] for s in batch]
+        for group in groups:
+            x = torch.stack([ids[b:e] for b, e, _ in group]).to(device)
+            logits = model(x, use_cache=False).logits.float()
+            for row, (b, e, scored) in enumerate(group):
+                lg = logits[row, -scored - 1:-1]
+                tgt = x[row, -scored:]
+                total_nll += float(F.cross_entropy(lg, tgt, reduction="sum"))
+                total_tokens += scored
+    nll = total_nll / total_tokens
+    protocol = dataclasses.asdict(spec)
+    protocol.pop("batch_size")
+    protocol["stride"] = stride
+    protocol["tokenizer"] = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+    protocol["tokens_sha256"] = hashlib.sha256(ids.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
+    return {"perplexity": math.exp(nll), "nll": nll, "scored_tokens": total_tokens, "windows": len(spans),
+            "protocol": protocol, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,182 @@
+"""The block-wise quantization pipeline: one decoder block at a time on the compute device, each block's
+quantized outputs feeding the next (as GPTQ does), so peak memory is one block plus its activations."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qtool.calibration.capture import StopForward, block_output, capture_block_inputs
+from qtool.calibration.data import TextSource, sample_windows
+from qtool.calibration.stats import LinearStats, load_stats
+from qtool.console import Reporter
+from qtool.errors import QtoolError, RecipeError
+from qtool.models.adapters import Adapter
+from qtool.models.loading import load_model
+from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.recipe import Recipe
+from qtool.runtime.qlinear import GroupedIntLinear
+from qtool.stages.base import QuantizerStage
+
+
+@dataclass
+class QuantizedModel:
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    original_dtype: torch.dtype
+    packed: dict[str, GroupedIntWeight]
+    calibration: dict | None
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QtoolError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
+    return torch.device(name)
+
+
+def compute_dtype(setting: str, device: torch.device, original: torch.dtype) -> torch.dtype:
+    if setting != "auto":
+        return getattr(torch, setting)
+    # fp16 matmuls on CPU are several times slower than fp32.
+    return torch.float32 if device.type == "cpu" else original
+
+
+def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[str, QuantizerStage]:
+    """Map each targeted linear's full name to the one quantizer stage that claims it."""
+    assignment: dict[str, QuantizerStage] = {}
+    for i in range(len(adapter.blocks(model))):
+        for rel in adapter.linear_names():
+            full = f"{adapter.block_prefix(i)}.{rel}"
+            claims = [s.stage for s in recipe.stages if s.stage.targets.matches(full)]
+            if len(claims) > 1:
+                raise RecipeError(f"{recipe.path}:stages: {full} is targeted by {claims[0].label} and "
+                                  f"{claims[1].label}; expected each linear in one quantizer's targets")
+            if claims:
+                assignment[full] = claims[0]
+    for s in recipe.stages:
+        if s.stage not in assignment.values():
+            raise RecipeError(f"{recipe.path}:stages[{s.stage.index}].targets: matches no linear of the model; "
+                              f"expected patterns over names such as {adapter.block_prefix(0)}.{adapter.linear_names()[0]}")
+    return assignment
+
+
+def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
+    t0 = time.perf_counter()
+    device = resolve_device(recipe.settings.device)
+    from qtool.models.loading import config_dtype, load_config
+
+    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(load_config(recipe.model)))
+    reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
+    model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)
+    assignment = assign_stages(model, adapter, recipe)
+    blocks = adapter.blocks(model)
+    timings = {"load_s": time.perf_counter() - t0}
+
+    fp_stats: dict[str, LinearStats] = {}
+    if recipe.calibration is not None and recipe.calibration.stats:
+        fp_stats, _ = load_stats(recipe.calibration.stats)
+        _check_stats(recipe, fp_stats, assignment)
+
+    # Stages that need statistics from the block-wise pass (GPTQ's Hessians of quantized inputs) get them
+    # propagated; the others use the FP stats file when one is given.
+    def wants_pass(stage: QuantizerStage) -> bool:
+        return stage.needs_calibration() and (stage.needs_hessian() or not fp_stats)
+
+    calibration_info = None
+    inputs: list[torch.Tensor] = []
+    kwargs: dict = {}
+    if any(wants_pass(s) for s in assignment.values()):
+        cal = recipe.calibration
+        t = time.perf_counter()
+        src = TextSource(cal.source, cal.text_field, cal.split, cal.config)
+        windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
+        calibration_info = {"source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
+                            "seed": cal.seed, "data_sha256": digest}
+        reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
+        inputs, kwargs = capture_block_inputs(model, blocks, windows, device)
+        timings["calibration_s"] = time.perf_counter() - t
+
+    packed: dict[str, GroupedIntWeight] = {}
+    t = time.perf_counter()
+    last_needing = max((i for i in range(len(blocks)) for rel in adapter.linear_names()
+                        if (s := assignment.get(f"{adapter.block_prefix(i)}.{rel}")) and wants_pass(s)), default=-1)
+    for i in reporter.track(range(len(blocks)), total=len(blocks), description="quantizing blocks"):
+        block = blocks[i].to(device)
+        prefix = adapter.block_prefix(i)
+        mine = {rel: assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names() if f"{prefix}.{rel}" in assignment}
+        sequential = any(s.sequential() for s in mine.values())
+        groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
+        for group in groups:
+            todo = [rel for rel in group if rel in mine]
+            if not todo:
+                continue
+            need = [rel for rel in todo if wants_pass(mine[rel])]
+            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need)) if need else {}
+            for rel in todo:
+                full = f"{prefix}.{rel}"
+                linear: nn.Linear = block.get_submodule(rel)
+                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or fp_stats.get(full))
+                linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
+                packed[full] = result.packed
+        if i < last_needing:
+            with torch.no_grad():
+                inputs = [block_output(block(x, **kwargs)) for x in inputs]
+        blocks[i] = block.to("cpu")
+    timings["quantize_s"] = time.perf_counter() - t
+    del inputs
+
+    for full, layout in packed.items():
+        parent_name, _, child = full.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old: nn.Linear = getattr(parent, child)
+        bias = None if old.bias is None else old.bias.data.clone()
+        setattr(parent, child, GroupedIntLinear(layout, bias))
+    timings["total_s"] = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak)
+
+
+def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,
+             hessian: bool) -> dict[str, LinearStats]:
+    """Statistics of the inputs of `names` over all samples; each pass stops once they have all run."""
+    stats = {n: LinearStats(block.get_submodule(n).in_features, hessian, inputs[0].device) for n in names}
+    fired: set[str] = set()
+
+    def make_hook(n: str):
+        def hook(module, args, output):
+            stats[n].update(args[0])
+            fired.add(n)
+            if len(fired) == len(names):
+                raise StopForward
+
+        return hook
+
+    handles = [block.get_submodule(n).register_forward_hook(make_hook(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for x in inputs:
+                fired.clear()
+                try:
+                    block(x, **kwargs)
+                except StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _check_stats(recipe: Recipe, fp_stats: dict[str, LinearStats], assignment: dict[str, QuantizerStage]) -> None:
+    for full, stage in assignment.items():
+        if stage.needs_calibration() and not stage.needs_hessian() and full not in fp_stats:
+            raise QtoolError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
+                             f"computed on this model")

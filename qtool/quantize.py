@@ -1,0 +1,80 @@
+"""`qtool quantize`: recipe → block-wise pipeline → (optional perplexity) → packed checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+
+import torch
+
+from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
+from qtool.console import Reporter
+from qtool.errors import QtoolError
+from qtool.recipe import load_recipe
+
+
+def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
+    from qtool.eval.perplexity import perplexity
+    from qtool.models.loading import load_model
+    from qtool.pipeline import compute_dtype, quantize_model, resolve_device
+
+    recipe = load_recipe(recipe_path, overrides)
+    if recipe.output is None:
+        raise QtoolError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
+    out = Path(recipe.output)
+    if out.exists() and not overwrite:
+        raise QtoolError(f"output '{out}': already exists; expected a new path (or pass --overwrite)")
+    device = resolve_device(recipe.settings.device)
+
+    ev_result = None
+    if run_eval and recipe.eval is not None:
+        model, tokenizer, _, original = load_model(recipe.model, torch.float32)
+        model.to(compute_dtype(recipe.settings.dtype, device, original)).to(device)
+        reporter.log("perplexity of the original model")
+        fp = perplexity(model, tokenizer, recipe.eval, device, reporter)
+        del model
+        gc.collect()
+
+    qm = quantize_model(recipe, reporter)
+
+    if run_eval and recipe.eval is not None:
+        reporter.log("perplexity of the quantized model")
+        qm.model.to(device)
+        q = perplexity(qm.model, qm.tokenizer, recipe.eval, device, reporter)
+        qm.model.to("cpu")
+        ev_result = {"protocol": q["protocol"],
+                     "original": {k: fp[k] for k in ("perplexity", "nll", "scored_tokens", "windows")},
+                     "quantized": {k: q[k] for k in ("perplexity", "nll", "scored_tokens", "windows")}}
+
+    tensors = collect_tensors(qm.model, qm.packed, qm.original_dtype)
+    layers = {name: p.layer_config(getattr(qm.model.get_submodule(name), "bias", None) is not None)
+              for name, p in sorted(qm.packed.items())}
+    config = qm.model.config.to_dict()
+    config["dtype"] = str(qm.original_dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    bpw = bits_per_weight(qm.packed, tensors)
+    manifest_extra = {
+        "bits_per_weight": bpw,
+        "calibration": qm.calibration,
+        "seed": recipe.calibration.seed if recipe.calibration else None,
+        "stages": [s.stage.name for s in recipe.stages],
+        "eval": ev_result,
+    }
+    write_checkpoint(out, tensors=tensors, config=config, layers=layers, tokenizer=qm.tokenizer,
+                     recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
+                     max_shard_bytes=recipe.max_shard_bytes(), overwrite=overwrite)
+    reporter.log(f"wrote {out}")
+    return {
+        "output": str(out),
+        "model": recipe.model,
+        "quantized_linears": len(qm.packed),
+        "bits_per_weight": bpw,
+        "calibration": qm.calibration,
+        "eval": ev_result,
+        "timings": {k: round(v, 3) for k, v in qm.timings.items()},
+        "peak_rss_mb": round(qm.peak_rss_mb, 1),
+        "device": str(device),
+        "recipe": recipe.as_run,
+        "settings": dataclasses.asdict(recipe.settings),
+    }

@@ -1,0 +1,236 @@
+"""Recipes: YAML files naming a model, calibration data, an ordered chain of stages and an output.
+
+The whole recipe is validated before any model is loaded; every problem is one line `file:key: found X,
+expected Y` (exit code 2). Relative paths in a recipe are relative to the recipe's folder; paths given on
+the command line are relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from qtool.errors import RecipeError
+from qtool.models.loading import is_hub_id
+from qtool.options import option, parse_options
+from qtool.stages import STAGES
+from qtool.stages.base import QuantizerStage, Targets
+
+_TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
+
+
+@dataclass
+class CalibrationSpec:
+    source: str = option(help="a .txt/.jsonl file, a saved datasets folder, or a datasets name")
+    num_samples: int = option(128, min=1, max=100_000, help="number of token windows")
+    seq_len: int = option(2048, min=8, max=1_048_576, help="tokens per window")
+    seed: int = option(0, min=0, help="seed of the window sampler")
+    text_field: str = option("text", help="field holding the text in .jsonl/datasets sources")
+    split: str = option("train", help="datasets split")
+    config: str | None = option(None, help="datasets config name")
+    stats: str | None = option(None, help="stats file from `qtool calibrate`, reused instead of FP statistics")
+
+
+@dataclass
+class EvalSpec:
+    text: str = option(help="a .txt/.jsonl file, a saved datasets folder, or a datasets name")
+    seq_len: int = option(2048, min=8, max=1_048_576, help="tokens per window")
+    max_windows: int | None = option(None, min=1, help="evaluate only the first windows; null for all")
+    stride: int | None = option(None, min=1, help="tokens between window starts; null for non-overlapping")
+    separator: str | None = option(None, help="split the text into documents here and tokenize each with BOS")
+    text_field: str = option("text", help="field holding the text in .jsonl/datasets sources")
+    split: str = option("test", help="datasets split")
+    config: str | None = option(None, help="datasets config name")
+    batch_size: int = option(4, min=1, max=1024, help="windows per forward pass")
+
+
+@dataclass
+class Settings:
+    device: str = option("auto", help="compute device for the block-wise pipeline: auto, cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
+        "auto", help="activation dtype in the pipeline; auto is float32 on CPU and the model's dtype on CUDA")
+    max_shard_size: str = option("5GB", help="largest safetensors file before the checkpoint is sharded")
+
+
+@dataclass
+class StageSpec:
+    stage: QuantizerStage
+    raw: dict
+
+
+@dataclass
+class Recipe:
+    path: Path | None
+    model: str
+    output: str | None
+    calibration: CalibrationSpec | None
+    stages: list[StageSpec]
+    eval: EvalSpec | None
+    settings: Settings
+    as_run: dict = field(default_factory=dict)
+
+    def needs_calibration(self) -> bool:
+        return any(s.stage.needs_calibration() for s in self.stages)
+
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.settings.max_shard_size)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(text)
+    unit = (m.group(2) or "B").upper()
+    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}[unit])
+
+
+TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings")
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe. `overrides` maps `model`, `output` and `calibration.<key>` to CLI values."""
+    path = Path(path)
+    label = str(path)
+    if not path.is_file():
+        raise RecipeError(f"{label}: recipe file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{label}: malformed YAML{where}: {problem}") from None
+    return validate_recipe(raw, label, path.resolve().parent, overrides or {}, path)
+
+
+def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any], path: Path | None = None) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{label}: found {type(raw).__name__}, expected a mapping with keys {', '.join(TOP_KEYS)}")
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise RecipeError(f"{label}:{key}: unknown key; expected one of {', '.join(TOP_KEYS)}")
+    cwd = Path.cwd()
+
+    # Each value remembers where it came from, so errors name the flag or the recipe key.
+    def where(key: str) -> str:
+        return f"--{key.split('.')[-1].replace('_', '-')}" if key in overrides else f"{label}:{key}"
+
+    model = overrides.get("model", raw.get("model"))
+    if model is None:
+        raise RecipeError(f"{label}:model: missing; expected a model directory or a hub id")
+    if not isinstance(model, str):
+        raise RecipeError(f"{where('model')}: found {model!r}, expected a model directory or a hub id")
+    model = _resolve_model(model, cwd if "model" in overrides else base, where("model"))
+
+    output = overrides.get("output", raw.get("output"))
+    if output is not None and not isinstance(output, str):
+        raise RecipeError(f"{where('output')}: found {output!r}, expected a directory path")
+    if output is not None:
+        output = str(((cwd if "output" in overrides else base) / output).resolve())
+
+    settings = parse_options(Settings, raw.get("settings") or {}, f"{label}:settings")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
+        raise RecipeError(f"{label}:settings.device: found {settings.device!r}, expected auto, cpu, cuda or cuda:N")
+    try:
+        parse_size(settings.max_shard_size)
+    except ValueError:
+        raise RecipeError(f"{label}:settings.max_shard_size: found {settings.max_shard_size!r}, expected a size "
+                          f"such as 5GB or 500MB") from None
+
+    stages_raw = raw.get("stages")
+    if not isinstance(stages_raw, list) or not stages_raw:
+        raise RecipeError(f"{label}:stages: found {stages_raw!r}, expected a non-empty list of stages")
+    stages = [_parse_stage(s, i, label) for i, s in enumerate(stages_raw)]
+
+    cal_raw = raw.get("calibration")
+    cal_over = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("calibration.")}
+    calibration = None
+    if cal_raw is not None or cal_over:
+        merged = dict(cal_raw or {}) if isinstance(cal_raw, dict) or cal_raw is None else cal_raw
+        if isinstance(merged, dict):
+            merged.update(cal_over)
+        calibration = parse_options(CalibrationSpec, merged, f"{label}:calibration")
+        src_base = cwd if "calibration.source" in overrides else base
+        calibration.source = _resolve_text(calibration.source, src_base, where("calibration.source"))
+        if calibration.stats is not None:
+            stats_base = cwd if "calibration.stats" in overrides else base
+            p = (stats_base / calibration.stats).resolve()
+            if not p.is_file():
+                raise RecipeError(f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
+                                  f"written by `qtool calibrate`")
+            calibration.stats = str(p)
+    if calibration is None and any(s.stage.needs_calibration() for s in stages):
+        first = next(s.stage for s in stages if s.stage.needs_calibration())
+        raise RecipeError(f"{label}:calibration: missing; expected calibration data, which {first.label} needs")
+
+    ev = None
+    if raw.get("eval") is not None:
+        ev = parse_options(EvalSpec, raw["eval"], f"{label}:eval")
+        ev.text = _resolve_text(ev.text, base, f"{label}:eval.text")
+
+    recipe = Recipe(path, model, output, calibration, stages, ev, settings)
+    recipe.as_run = _as_run(recipe)
+    return recipe
+
+
+def _parse_stage(entry: Any, i: int, label: str) -> StageSpec:
+    where = f"{label}:stages[{i}]"
+    if not isinstance(entry, dict) or "stage" not in entry:
+        raise RecipeError(f"{where}: found {entry!r}, expected a mapping with a 'stage' key naming one of "
+                          f"{', '.join(sorted(STAGES))}")
+    name = entry["stage"]
+    if name not in STAGES:
+        raise RecipeError(f"{where}.stage: unknown stage {name!r}; expected one of {', '.join(sorted(STAGES))}")
+    cls = STAGES[name]
+    opts = {k: v for k, v in entry.items() if k not in ("stage", "targets")}
+    options = parse_options(cls.options_cls, opts, where)
+    targets = parse_options(Targets, entry.get("targets") or {}, f"{where}.targets")
+    return StageSpec(cls(options, targets, i), dict(entry))
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.startswith((".", "/", "~")) or ref.endswith(_TEXT_SUFFIXES)
+
+
+def _resolve_model(ref: str, base: Path, where: str) -> str:
+    if is_hub_id(ref, base):
+        return ref
+    p = (base / Path(ref).expanduser()).resolve()
+    if not p.exists():
+        raise RecipeError(f"{where}: path '{p}' does not exist; expected a model directory or a hub id")
+    if not (p / "config.json").is_file():
+        raise RecipeError(f"{where}: '{p}' has no config.json; expected a Hugging Face model directory")
+    return str(p)
+
+
+def _resolve_text(ref: str, base: Path, where: str) -> str:
+    p = (base / Path(ref).expanduser()).resolve()
+    if p.exists():
+        return str(p)
+    if _looks_like_path(ref):
+        raise RecipeError(f"{where}: file '{p}' does not exist; expected a text file, a datasets folder or a "
+                          f"datasets name")
+    return ref  # a datasets name, resolved when loaded
+
+
+def _as_run(r: Recipe) -> dict:
+    """The recipe with overrides applied and defaults filled in, as saved beside the checkpoint."""
+    out: dict[str, Any] = {"model": r.model}
+    if r.calibration is not None:
+        out["calibration"] = dataclasses.asdict(r.calibration)
+    out["stages"] = [
+        {"stage": s.stage.name, **dataclasses.asdict(s.stage.options), "targets": dataclasses.asdict(s.stage.targets)}
+        for s in r.stages
+    ]
+    if r.output is not None:
+        out["output"] = r.output
+    if r.eval is not None:
+        out["eval"] = dataclasses.asdict(r.eval)
+    out["settings"] = dataclasses.asdict(r.settings)
+    return out

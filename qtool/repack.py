@@ -1,0 +1,46 @@
+"""`qtool pack`: verify a checkpoint and optionally write a re-packed (e.g. re-sharded) copy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from qtool.console import Reporter
+
+
+def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter) -> dict:
+    from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
+    from qtool.checkpoint.writer import write_checkpoint
+    from qtool.errors import QtoolError
+    from qtool.recipe import parse_size
+
+    manifest = read_manifest(checkpoint)
+    verify_files(checkpoint, manifest)
+    from qtool.checkpoint.loader import load_checkpoint, load_tokenizer
+
+    load_checkpoint(checkpoint, verify=False)  # checks every layout and tensor shape
+    config = json.loads((checkpoint / "config.json").read_text())
+    layers = config["quantization_config"]["layers"]
+    layouts: dict[str, int] = {}
+    for cfg in layers.values():
+        key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'} {'sym' if cfg['symmetric'] else 'asym'}"
+        layouts[key] = layouts.get(key, 0) + 1
+    summary = {"checkpoint": str(checkpoint), "verified": True, "quantized_layers": len(layers),
+               "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}
+    if output is not None:
+        try:
+            shard_bytes = parse_size(max_shard_size)
+        except ValueError:
+            raise QtoolError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+        tensors = read_tensors(checkpoint)
+        config.pop("quantization_config")
+        recipe_file = checkpoint / "recipe.yaml"
+        recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
+        extra = {k: v for k, v in manifest.items() if k not in ("files", "packages", "format_version")}
+        write_checkpoint(output, tensors=tensors, config=config, layers=layers, tokenizer=load_tokenizer(checkpoint),
+                         recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, overwrite=overwrite)
+        summary["output"] = str(output)
+        reporter.log(f"wrote {output}")
+    return summary

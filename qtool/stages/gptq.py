@@ -1,0 +1,60 @@
+"""Stage `gptq`: second-order weight quantization with the layer-input Hessian from calibration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtool.calibration.stats import LinearStats
+from qtool.options import option
+from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.quant.clip import clip_ratios
+from qtool.quant.gptq import gptq_quantize
+from qtool.stages import register
+from qtool.stages.base import QuantizerStage, QuantResult, WeightScheme
+
+
+@dataclass
+class GPTQOptions(WeightScheme):
+    damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H), as a fraction of its mean")
+    block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
+    act_order: bool = option(False, help="quantize columns in order of decreasing diag(H)")
+    static_groups: bool = option(False, help="fix every group's scale before the column loop")
+    sequential: bool = option(True, help="within a block, q/k/v then o then gate/up then down, each calibrated "
+                                         "on the outputs of the already quantized linears")
+
+    def validate(self) -> tuple[str, str] | None:
+        if self.act_order and self.group_size is not None and not self.static_groups:
+            return ("static_groups", "found false with act_order and group_size set; expected true (the grouped_int "
+                    "layout keeps columns in their original order and has no per-column group index)")
+        return None
+
+
+@register
+class GPTQStage(QuantizerStage):
+    name = "gptq"
+    options_cls = GPTQOptions
+    help = "GPTQ: column-wise quantization with inverse-Hessian error feedback"
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def needs_hessian(self) -> bool:
+        return True
+
+    def sequential(self) -> bool:
+        return self.options.sequential
+
+    def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
+        if stats is None or not stats.has_hessian:
+            raise RuntimeError(f"gptq needs the Hessian of {name}")
+        o: GPTQOptions = self.options
+        spec = o.grid_spec()
+        codes, scales, zeros = gptq_quantize(
+            weight.float(), stats.hessian().to(weight.device), spec, damp=o.damp, block_size=o.block_size,
+            act_order=o.act_order, static_groups=o.static_groups,
+            clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
+        )
+        packed = GroupedIntWeight.from_codes(codes, scales, zeros, spec)
+        return QuantResult(packed, packed.dequantize(torch.float32))
