@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 
 import click
@@ -60,7 +59,18 @@ def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: 
     reporter.out.print(table)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class QtoolGroup(click.Group):
+    """Turns QtoolError into one line on stderr and its exit code, never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except QtoolError as e:
+            click.echo(f"qtool: error: {e}", err=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=QtoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="qtool")
 def cli() -> None:
     """Quantize Hugging Face causal LMs into packed checkpoints, and measure them.
@@ -99,10 +109,11 @@ def recipe_override_options(f):
 @click.option("--stats", help="Stats file from `qtool calibrate` (overrides `calibration.stats`).")
 @click.option("--eval/--no-eval", "run_eval", default=True, show_default=True,
               help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.")
+@click.option("--eval-windows", type=int, help="Evaluate only the first N windows (overrides `eval.max_windows`).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @output_options
-def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, output, stats, run_eval, overwrite,
-             reporter: Reporter) -> None:
+def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, output, stats, run_eval, eval_windows,
+             overwrite, reporter: Reporter) -> None:
     """Run RECIPE: load the model, run its stages block by block, write a packed checkpoint.
 
     The recipe is validated completely before any model is loaded. The checkpoint directory appears only when
@@ -111,6 +122,8 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
     from qtool.quantize import run_quantize
 
     overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
+    if eval_windows is not None:
+        overrides["eval.max_windows"] = eval_windows
     summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter)
     rows = [("checkpoint", summary["output"]),
             ("quantized linears", str(summary["quantized_linears"])),
@@ -226,18 +239,7 @@ except ImportError:
 
 
 def main() -> None:
-    try:
-        rv = cli.main(standalone_mode=False)
-    except QtoolError as e:
-        click.echo(f"qtool: error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("qtool: aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    cli(prog_name="qtool")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings")
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    """Read and validate a recipe. `overrides` maps `model`, `output` and `calibration.<key>` to CLI values."""
+    """Read and validate a recipe. `overrides` maps `model`, `output`, `calibration.<key>` and
+    `eval.max_windows` to CLI values."""
     path = Path(path)
     label = str(path)
     if not path.is_file():
@@ -171,7 +172,10 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
 
     ev = None
     if raw.get("eval") is not None:
-        ev = parse_options(EvalSpec, raw["eval"], f"{label}:eval")
+        ev_raw = raw["eval"]
+        if isinstance(ev_raw, dict) and "eval.max_windows" in overrides:
+            ev_raw = {**ev_raw, "max_windows": overrides["eval.max_windows"]}
+        ev = parse_options(EvalSpec, ev_raw, f"{label}:eval")
         ev.text = _resolve_text(ev.text, base, f"{label}:eval.text")
 
     recipe = Recipe(path, model, output, calibration, stages, ev, settings)
@@ -220,7 +224,8 @@ def _resolve_text(ref: str, base: Path, where: str) -> str:
 
 
 def _as_run(r: Recipe) -> dict:
-    """The recipe with overrides applied and defaults filled in, as saved beside the checkpoint."""
+    """The recipe with overrides applied and defaults filled in, as saved beside the checkpoint. The output path
+    is left out: where a checkpoint is written is not part of what it is (copies stay byte-identical)."""
     out: dict[str, Any] = {"model": r.model}
     if r.calibration is not None:
         out["calibration"] = dataclasses.asdict(r.calibration)
@@ -228,8 +233,6 @@ def _as_run(r: Recipe) -> dict:
         {"stage": s.stage.name, **dataclasses.asdict(s.stage.options), "targets": dataclasses.asdict(s.stage.targets)}
         for s in r.stages
     ]
-    if r.output is not None:
-        out["output"] = r.output
     if r.eval is not None:
         out["eval"] = dataclasses.asdict(r.eval)
     out["settings"] = dataclasses.asdict(r.settings)

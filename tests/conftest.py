@@ -1,0 +1,93 @@
+"""Shared fixtures: the real small models and texts beside the checkout, tiny random models, a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets")).resolve()
+STORIES = ASSETS / "models" / "stories260K"
+TINYSTORIES = ASSETS / "data" / "tinystories" / "tinystories_train_head_2MiB.txt"
+TINY_SAMPLE = ASSETS / "data" / "tinystories" / "cs336_tinystories_sample.txt"
+WIKITEXT = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
+C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
+SMOLLM2_CACHE = ROOT / ".cache" / "models" / "smollm2-135m"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not STORIES.is_dir():
+        skip = pytest.mark.skip(reason=f"assets not found at {ASSETS} (set QTOOL_ASSETS)")
+        for item in items:
+            if "assets" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def cli():
+    """Invoke the qtool CLI in-process; returns click's Result (exit_code, output, stderr)."""
+    from qtool.cli import cli as group
+
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(group, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M as a Hugging Face folder, converted once from the shared GGUF and cached in .cache/."""
+    if not (SMOLLM2_CACHE / "config.json").is_file():
+        tmp = SMOLLM2_CACHE.with_name(SMOLLM2_CACHE.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(ASSETS / "tools" / "smollm2_gguf_to_hf.py"),
+                        str(ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(tmp)],
+                       check=True, capture_output=True)
+        tmp.rename(SMOLLM2_CACHE)
+    return SMOLLM2_CACHE
+
+
+def _save_tiny(model, out: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(STORIES).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-block random Llama (GQA, odd widths) with the stories260K tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    return _save_tiny(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory) -> Path:
+    """A 2-block random OPT (biases, LayerNorm, fc1/fc2) with the stories260K tokenizer."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=256, word_embed_proj_dim=64)
+    return _save_tiny(OPTForCausalLM(cfg).eval(), tmp_path_factory.mktemp("tiny-opt"))
+
+
+def write_recipe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

@@ -1,0 +1,44 @@
+"""kernels/ and formats/ ship inside the wheel and are found from it; README and CI run the same commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from conftest import ROOT
+
+
+def test_data_folders_found_from_checkout():
+    from qtool.resources import formats_dir, kernels_dir
+
+    assert (formats_dir() / "grouped-int.md").is_file()
+    assert kernels_dir().is_dir()
+
+
+@pytest.mark.slow
+def test_wheel_contains_kernels_and_formats(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), "-q"], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("qtool-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "qtool/formats/grouped-int.md" in names and "qtool/formats/checkpoint.md" in names
+    assert any(n.startswith("qtool/kernels/") and n.endswith(".cu") for n in names)
+    # Installed elsewhere, the package finds its data inside itself.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    out = subprocess.run([sys.executable, "-c", "import qtool.resources as r; print(r.formats_dir(), r.kernels_dir())"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(site)}, check=True, capture_output=True, text=True)
+    assert str(site / "qtool" / "formats") in out.stdout and str(site / "qtool" / "kernels") in out.stdout
+
+
+def test_readme_commands_are_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [ln for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(commands) == 2
+    for cmd in commands:
+        assert cmd in ci.splitlines(), cmd
