@@ -35,10 +35,25 @@ class GroupedIntLinear(nn.Module):
         return self.layout.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Imported here so CPU-only use never loads the GPU runtime (which imports cupy lazily anyway).
+            from qtool.cuda.grouped_int import module_forward
+
+            y = module_forward(self, x)
+            if y is not None:
+                return y
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(torch.float32).to(x.dtype), bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `model.to(dtype)` / `.half()` cast floating buffers; the packed scales must stay float16.
+        super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float16:
+            self.scales = self.scales.to(torch.float16)
+        return self
 
     def extra_repr(self) -> str:
         g = self.spec.group_size or "channel"
         kind = "sym" if self.spec.symmetric else "asym"
         return f"in={self.in_features}, out={self.out_features}, w{self.spec.bits} g={g} {kind}"
+

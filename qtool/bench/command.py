@@ -1,0 +1,133 @@
+"""The `qtool bench` click group: `kernels` and `e2e`. Importing this module needs neither a GPU nor cupy."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from qtool.errors import QtoolError
+
+
+class BenchError(QtoolError):
+    """A bench option or environment problem, printed as one line."""
+
+
+def _need_gpu() -> None:
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise BenchError("qtool bench: found no CUDA GPU, expected one (the bench times GPU kernels)")
+
+
+def _group_sizes(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("channel", "none", "ch"):
+            out.append(None)
+        elif part.isdigit() and int(part) > 0:
+            out.append(int(part))
+        else:
+            raise BenchError(f"--group-size: found {part!r}, expected positive integers or 'channel', comma-separated")
+    return out
+
+
+def _wrap(fn):
+    """Run `fn`, turning user-facing errors into one line and a non-zero exit."""
+    try:
+        return fn()
+    except (QtoolError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+
+
+@click.group(name="bench")
+def bench() -> None:
+    """Measure grouped_int kernels and end-to-end decode/prefill against cuBLAS on this GPU."""
+
+
+@bench.command("kernels")
+@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
+              help="Known model name (llama-2-7b, llama-3-8b, ...) or a config.json path; gives the KxN shapes.")
+@click.option("--shapes", default=None, help="Explicit KxN list (in_features x out_features), e.g. 4096x11008,11008x4096.")
+@click.option("--m", "ms", default="1,16,64,2048", show_default=True, help="Token counts M, comma-separated.")
+@click.option("--bits", default="4", show_default=True, help="Weight bits, comma-separated (4, 8).")
+@click.option("--group-size", "group_size", default="128", show_default=True,
+              help="Group sizes, comma-separated; 'channel' for one group per row.")
+@click.option("--asym", is_flag=True, help="Asymmetric (with zero points) instead of symmetric.")
+@click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
+@click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
+              help="Timed samples per measurement (median reported; at least 50).")
+@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG of the speedups here.")
+def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool,
+                warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
+    """Time the quantized matmuls and the cuBLAS FP16/INT8/FP8 baselines, with the card's measured ceilings."""
+
+    def go() -> None:
+        from qtool.bench import kernels as kb  # noqa: PLC0415
+        from qtool.bench import stats  # noqa: PLC0415
+
+        shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
+        cfg = kb.KernelBenchConfig(
+            shapes=shape_list, ms=stats.parse_ints(ms, "--m"), bits=stats.parse_ints(bits, "--bits", 2),
+            group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
+        )
+        _need_gpu()
+        from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415
+        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+
+        click.echo(kb.HEADER, err=True)
+        report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+        problems = stats.validate_kernels_report(report)
+        if problems:
+            raise BenchError(f"internal: report does not match its schema: {problems[0]}")
+        if json_path:
+            kb.write_json(report, json_path)
+        if plot_path:
+            kb.write_plot(report, plot_path)
+        click.echo(kb.format_report(report))
+
+    _wrap(go)
+
+
+@bench.command("e2e")
+@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
+              help="Model dimensions (llama-2-7b, llama-3-8b, mistral-7b, tiny); weights are random.")
+@click.option("--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v))
+@click.option("--group-size", "group_size", default="128", show_default=True)
+@click.option("--prompt", default=2048, show_default=True, type=click.IntRange(1, None), help="Prefill tokens.")
+@click.option("--batches", default="1,16,64", show_default=True, help="Decode batch sizes.")
+@click.option("--context", default=128, show_default=True, type=click.IntRange(2, None),
+              help="Static KV-cache length for decode (attention reads all of it).")
+@click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
+@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches: str, context: int, iters: int,
+            json_path: str | None) -> None:
+    """Prefill and decode tokens/s, FP16 vs grouped_int, same decoder, CUDA graphs, peak GPU memory."""
+
+    def go() -> None:
+        from qtool.bench import stats  # noqa: PLC0415
+        from qtool.bench.e2e import dims_for, format_e2e, run_e2e  # noqa: PLC0415
+
+        dims_for(model_config)
+        gs = _group_sizes(group_size)
+        if len(gs) != 1:
+            raise BenchError(f"--group-size: found {group_size!r}, expected one value for e2e")
+        bl = stats.parse_ints(batches, "--batches")
+        _need_gpu()
+        report = run_e2e(model_config, bits, gs[0], prompt, bl, context, iters, log=lambda s: click.echo(s, err=True))
+        if json_path:
+            from pathlib import Path  # noqa: PLC0415
+
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(format_e2e(report))
+
+    _wrap(go)
+
+
+if __name__ == "__main__":
+    bench()

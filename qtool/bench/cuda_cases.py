@@ -1,0 +1,143 @@
+"""The CUDA work that `qtool bench kernels` times: random packed layers, cuBLAS baselines, ceilings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qtool.bench.kernels import rotations
+from qtool.bench.stats import fp16_bytes, gemm_flops, quant_bytes
+from qtool.bench.timing import Fns
+
+
+def random_packed(n: int, k: int, bits: int, group_size: int | None, symmetric: bool, device: torch.device,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random grouped_int tensors: every bit pattern of a word is a valid code, so qweight is random int32."""
+    words = (k * bits + 31) // 32
+    g = group_size or k
+    groups = (k + g - 1) // g
+    qw = torch.randint(-(2**31), 2**31, (n, words), dtype=torch.int32, device=device, generator=gen)
+    tail = (k * bits) % 32
+    if tail:  # the spec wants the unused high bits of the last word zero
+        qw[:, -1] &= (1 << tail) - 1
+    scales = (torch.rand(n, groups, device=device, generator=gen) * 0.004 + 0.002).half()
+    zeros = None
+    if not symmetric:
+        zeros = torch.randint(0, 1 << bits, (n, groups), dtype=torch.uint8, device=device, generator=gen)
+    return qw, scales, zeros
+
+
+class CudaCases:
+    def __init__(self, device: int | None = None, seed: int = 0) -> None:
+        self.dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        props = torch.cuda.get_device_properties(self.dev)
+        self.props = props
+        self.l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+        self.gen = torch.Generator(device=self.dev).manual_seed(seed)
+
+    def device_info(self) -> dict[str, Any]:
+        try:
+            import cupy  # noqa: PLC0415
+
+            cupy_v = cupy.__version__
+        except Exception:  # noqa: BLE001
+            cupy_v = None
+        p = self.props
+        return {
+            "name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+            "l2_mb": round(self.l2 / 2**20, 1), "memory_gb": round(p.total_memory / 2**30, 1),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy_v,
+        }
+
+    def _randn(self, *shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.randn(*shape, device=self.dev, generator=self.gen, dtype=torch.float32).to(dtype)
+
+    def copy_variants(self) -> list[tuple[str, Fns, int]]:
+        numel = 256 * 2**20  # 512 MiB of fp16 each way: far beyond L2
+        src = self._randn(numel)
+        dst = torch.empty_like(src)
+        nbytes = 2 * src.numel() * src.element_size()
+        return [
+            ("memcpy", [lambda: dst.copy_(src)], nbytes),
+            ("elementwise", [lambda: torch.neg(src, out=dst)], nbytes),
+        ]
+
+    def matmul_peak(self) -> tuple[Fns, int]:
+        s = 8192
+        a, b = self._randn(s, s), self._randn(s, s)
+        c = torch.empty(s, s, device=self.dev, dtype=torch.float16)
+        return [lambda: torch.mm(a, b, out=c)], gemm_flops(s, s, s)
+
+    def launch_floor(self) -> Fns:
+        a = torch.zeros(32, device=self.dev)
+        b = torch.empty_like(a)
+        return [lambda: torch.neg(a, out=b) for _ in range(32)]
+
+    def paths(self, k: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
+        from qtool.cuda.grouped_int import GEMV_MAX_M, choose_path, unsupported_reason  # noqa: PLC0415
+
+
+        dispatched = choose_path(m, torch.float16, bits, group_size, k)
+        if unsupported_reason(bits, group_size, k) is not None:
+            return ["reference"], "reference"
+        cands = ["dequant+cublas"]
+        if m <= max(GEMV_MAX_M, 64):
+            cands.insert(0, "gemv")
+        if m <= 4:
+            cands.insert(0, "gemv-fma")
+        return cands, dispatched
+
+    def quant(self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str) -> Fns:
+        from qtool.cuda import grouped_int as gi  # noqa: PLC0415
+
+        r = rotations(quant_bytes(m, n, k, bits, group_size, symmetric), self.l2)
+        fns = []
+        for _ in range(r):
+            qw, sc, z = random_packed(n, k, bits, group_size, symmetric, self.dev, self.gen)
+            p = gi.prepare(qw, sc, z, bits, group_size, k, n)
+            x = self._randn(m, k)
+            if path in ("gemv", "gemv-fma"):
+                out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+                op = gi.gemv if path == "gemv" else gi.gemv_fma
+                fns.append(lambda x=x, p=p, out=out, op=op: op(x, p, out=out))
+            elif path == "dequant+cublas":
+                fns.append(lambda x=x, p=p: gi.dequant_matmul(x, p))
+            else:
+                raise ValueError(f"path: found {path!r}, expected gemv-fma, gemv or dequant+cublas")
+        return fns
+
+    def fp16(self, k: int, n: int, m: int) -> Fns:
+        r = rotations(fp16_bytes(m, n, k), self.l2)
+        fns = []
+        for _ in range(r):
+            w, x = self._randn(n, k), self._randn(m, k)
+            out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+            fns.append(lambda w=w, x=x, out=out: torch.matmul(x, w.t(), out=out))
+        return fns
+
+    def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]:
+        m_eff = max(m, 32)  # torch._int_mm needs M > 16
+        r = rotations(n * k + m_eff * k + 4 * m_eff * n, self.l2)
+        fns = []
+        for _ in range(r):
+            a = torch.randint(-128, 128, (m_eff, k), dtype=torch.int8, device=self.dev, generator=self.gen)
+            b = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=self.dev, generator=self.gen).t()
+            fns.append(lambda a=a, b=b: torch._int_mm(a, b))  # b is [K, N] column-major
+        fns[0]()
+        return fns, m_eff
+
+    def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]:
+        if (self.props.major, self.props.minor) < (8, 9):
+            raise RuntimeError(f"FP8 needs compute capability 8.9+, found {self.props.major}.{self.props.minor}")
+        m_eff = (m + 15) // 16 * 16  # _scaled_mm wants dimensions divisible by 16
+        r = rotations(n * k + m_eff * k + 2 * m_eff * n, self.l2)
+        one = torch.ones((), device=self.dev, dtype=torch.float32)
+        fns = []
+        for _ in range(r):
+            a = self._randn(m_eff, k, dtype=torch.float32).to(torch.float8_e4m3fn)
+            b = self._randn(n, k, dtype=torch.float32).to(torch.float8_e4m3fn).t()
+            fns.append(lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16))
+        fns[0]()
+        return fns, m_eff
+

@@ -1,0 +1,268 @@
+"""`qtool bench e2e`: prefill and decode throughput of a Llama-shaped model with random weights, FP16 vs
+grouped_int, both under CUDA graphs with a static KV cache.
+
+The decoder here is deliberately small and self-contained (RMSNorm, RoPE, grouped-query attention through
+`scaled_dot_product_attention`, SwiGLU MLP) so that every step is capturable: positions and cache writes are
+device tensors, nothing synchronizes with the host. Linear layers are either `nn.Linear` (FP16) or
+`GroupedIntLinear` (packed), so the comparison isolates the weight format.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+MODEL_DIMS: dict[str, Dims] = {
+    "llama-2-7b": Dims(4096, 11008, 32, 32, 32, 32000),
+    "llama-2-13b": Dims(5120, 13824, 40, 40, 40, 32000),
+    "llama-3-8b": Dims(4096, 14336, 32, 32, 8, 128256),
+    "mistral-7b": Dims(4096, 14336, 32, 32, 8, 32000),
+    "tiny": Dims(256, 688, 2, 4, 2, 1000),  # for quick checks
+}
+
+
+def dims_for(name: str) -> Dims:
+    key = name.strip().lower()
+    if key not in MODEL_DIMS:
+        raise ValueError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_DIMS)}")
+    return MODEL_DIMS[key]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B or 1, 1, T, D/2] (rotate-half pairing, as in Llama)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, d: Dims, make_linear, device: torch.device) -> None:
+        super().__init__()
+        hd = d.head_dim
+        self.d = d
+        # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
+        # for the FP16 and the quantized model alike.
+        self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
+        self.o = make_linear(d.heads * hd, d.hidden)
+        self.gate_up = make_linear(d.hidden, 2 * d.intermediate)
+        self.down = make_linear(d.intermediate, d.hidden)
+        self.n1 = RMSNorm(d.hidden, device)
+        self.n2 = RMSNorm(d.hidden, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = h.shape
+        d, hd = self.d, self.d.head_dim
+        x = self.n1(h)
+        qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd).transpose(1, 2)
+        qk = rope(qkv[:, : d.heads + d.kv_heads], cos, sin)  # one RoPE pass over queries and keys
+        q, k = qk[:, : d.heads], qk[:, d.heads :]
+        v = qkv[:, d.heads + d.kv_heads :]
+        # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        if mask is None:  # prefill from position 0: causal over the prompt only
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
+        else:
+            a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
+        h = h + self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd))
+        gate, up = self.gate_up(self.n2(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    def __init__(self, d: Dims, make_linear, device: torch.device) -> None:
+        super().__init__()
+        self.d = d
+        self.embed = nn.Embedding(d.vocab, d.hidden, device=device, dtype=torch.float16)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(d, make_linear, device) for _ in range(d.layers))
+        self.norm = RMSNorm(d.hidden, device)
+        self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device=device, dtype=torch.float16)
+        nn.init.normal_(self.lm_head.weight, std=0.02)
+
+    def rope_tables(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.d.head_dim
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None]
+        return ang.cos().half(), ang.sin().half()
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                tables: tuple[torch.Tensor, torch.Tensor], decode: bool) -> torch.Tensor:
+        """ids [B, T]; pos [T] absolute positions (device). Returns the next token per sequence [B]."""
+        cos, sin = tables[0][pos][None, None], tables[1][pos][None, None]
+        mask = None
+        if decode:
+            max_len = caches[0][0].shape[2]
+            mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
+        h = self.embed(ids)
+        for blk, (kc, vc) in zip(self.blocks, caches, strict=True):
+            h = blk(h, cos, sin, kc, vc, pos, mask)
+        logits = self.lm_head(self.norm(h[:, -1]))
+        return logits.argmax(-1)
+
+
+def fp16_linear(device: torch.device):
+    def make(k: int, n: int) -> nn.Module:
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.float16)
+        nn.init.normal_(lin.weight, std=0.02)
+        return lin
+
+    return make
+
+
+def quant_linear(device: torch.device, bits: int, group_size: int | None, gen: torch.Generator):
+    from qtool.bench.cuda_cases import random_packed  # noqa: PLC0415
+    from qtool.packing.grouped_int import GroupedIntWeight  # noqa: PLC0415
+    from qtool.quant.grid import GridSpec  # noqa: PLC0415
+    from qtool.runtime.qlinear import GroupedIntLinear  # noqa: PLC0415
+
+    spec = GridSpec(bits=bits, symmetric=True, group_size=group_size)
+
+    def make(k: int, n: int) -> nn.Module:
+        qw, sc, z = random_packed(n, k, bits, group_size, True, device, gen)
+        return GroupedIntLinear(GroupedIntWeight(spec, k, n, qw, sc, z))
+
+    return make
+
+
+def _time_graph(step, iters: int) -> float:
+    """Median microseconds of one replay."""
+    for _ in range(3):
+        step.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        step.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    t = sorted(s.elapsed_time(e) * 1000 for s, e in zip(starts, ends, strict=True))
+    return t[len(t) // 2]
+
+
+def measure_model(model: Decoder, prompt: int, batches: list[int], context: int, iters: int) -> dict[str, Any]:
+    from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+
+    dev = model.embed.weight.device
+    d = model.d
+    out: dict[str, Any] = {}
+    tables = model.rope_tables(max(prompt, context) + 1, dev)
+
+    def caches(b: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (b, d.kv_heads, length, d.head_dim)
+        return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
+                 dtype=torch.float16)) for _ in range(d.layers)]
+
+    with torch.inference_mode():
+        # Prefill: one prompt of `prompt` tokens.
+        cache = caches(1, prompt)
+        ids = torch.randint(0, d.vocab, (1, prompt), device=dev)
+        pos = torch.arange(prompt, device=dev)
+        fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=False)  # noqa: E731
+        t0 = time.perf_counter()
+        step = GraphedStep(fn, [ids, pos])
+        capture_s = time.perf_counter() - t0
+        us = _time_graph(step, max(5, iters // 10))
+        out["prefill"] = {"tokens": prompt, "us": us, "tokens_per_s": prompt / (us * 1e-6), "capture_s": capture_s}
+        del step, cache
+        torch.cuda.empty_cache()
+        out["decode"] = {}
+        for b in batches:
+            cache = caches(b, context)
+            ids = torch.randint(0, d.vocab, (b, 1), device=dev)
+            pos = torch.tensor([context // 2], device=dev)  # attention spans the whole static cache (masked)
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            step = GraphedStep(fn, [ids, pos])
+            us = _time_graph(step, iters)
+            kv_bytes = 2 * d.layers * b * d.kv_heads * context * d.head_dim * 2
+            out["decode"][str(b)] = {"batch": b, "us_per_step": us, "tokens_per_s": b / (us * 1e-6),
+                                     "kv_cache_bytes_read": kv_bytes}
+            del step, cache
+            torch.cuda.empty_cache()
+    return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, batches: list[int], context: int,
+            iters: int, log=lambda s: None) -> dict[str, Any]:
+    from qtool.bench.stats import E2E_SCHEMA  # noqa: PLC0415
+
+    d = dims_for(model_name)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    report: dict[str, Any] = {
+        "schema": E2E_SCHEMA, "model": model_name, "dims": asdict(d), "bits": bits, "group_size": group_size,
+        "prompt_tokens": prompt, "decode_context": context, "batches": batches,
+        "device": torch.cuda.get_device_name(dev), "runs": {},
+    }
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for label in ("fp16", f"w{bits}a16"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        make = fp16_linear(dev) if label == "fp16" else quant_linear(dev, bits, group_size, gen)
+        model = Decoder(d, make, dev).eval()
+        res = measure_model(model, prompt, batches, context, iters)
+        res["weight_bytes"] = weight_bytes(model)
+        res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
+        report["runs"][label] = res
+        log(f"{label}: prefill {res['prefill']['tokens_per_s']:.0f} tok/s; decode "
+            + ", ".join(f"b{b} {v['tokens_per_s']:.0f} tok/s" for b, v in res["decode"].items())
+            + f"; peak {res['peak_memory_bytes'] / 2**30:.1f} GiB")
+        del model
+    q, f = report["runs"][f"w{bits}a16"], report["runs"]["fp16"]
+    report["speedup"] = {
+        "prefill": q["prefill"]["tokens_per_s"] / f["prefill"]["tokens_per_s"],
+        **{f"decode_b{b}": q["decode"][str(b)]["tokens_per_s"] / f["decode"][str(b)]["tokens_per_s"] for b in batches},
+    }
+    return report
+
+
+def format_e2e(r: dict[str, Any]) -> str:
+    q_label = f"w{r['bits']}a16"
+    lines = [f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
+             f"{r['decode_context']} (static cache), CUDA graphs, random weights",
+             f"{'':>10} {'prefill tok/s':>14} " + " ".join(f"{'dec b' + str(b) + ' tok/s':>14}" for b in r["batches"])
+             + f" {'weights GiB':>11} {'peak GiB':>8}"]
+    for label in ("fp16", q_label):
+        run = r["runs"][label]
+        lines.append(f"{label:>10} {run['prefill']['tokens_per_s']:>14.0f} "
+                     + " ".join(f"{run['decode'][str(b)]['tokens_per_s']:>14.1f}" for b in r["batches"])
+                     + f" {run['weight_bytes'] / 2**30:>11.2f} {run['peak_memory_bytes'] / 2**30:>8.2f}")
+    sp = r["speedup"]
+    lines.append(f"{'speedup':>10} {sp['prefill']:>14.2f} " + " ".join(f"{sp[f'decode_b{b}']:>14.2f}" for b in r["batches"]))
+    return "\n".join(lines)

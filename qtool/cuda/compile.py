@@ -1,0 +1,234 @@
+"""Build `kernels/*.cu` with NVRTC through CuPy, cache the binaries on disk, and launch on torch's stream.
+
+* Hopper (compute capability 9.0) builds for `sm_90a` so `wgmma`/`setmaxnreg` are available; other cards build
+  for their own `sm_XY`.
+* The cache key is a hash of the source, the options, the target architecture, the device name and the NVRTC
+  version; binaries live in `$QTOOL_CACHE_DIR` or `~/.cache/qtool/kernels` and are written atomically.
+* Tensors are passed zero-copy as raw device pointers; launches go to `torch.cuda.current_stream()` so they
+  order correctly with torch work and are recorded by CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qtool.errors import QtoolError
+from qtool.resources import kernels_dir
+
+REFERENCE_HINT = "use the torch reference path instead (QTOOL_KERNELS=reference, or run on CPU)"
+
+
+class CudaUnavailableError(QtoolError):
+    """The CUDA kernel path was asked for but cannot run here."""
+
+
+def require_cupy() -> Any:
+    """Import cupy, or fail with one line naming the reference path as the alternative."""
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError(f"CUDA kernels unavailable: torch sees no CUDA GPU; {REFERENCE_HINT}")
+    try:
+        import cupy  # noqa: PLC0415  (deliberately lazy: nothing imports cupy at package import)
+    except Exception as exc:  # ImportError, or a cupy built for another CUDA failing to load its libraries
+        raise CudaUnavailableError(
+            f"CUDA kernels unavailable: cannot import cupy ({type(exc).__name__}: {exc}); install cupy-cuda12x or "
+            f"cupy-cuda13x to match your CUDA, or {REFERENCE_HINT}"
+        ) from None
+    return cupy
+
+
+_AVAILABLE: bool | None = None
+
+
+def cupy_available() -> bool:
+    """Whether the kernel path can run (answer cached: a failed import is slow to repeat)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            require_cupy()
+            _AVAILABLE = True
+        except CudaUnavailableError:
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+def target_arch(device: torch.device | int | None = None) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    return f"sm_{major}{minor}"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QTOOL_CACHE_DIR")
+    path = Path(root) if root else Path.home() / ".cache" / "qtool" / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class BuildInfo:
+    source: str
+    arch: str
+    key: str
+    path: str | None  # cubin on disk, or None when CuPy's own cache was used
+    from_cache: bool
+    how: str  # "nvrtc-cubin" or "cupy-rawmodule"
+
+
+class KernelModule:
+    """One compiled `kernels/<name>.cu` on one device; `fn(name)` returns a launchable kernel."""
+
+    def __init__(self, raw_module: Any, info: BuildInfo) -> None:
+        self._raw = raw_module
+        self._fns: dict[str, Any] = {}
+        self.info = info
+
+    def fn(self, name: str) -> Any:
+        f = self._fns.get(name)
+        if f is None:
+            f = self._raw.get_function(name)
+            self._fns[name] = f
+        return f
+
+
+_MODULES: dict[tuple[str, int, tuple[str, ...]], KernelModule] = {}
+_LOCK = threading.Lock()
+_BASE_OPTIONS = ("-std=c++17",)
+
+
+def _nvrtc_version(cupy: Any) -> str:
+    try:
+        from cupy.cuda import nvrtc  # noqa: PLC0415
+
+        return ".".join(str(v) for v in nvrtc.getVersion())
+    except Exception:
+        return "unknown"
+
+
+def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...]) -> bytes:
+    from cupy.cuda import nvrtc  # noqa: PLC0415
+
+    prog = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except Exception as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CudaUnavailableError(f"kernel {name}: NVRTC failed ({exc}): {log.strip()[:2000]}") from None
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: int | None = None) -> KernelModule:
+    """Compile (or load from the disk cache) `kernels/<source_name>` for the current CUDA device."""
+    cupy = require_cupy()
+    dev = torch.cuda.current_device() if device is None else int(device)
+    options = _BASE_OPTIONS + tuple(extra_options)
+    mkey = (source_name, dev, options)
+    with _LOCK:
+        mod = _MODULES.get(mkey)
+        if mod is not None:
+            return mod
+        src_path = kernels_dir() / source_name
+        if not src_path.is_file():
+            raise CudaUnavailableError(f"kernel source {src_path}: not found; expected it under {kernels_dir()}")
+        source = src_path.read_text()
+        arch = target_arch(dev)
+        all_opts = options + (f"--gpu-architecture={arch}",)
+        ident = "\0".join([source, *all_opts, torch.cuda.get_device_name(dev), _nvrtc_version(cupy)])
+        key = hashlib.sha256(ident.encode()).hexdigest()[:24]
+        path = cache_dir() / f"{Path(source_name).stem}-{arch}-{key}.cubin"
+        with cupy.cuda.Device(dev):
+            try:
+                from_cache = path.is_file()
+                if not from_cache:
+                    cubin = _compile_cubin(cupy, source, source_name, all_opts)
+                    # Atomic: concurrent processes never load a half-written binary.
+                    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+                    with os.fdopen(fd, "wb") as fh:
+                        fh.write(cubin)
+                    os.replace(tmp, path)
+                raw = cupy.RawModule(path=str(path))
+                info = BuildInfo(source_name, arch, key, str(path), from_cache, "nvrtc-cubin")
+            except CudaUnavailableError:
+                raise
+            except Exception as exc:  # noqa: BLE001  NVRTC bindings moved between cupy versions: fall back
+                raw = cupy.RawModule(code=source, options=all_opts)
+                raw.compile()
+                info = BuildInfo(source_name, arch, key, None, False, f"cupy-rawmodule ({type(exc).__name__})")
+        mod = KernelModule(raw, info)
+        _MODULES[mkey] = mod
+        return mod
+
+
+class _StreamHandle:
+    """What a CuPy launch reads from its `stream` argument: the raw CUDA stream handle, nothing else."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+_STREAMS: dict[int, _StreamHandle] = {}
+_HANDLE_OK = True
+_SMEM_LIMITS: dict[int, int] = {}
+
+
+def current_stream(device: int) -> _StreamHandle:
+    """Torch's current stream on `device`, as a launch argument (cached: one small object per stream)."""
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    s = _STREAMS.get(ptr)
+    if s is None:
+        s = _StreamHandle(ptr)
+        _STREAMS[ptr] = s
+    return s
+
+
+def allow_shared_memory(kernel: Any, nbytes: int) -> None:
+    """Raise a kernel's dynamic shared-memory limit above the default 48 KB (once per kernel and size)."""
+    key = id(kernel)
+    if _SMEM_LIMITS.get(key, 0) < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+        _SMEM_LIMITS[key] = nbytes
+
+
+def ptr(t: torch.Tensor | None) -> Any:
+    """A tensor as a kernel pointer argument (zero-copy); None becomes a null pointer."""
+    import numpy as np  # noqa: PLC0415
+
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> Any:
+    import numpy as np  # noqa: PLC0415
+
+    return np.int32(v)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
+           device: int | None = None) -> None:
+    global _HANDLE_OK
+    dev = torch.cuda.current_device() if device is None else device
+    if _HANDLE_OK:
+        try:
+            kernel(grid, block, args, shared_mem=shared_mem, stream=current_stream(dev))
+            return
+        except (TypeError, AttributeError):  # a CuPy that insists on its own stream type
+            _HANDLE_OK = False
+    cupy = require_cupy()
+    ptr = torch.cuda.current_stream(dev).cuda_stream
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cupy.cuda.ExternalStream(ptr)
+    kernel(grid, block, args, shared_mem=shared_mem, stream=stream)

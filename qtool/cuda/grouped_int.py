@@ -1,0 +1,389 @@
+"""CUDA execution of the `grouped_int` layout: load-time preparation, the kernels, and the dispatch rule.
+
+Paths, chosen per call from the token count M, the activation dtype and the layer's parameters:
+
+* ``gemv-fma``: a CUDA-core kernel for 1..FMA_MAX_M tokens (fp16 activations).
+* ``gemv``: the tensor-core skinny kernel (weights streamed once, dequantized in registers), fp16 activations,
+  M <= GEMV_MAX_M.
+* ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used for large M
+  (compute-bound, where cuBLAS's tile kernels win) and for bf16 activations.
+* ``reference``: the float32 torch reference (any bits/group size the kernels do not cover).
+
+The checkpoint tensors are used in place when K is a multiple of 128; otherwise a zero-padded copy of `qweight`
+(rows of Kp*bits/32 words) is made once and cached on the layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qtool.cuda import compile as cc
+
+SOURCE = "grouped_int_gemv.cu"
+KP_MULTIPLE = 128
+# Dispatch thresholds, from `qtool bench kernels` on an H200 (kernels/NOTES.md):
+# * the tensor-core skinny kernel beats dequantize+cuBLAS up to M = 32 and loses at M = 64;
+# * the CUDA-core kernel beats it only for a single token with rows of at most 256 16-byte pieces
+#   (K <= 8192 at 4 bits, K <= 4096 at 8 bits); at M = 2..4 the tensor-core kernel is faster.
+GEMV_MAX_M = min(64, int(os.environ.get("QTOOL_GEMV_MAX_M", "32")))
+FMA_MAX_M = min(4, int(os.environ.get("QTOOL_FMA_MAX_M", "1")))
+FMA_MAX_PIECES = 256
+_SUPPORTED_BITS = (4, 8)
+
+
+def kernel_mode() -> str:
+    """`QTOOL_KERNELS`: auto (kernels when usable, else reference), cuda (kernels or a one-line error), reference."""
+    mode = os.environ.get("QTOOL_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "cuda", "reference"):
+        raise cc.CudaUnavailableError(f"QTOOL_KERNELS: found {mode!r}, expected one of auto, cuda, reference")
+    return mode
+
+
+@dataclass
+class Prepared:
+    """Device-side view of one layer, ready for the kernels."""
+
+    qweight: torch.Tensor  # int32 [N, Kp*bits/32]
+    scales: torch.Tensor  # fp16 [N, G]
+    zeros: torch.Tensor | None  # uint8 [N, G]
+    meta: torch.Tensor  # int32 [N, G]: fp16 scale bits | zero point << 16 (what the gemv kernel reads)
+    bits: int
+    group_size: int  # columns per group (K for per-channel)
+    in_features: int  # K
+    out_features: int  # N
+    kp: int
+    num_groups: int
+    source_ptr: int  # data_ptr of the checkpoint qweight this was built from
+
+    @property
+    def sym_zero(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def group_shift(self) -> int:
+        """log2(group size) for the gemv kernel; 31 (every k maps to group 0) for one group per row."""
+        if self.num_groups == 1:
+            return 31
+        return self.group_size.bit_length() - 1
+
+
+def unsupported_reason(bits: int, group_size: int | None, in_features: int) -> str | None:
+    """Why the kernels cannot run this layer (None when they can)."""
+    if bits not in _SUPPORTED_BITS:
+        return f"bits={bits} (kernels cover {_SUPPORTED_BITS})"
+    cpl = 128 // bits
+    g = group_size or in_features
+    if g < in_features and (g % cpl != 0 or g & (g - 1)):
+        return f"group_size={g} (kernels need a power of two that is a multiple of {cpl} for {bits}-bit, or per-channel)"
+    return None
+
+
+def prepare(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+            group_size: int | None, in_features: int, out_features: int) -> Prepared:
+    """Check the packed tensors and build the kernel view (pads `qweight` rows only when K % 128 != 0)."""
+    k, n = in_features, out_features
+    reason = unsupported_reason(bits, group_size, k)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"grouped_int layer: {reason}; use the reference path")
+    g = group_size or k
+    num_groups = (k + g - 1) // g
+    words = (k * bits + 31) // 32
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, words):
+        raise ValueError(f"qweight: found {qweight.dtype} {list(qweight.shape)}, expected torch.int32 {[n, words]}")
+    if scales.dtype != torch.float16 or tuple(scales.shape) != (n, num_groups):
+        raise ValueError(f"scales: found {scales.dtype} {list(scales.shape)}, expected torch.float16 {[n, num_groups]}")
+    if zeros is not None and (zeros.dtype != torch.uint8 or tuple(zeros.shape) != (n, num_groups)):
+        raise ValueError(f"zeros: found {zeros.dtype} {list(zeros.shape)}, expected torch.uint8 {[n, num_groups]}")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if t is not None and not t.is_cuda:
+            raise ValueError(f"{name}: found device {t.device}, expected a CUDA tensor")
+    kp = (k + KP_MULTIPLE - 1) // KP_MULTIPLE * KP_MULTIPLE
+    wp = kp * bits // 32
+    qw = qweight.contiguous()
+    if wp != words or qw.data_ptr() % 16:
+        padded = torch.zeros(n, wp, dtype=torch.int32, device=qweight.device)
+        padded[:, :words] = qweight
+        qw = padded
+    # One 4-byte word per (row, group) so the kernel fetches scale and zero point with a single aligned
+    # asynchronous copy (costs 4 bytes per group: ~6% of a 4-bit g128 weight).
+    zero = zeros.to(torch.int32) if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    meta = ((scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF) | (zero << 16)).contiguous()
+    return Prepared(qw, scales.contiguous(), None if zeros is None else zeros.contiguous(), meta, bits, g, k, n, kp,
+                    num_groups, qweight.data_ptr())
+
+
+def _pad_activations(x2: torch.Tensor, kp: int) -> torch.Tensor:
+    x2 = x2.contiguous()
+    if x2.shape[1] != kp or x2.data_ptr() % 16:
+        x2 = F.pad(x2, (0, kp - x2.shape[1]))
+    return x2
+
+
+def _n_tiles(m: int) -> int:
+    for nt in (1, 2, 4, 8):
+        if m <= 8 * nt:
+            return nt
+    raise ValueError(f"gemv: found M={m} tokens, expected at most 64")
+
+
+# Tuning overrides for the bench; unset in normal use.
+_WARPS_OVERRIDE = os.environ.get("QTOOL_GEMV_WARPS")
+# 1: the tensor-core kernel issues activation loads and MMAs in program order (volatile asm), as first measured;
+# 0: the compiler may reorder them.
+GEMV_VOLATILE = int(os.environ.get("QTOOL_GEMV_VOLATILE", "1"))
+
+
+def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
+    """Warps per block (they split K): about 16 warps per SM when the blocks are few, at most 16 per block,
+    a reduction buffer within 48 KB of shared memory, no more than there are K-spans."""
+    blocks = (n + 15) // 16
+    want = -(-16 * sms // blocks)
+    warps = 4
+    while warps < want and warps < 16:
+        warps *= 2
+    if _WARPS_OVERRIDE:
+        warps = int(_WARPS_OVERRIDE)
+    spans = kp // (4 * (128 // bits))
+    return max(1, min(warps, 16, 96 // nt, spans))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(dev: int) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
+
+
+def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor | None,
+               max_m: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Checked (padded activations, output, M, device) for the skinny kernels."""
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the gemv kernels")
+    if x.shape[-1] != p.in_features:
+        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={p.in_features}")
+    x2 = x.reshape(-1, p.in_features)
+    m = x2.shape[0]
+    if not 1 <= m <= max_m:
+        raise ValueError(f"x: found M={m} tokens, expected 1..{max_m} for this kernel")
+    x2 = _pad_activations(x2, p.kp)
+    if bias is not None and (bias.dtype != torch.float16 or bias.numel() != p.out_features):
+        raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{p.out_features}]")
+    if out is None:
+        out = torch.empty(m, p.out_features, dtype=torch.float16, device=x.device)
+    elif out.dtype != torch.float16 or tuple(out.shape) != (m, p.out_features) or not out.is_contiguous():
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {[m, p.out_features]}")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return x2, out, m, dev
+
+
+def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         warps: int | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the tensor-core skinny kernel; x fp16 [..., K] with at most 64 rows."""
+    lead = x.shape[:-1]
+    x2, out, m, dev = _gemv_args(x, p, bias, out, 64)
+    mod = cc.load_module(SOURCE, device=dev)
+    nt = _n_tiles(m)
+    if warps is None:
+        warps = gemv_warps(p.out_features, nt, p.kp, p.bits, _sm_count(dev))
+    elif not 1 <= warps <= 16 or warps * nt * 512 > 48 * 1024:
+        raise ValueError(f"warps: found {warps}, expected 1..16 with warps * token tiles <= 96")
+    cc.launch(
+        mod.fn(f"grouped_int_gemv_b{p.bits}_nt{nt}_v{GEMV_VOLATILE}"),
+        ((p.out_features + 15) // 16,),
+        (32 * warps,),
+        (cc.ptr(p.qweight), cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
+         cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_size), cc.i32(p.sym_zero)),
+        shared_mem=warps * nt * 4 * 32 * 4,
+        device=dev,
+    )
+    return out.reshape(*lead, p.out_features)
+
+
+FMA_ROWS = 4  # must match FMA_ROWS in kernels/grouped_int_gemv.cu
+_FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QTOOL_FMA_PIPE"] == "1"
+_OCCUPANCY: dict[tuple[int, int], int] = {}
+
+
+def _blocks_per_sm(fn, threads: int) -> int:
+    """Resident blocks per SM for a kernel without dynamic shared memory (threads and registers bound it)."""
+    key = (id(fn), threads)
+    if key not in _OCCUPANCY:
+        regs = (int(fn.num_regs) + 7) // 8 * 8  # registers are allocated 256 per warp
+        _OCCUPANCY[key] = max(1, min(32, 2048 // threads, 65536 // max(1, regs * threads)))
+    return _OCCUPANCY[key]
+
+
+def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             warps: int | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the CUDA-core kernel for 1..4 tokens (contiguous 512-byte row reads)."""
+    lead = x.shape[:-1]
+    x2, out, m, dev = _gemv_args(x, p, bias, out, 4)
+    mt = 1 if m == 1 else (2 if m == 2 else 4)
+    pieces = p.kp // (128 // p.bits)
+    if warps is None:
+        warps = max(1, min(16, -(-pieces // 32)))
+    elif not 1 <= warps <= 16:
+        raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
+    mod = cc.load_module(SOURCE, device=dev)
+    # Measured on an H200: 4-bit at K <= 8192 is issue-bound and wants occupancy (one row group per block,
+    # fewer registers); 8-bit, and 4-bit with long rows, want the persistent grid that prefetches the next row
+    # group while it computes the current one.
+    pipe = _FMA_PIPE if _FMA_PIPE is not None else (p.bits == 8 or pieces > 256)
+    pipe = pipe and mt <= 2
+    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}")
+    threads = 32 * warps
+    groups = (p.out_features + FMA_ROWS - 1) // FMA_ROWS
+    grid = groups
+    if pipe:
+        # Persistent grid: as many blocks as fit on the GPU at once, each taking the same number of row groups.
+        max_blocks = _sm_count(dev) * _blocks_per_sm(fn, threads)
+        rounds = -(-groups // max_blocks)
+        grid = -(-groups // rounds)
+    cc.launch(
+        fn,
+        (grid,),
+        (threads,),
+        (cc.ptr(p.qweight), cc.ptr(p.meta), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
+         cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_shift)),
+        device=dev,
+    )
+    return out.reshape(*lead, p.out_features)
+
+
+def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense weight rows [n0, n1) (all by default) as [n1 - n0, Kp] fp16 or bf16 (columns K..Kp-1 are padding),
+    bit-identical to the reference's float32 dequantization cast to `dtype`."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype: found {dtype}, expected torch.float16 or torch.bfloat16")
+    n0, n1 = rows if rows is not None else (0, p.out_features)
+    if not 0 <= n0 < n1 <= p.out_features:
+        raise ValueError(f"rows: found ({n0}, {n1}), expected 0 <= n0 < n1 <= {p.out_features}")
+    n = n1 - n0
+    if out is None:
+        out = torch.empty(n, p.kp, dtype=dtype, device=p.qweight.device)
+    elif out.dtype != dtype or tuple(out.shape) != (n, p.kp) or not out.is_contiguous():
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous {dtype} {[n, p.kp]}")
+    dev = p.qweight.device.index if p.qweight.device.index is not None else torch.cuda.current_device()
+    mod = cc.load_module(SOURCE, device=dev)
+    octs = n * (p.kp // 8)  # one thread per 8 codes
+    name = f"grouped_int_dequant_b{p.bits}_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
+    zeros = None if p.zeros is None else p.zeros[n0:n1]
+    cc.launch(
+        mod.fn(name),
+        ((octs + 255) // 256,),
+        (256,),
+        (cc.ptr(p.qweight[n0:n1]), cc.ptr(p.scales[n0:n1]), cc.ptr(zeros), cc.ptr(out), cc.i32(n), cc.i32(p.kp),
+         cc.i32(p.num_groups), cc.i32(p.group_size), cc.i32(p.sym_zero)),
+        device=dev,
+    )
+    return out
+
+
+# Prefill can dequantize the weight in PREFILL_CHUNKS slices of rows on a side stream while cuBLAS multiplies
+# the slices already done. Off by default: on an H200 the narrower GEMMs lost what the overlap hid (0.71-0.88x
+# of FP16 chunked vs 0.76-0.83x whole, kernels/NOTES.md).
+PREFILL_OVERLAP_MIN_M = 256
+PREFILL_CHUNKS = int(os.environ.get("QTOOL_PREFILL_CHUNKS", "1"))
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: int) -> torch.cuda.Stream:
+    if dev not in _SIDE_STREAMS:
+        _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
+    return _SIDE_STREAMS[dev]
+
+
+def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
+    k, n = p.in_features, p.out_features
+    bias = None if bias is None else bias.to(x.dtype)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if PREFILL_CHUNKS <= 1 or m < PREFILL_OVERLAP_MIN_M or n < 256 * PREFILL_CHUNKS:
+        return F.linear(x, dequantize(p, x.dtype)[:, :k], bias)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev)
+    per_chunk = -(-n // PREFILL_CHUNKS)
+    step = -(-per_chunk // 64) * 64
+    bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bufs = [torch.empty(b - a, p.kp, dtype=x.dtype, device=x.device) for a, b in bounds]
+    side.wait_stream(main)  # the activations, the weight buffers' previous users
+    done = []
+    with torch.cuda.stream(side):
+        for (a, b), buf in zip(bounds, bufs, strict=True):
+            dequantize(p, x.dtype, out=buf, rows=(a, b))
+            ev = torch.cuda.Event()
+            ev.record(side)
+            done.append(ev)
+    for (a, b), buf, ev in zip(bounds, bufs, done, strict=True):
+        main.wait_event(ev)
+        # A column slice of y is a valid cuBLAS output (leading dimension n): no copy.
+        torch.mm(x2, buf[:, :k].t(), out=y[:, a:b])
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], n)
+
+
+def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int) -> str:
+    """The path `linear` takes for M tokens: gemv-fma, gemv, dequant+cublas or reference."""
+    if unsupported_reason(bits, group_size, in_features) is not None:
+        return "reference"
+    if dtype == torch.float16 and 1 <= m <= FMA_MAX_M:
+        kp = (in_features + KP_MULTIPLE - 1) // KP_MULTIPLE * KP_MULTIPLE
+        if kp // (128 // bits) <= FMA_MAX_PIECES:
+            return "gemv-fma"
+    if dtype == torch.float16 and 1 <= m <= GEMV_MAX_M:
+        return "gemv"
+    if dtype in (torch.float16, torch.bfloat16):
+        return "dequant+cublas"
+    return "reference"
+
+
+def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x . W^T + bias on the fastest available path for this shape."""
+    m = x.numel() // max(1, x.shape[-1])
+    path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None, p.in_features)
+    if path == "gemv-fma":
+        return gemv_fma(x, p, None if bias is None else bias.to(torch.float16))
+    if path == "gemv":
+        return gemv(x, p, None if bias is None else bias.to(torch.float16))
+    if path == "dequant+cublas":
+        return dequant_matmul(x, p, bias)
+    raise cc.CudaUnavailableError(f"grouped_int: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")
+
+
+def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CUDA forward for a GroupedIntLinear, or None when the caller should run the reference path.
+
+    QTOOL_KERNELS=cuda turns every fallback into a one-line error instead.
+    """
+    mode = kernel_mode()
+    if mode == "reference":
+        return None
+    strict = mode == "cuda"
+    spec = layer.spec
+    m = x.numel() // max(1, x.shape[-1])
+    path = choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features)
+    if path == "reference":
+        if strict:
+            reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
+            raise cc.CudaUnavailableError(f"grouped_int layer: {reason}; {cc.REFERENCE_HINT}")
+        return None
+    if strict:
+        cc.require_cupy()
+    elif not cc.cupy_available():
+        return None
+    p = getattr(layer, "_qtool_prepared", None)
+    if p is None or p.source_ptr != layer.qweight.data_ptr() or p.qweight.device != x.device:
+        p = prepare(layer.qweight, layer.scales, layer.zeros, spec.bits, spec.group_size, layer.in_features,
+                    layer.out_features)
+        layer._qtool_prepared = p
+    return linear(x, p, layer.bias)

@@ -1,0 +1,259 @@
+"""Every grouped_int CUDA kernel against the float64 reference, on fresh random inputs, real and odd shapes.
+
+Outputs are poisoned with NaN before each launch, so an element the kernel forgets to write fails the test;
+`synced` makes a faulting launch fail here rather than in a later test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.gpu.helpers import gpu_ready, random_layer, reference64, rel_err, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_inputs():
+    """New activations every run (torch's default generators start from a fixed seed); printed for replay."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+
+# fp16 weights (one rounding of the exact value), fp16 inputs, fp32 accumulation, fp16 output: ~5e-4 typical.
+TOL = 3e-3
+
+ODD_SHAPES = [(100, 1000), (72, 4000), (17, 136), (200, 520)]  # N % 64 != 0, K % 128 != 0 (partial groups)
+REAL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of Llama-2-7B projections
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, device="cuda", dtype=torch.float16)
+
+
+def _prep(layer):
+    from qtool.cuda.grouped_int import prepare
+
+    return prepare(layer.qweight, layer.scales, layer.zeros, layer.spec.bits, layer.spec.group_size,
+                   layer.in_features, layer.out_features)
+
+
+def _check_gemv(layer, m: int, seed: int, warps: int | None = None, with_bias: bool = False,
+                kernel: str = "gemv") -> None:
+    from qtool.cuda import grouped_int
+
+    gemv = getattr(grouped_int, kernel)
+    p = _prep(layer)
+    x = _x(m, layer.in_features)
+    out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
+    bias = layer.bias if with_bias else None
+    y = synced(gemv(x, p, bias, out=out, warps=warps))
+    assert y.data_ptr() == out.data_ptr()
+    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    ref = reference64(layer, x)
+    if not with_bias and layer.bias is not None:
+        ref = ref - layer.bias.double().cpu()
+    err = rel_err(y, ref)
+    assert err < TOL, f"relative error {err:.2e} (seed {seed}, M={m}, warps={warps})"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES)
+@pytest.mark.parametrize("volatile", [0, 1])
+def test_gemv_odd_shapes(bits, group_size, symmetric, nk, volatile, monkeypatch):
+    from qtool.cuda import grouped_int
+
+    monkeypatch.setattr(grouped_int, "GEMV_VOLATILE", volatile)
+    n, k = nk
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=seed, bias=True)
+    for m in (1, 2, 7, 8, 9, 16, 31, 64):
+        _check_gemv(layer, m, seed, with_bias=(m % 2 == 1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", REAL_SHAPES)
+def test_gemv_real_shapes(bits, symmetric, nk):
+    n, k = nk
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(n, k, bits, 128, symmetric, seed=seed)
+    for m in (1, 16, 64):
+        _check_gemv(layer, m, seed)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES)
+@pytest.mark.parametrize("pipe", [False, True])
+def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, monkeypatch):
+    from qtool.cuda import grouped_int
+
+    monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
+    n, k = nk
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=seed, bias=True)
+    for m in (1, 2, 3, 4):
+        _check_gemv(layer, m, seed, with_bias=(m != 2), kernel="gemv_fma")
+    for warps in (1, 3, 8):
+        _check_gemv(layer, 1, seed, warps=warps, kernel="gemv_fma")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", REAL_SHAPES[1:])
+@pytest.mark.parametrize("pipe", [False, True])
+def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, monkeypatch):
+    from qtool.cuda import grouped_int
+
+    monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
+    n, k = nk
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(n, k, bits, 128, symmetric, seed=seed)
+    for m in (1, 2, 4):
+        _check_gemv(layer, m, seed, kernel="gemv_fma")
+    _check_gemv(layer, 1, seed, warps=1, kernel="gemv_fma")  # more pieces than threads: the looping path
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3, 4, 5, 8, 16])
+def test_gemv_any_split_k(warps):
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(136, 2944, 4, 64, False, seed=seed)
+    for m in (1, 16):
+        _check_gemv(layer, m, seed, warps=warps)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES[:2] + REAL_SHAPES[:1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_is_bit_exact(bits, group_size, symmetric, nk, dtype):
+    from qtool.cuda.grouped_int import dequantize
+
+    n, k = nk
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"))
+    p = _prep(layer)
+    out = torch.full((n, p.kp), float("nan"), device="cuda", dtype=dtype)
+    w = synced(dequantize(p, dtype, out=out))
+    assert bool(torch.isfinite(w).all()), "dequant left unwritten (NaN) elements, padding included"
+    expect = layer.layout.dequantize(torch.float32).to(dtype)
+    assert torch.equal(w[:, :k], expect), f"max diff {(w[:, :k].float() - expect.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_module_forward_dispatch(m, dtype):
+    from qtool.cuda.grouped_int import choose_path
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(200, 1000, 4, 128, False, seed=seed, bias=True)
+    x = torch.randn(1, m, 1000, device="cuda", dtype=dtype)
+    y = synced(layer(x))
+    assert y.shape == (1, m, 200) and y.dtype == dtype
+    assert bool(torch.isfinite(y).all())
+    ref = reference64(layer, x.reshape(m, 1000).float()).reshape(1, m, 200)
+    tol = TOL if dtype == torch.float16 else 1.5e-2
+    assert rel_err(y, ref) < tol, f"path {choose_path(m, dtype, 4, 128, 1000)} error {rel_err(y, ref):.2e}"
+    expected = "gemv" if (dtype == torch.float16 and m <= 32) else "dequant+cublas"
+    if dtype == torch.float16 and m == 1:
+        expected = "gemv-fma"
+    assert choose_path(m, dtype, 4, 128, 1000) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_overlapped_dequant_matmul(dtype, monkeypatch):
+    from qtool.cuda import grouped_int
+    from qtool.cuda.grouped_int import PREFILL_OVERLAP_MIN_M, dequant_matmul
+
+    monkeypatch.setattr(grouped_int, "PREFILL_CHUNKS", 4)
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(1040, 1000, 4, 64, False, seed=seed, bias=True)  # N, K odd: uneven row slices
+    p = _prep(layer)
+    x = torch.randn(PREFILL_OVERLAP_MIN_M + 44, 1000, device="cuda", dtype=dtype)
+    y = synced(dequant_matmul(x, p, layer.bias))
+    assert bool(torch.isfinite(y).all())
+    tol = TOL if dtype == torch.float16 else 1.5e-2
+    assert rel_err(y, reference64(layer, x.float())) < tol
+
+
+def test_dequant_row_slices_match_whole():
+    from qtool.cuda.grouped_int import dequantize
+
+    layer = random_layer(300, 520, 8, 32, False, seed=int.from_bytes(os.urandom(4), "little"))
+    p = _prep(layer)
+    whole = synced(dequantize(p, torch.float16))
+    part = torch.full((100, p.kp), float("nan"), device="cuda", dtype=torch.float16)
+    synced(dequantize(p, torch.float16, out=part, rows=(150, 250)))
+    assert torch.equal(part, whole[150:250])
+    with pytest.raises(ValueError, match="^rows: found"):
+        dequantize(p, torch.float16, rows=(250, 150))
+
+
+def test_unsupported_layout_falls_back_and_strict_mode_names_reference(monkeypatch):
+    from qtool.cuda.compile import CudaUnavailableError
+
+    layer = random_layer(64, 256, 3, 64, True, seed=1)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.float16)
+    y = synced(layer(x))
+    assert rel_err(y, reference64(layer, x)) < TOL
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")
+    with pytest.raises(CudaUnavailableError) as exc:
+        layer(x)
+    msg = str(exc.value)
+    assert "\n" not in msg and "reference" in msg and "bits=3" in msg
+
+
+def test_bad_inputs_name_the_tensor():
+    from qtool.cuda.grouped_int import gemv
+
+    layer = random_layer(64, 256, 4, 64, True, seed=2)
+    p = _prep(layer)
+    with pytest.raises(ValueError, match="^x: found torch.float32"):
+        gemv(torch.randn(1, 256, device="cuda"), p)
+    with pytest.raises(ValueError, match="^x: found last dim 255"):
+        gemv(torch.randn(1, 255, device="cuda", dtype=torch.float16), p)
+    with pytest.raises(ValueError, match="^warps: found 17"):
+        gemv(torch.randn(1, 256, device="cuda", dtype=torch.float16), p, warps=17)
+    with pytest.raises(ValueError, match="^warps: found 16"):
+        gemv(torch.randn(64, 256, device="cuda", dtype=torch.float16), p, warps=16)
+    with pytest.raises(ValueError, match="^out: found"):
+        gemv(torch.randn(1, 256, device="cuda", dtype=torch.float16), p,
+             out=torch.empty(2, 64, device="cuda", dtype=torch.float16))
+
+
+def test_kernel_cache_reuses_binary(tmp_path, monkeypatch):
+    from qtool.cuda import compile as cc
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cc, "_MODULES", {})
+    first = cc.load_module("grouped_int_gemv.cu")
+    assert first.info.arch == cc.target_arch()
+    monkeypatch.setattr(cc, "_MODULES", {})
+    second = cc.load_module("grouped_int_gemv.cu")
+    if first.info.how == "nvrtc-cubin":
+        assert not first.info.from_cache and second.info.from_cache
+        assert list(tmp_path.glob("*.cubin")) and first.info.path == second.info.path
+
+
+def test_launch_follows_torch_stream():
+    from qtool.cuda.grouped_int import gemv
+
+    layer = random_layer(256, 512, 4, 128, True, seed=3)
+    p = _prep(layer)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(5_000_000)  # keeps the side stream busy: a launch on the default stream would race
+        out = torch.full((4, 256), float("nan"), device="cuda", dtype=torch.float16)
+        y = gemv(x, p, out=out)
+    s.synchronize()
+    torch.cuda.synchronize()
+    assert rel_err(y, reference64(layer, x)) < TOL

@@ -1,0 +1,65 @@
+"""CPU-side behaviour of the GPU runtime (these run everywhere, GPU or not)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qtool.cuda import compile as cc
+
+
+def test_package_imports_do_not_import_cupy():
+    code = (
+        "import sys; import qtool.cuda.compile, qtool.cuda.grouped_int, qtool.cuda.graphs, qtool.bench.command, "
+        "qtool.runtime.qlinear; print('cupy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_cupy_is_one_line_naming_reference(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cc.CudaUnavailableError) as exc:
+        cc.require_cupy()
+    msg = str(exc.value)
+    assert "\n" not in msg and "cupy" in msg and "reference" in msg
+
+
+def test_no_gpu_is_one_line_naming_reference(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cc.CudaUnavailableError) as exc:
+        cc.require_cupy()
+    assert "\n" not in str(exc.value) and "reference" in str(exc.value)
+
+
+def test_bad_kernel_mode_is_named(monkeypatch):
+    from qtool.cuda.grouped_int import kernel_mode
+
+    monkeypatch.setenv("QTOOL_KERNELS", "fast")
+    with pytest.raises(cc.CudaUnavailableError, match="QTOOL_KERNELS: found 'fast'"):
+        kernel_mode()
+
+
+def test_dispatch_rule():
+    from qtool.cuda.grouped_int import choose_path, gemv_warps
+
+    assert choose_path(1, torch.float16, 4, 128, 4096) == "gemv-fma"
+    assert choose_path(1, torch.float16, 8, 128, 4096) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 128, 11008) == "gemv"  # long rows: tensor-core kernel
+    assert choose_path(4, torch.float16, 4, 128, 4096) == "gemv"
+    assert choose_path(32, torch.float16, 8, 32, 4096) == "gemv"
+    assert choose_path(64, torch.float16, 4, 128, 4096) == "dequant+cublas"
+    assert choose_path(2048, torch.float16, 4, 128, 4096) == "dequant+cublas"
+    assert choose_path(1, torch.bfloat16, 4, 128, 4096) == "dequant+cublas"
+    assert choose_path(1, torch.float16, 3, 128, 4096) == "reference"
+    assert choose_path(1, torch.float16, 4, 16, 4096) == "reference"  # group smaller than one 16-byte load
+    assert choose_path(8, torch.float16, 4, None, 1000) == "gemv"
+    assert choose_path(1, torch.float16, 4, None, 1000) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 96, 4096) == "reference"  # not a power of two
+    for n, nt, kp in [(4096, 1, 4096), (11008, 2, 4096), (17, 8, 128), (4096, 8, 11008)]:
+        w = gemv_warps(n, nt, kp, 4, 132)
+        assert 1 <= w <= 16 and w * nt * 4 * 32 * 4 <= 48 * 1024
