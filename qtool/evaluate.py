@@ -18,10 +18,10 @@ def run_eval(model_ref: str, *, text: str, seq_len: int, max_windows: int | None
     from qtool.eval.perplexity import perplexity
     from qtool.models.loading import load_model
     from qtool.pipeline import resolve_device
-    from qtool.recipe import _resolve_text
+    from qtool.recipe import resolve_text
 
     dev = resolve_device(device)
-    spec = EvalSpec(text=_resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
+    spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
                     stride=stride, separator=separator, text_field=text_field, split=split, batch_size=batch_size)
     for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--windows", max_windows),
                         ("--stride", stride)):

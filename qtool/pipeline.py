@@ -16,7 +16,7 @@ from qtool.calibration.stats import LinearStats, load_stats
 from qtool.console import Reporter
 from qtool.errors import QtoolError, RecipeError
 from qtool.models.adapters import Adapter
-from qtool.models.loading import load_model
+from qtool.models.loading import config_dtype, load_config, load_model
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
 from qtool.runtime.qlinear import GroupedIntLinear
@@ -72,8 +72,6 @@ def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[st
 def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
-    from qtool.models.loading import config_dtype, load_config
-
     dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(load_config(recipe.model)))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)

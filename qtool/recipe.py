@@ -158,7 +158,7 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
             merged.update(cal_over)
         calibration = parse_options(CalibrationSpec, merged, f"{label}:calibration")
         src_base = cwd if "calibration.source" in overrides else base
-        calibration.source = _resolve_text(calibration.source, src_base, where("calibration.source"))
+        calibration.source = resolve_text(calibration.source, src_base, where("calibration.source"))
         if calibration.stats is not None:
             stats_base = cwd if "calibration.stats" in overrides else base
             p = (stats_base / calibration.stats).resolve()
@@ -176,7 +176,7 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
         if isinstance(ev_raw, dict) and "eval.max_windows" in overrides:
             ev_raw = {**ev_raw, "max_windows": overrides["eval.max_windows"]}
         ev = parse_options(EvalSpec, ev_raw, f"{label}:eval")
-        ev.text = _resolve_text(ev.text, base, f"{label}:eval.text")
+        ev.text = resolve_text(ev.text, base, f"{label}:eval.text")
 
     recipe = Recipe(path, model, output, calibration, stages, ev, settings)
     recipe.as_run = _as_run(recipe)
@@ -213,7 +213,7 @@ def _resolve_model(ref: str, base: Path, where: str) -> str:
     return str(p)
 
 
-def _resolve_text(ref: str, base: Path, where: str) -> str:
+def resolve_text(ref: str, base: Path, where: str) -> str:
     p = (base / Path(ref).expanduser()).resolve()
     if p.exists():
         return str(p)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_SAMPLE, write_recipe
 from qtool.checkpoint.manifest import file_sha256
+
+from conftest import TINY_SAMPLE, write_recipe
 
 RECIPE = """
 model: {model}

@@ -5,7 +5,8 @@ this model (its massive activations concentrate the Hessian on a few columns).
 
 Protocol: WikiText-2 test ("\\n\\n"-joined rows) tokenized once without BOS, the first 8 non-overlapping windows
 of 512 tokens; calibration: 16 random 512-token windows of the C4 sample, seed 0. SmolLM2's weights were Q4_1
-(4-bit, blocks of 32) before conversion, so 4-bit error levels here are optimistic; the comparisons hold.
+(4-bit, blocks of 32) before conversion, so absolute error levels are not those of an original model (a second
+4-bit rounding on another grid); the comparisons between methods hold.
 """
 
 from __future__ import annotations

@@ -10,7 +10,14 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, dumps, hash_files, package_versions
+from qtool.checkpoint.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    QUANT_METHOD,
+    dumps,
+    hash_files,
+    package_versions,
+)
 from qtool.errors import QtoolError
 from qtool.packing.grouped_int import GroupedIntWeight
 

@@ -69,7 +69,7 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
         for group in groups:
             x = torch.stack([ids[b:e] for b, e, _ in group]).to(device)
             logits = model(x, use_cache=False).logits.float()
-            for row, (b, e, scored) in enumerate(group):
+            for row, (_, _, scored) in enumerate(group):
                 lg = logits[row, -scored - 1:-1]
                 tgt = x[row, -scored:]
                 total_nll += float(F.cross_entropy(lg, tgt, reduction="sum"))
