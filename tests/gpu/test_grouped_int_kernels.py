@@ -92,10 +92,12 @@ def test_gemv_real_shapes(bits, symmetric, nk):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("nk", ODD_SHAPES)
 @pytest.mark.parametrize("pipe", [False, True])
-def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, monkeypatch):
+@pytest.mark.parametrize("scale_after", [0, 1])
+def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, scale_after, monkeypatch):
     from qtool.cuda import grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
+    monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
     n, k = nk
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_layer(n, k, bits, group_size, symmetric, seed=seed, bias=True)
@@ -109,16 +111,36 @@ def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, monkeypatch)
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("nk", REAL_SHAPES[1:])
 @pytest.mark.parametrize("pipe", [False, True])
-def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, monkeypatch):
+@pytest.mark.parametrize("scale_after", [0, 1])
+def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, scale_after, monkeypatch):
     from qtool.cuda import grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
+    monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
     n, k = nk
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_layer(n, k, bits, 128, symmetric, seed=seed)
     for m in (1, 2, 4):
         _check_gemv(layer, m, seed, kernel="gemv_fma")
     _check_gemv(layer, 1, seed, warps=1, kernel="gemv_fma")  # more pieces than threads: the looping path
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_after", [0, 1])
+def test_gemv_fma_large_activations(bits, scale_after, monkeypatch):
+    """A few activations in the thousands (as real decoders have) stay finite and accurate on both variants."""
+    from qtool.cuda import grouped_int
+    from qtool.cuda.grouped_int import gemv_fma
+
+    monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(1024, 4096, bits, 128, False, seed=seed)
+    x = _x(1, 4096)
+    x[0, torch.randperm(4096, device="cuda")[:8]] = 3000.0
+    y = synced(gemv_fma(x, _prep(layer)))
+    assert bool(torch.isfinite(y).all())
+    err = rel_err(y, reference64(layer, x))
+    assert err < TOL, f"relative error {err:.2e} (seed {seed})"
 
 
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 5, 8, 16])
