@@ -19,7 +19,7 @@ from qtool.models.adapters import Adapter
 from qtool.models.loading import config_dtype, load_config, load_model
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
-from qtool.runtime.qlinear import GroupedIntLinear
+from qtool.runtime.layouts import module_for
 from qtool.stages.base import QuantizerStage
 
 
@@ -137,7 +137,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         parent = model.get_submodule(parent_name)
         old: nn.Linear = getattr(parent, child)
         bias = None if old.bias is None else old.bias.data.clone()
-        setattr(parent, child, GroupedIntLinear(layout, bias))
+        setattr(parent, child, module_for(layout, bias))
     timings["total_s"] = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak)

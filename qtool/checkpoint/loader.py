@@ -15,11 +15,7 @@ from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHO
 from qtool.checkpoint.writer import INDEX_NAME, WEIGHTS_NAME
 from qtool.errors import CheckpointError
 from qtool.models.loading import check_architecture
-from qtool.packing.grouped_int import FORMAT as GROUPED_INT
-from qtool.packing.grouped_int import GroupedIntWeight
-from qtool.runtime.qlinear import GroupedIntLinear
-
-LAYOUTS = {GROUPED_INT: (GroupedIntWeight, GroupedIntLinear)}
+from qtool.runtime.layouts import LAYOUTS
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -109,8 +105,12 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
             raise CheckpointError(f"{path / 'config.json'}: layer {name} is {lcfg.get('out_features')}x"
                                   f"{lcfg.get('in_features')}; the model's module is "
                                   f"{getattr(old, 'out_features', '?')}x{getattr(old, 'in_features', '?')}")
-        fields = {f: tensors.pop(f"{name}.{f}") for f in ("qweight", "scales", "zeros") if f"{name}.{f}" in tensors}
+        prefix = f"{name}."
+        fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
+                  if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
         layout = layout_cls.from_tensors(name, lcfg, fields)
+        for field in sorted(set(fields) - set(layout.tensors())):
+            raise CheckpointError(f"tensor {name}.{field}: not a field of layout {fmt}")
         bias = tensors.pop(f"{name}.bias", None)
         if lcfg.get("bias") and bias is None:
             raise CheckpointError(f"tensor {name}.bias: missing; the layer config says it has a bias")

@@ -1,0 +1,20 @@
+"""Registry of packed layouts: format name (as in `quantization_config.layers[*].format`) → (layout dataclass,
+module that executes it). The pipeline, the writer and the loader go through it, so a new layout is one entry."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qtool.packing.grouped_int import FORMAT as GROUPED_INT
+from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.runtime.qlinear import GroupedIntLinear
+
+LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {GROUPED_INT: (GroupedIntWeight, GroupedIntLinear)}
+
+
+def module_for(layout, bias) -> nn.Module:
+    """The quantized module executing `layout` (an instance of one of the registered layout classes)."""
+    for layout_cls, module_cls in LAYOUTS.values():
+        if isinstance(layout, layout_cls):
+            return module_cls(layout, bias)
+    raise TypeError(f"no module registered for layout {type(layout).__name__}")
