@@ -28,6 +28,8 @@ def _describe(tp: Any, meta: dict) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is list:
         return "a list of " + _describe(typing.get_args(tp)[0], {}) + "s"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
     name = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}.get(tp, str(tp))
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and hi is not None:
@@ -83,6 +85,15 @@ def _check(value: Any, tp: Any, meta: dict) -> tuple[bool, Any]:
     return True, value
 
 
+def _dataclass_item(tp: Any) -> type | None:
+    """The item class of a `list[SomeDataclass]` annotation, else None."""
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
 def parse_options(cls: type, raw: dict, where: str) -> Any:
     """Build `cls` from `raw`, raising RecipeError naming `where.key` on unknown keys, wrong types or ranges."""
     if not isinstance(raw, dict):
@@ -97,6 +108,14 @@ def parse_options(cls: type, raw: dict, where: str) -> Any:
         if name not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise RecipeError(f"{where}.{name}: missing; expected {_describe(hints[name], dict(f.metadata))}")
+            continue
+        item = _dataclass_item(hints[name])
+        if item is not None:
+            # A list of mappings with declared options (per-target rules): each entry is parsed on its own so
+            # an error names its index, e.g. `stages[0].overrides[1].bits`.
+            if not isinstance(raw[name], list):
+                raise RecipeError(f"{where}.{name}: found {raw[name]!r}, expected {_describe(hints[name], {})}")
+            values[name] = [parse_options(item, v, f"{where}.{name}[{i}]") for i, v in enumerate(raw[name])]
             continue
         ok, v = _check(raw[name], hints[name], dict(f.metadata))
         if not ok:

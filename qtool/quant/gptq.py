@@ -3,6 +3,8 @@ into the columns not yet quantized through the inverse Hessian, in lazy batches 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qtool.quant.clip import clipped_grid_params
@@ -13,6 +15,13 @@ def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h
     if ratios is None:
         return grid_params(w, spec)
     return clipped_grid_params(w, spec, ratios, h_block)
+
+
+class GPTQOutput(NamedTuple):
+    codes: torch.Tensor  # [N, K - keep_last] int64, original column order
+    scales: torch.Tensor  # [N, G], G groups over the quantized columns
+    zeros: torch.Tensor  # [N, G]
+    kept: torch.Tensor  # [N, keep_last]: the last columns, unquantized but carrying the propagated error
 
 
 def gptq_quantize(
@@ -32,22 +41,58 @@ def gptq_quantize(
     original column order; with `act_order` that requires `static_groups` (scales fixed before the loop), so the
     packed layout needs no per-column group index.
     """
+    out = gptq_run(weight, hessian, spec, damp=damp, block_size=block_size, act_order=act_order,
+                   static_groups=static_groups, clip_ratios=clip_ratios)
+    return out.codes, out.scales, out.zeros
+
+
+def gptq_run(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: GridSpec,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool = False,
+    clip_ratios: list[float] | None = None,
+    keep_last: int = 0,
+    sparsity_24: bool = False,
+) -> GPTQOutput:
+    """GPTQ with two extensions used by outlier-aware quantization.
+
+    `keep_last`: the last `keep_last` columns are never quantized; they still receive the error feedback of every
+    quantized column, so the rounding error accumulates into them (the caller permutes the columns it wants to
+    keep in full precision to the end, with the Hessian permuted the same way). Grids span only the quantized
+    columns, so weights in kept columns do not widen any scale.
+
+    `sparsity_24`: prune to 2:4 in the same pass (SparseGPT): at the start of every group of 4 consecutive
+    quantized columns, the 2 weights of each row with the smallest `w² / [H⁻¹]_jj²` (on the error-updated
+    weights) are set to the zero point, and their removal error is fed back like a rounding error. A partial
+    last group of r < 4 columns keeps at most 2 (prunes r - 2 when r = 3).
+    """
     w = weight.clone()
     h = hessian.to(w.dtype).clone()
     n, k = w.shape
-    g = spec.group_size or k
+    if not 0 <= keep_last < k:
+        raise ValueError(f"keep_last must be in 0..{k - 1}, got {keep_last}")
+    kq = k - keep_last  # quantized columns: 0..kq-1
+    g = spec.group_size or kq
     if act_order and spec.group_size is not None and not static_groups:
         raise ValueError("act_order with groups needs static_groups")
+    if act_order and (keep_last or sparsity_24):
+        raise ValueError("act_order cannot be combined with keep_last or sparsity_24 (both fix the column order)")
 
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
 
-    num_groups = spec.num_groups(k)
+    num_groups = spec.num_groups(kq) if spec.group_size is not None else 1
     scales = torch.zeros(n, num_groups, dtype=w.dtype, device=w.device)
     zeros = torch.zeros_like(scales)
+    bounds = spec.group_bounds(kq) if spec.group_size is not None else [(0, kq)]
     if static_groups or spec.group_size is None:
-        for j, (s, e) in enumerate(spec.group_bounds(k)):
+        for j, (s, e) in enumerate(bounds):
             scales[:, j], zeros[:, j] = _group_params(w[:, s:e], spec, clip_ratios, h[s:e, s:e])
 
     perm = torch.arange(k, device=w.device)
@@ -60,25 +105,38 @@ def gptq_quantize(
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
     # Dynamic groups take their range from the error-updated weights when the group starts; keeping each group
-    # inside one lazy batch makes those the fully updated values.
+    # inside one lazy batch makes those the fully updated values. 2:4 groups must not straddle a batch either.
     dynamic = not (static_groups or spec.group_size is None)
     bs = max(g, block_size // g * g) if dynamic else block_size
+    if sparsity_24 and bs % 4:
+        if dynamic:
+            raise ValueError(f"sparsity_24 with dynamic groups needs group_size a multiple of 4, got {g}")
+        bs = (bs + 3) // 4 * 4
 
-    codes = torch.zeros(n, k, dtype=torch.int64, device=w.device)
-    for i1 in range(0, k, bs):
-        i2 = min(i1 + bs, k)
+    codes = torch.zeros(n, kq, dtype=torch.int64, device=w.device)
+    for i1 in range(0, kq, bs):
+        i2 = min(i1 + bs, kq)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
+        pruned = torch.zeros_like(w1, dtype=torch.bool)
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:
-                e = min(col + g, k)
+                e = min(col + g, kq)
                 j = col // g
                 scales[:, j], zeros[:, j] = _group_params(w1[:, i:i + (e - col)], spec, clip_ratios, h[col:e, col:e])
+            if sparsity_24 and i % 4 == 0:
+                m = min(4, i2 - i1 - i)
+                if m > 2:
+                    score = w1[:, i:i + m] ** 2 / torch.diagonal(hinv1)[i:i + m][None, :] ** 2
+                    drop = torch.topk(score, m - 2, dim=1, largest=False).indices
+                    pruned[:, i:i + m].scatter_(1, drop, True)
             j = int(group_of[col])
             s, z = scales[:, j:j + 1], zeros[:, j:j + 1]
             q = quantize(w1[:, i:i + 1], s, z, spec)
+            if sparsity_24:
+                q = torch.where(pruned[:, i:i + 1], z, q)  # the zero point dequantizes to exactly 0
             codes[:, col] = q[:, 0].to(torch.int64)
             e_col = (w1[:, i] - (s[:, 0] * (q[:, 0] - z[:, 0]))) / hinv1[i, i]
             w1[:, i:] -= e_col[:, None] * hinv1[i, i:][None, :]
@@ -87,4 +145,4 @@ def gptq_quantize(
 
     if act_order:
         codes = codes[:, torch.argsort(perm)]
-    return codes, scales, zeros
+    return GPTQOutput(codes, scales, zeros, w[:, kq:].clone())

@@ -7,9 +7,15 @@ from torch import nn
 
 from qtool.packing.grouped_int import FORMAT as GROUPED_INT
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.quik import FORMAT as QUIK
+from qtool.packing.quik import QuikWeight
 from qtool.runtime.qlinear import GroupedIntLinear
+from qtool.runtime.quik_linear import QuikLinear
 
-LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {GROUPED_INT: (GroupedIntWeight, GroupedIntLinear)}
+LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
+    GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),
+    QUIK: (QuikWeight, QuikLinear),
+}
 
 
 def module_for(layout, bias) -> nn.Module:

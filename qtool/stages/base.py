@@ -13,6 +13,7 @@ import torch
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.quik import QuikWeight
 from qtool.quant.grid import GridSpec
 
 
@@ -42,7 +43,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight
+    packed: GroupedIntWeight | QuikWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 

@@ -1,0 +1,203 @@
+"""The `quik` layout (formats/quik.md): integer base weights for the non-outlier input columns, float16 weights for
+the outlier columns, their indices, per-output-channel scales and the row sums `wreduced` of the dequantized base
+weights (the zero-point correction of per-token asymmetric activation quantization)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtool.errors import CheckpointError
+from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
+
+FORMAT = "quik"
+WEIGHT_BITS = (4, 8)
+ACT_BITS = (4, 8)
+SPARSITY_24 = "2:4"
+
+
+def base_indices(in_features: int, outlier_idx: torch.Tensor) -> torch.Tensor:
+    """The non-outlier columns in ascending order (the column order of the integer base weights)."""
+    keep = torch.ones(in_features, dtype=torch.bool, device=outlier_idx.device)
+    keep[outlier_idx.long()] = False
+    return torch.nonzero(keep)[:, 0]
+
+
+def row_sums(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """`wreduced[n] = s_w[n] · Σ_k c[n,k]` in float32, with `c` the signed codes (the exact integer sum times the
+    float16 scale, rounded once to float32)."""
+    signed = codes.to(torch.int64) - (1 << (bits - 1))
+    return (scales.to(torch.float64) * signed.sum(dim=1).to(torch.float64)).to(torch.float32)
+
+
+def violations_24(codes: torch.Tensor, bits: int) -> tuple[int, int, int] | None:
+    """First (row, first column, count) of a group of 4 base columns with more than 2 non-zero signed codes."""
+    signed = codes.to(torch.int64) - (1 << (bits - 1))
+    n, kb = signed.shape
+    pad = (-kb) % 4
+    nz = torch.nn.functional.pad(signed != 0, (0, pad)).reshape(n, -1, 4).sum(dim=2)
+    bad = torch.nonzero(nz > 2)
+    if bad.numel() == 0:
+        return None
+    r, g = int(bad[0, 0]), int(bad[0, 1])
+    return r, 4 * g, int(nz[r, g])
+
+
+@dataclass
+class QuikWeight:
+    bits: int  # weight bits, 4 or 8
+    act_bits: int  # activation bits, 4 or 8
+    in_features: int  # K
+    out_features: int  # N
+    sparsity_24: bool
+    qweight: torch.Tensor  # int32 [N, ceil((K-k)*bits/32)]: unsigned codes c + 2^(bits-1), base column order
+    scales: torch.Tensor  # float16 [N]
+    outlier_idx: torch.Tensor  # int32 [k], strictly increasing
+    outlier_weight: torch.Tensor  # float16 [N, k]
+    wreduced: torch.Tensor  # float32 [N]
+
+    @property
+    def num_outliers(self) -> int:
+        return int(self.outlier_idx.numel())
+
+    @property
+    def base_features(self) -> int:
+        return self.in_features - self.num_outliers
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, outlier_idx: torch.Tensor,
+                   outlier_weight: torch.Tensor, bits: int, act_bits: int, sparsity_24: bool = False) -> QuikWeight:
+        """Build from unsigned codes [N, K-k] (base columns in ascending order), scales [N], outlier column indices
+        [k] (any order; stored ascending) and outlier weights [N, k] in the order of `outlier_idx`."""
+        order = torch.argsort(outlier_idx.cpu())
+        idx = outlier_idx.cpu()[order].to(torch.int32).contiguous()
+        n, kb = codes.shape
+        scales16 = scales.reshape(n).to(torch.float16).cpu().contiguous()
+        codes = codes.to(torch.int64).cpu()
+        return cls(
+            bits=bits, act_bits=act_bits, in_features=kb + idx.numel(), out_features=n, sparsity_24=sparsity_24,
+            qweight=pack_codes(codes, bits),
+            scales=scales16,
+            outlier_idx=idx,
+            outlier_weight=outlier_weight.cpu()[:, order].to(torch.float16).contiguous(),
+            wreduced=row_sums(codes, scales16, bits).contiguous(),
+        )
+
+    def codes(self) -> torch.Tensor:
+        """Unsigned codes [N, K-k] of the base columns."""
+        return unpack_codes(self.qweight, self.bits, self.base_features)
+
+    def signed_codes(self) -> torch.Tensor:
+        return self.codes() - (1 << (self.bits - 1))
+
+    def base_index(self) -> torch.Tensor:
+        return base_indices(self.in_features, self.outlier_idx)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] in the original column order: `s_w·c` on base columns, the float16 outlier weights."""
+        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=self.qweight.device)
+        w[:, self.base_index()] = self.signed_codes().to(torch.float32) * self.scales.to(torch.float32)[:, None]
+        w[:, self.outlier_idx.long()] = self.outlier_weight.to(torch.float32)
+        return w.to(dtype)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight, "scales": self.scales, "outlier_idx": self.outlier_idx,
+                "outlier_weight": self.outlier_weight, "wreduced": self.wreduced}
+
+    def layer_config(self, has_bias: bool) -> dict:
+        return {
+            "format": FORMAT,
+            "bits": self.bits,
+            "act_bits": self.act_bits,
+            # Weights are always symmetric per output channel; the keys keep tools that summarise layouts uniform.
+            "group_size": None,
+            "symmetric": True,
+            "num_outliers": self.num_outliers,
+            "sparsity": SPARSITY_24 if self.sparsity_24 else None,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": has_bias,
+        }
+
+    def stored_bits(self) -> int:
+        return sum(t.numel() * t.element_size() * 8 for t in self.tensors().values())
+
+    @staticmethod
+    def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n, k, kk = cfg["out_features"], cfg["in_features"], cfg["num_outliers"]
+        return {
+            "qweight": ((n, packed_words(k - kk, cfg["bits"])), torch.int32),
+            "scales": ((n,), torch.float16),
+            "outlier_idx": ((kk,), torch.int32),
+            "outlier_weight": ((n, kk), torch.float16),
+            "wreduced": ((n,), torch.float32),
+        }
+
+    @staticmethod
+    def check_config(name: str, cfg: dict) -> None:
+        """Refuse layer parameters outside the layout's domain, naming the layer and key."""
+        def bad(key: str, expected: str) -> CheckpointError:
+            return CheckpointError(f"layer {name}: quantization_config key {key!r} found {cfg.get(key)!r}, "
+                                   f"expected {expected}")
+
+        for key, allowed in (("bits", WEIGHT_BITS), ("act_bits", ACT_BITS)):
+            if cfg.get(key) not in allowed or isinstance(cfg.get(key), bool):
+                raise bad(key, " or ".join(map(str, allowed)))
+        for key in ("in_features", "out_features"):
+            v = cfg.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(key, "a positive integer")
+        kk = cfg.get("num_outliers")
+        if not isinstance(kk, int) or isinstance(kk, bool) or not 0 <= kk <= cfg["in_features"]:
+            raise bad("num_outliers", f"an integer in 0..{cfg['in_features']}")
+        if cfg.get("group_size") is not None:
+            raise bad("group_size", "null (one scale per output channel)")
+        if cfg.get("symmetric") is not True:
+            raise bad("symmetric", "true")
+        if cfg.get("sparsity") not in (None, SPARSITY_24):
+            raise bad("sparsity", f"null or {SPARSITY_24!r}")
+
+    @classmethod
+    def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> QuikWeight:
+        """Validate stored tensors against the layer config; errors name the tensor."""
+        cls.check_config(name, cfg)
+        for field, (shape, dtype) in cls.expected_shapes(cfg).items():
+            t = tensors.get(field)
+            if t is None:
+                raise CheckpointError(f"tensor {name}.{field}: missing; expected {dtype} {list(shape)}")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CheckpointError(
+                    f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
+                )
+        k = cfg["in_features"]
+        scales = tensors["scales"]
+        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+            raise CheckpointError(f"tensor {name}.scales: found non-positive or non-finite scales, expected > 0")
+        idx = tensors["outlier_idx"].to(torch.int64)
+        if idx.numel():
+            if int(idx.min()) < 0 or int(idx.max()) >= k:
+                raise CheckpointError(f"tensor {name}.outlier_idx: found values in [{int(idx.min())}, "
+                                      f"{int(idx.max())}], expected column indices in 0..{k - 1}")
+            if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
+                raise CheckpointError(f"tensor {name}.outlier_idx: found indices not strictly increasing, "
+                                      f"expected sorted unique column indices")
+        if not bool(torch.isfinite(tensors["outlier_weight"]).all()):
+            raise CheckpointError(f"tensor {name}.outlier_weight: found non-finite values, expected finite weights")
+        layout = cls(int(cfg["bits"]), int(cfg["act_bits"]), k, cfg["out_features"], cfg.get("sparsity") is not None,
+                     tensors["qweight"], scales, tensors["outlier_idx"], tensors["outlier_weight"], tensors["wreduced"])
+        codes = layout.codes()
+        expect = row_sums(codes, scales, layout.bits)
+        diff = (tensors["wreduced"] - expect).abs()
+        tol = 1e-6 * (scales.to(torch.float32) * codes.to(torch.float32).sub(1 << (layout.bits - 1)).abs().sum(1)) + 1e-30
+        if bool((diff > tol).any()):
+            r = int(torch.argmax(diff - tol))
+            raise CheckpointError(f"tensor {name}.wreduced: row {r} found {float(tensors['wreduced'][r])!r}, expected "
+                                  f"{float(expect[r])!r} (scales · sum of the signed base codes)")
+        if layout.sparsity_24:
+            v = violations_24(codes, layout.bits)
+            if v is not None:
+                r, c, count = v
+                raise CheckpointError(f"tensor {name}.qweight: row {r}, base columns {c}..{c + 3} hold {count} "
+                                      f"non-zero codes, expected at most 2 (sparsity 2:4)")
+        return layout
