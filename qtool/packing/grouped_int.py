@@ -8,6 +8,7 @@ import torch
 
 from qtool.errors import CheckpointError
 from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
+from qtool.packing.checks import check_scales, check_tensors, stored_bits
 from qtool.quant.grid import GridSpec
 
 FORMAT = "grouped_int"
@@ -69,7 +70,7 @@ class GroupedIntWeight:
         }
 
     def stored_bits(self) -> int:
-        return sum(t.numel() * t.element_size() * 8 for t in self.tensors().values())
+        return stored_bits(self.tensors())
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -84,18 +85,10 @@ class GroupedIntWeight:
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> GroupedIntWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        for field, (shape, dtype) in cls.expected_shapes(cfg).items():
-            t = tensors.get(field)
-            if t is None:
-                raise CheckpointError(f"tensor {name}.{field}: missing; expected {dtype} {list(shape)}")
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise CheckpointError(
-                    f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
-                )
+        check_tensors(name, cls.expected_shapes(cfg), tensors)
         spec = spec_from_config(cfg)
         scales = tensors["scales"]
-        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
-            raise CheckpointError(f"tensor {name}.scales: found non-positive or non-finite scales, expected > 0")
+        check_scales(name, scales)
         zeros = tensors.get("zeros")
         if zeros is not None and int(zeros.max()) > spec.maxq:
             raise CheckpointError(f"tensor {name}.zeros: found {int(zeros.max())}, expected at most {spec.maxq}")

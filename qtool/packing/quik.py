@@ -10,6 +10,7 @@ import torch
 
 from qtool.errors import CheckpointError
 from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
+from qtool.packing.checks import check_scales, check_tensors, stored_bits
 
 FORMAT = "quik"
 WEIGHT_BITS = (4, 8)
@@ -121,7 +122,7 @@ class QuikWeight:
         }
 
     def stored_bits(self) -> int:
-        return sum(t.numel() * t.element_size() * 8 for t in self.tensors().values())
+        return stored_bits(self.tensors())
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -162,18 +163,10 @@ class QuikWeight:
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> QuikWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
         cls.check_config(name, cfg)
-        for field, (shape, dtype) in cls.expected_shapes(cfg).items():
-            t = tensors.get(field)
-            if t is None:
-                raise CheckpointError(f"tensor {name}.{field}: missing; expected {dtype} {list(shape)}")
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise CheckpointError(
-                    f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
-                )
+        check_tensors(name, cls.expected_shapes(cfg), tensors)
         k = cfg["in_features"]
         scales = tensors["scales"]
-        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
-            raise CheckpointError(f"tensor {name}.scales: found non-positive or non-finite scales, expected > 0")
+        check_scales(name, scales)
         idx = tensors["outlier_idx"].to(torch.int64)
         if idx.numel():
             if int(idx.min()) < 0 or int(idx.max()) >= k:
