@@ -45,7 +45,7 @@ def _wrap(fn):
 
 @click.group(name="bench")
 def bench() -> None:
-    """Measure grouped_int kernels and end-to-end decode/prefill against cuBLAS on this GPU."""
+    """Measure the kernels (grouped_int, quik) and end-to-end decode/prefill against cuBLAS on this GPU."""
 
 
 @bench.command("kernels")
@@ -125,6 +125,46 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(format_e2e(report))
+
+    _wrap(go)
+
+
+@bench.command("quik")
+@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
+              help="Known model name or a config.json path; gives the KxN shapes.")
+@click.option("--shapes", default=None, help="Explicit KxN list (in_features x out_features).")
+@click.option("--m", "m", default=2048, show_default=True, type=click.IntRange(1, None), help="Tokens M.")
+@click.option("--outliers", default="0,128,256,512,1024", show_default=True,
+              help="Outlier counts of the W4A4 sweep (Fig. 14), comma-separated.")
+@click.option("--ladder-outliers", "ladder_outliers", default=256, show_default=True, type=click.IntRange(0, None),
+              help="Outlier count of the fusion ladder (Fig. 5) and of the W8A8 row.")
+@click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
+@click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None))
+@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
+def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladder_outliers: int, warmup: int,
+             iters: int, json_path: str | None) -> None:
+    """Time the QUIK W4A4/W8A8 kernels (fusion ladder, outlier sweep) against cuBLAS FP16/INT8/FP8."""
+
+    def go() -> None:
+        from qtool.bench import kernels as kb  # noqa: PLC0415
+        from qtool.bench import quik as qb  # noqa: PLC0415
+        from qtool.bench import stats  # noqa: PLC0415
+
+        shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
+        counts = tuple(stats.parse_ints(outliers, "--outliers", 0))
+        cfg = qb.QuikBenchConfig(shapes=shape_list, m=m, outlier_counts=counts, ladder_outliers=ladder_outliers,
+                                 warmup=warmup, iters=iters)
+        _need_gpu()
+        from qtool.bench.cuda_cases import QuikCudaCases  # noqa: PLC0415
+        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+
+        report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+        problems = qb.validate_report(report)
+        if problems:
+            raise BenchError(f"internal: report does not match its schema: {problems[0]}")
+        if json_path:
+            kb.write_json(report, json_path)
+        click.echo(qb.format_report(report))
 
     _wrap(go)
 

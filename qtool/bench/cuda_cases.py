@@ -141,3 +141,52 @@ class CudaCases:
         fns[0]()
         return fns, m_eff
 
+
+
+class QuikCudaCases(CudaCases):
+    """Adds the quik kernels: random packed layers built on the GPU (every code word is valid)."""
+
+    def _quik_layer(self, k: int, n: int, bits: int, outliers: int):
+        from qtool.cuda import quik  # noqa: PLC0415
+
+        kb = k - outliers
+        kp = (max(kb, 1) + quik.KP_MULTIPLE - 1) // quik.KP_MULTIPLE * quik.KP_MULTIPLE
+        kop = (outliers + quik.KO_MULTIPLE - 1) // quik.KO_MULTIPLE * quik.KO_MULTIPLE
+        perm = torch.randperm(k, device=self.dev, generator=self.gen)
+        idx = perm[:outliers].sort().values.to(torch.int32)
+        keep = torch.ones(k, dtype=torch.bool, device=self.dev)
+        keep[idx.long()] = False
+        base_idx = torch.nonzero(keep)[:, 0].to(torch.int32)
+        wo = torch.zeros(n, kop, dtype=torch.float16, device=self.dev)
+        wo[:, :outliers] = self._randn(n, outliers) * 0.05
+        return quik.QuikPrepared(
+            bits=bits, act_bits=bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=outliers, kop=kop,
+            wq=torch.randint(-(2**31), 2**31, (n, kp * bits // 32), dtype=torch.int32, device=self.dev,
+                             generator=self.gen),
+            scales=(torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
+            wreduced=torch.randn(n, device=self.dev, generator=self.gen), wo=wo,
+            base_idx=base_idx, outlier_idx=idx, bias=None, source_ptr=0,
+        )
+
+    def quik(self, k: int, n: int, m: int, bits: int, outliers: int, rung: str) -> Fns:
+        from qtool.cuda import quik  # noqa: PLC0415
+
+        set_bytes = n * k * bits // 8 + 2 * n * outliers + 2 * m * k + 2 * m * n
+        fns = []
+        for _ in range(rotations(set_bytes, self.l2)):
+            p = self._quik_layer(k, n, bits, outliers)
+            x = self._randn(m, k)
+            if rung == "fused":
+                fns.append(lambda x=x, p=p: quik.gemm(quik.quantize(x, p), p))
+            elif rung == "fused-quant":
+                fns.append(lambda x=x, p=p: quik.epilogue_torch(quik.gemm(a := quik.quantize(x, p), p, fused=False),
+                                                                 a, p))
+            elif rung == "unfused":
+                fns.append(lambda x=x, p=p: quik.epilogue_torch(
+                    quik.gemm(a := quik.quantize_torch(x, p), p, fused=False), a, p))
+            elif rung == "gemm":
+                a = quik.quantize(x, p)
+                fns.append(lambda a=a, p=p: quik.gemm(a, p))
+            else:
+                raise ValueError(f"rung: found {rung!r}, expected unfused, fused-quant, fused or gemm")
+        return fns

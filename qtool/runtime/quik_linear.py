@@ -1,7 +1,7 @@
 """Executes the `quik` layout: per-token asymmetric activation quantization of the non-outlier columns, an exact
 integer matmul of the codes, the dequantization epilogue of formats/quik.md (Eq. 1 zero-point correction with
-`wreduced`), plus the float outlier product. This torch path is the ground truth a CUDA kernel is checked against;
-no CUDA kernel exists yet, so it also runs on GPU tensors."""
+`wreduced`), plus the float outlier product. This torch path is the ground truth the CUDA kernels
+(qtool/cuda/quik.py) are checked against; on a GPU, `forward` takes the kernels where they apply."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def quantize_activations(xb: torch.Tensor, act_bits: int) -> ActQuant:
     maxq = (1 << act_bits) - 1
     lo = xb.amin(dim=1)
     hi = xb.amax(dim=1)
-    scale = torch.where(hi > lo, (hi - lo) / maxq, torch.ones_like(lo))
+    # Divide by a tensor, not a Python number: torch on CUDA turns division by a scalar into multiplication by its
+    # reciprocal, which is not the IEEE quotient the format specifies (codes would move at rounding ties).
+    scale = torch.where(hi > lo, (hi - lo) / torch.full_like(lo, maxq), torch.ones_like(lo))
     q = torch.clamp(torch.round((xb - lo[:, None]) / scale[:, None]), 0, maxq)
     return ActQuant((q - (1 << (act_bits - 1))).to(torch.int32), scale, lo)
 
@@ -81,6 +83,15 @@ class QuikLinear(nn.Module):
         return int_matmul(act.codes, self.wcodes, bound), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from qtool.cuda.quik import module_forward  # noqa: PLC0415  (CPU use never loads the GPU runtime)
+
+            y = module_forward(self, x)
+            if y is not None:
+                return y
+        return self.reference_forward(x)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.float32)
         y = x2[:, self.outlier_idx.long()] @ self.outlier_weight.to(torch.float32).T

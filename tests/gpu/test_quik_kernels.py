@@ -1,0 +1,188 @@
+"""The quik CUDA kernels against the torch reference (formats/quik.md), on fresh random inputs, real and odd
+shapes: the activation codes and the int32 accumulators must be identical, the fused output within fp16 rounding.
+
+Outputs are poisoned before each launch (NaN for float16, a sentinel for int32) so an unwritten element fails;
+`synced` makes a faulting launch fail here rather than in a later test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from qtool.cuda.quik import GEMM_KERNELS
+from qtool.packing.quik import QuikWeight
+from qtool.runtime.quik_linear import QuikLinear
+from tests.gpu.helpers import gpu_ready, rel_err, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+POISON = -0x5A5A5A5A
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(gpu_ready() is None and not _hopper(), reason="quik kernels need Hopper (wgmma)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+    return seed
+
+
+def random_quik(n: int, k: int, ko: int, bits: int, *, bias: bool = False, sparse: bool = False) -> QuikLinear:
+    """Uniform random codes, random outlier columns and weights; scales keep outputs O(1)."""
+    codes = torch.randint(0, 1 << bits, (n, k - ko))
+    if sparse:  # zero two of every four base codes (signed zero = 2^(b-1))
+        keep = torch.rand(n, (k - ko + 3) // 4 * 4).argsort(dim=1) % 4 < 2
+        codes = torch.where(keep[:, : k - ko], codes, torch.full_like(codes, 1 << (bits - 1)))
+    scales = (torch.rand(n) + 0.5) * (2.0 / ((1 << bits) * k**0.5))
+    idx = torch.randperm(k)[:ko].to(torch.int32)
+    wo = torch.randn(n, ko) * 0.05
+    w = QuikWeight.from_codes(codes, scales, idx, wo, bits, bits, sparsity_24=sparse)
+    b = (torch.randn(n) * 0.1).half() if bias else None
+    return QuikLinear(w, b).cuda()
+
+
+def _x(m: int, k: int, outlier_idx: torch.Tensor) -> torch.Tensor:
+    x = torch.randn(m, k, device="cuda")
+    x[:, outlier_idx.long()] *= 30.0  # outlier columns as the stage picks them: the large ones
+    return x.half()
+
+
+SHAPES = [  # (N, K, outliers): Llama-2-7B projections, then odd ones (N % 128 != 0, K - k % 128 != 0)
+    (4096, 4096, 256), (11008, 4096, 256), (4096, 11008, 896),
+    (100, 1000, 0), (72, 4000, 37), (17, 136, 8), (200, 520, 130), (130, 300, 300),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 128, 333])
+def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m):
+    from qtool.cuda import quik
+    from qtool.runtime.quik_linear import quantize_activations
+
+    layer = random_quik(n, k, ko, bits)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    for rows in (1, 2, 4):
+        a = quik.empty_activations(m, p, x.device)
+        a.codes.fill_(POISON)
+        a.outliers.fill_(float("nan"))
+        a.scale.fill_(float("nan"))
+        a.zero.fill_(float("nan"))
+        quik.quantize(x, p, rows_per_block=rows, out=a)
+        synced(a.codes)
+        ref = quik.quantize_torch(x, p)
+        assert torch.equal(a.codes, ref.codes), f"codes differ (rows per block {rows})"
+        assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
+        assert torch.equal(a.outliers, ref.outliers)
+        if ko < k:
+            act = quantize_activations(x.float()[:, layer.base_idx], bits)
+            assert torch.equal(a.scale, act.scale) and torch.equal(a.zero, act.zero)
+
+
+def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
+    acc, _ = layer.accumulate(x.float())
+    return acc
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 200, 2048])
+@pytest.mark.parametrize("kernel", GEMM_KERNELS)
+def test_gemm_integer_accumulators_exact(bits, n, k, ko, m, kernel):
+    from qtool.cuda import quik
+
+    if m == 2048 and n * k > 4096 * 4096:
+        m = 512  # keep the int64 reference product small; 2048 rows run on the 4096x4096 shape
+    layer = random_quik(n, k, ko, bits)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+    synced(quik.gemm(a, p, fused=False, kernel=kernel, out=out))
+    ref = _acc_reference(layer, x) if ko < k else torch.zeros_like(out)
+    bad = (out != ref).sum().item()
+    assert bad == 0, f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko})"
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+@pytest.mark.parametrize("m", [1, 33, 256, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_output_matches_reference(bits, n, k, ko, m, bias):
+    layer = random_quik(n, k, ko, bits, bias=bias)
+    x = _x(m, k, layer.outlier_idx)
+    y = synced(layer(x))
+    assert y.dtype == torch.float16 and y.shape == (m, n)
+    assert hasattr(layer, "_qtool_prepared"), "the CUDA path was not taken"
+    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    ref = layer.reference_forward(x.float()).double()
+    err = rel_err(y, ref)
+    assert err < 2e-3, f"relative error {err:.2e} (M={m}, N={n}, K={k}, k={ko}, w{bits}a{bits})"
+    # Elementwise: within a few fp16 ulps of the float32 reference.
+    tol = (4e-3 * ref.abs() + 1e-3 * float(ref.abs().max())).to(y.device)
+    worst = float(((y.double() - ref.to(y.device)).abs() - tol).max())
+    assert worst <= 0, f"element off by more than fp16 rounding (excess {worst:.3e})"
+    from qtool.cuda import quik
+
+    p = layer._qtool_prepared
+    for kernel in quik.GEMM_KERNELS:
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        synced(quik.gemm(quik.quantize(x, p), p, kernel=kernel, out=out))
+        worst = float(((out.double() - ref.to(y.device)).abs() - tol).max())
+        assert worst <= 0, f"kernel {kernel}: element off by more than fp16 rounding (excess {worst:.3e})"
+
+
+@needs_hopper
+def test_fused_output_poisoned_buffer_fully_written():
+    from qtool.cuda import quik
+
+    layer = random_quik(200, 520, 130, 4, bias=True)
+    p = quik.prepare(layer)
+    x = _x(77, 520, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    for kernel in quik.GEMM_KERNELS:
+        out = torch.full((77, 200), float("nan"), device="cuda", dtype=torch.float16)
+        synced(quik.gemm(a, p, kernel=kernel, out=out))
+        assert bool(torch.isfinite(out).all())
+        err = rel_err(out, layer.reference_forward(x.float()).double())
+        assert err < 2e-3, f"kernel {kernel}: relative error {err:.2e}"
+
+
+@needs_hopper
+def test_24_sparse_layer_runs_on_the_kernel():
+    layer = random_quik(256, 1024, 64, 4, sparse=True)
+    x = _x(64, 1024, layer.outlier_idx)
+    y = synced(layer(x))
+    err = rel_err(y, layer.reference_forward(x.float()).double())
+    assert err < 2e-3
+
+
+@needs_hopper
+def test_unsupported_widths_fall_back_or_fail_in_one_line(monkeypatch):
+    from qtool.cuda.compile import CudaUnavailableError
+
+    codes = torch.randint(0, 16, (64, 192))
+    w = QuikWeight.from_codes(codes, torch.rand(64) + 0.1, torch.arange(64, dtype=torch.int32), torch.randn(64, 64),
+                              4, 8)
+    layer = QuikLinear(w).cuda()
+    x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
+    y = layer(x)  # auto: the reference path
+    assert not hasattr(layer, "_qtool_prepared")
+    assert torch.allclose(y.float(), layer.reference_forward(x.float()), atol=1e-2, rtol=1e-2)
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")
+    with pytest.raises(CudaUnavailableError, match="w4a8"):
+        layer(x)
