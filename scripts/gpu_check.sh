@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for the GPU check: every GPU test (the stories260K checkpoint perplexity test included: it needs the
 # assets under $QTOOL_ASSETS, default ../shared/assets beside the checkout), the standard kernel bench (Llama-2-7B
-# shapes, W4 and W8 g128, M = 1, 16, 64, 2048), the A/B bench of the CUDA-core decode kernel's variants and the
-# end-to-end bench; full logs go to the output folder, a short summary is printed last.
+# shapes, W4 and W8 g128, M = 1, 16, 64, 2048), the A/B bench of the CUDA-core decode kernel's variants, the
+# end-to-end bench and the QUIK bench (fusion ladder, outlier sweep, W8A8, at M = 2048); full logs go to the
+# output folder, a short summary is printed last.
 #
 #   scripts/gpu_check.sh [OUTPUT_DIR]        (default: $TMPDIR/qtool-gpu-check; PYTHON=... picks the interpreter)
 set -u -o pipefail
@@ -32,6 +33,10 @@ fma_rc=$?
     --json "$OUT_DIR/e2e.json" >"$OUT_DIR/e2e.txt" 2>"$OUT_DIR/e2e.log"
 e2e_rc=$?
 
+"$PY" -m qtool.bench.command quik --model-config llama-2-7b --m 2048 --json "$OUT_DIR/quik.json" \
+    >"$OUT_DIR/quik.txt" 2>"$OUT_DIR/quik.log"
+quik_rc=$?
+
 echo
 echo "================================ GPU check summary ================================"
 echo "GPU tests (rc=$tests_rc): $(grep -E '(passed|failed|error)' "$OUT_DIR/gpu-tests.log" | tail -1)"
@@ -43,7 +48,10 @@ echo "--- bench fma variants (rc=$fma_rc) ---"
 if [ "$fma_rc" -eq 0 ]; then grep '^|' "$OUT_DIR/fma-variants.txt"; else tail -5 "$OUT_DIR/fma-variants.log"; fi
 echo "--- bench e2e (rc=$e2e_rc) ---"
 if [ "$e2e_rc" -eq 0 ]; then cat "$OUT_DIR/e2e.txt"; else tail -5 "$OUT_DIR/e2e.log"; fi
+echo "--- bench quik (rc=$quik_rc) ---"
+if [ "$quik_rc" -eq 0 ]; then cat "$OUT_DIR/quik.txt"; else tail -5 "$OUT_DIR/quik.log"; fi
 status=PASS
-[ "$tests_rc" -ne 0 ] || [ "$kernels_rc" -ne 0 ] || [ "$fma_rc" -ne 0 ] || [ "$e2e_rc" -ne 0 ] && status=FAIL
+[ "$tests_rc" -ne 0 ] || [ "$kernels_rc" -ne 0 ] || [ "$fma_rc" -ne 0 ] || [ "$e2e_rc" -ne 0 ] || [ "$quik_rc" -ne 0 ] \
+    && status=FAIL
 echo "overall: $status  (logs and JSON in $OUT_DIR)"
 [ "$status" = PASS ]

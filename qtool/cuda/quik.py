@@ -19,19 +19,16 @@ SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole 4-bit k-steps (64 bytes of codes per row and step)
 KO_MULTIPLE = 32  # outlier columns per float16 k-step (64 bytes per row)
 TILE = 128  # rows of one GEMM tile
-GEMM_KERNELS = ("wsa", "ws", "rs", "ss")
-# "wsa": as "ws", the producer moving packed bytes with cp.async through a 6-deep raw ring (5 steps in flight).
-# "ws": warp-specialized, one producer warpgroup and two wgmma warpgroups, 128x128 tiles, 4 stages on mbarriers.
+GEMM_KERNELS = ("rs", "ss")
 # "rs": 128x256 tiles, activation fragments loaded straight into registers, weights through shared memory.
 # "ss": 128x128 tiles, both operands through shared memory, two blocks per SM.
+# (Two warp-specialized variants, mbarrier-fed with register or cp.async loads, were slower: kernels/NOTES.md.)
 # Per code width, from `qtool bench quik`-style A/B runs on an H200 (kernels/NOTES.md).
 GEMM_KERNEL = {4: "ss", 8: "rs"}
-GEMM_TILE_N = {"wsa": 128, "ws": 128, "rs": 256, "ss": 128}
-GEMM_THREADS = {"wsa": 384, "ws": 384, "rs": 256, "ss": 256}
-# Stages of operand tiles, plus alignment slack (and the ws kernel's mbarriers).
-GEMM_SMEM = {"wsa": 3 * 2 * 128 * 128 + 6 * 2 * 128 * 64 + 1024 + 64, "ws": 4 * 2 * 128 * 128 + 1024 + 64, "rs": 3 * 256 * 128 + 1024, "ss": 3 * 2 * 128 * 128 + 1024}
-QUANT_ROWS = 2  # token rows per 256-thread quantize block (bench: kernels/NOTES.md)
-QUANT_ROW_CHOICES = (1, 2, 4)
+GEMM_TILE_N = {"rs": 256, "ss": 128}
+GEMM_SMEM = {"rs": 3 * 256 * 128 + 1024, "ss": 3 * 2 * 128 * 128 + 1024}  # three stages, plus alignment slack
+QUANT_ROW_CHOICES = (1, 2, 4)  # token rows per 256-thread quantize block
+QUANT_BLOCKS_PER_SM = 8  # cap on resident quantize blocks per SM (shared memory may allow fewer)
 QUANT_SMEM_MAX = 200 * 1024
 
 
@@ -123,19 +120,25 @@ def empty_activations(m: int, p: QuikPrepared, device: torch.device) -> Quantize
 _GRIDS: dict[tuple[int, int, int], int] = {}
 
 
-def _quant_grid(fn, smem: int, dev: torch.device) -> int:
-    """Blocks that fit on the GPU at once: the kernel is persistent and stages the column map once per block."""
-    key = (id(fn), smem, dev.index or 0)
+def _quant_grid(smem: int, dev: torch.device, blocks_per_sm: int) -> int:
+    """Blocks resident at once: the kernel is persistent and stages the column map once per block."""
+    key = (smem, dev.index or 0, blocks_per_sm)
     if key not in _GRIDS:
         props = torch.cuda.get_device_properties(dev)
         sm_smem = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
-        per_sm = max(1, min(8, (sm_smem - 1024) // (smem + 1024)))
+        per_sm = max(1, min(blocks_per_sm, (sm_smem - 1024) // (smem + 1024)))
         _GRIDS[key] = props.multi_processor_count * per_sm
     return _GRIDS[key]
 
 
-def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int = QUANT_ROWS,
-             out: QuantizedActivations | None = None) -> QuantizedActivations:
+def default_rows(k: int) -> int:
+    """Rows per quantize block: two short rows share a block; long rows (K > 8192) get a block each (H200 bench,
+    kernels/NOTES.md)."""
+    return 2 if k <= 8192 else 1
+
+
+def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int | None = None,
+             out: QuantizedActivations | None = None, blocks_per_sm: int = QUANT_BLOCKS_PER_SM) -> QuantizedActivations:
     """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row."""
     if x2.dtype != torch.float16:
         raise cc.CudaUnavailableError(f"quik quantize kernel: found activations {x2.dtype}, expected float16")
@@ -148,6 +151,7 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int = QUANT_ROWS
         out = empty_activations(m, p, dev)
     if m == 0:
         return out
+    rows_per_block = rows_per_block or default_rows(k)
     idx_bytes = 4 * ((p.kb + 3) // 4 * 4)
     if idx_bytes + 2 * k > QUANT_SMEM_MAX:
         raise cc.CudaUnavailableError(f"quik quantize kernel: in_features {k} exceeds the shared-memory buffers "
@@ -160,7 +164,7 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int = QUANT_ROWS
     smem = idx_bytes + rows_per_block * k * 2
     cc.allow_shared_memory(fn, smem)
     cc.launch(
-        fn, (min((m + rows_per_block - 1) // rows_per_block, _quant_grid(fn, smem, dev)),), (256,),
+        fn, (min((m + rows_per_block - 1) // rows_per_block, _quant_grid(smem, dev, blocks_per_sm)),), (256,),
         (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.ptr(p.base_idx), cc.i32(p.kb),
          cc.ptr(p.outlier_idx), cc.i32(p.ko), cc.ptr(out.codes), cc.i32(words), cc.ptr(out.outliers), cc.i32(p.kop),
          cc.ptr(out.scale), cc.ptr(out.zero)),
@@ -183,7 +187,7 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, kernel: s
     kernel = kernel or GEMM_KERNEL[p.bits]
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"quik gemm kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
-    name = {"wsa": f"quik_gemm_wsa_w{p.bits}", "ws": f"quik_gemm_ws_w{p.bits}", "rs": f"quik_gemm_rs_w{p.bits}", "ss": f"quik_gemm_w{p.bits}_b2"}[kernel]
+    name = {"rs": f"quik_gemm_rs_w{p.bits}", "ss": f"quik_gemm_ss_w{p.bits}"}[kernel]
     fn = _module(dev).fn(name)
     smem = GEMM_SMEM[kernel]
     cc.allow_shared_memory(fn, smem)
@@ -191,7 +195,7 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, kernel: s
     kt = p.kp * p.bits // 512 if p.kb > 0 else 0  # 64 bytes of codes per step
     kto = p.kop // KO_MULTIPLE if fused else 0
     cc.launch(
-        fn, ((n + tn - 1) // tn, (m + TILE - 1) // TILE), (GEMM_THREADS[kernel],),
+        fn, ((n + tn - 1) // tn, (m + TILE - 1) // TILE), (256,),
         (cc.ptr(a.codes), cc.i32(a.codes.shape[1]), cc.ptr(p.wq), cc.i32(p.wq.shape[1]), cc.i32(m), cc.i32(n),
          cc.i32(kt), cc.ptr(a.outliers), cc.ptr(p.wo), cc.i32(p.kop), cc.i32(kto),
          cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),

@@ -1,0 +1,94 @@
+"""`qtool bench quik`'s report (ladder, outlier sweep, baselines, overheads, schema) with a fake timer, no GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from qtool.bench import quik as qb
+from tests.test_bench_stats import FakeCases as KernelFakeCases
+
+# Per-call microseconds the fake timer returns for each labelled callable.
+TIMES = {"floor": 2.0, "copy": 1000.0, "peak": 1600.0, "fp16": 100.0, "int8": 90.0, "fp8": 55.0,
+         "unfused": 700.0, "fused-quant": 330.0, "fused/4/0": 50.0, "fused/4/128": 52.0, "fused/4/256": 55.0,
+         "fused/4/512": 60.0, "fused/4/1024": 70.0, "fused/8/256": 80.0, "fused/8/128": 78.0}
+
+
+class FakeTimer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, fns, warmup, iters):
+        label = fns[0]()
+        self.calls.append((label, iters))
+        return [TIMES[label] * (1 + 0.01 * ((i % 3) - 1)) for i in range(iters)]
+
+
+class FakeCases(KernelFakeCases):
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def fp8(self, k, n, m):
+        return [lambda: "fp8"], m
+
+    def quik(self, k, n, m, bits, outliers, rung):
+        self.asked.append((k, n, m, bits, outliers, rung))
+        label = rung if rung != "fused" else f"fused/{bits}/{outliers}"
+        return [lambda: label]
+
+
+def _run(**kw):
+    cfg = qb.QuikBenchConfig(shapes=[(4096, 4096)], warmup=2, iters=50, **kw)
+    cases = FakeCases()
+    return qb.run_quik_bench(cfg, cases, FakeTimer()), cases
+
+
+def test_ladder_sweep_and_ratios():
+    report, cases = _run()
+    assert qb.validate_report(report) == []
+    json.dumps(report)  # serialisable as written by --json
+    (row,) = report["results"]
+    assert row["m"] == 2048 and report["config"]["ladder_outliers"] == 256
+    assert set(row["w4a4_ladder"]) == {"unfused", "fused-quant", "fused"}
+    assert row["w4a4_ladder"]["fused"]["median_us"] == pytest.approx(55.0)
+    assert row["w4a4_ladder"]["fused"]["speedup"]["fp16"] == pytest.approx(100.0 / 55.0)
+    assert row["w4a4_ladder"]["fused"]["speedup"]["fp8"] == pytest.approx(1.0)
+    assert row["w4a4_ladder"]["unfused"]["speedup"]["fp16"] == pytest.approx(100.0 / 700.0)
+    assert list(row["w4a4_outliers"]) == ["0", "128", "256", "512", "1024"]
+    assert row["outlier_overhead"]["256"] == pytest.approx(0.10)
+    assert row["outlier_overhead"]["1024"] == pytest.approx(0.40)
+    assert row["w8a8"]["median_us"] == pytest.approx(80.0)
+    tops = 2 * 2048 * 4096 * 4096 / (55.0e-6) / 1e12
+    assert row["w4a4_ladder"]["fused"]["tops"] == pytest.approx(tops)
+    # Every quik measurement was asked for the weight bits and outlier count it reports.
+    assert (4096, 4096, 2048, 8, 256, "fused") in cases.asked
+    text = qb.format_report(report)
+    assert "w4a4 fused k=256" in text and "outliers +10.0%" in text and "xFP8 1.00" in text
+
+
+def test_sweep_without_zero_has_no_overhead_and_skips_counts_above_k():
+    report, _ = _run(outlier_counts=(128, 8192), ladder_outliers=128)
+    (row,) = report["results"]
+    assert list(row["w4a4_outliers"]) == ["128"]
+    assert row["outlier_overhead"] == {"128": None}
+
+
+def test_schema_problems_are_named():
+    report, _ = _run()
+    report["results"][0]["w4a4_ladder"].pop("fused")
+    assert any("w4a4_ladder.fused" in p for p in qb.validate_report(report))
+    assert qb.validate_report({"schema": "other"})[0].startswith("schema: found 'other'")
+
+
+def test_cli_without_gpu_is_one_line(monkeypatch):
+    import torch
+
+    from qtool.bench.command import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(bench, ["quik", "--shapes", "256x256", "--m", "64"])
+    assert res.exit_code != 0 and res.output.strip().count("\n") == 0 and "no CUDA GPU" in res.output
+    res = CliRunner().invoke(bench, ["quik", "--outliers", "0,x"])
+    assert res.exit_code != 0 and "--outliers: found 'x'" in res.output
