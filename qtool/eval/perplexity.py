@@ -3,6 +3,10 @@
 Protocol: the text is tokenized once (or, with a separator, document by document with the tokenizer's special
 tokens, e.g. BOS per story); windows of `seq_len` tokens start every `stride` tokens; every window but the first
 scores only the tokens the previous window did not score; ppl = exp(mean token NLL).
+
+On a CUDA device each window shape's forward is captured once as a CUDA graph and replayed (the quantized linears'
+kernels are many small launches); `QTOOL_CUDA_GRAPHS=0` turns that off, and a model whose forward cannot be
+captured runs eagerly (the result says which, and why).
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,48 @@ def windows(num_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, 
     return out
 
 
+MAX_GRAPHS = 2  # window shapes captured per evaluation (the full batch and the last, shorter one)
+
+
+class WindowForward:
+    """`logits = fwd(x)`: eager, or one CUDA graph per input shape (falling back to eager for good on failure)."""
+
+    def __init__(self, model, device: torch.device | str) -> None:
+        self.model = model
+        dev = torch.device(device)
+        self.use_graphs = dev.type == "cuda" and os.environ.get("QTOOL_CUDA_GRAPHS", "1") != "0"
+        self.graphs: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.error: str | None = None
+        self.replays = 0
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, use_cache=False).logits
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_graphs or self.error is not None:
+            return self._eager(x)
+        key = tuple(x.shape)
+        step = self.graphs.get(key)
+        if step is None:
+            if len(self.graphs) >= MAX_GRAPHS:
+                return self._eager(x)
+            from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+
+            try:
+                step = GraphedStep(self._eager, [x])
+            except Exception as exc:  # noqa: BLE001  an uncapturable forward still evaluates, eagerly
+                self.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                torch.cuda.synchronize()
+                return self._eager(x)
+            self.graphs[key] = step
+        self.replays += 1
+        return step(x)
+
+    def summary(self) -> dict:
+        return {"cuda_graphs": bool(self.graphs) and self.error is None, "graph_replays": self.replays,
+                "graph_error": self.error}
+
+
 @torch.no_grad()
 def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None) -> dict:
     t0 = time.perf_counter()
@@ -63,12 +111,13 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
     total_tokens = 0
     batches = [spans[i:i + spec.batch_size] for i in range(0, len(spans), spec.batch_size)]
     items = reporter.track(batches, len(batches), "perplexity") if reporter else batches
+    forward = WindowForward(model, device)
     for batch in items:
         same_len = len({e - b for b, e, _ in batch}) == 1
         groups = [batch] if same_len else [[s] for s in batch]
         for group in groups:
             x = torch.stack([ids[b:e] for b, e, _ in group]).to(device)
-            logits = model(x, use_cache=False).logits.float()
+            logits = forward(x).float()
             for row, (_, _, scored) in enumerate(group):
                 lg = logits[row, -scored - 1:-1]
                 tgt = x[row, -scored:]
@@ -80,5 +129,8 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
     protocol["stride"] = stride
     protocol["tokenizer"] = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     protocol["tokens_sha256"] = hashlib.sha256(ids.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
-    return {"perplexity": math.exp(nll), "nll": nll, "scored_tokens": total_tokens, "windows": len(spans),
-            "protocol": protocol, "seconds": round(time.perf_counter() - t0, 3)}
+    out = {"perplexity": math.exp(nll), "nll": nll, "scored_tokens": total_tokens, "windows": len(spans),
+           "protocol": protocol, "seconds": round(time.perf_counter() - t0, 3)}
+    if forward.use_graphs:
+        out.update(forward.summary())
+    return out

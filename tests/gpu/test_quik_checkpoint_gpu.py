@@ -1,0 +1,82 @@
+"""A QUIK stories260K checkpoint (W4A4 and W8A8, 8 outlier columns per linear) gives the same perplexity on the
+GPU (fp16 activations, quik CUDA kernels) as on the CPU (float32 torch reference), and the kernels ran.
+
+Tolerance: the GPU quantizes fp16 activations to 4 bits where the CPU quantizes float32 ones, so a few codes sit
+one step apart at rounding ties; with a 4-bit activation step of (max - min)/15 per token, such flips move the
+perplexity by far less than the 2% allowed here, while a wrong code, scale, outlier column or epilogue term (what
+a kernel bug produces) moves a W4A4 model's perplexity by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.gpu.helpers import gpu_ready
+from tests.test_quik_checkpoint import recipe_text
+
+from conftest import STORIES, TINYSTORIES, write_recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready())),
+    pytest.mark.skipif(gpu_ready() is None and torch.cuda.get_device_capability() != (9, 0),
+                       reason="quik kernels need Hopper (wgmma)"),
+    pytest.mark.skipif(not STORIES.is_dir() or not TINYSTORIES.is_file(), reason="stories260K assets not found"),
+]
+
+REL_TOL = 2e-2
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=["w4a4", "w8a8"])
+def checkpoint(request, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from qtool.cli import cli
+
+    bits = request.param
+    tmp = tmp_path_factory.mktemp(f"quik-gpu-{bits}")
+    text = recipe_text(STORIES, tmp / "ckpt", bits=bits, act_bits=bits, outliers=8, text=TINYSTORIES, samples=32,
+                       seq=256, windows=16)
+    res = CliRunner().invoke(cli, ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["quantized_linears"] > 0
+    return tmp / "ckpt"
+
+
+def _ppl(ckpt, device: str, dtype: torch.dtype) -> dict:
+    import qtool
+    from qtool.checkpoint.loader import load_tokenizer
+    from qtool.eval.perplexity import perplexity
+    from qtool.recipe import EvalSpec
+
+    spec = EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4)
+    model = qtool.load(ckpt, device=device, dtype=dtype).eval()
+    return perplexity(model, load_tokenizer(ckpt), spec, device)
+
+
+def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
+    from qtool.cuda import quik
+
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")  # a fallback to the reference raises instead
+    calls: Counter = Counter()
+    gemm = quik.gemm
+
+    def counted(*a, **kw):
+        calls["gemm"] += 1
+        return gemm(*a, **kw)
+
+    monkeypatch.setattr(quik, "gemm", counted)
+    ref = _ppl(checkpoint, "cpu", torch.float32)
+    got = _ppl(checkpoint, "cuda", torch.float16)
+    assert calls["gemm"] > 0, "no quik layer ran the CUDA kernels"
+    rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
+    print(f"\nquik perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
+          f"(cuda graphs {got.get('cuda_graphs')}, {got['windows']} windows)")
+    assert got["scored_tokens"] == ref["scored_tokens"]
+    assert math.isfinite(got["perplexity"]) and rel < REL_TOL
