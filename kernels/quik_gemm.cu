@@ -253,7 +253,7 @@ QUANT_ENTRY(8, 2)
 QUANT_ENTRY(8, 4)
 
 // ---------------------------------------------------------------------------------------------------------------
-// GEMM "ss": C[M,N] = epilogue(A[M,Kp] · B[N,Kp]^T) (+ Xo · Wo^T), tile 128 x 128, 256 threads = 2 warpgroups, each
+// GEMM: C[M,N] = epilogue(A[M,Kp] · B[N,Kp]^T) (+ Xo · Wo^T), tile 128 x 128, 256 threads = 2 warpgroups, each
 // computing 64 rows x 128 columns with wgmma m64n128k32 (s8) and, for the outlier columns, m64n128k16 (f16).
 //
 // Every k-step moves 64 bytes of each operand row from global memory: 128 four-bit codes (unpacked to 128 bytes
@@ -420,8 +420,8 @@ __device__ __forceinline__ void gemm_step(int (&acc)[64], uint4 (&xa)[2], uint4 
                                           uint4 (&yb)[2], int s, int steps, const GemmArgs& g, u32 base, int tid,
                                           int wg, int r0, int cbase, const float* sx, const float* zx, const u16* sw,
                                           const float* wred) {
-    // X holds step s+1 (loads in flight); Y receives step s+2.
-    if (s + 2 < steps) step_load<BITS>(ya, yb, s + 2, g, tid);
+    // X holds step s+1 (loads in flight); Y receives step s+2, loaded after this step's shared-memory fence: the
+    // fence compiles to MEMBAR.ALL.CTA, which would otherwise wait for those loads too.
     if (s == g.kt && g.kt > 0) {
         wgmma_wait0();
         eq1_in_place<BITS>(acc, r0, cbase, g.M, g.N, sx, zx, sw, wred);
@@ -440,6 +440,7 @@ __device__ __forceinline__ void gemm_step(int (&acc)[64], uint4 (&xa)[2], uint4 
     wgmma_commit();
     // Stage (s+1) mod 3 was last read by step s-2's wgmma, finished at the previous step's wait.
     if (s + 1 < steps) step_store<BITS>(xa, xb, s + 1, g.kt, base + (u32)((s + 1) % STAGES) * STAGE_BYTES, tid);
+    if (s + 2 < steps) step_load<BITS>(ya, yb, s + 2, g, tid);
     wgmma_wait1();
     __syncthreads();
 }
@@ -531,293 +532,13 @@ __device__ __forceinline__ void gemm_body(const u32* __restrict__ A, int lda, co
 }
 
 // Two resident blocks per SM (128 registers each) hide each other's barriers.
-#define GEMM_SS_ENTRY(BITS)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 2) quik_gemm_ss_w##BITS(                                    \
+#define GEMM_ENTRY(BITS)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 2) quik_gemm_w##BITS(                                    \
         const u32* A, int lda, const u32* B, int ldb, int M, int N, int kt, const u16* Xo, const u16* Wo, int ldo, \
         int kto, const float* sx, const float* zx, const u16* sw, const float* wred, const u16* bias, void* out,    \
         int ldc, int raw) {                                                                                       \
         gemm_body<BITS>(A, lda, B, ldb, M, N, kt, Xo, Wo, ldo, kto, sx, zx, sw, wred, bias, out, ldc, raw);       \
     }
-GEMM_SS_ENTRY(4)
-GEMM_SS_ENTRY(8)
-
-// ---------------------------------------------------------------------------------------------------------------
-// GEMM "rs", register-A variant: tile 128 x 256, 2 warpgroups of m64n256. The activation operand never touches shared
-// memory: each thread loads exactly its wgmma A fragment from global memory (one 16-byte load per row and step;
-// the K order inside a step is chosen so that this holds) and unpacks it in registers. Only the weight tile goes
-// through shared memory, written in the same K order. Per step and thread: A rows r and r+8, 16 bytes each at
-// byte 16t of the row's 64-byte step (t = lane mod 4).
-//   4-bit: word i of the piece gives chunk i: a0/a1 = even codes (rows r, r+8), a2/a3 = odd codes.
-//   8-bit and float16: words 2c and 2c+1 give chunk c (a0/a1 and a2/a3).
-// The weight piece q of a row is stored to match: 4-bit word i -> bytes 32i + 4q (even codes) and 32i + 16 + 4q
-// (odd codes); 8-bit / float16 word i -> bytes 32(i/2) + 16(i mod 2) + 4q.
-// ---------------------------------------------------------------------------------------------------------------
-constexpr int RS_BN = 256;
-constexpr int RS_TILE_B = 256 * 128;  // weight tile bytes per stage
-constexpr int RS_STAGES = 3;
-
-#define R16(a, i) R8(a, i), R8(a, i + 8)
-
-__device__ __forceinline__ void wgmma_rs_s8(int (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p; }"
-        : R16(d, 0), R16(d, 16), R16(d, 32), R16(d, 48), R16(d, 64), R16(d, 80), R16(d, 96), R16(d, 112)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void wgmma_rs_f16(int (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
-        : R16(d, 0), R16(d, 16), R16(d, 32), R16(d, 48), R16(d, 64), R16(d, 80), R16(d, 96), R16(d, 112)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-
-// Keeps registers read asynchronously by wgmma (and the accumulators) from being reused or moved early.
-template <int N>
-__device__ __forceinline__ void fence_regs(u32 (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-
-template <int N>
-__device__ __forceinline__ void fence_regs(int (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-
-struct RsArgs {
-    const u32* A;
-    int lda;
-    const u32* B;
-    int ldb;
-    int M, N, kt;
-    const u32* Xo;
-    const u32* Wo;
-    int ldo_w;
-    int ra, n0;  // this thread's first A row; the tile's first weight row
-};
-
-struct RsRaw {
-    uint4 a[2];  // A rows r, r+8
-    uint4 b[4];  // weight pieces tid + 256 i
-};
-
-__device__ __forceinline__ uint4 ld16_rows(const u32* base, int ld, int row, int rows, int word_off) {
-    return row < rows ? ld16(base + (size_t)row * ld + word_off) : make_uint4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ void rs_load(RsRaw& r, int step, const RsArgs& g, int tid) {
-    const int t = tid & 3;
-    const bool base = step < g.kt;
-    const u32* A = base ? g.A : g.Xo;
-    const u32* B = base ? g.B : g.Wo;
-    const int lda = base ? g.lda : g.ldo_w, ldb = base ? g.ldb : g.ldo_w;
-    const int off = (base ? step : step - g.kt) * 16;
-    r.a[0] = ld16_rows(A, lda, g.ra, g.M, off + 4 * t);
-    r.a[1] = ld16_rows(A, lda, g.ra + 8, g.M, off + 4 * t);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int p = tid + 256 * i;
-        r.b[i] = ld16_rows(B, ldb, g.n0 + p / 4, g.N, off + 4 * (p % 4));
-    }
-}
-
-__device__ __forceinline__ void st_shared4(u32 addr, u32 v) {
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v));
-}
-
-// Byte offset o (0..127) of row `row` in a 128-byte swizzled row.
-__device__ __forceinline__ u32 swz(int row, int o) { return row * 128 + ((((o >> 4) ^ (row & 7))) << 4) + (o & 15); }
-
-template <int BITS>
-__device__ __forceinline__ void rs_store_b(const RsRaw& r, bool base, u32 tile, int tid) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int p = tid + 256 * i, row = p / 4, q = p % 4;
-        const u32 w[4] = {r.b[i].x, r.b[i].y, r.b[i].z, r.b[i].w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            if (base && BITS == 4) {
-                st_shared4(tile + swz(row, 32 * k + 4 * q), nib_s8(w[k]));
-                st_shared4(tile + swz(row, 32 * k + 16 + 4 * q), nib_s8(w[k] >> 4));
-            } else {
-                const u32 v = (base && BITS == 8) ? (w[k] ^ 0x80808080u) : w[k];
-                st_shared4(tile + swz(row, 32 * (k / 2) + 16 * (k % 2) + 4 * q), v);
-            }
-        }
-    }
-    fence_async_smem();
-}
-
-// The A fragments of one step: chunk c uses f[4c .. 4c+3] = a0 (row r), a1 (row r+8), a2 (row r), a3 (row r+8).
-template <int BITS>
-__device__ __forceinline__ void rs_frag(u32 (&f)[16], const RsRaw& r, bool base) {
-    const u32 x[4] = {r.a[0].x, r.a[0].y, r.a[0].z, r.a[0].w};
-    const u32 y[4] = {r.a[1].x, r.a[1].y, r.a[1].z, r.a[1].w};
-    if (base && BITS == 4) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            f[4 * c + 0] = nib_s8(x[c]);
-            f[4 * c + 1] = nib_s8(y[c]);
-            f[4 * c + 2] = nib_s8(x[c] >> 4);
-            f[4 * c + 3] = nib_s8(y[c] >> 4);
-        }
-    } else {
-        const u32 flip = (base && BITS == 8) ? 0x80808080u : 0u;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            f[4 * c + 0] = x[2 * c] ^ flip;
-            f[4 * c + 1] = y[2 * c] ^ flip;
-            f[4 * c + 2] = x[2 * c + 1] ^ flip;
-            f[4 * c + 3] = y[2 * c + 1] ^ flip;
-        }
-    }
-}
-
-template <int BITS>
-__device__ __forceinline__ void rs_eq1(int (&acc)[128], int r0, int cbase, int M, int N, const float* __restrict__ sx,
-                                       const float* __restrict__ zx, const u16* __restrict__ sw,
-                                       const float* __restrict__ wred) {
-    const float h = (float)(1 << (BITS - 1));
-    const int r1 = r0 + 8;
-    const float sx0 = r0 < M ? sx[r0] : 0.f, sx1 = r1 < M ? sx[r1] : 0.f;
-    const float a0 = r0 < M ? zx[r0] + h * sx0 : 0.f, a1 = r1 < M ? zx[r1] + h * sx1 : 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int c = cbase + 8 * i + e;
-            const float swc = c < N ? h2f(sw[c]) : 0.f, wr = c < N ? wred[c] : 0.f;
-            acc[4 * i + e] = f2bits((float)acc[4 * i + e] * sx0 * swc + a0 * wr);
-            acc[4 * i + 2 + e] = f2bits((float)acc[4 * i + 2 + e] * sx1 * swc + a1 * wr);
-        }
-    }
-}
-
-// Step s: `cur` holds step s's raw loads (its weight piece is already in shared memory), `nxt` step s+1's.
-template <int BITS>
-__device__ __forceinline__ void rs_step(int (&acc)[128], u32 (&fcur)[16], u32 (&fprev)[16], RsRaw& cur, RsRaw& nxt,
-                                        int s, int steps, const RsArgs& g, u32 base, int tid, int r0, int cbase,
-                                        const float* sx, const float* zx, const u16* sw, const float* wred) {
-    const bool is_base = s < g.kt;
-    rs_frag<BITS>(fcur, cur, is_base);
-    if (s + 2 < steps) rs_load(cur, s + 2, g, tid);  // `cur` is free once its fragments are built
-    if (s == g.kt && g.kt > 0) {
-        wgmma_wait0();
-        fence_regs(acc);
-        rs_eq1<BITS>(acc, r0, cbase, g.M, g.N, sx, zx, sw, wred);
-    }
-    const u32 tb = base + (u32)(s % RS_STAGES) * RS_TILE_B;
-    fence_regs(acc);
-    wgmma_fence();
-    if (is_base) {
-        constexpr int CH = BITS == 4 ? 4 : 2;
-#pragma unroll
-        for (int c = 0; c < CH; ++c)
-            wgmma_rs_s8(acc, fcur[4 * c], fcur[4 * c + 1], fcur[4 * c + 2], fcur[4 * c + 3], desc_sw128(tb + 32 * c));
-    } else {
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-            wgmma_rs_f16(acc, fcur[4 * c], fcur[4 * c + 1], fcur[4 * c + 2], fcur[4 * c + 3], desc_sw128(tb + 32 * c));
-    }
-    wgmma_commit();
-    if (s + 1 < steps) rs_store_b<BITS>(nxt, s + 1 < g.kt, base + (u32)((s + 1) % RS_STAGES) * RS_TILE_B, tid);
-    wgmma_wait1();
-    fence_regs(fprev);  // step s-1's fragments were read by its wgmma, complete now
-    fence_regs(acc);
-    __syncthreads();
-}
-
-template <int BITS>
-__device__ __forceinline__ void gemm_rs_body(const u32* __restrict__ A, int lda, const u32* __restrict__ B, int ldb,
-                                             int M, int N, int kt, const u16* __restrict__ Xo,
-                                             const u16* __restrict__ Wo, int ldo, int kto,
-                                             const float* __restrict__ sx, const float* __restrict__ zx,
-                                             const u16* __restrict__ sw, const float* __restrict__ wred,
-                                             const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw) {
-    extern __shared__ char smem_raw[];
-    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp_in_wg = (tid / 32) & 3;
-    const int r0 = (int)blockIdx.y * BM + wg * 64 + warp_in_wg * 16 + lane / 4, r1 = r0 + 8;
-    const int n0 = (int)blockIdx.x * RS_BN;
-    const int cbase = n0 + 2 * (lane & 3);
-    RsArgs g{A, lda, B, ldb, M, N, kt, reinterpret_cast<const u32*>(Xo), reinterpret_cast<const u32*>(Wo),
-             ldo / 2, r0, n0};
-    const int steps = kt + kto;
-
-    int acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0;
-    u32 f0[16], f1[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) f0[i] = f1[i] = 0;
-    RsRaw p0, p1;
-    if (steps > 0) {
-        rs_load(p0, 0, g, tid);
-        rs_store_b<BITS>(p0, 0 < kt, base, tid);
-    }
-    if (steps > 1) rs_load(p1, 1, g, tid);
-    __syncthreads();
-    int s = 0;
-    for (; s + 1 < steps; s += 2) {
-        rs_step<BITS>(acc, f0, f1, p0, p1, s, steps, g, base, tid, r0, cbase, sx, zx, sw, wred);
-        rs_step<BITS>(acc, f1, f0, p1, p0, s + 1, steps, g, base, tid, r0, cbase, sx, zx, sw, wred);
-    }
-    if (s < steps) rs_step<BITS>(acc, f0, f1, p0, p1, s, steps, g, base, tid, r0, cbase, sx, zx, sw, wred);
-    wgmma_wait0();
-    fence_regs(acc);
-    fence_regs(f0);
-    fence_regs(f1);
-
-    if (raw) {
-        int* o = reinterpret_cast<int*>(out);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = cbase + 8 * i + e;
-                if (c < N) {
-                    if (r0 < M) o[(size_t)r0 * ldc + c] = acc[4 * i + e];
-                    if (r1 < M) o[(size_t)r1 * ldc + c] = acc[4 * i + 2 + e];
-                }
-            }
-        }
-        return;
-    }
-    if (steps == kt && kt > 0) rs_eq1<BITS>(acc, r0, cbase, M, N, sx, zx, sw, wred);
-    u16* o = reinterpret_cast<u16*>(out);
-    const bool pairs = (ldc & 1) == 0;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        const int c = cbase + 8 * i;
-        const float b0 = (bias && c < N) ? h2f(bias[c]) : 0.f, b1 = (bias && c + 1 < N) ? h2f(bias[c + 1]) : 0.f;
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            const int r = hrow ? r1 : r0;
-            if (r >= M) continue;
-            const u16 v0 = f2h(bits2f(acc[4 * i + 2 * hrow]) + b0), v1 = f2h(bits2f(acc[4 * i + 2 * hrow + 1]) + b1);
-            u16* pp = o + (size_t)r * ldc + c;
-            if (pairs && c + 1 < N) {
-                *reinterpret_cast<u32*>(pp) = (u32)v0 | ((u32)v1 << 16);
-            } else {
-                if (c < N) pp[0] = v0;
-                if (c + 1 < N) pp[1] = v1;
-            }
-        }
-    }
-}
-
-#define GEMM_RS_ENTRY(BITS)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 1) quik_gemm_rs_w##BITS(                                    \
-        const u32* A, int lda, const u32* B, int ldb, int M, int N, int kt, const u16* Xo, const u16* Wo, int ldo, \
-        int kto, const float* sx, const float* zx, const u16* sw, const float* wred, const u16* bias, void* out,    \
-        int ldc, int raw) {                                                                                       \
-        gemm_rs_body<BITS>(A, lda, B, ldb, M, N, kt, Xo, Wo, ldo, kto, sx, zx, sw, wred, bias, out, ldc, raw);    \
-    }
-GEMM_RS_ENTRY(4)
-GEMM_RS_ENTRY(8)
+GEMM_ENTRY(4)
+GEMM_ENTRY(8)
 

@@ -18,15 +18,10 @@ from qtool.cuda.grouped_int import kernel_mode
 SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole 4-bit k-steps (64 bytes of codes per row and step)
 KO_MULTIPLE = 32  # outlier columns per float16 k-step (64 bytes per row)
-TILE = 128  # rows of one GEMM tile
-GEMM_KERNELS = ("rs", "ss")
-# "rs": 128x256 tiles, activation fragments loaded straight into registers, weights through shared memory.
-# "ss": 128x128 tiles, both operands through shared memory, two blocks per SM.
-# (Two warp-specialized variants, mbarrier-fed with register or cp.async loads, were slower: kernels/NOTES.md.)
-# Per code width, from `qtool bench quik`-style A/B runs on an H200 (kernels/NOTES.md).
-GEMM_KERNEL = {4: "ss", 8: "rs"}
-GEMM_TILE_N = {"rs": 256, "ss": 128}
-GEMM_SMEM = {"rs": 3 * 256 * 128 + 1024, "ss": 3 * 2 * 128 * 128 + 1024}  # three stages, plus alignment slack
+TILE = 128  # rows and columns of one GEMM tile
+# 128x128 tiles, both operands through swizzled shared memory, two blocks per SM. Three other variants (128x256
+# with register A fragments, two warp-specialized ones) were slower on an H200: kernels/NOTES.md.
+GEMM_SMEM = 3 * 2 * 128 * 128 + 1024  # three stages of two 16 KB tiles, plus alignment slack
 QUANT_ROW_CHOICES = (1, 2, 4)  # token rows per 256-thread quantize block
 QUANT_BLOCKS_PER_SM = 8  # cap on resident quantize blocks per SM (shared memory may allow fewer)
 QUANT_SMEM_MAX = 200 * 1024
@@ -173,7 +168,7 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int | None = Non
     return out
 
 
-def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, kernel: str | None = None,
+def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
     int32 accumulators [M, N] (no outliers, no bias)."""
@@ -184,23 +179,17 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, kernel: s
         out = torch.empty(m, n, dtype=torch.float16 if fused else torch.int32, device=dev)
     if m == 0:
         return out
-    kernel = kernel or GEMM_KERNEL[p.bits]
-    if kernel not in GEMM_KERNELS:
-        raise ValueError(f"quik gemm kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
-    name = {"rs": f"quik_gemm_rs_w{p.bits}", "ss": f"quik_gemm_ss_w{p.bits}"}[kernel]
-    fn = _module(dev).fn(name)
-    smem = GEMM_SMEM[kernel]
-    cc.allow_shared_memory(fn, smem)
-    tn = GEMM_TILE_N[kernel]
+    fn = _module(dev).fn(f"quik_gemm_w{p.bits}")
+    cc.allow_shared_memory(fn, GEMM_SMEM)
     kt = p.kp * p.bits // 512 if p.kb > 0 else 0  # 64 bytes of codes per step
     kto = p.kop // KO_MULTIPLE if fused else 0
     cc.launch(
-        fn, ((n + tn - 1) // tn, (m + TILE - 1) // TILE), (256,),
+        fn, ((n + TILE - 1) // TILE, (m + TILE - 1) // TILE), (256,),
         (cc.ptr(a.codes), cc.i32(a.codes.shape[1]), cc.ptr(p.wq), cc.i32(p.wq.shape[1]), cc.i32(m), cc.i32(n),
          cc.i32(kt), cc.ptr(a.outliers), cc.ptr(p.wo), cc.i32(p.kop), cc.i32(kto),
          cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
          cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1)),
-        shared_mem=smem, device=dev.index,
+        shared_mem=GEMM_SMEM, device=dev.index,
     )
     return out
 
