@@ -48,6 +48,30 @@ def require_cupy() -> Any:
 _AVAILABLE: bool | None = None
 
 
+def kernel_mode() -> str:
+    """`QTOOL_KERNELS`: auto (kernels when usable, else reference), cuda (kernels or a one-line error), reference."""
+    mode = os.environ.get("QTOOL_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "cuda", "reference"):
+        raise CudaUnavailableError(f"QTOOL_KERNELS: found {mode!r}, expected one of auto, cuda, reference")
+    return mode
+
+
+def use_kernels(layout: str, reason: str | None) -> bool:
+    """Whether a layer of `layout` runs its CUDA kernels: `reason` says why it cannot (None when it can). Under
+    QTOOL_KERNELS=cuda every fallback is a one-line error naming the layout and the reason instead."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if reason is not None:
+        if mode == "cuda":
+            raise CudaUnavailableError(f"{layout} layer: {reason}; {REFERENCE_HINT}")
+        return False
+    if mode == "cuda":
+        require_cupy()
+        return True
+    return cupy_available()
+
+
 def cupy_available() -> bool:
     """Whether the kernel path can run (answer cached: a failed import is slow to repeat)."""
     global _AVAILABLE

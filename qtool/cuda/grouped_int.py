@@ -35,14 +35,6 @@ FMA_MAX_PIECES = 256
 _SUPPORTED_BITS = (4, 8)
 
 
-def kernel_mode() -> str:
-    """`QTOOL_KERNELS`: auto (kernels when usable, else reference), cuda (kernels or a one-line error), reference."""
-    mode = os.environ.get("QTOOL_KERNELS", "auto").strip().lower()
-    if mode not in ("auto", "cuda", "reference"):
-        raise cc.CudaUnavailableError(f"QTOOL_KERNELS: found {mode!r}, expected one of auto, cuda, reference")
-    return mode
-
-
 @dataclass
 class Prepared:
     """Device-side view of one layer, ready for the kernels."""
@@ -370,21 +362,14 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
 
     QTOOL_KERNELS=cuda turns every fallback into a one-line error instead.
     """
-    mode = kernel_mode()
-    if mode == "reference":
+    if cc.kernel_mode() == "reference":
         return None
-    strict = mode == "cuda"
     spec = layer.spec
     m = x.numel() // max(1, x.shape[-1])
-    path = choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features)
-    if path == "reference":
-        if strict:
-            reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
-            raise cc.CudaUnavailableError(f"grouped_int layer: {reason}; {cc.REFERENCE_HINT}")
-        return None
-    if strict:
-        cc.require_cupy()
-    elif not cc.cupy_available():
+    reason = None
+    if choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features) == "reference":
+        reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
+    if not cc.use_kernels("grouped_int", reason):
         return None
     p = getattr(layer, "_qtool_prepared", None)
     if p is None or p.source_ptr != layer.qweight.data_ptr() or p.qweight.device != x.device:

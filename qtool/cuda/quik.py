@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda.grouped_int import kernel_mode
 
 SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole 4-bit k-steps (64 bytes of codes per row and step)
@@ -240,20 +239,12 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
     """CUDA forward for a QuikLinear, or None when the caller should run the reference path.
 
     QTOOL_KERNELS=cuda turns every fallback into a one-line error instead."""
-    mode = kernel_mode()
-    if mode == "reference":
+    if cc.kernel_mode() == "reference":
         return None
-    strict = mode == "cuda"
     reason = unsupported_reason(layer.bits, layer.act_bits, x.device)
     if reason is None and x.dtype != torch.float16:
         reason = f"activations {x.dtype} (the kernels read float16)"
-    if reason is not None:
-        if strict:
-            raise cc.CudaUnavailableError(f"quik layer: {reason}; {cc.REFERENCE_HINT}")
-        return None
-    if strict:
-        cc.require_cupy()
-    elif not cc.cupy_available():
+    if not cc.use_kernels("quik", reason):
         return None
     p = getattr(layer, "_qtool_prepared", None)
     if p is None or p.source_ptr != layer.qweight.data_ptr() or p.wq.device != x.device:

@@ -37,7 +37,7 @@ def test_no_gpu_is_one_line_naming_reference(monkeypatch):
 
 
 def test_bad_kernel_mode_is_named(monkeypatch):
-    from qtool.cuda.grouped_int import kernel_mode
+    from qtool.cuda.compile import kernel_mode
 
     monkeypatch.setenv("QTOOL_KERNELS", "fast")
     with pytest.raises(cc.CudaUnavailableError, match="QTOOL_KERNELS: found 'fast'"):
