@@ -34,6 +34,16 @@ def _group_sizes(text: str) -> list[int | None]:
     return out
 
 
+def _validated_write(report: dict, problems: list[str], json_path: str | None) -> None:
+    """Refuse a report that breaks its own schema (a bug, said in one line), then write --json."""
+    if problems:
+        raise BenchError(f"internal: report does not match its schema: {problems[0]}")
+    if json_path:
+        from qtool.bench.kernels import write_json  # noqa: PLC0415
+
+        write_json(report, json_path)
+
+
 def _wrap(fn):
     """Run `fn`, turning user-facing errors into one line and a non-zero exit."""
     try:
@@ -81,11 +91,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 
         click.echo(kb.HEADER, err=True)
         report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        problems = stats.validate_kernels_report(report)
-        if problems:
-            raise BenchError(f"internal: report does not match its schema: {problems[0]}")
-        if json_path:
-            kb.write_json(report, json_path)
+        _validated_write(report, stats.validate_kernels_report(report), json_path)
         if plot_path:
             kb.write_plot(report, plot_path)
         click.echo(kb.format_report(report))
@@ -159,11 +165,7 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
         report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        problems = qb.validate_report(report)
-        if problems:
-            raise BenchError(f"internal: report does not match its schema: {problems[0]}")
-        if json_path:
-            kb.write_json(report, json_path)
+        _validated_write(report, qb.validate_report(report), json_path)
         click.echo(qb.format_report(report))
 
     _wrap(go)
