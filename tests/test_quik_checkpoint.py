@@ -106,6 +106,21 @@ def test_llama_round_trip_same_logits_as_in_memory(llama_quik):
     assert summary["eval"]["quantized"]["perplexity"] < 2 * summary["eval"]["original"]["perplexity"]
 
 
+def test_zero_outlier_checkpoint_keeps_every_empty_tensor(cli, tiny_llama, tmp_path):
+    """Layers without outliers store empty `outlier_idx` / `outlier_weight` tensors; all of them share one (null)
+    address, which once made the writer drop all but the first as 'tied' and the loader refuse the checkpoint."""
+    import qtool
+    from qtool.runtime.quik_linear import QuikLinear
+
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_text(tiny_llama, tmp_path / "ckpt", outliers=0))
+    quantize(cli, recipe)
+    loaded = qtool.load(tmp_path / "ckpt")
+    layers = [m for m in loaded.modules() if isinstance(m, QuikLinear)]
+    assert len(layers) == 2 * 7 and all(m.outlier_idx.numel() == 0 for m in layers)
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.randint(0, 512, (1, 16))).logits).all()
+
+
 def test_opt_fc2_rule_and_biases(cli, tiny_opt, tmp_path):
     import qtool
 

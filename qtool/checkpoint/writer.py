@@ -32,7 +32,9 @@ def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight],
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:  # a tied weight (lm_head ↔ embed_tokens): the config's tie flag restores it
+        # A tied weight (lm_head ↔ embed_tokens) is stored once: the config's tie flag restores it. Empty tensors
+        # (e.g. `outlier_idx` of a layer without outliers) all share one address and are never ties.
+        if t.numel() and key in seen:
             continue
         seen.add(key)
         if name not in packed_fields and t.is_floating_point():
