@@ -1,7 +1,7 @@
 """CUDA execution of the `quik` layout (kernels/quik_gemm.cu): a fused split + quantize kernel, then an INT8
 tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16 outlier product in its epilogue.
 
-Paths (`quik_linear`): ``fused`` (the two kernels; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
+Paths (`linear`, `module_forward`): ``fused`` (the two kernels; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
 (the torch path of qtool/runtime/quik_linear.py: other GPUs, bf16/float32 activations, mixed weight/activation
 widths). The unfused pieces (`quantize_torch`, raw int32 `gemm`, `epilogue_torch`) exist for the bench ladder.
 """
