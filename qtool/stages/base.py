@@ -76,3 +76,17 @@ class QuantizerStage(ABC):
 
     @abstractmethod
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult: ...
+
+
+class HessianStage(QuantizerStage):
+    """A stage that solves with each linear's input Hessian (GPTQ and the stages built on it): it needs
+    calibration statistics with Hessians, and its `sequential` option decides the order within a block."""
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def needs_hessian(self) -> bool:
+        return True
+
+    def sequential(self) -> bool:
+        return self.options.sequential

@@ -12,7 +12,7 @@ from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_quantize
 from qtool.stages import register
-from qtool.stages.base import QuantizerStage, QuantResult, WeightScheme
+from qtool.stages.base import HessianStage, QuantResult, WeightScheme
 
 
 @dataclass
@@ -32,19 +32,10 @@ class GPTQOptions(WeightScheme):
 
 
 @register
-class GPTQStage(QuantizerStage):
+class GPTQStage(HessianStage):
     name = "gptq"
     options_cls = GPTQOptions
     help = "GPTQ: column-wise quantization with inverse-Hessian error feedback"
-
-    def needs_calibration(self) -> bool:
-        return True
-
-    def needs_hessian(self) -> bool:
-        return True
-
-    def sequential(self) -> bool:
-        return self.options.sequential
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         if stats is None or not stats.has_hessian:

@@ -35,7 +35,7 @@ from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_run
 from qtool.quant.grid import GridSpec
 from qtool.stages import register
-from qtool.stages.base import QuantizerStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult
 
 _COUNT_HELP = "an integer count >= 0 or a fraction of in_features in [0, 1)"
 
@@ -105,20 +105,11 @@ def select_outliers(absmax: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @register
-class OutliersStage(QuantizerStage):
+class OutliersStage(HessianStage):
     name = "outliers"
     options_cls = OutliersOptions
     help = "QUIK: W4/W8 + per-token A4/A8 with float16 outlier columns chosen by calibration ℓ∞, GPTQ with the " \
            "outliers last"
-
-    def needs_calibration(self) -> bool:
-        return True
-
-    def needs_hessian(self) -> bool:
-        return True
-
-    def sequential(self) -> bool:
-        return self.options.sequential
 
     def plan(self, name: str, in_features: int, absmax: torch.Tensor | None) -> LayerPlan:
         """Bits, activation bits and outlier count of the linear `name` (rules, then the threshold)."""
