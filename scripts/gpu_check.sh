@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU check: every GPU test (the stories260K checkpoint perplexity test included: it needs the
 # assets under $QTOOL_ASSETS, default ../shared/assets beside the checkout), the standard kernel bench (Llama-2-7B
-# shapes, W4 and W8 g128, M = 1, 16, 64, 2048), the A/B bench of the CUDA-core decode kernel's variants, the
+# shapes, W4 and W8 g128, M = 1, 16, 32, 64, 128, 256, 2048), the A/B bench of the CUDA-core decode kernel's variants, the
 # end-to-end bench and the QUIK bench (fusion ladder, outlier sweep, W8A8, at M = 2048); full logs go to the
 # output folder, a short summary is printed last.
 #
@@ -21,7 +21,7 @@ cd "$ROOT" || exit 2
     >"$OUT_DIR/gpu-tests.log" 2>&1
 tests_rc=$?
 
-"$PY" -m qtool.bench.command kernels --model-config llama-2-7b --m 1,16,64,2048 --bits 4,8 --group-size 128 \
+"$PY" -m qtool.bench.command kernels --model-config llama-2-7b --m 1,16,32,64,128,256,2048 --bits 4,8 --group-size 128 \
     --json "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
 kernels_rc=$?
 

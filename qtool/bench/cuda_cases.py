@@ -75,13 +75,14 @@ class CudaCases:
         return [lambda: torch.neg(a, out=b) for _ in range(32)]
 
     def paths(self, k: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
-        from qtool.cuda.grouped_int import GEMV_MAX_M, choose_path, unsupported_reason  # noqa: PLC0415
-
+        from qtool.cuda.grouped_int import GEMV_MAX_M, choose_path, mma_eligible, unsupported_reason  # noqa: PLC0415
 
         dispatched = choose_path(m, torch.float16, bits, group_size, k)
         if unsupported_reason(bits, group_size, k) is not None:
             return ["reference"], "reference"
         cands = ["dequant+cublas"]
+        if mma_eligible(torch.float16, group_size, k):
+            cands.insert(0, "mma")
         if m <= max(GEMV_MAX_M, 64):
             cands.insert(0, "gemv")
         if m <= 4:
@@ -101,10 +102,13 @@ class CudaCases:
                 out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
                 op = gi.gemv if path == "gemv" else gi.gemv_fma
                 fns.append(lambda x=x, p=p, out=out, op=op: op(x, p, out=out))
+            elif path == "mma":
+                out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+                fns.append(lambda x=x, p=p, out=out: gi.mma(x, p, out=out))
             elif path == "dequant+cublas":
                 fns.append(lambda x=x, p=p: gi.dequant_matmul(x, p))
             else:
-                raise ValueError(f"path: found {path!r}, expected gemv-fma, gemv or dequant+cublas")
+                raise ValueError(f"path: found {path!r}, expected gemv-fma, gemv, mma or dequant+cublas")
         return fns
 
     def fp16(self, k: int, n: int, m: int) -> Fns:

@@ -5,6 +5,10 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
 * ``gemv-fma``: a CUDA-core kernel for 1..FMA_MAX_M tokens (fp16 activations).
 * ``gemv``: the tensor-core skinny kernel (weights streamed once, dequantized in registers), fp16 activations,
   M <= GEMV_MAX_M.
+* ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
+  in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
+  tiles are too few to fill the GPU. fp16 activations, MMA_MIN_M <= M <= MMA_MAX_M, group sizes >= 32 or
+  per-channel.
 * ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used for large M
   (compute-bound, where cuBLAS's tile kernels win) and for bf16 activations.
 * ``reference``: the float32 torch reference (any bits/group size the kernels do not cover).
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from qtool.cuda import compile as cc
 
 SOURCE = "grouped_int_gemv.cu"
+MMA_SOURCE = "grouped_int_mma.cu"
 KP_MULTIPLE = 128
 # Dispatch thresholds, from `qtool bench kernels` on an H200 (kernels/NOTES.md):
 # * the tensor-core skinny kernel beats dequantize+cuBLAS up to M = 32 and loses at M = 64;
@@ -32,6 +37,10 @@ KP_MULTIPLE = 128
 GEMV_MAX_M = min(64, int(os.environ.get("QTOOL_GEMV_MAX_M", "32")))
 FMA_MAX_M = min(4, int(os.environ.get("QTOOL_FMA_MAX_M", "1")))
 FMA_MAX_PIECES = 256
+# The wgmma kernel runs M = MMA_MIN_M..MMA_MAX_M tokens on Hopper: the skinny kernels win below, dequantize +
+# cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
+MMA_MIN_M = int(os.environ.get("QTOOL_MMA_MIN_M", "17"))
+MMA_MAX_M = int(os.environ.get("QTOOL_MMA_MAX_M", "256"))
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -283,6 +292,120 @@ def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tenso
     return out
 
 
+# ---- the wgmma kernel ----------------------------------------------------------------------------------------
+MMA_TOKENS = (8, 16, 32, 64, 128, 256)  # token tile sizes the source instantiates
+# (token tile, weight rows per block) -> the shared-memory stage counts the source instantiates, the default first.
+# More stages keep more bytes in flight for small tiles; fewer fit the large ones.
+MMA_KERNELS = {(8, 128): (8,), (16, 128): (8,), (32, 128): (8,), (64, 128): (6, 8), (128, 128): (6, 4),
+               (256, 128): (5, 4), (64, 256): (6,), (128, 256): (5, 4)}
+_MMA_SPLIT_OVERRIDE = os.environ.get("QTOOL_MMA_SPLIT")
+
+
+def mma_unsupported_reason(p: Prepared, device: int | None = None) -> str | None:
+    """Why the wgmma kernel cannot run this layer on this device (None when it can)."""
+    if cc.target_arch(device) != "sm_90a":
+        return f"the wgmma kernel needs a Hopper GPU (found {cc.target_arch(device)})"
+    if p.num_groups > 1 and p.group_size < 32:
+        return f"group_size={p.group_size} (the wgmma kernel needs >= 32 or per-channel)"
+    return None
+
+
+def mma_tokens(m: int) -> int:
+    """Token tile for M tokens: the smallest instantiated tile holding them all, at most 256."""
+    for tn in MMA_TOKENS:
+        if m <= tn:
+            return tn
+    return MMA_TOKENS[-1]
+
+
+def _mma_smem(bits: int, tn: int, rows: int, stages: int) -> int:
+    # activations, codes, scale/zero words per stage; + alignment of the 1024-byte swizzle atoms
+    return stages * (tn * 128 + rows * 64 * bits // 8 + 2 * rows * 4) + 1024
+
+
+def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: int) -> int:
+    """Blocks splitting K per output tile: as many as keep all blocks within one wave (a second, partial wave
+    cost more than the split saved, measured on an H100), at most 16, at least 4 stages of 64 codes each."""
+    tiles = -(-p.out_features // rows) * -(-m // tn)
+    return max(1, min(blocks_per_sm * sms // tiles, p.kp // 64 // 4, 16))
+
+
+_WORKSPACE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mma_workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Split-K partials and per-tile counters (kept zero by the kernel), grown on demand; None when growing is
+    needed during CUDA-graph capture (the caller then runs without splitting)."""
+    ws = _WORKSPACE.get(dev)
+    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= tiles:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    old_f = 0 if ws is None else ws[0].numel()
+    old_t = 0 if ws is None else ws[1].numel()
+    if ws is not None:
+        torch.cuda.current_stream(dev).synchronize()  # the old buffers may still be in use by queued kernels
+    ws = (torch.empty(max(floats, old_f), dtype=torch.float32, device=f"cuda:{dev}"),
+          torch.zeros(max(tiles, old_t, 1024), dtype=torch.int32, device=f"cuda:{dev}"))
+    _WORKSPACE[dev] = ws
+    return ws
+
+
+def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+        tokens: int | None = None, rows: int | None = None, split: int | None = None,
+        stages: int | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
+
+    `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
+    the tuned choices (MMA_KERNELS lists the combinations)."""
+    lead = x.shape[:-1]
+    x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
+    reason = mma_unsupported_reason(p, dev)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"grouped_int mma: {reason}; use another path")
+    tn = mma_tokens(m) if tokens is None else tokens
+    if tn not in MMA_TOKENS:
+        raise ValueError(f"tokens: found {tn}, expected one of {MMA_TOKENS}")
+    rows = 128 if rows is None else rows  # 256-row blocks measured slower on an H100 (kernels/NOTES.md)
+    if (tn, rows) not in MMA_KERNELS:
+        raise ValueError(f"rows: found {rows} with tokens={tn}, expected one of "
+                         f"{sorted(r for t, r in MMA_KERNELS if t == tn)}")
+    st = MMA_KERNELS[(tn, rows)][0] if stages is None else stages
+    if st not in MMA_KERNELS[(tn, rows)]:
+        raise ValueError(f"stages: found {st}, expected one of {MMA_KERNELS[(tn, rows)]}")
+    mod = cc.load_module(MMA_SOURCE, device=dev)
+    fn = mod.fn(f"grouped_int_mma_b{p.bits}_n{tn}_s{st}_r{rows // 128}")
+    smem = _mma_smem(p.bits, tn, rows, st)
+    cc.allow_shared_memory(fn, smem)
+    n = p.out_features
+    nst = p.kp // 64
+    if split is None and _MMA_SPLIT_OVERRIDE:
+        split = int(_MMA_SPLIT_OVERRIDE)
+    if split is None:
+        props = torch.cuda.get_device_properties(dev)
+        regs = (int(fn.num_regs) + 7) // 8 * 8
+        per_sm = max(1, min(8, 65536 // (regs * 256), int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
+        split = mma_split(p, m, tn, rows, per_sm, _sm_count(dev))
+    if not 1 <= split <= nst:
+        raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
+    grid = (-(-n // rows), -(-m // tn), split)
+    ws = cnt = None
+    if split > 1:
+        bufs = _mma_workspace(dev, split * grid[0] * grid[1] * rows * tn, grid[0] * grid[1])
+        if bufs is None:
+            grid = (grid[0], grid[1], 1)
+        else:
+            ws, cnt = bufs
+    cc.launch(
+        fn, grid, (256,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(p.qweight), cc.i32(p.qweight.stride(0)), cc.ptr(p.meta),
+         cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt),
+         cc.i32(m), cc.i32(n), cc.i32(nst)),
+        shared_mem=smem, device=dev,
+    )
+    return out.reshape(*lead, n)
+
+
 # Prefill can dequantize the weight in PREFILL_CHUNKS slices of rows on a side stream while cuBLAS multiplies
 # the slices already done. Off by default: on an H200 the narrower GEMMs lost what the overlap hid (0.71-0.88x
 # of FP16 chunked vs 0.76-0.83x whole, kernels/NOTES.md).
@@ -329,10 +452,23 @@ def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = Non
     return y.reshape(*x.shape[:-1], n)
 
 
-def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int) -> str:
-    """The path `linear` takes for M tokens: gemv-fma, gemv, dequant+cublas or reference."""
+def mma_eligible(dtype: torch.dtype, group_size: int | None, in_features: int, hopper: bool | None = None) -> bool:
+    """Whether the wgmma kernel can run a kernel-supported layer: fp16, groups of >= 32 (or one per row), and a
+    Hopper GPU (`hopper`; default: the current CUDA device builds for sm_90a)."""
+    if hopper is None:
+        hopper = torch.cuda.is_available() and cc.target_arch() == "sm_90a"
+    return bool(hopper) and dtype == torch.float16 and (group_size is None or group_size >= min(32, in_features))
+
+
+def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int,
+                hopper: bool | None = None) -> str:
+    """The path `linear` takes for M tokens: gemv-fma, gemv, mma, dequant+cublas or reference.
+
+    `hopper` (default: whether the current CUDA device builds for sm_90a) enables the wgmma kernel."""
     if unsupported_reason(bits, group_size, in_features) is not None:
         return "reference"
+    if MMA_MIN_M <= m <= MMA_MAX_M and mma_eligible(dtype, group_size, in_features, hopper):
+        return "mma"
     if dtype == torch.float16 and 1 <= m <= FMA_MAX_M:
         kp = (in_features + KP_MULTIPLE - 1) // KP_MULTIPLE * KP_MULTIPLE
         if kp // (128 // bits) <= FMA_MAX_PIECES:
@@ -352,6 +488,8 @@ def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> to
         return gemv_fma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "gemv":
         return gemv(x, p, None if bias is None else bias.to(torch.float16))
+    if path == "mma":
+        return mma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
     raise cc.CudaUnavailableError(f"grouped_int: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")

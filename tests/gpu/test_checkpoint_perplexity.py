@@ -4,8 +4,8 @@
 The checkpoint is built here (GPTQ W4 g32 asymmetric, the quickstart recipe with a smaller calibration set), then
 scored with one protocol on both devices. Besides the prefill-shaped perplexity (M = 4 windows x 512 tokens:
 dequantize + cuBLAS), a teacher-forced decode with the KV cache scores the same tokens one step at a time, so the
-single-token (M = 1: gemv-fma) and batched-decode (M = 16: tensor-core gemv) kernels are measured on a real model
-too. Assets come from $QTOOL_ASSETS (default ../shared/assets beside the checkout, see tests/conftest.py).
+single-token (M = 1: gemv-fma) and batched-decode (M = 16: tensor-core gemv; M = 64: the Hopper wgmma kernel)
+kernels are measured on a real model too. Assets come from $QTOOL_ASSETS (default ../shared/assets beside the checkout, see tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _count_paths(monkeypatch) -> Counter:
     from qtool.cuda import grouped_int as gi
 
     calls: Counter = Counter()
-    for name in ("gemv_fma", "gemv", "dequant_matmul"):
+    for name in ("gemv_fma", "gemv", "mma", "dequant_matmul"):
         fn = getattr(gi, name)
 
         def counted(*a, _fn=fn, _name=name, **kw):
@@ -130,7 +130,7 @@ def cpu_reference(checkpoint):
 
     model, tok = _load(checkpoint, "cpu", torch.float32)
     ppl = perplexity(model, tok, _spec(), "cpu")
-    decode = {b: _full_nll(model, _decode_ids(tok, b, 64), "cpu") for b in (1, 16)}
+    decode = {b: _full_nll(model, _decode_ids(tok, b, 64), "cpu") for b in (1, 16, 64)}
     return ppl, decode
 
 
@@ -167,8 +167,12 @@ def test_perplexity_cuda_graphs_equal_eager(checkpoint, monkeypatch):
     assert abs(graphed["nll"] - eager["nll"]) <= 1e-4 * abs(eager["nll"])
 
 
-@pytest.mark.parametrize("batch,kernel", [(1, "gemv_fma"), (16, "gemv")])
+@pytest.mark.parametrize("batch,kernel", [(1, "gemv_fma"), (16, "gemv"), (64, "mma")])
 def test_decode_gpu_matches_cpu(checkpoint, cpu_reference, batch, kernel, monkeypatch):
+    from qtool.cuda.compile import target_arch
+
+    if kernel == "mma" and target_arch() != "sm_90a":
+        pytest.skip(f"the wgmma kernel needs a Hopper GPU (found {target_arch()})")
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     calls = _count_paths(monkeypatch)
     _, ref = cpu_reference

@@ -183,9 +183,18 @@ def test_module_forward_dispatch(m, dtype):
     ref = reference64(layer, x.reshape(m, 1000).float()).reshape(1, m, 200)
     tol = TOL if dtype == torch.float16 else 1.5e-2
     assert rel_err(y, ref) < tol, f"path {choose_path(m, dtype, 4, 128, 1000)} error {rel_err(y, ref):.2e}"
-    expected = "gemv" if (dtype == torch.float16 and m <= 32) else "dequant+cublas"
-    if dtype == torch.float16 and m == 1:
+    from qtool.cuda.compile import target_arch
+    from qtool.cuda.grouped_int import GEMV_MAX_M, MMA_MAX_M, MMA_MIN_M
+
+    hopper = target_arch() == "sm_90a"
+    if dtype != torch.float16:
+        expected = "dequant+cublas"
+    elif m == 1:
         expected = "gemv-fma"
+    elif hopper and MMA_MIN_M <= m <= MMA_MAX_M:
+        expected = "mma"
+    else:
+        expected = "gemv" if m <= GEMV_MAX_M else "dequant+cublas"
     assert choose_path(m, dtype, 4, 128, 1000) == expected
 
 

@@ -1,0 +1,442 @@
+// Tensor-core GEMM for the `grouped_int` layout (formats/grouped-int.md) on Hopper: y = x · Wᵀ (+ bias) for
+// W4A16 and W8A16, any number of tokens M.
+//
+// Operands are swapped: the weight rows are wgmma's M dimension (64 per warpgroup, 128 per block) and the tokens
+// its N dimension (TN = 8..256 per block). wgmma takes its A operand from registers, so the packed weight is
+// dequantized straight into A fragments and never goes back to shared memory; only the fp16 activations (and the
+// packed codes, read once by several lanes) pass through shared memory. One kernel therefore covers a few decode
+// tokens (TN = 8, weights streamed once, split-K across blocks) as well as a 2048-token prefill (TN = 256).
+//
+// Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py). No headers: half arithmetic is inline PTX.
+//
+// Runtime contract (qtool/cuda/grouped_int.py guarantees it before launching):
+//   * x is fp16 [M, >= Kp], row stride ldx halves (a multiple of 8, 16-byte aligned rows), zeros in columns
+//     K..Kp-1; Kp is a multiple of 64 and the kernel runs Kp/64 stages of 64 codes.
+//   * qweight rows are ldw words apart (a multiple of 4) and hold at least Kp*BITS/32 words: the checkpoint's bit
+//     streams, unchanged (4-bit: code k at nibble k%8 of word k/8; 8-bit: byte k%4 of word k/4).
+//   * meta [N, G] int32: fp16 scale bits | zero point << 16. The group of code k is min(k >> gshift, G-1):
+//     group sizes are powers of two >= 32 (each half of a 64-code stage lies in one group), gshift 31 for one
+//     group per row.
+//   * split-K (gridDim.z > 1): ws has room for gridDim.z * gridDim.x * gridDim.y * 128 * TN floats and cnt holds
+//     gridDim.x * gridDim.y zeros; the last block of each tile leaves its counter at zero again (so CUDA-graph replays work).
+//
+// Value of a weight: (c - z) · s with the 0x6400 / 0x5400 exponent tricks (half bits 0x6400|c == 1024 + c,
+// 0x5400|c<<4 == 64 + c): subtracting 1024 + z or 64 + z is exact, so the one rounding is the multiply by the fp16
+// scale, the same rounding the float32 reference does when it casts to fp16. The GEMM accumulates in float32.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 f16x2_sub(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 f16x2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+__device__ __forceinline__ u32 lop_and_or(u32 a, u32 mask, u32 bits) {
+    u32 r;
+    // (a & mask) | bits in one LOP3
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+    return r;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    // bytes 0: the 16 bytes are zero-filled (rows past M or N)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    // start address >> 4 | leading byte offset 1 (unused with swizzle) | stride 1024 B (8 rows) >> 4 | 128B swizzle
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// m64nTNk16, A (16 rows x 16 codes per warp) from registers, B (TN tokens x 16) from shared memory; one overload
+// per TN (the accumulator array's size picks it).
+__device__ __forceinline__ void wgmma_acc(float (&d)[4], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %9, 0; "
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[8], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// Per warp lane: A fragment registers of one k16 step, rows g and g+8 of the warp's 16, codes 2t, 2t+1 and
+// 2t+8, 2t+9 (g = lane / 4, t = lane % 4): a[0] = (g, 2t..), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..),
+// a[3] = (g+8, 2t+8..).
+struct RowMeta {
+    u32 s;  // half2 (scale, scale)
+    u32 z;  // half2 subtrahends: (1024 + z, 64 + z) for 4-bit, (1024 + z, 1024 + z) for 8-bit
+};
+
+template <int BITS>
+__device__ __forceinline__ RowMeta row_meta(u32 m) {
+    const u32 z = m >> 16;
+    RowMeta r;
+    r.s = prmt(m, 0, 0x1010);
+    r.z = BITS == 4 ? ((0x6400u + z) | ((0x5400u + (z << 4)) << 16)) : (0x6400u + z) * 0x10001u;
+    return r;
+}
+
+// Weight tile in shared memory, one stage: 128 rows of 64 codes (32 bytes at 4 bits, 64 at 8). 16-byte chunks are
+// XOR-swizzled by row so the 8 rows a warp reads at once fall in different banks.
+template <int BITS>
+__device__ __forceinline__ u32 wrow_chunk(int row, int chunk) {
+    return BITS == 4 ? row * 32 + ((chunk ^ ((row >> 2) & 1)) << 4) : row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
+}
+
+// Dequantize the 4 k16 steps of one stage into A fragments. `mt` holds the stage's scale/zero words: the tile's
+// ROWS rows for codes 0..31 of the stage, then for codes 32..63 (the same group unless groups have 32 codes).
+template <int BITS, int ROWS>
+__device__ __forceinline__ void dequant_stage(u32 (&af)[4][4], u32 wt, u32 mt, int r0, int t) {
+    RowMeta ma[2], mb[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ma[h] = row_meta<BITS>(lds32(mt + (r0 + 8 * h) * 4));
+        mb[h] = row_meta<BITS>(lds32(mt + (ROWS + r0 + 8 * h) * 4));
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const RowMeta(&m)[2] = j < 2 ? ma : mb;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+            u32 lo, hi;
+            if (BITS == 4) {
+                // words 2j (codes 0..7 of the step) and 2j+1 (8..15); byte t of each holds codes 2t, 2t+1.
+                const uint2 w = lds64(wt + wrow_chunk<4>(r, j >> 1) + 8 * (j & 1));
+                const u32 rep = prmt(w.x, w.y, (u32)(t | ((4 + t) << 4) | (t << 8) | ((4 + t) << 12)));
+                lo = lop_and_or(rep, 0x00F0000Fu, 0x54006400u);
+                hi = lop_and_or(rep >> 8, 0x00F0000Fu, 0x54006400u);
+            } else {
+                // word 4j + t/2 holds codes 2t, 2t+1 (bytes 2(t%2), +1); word 4j+2+t/2 codes 2t+8, 2t+9.
+                const u32 base = wt + wrow_chunk<8>(r, j) + 4 * (t >> 1);
+                const u32 a = 2 * (t & 1);
+                const u32 sel = a | (4u << 4) | ((a + 1) << 8) | (4u << 12);
+                lo = prmt(lds32(base), 0x64u, sel);
+                hi = prmt(lds32(base + 8), 0x64u, sel);
+            }
+            af[j][h] = f16x2_mul(f16x2_sub(lo, m[h].z), m[h].s);
+            af[j][2 + h] = f16x2_mul(f16x2_sub(hi, m[h].z), m[h].s);
+        }
+    }
+}
+
+// A block holds 128 * RB weight rows: each warpgroup RB row blocks of 64 (RB accumulator sets). RB = 2 halves the
+// activation bytes each block reads from L2 per multiply-add, at twice the registers.
+template <int BITS, int TN, int RB>
+struct Tile {
+    static constexpr int ROWS = 128 * RB;
+    static constexpr int XT = TN * 128;              // activation bytes per stage: TN rows of 64 halves
+    static constexpr int WT = ROWS * 64 * BITS / 8;  // weight bytes per stage
+    static constexpr int MT = 2 * ROWS * 4;          // scale/zero words: 2 halves of the stage x ROWS rows
+    static constexpr int SB = XT + WT + MT;          // all multiples of 1024: the swizzle atoms stay aligned
+};
+
+struct Args {
+    const u16* x;
+    int ldx;
+    const u32* qw;
+    int ldw;
+    const u32* meta;
+    int G, gshift;
+    int M, N;
+    int m0, n0;
+};
+
+// Issue the copies of global stage gs into the shared-memory stage at `st`.
+template <int BITS, int TN, int RB>
+__device__ __forceinline__ void load_stage(const Args& a, u32 st, int gs, int tid) {
+    // activations: TN rows x 8 chunks, 128-byte swizzle (chunk c of row r at c ^ (r % 8))
+#pragma unroll
+    for (int i = 0; i < (TN * 8 + 255) / 256; ++i) {
+        const int c = tid + 256 * i;
+        if (TN * 8 % 256 == 0 || c < TN * 8) {
+            const int row = c >> 3, ch = c & 7;
+            const bool ok = a.m0 + row < a.M;
+            const u16* src = a.x + (size_t)(ok ? a.m0 + row : 0) * a.ldx + gs * 64 + ch * 8;
+            cp_async16(st + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+        }
+    }
+    using T = Tile<BITS, TN, RB>;
+    // weights: ROWS rows x (2 or 4) chunks
+    constexpr int CPR = BITS * 64 / 128;  // 16-byte chunks per row and stage
+#pragma unroll
+    for (int i = 0; i < T::ROWS * CPR / 256; ++i) {
+        const int c = tid + 256 * i, row = c / CPR, ch = c % CPR;
+        const bool ok = a.n0 + row < a.N;
+        const u32* src = a.qw + (size_t)(ok ? a.n0 + row : 0) * a.ldw + gs * (2 * BITS) + ch * 4;
+        cp_async16(st + T::XT + wrow_chunk<BITS>(row, ch), src, ok ? 16 : 0);
+    }
+    // scale/zero words of the groups of codes 0 and 32 of the stage, one 4-byte copy per row and half
+#pragma unroll
+    for (int i = 0; i < RB; ++i) {
+        const int c = tid + 256 * i, h = c / T::ROWS, row = c % T::ROWS;
+        const int gi = min((gs * 64 + 32 * h) >> a.gshift, a.G - 1);
+        const bool ok = a.n0 + row < a.N;
+        const u32* src = a.meta + (size_t)(ok ? a.n0 + row : 0) * a.G + gi;
+        cp_async4(st + T::XT + T::WT + (h * T::ROWS + row) * 4, src, ok ? 4 : 0);
+    }
+}
+
+template <int BITS, int TN, int STAGES, int RB>
+__device__ __forceinline__ void stage_step(float (&acc)[RB][TN / 2], u32 (&af)[RB][4][4], const Args& a, u32 base,
+                                           int s, int s0, int ns, int tid, int r0, int t) {
+    using T = Tile<BITS, TN, RB>;
+    cp_async_wait<STAGES - 3>();  // this thread's copies of stage s are done
+    fence_async_smem();           // they are read next by the tensor cores
+    __syncthreads();              // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
+    if (s + STAGES - 2 < ns)
+        load_stage<BITS, TN, RB>(a, base + (u32)((s + STAGES - 2) % STAGES) * T::SB, s0 + s + STAGES - 2, tid);
+    cp_async_commit();
+    const u32 st = base + (u32)(s % STAGES) * T::SB;
+#pragma unroll
+    for (int b = 0; b < RB; ++b) dequant_stage<BITS, T::ROWS>(af[b], st + T::XT, st + T::XT + T::WT, r0 + 64 * b, t);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int b = 0; b < RB; ++b) wgmma_acc(acc[b], af[b][j], desc_sw128(st + 32 * j));
+    }
+    wgmma_commit();
+    wgmma_wait1();
+}
+
+template <int BITS, int TN, int STAGES, int RB>
+__device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, const u32* __restrict__ qw, int ldw,
+                                         const u32* __restrict__ meta, int G, int gshift,
+                                         const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
+                                         float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
+    using T = Tile<BITS, TN, RB>;
+    extern __shared__ char smem_raw[];
+    __shared__ int last_flag;
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const Args a{x, ldx, qw, ldw, meta, G, gshift, M, N, (int)blockIdx.y * TN, (int)blockIdx.x * T::ROWS};
+    const int S = gridDim.z, z = blockIdx.z;
+    const int s0 = (int)((long long)z * nst / S), ns = (int)((long long)(z + 1) * nst / S) - s0;
+    // this lane's first weight row in the tile (then r0 + 8, and + 64 per further row block)
+    const int r0 = 64 * RB * wg + 16 * warp + g;
+
+    float acc[RB][TN / 2];
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
+    }
+
+#pragma unroll
+    for (int p = 0; p < STAGES - 2; ++p) {
+        if (p < ns) load_stage<BITS, TN, RB>(a, base + (u32)p * T::SB, s0 + p, tid);
+        cp_async_commit();
+    }
+    // Two sets of A fragments: a stage's wgmmas may still read one set while the next stage fills the other.
+    u32 af0[RB][4][4], af1[RB][4][4];
+    int s = 0;
+    for (; s + 1 < ns; s += 2) {
+        stage_step<BITS, TN, STAGES, RB>(acc, af0, a, base, s, s0, ns, tid, r0, t);
+        stage_step<BITS, TN, STAGES, RB>(acc, af1, a, base, s + 1, s0, ns, tid, r0, t);
+    }
+    if (s < ns) stage_step<BITS, TN, STAGES, RB>(acc, af0, a, base, s, s0, ns, tid, r0, t);
+    wgmma_wait0();
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory is free from here on
+
+    if (S > 1) {
+        // Split-K: every block writes its float32 partial tile in the accumulator layout (one float4 per thread
+        // and step, coalesced); the last of the tile's blocks adds the partials in split order (deterministic),
+        // then takes the single-block epilogue below. It leaves the tile's counter at zero.
+        const int tiles = gridDim.x * gridDim.y, tile_id = blockIdx.x + gridDim.x * blockIdx.y;
+        float4* w4 = reinterpret_cast<float4*>(ws);
+        constexpr int F4 = RB * TN / 8;  // float4s per thread
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+#pragma unroll
+            for (int q = 0; q < TN / 8; ++q)
+                w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
+                    make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last_flag = atomicAdd(cnt + tile_id, 1) == S - 1;
+        __syncthreads();
+        if (!last_flag) return;
+        __threadfence();
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+#pragma unroll
+            for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
+        }
+        for (int q2 = 0; q2 < S; ++q2) {
+#pragma unroll
+            for (int b = 0; b < RB; ++b) {
+#pragma unroll
+                for (int q = 0; q < TN / 8; ++q) {
+                    const float4 v = __ldcg(w4 + ((size_t)(q2 * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid);
+                    acc[b][4 * q] += v.x;
+                    acc[b][4 * q + 1] += v.y;
+                    acc[b][4 * q + 2] += v.z;
+                    acc[b][4 * q + 3] += v.w;
+                }
+            }
+        }
+        if (tid == 0) cnt[tile_id] = 0;
+    }
+    const int mt = min(TN, M - a.m0);  // valid tokens in this tile
+    // Transpose through shared memory (tokens x ROWS features, fp16) for 16-byte row-contiguous stores.
+    constexpr int PITCH = T::ROWS + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int f = r0 + 64 * b + 8 * h;
+            const float bv = (bias != nullptr && a.n0 + f < N) ? h2f(bias[a.n0 + f]) : 0.f;
+#pragma unroll
+            for (int i = 0; i < TN / 8; ++i) {
+                tile[(8 * i + 2 * t) * PITCH + f] = f2h(acc[b][4 * i + 2 * h] + bv);
+                tile[(8 * i + 2 * t + 1) * PITCH + f] = f2h(acc[b][4 * i + 2 * h + 1] + bv);
+            }
+        }
+    }
+    __syncthreads();
+    constexpr int CH = T::ROWS / 8;  // 16-byte chunks per token row
+    const bool vec = a.n0 + T::ROWS <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * CH; c += 256) {
+            const int row = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(out + (size_t)(a.m0 + row) * ldc + a.n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
+    } else {
+        for (int c = tid; c < mt * T::ROWS; c += 256) {
+            const int row = c / T::ROWS, f = c % T::ROWS;
+            if (a.n0 + f < N) out[(size_t)(a.m0 + row) * ldc + a.n0 + f] = tile[row * PITCH + f];
+        }
+    }
+}
+
+#define MMA_ENTRY(BITS, TN, ST, RB)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 1) grouped_int_mma_b##BITS##_n##TN##_s##ST##_r##RB(       \
+        const u16* x, int ldx, const u32* qw, int ldw, const u32* meta, int G, int gshift, const u16* bias,     \
+        u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                                        \
+        mma_body<BITS, TN, ST, RB>(x, ldx, qw, ldw, meta, G, gshift, bias, out, ldc, ws, cnt, M, N, nst);      \
+    }
+#define MMA_ENTRIES(TN, ST, RB) MMA_ENTRY(4, TN, ST, RB) MMA_ENTRY(8, TN, ST, RB)
+MMA_ENTRIES(8, 8, 1)
+MMA_ENTRIES(16, 8, 1)
+MMA_ENTRIES(32, 8, 1)
+MMA_ENTRIES(64, 6, 1)
+MMA_ENTRIES(64, 8, 1)
+MMA_ENTRIES(128, 4, 1)
+MMA_ENTRIES(128, 6, 1)
+MMA_ENTRIES(256, 4, 1)
+MMA_ENTRIES(256, 5, 1)
+MMA_ENTRIES(64, 6, 2)
+MMA_ENTRIES(128, 4, 2)
+MMA_ENTRIES(128, 5, 2)

@@ -1,0 +1,146 @@
+"""The Hopper wgmma kernel for grouped_int (kernels/grouped_int_mma.cu) against the float64 reference.
+
+Fresh random inputs, real and odd shapes, every token tile, split-K and stage count; outputs poisoned with NaN
+before each launch and a sync after it. Skips without a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.gpu.helpers import gpu_ready, random_layer, reference64, rel_err, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+TOL = 3e-3  # fp16 weights (one rounding), fp16 inputs, fp32 accumulation, fp16 output
+ODD_SHAPES = [(100, 1000), (72, 4000), (17, 136), (200, 520)]  # N % 64 != 0, K % 128 != 0 (partial groups)
+REAL_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of Llama-2-7B projections
+
+
+@pytest.fixture(autouse=True)
+def _hopper_and_fresh_inputs():
+    from qtool.cuda.compile import target_arch
+
+    if target_arch() != "sm_90a":
+        pytest.skip(f"the wgmma kernel needs a Hopper GPU (found {target_arch()})")
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+
+
+def _prep(layer):
+    from qtool.cuda.grouped_int import prepare
+
+    return prepare(layer.qweight, layer.scales, layer.zeros, layer.spec.bits, layer.spec.group_size,
+                   layer.in_features, layer.out_features)
+
+
+def _check(layer, m: int, *, with_bias: bool = False, sample: int | None = None, **kw) -> torch.Tensor:
+    """Run the kernel on fresh inputs; compare all rows (or `sample` random ones) with the float64 reference."""
+    from qtool.cuda.grouped_int import mma
+
+    p = _prep(layer)
+    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.float16)
+    out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
+    bias = layer.bias if with_bias else None
+    y = synced(mma(x, p, bias, out=out, **kw))
+    assert y.data_ptr() == out.data_ptr()
+    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    idx = torch.arange(m) if sample is None or sample >= m else torch.randperm(m)[:sample]
+    ref = reference64(layer, x[idx.cuda()])
+    if not with_bias and layer.bias is not None:
+        ref = ref - layer.bias.double().cpu()
+    err = rel_err(y[idx.cuda()], ref)
+    assert err < TOL, f"relative error {err:.2e} (M={m}, {kw})"
+    return y
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES)
+def test_mma_odd_shapes(bits, group_size, symmetric, nk):
+    n, k = nk
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    for m in (1, 7, 9, 64, 100, 257):
+        _check(layer, m, with_bias=(m % 2 == 1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", REAL_SHAPES)
+def test_mma_real_shapes(bits, symmetric, nk):
+    n, k = nk
+    layer = random_layer(n, k, bits, 128, symmetric, seed=int.from_bytes(os.urandom(4), "little"))
+    for m in (1, 16, 64, 2048):
+        _check(layer, m, sample=96)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mma_every_kernel_split_and_stage_count(bits):
+    from qtool.cuda.grouped_int import MMA_KERNELS
+
+    layer = random_layer(300, 1500, bits, 64, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    for (tn, rows), stage_counts in MMA_KERNELS.items():
+        for stages in stage_counts:
+            for split in (1, 2, 3, 24):  # 24: every block a single 64-code stage
+                _check(layer, 37, with_bias=True, tokens=tn, rows=rows, split=split, stages=stages)
+    wide = random_layer(700, 512, bits, 128, True, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    for tn, rows in MMA_KERNELS:
+        if rows == 256:
+            _check(wide, 300, with_bias=True, tokens=tn, rows=rows)  # 3 row tiles, the last partial
+
+
+def test_mma_split_k_is_deterministic_and_leaves_counters_zero():
+    from qtool.cuda.grouped_int import _WORKSPACE, mma
+
+    layer = random_layer(1000, 4096, 4, 128, True, seed=int.from_bytes(os.urandom(4), "little"))
+    p = _prep(layer)
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.float16)
+    first = synced(mma(x, p, split=7)).clone()
+    for split in (7, 7, 3):
+        again = synced(mma(x, p, split=split))
+        if split == 7:
+            assert torch.equal(first, again), "split-K results differ between identical launches"
+    dev = torch.cuda.current_device()
+    assert int(_WORKSPACE[dev][1].abs().sum()) == 0, "tile counters not reset"
+
+
+def test_mma_in_a_cuda_graph():
+    from qtool.cuda.graphs import GraphedStep
+    from qtool.cuda.grouped_int import mma
+
+    layer = random_layer(4096, 4096, 4, 128, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    p = _prep(layer)
+    bias = layer.bias
+    step = GraphedStep(lambda x: mma(x, p, bias, split=4), [torch.randn(16, 4096, device="cuda").half()])
+    for _ in range(3):
+        x = torch.randn(16, 4096, device="cuda", dtype=torch.float16)
+        y = synced(step(x))
+        assert torch.equal(y, synced(mma(x, p, bias, split=4)))
+        assert rel_err(y, reference64(layer, x)) < TOL
+
+
+def test_mma_refuses_small_groups_and_bad_arguments():
+    from qtool.cuda.compile import CudaUnavailableError
+    from qtool.cuda.grouped_int import choose_path, mma
+
+    layer = random_layer(64, 256, 8, 16, True, seed=5)
+    x = torch.randn(32, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(CudaUnavailableError, match="group_size=16"):
+        mma(x, _prep(layer))
+    assert choose_path(32, torch.float16, 8, 16, 256) != "mma"
+    y = synced(layer(x))  # the layer still runs (another path)
+    assert rel_err(y, reference64(layer, x)) < TOL
+    good = _prep(random_layer(64, 256, 4, 64, True, seed=6))
+    with pytest.raises(ValueError, match="^tokens: found 12"):
+        mma(x, good, tokens=12)
+    with pytest.raises(ValueError, match="^split: found 0"):
+        mma(x, good, split=0)
+    with pytest.raises(ValueError, match="^stages: found 3"):
+        mma(x, good, stages=3)
+    with pytest.raises(ValueError, match="^rows: found 256 with tokens=8"):
+        mma(x, good, tokens=8, rows=256)
