@@ -249,50 +249,88 @@ struct Args {
     int m0, n0;
 };
 
-// Issue the copies of global stage gs into the shared-memory stage at `st`.
+// This thread's copies, planned once: 32-bit element offsets of its chunks at stage 0, their shared-memory offsets
+// within a stage, and which are in bounds (rows past M or N read nothing and zero-fill). Recomputing the addresses
+// every stage cost more instructions than the dequantization (the loop is bound by each warp's instruction stream).
 template <int BITS, int TN, int RB>
-__device__ __forceinline__ void load_stage(const Args& a, u32 st, int gs, int tid) {
-    // activations: TN rows x 8 chunks, 128-byte swizzle (chunk c of row r at c ^ (r % 8))
+struct Loader {
+    using T = Tile<BITS, TN, RB>;
+    static constexpr int XC = (TN * 8 + 255) / 256;  // activation chunks per thread
+    static constexpr int CPR = BITS * 64 / 128;      // weight chunks per row and stage
+    static constexpr int WC = T::ROWS * CPR / 256;   // weight chunks per thread
+    u32 xoff, xstep, xdst, xmask;
+    u32 woff[WC], wdst[WC], wmask;
+    u32 moff[RB], mdst[RB], mh[RB], mmask;
+
+    __device__ __forceinline__ Loader(const Args& a, int tid) {
+        const int r = tid >> 3, ch = tid & 7;
+        xoff = (u32)((a.m0 + r) * a.ldx + ch * 8);
+        xstep = (u32)(32 * a.ldx);
+        xdst = (u32)(r * 128 + ((ch ^ (r & 7)) << 4));
+        xmask = 0;
 #pragma unroll
-    for (int i = 0; i < (TN * 8 + 255) / 256; ++i) {
-        const int c = tid + 256 * i;
-        if (TN * 8 % 256 == 0 || c < TN * 8) {
-            const int row = c >> 3, ch = c & 7;
-            const bool ok = a.m0 + row < a.M;
-            const u16* src = a.x + (size_t)(ok ? a.m0 + row : 0) * a.ldx + gs * 64 + ch * 8;
-            cp_async16(st + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+        for (int i = 0; i < XC; ++i) {
+            const bool active = TN * 8 % 256 == 0 || tid + 256 * i < TN * 8;
+            if (active && a.m0 + r + 32 * i < a.M) xmask |= 1u << i;
+        }
+        wmask = 0;
+#pragma unroll
+        for (int i = 0; i < WC; ++i) {
+            const int c = tid + 256 * i, row = c / CPR, cw = c % CPR;
+            const bool ok = a.n0 + row < a.N;
+            woff[i] = ok ? (u32)((a.n0 + row) * a.ldw + cw * 4) : 0u;
+            wdst[i] = T::XT + wrow_chunk<BITS>(row, cw);
+            if (ok) wmask |= 1u << i;
+        }
+        mmask = 0;
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+            const int c = tid + 256 * i, h = c / T::ROWS, row = c % T::ROWS;
+            const bool ok = a.n0 + row < a.N;
+            moff[i] = ok ? (u32)((a.n0 + row) * a.G) : 0u;
+            mdst[i] = T::XT + T::WT + (h * T::ROWS + row) * 4;
+            mh[i] = 32 * h;
+            if (ok) mmask |= 1u << i;
         }
     }
-    using T = Tile<BITS, TN, RB>;
-    // weights: ROWS rows x (2 or 4) chunks
-    constexpr int CPR = BITS * 64 / 128;  // 16-byte chunks per row and stage
+
+    // Issue the copies of global stage gs into the shared-memory stage at `st`.
+    __device__ __forceinline__ void stage(const Args& a, u32 st, int gs) const {
+        // activations: TN rows x 8 chunks, 128-byte swizzle (chunk c of row r at c ^ (r % 8)); chunk i of this
+        // thread is 32 rows below chunk i-1, same swizzle
 #pragma unroll
-    for (int i = 0; i < T::ROWS * CPR / 256; ++i) {
-        const int c = tid + 256 * i, row = c / CPR, ch = c % CPR;
-        const bool ok = a.n0 + row < a.N;
-        const u32* src = a.qw + (size_t)(ok ? a.n0 + row : 0) * a.ldw + gs * (2 * BITS) + ch * 4;
-        cp_async16(st + T::XT + wrow_chunk<BITS>(row, ch), src, ok ? 16 : 0);
-    }
-    // scale/zero words of the groups of codes 0 and 32 of the stage, one 4-byte copy per row and half
+        for (int i = 0; i < XC; ++i) {
+            const bool ok = (xmask >> i) & 1;
+            const u32 off = ok ? xoff + i * xstep + (u32)gs * 64 : 0u;
+            // with fewer chunks than threads, threads past the tile's rows (xdst beyond it) copy nothing
+            if (TN * 8 % 256 == 0 || xdst + i * 4096 < T::XT)
+                cp_async16(st + xdst + i * 4096, a.x + off, ok ? 16 : 0);
+        }
 #pragma unroll
-    for (int i = 0; i < RB; ++i) {
-        const int c = tid + 256 * i, h = c / T::ROWS, row = c % T::ROWS;
-        const int gi = min((gs * 64 + 32 * h) >> a.gshift, a.G - 1);
-        const bool ok = a.n0 + row < a.N;
-        const u32* src = a.meta + (size_t)(ok ? a.n0 + row : 0) * a.G + gi;
-        cp_async4(st + T::XT + T::WT + (h * T::ROWS + row) * 4, src, ok ? 4 : 0);
+        for (int i = 0; i < WC; ++i) {
+            const bool ok = (wmask >> i) & 1;
+            cp_async16(st + wdst[i], a.qw + woff[i] + (ok ? (u32)gs * (2 * BITS) : 0u), ok ? 16 : 0);
+        }
+        // scale/zero words of the groups of codes 0 and 32 of the stage, one 4-byte copy per row and half
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+            const bool ok = (mmask >> i) & 1;
+            const u32 gi = (u32)min((gs * 64 + (int)mh[i]) >> a.gshift, a.G - 1);
+            cp_async4(st + mdst[i], a.meta + moff[i] + (ok ? gi : 0u), ok ? 4 : 0);
+        }
     }
-}
+};
 
 template <int BITS, int TN, int STAGES, int RB>
-__device__ __forceinline__ void stage_step(float (&acc)[RB][TN / 2], u32 (&af)[RB][4][4], const Args& a, u32 base,
-                                           int s, int s0, int ns, int tid, int r0, int t) {
+__device__ __forceinline__ void stage_step(float (&acc)[RB][TN / 2], u32 (&af)[RB][4][4], const Args& a,
+                                           const Loader<BITS, TN, RB>& ld, u32 base, int s, int s0, int ns, int r0,
+                                           int t) {
     using T = Tile<BITS, TN, RB>;
     cp_async_wait<STAGES - 3>();  // this thread's copies of stage s are done
     fence_async_smem();           // they are read next by the tensor cores
     __syncthreads();              // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
     if (s + STAGES - 2 < ns)
-        load_stage<BITS, TN, RB>(a, base + (u32)((s + STAGES - 2) % STAGES) * T::SB, s0 + s + STAGES - 2, tid);
+        ld.stage(a, base + (u32)((s + STAGES - 2) % STAGES) * T::SB, s0 + s + STAGES - 2);
     cp_async_commit();
     const u32 st = base + (u32)(s % STAGES) * T::SB;
 #pragma unroll
@@ -330,19 +368,20 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
         for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
     }
 
+    const Loader<BITS, TN, RB> ld(a, tid);
 #pragma unroll
     for (int p = 0; p < STAGES - 2; ++p) {
-        if (p < ns) load_stage<BITS, TN, RB>(a, base + (u32)p * T::SB, s0 + p, tid);
+        if (p < ns) ld.stage(a, base + (u32)p * T::SB, s0 + p);
         cp_async_commit();
     }
     // Two sets of A fragments: a stage's wgmmas may still read one set while the next stage fills the other.
     u32 af0[RB][4][4], af1[RB][4][4];
     int s = 0;
     for (; s + 1 < ns; s += 2) {
-        stage_step<BITS, TN, STAGES, RB>(acc, af0, a, base, s, s0, ns, tid, r0, t);
-        stage_step<BITS, TN, STAGES, RB>(acc, af1, a, base, s + 1, s0, ns, tid, r0, t);
+        stage_step<BITS, TN, STAGES, RB>(acc, af0, a, ld, base, s, s0, ns, r0, t);
+        stage_step<BITS, TN, STAGES, RB>(acc, af1, a, ld, base, s + 1, s0, ns, r0, t);
     }
-    if (s < ns) stage_step<BITS, TN, STAGES, RB>(acc, af0, a, base, s, s0, ns, tid, r0, t);
+    if (s < ns) stage_step<BITS, TN, STAGES, RB>(acc, af0, a, ld, base, s, s0, ns, r0, t);
     wgmma_wait0();
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on
@@ -421,22 +460,24 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
     }
 }
 
-#define MMA_ENTRY(BITS, TN, ST, RB)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 1) grouped_int_mma_b##BITS##_n##TN##_s##ST##_r##RB(       \
+// MINB: blocks per SM the registers must allow (2 caps them at 128 per thread, so two blocks' warps hide each
+// other's latencies).
+#define MMA_ENTRY(BITS, TN, ST, RB, MINB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MINB) grouped_int_mma_b##BITS##_n##TN##_s##ST##_r##RB(    \
         const u16* x, int ldx, const u32* qw, int ldw, const u32* meta, int G, int gshift, const u16* bias,     \
         u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                                        \
         mma_body<BITS, TN, ST, RB>(x, ldx, qw, ldw, meta, G, gshift, bias, out, ldc, ws, cnt, M, N, nst);      \
     }
-#define MMA_ENTRIES(TN, ST, RB) MMA_ENTRY(4, TN, ST, RB) MMA_ENTRY(8, TN, ST, RB)
-MMA_ENTRIES(8, 8, 1)
-MMA_ENTRIES(16, 8, 1)
-MMA_ENTRIES(32, 8, 1)
-MMA_ENTRIES(64, 6, 1)
-MMA_ENTRIES(64, 8, 1)
-MMA_ENTRIES(128, 4, 1)
-MMA_ENTRIES(128, 6, 1)
-MMA_ENTRIES(256, 4, 1)
-MMA_ENTRIES(256, 5, 1)
-MMA_ENTRIES(64, 6, 2)
-MMA_ENTRIES(128, 4, 2)
-MMA_ENTRIES(128, 5, 2)
+#define MMA_ENTRIES(TN, ST, RB, MINB) MMA_ENTRY(4, TN, ST, RB, MINB) MMA_ENTRY(8, TN, ST, RB, MINB)
+MMA_ENTRIES(8, 8, 1, 1)
+MMA_ENTRIES(16, 8, 1, 1)
+MMA_ENTRIES(32, 8, 1, 1)
+MMA_ENTRIES(64, 6, 1, 1)
+MMA_ENTRIES(64, 8, 1, 1)
+MMA_ENTRIES(128, 4, 1, 2)
+MMA_ENTRIES(128, 6, 1, 1)
+MMA_ENTRIES(256, 4, 1, 1)
+MMA_ENTRIES(256, 5, 1, 1)
+MMA_ENTRIES(64, 6, 2, 1)
+MMA_ENTRIES(128, 4, 2, 1)
+MMA_ENTRIES(128, 5, 2, 1)

@@ -330,7 +330,10 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
     return max(1, min(blocks_per_sm * sms // tiles, p.kp // 64 // 4, 16))
 
 
+# One split-K workspace per device: the kernels that use it run in stream order (the tile counters assume that no
+# two split-K launches on one device overlap).
 _WORKSPACE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_MMA_PER_SM: dict[tuple[int, int, int], int] = {}  # resident blocks per SM, by kernel, shared memory and device
 
 
 def _mma_workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -382,9 +385,13 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     if split is None and _MMA_SPLIT_OVERRIDE:
         split = int(_MMA_SPLIT_OVERRIDE)
     if split is None:
-        props = torch.cuda.get_device_properties(dev)
-        regs = (int(fn.num_regs) + 7) // 8 * 8
-        per_sm = max(1, min(8, 65536 // (regs * 256), int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
+        key = (id(fn), smem, dev)
+        per_sm = _MMA_PER_SM.get(key)
+        if per_sm is None:
+            props = torch.cuda.get_device_properties(dev)
+            regs = (int(fn.num_regs) + 7) // 8 * 8
+            per_sm = max(1, min(8, 65536 // (regs * 256), int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
+            _MMA_PER_SM[key] = per_sm
         split = mma_split(p, m, tn, rows, per_sm, _sm_count(dev))
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
