@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from qtool.quant.clip import clipped_grid_params
-from qtool.quant.grid import GridSpec, grid_params, quantize
+from qtool.quant.grid import GridSpec, grid_params
 
 
 def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h_block: torch.Tensor | None):
@@ -114,33 +114,46 @@ def gptq_run(
         bs = (bs + 3) // 4 * 4
 
     codes = torch.zeros(n, kq, dtype=torch.int64, device=w.device)
+    # The column loop runs K times per layer and dominates quantization time on small models: it keeps the
+    # per-column torch calls few (group lookups as Python ints, scale/zero views cached per group, codes converted
+    # once per batch, results written in place) while doing exactly the arithmetic of the textbook loop.
+    group_list = group_of.tolist()
+    maxq = float(spec.maxq)
     for i1 in range(0, kq, bs):
         i2 = min(i1 + bs, kq)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
+        q1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
-        pruned = torch.zeros_like(w1, dtype=torch.bool)
+        dinv = torch.diagonal(hinv1)
+        pruned = torch.zeros_like(w1, dtype=torch.bool) if sparsity_24 else None
+        cur_j, s, z = -1, None, None
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:
                 e = min(col + g, kq)
                 j = col // g
                 scales[:, j], zeros[:, j] = _group_params(w1[:, i:i + (e - col)], spec, clip_ratios, h[col:e, col:e])
-            if sparsity_24 and i % 4 == 0:
+                cur_j = -1  # the group's scale and zero point just changed
+            if pruned is not None and i % 4 == 0:
                 m = min(4, i2 - i1 - i)
                 if m > 2:
                     score = w1[:, i:i + m] ** 2 / torch.diagonal(hinv1)[i:i + m][None, :] ** 2
                     drop = torch.topk(score, m - 2, dim=1, largest=False).indices
                     pruned[:, i:i + m].scatter_(1, drop, True)
-            j = int(group_of[col])
-            s, z = scales[:, j:j + 1], zeros[:, j:j + 1]
-            q = quantize(w1[:, i:i + 1], s, z, spec)
-            if sparsity_24:
-                q = torch.where(pruned[:, i:i + 1], z, q)  # the zero point dequantizes to exactly 0
-            codes[:, col] = q[:, 0].to(torch.int64)
-            e_col = (w1[:, i] - (s[:, 0] * (q[:, 0] - z[:, 0]))) / hinv1[i, i]
+            j = group_list[col]
+            if j != cur_j:
+                cur_j, s, z = j, scales[:, j], zeros[:, j]
+            wcol, q = w1[:, i], q1[:, i]
+            torch.div(wcol, s, out=q)
+            q.round_().add_(z).clamp_(0, maxq)
+            if pruned is not None:
+                q.copy_(torch.where(pruned[:, i], z, q))  # the zero point dequantizes to exactly 0
+            e_col = err1[:, i]
+            torch.sub(wcol, s * (q - z), out=e_col)
+            e_col.div_(dinv[i])  # a 0-d tensor, not a Python float: torch may turn x / float into x * (1 / float)
             w1[:, i:] -= e_col[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e_col
+        codes[:, i1:i2] = q1.to(torch.int64)
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     if act_order:
