@@ -1,7 +1,7 @@
 // Kernels for the `grouped_int` weight layout (formats/grouped-int.md), 4- and 8-bit codes.
 //
-// Compiled at run time by NVRTC (qtool/cuda/compile.py). No headers are included so the source builds with any
-// NVRTC, with or without the CUDA include tree: half-precision arithmetic is written as inline PTX.
+// Compiled at run time by NVRTC (qtool/cuda/compile.py). No CUDA headers are included, so the source builds with any
+// NVRTC, with or without the CUDA include tree: half-precision arithmetic is inline PTX (here and in ptx_common.cuh).
 //
 // Runtime contract (qtool/cuda/grouped_int.py guarantees it before launching):
 //   * K is padded to Kp, a multiple of 128 codes. qweight rows have Kp*BITS/32 words (the checkpoint rows when
@@ -16,33 +16,7 @@
 // (half bits 0x6400|c == 1024 + c for c < 1024); subtracting the half 1024 + z is exact, so the one rounding is the
 // multiply by the fp16 scale, which is the same rounding the float32 reference does when it casts to fp16.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-__device__ __forceinline__ u32 f16x2_sub(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ u32 f16x2_mul(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ u16 f32_to_f16(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "ptx_common.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h;
@@ -251,7 +225,6 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[t][c] = 0.f;
 
-
     // Two spans in flight per warp before any arithmetic: the loads, not the math, set the pace.
     for (int s0 = warp; s0 < nspans; s0 += 2 * nwarps) {
         const int s1 = s0 + nwarps;
@@ -280,8 +253,8 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
         const int row = row0 + (l >> 2) + ((c & 2) ? 8 : 0);
         const int tok = t * 8 + (l & 3) * 2 + (c & 1);
         if (row < N && tok < M) {
-            if (bias) s += f16_to_f32(bias[row]);
-            y[(long long)tok * N + row] = f32_to_f16(s);
+            if (bias) s += h2f(bias[row]);
+            y[(long long)tok * N + row] = f2h(s);
         }
     }
 }
@@ -314,7 +287,7 @@ __device__ __forceinline__ u32 f16x2_fma(u32 a, u32 b, u32 c) {
 }
 
 __device__ __forceinline__ float f16x2_sum_f32(u32 h) {
-    return f16_to_f32((u16)(h & 0xFFFFu)) + f16_to_f32((u16)(h >> 16));
+    return h2f((u16)(h & 0xFFFFu)) + h2f((u16)(h >> 16));
 }
 
 // Few-token GEMV without tensor cores, for M <= 4: a warp reads 512 contiguous bytes of one row per instruction
@@ -378,7 +351,7 @@ __device__ __forceinline__ void fma_piece(const uint4 (&w)[FMA_ROWS], const u32 
         if (SA) {
             z1024 = (BITS == 4 ? 0x4C00u + z : 0x4400u + z) * 0x10001u;
             z64 = (0x3C00u + 16u * z) * 0x10001u;
-            sf = f16_to_f32((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
+            sf = h2f((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
         } else {
             z1024 = (0x6400u + z) * 0x10001u;
             z64 = (0x5400u + 16u * z) * 0x10001u;
@@ -446,8 +419,8 @@ __device__ __forceinline__ void fma_reduce_store(float (&acc)[FMA_ROWS][MT], flo
         for (int wi = 0; wi < nwarps; ++wi) sum += red[wi][threadIdx.x];
         const int row = rg * FMA_ROWS + r;
         if (row < N && t < M) {
-            if (bias) sum += f16_to_f32(bias[row]);
-            y[(long long)t * N + row] = f32_to_f16(sum);
+            if (bias) sum += h2f(bias[row]);
+            y[(long long)t * N + row] = f2h(sum);
         }
     }
 }
@@ -580,7 +553,7 @@ __device__ __forceinline__ void dequant_body(const u32* __restrict__ qw, const u
             dequant_word<8, true>(wd[BITS / 4 - 1], z1024, z64, s2, packed + 2);
         }
     } else {
-        const float s = f16_to_f32((u16)sbits);
+        const float s = h2f((u16)sbits);
         const float z = (float)zi;
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {

@@ -7,7 +7,8 @@
 // packed codes, read once by several lanes) pass through shared memory. One kernel therefore covers a few decode
 // tokens (TN = 8, weights streamed once, split-K across blocks) as well as a 2048-token prefill (TN = 256).
 //
-// Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py). No headers: half arithmetic is inline PTX.
+// Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py). No CUDA headers: half arithmetic is inline PTX
+// (here and in ptx_common.cuh).
 //
 // Runtime contract (qtool/cuda/grouped_int.py guarantees it before launching):
 //   * x is fp16 [M, >= Kp], row stride ldx halves (a multiple of 8, 16-byte aligned rows), zeros in columns
@@ -24,33 +25,7 @@
 // 0x5400|c<<4 == 64 + c): subtracting 1024 + z or 64 + z is exact, so the one rounding is the multiply by the fp16
 // scale, the same rounding the float32 reference does when it casts to fp16. The GEMM accumulates in float32.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u32 f16x2_sub(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ u32 f16x2_mul(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "ptx_common.cuh"
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
@@ -63,12 +38,6 @@ __device__ __forceinline__ u32 lop_and_or(u32 a, u32 mask, u32 bits) {
     // (a & mask) | bits in one LOP3
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
     return r;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
 }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
@@ -98,17 +67,6 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
 }
-
-__device__ __forceinline__ u64 desc_sw128(u32 addr) {
-    // start address >> 4 | leading byte offset 1 (unused with swizzle) | stride 1024 B (8 rows) >> 4 | 128B swizzle
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // m64nTNk16, A (16 rows x 16 codes per warp) from registers, B (TN tokens x 16) from shared memory; one overload
 // per TN (the accumulator array's size picks it).

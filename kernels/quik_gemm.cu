@@ -1,8 +1,8 @@
 // Kernels for the `quik` layout (formats/quik.md): per-token activation quantization with float16 outlier
 // columns, and the integer GEMM with the dequantization epilogue (QUIK, Eq. 1) and the outlier product fused.
 //
-// Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py); `wgmma` needs Hopper. No headers: float and
-// half helpers are inline PTX, so the source builds with any NVRTC.
+// Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py); `wgmma` needs Hopper. No CUDA headers: float
+// and half helpers are inline PTX (here and in ptx_common.cuh), so the source builds with any NVRTC.
 //
 // Hopper has no INT4 tensor cores (mma s4 is emulated), so 4-bit codes are unpacked to s8 in registers on their
 // way to shared memory and multiplied by `wgmma ... s32.s8.s8`; 8-bit codes only flip their offset bit.
@@ -19,21 +19,7 @@
 // unpacked the same way, so every dot product sums the same pairs and the int32 result is exact. For that reason
 // both operands have the same bit width (W4A4, W8A8); mixed widths run on the reference path.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "ptx_common.cuh"
 
 __device__ __forceinline__ float div_rn(float a, float b) {
     float r;
@@ -82,12 +68,6 @@ __device__ __forceinline__ uint4 ld16(const u32* p) {
 
 __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -269,17 +249,6 @@ constexpr int BM = 128, BN = 128;
 constexpr int TILE_BYTES = 128 * 128;  // one operand, one stage
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int STAGES = 3;
-
-__device__ __forceinline__ u64 desc_sw128(u32 addr) {
-    // start address >> 4 | leading byte offset 1 (unused with swizzle) | stride 1024 B (8 rows) >> 4 | 128B swizzle
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ int f2bits(float f) {
     int r;

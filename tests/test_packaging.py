@@ -26,12 +26,28 @@ def test_wheel_contains_kernels_and_formats(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "qtool/formats/grouped-int.md" in names and "qtool/formats/checkpoint.md" in names
     assert any(n.startswith("qtool/kernels/") and n.endswith(".cu") for n in names)
+    assert "qtool/kernels/ptx_common.cuh" in names  # the shared header the sources include
     # Installed elsewhere, the package finds its data inside itself.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     out = subprocess.run([sys.executable, "-c", "import qtool.resources as r; print(r.formats_dir(), r.kernels_dir())"],
                          cwd=tmp_path, env={"PYTHONPATH": str(site)}, check=True, capture_output=True, text=True)
     assert str(site / "qtool" / "formats") in out.stdout and str(site / "qtool" / "kernels") in out.stdout
+
+
+def test_every_included_kernel_header_is_handed_to_nvrtc():
+    """A source's `#include "x.cuh"` resolves only if the compiler hands NVRTC that header (qtool/cuda/compile.py
+    passes every kernels/*.cuh by name; CUDA's own headers are never included)."""
+    import re
+
+    from qtool.cuda.compile import _headers
+    from qtool.resources import kernels_dir
+
+    headers = _headers()
+    assert "ptx_common.cuh" in headers
+    for src in kernels_dir().glob("*.c*"):
+        for name in re.findall(r'^#include\s+[<"]([^>"]+)[>"]', src.read_text(), flags=re.M):
+            assert name in headers, f"{src.name} includes {name}, which is not a kernels/*.cuh header"
 
 
 def test_readme_commands_are_what_ci_runs():

@@ -138,10 +138,15 @@ def _nvrtc_version(cupy: Any) -> str:
         return "unknown"
 
 
-def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...]) -> bytes:
+def _headers() -> dict[str, str]:
+    """The shared headers of kernels/ (`*.cuh`) by name: handed to NVRTC with every source, part of the cache key."""
+    return {p.name: p.read_text() for p in sorted(kernels_dir().glob("*.cuh"))}
+
+
+def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...], headers: dict[str, str]) -> bytes:
     from cupy.cuda import nvrtc  # noqa: PLC0415
 
-    prog = nvrtc.createProgram(source, name, (), ())
+    prog = nvrtc.createProgram(source, name, tuple(headers.values()), tuple(headers.keys()))
     try:
         try:
             nvrtc.compileProgram(prog, list(options))
@@ -167,16 +172,18 @@ def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: i
         if not src_path.is_file():
             raise CudaUnavailableError(f"kernel source {src_path}: not found; expected it under {kernels_dir()}")
         source = src_path.read_text()
+        headers = _headers()
         arch = target_arch(dev)
         all_opts = options + (f"--gpu-architecture={arch}",)
-        ident = "\0".join([source, *all_opts, torch.cuda.get_device_name(dev), _nvrtc_version(cupy)])
+        ident = "\0".join([source, *(f"{n}\0{t}" for n, t in headers.items()), *all_opts,
+                           torch.cuda.get_device_name(dev), _nvrtc_version(cupy)])
         key = hashlib.sha256(ident.encode()).hexdigest()[:24]
         path = cache_dir() / f"{Path(source_name).stem}-{arch}-{key}.cubin"
         with cupy.cuda.Device(dev):
             try:
                 from_cache = path.is_file()
                 if not from_cache:
-                    cubin = _compile_cubin(cupy, source, source_name, all_opts)
+                    cubin = _compile_cubin(cupy, source, source_name, all_opts, headers)
                     # Atomic: concurrent processes never load a half-written binary.
                     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
                     with os.fdopen(fd, "wb") as fh:
@@ -187,7 +194,7 @@ def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: i
             except CudaUnavailableError:
                 raise
             except Exception as exc:  # noqa: BLE001  NVRTC bindings moved between cupy versions: fall back
-                raw = cupy.RawModule(code=source, options=all_opts)
+                raw = cupy.RawModule(code=source, options=all_opts + (f"--include-path={kernels_dir()}",))
                 raw.compile()
                 info = BuildInfo(source_name, arch, key, None, False, f"cupy-rawmodule ({type(exc).__name__})")
         mod = KernelModule(raw, info)

@@ -273,6 +273,22 @@ def test_kernel_cache_reuses_binary(tmp_path, monkeypatch):
         assert list(tmp_path.glob("*.cubin")) and first.info.path == second.info.path
 
 
+def test_kernel_cache_key_follows_headers(tmp_path, monkeypatch):
+    """Editing a shared header (kernels/*.cuh) rebuilds every source instead of reusing a stale binary."""
+    from qtool.cuda import compile as cc
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cc, "_MODULES", {})
+    first = cc.load_module("grouped_int_gemv.cu")
+    edited = {name: text + "\n// edited\n" for name, text in cc._headers().items()}
+    monkeypatch.setattr(cc, "_headers", lambda: edited)
+    monkeypatch.setattr(cc, "_MODULES", {})
+    second = cc.load_module("grouped_int_gemv.cu")
+    assert second.info.key != first.info.key
+    if second.info.how == "nvrtc-cubin":
+        assert not second.info.from_cache and second.info.path != first.info.path
+
+
 def test_launch_follows_torch_stream():
     from qtool.cuda.grouped_int import gemv
 
