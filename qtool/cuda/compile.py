@@ -84,11 +84,23 @@ def cupy_available() -> bool:
     return _AVAILABLE
 
 
+_ARCHS: dict[int, str] = {}
+
+
 def target_arch(device: torch.device | int | None = None) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) == (9, 0):
-        return "sm_90a"
-    return f"sm_{major}{minor}"
+    """NVRTC target of a CUDA device (cached: the dispatch asks on every call)."""
+    if device is None:
+        idx = torch.cuda.current_device()
+    elif isinstance(device, torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+    else:
+        idx = int(device)
+    arch = _ARCHS.get(idx)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(idx)
+        arch = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+        _ARCHS[idx] = arch
+    return arch
 
 
 def cache_dir() -> Path:

@@ -303,8 +303,9 @@ _MMA_SPLIT_OVERRIDE = os.environ.get("QTOOL_MMA_SPLIT")
 
 def mma_unsupported_reason(p: Prepared, device: int | None = None) -> str | None:
     """Why the wgmma kernel cannot run this layer on this device (None when it can)."""
-    if cc.target_arch(device) != "sm_90a":
-        return f"the wgmma kernel needs a Hopper GPU (found {cc.target_arch(device)})"
+    arch = cc.target_arch(device)
+    if arch != "sm_90a":
+        return f"the wgmma kernel needs a Hopper GPU (found {arch})"
     if p.num_groups > 1 and p.group_size < 32:
         return f"group_size={p.group_size} (the wgmma kernel needs >= 32 or per-channel)"
     return None
