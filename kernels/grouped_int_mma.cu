@@ -40,34 +40,6 @@ __device__ __forceinline__ u32 lop_and_or(u32 a, u32 mask, u32 bits) {
     return r;
 }
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-    // bytes 0: the 16 bytes are zero-filled (rows past M or N)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ uint2 lds64(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
-}
-
-__device__ __forceinline__ u32 lds32(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-
 // m64nTNk16, A (16 rows x 16 codes per warp) from registers, B (TN tokens x 16) from shared memory; one overload
 // per TN (the accumulator array's size picks it).
 __device__ __forceinline__ void wgmma_acc(float (&d)[4], const u32 (&a)[4], u64 db) {

@@ -1,6 +1,7 @@
-// Helpers shared by the kernels in this folder: half conversions and arithmetic, shared-memory addresses and the
-// wgmma descriptor/fence wrappers, as inline PTX (no CUDA headers, so any NVRTC builds them). qtool/cuda/compile.py
-// hands NVRTC this file's text with each kernel source (and keys the binary cache on it).
+// Helpers shared by the kernels in this folder: half conversions and arithmetic, shared-memory addresses, cp.async
+// and shared-memory loads, the wgmma descriptor/fence wrappers, as inline PTX (no CUDA headers, so any NVRTC builds
+// them). qtool/cuda/compile.py hands NVRTC this file's text with each kernel source (and keys the binary cache on
+// it).
 #pragma once
 
 typedef unsigned int u32;
@@ -49,3 +50,37 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    // bytes 0: the 16 bytes are zero-filled (rows past M or N)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}

@@ -4,22 +4,31 @@
 // Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py); `wgmma` needs Hopper. No CUDA headers: float
 // and half helpers are inline PTX (here and in ptx_common.cuh), so the source builds with any NVRTC.
 //
-// Hopper has no INT4 tensor cores (mma s4 is emulated), so 4-bit codes are unpacked to s8 in registers on their
-// way to shared memory and multiplied by `wgmma ... s32.s8.s8`; 8-bit codes only flip their offset bit.
+// Hopper has no INT4 tensor cores (mma s4 is emulated), so everything is multiplied by `wgmma ... s32.s8.s8`:
+// the activation codes are written as one s8 per code by the quantize kernel (4-bit storage is for weights; an
+// activation row lives for one layer call), and the weight codes are turned into s8 in registers, where wgmma
+// takes its A operand from.
 //
 // Runtime contract (qtool/cuda/quik.py guarantees it before launching):
-//   * A (activation codes) rows hold Kp base columns, Kp a multiple of 128; columns Kb..Kp-1 hold the signed-zero
-//     code 2^(b-1), so whatever B holds there multiplies zero. B (weight codes) rows hold at least Kp columns.
-//   * Code words are the bit streams of formats/quik.md: unsigned u = c + 2^(b-1), code j of a row at bits
-//     b*(j mod 32/b) of word j*b/32. Row strides are in 32-bit words and multiples of 4 (16-byte loads).
-//   * The outlier operands Xo [M, ldo] and Wo [N, ldo] are float16 with ldo a multiple of 32, zero beyond k.
-//   * Both operands have the same code width (W4A4 or W8A8).
-//
-// Unpacking 4-bit codes permutes K inside every group of 32 codes (even codes first, then odd); A and B are
-// unpacked the same way, so every dot product sums the same pairs and the int32 result is exact. For that reason
-// both operands have the same bit width (W4A4, W8A8); mixed widths run on the reference path.
+//   * Activation rows (s8, Kp bytes, Kp a multiple of 128) hold the signed code c - 2^(b-1) of base column b at
+//     byte pos(b); positions kb..Kp-1 hold 0. At 8 bits pos(b) = b. At 4 bits, inside every group of 32 columns,
+//     the even columns come first, then the odd ones: pos(b) = 32*(b/32) + 16*(b%2) + (b%32)/2. That is the order
+//     in which a 4-bit weight word unpacks (low nibbles, then high nibbles), so the int32 sums equal step 3 of
+//     formats/quik.md exactly.
+//   * Weight code rows hold Kp codes: the checkpoint's bit streams (padded only where the base column count is not
+//     a multiple of 128). The float16 outlier weights Wo [N, kop] have kop a multiple of 64, zero beyond ko.
+//   * Outlier activations Xo [M, kop] float16, zero beyond ko. Row strides are in bytes, multiples of 16.
 
 #include "ptx_common.cuh"
+
+// Measurement builds only (qtool.cuda.compile extra options): QUIK_TUNING adds variants, QUIK_ABLATE removes a
+// part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue) to see what bounds it.
+#ifndef QUIK_TUNING
+#define QUIK_TUNING 0
+#endif
+#ifndef QUIK_ABLATE
+#define QUIK_ABLATE 0
+#endif
 
 __device__ __forceinline__ float div_rn(float a, float b) {
     float r;
@@ -52,12 +61,6 @@ __device__ __forceinline__ float shfl_xor(float v, int m) {
     return r;
 }
 
-__device__ __forceinline__ u32 shfl_xor_u32(u32 v, int m) {
-    u32 r;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(v), "r"(m));
-    return r;
-}
-
 __device__ __forceinline__ uint4 ld16(const u32* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -66,17 +69,6 @@ __device__ __forceinline__ uint4 ld16(const u32* p) {
     return r;
 }
 
-__device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Fused split + quantize: a persistent grid; R token rows at a time per block of 256 threads, T = 256/R per row. The row is read once
-// (16-byte loads) into shared memory; min/max over the base columns, then the codes are computed and packed, and
-// the outlier columns gathered into a dense float16 buffer. Step 2 of formats/quik.md in float32 with an IEEE
-// division, so the codes equal the reference's. Threads take consecutive base columns (coalesced index reads,
-// conflict-free shared-memory gathers) and neighbouring lanes OR their codes into one word.
-// ---------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_min(float v) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) v = fmin_(v, shfl_xor(v, m));
@@ -89,166 +81,392 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-template <int AB, int R>
-__device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx, int M, int K,
-                                              const int* __restrict__ base_idx, int kb,
-                                              const int* __restrict__ out_idx, int ko,
-                                              u32* __restrict__ aq, int lda, u16* __restrict__ xo, int ldo,
-                                              float* __restrict__ sx, float* __restrict__ zx) {
-    // Shared memory: the layer's base column indices (kb ints), then R rows of K halves.
-    extern __shared__ int qsm[];
-    __shared__ float red_lo[8], red_hi[8];
-    constexpr int T = 256 / R;  // threads per row
-    constexpr int WPR = T / 32;  // warps per row
-    constexpr int MAXQ = (1 << AB) - 1;
-    constexpr int PER = 32 / AB;  // codes per word
-    const int tid = threadIdx.x, g = tid / T, lt = tid % T, lane = tid & 31;
-    int* bidx = qsm;
-    u16* xr = reinterpret_cast<u16*>(qsm + ((kb + 3) & ~3)) + (size_t)g * K;
-    // The layer's column map is staged once per (persistent) block: 16-byte loads, several in flight.
-    if ((kb & 3) == 0) {
-        const int4* src4 = reinterpret_cast<const int4*>(base_idx);
-        int4* dst4 = reinterpret_cast<int4*>(bidx);
-        int i = tid;
-        for (; i + 768 < kb / 4; i += 1024) {
-            const int4 v0 = src4[i], v1 = src4[i + 256], v2 = src4[i + 512], v3 = src4[i + 768];
-            dst4[i] = v0;
-            dst4[i + 256] = v1;
-            dst4[i + 512] = v2;
-            dst4[i + 768] = v3;
-        }
-        for (; i < kb / 4; i += 256) dst4[i] = src4[i];
-    } else {
-        for (int j = tid; j < kb; j += 256) bidx[j] = base_idx[j];
-    }
-    float inf;
-    asm("mov.b32 %0, 0x7f800000;" : "=f"(inf));
-    const int groups = (M + R - 1) / R;
-    for (int rg = blockIdx.x; rg < groups; rg += gridDim.x) {
-        const int row = rg * R + g;
-        const bool valid = row < M;
-        __syncthreads();  // the previous rows' shared-memory reads are done (and the column map is staged)
-        if (valid) {
-            const u16* src = x + (size_t)row * ldx;
-            if ((K & 7) == 0 && (ldx & 7) == 0) {
-                const u32* s32 = reinterpret_cast<const u32*>(src);
-                const int pieces = K / 8;
-                int i = lt;
-                for (; i + 3 * T < pieces; i += 4 * T) {  // four 16-byte loads in flight per thread
-                    const uint4 v0 = ld16(s32 + 4 * i), v1 = ld16(s32 + 4 * (i + T));
-                    const uint4 v2 = ld16(s32 + 4 * (i + 2 * T)), v3 = ld16(s32 + 4 * (i + 3 * T));
-                    *reinterpret_cast<uint4*>(xr + 8 * i) = v0;
-                    *reinterpret_cast<uint4*>(xr + 8 * (i + T)) = v1;
-                    *reinterpret_cast<uint4*>(xr + 8 * (i + 2 * T)) = v2;
-                    *reinterpret_cast<uint4*>(xr + 8 * (i + 3 * T)) = v3;
-                }
-                for (; i < pieces; i += T) *reinterpret_cast<uint4*>(xr + 8 * i) = ld16(s32 + 4 * i);
+__device__ __forceinline__ void st_global16(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ u16 half_of(const uint4& v, int i) {
+    const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+    return (u16)(i & 1 ? w >> 16 : w & 0xFFFF);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Fused split + quantize: a block of NT threads per token row at a time, persistent over rows (row, row + grid,
+// ...). Every thread holds PPT pieces of 8 columns of a row in registers, and the next row's loads are issued
+// before the current row is quantized, so the reads of one row overlap the arithmetic of the previous one. Per
+// row: min/max over the base columns (outlier flags: one bit per column), a block reduction, then each code is
+// computed (step 2 of formats/quik.md, float32, IEEE quotient, ties to even: the codes equal the reference's) and
+// dropped at its position in a shared-memory copy of the output row, outlier values at their slot; the finished
+// row leaves with 16-byte stores.
+//
+// The quotient (x - lo) / s is formed from the correctly rounded reciprocal of s (one division per row) and two
+// FMA corrections, the second of which is Markstein's: with y = RN(1/s) and q within one ulp of the quotient,
+// q + (x - lo - q s) y rounds to the IEEE quotient. A division per element cost more than the row's memory time.
+//
+// dest [K]: position of the column's code in the activation row, or -(1 + slot) for an outlier column.
+// oflag [ceil(K/8)]: bit i of byte p is set when column 8p + i is an outlier.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// RN(a / b) given y = RN(1 / b), for the finite, normal operands of the quantizer.
+__device__ __forceinline__ float quotient(float a, float b, float y) {
+    const float q0 = mul_rn(a, y);
+    const float q1 = fma_rn(fma_rn(-q0, b, a), y, q0);  // within an ulp
+    return fma_rn(fma_rn(-q1, b, a), y, q1);
+}
+
+__device__ __forceinline__ u32 hmin2(u32 a, u32 b) {
+    u32 r;
+    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
+    u32 r;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// Round to the nearest integer, ties to even, as an int (torch.round, then the cast).
+__device__ __forceinline__ int rint_s32(float a) {
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+
+template <int NT, int PPT>
+__device__ __forceinline__ void load_row(uint4 (&v)[PPT], u32 (&fl)[PPT], const u16* __restrict__ src, int K,
+                                         int vec, const u8* __restrict__ oflag, int tid) {
+    const int np = (K + 7) >> 3;
+#pragma unroll
+    for (int u = 0; u < PPT; ++u) {
+        const int p = tid + NT * u;
+        v[u] = make_uint4(0, 0, 0, 0);
+        fl[u] = 0xFF;
+        if (p < np) {
+            if (vec) {
+                v[u] = ld16(reinterpret_cast<const u32*>(src + 8 * p));
             } else {
-                for (int i = lt; i < K; i += T) xr[i] = src[i];
-            }
-        }
-        __syncthreads();
-        float lo = inf, hi = -inf;
-        if (valid) {
-            float l4[4] = {inf, inf, inf, inf}, h4[4] = {-inf, -inf, -inf, -inf};
-            int j = lt;
-            for (; j + 3 * T < kb; j += 4 * T) {
+                u32 w[4] = {0, 0, 0, 0};
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const float v = h2f(xr[bidx[j + u * T]]);
-                    l4[u] = fmin_(l4[u], v);
-                    h4[u] = fmax_(h4[u], v);
-                }
+                for (int i = 0; i < 8; ++i)
+                    if (8 * p + i < K) w[i >> 1] |= (u32)src[8 * p + i] << (16 * (i & 1));
+                v[u] = make_uint4(w[0], w[1], w[2], w[3]);
             }
-            for (; j < kb; j += T) {
-                const float v = h2f(xr[bidx[j]]);
-                l4[0] = fmin_(l4[0], v);
-                h4[0] = fmax_(h4[0], v);
-            }
-            lo = fmin_(fmin_(l4[0], l4[1]), fmin_(l4[2], l4[3]));
-            hi = fmax_(fmax_(h4[0], h4[1]), fmax_(h4[2], h4[3]));
-        }
-        lo = warp_min(lo);
-        hi = warp_max(hi);
-        const int warp = tid / 32;
-        if (lane == 0) {
-            red_lo[warp] = lo;
-            red_hi[warp] = hi;
-        }
-        __syncthreads();
-        lo = red_lo[g * WPR];
-        hi = red_hi[g * WPR];
-#pragma unroll
-        for (int w = 1; w < WPR; ++w) {
-            lo = fmin_(lo, red_lo[g * WPR + w]);
-            hi = fmax_(hi, red_hi[g * WPR + w]);
-        }
-        if (!valid) continue;  // (the next iteration's barriers are reached by every thread)
-        const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
-        u32* dst = aq + (size_t)row * lda;
-        const int kp = lda * PER;  // a multiple of 128: `j < kp` is the same for a whole warp
-        for (int j0 = 0; j0 < kp; j0 += 4 * T) {
-            u32 v[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int j = j0 + u * T + lt;
-                u32 code = 1u << (AB - 1);  // signed zero beyond the base columns
-                if (j < kb) {
-                    float q = rint_even(div_rn(h2f(xr[bidx[j]]) - lo, s));
-                    q = fmin_(fmax_(q, 0.0f), (float)MAXQ);
-                    code = (u32)q;
-                }
-                v[u] = code << (AB * (lane % PER));
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int j = j0 + u * T + lt;
-                if (j < kp) {
-#pragma unroll
-                    for (int m = 1; m < PER; m <<= 1) v[u] |= shfl_xor_u32(v[u], m);
-                    if (lane % PER == 0) dst[j / PER] = v[u];
-                }
-            }
-        }
-        u16* orow = xo + (size_t)row * ldo;
-        for (int i = lt; i < ldo; i += T) orow[i] = i < ko ? xr[out_idx[i]] : (u16)0;
-        if (lt == 0) {
-            sx[row] = s;
-            zx[row] = lo;
+            // columns past K count as outliers here (never base) and are skipped below
+            const int past = 8 * p + 8 - K;
+            fl[u] = (u32)oflag[p] | (past > 0 ? (0xFFu << (8 - past)) & 0xFFu : 0u);
         }
     }
 }
 
-#define QUANT_ENTRY(AB, R)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) quik_quantize_a##AB##_r##R(                               \
-        const u16* x, int ldx, int M, int K, const int* base_idx, int kb, const int* out_idx, int ko, u32* aq,    \
-        int lda, u16* xo, int ldo, float* sx, float* zx) {                                                        \
-        quantize_rows<AB, R>(x, ldx, M, K, base_idx, kb, out_idx, ko, aq, lda, xo, ldo, sx, zx);                 \
+template <int AB, int NT, int PPT>
+__device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&fl)[PPT], int row, int K, int vec,
+                                             const int* __restrict__ dest, int kp, int kop, char* cs, u16* os,
+                                             float* red, char* __restrict__ aq, u16* __restrict__ xo,
+                                             float* __restrict__ sx, float* __restrict__ zx, int tid) {
+    constexpr int MAXQ = (1 << AB) - 1, HALF = 1 << (AB - 1), W = NT / 32;
+    const int lane = tid & 31, warp = tid >> 5, np = (K + 7) >> 3;
+    float inf;
+    asm("mov.b32 %0, 0x7f800000;" : "=f"(inf));
+    // min/max of fp16 values is exact in fp16: whole pieces without outliers take f16x2 min/max (2 ops per 2
+    // columns), the few pieces with outlier (or past-K) columns go column by column
+    float lo = inf, hi = -inf;
+    u32 lo2 = 0x7C007C00u, hi2 = 0xFC00FC00u;
+#pragma unroll
+    for (int u = 0; u < PPT; ++u) {
+        if (fl[u] == 0) {
+            lo2 = hmin2(hmin2(lo2, v[u].x), hmin2(v[u].y, hmin2(v[u].z, v[u].w)));
+            hi2 = hmax2(hmax2(hi2, v[u].x), hmax2(v[u].y, hmax2(v[u].z, v[u].w)));
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (!((fl[u] >> i) & 1)) {
+                    const float f = h2f(half_of(v[u], i));
+                    lo = fmin_(lo, f);
+                    hi = fmax_(hi, f);
+                }
+            }
+        }
     }
-QUANT_ENTRY(4, 1)
-QUANT_ENTRY(4, 2)
-QUANT_ENTRY(4, 4)
-QUANT_ENTRY(8, 1)
-QUANT_ENTRY(8, 2)
-QUANT_ENTRY(8, 4)
+    lo = fmin_(lo, fmin_(h2f((u16)(lo2 & 0xFFFF)), h2f((u16)(lo2 >> 16))));
+    hi = fmax_(hi, fmax_(h2f((u16)(hi2 & 0xFFFF)), h2f((u16)(hi2 >> 16))));
+    lo = warp_min(lo);
+    hi = warp_max(hi);
+    if (lane == 0) {
+        red[warp] = lo;
+        red[W + warp] = hi;
+    }
+    __syncthreads();  // also: the previous row's copy-out is done with cs and os
+    lo = red[0];
+    hi = red[W];
+#pragma unroll
+    for (int w = 1; w < W; ++w) {
+        lo = fmin_(lo, red[w]);
+        hi = fmax_(hi, red[W + w]);
+    }
+    const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
+    const float y = div_rn(1.0f, s);
+#pragma unroll
+    for (int u = 0; u < PPT; ++u) {
+        const int p = tid + NT * u;
+        if (p < np) {
+            int d[8];
+            if (vec) {
+                const uint4 d0 = ld16(reinterpret_cast<const u32*>(dest + 8 * p));
+                const uint4 d1 = ld16(reinterpret_cast<const u32*>(dest + 8 * p + 4));
+                d[0] = (int)d0.x, d[1] = (int)d0.y, d[2] = (int)d0.z, d[3] = (int)d0.w;
+                d[4] = (int)d1.x, d[5] = (int)d1.y, d[6] = (int)d1.z, d[7] = (int)d1.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d[i] = 8 * p + i < K ? __ldg(dest + 8 * p + i) : 0;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (8 * p + i < K) {
+                    const u16 h = half_of(v[u], i);
+                    if (d[i] >= 0) {
+                        // no clamp needed: x - lo >= 0, and (x - lo) / s <= (hi - lo) / s <= MAXQ (1 + 2^-23)
+                        cs[d[i]] = (char)(rint_s32(quotient(sub_rn(h2f(h), lo), s, y)) - HALF);
+                    } else {
+                        os[-1 - d[i]] = h;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    char* arow = aq + (size_t)row * kp;
+    for (int c = tid; c < kp / 16; c += NT) st_global16(arow + 16 * c, *reinterpret_cast<const uint4*>(cs + 16 * c));
+    u16* orow = xo + (size_t)row * kop;
+    for (int c = tid; c < kop / 8; c += NT)
+        st_global16(orow + 8 * c, *reinterpret_cast<const uint4*>(os + 8 * c));
+    if (tid == 0) {
+        sx[row] = s;
+        zx[row] = lo;
+    }
+}
+
+template <int AB, int NT, int PPT>
+__device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx, int M, int K, int vec,
+                                              const int* __restrict__ dest, const u8* __restrict__ oflag, int kb,
+                                              int kp, int ko, int kop, char* __restrict__ aq, u16* __restrict__ xo,
+                                              float* __restrict__ sx, float* __restrict__ zx) {
+    extern __shared__ __align__(16) char qsm[];
+    __shared__ float red[2 * (NT / 32)];
+    const int tid = threadIdx.x, G = gridDim.x;
+    char* cs = qsm;                              // kp code bytes
+    u16* os = reinterpret_cast<u16*>(qsm + kp);  // kop outlier halves
+    // Padding: the positions no column maps to (from the last partial group of 32 on) and the outlier slots past
+    // ko hold zeros for every row; the rows' scatters never touch them.
+    for (int j = (kb & ~31) + tid; j < kp; j += NT) cs[j] = 0;
+    for (int j = ko + tid; j < kop; j += NT) os[j] = 0;
+    __syncthreads();  // the zeros land before the first row's codes in the last partial group
+    uint4 v[PPT];
+    u32 fl[PPT];
+    for (int row = blockIdx.x; row < M; row += G) {
+        load_row<NT, PPT>(v, fl, x + (size_t)row * ldx, K, vec, oflag, tid);
+        quantize_one<AB, NT, PPT>(v, fl, row, K, vec, dest, kp, kop, cs, os, red, aq, xo, sx, zx, tid);
+    }
+}
+
+// MINB: blocks per SM the registers must allow. The kernel is latency-bound (a row's loads, a block reduction,
+// the scatter, the stores), so a register cap that keeps ~48 warps per SM beats the extra registers.
+#define QUANT_ENTRY(AB, NT, PPT, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(NT, MINB) quik_quantize_a##AB##_t##NT##_p##PPT(                 \
+        const u16* x, int ldx, int M, int K, int vec, const int* dest, const u8* oflag, int kb, int kp, int ko,   \
+        int kop, char* aq, u16* xo, float* sx, float* zx) {                                                       \
+        quantize_rows<AB, NT, PPT>(x, ldx, M, K, vec, dest, oflag, kb, kp, ko, kop, aq, xo, sx, zx);             \
+    }
+#define QUANT_ENTRIES(NT, PPT, MINB) QUANT_ENTRY(4, NT, PPT, MINB) QUANT_ENTRY(8, NT, PPT, MINB)
+QUANT_ENTRIES(128, 1, 12)
+QUANT_ENTRIES(128, 2, 12)
+QUANT_ENTRIES(256, 2, 6)
+QUANT_ENTRIES(512, 4, 3)
+QUANT_ENTRIES(512, 8, 2)
+
+__device__ __forceinline__ void wgmma_s8(int (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_f16(int (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_s8(int (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_f16(int (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_s8(int (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_f16(int (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
 
 // ---------------------------------------------------------------------------------------------------------------
-// GEMM: C[M,N] = epilogue(A[M,Kp] · B[N,Kp]^T) (+ Xo · Wo^T), tile 128 x 128, 256 threads = 2 warpgroups, each
-// computing 64 rows x 128 columns with wgmma m64n128k32 (s8) and, for the outlier columns, m64n128k16 (f16).
+// GEMM: C[M, N] = Eq. 1 (A[M, Kp] · W[N, Kp]^T) + Xo · Wo^T + bias, with the operands swapped for wgmma: weight
+// rows are its M dimension (64 per warpgroup, 128 per block of two warpgroups) and the tokens its N dimension
+// (TN per block). wgmma reads A from registers, so the weight codes go from shared memory through 4-byte loads
+// and a few logic ops straight into A fragments; only B (activation s8 rows, or the float16 outlier
+// activations) is read by the tensor cores from shared memory. Every stage is 128 codes (or 64 outlier columns):
+// 128 bytes per activation row, 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), all by cp.async,
+// ST stages deep, one wgmma group left in flight while the next stage's fragments are built.
 //
-// Every k-step moves 64 bytes of each operand row from global memory: 128 four-bit codes (unpacked to 128 bytes
-// of s8), 64 eight-bit codes or 32 float16 outlier columns. Shared memory holds each row's step in a 128-byte
-// row with the 128-byte swizzle of the wgmma canonical K-major layout (16-byte chunk j of row r at chunk
-// j ^ (r mod 8)). Three shared-memory stages; the global loads run two steps ahead in two register sets, and one
-// wgmma group stays in flight across the block barrier.
+// 4-bit weights become 16x their s8 value with two or three integer ops per 4 codes ((w << 4) & 0xF0F0F0F0 ^
+// 0x80808080 for the low nibbles, w & 0xF0F0F0F0 ^ 0x80808080 for the high ones), so the accumulators hold 16x the integer sums:
+// exact, and the 1/16 goes into the weight scale (a power of two: the float products round exactly as before).
 //
-// The integer accumulators turn into float32 in place (same registers, float bits) when the integer steps end:
-// Eq. 1 is applied there and the float16 outlier steps accumulate on top.
+// After the integer stages the accumulators become float32 in place (Eq. 1), the outlier stages accumulate on top
+// with wgmma f32.f16.f16, and the tile is transposed through shared memory for 16-byte row stores with the bias.
 // ---------------------------------------------------------------------------------------------------------------
-constexpr int BM = 128, BN = 128;
-constexpr int TILE_BYTES = 128 * 128;  // one operand, one stage
-constexpr int STAGE_BYTES = 2 * TILE_BYTES;
-constexpr int STAGES = 3;
+template <int TN>
+struct QTile {
+    static constexpr int XT = TN * 128;      // activation bytes per stage
+    static constexpr int WT = 128 * 128;     // weight bytes per stage (4-bit stages use half)
+    static constexpr int SB = XT + WT;       // multiples of 1024: the swizzle atoms stay aligned
+};
+
+struct GemmArgs {
+    const char* A;   // activation codes, s8 [M, lda]
+    int lda;
+    const char* W;   // weight codes, reordered (bytes per row: ldw)
+    int ldw;
+    const char* Xo;  // outlier activations, float16 [M, ldxo / 2]
+    int ldxo;
+    const char* Wo;  // outlier weights, reordered float16 [N, ldwo / 2]
+    int ldwo;
+    int M, N, kt, steps;
+    int m0, n0;
+};
+
+// Issue this thread's copies of global stage gs into the shared-memory stage at st.
+template <int BITS, int TN>
+__device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, int tid) {
+    const bool outl = gs >= g.kt;
+    const int s = outl ? gs - g.kt : gs;
+    const char* B = outl ? g.Xo : g.A;
+    const size_t ldb = (size_t)(outl ? g.ldxo : g.lda);
+    {
+        const int r = tid >> 3, ch = tid & 7;
+#pragma unroll
+        for (int i = 0; i < TN / 32; ++i) {
+            const int row = r + 32 * i, tok = g.m0 + row;
+            const bool ok = tok < g.M;
+            cp_async16(st + row * 128 + ((ch ^ (row & 7)) << 4), B + (ok ? tok * ldb + s * 128 + ch * 16 : 0),
+                       ok ? 16 : 0);
+        }
+    }
+    const u32 wt = st + QTile<TN>::XT;
+    if (BITS == 4 && !outl) {
+        // 128 rows x 4 chunks of 16 bytes; chunk c of row r at c ^ ((r / 2) % 4), so that the 8 rows of a warp's
+        // fragment loads (word 4j + t of rows g = 0..7) fall in 32 different banks
+        const int r = tid >> 2, ch = tid & 3;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = r + 64 * i, f = g.n0 + row;
+            const bool ok = f < g.N;
+            cp_async16(wt + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4),
+                       g.W + (ok ? (size_t)f * g.ldw + s * 64 + ch * 16 : 0), ok ? 16 : 0);
+        }
+    } else {
+        // 128 rows x 8 chunks with the 128-byte swizzle (chunk c of row r at c ^ (r % 8)): conflict-free for the
+        // fragment loads (words 8j + t and 8j + 4 + t of rows g = 0..7)
+        const char* Wp = outl ? g.Wo : g.W;
+        const size_t ldw = (size_t)(outl ? g.ldwo : g.ldw);
+        const int r = tid >> 3, ch = tid & 7;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = r + 32 * i, f = g.n0 + row;
+            const bool ok = f < g.N;
+            cp_async16(wt + row * 128 + ((ch ^ (row & 7)) << 4), Wp + (ok ? f * ldw + s * 128 + ch * 16 : 0),
+                       ok ? 16 : 0);
+        }
+    }
+}
+
+// A fragments of the stage's 4 k-steps j for rows r0 and r0 + 8: a0/a1 hold k = 4t..4t+3 of rows r0/r0+8, a2/a3
+// k = 16+4t..16+4t+3 (s8; float16: k = 2t, 2t+1 and 8+2t, 8+2t+1). 4-bit: word 4j+t of the stage row, low
+// nibbles -> a0/a1, high nibbles -> a2/a3 (hence the activation order of the contract). 8-bit and float16: words
+// 8j+t -> a0/a1 and 8j+4+t -> a2/a3.
+template <int BITS, bool OUTL>
+__device__ __forceinline__ void load_frags(u32 (&af)[4][4], u32 wt, int r0, int t) {
+    if (BITS == 4 && !OUTL) {
+        const int x = (r0 >> 1) & 3;  // (r0 + 8) has the same swizzle
+        const u32 p = wt + r0 * 64 + 4 * t, q = p + 8 * 64;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 pw = lds32(p + ((j ^ x) << 4)), qw = lds32(q + ((j ^ x) << 4));
+            af[j][0] = ((pw << 4) & 0xF0F0F0F0u) ^ 0x80808080u;
+            af[j][1] = ((qw << 4) & 0xF0F0F0F0u) ^ 0x80808080u;
+            af[j][2] = (pw & 0xF0F0F0F0u) ^ 0x80808080u;
+            af[j][3] = (qw & 0xF0F0F0F0u) ^ 0x80808080u;
+        }
+    } else {
+        const int x = r0 & 7;
+        const u32 p = wt + r0 * 128 + 4 * t, q = p + 8 * 128;
+        const u32 f = OUTL ? 0u : 0x80808080u;  // 8-bit codes: u - 128 is u with the top bit flipped
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            af[j][0] = lds32(p + (((2 * j) ^ x) << 4)) ^ f;
+            af[j][1] = lds32(q + (((2 * j) ^ x) << 4)) ^ f;
+            af[j][2] = lds32(p + (((2 * j + 1) ^ x) << 4)) ^ f;
+            af[j][3] = lds32(q + (((2 * j + 1) ^ x) << 4)) ^ f;
+        }
+    }
+}
 
 __device__ __forceinline__ int f2bits(float f) {
     int r;
@@ -262,252 +480,159 @@ __device__ __forceinline__ float bits2f(int b) {
     return r;
 }
 
-#define R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), "+r"(a[i + 4]), "+r"(a[i + 5]), \
-                 "+r"(a[i + 6]), "+r"(a[i + 7])
-
-__device__ __forceinline__ void wgmma_s8(int (&d)[64], u64 da, u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p; }"
-        : R8(d, 0), R8(d, 8), R8(d, 16), R8(d, 24), R8(d, 32), R8(d, 40), R8(d, 48), R8(d, 56)
-        : "l"(da), "l"(db), "r"(1));
-}
-
-// Float32 accumulators held as their bits in the same registers as the integer ones.
-__device__ __forceinline__ void wgmma_f16(int (&d)[64], u64 da, u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0; }"
-        : R8(d, 0), R8(d, 8), R8(d, 16), R8(d, 24), R8(d, 32), R8(d, 40), R8(d, 48), R8(d, 56)
-        : "l"(da), "l"(db), "r"(1));
-}
-
-// One operand's 64 bytes per row of one step for 128 rows: 512 pieces of 16 bytes, two per thread.
-__device__ __forceinline__ void tile_load(uint4 (&r)[2], const u32* __restrict__ base, int ld, int row0, int rows,
-                                          int word_off, int tid) {
+// Eq. 1 on this thread's accumulators, in place: acc·s_x·s_w + (z_x + h·s_x)·wReduced, as float bits. Rows
+// (features) f0, f0 + 8; tokens 8i + 2t + e of the tile, whose s_x and z_x + h·s_x wait in shared memory.
+template <int BITS, int TN>
+__device__ __forceinline__ void eq1_in_place(int (&acc)[TN / 2], int f0, int N, int t, const float* tsx,
+                                             const float* tax, const u16* __restrict__ sw,
+                                             const float* __restrict__ wred) {
+    const float ws = BITS == 4 ? 0.0625f : 1.0f;  // 4-bit accumulators hold 16x the sums
+    const float sw0 = f0 < N ? h2f(sw[f0]) * ws : 0.f, wr0 = f0 < N ? wred[f0] : 0.f;
+    const float sw1 = f0 + 8 < N ? h2f(sw[f0 + 8]) * ws : 0.f, wr1 = f0 + 8 < N ? wred[f0 + 8] : 0.f;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int p = tid + 256 * i, row = p / 4, q = p % 4;
-        if (row0 + row < rows) {
-            r[i] = ld16(base + (size_t)(row0 + row) * ld + word_off + 4 * q);
-        } else {
-            r[i] = make_uint4(0, 0, 0, 0);
-        }
-    }
-}
-
-__device__ __forceinline__ u32 nib_s8(u32 w) {
-    // bytes holding u in 0..15 -> u - 8 as s8: u + 120 stays below 256 (no carry), then flip the sign bit.
-    return ((w & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-}
-
-// KIND 4: four-bit codes, each 16-byte piece becomes two chunks (even codes, odd codes). KIND 8: eight-bit codes,
-// offset bit flipped. KIND 16: float16, stored as is.
-template <int KIND>
-__device__ __forceinline__ void tile_store(const uint4 (&r)[2], u32 tile, int tid) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int p = tid + 256 * i, row = p / 4, q = p % 4;
-        const u32 rowa = tile + row * 128;
-        const int sw = row & 7;
-        const uint4 v = r[i];
-        if (KIND == 4) {
-            uint4 lo = make_uint4(nib_s8(v.x), nib_s8(v.y), nib_s8(v.z), nib_s8(v.w));
-            uint4 hi = make_uint4(nib_s8(v.x >> 4), nib_s8(v.y >> 4), nib_s8(v.z >> 4), nib_s8(v.w >> 4));
-            st_shared16(rowa + (((2 * q) ^ sw) << 4), lo);
-            st_shared16(rowa + (((2 * q + 1) ^ sw) << 4), hi);
-        } else if (KIND == 8) {
-            const u32 f = 0x80808080u;
-            st_shared16(rowa + ((q ^ sw) << 4), make_uint4(v.x ^ f, v.y ^ f, v.z ^ f, v.w ^ f));
-        } else {
-            st_shared16(rowa + ((q ^ sw) << 4), v);
-        }
-    }
-}
-
-struct GemmArgs {
-    const u32* A;
-    int lda;
-    const u32* B;
-    int ldb;
-    int M, N, kt;
-    const u32* Xo;
-    const u32* Wo;
-    int ldo_w;
-    int m0, n0;
-};
-
-template <int BITS>
-__device__ __forceinline__ void step_load(uint4 (&ra)[2], uint4 (&rb)[2], int step, const GemmArgs& g, int tid) {
-    if (step < g.kt) {
-        tile_load(ra, g.A, g.lda, g.m0, g.M, step * 16, tid);  // 64 bytes = 16 words per step
-        tile_load(rb, g.B, g.ldb, g.n0, g.N, step * 16, tid);
-    } else {
-        tile_load(ra, g.Xo, g.ldo_w, g.m0, g.M, (step - g.kt) * 16, tid);
-        tile_load(rb, g.Wo, g.ldo_w, g.n0, g.N, (step - g.kt) * 16, tid);
-    }
-}
-
-template <int BITS>
-__device__ __forceinline__ void step_store(const uint4 (&ra)[2], const uint4 (&rb)[2], int step, int kt, u32 stage,
-                                           int tid) {
-    if (step < kt) {
-        tile_store<BITS>(ra, stage, tid);
-        tile_store<BITS>(rb, stage + TILE_BYTES, tid);
-    } else {
-        tile_store<16>(ra, stage, tid);
-        tile_store<16>(rb, stage + TILE_BYTES, tid);
-    }
-    fence_async_smem();  // ordinary stores, read next by the tensor cores (async proxy)
-}
-
-// Eq. 1 on this thread's accumulators, in place: acc·s_x·s_w + (z_x + h·s_x)·wReduced, as float bits.
-template <int BITS>
-__device__ __forceinline__ void eq1_in_place(int (&acc)[64], int r0, int cbase, int M, int N,
-                                             const float* __restrict__ sx, const float* __restrict__ zx,
-                                             const u16* __restrict__ sw, const float* __restrict__ wred) {
-    const float h = (float)(1 << (BITS - 1));
-    const int r1 = r0 + 8;
-    const float sx0 = r0 < M ? sx[r0] : 0.f, sx1 = r1 < M ? sx[r1] : 0.f;
-    const float a0 = r0 < M ? zx[r0] + h * sx0 : 0.f, a1 = r1 < M ? zx[r1] + h * sx1 : 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < TN / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int c = cbase + 8 * i + e;
-            const float swc = c < N ? h2f(sw[c]) : 0.f, wr = c < N ? wred[c] : 0.f;
-            acc[4 * i + e] = f2bits((float)acc[4 * i + e] * sx0 * swc + a0 * wr);
-            acc[4 * i + 2 + e] = f2bits((float)acc[4 * i + 2 + e] * sx1 * swc + a1 * wr);
+            const int k = 8 * i + 2 * t + e;
+            const float sxv = tsx[k], axv = tax[k];
+            acc[4 * i + e] = f2bits((float)acc[4 * i + e] * sxv * sw0 + axv * wr0);
+            acc[4 * i + 2 + e] = f2bits((float)acc[4 * i + 2 + e] * sxv * sw1 + axv * wr1);
         }
     }
 }
 
-template <int BITS>
-__device__ __forceinline__ void gemm_step(int (&acc)[64], uint4 (&xa)[2], uint4 (&xb)[2], uint4 (&ya)[2],
-                                          uint4 (&yb)[2], int s, int steps, const GemmArgs& g, u32 base, int tid,
-                                          int wg, int r0, int cbase, const float* sx, const float* zx, const u16* sw,
-                                          const float* wred) {
-    // X holds step s+1 (loads in flight); Y receives step s+2, loaded after this step's shared-memory fence: the
-    // fence compiles to MEMBAR.ALL.CTA, which would otherwise wait for those loads too.
-    if (s == g.kt && g.kt > 0) {
-        wgmma_wait0();
-        eq1_in_place<BITS>(acc, r0, cbase, g.M, g.N, sx, zx, sw, wred);
-    }
-    const u32 stage = base + (u32)(s % STAGES) * STAGE_BYTES;
-    const u32 ta = stage + wg * (64 * 128), tb = stage + TILE_BYTES;
-    wgmma_fence();
+template <int BITS, int TN, int ST>
+__device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], const GemmArgs& g, u32 base, int s,
+                                          int tid, int r0, int t, int f0, const float* tsx, const float* tax,
+                                          const u16* __restrict__ sw, const float* __restrict__ wred) {
+    using T = QTile<TN>;
+    cp_async_wait<ST - 3>();  // this thread's copies of stage s are done
+    fence_async_smem();       // they are read next by the tensor cores
+    __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
+    if (s + ST - 2 < g.steps && QUIK_ABLATE != 2)
+        load_stage<BITS, TN>(g, base + (u32)((s + ST - 2) % ST) * T::SB, s + ST - 2, tid);
+    cp_async_commit();
+    const u32 st = base + (u32)(s % ST) * T::SB;
     if (s < g.kt) {
-        constexpr int CH = BITS == 4 ? 4 : 2;  // 32-byte k-chunks per step
+        load_frags<BITS, false>(af, st + T::XT, r0, t);
+        wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < CH; ++c) wgmma_s8(acc, desc_sw128(ta + 32 * c), desc_sw128(tb + 32 * c));
+        for (int j = 0; j < 4; ++j)
+            if (QUIK_ABLATE != 1) wgmma_s8(acc, af[j], desc_sw128(st + 32 * j));
     } else {
+        if (s == g.kt && g.kt > 0) {
+            wgmma_wait0();
+            eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, wred);
+        }
+        load_frags<BITS, true>(af, st + T::XT, r0, t);
+        wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < 2; ++c) wgmma_f16(acc, desc_sw128(ta + 32 * c), desc_sw128(tb + 32 * c));
+        for (int j = 0; j < 4; ++j) wgmma_f16(acc, af[j], desc_sw128(st + 32 * j));
     }
     wgmma_commit();
-    // Stage (s+1) mod 3 was last read by step s-2's wgmma, finished at the previous step's wait.
-    if (s + 1 < steps) step_store<BITS>(xa, xb, s + 1, g.kt, base + (u32)((s + 1) % STAGES) * STAGE_BYTES, tid);
-    if (s + 2 < steps) step_load<BITS>(ya, yb, s + 2, g, tid);
     wgmma_wait1();
-    __syncthreads();
 }
 
-template <int BITS>
-__device__ __forceinline__ void epilogue_f16(int (&acc)[64], int r0, int cbase, int M, int N, int kt, int steps,
-                                             const float* __restrict__ sx, const float* __restrict__ zx,
-                                             const u16* __restrict__ sw, const float* __restrict__ wred,
-                                             const u16* __restrict__ bias, void* __restrict__ out, int ldc) {
-    const int r1 = r0 + 8;
-    if (steps == kt && kt > 0) eq1_in_place<BITS>(acc, r0, cbase, M, N, sx, zx, sw, wred);
-    u16* o = reinterpret_cast<u16*>(out);
-    const bool pairs = (ldc & 1) == 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const int c = cbase + 8 * i;
-        const float b0 = (bias && c < N) ? h2f(bias[c]) : 0.f, b1 = (bias && c + 1 < N) ? h2f(bias[c + 1]) : 0.f;
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            const int r = hrow ? r1 : r0;
-            if (r >= M) continue;
-            const u16 v0 = f2h(bits2f(acc[4 * i + 2 * hrow]) + b0), v1 = f2h(bits2f(acc[4 * i + 2 * hrow + 1]) + b1);
-            u16* p = o + (size_t)r * ldc + c;
-            if (pairs && c + 1 < N) {
-                *reinterpret_cast<u32*>(p) = (u32)v0 | ((u32)v1 << 16);
-            } else {
-                if (c < N) p[0] = v0;
-                if (c + 1 < N) p[1] = v1;
-            }
-        }
-    }
-}
-
-// raw: write the int32 accumulators (the caller passes kto = 0; the unfused ladder rungs). Otherwise the float16
-// output of the fused epilogue, outliers and bias included. A run-time flag, not a template parameter: NVRTC 12.9's
-// assembler crashed on separate raw instantiations.
-template <int BITS>
-__device__ __forceinline__ void gemm_body(const u32* __restrict__ A, int lda, const u32* __restrict__ B, int ldb,
-                                          int M, int N, int kt, const u16* __restrict__ Xo,
-                                          const u16* __restrict__ Wo, int ldo, int kto,
-                                          const float* __restrict__ sx, const float* __restrict__ zx,
-                                          const u16* __restrict__ sw, const float* __restrict__ wred,
-                                          const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw) {
+// raw: write the int32 sums (the caller passes no outlier stages; the unfused ladder rungs). Otherwise the float16
+// output of the fused epilogue, outliers and bias included.
+template <int BITS, int TN, int ST>
+__device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __restrict__ sx,
+                                          const float* __restrict__ zx, const u16* __restrict__ sw,
+                                          const float* __restrict__ wred, const u16* __restrict__ bias,
+                                          void* __restrict__ out, int ldc, int raw) {
+    using T = QTile<TN>;
     extern __shared__ char smem_raw[];
+    __shared__ float tsx[TN], tax[TN];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp_in_wg = (tid / 32) & 3;
-    GemmArgs g{A, lda, B, ldb, M, N, kt, reinterpret_cast<const u32*>(Xo), reinterpret_cast<const u32*>(Wo),
-               ldo / 2, (int)blockIdx.y * BM, (int)blockIdx.x * BN};
-    const int steps = kt + kto;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+    GemmArgs g = g0;
+    g.m0 = (int)blockIdx.y * TN;
+    g.n0 = (int)blockIdx.x * 128;
+    const int r0 = 64 * wg + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
+    const int f0 = g.n0 + r0;
+    const float h = (float)(1 << (BITS - 1));
+    for (int k = tid; k < TN; k += 256) {
+        const int m = g.m0 + k;
+        tsx[k] = m < g.M ? sx[m] : 0.f;
+        tax[k] = m < g.M ? zx[m] + h * sx[m] : 0.f;
+    }
 
-    int acc[64];
+    int acc[TN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0;
-    // Rows and columns this thread's accumulators hold (the wgmma D layout).
-    const int r0 = g.m0 + wg * 64 + warp_in_wg * 16 + lane / 4, r1 = r0 + 8;
-    const int cbase = g.n0 + 2 * (lane & 3);
-
-    uint4 pa[2], pb[2], qa[2], qb[2];
-    if (steps > 0) {
-        step_load<BITS>(pa, pb, 0, g, tid);
-        step_store<BITS>(pa, pb, 0, kt, base, tid);
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
+#pragma unroll
+    for (int p = 0; p < ST - 2; ++p) {
+        if (p < g.steps) load_stage<BITS, TN>(g, base + (u32)p * T::SB, p, tid);
+        cp_async_commit();
     }
-    if (steps > 1) step_load<BITS>(qa, qb, 1, g, tid);
-    __syncthreads();
+    u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
     int s = 0;
-    for (; s + 1 < steps; s += 2) {
-        gemm_step<BITS>(acc, qa, qb, pa, pb, s, steps, g, base, tid, wg, r0, cbase, sx, zx, sw, wred);
-        gemm_step<BITS>(acc, pa, pb, qa, qb, s + 1, steps, g, base, tid, wg, r0, cbase, sx, zx, sw, wred);
+    for (; s + 1 < g.steps; s += 2) {
+        gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
+        gemm_step<BITS, TN, ST>(acc, af1, g, base, s + 1, tid, r0, t, f0, tsx, tax, sw, wred);
     }
-    if (s < steps) gemm_step<BITS>(acc, qa, qb, pa, pb, s, steps, g, base, tid, wg, r0, cbase, sx, zx, sw, wred);
+    if (s < g.steps) gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
     wgmma_wait0();
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory is free from here on (and tsx/tax are visible)
 
     if (raw) {
         int* o = reinterpret_cast<int*>(out);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < TN / 8; ++i) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = cbase + 8 * i + e;
-                if (c < N) {
-                    if (r0 < M) o[(size_t)r0 * ldc + c] = acc[4 * i + e];
-                    if (r1 < M) o[(size_t)r1 * ldc + c] = acc[4 * i + 2 + e];
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int tok = g.m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
+                if (tok < g.M && f < g.N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
             }
         }
+        return;
+    }
+    if (g.steps == g.kt && g.kt > 0) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, wred);
+    const int mt = min(TN, g.M - g.m0);  // valid tokens in this tile
+    // Transpose through shared memory (tokens x 128 features, fp16) for 16-byte row-contiguous stores.
+    constexpr int PITCH = 128 + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int fr = r0 + 8 * hh, f = g.n0 + fr;
+        const float bv = (bias != nullptr && f < g.N) ? h2f(bias[f]) : 0.f;
+#pragma unroll
+        for (int i = 0; i < TN / 8; ++i) {
+            tile[(8 * i + 2 * t) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh]) + bv);
+            tile[(8 * i + 2 * t + 1) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh + 1]) + bv);
+        }
+    }
+    __syncthreads();
+    u16* o = reinterpret_cast<u16*>(out);
+    const bool vec = g.n0 + 128 <= g.N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * 16; c += 256) {
+            const int row = c >> 4, ch = c & 15;
+            *reinterpret_cast<uint4*>(o + (size_t)(g.m0 + row) * ldc + g.n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
     } else {
-        epilogue_f16<BITS>(acc, r0, cbase, M, N, kt, steps, sx, zx, sw, wred, bias, out, ldc);
+        for (int c = tid; c < mt * 128; c += 256) {
+            const int row = c >> 7, f = c & 127;
+            if (g.n0 + f < g.N) o[(size_t)(g.m0 + row) * ldc + g.n0 + f] = tile[row * PITCH + f];
+        }
     }
 }
 
-// Two resident blocks per SM (128 registers each) hide each other's barriers.
-#define GEMM_ENTRY(BITS)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 2) quik_gemm_w##BITS(                                    \
-        const u32* A, int lda, const u32* B, int ldb, int M, int N, int kt, const u16* Xo, const u16* Wo, int ldo, \
-        int kto, const float* sx, const float* zx, const u16* sw, const float* wred, const u16* bias, void* out,    \
-        int ldc, int raw) {                                                                                       \
-        gemm_body<BITS>(A, lda, B, ldb, M, N, kt, Xo, Wo, ldo, kto, sx, zx, sw, wred, bias, out, ldc, raw);       \
+// MINB: blocks per SM the registers must allow.
+#define GEMM_ENTRY(BITS, TN, ST, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, MINB) quik_gemm_w##BITS##_n##TN##_s##ST(                 \
+        const char* A, int lda, const char* W, int ldw, const char* Xo, int ldxo, const char* Wo, int ldwo,    \
+        int M, int N, int kt, int kto, const float* sx, const float* zx, const u16* sw, const float* wred,     \
+        const u16* bias, void* out, int ldc, int raw) {                                                        \
+        const GemmArgs g{A, lda, W, ldw, Xo, ldxo, Wo, ldwo, M, N, kt, kt + kto, 0, 0};                        \
+        gemm_body<BITS, TN, ST>(g, sx, zx, sw, wred, bias, out, ldc, raw);                                     \
     }
-GEMM_ENTRY(4)
-GEMM_ENTRY(8)
-
+#define GEMM_ENTRIES(TN, ST, MINB) GEMM_ENTRY(4, TN, ST, MINB) GEMM_ENTRY(8, TN, ST, MINB)
+GEMM_ENTRIES(64, 4, 2)
+GEMM_ENTRIES(128, 4, 1)
+GEMM_ENTRIES(256, 3, 1)
+#if QUIK_TUNING
+GEMM_ENTRIES(256, 4, 1)
+#endif

@@ -153,24 +153,18 @@ class QuikCudaCases(CudaCases):
     def _quik_layer(self, k: int, n: int, bits: int, outliers: int):
         from qtool.cuda import quik  # noqa: PLC0415
 
-        kb = k - outliers
-        kp = (max(kb, 1) + quik.KP_MULTIPLE - 1) // quik.KP_MULTIPLE * quik.KP_MULTIPLE
-        kop = (outliers + quik.KO_MULTIPLE - 1) // quik.KO_MULTIPLE * quik.KO_MULTIPLE
         perm = torch.randperm(k, device=self.dev, generator=self.gen)
         idx = perm[:outliers].sort().values.to(torch.int32)
         keep = torch.ones(k, dtype=torch.bool, device=self.dev)
         keep[idx.long()] = False
         base_idx = torch.nonzero(keep)[:, 0].to(torch.int32)
-        wo = torch.zeros(n, kop, dtype=torch.float16, device=self.dev)
-        wo[:, :outliers] = self._randn(n, outliers) * 0.05
-        return quik.QuikPrepared(
-            bits=bits, act_bits=bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=outliers, kop=kop,
-            wq=torch.randint(-(2**31), 2**31, (n, kp * bits // 32), dtype=torch.int32, device=self.dev,
-                             generator=self.gen),
-            scales=(torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
+        words = (k - outliers + 127) // 128 * 128 * bits // 32
+        return quik.build(
+            bits, bits, k,
+            torch.randint(-(2**31), 2**31, (n, words), dtype=torch.int32, device=self.dev, generator=self.gen),
+            (torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
             # Timing only: wreduced need not match the random codes (the kernels read it, never check it).
-            wreduced=torch.randn(n, device=self.dev, generator=self.gen), wo=wo,
-            base_idx=base_idx, outlier_idx=idx, bias=None, source_ptr=0,
+            torch.randn(n, device=self.dev, generator=self.gen), self._randn(n, outliers) * 0.05, base_idx, idx, None,
         )
 
     def quik(self, k: int, n: int, m: int, bits: int, outliers: int, rung: str) -> Fns:

@@ -103,6 +103,16 @@ def target_arch(device: torch.device | int | None = None) -> str:
     return arch
 
 
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: int) -> int:
+    """Multiprocessors of a device (cached: grid sizes ask on every launch)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 def cache_dir() -> Path:
     root = os.environ.get("QTOOL_CACHE_DIR")
     path = Path(root) if root else Path.home() / ".cache" / "qtool" / "kernels"

@@ -152,15 +152,6 @@ def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
     return max(1, min(warps, 16, 96 // nt, spans))
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(dev: int) -> int:
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SMS[dev]
-
-
 def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor | None,
                max_m: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Checked (padded activations, output, M, device) for the skinny kernels."""
@@ -191,7 +182,7 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     mod = cc.load_module(SOURCE, device=dev)
     nt = _n_tiles(m)
     if warps is None:
-        warps = gemv_warps(p.out_features, nt, p.kp, p.bits, _sm_count(dev))
+        warps = gemv_warps(p.out_features, nt, p.kp, p.bits, cc.sm_count(dev))
     elif not 1 <= warps <= 16 or warps * nt * 512 > 48 * 1024:
         raise ValueError(f"warps: found {warps}, expected 1..16 with warps * token tiles <= 96")
     cc.launch(
@@ -248,7 +239,7 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     grid = groups
     if pipe:
         # Persistent grid: as many blocks as fit on the GPU at once, each taking the same number of row groups.
-        max_blocks = _sm_count(dev) * _blocks_per_sm(fn, threads)
+        max_blocks = cc.sm_count(dev) * _blocks_per_sm(fn, threads)
         rounds = -(-groups // max_blocks)
         grid = -(-groups // rounds)
     cc.launch(
@@ -393,7 +384,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
             regs = (int(fn.num_regs) + 7) // 8 * 8
             per_sm = max(1, min(8, 65536 // (regs * 256), int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
             _MMA_PER_SM[key] = per_sm
-        split = mma_split(p, m, tn, rows, per_sm, _sm_count(dev))
+        split = mma_split(p, m, tn, rows, per_sm, cc.sm_count(dev))
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
     grid = (-(-n // rows), -(-m // tn), split)

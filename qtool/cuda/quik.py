@@ -15,25 +15,27 @@ import torch
 from qtool.cuda import compile as cc
 
 SOURCE = "quik_gemm.cu"
-KP_MULTIPLE = 128  # base columns padded to whole 4-bit k-steps (64 bytes of codes per row and step)
-KO_MULTIPLE = 32  # outlier columns per float16 k-step (64 bytes per row)
-TILE = 128  # rows and columns of one GEMM tile
-# 128x128 tiles, both operands through swizzled shared memory, two blocks per SM. Three other variants (128x256
-# with register A fragments, two warp-specialized ones) were slower on an H200: kernels/NOTES.md.
-GEMM_SMEM = 3 * 2 * 128 * 128 + 1024  # three stages of two 16 KB tiles, plus alignment slack
-QUANT_ROW_CHOICES = (1, 2, 4)  # token rows per 256-thread quantize block
-QUANT_BLOCKS_PER_SM = 8  # cap on resident quantize blocks per SM (shared memory may allow fewer)
-QUANT_SMEM_MAX = 200 * 1024
+KP_MULTIPLE = 128  # base columns padded to whole stages (128 codes)
+KO_MULTIPLE = 64  # outlier columns per float16 stage (128 bytes per row)
+ROWS = 128  # weight rows (output features) per GEMM block
+# Tokens per GEMM block -> pipeline stages. Weight rows are wgmma's M and tokens its N, so the weight codes are
+# dequantized straight into register fragments and only the activation tile passes through shared memory.
+GEMM_TILES = {64: 4, 128: 4, 256: 3}
+QUANT_MAX_K = 32768  # the quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
+# (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
+QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
 
 
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
-def unsupported_reason(bits: int, act_bits: int, device: torch.device) -> str | None:
+def unsupported_reason(bits: int, act_bits: int, device: torch.device, in_features: int = 0) -> str | None:
     """Why the kernels cannot run this layer here (None when they can)."""
     if (bits, act_bits) not in ((4, 4), (8, 8)):
         return f"w{bits}a{act_bits} (kernels cover w4a4 and w8a8)"
+    if in_features > QUANT_MAX_K:
+        return f"in_features {in_features} (the quantize kernel takes rows of at most {QUANT_MAX_K} columns)"
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]} (the kernels use wgmma: Hopper, 9.0)"
@@ -42,7 +44,7 @@ def unsupported_reason(bits: int, act_bits: int, device: torch.device) -> str | 
 
 @dataclass
 class QuikPrepared:
-    """Device-side view of one layer, ready for the kernels."""
+    """Device-side view of one layer, ready for the kernels (kernels/quik_gemm.cu, runtime contract)."""
 
     bits: int
     act_bits: int
@@ -52,42 +54,77 @@ class QuikPrepared:
     kp: int  # base columns padded to KP_MULTIPLE
     ko: int  # outlier columns
     kop: int  # outlier columns padded to KO_MULTIPLE
-    wq: torch.Tensor  # int32 [N, kp*bits/32]: base codes, rows padded
+    wq: torch.Tensor  # int32 [N, kp*bits/32]: base codes, rows padded to whole stages
     scales: torch.Tensor  # fp16 [N]
     wreduced: torch.Tensor  # fp32 [N]
     wo: torch.Tensor  # fp16 [N, kop]
     base_idx: torch.Tensor  # int32 [kb]
     outlier_idx: torch.Tensor  # int32 [ko]
+    dest: torch.Tensor  # int32 [K]: byte position of a base column's code, -(1 + slot) for an outlier column
+    oflag: torch.Tensor  # uint8 [ceil(K/8)]: one bit per column, set for outliers
     bias: torch.Tensor | None  # fp16 [N]
     source_ptr: int
 
 
-def prepare(layer: torch.nn.Module) -> QuikPrepared:
-    """Pad the code rows to whole k-steps and the outlier weights to whole float16 steps (once per layer)."""
-    dev = layer.qweight.device
-    bits, n = layer.bits, layer.out_features
-    ko = int(layer.outlier_idx.numel())
-    kb = layer.in_features - ko
+def act_positions(kb: int, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Byte position of base column b's code in an activation row: at 4 bits the even columns of each group of 32
+    come first, then the odd ones (the order a 4-bit weight word unpacks in); at 8 bits column order."""
+    b = torch.arange(kb, device=device)
+    if bits == 4:
+        return 32 * (b // 32) + 16 * (b % 2) + (b % 32) // 2
+    return b
+
+
+def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
+          wreduced: torch.Tensor, outlier_weight: torch.Tensor, base_idx: torch.Tensor, outlier_idx: torch.Tensor,
+          bias: torch.Tensor | None, source_ptr: int = 0) -> QuikPrepared:
+    """One layer's tensors for the kernels (once per layer): padded where needed, plus the quantize kernel's column
+    map. `qweight` holds the checkpoint's int32 code words [N, >= kb*bits/32], `outlier_weight` [N, ko]."""
+    dev = qweight.device
+    n, k = qweight.shape[0], in_features
+    ko = int(outlier_idx.numel())
+    kb = k - ko
     kp = _round_up(max(kb, 1), KP_MULTIPLE)
     kop = _round_up(ko, KO_MULTIPLE)
     words = kp * bits // 32
-    qw = layer.qweight
-    if qw.shape[1] == words:
-        wq = qw.contiguous()
-    else:  # padding codes are multiplied by the activations' signed-zero padding: any value is right
+    # The checkpoint's tensors are used as stored where they already have whole stages (the common case: no copy
+    # of the weights); otherwise a padded copy. Padding codes meet the activations' zero padding: any value is right.
+    if qweight.shape[1] == words and qweight.is_contiguous():
+        wq = qweight
+    else:
         wq = torch.zeros(n, words, dtype=torch.int32, device=dev)
-        wq[:, : qw.shape[1]] = qw
-    wo = torch.zeros(n, kop, dtype=torch.float16, device=dev)
-    wo[:, :ko] = layer.outlier_weight.to(torch.float16)
-    bias = None if layer.bias is None else layer.bias.detach().to(torch.float16).contiguous()
-    base_idx = layer.base_idx.to(torch.int32).contiguous()
+        wq[:, : min(words, qweight.shape[1])] = qweight[:, :words]
+    if kop == ko and outlier_weight.dtype == torch.float16 and outlier_weight.is_contiguous():
+        wo = outlier_weight
+    else:
+        wo = torch.zeros(n, kop, dtype=torch.float16, device=dev)
+        wo[:, :ko] = outlier_weight.to(torch.float16)
+    base_idx = base_idx.to(device=dev, dtype=torch.int32).contiguous()
+    outlier_idx = outlier_idx.to(device=dev, dtype=torch.int32).contiguous()
+    dest = torch.empty(k, dtype=torch.int32, device=dev)
+    if kb:
+        dest[base_idx.long()] = act_positions(kb, act_bits, dev).to(torch.int32)
+    if ko:
+        dest[outlier_idx.long()] = -1 - torch.arange(ko, dtype=torch.int32, device=dev)
+    pieces = (k + 7) // 8
+    flags = torch.zeros(pieces * 8, dtype=torch.int32, device=dev)
+    flags[outlier_idx.long()] = 1
+    oflag = (flags.view(pieces, 8) << torch.arange(8, device=dev, dtype=torch.int32)).sum(1).to(torch.uint8)
     return QuikPrepared(
-        bits=bits, act_bits=layer.act_bits, in_features=layer.in_features, out_features=n, kb=kb, kp=kp, ko=ko,
-        kop=kop, wq=wq, scales=layer.scales.to(torch.float16).contiguous(),
-        wreduced=layer.wreduced.to(torch.float32).contiguous(), wo=wo,
-        base_idx=base_idx, outlier_idx=layer.outlier_idx.to(torch.int32).contiguous(),
-        bias=bias, source_ptr=layer.qweight.data_ptr(),
+        bits=bits, act_bits=act_bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=ko, kop=kop,
+        wq=wq, scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
+        wreduced=wreduced.to(device=dev, dtype=torch.float32).contiguous(),
+        wo=wo,
+        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag,
+        bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
+        source_ptr=source_ptr,
     )
+
+
+def prepare(layer: torch.nn.Module) -> QuikPrepared:
+    return build(layer.bits, layer.act_bits, layer.in_features, layer.qweight, layer.scales, layer.wreduced,
+                 layer.outlier_weight, layer.base_idx, layer.outlier_idx, layer.bias,
+                 source_ptr=layer.qweight.data_ptr())
 
 
 def _module(dev: torch.device) -> cc.KernelModule:
@@ -96,7 +133,7 @@ def _module(dev: torch.device) -> cc.KernelModule:
 
 @dataclass
 class QuantizedActivations:
-    codes: torch.Tensor  # int32 [M, kp*act_bits/32]: packed unsigned codes, signed zero in the padding
+    codes: torch.Tensor  # int8 [M, kp]: signed codes at act_positions, zero in the padding
     outliers: torch.Tensor  # fp16 [M, kop]
     scale: torch.Tensor  # fp32 [M]
     zero: torch.Tensor  # fp32 [M]
@@ -104,71 +141,57 @@ class QuantizedActivations:
 
 def empty_activations(m: int, p: QuikPrepared, device: torch.device) -> QuantizedActivations:
     return QuantizedActivations(
-        codes=torch.empty(m, p.kp * p.act_bits // 32, dtype=torch.int32, device=device),
+        codes=torch.empty(m, p.kp, dtype=torch.int8, device=device),
         outliers=torch.empty(m, p.kop, dtype=torch.float16, device=device),
         scale=torch.empty(m, dtype=torch.float32, device=device),
         zero=torch.empty(m, dtype=torch.float32, device=device),
     )
 
 
-_GRIDS: dict[tuple[int, int, int], int] = {}
+def quant_shape(k: int) -> tuple[int, int]:
+    """(threads, 16-byte pieces per thread) of the quantize block for rows of k columns."""
+    pieces = (k + 7) // 8
+    for threads, ppt in QUANT_SHAPES:
+        if pieces <= threads * ppt:
+            return threads, ppt
+    raise cc.CudaUnavailableError(f"quik quantize kernel: in_features {k} exceeds {QUANT_MAX_K} columns")
 
 
-def _quant_grid(smem: int, dev: torch.device, blocks_per_sm: int) -> int:
-    """Blocks resident at once: the kernel is persistent and stages the column map once per block."""
-    key = (smem, dev.index or 0, blocks_per_sm)
-    if key not in _GRIDS:
-        props = torch.cuda.get_device_properties(dev)
-        sm_smem = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
-        per_sm = max(1, min(blocks_per_sm, (sm_smem - 1024) // (smem + 1024)))
-        _GRIDS[key] = props.multi_processor_count * per_sm
-    return _GRIDS[key]
-
-
-def default_rows(k: int) -> int:
-    """Rows per quantize block: two short rows share a block; long rows (K > 8192) get a block each (H200 bench,
-    kernels/NOTES.md)."""
-    return 2 if k <= 8192 else 1
-
-
-def quantize(x2: torch.Tensor, p: QuikPrepared, rows_per_block: int | None = None,
-             out: QuantizedActivations | None = None, blocks_per_sm: int = QUANT_BLOCKS_PER_SM) -> QuantizedActivations:
+def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None = None) -> QuantizedActivations:
     """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row."""
     if x2.dtype != torch.float16:
         raise cc.CudaUnavailableError(f"quik quantize kernel: found activations {x2.dtype}, expected float16")
-    if x2.stride(1) != 1 or x2.data_ptr() % 16:
+    if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
     dev = x2.device
-    words = p.kp * p.act_bits // 32
     if out is None:
         out = empty_activations(m, p, dev)
     if m == 0:
         return out
-    rows_per_block = rows_per_block or default_rows(k)
-    idx_bytes = 4 * ((p.kb + 3) // 4 * 4)
-    if idx_bytes + 2 * k > QUANT_SMEM_MAX:
-        raise cc.CudaUnavailableError(f"quik quantize kernel: in_features {k} exceeds the shared-memory buffers "
-                                      f"({QUANT_SMEM_MAX // 6} columns)")
-    while rows_per_block > 1 and idx_bytes + rows_per_block * 2 * k > QUANT_SMEM_MAX:
-        rows_per_block //= 2
-    if rows_per_block not in QUANT_ROW_CHOICES:
-        raise ValueError(f"rows_per_block: found {rows_per_block}, expected one of {QUANT_ROW_CHOICES}")
-    fn = _module(dev).fn(f"quik_quantize_a{p.act_bits}_r{rows_per_block}")
-    smem = idx_bytes + rows_per_block * k * 2
+    threads, ppt = quant_shape(k)
+    vec = k % 8 == 0 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+    fn = _module(dev).fn(f"quik_quantize_a{p.act_bits}_t{threads}_p{ppt}")
+    smem = p.kp + 2 * p.kop
     cc.allow_shared_memory(fn, smem)
+    # A block per row: a persistent grid with the next row prefetched was slower (kernels/NOTES.md).
     cc.launch(
-        fn, (min((m + rows_per_block - 1) // rows_per_block, _quant_grid(smem, dev, blocks_per_sm)),), (256,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.ptr(p.base_idx), cc.i32(p.kb),
-         cc.ptr(p.outlier_idx), cc.i32(p.ko), cc.ptr(out.codes), cc.i32(words), cc.ptr(out.outliers), cc.i32(p.kop),
+        fn, (m,), (threads,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.i32(int(vec)), cc.ptr(p.dest), cc.ptr(p.oflag),
+         cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes), cc.ptr(out.outliers),
          cc.ptr(out.scale), cc.ptr(out.zero)),
         shared_mem=smem, device=dev.index,
     )
     return out
 
 
-def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_tokens(m: int) -> int:
+    """Tokens per GEMM block: the smallest tile that holds M, up to 256."""
+    return next((tn for tn in sorted(GEMM_TILES) if m <= tn), max(GEMM_TILES))
+
+
+def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
+         tokens: int | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
     int32 accumulators [M, N] (no outliers, no bias)."""
     m = a.codes.shape[0]
@@ -178,43 +201,45 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True,
         out = torch.empty(m, n, dtype=torch.float16 if fused else torch.int32, device=dev)
     if m == 0:
         return out
-    fn = _module(dev).fn(f"quik_gemm_w{p.bits}")
-    cc.allow_shared_memory(fn, GEMM_SMEM)
-    kt = p.kp * p.bits // 512 if p.kb > 0 else 0  # 64 bytes of codes per step
+    tn = tokens or gemm_tokens(m)
+    if tn not in GEMM_TILES:
+        raise ValueError(f"tokens: found {tn}, expected one of {sorted(GEMM_TILES)}")
+    stages = GEMM_TILES[tn]
+    fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
+    smem = stages * (tn * 128 + ROWS * 128) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+    cc.allow_shared_memory(fn, smem)
+    kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
     kto = p.kop // KO_MULTIPLE if fused else 0
     cc.launch(
-        fn, ((n + TILE - 1) // TILE, (m + TILE - 1) // TILE), (256,),
-        (cc.ptr(a.codes), cc.i32(a.codes.shape[1]), cc.ptr(p.wq), cc.i32(p.wq.shape[1]), cc.i32(m), cc.i32(n),
-         cc.i32(kt), cc.ptr(a.outliers), cc.ptr(p.wo), cc.i32(p.kop), cc.i32(kto),
+        fn, ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn), (256,),
+        (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
+         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)),
+         cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
          cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
          cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1)),
-        shared_mem=GEMM_SMEM, device=dev.index,
+        shared_mem=smem, device=dev.index,
     )
     return out
 
 
 def quantize_torch(x2: torch.Tensor, p: QuikPrepared) -> QuantizedActivations:
-    """The unfused split + quantize (torch ops: gather, min/max, divide, round, pack): the bench's first rung."""
+    """The unfused split + quantize (torch ops: gather, min/max, divide, round, scatter): the bench's first rung,
+    and the layout the kernel must write."""
     from qtool.runtime.quik_linear import quantize_activations  # noqa: PLC0415
 
     xf = x2.to(torch.float32)
     m = x2.shape[0]
-    half = 1 << (p.act_bits - 1)
-    codes = torch.full((m, p.kp), half, dtype=torch.int64, device=x2.device)
+    codes = torch.zeros(m, p.kp, dtype=torch.int8, device=x2.device)
     if p.kb:
         act = quantize_activations(xf[:, p.base_idx.long()], p.act_bits)
-        codes[:, : p.kb] = act.codes + half
+        codes[:, act_positions(p.kb, p.act_bits, x2.device)] = act.codes.to(torch.int8)
         scale, zero = act.scale, act.zero
     else:  # no base columns: what the kernel writes (an empty row's min/max and the unit scale)
         scale = torch.ones(m, dtype=torch.float32, device=x2.device)
         zero = torch.full((m,), float("inf"), dtype=torch.float32, device=x2.device)
-    per = 32 // p.act_bits
-    shifts = torch.arange(per, device=x2.device, dtype=torch.int64) * p.act_bits
-    packed = (codes.view(m, -1, per) << shifts).sum(dim=2)  # disjoint bit fields: the sum is the word
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     xo = torch.zeros(m, p.kop, dtype=torch.float16, device=x2.device)
     xo[:, : p.ko] = x2[:, p.outlier_idx.long()].to(torch.float16)
-    return QuantizedActivations(packed, xo, scale, zero)
+    return QuantizedActivations(codes, xo, scale, zero)
 
 
 def epilogue_torch(acc: torch.Tensor, a: QuantizedActivations, p: QuikPrepared) -> torch.Tensor:
@@ -241,7 +266,7 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
     QTOOL_KERNELS=cuda turns every fallback into a one-line error instead."""
     if cc.kernel_mode() == "reference":
         return None
-    reason = unsupported_reason(layer.bits, layer.act_bits, x.device)
+    reason = unsupported_reason(layer.bits, layer.act_bits, x.device, layer.in_features)
     if reason is None and x.dtype != torch.float16:
         reason = f"activations {x.dtype} (the kernels read float16)"
     if not cc.use_kernels("quik", reason):

@@ -73,21 +73,38 @@ def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m):
     layer = random_quik(n, k, ko, bits)
     p = quik.prepare(layer)
     x = _x(m, k, layer.outlier_idx)
-    for rows in (1, 2, 4):
+    ref = quik.quantize_torch(x, p)
+    for poison in (0x5A, -0x5B):  # two poisons: an unwritten byte differs from the reference in one of them
         a = quik.empty_activations(m, p, x.device)
-        a.codes.fill_(POISON)
+        a.codes.fill_(poison)
         a.outliers.fill_(float("nan"))
         a.scale.fill_(float("nan"))
         a.zero.fill_(float("nan"))
-        quik.quantize(x, p, rows_per_block=rows, out=a)
+        quik.quantize(x, p, out=a)
         synced(a.codes)
-        ref = quik.quantize_torch(x, p)
-        assert torch.equal(a.codes, ref.codes), f"codes differ (rows per block {rows})"
+        assert torch.equal(a.codes, ref.codes), f"codes differ (poison {poison})"
         assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
         assert torch.equal(a.outliers, ref.outliers)
-        if ko < k:
-            act = quantize_activations(x.float()[:, layer.base_idx], bits)
-            assert torch.equal(a.scale, act.scale) and torch.equal(a.zero, act.zero)
+    if ko < k:
+        act = quantize_activations(x.float()[:, layer.base_idx], bits)
+        assert torch.equal(ref.scale, act.scale) and torch.equal(ref.zero, act.zero)
+
+
+@needs_hopper
+def test_quantize_kernel_strided_and_unaligned_rows():
+    """Rows that are not 16-byte aligned (K % 8 != 0, or a strided view) take the element-wise loads."""
+    from qtool.cuda import quik
+
+    for n, k, ko in ((64, 300, 20), (64, 4096, 256)):
+        layer = random_quik(n, k, ko, 4)
+        p = quik.prepare(layer)
+        wide = _x(9, k + 3, layer.outlier_idx)
+        x = wide[:, 1 : k + 1]  # row stride k + 3, first element 2 bytes past an alignment boundary
+        a = quik.quantize(x, p)
+        synced(a.codes)
+        ref = quik.quantize_torch(x, p)
+        assert torch.equal(a.codes, ref.codes) and torch.equal(a.outliers, ref.outliers)
+        assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
 
 
 def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
@@ -108,11 +125,12 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
     p = quik.prepare(layer)
     x = _x(m, k, layer.outlier_idx)
     a = quik.quantize(x, p)
-    out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-    synced(quik.gemm(a, p, fused=False, out=out))
-    ref = _acc_reference(layer, x) if ko < k else torch.zeros_like(out)
-    bad = (out != ref).sum().item()
-    assert bad == 0, f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko})"
+    ref = _acc_reference(layer, x) if ko < k else torch.zeros(m, n, dtype=torch.int32, device="cuda")
+    for tokens in sorted(quik.GEMM_TILES):
+        out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens))
+        bad = (out != ref).sum().item()
+        assert bad == 0, f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens})"
 
 
 @needs_hopper
@@ -144,11 +162,13 @@ def test_fused_output_poisoned_buffer_fully_written():
     p = quik.prepare(layer)
     x = _x(77, 520, layer.outlier_idx)
     a = quik.quantize(x, p)
-    out = torch.full((77, 200), float("nan"), device="cuda", dtype=torch.float16)
-    synced(quik.gemm(a, p, out=out))
-    assert bool(torch.isfinite(out).all())
-    err = rel_err(out, layer.reference_forward(x.float()).double())
-    assert err < 2e-3, f"relative error {err:.2e}"
+    ref = layer.reference_forward(x.float()).double()
+    for tokens in sorted(quik.GEMM_TILES):
+        out = torch.full((77, 200), float("nan"), device="cuda", dtype=torch.float16)
+        synced(quik.gemm(a, p, out=out, tokens=tokens))
+        assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens})"
+        err = rel_err(out, ref)
+        assert err < 2e-3, f"relative error {err:.2e} (tile {tokens})"
 
 
 @needs_hopper
