@@ -22,7 +22,9 @@
 #include "ptx_common.cuh"
 
 // Measurement builds only (qtool.cuda.compile extra options): QUIK_TUNING adds variants, QUIK_ABLATE removes a
-// part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue) to see what bounds it.
+// part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue, 4: the A-fragment loads and
+// unpacking) or changes it (3: 8-bit A read by wgmma from shared memory instead of registers; wrong values, timing
+// only) to see what bounds it.
 #ifndef QUIK_TUNING
 #define QUIK_TUNING 0
 #endif
@@ -356,6 +358,18 @@ __device__ __forceinline__ void wgmma_f16(int (&d)[128], const u32 (&a)[4], u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
+#if QUIK_ABLATE == 3
+// Measurement only: A from shared memory (the 8-bit weight tile is already in the 128-byte-swizzled K-major layout).
+__device__ __forceinline__ void wgmma_s8_ss(int (&d)[128], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %130, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p; }"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // GEMM: C[M, N] = Eq. 1 (A[M, Kp] · W[N, Kp]^T) + Xo · Wo^T + bias, with the operands swapped for wgmma: weight
 // rows are its M dimension (64 per warpgroup, 128 per block of two warpgroups) and the tokens its N dimension
@@ -514,7 +528,18 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
     cp_async_commit();
     const u32 st = base + (u32)(s % ST) * T::SB;
     if (s < g.kt) {
-        load_frags<BITS, false>(af, st + T::XT, r0, t);
+#if QUIK_ABLATE == 3
+        if constexpr (BITS == 8 && TN == 256) {
+            wgmma_fence();
+            const u32 wa = st + T::XT + (u32)((r0 / 64) * 64 * 128);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wgmma_s8_ss(acc, desc_sw128(wa + 32 * j), desc_sw128(st + 32 * j));
+            wgmma_commit();
+            wgmma_wait1();
+            return;
+        }
+#endif
+        if (QUIK_ABLATE != 4) load_frags<BITS, false>(af, st + T::XT, r0, t);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -566,6 +591,10 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
         cp_async_commit();
     }
     u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
+#if QUIK_ABLATE == 4
+#pragma unroll
+    for (int j = 0; j < 16; ++j) af0[j / 4][j % 4] = af1[j / 4][j % 4] = 0x01010101u * (u32)(tid & 7);
+#endif
     int s = 0;
     for (; s + 1 < g.steps; s += 2) {
         gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
