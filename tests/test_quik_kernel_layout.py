@@ -72,3 +72,9 @@ def test_activation_positions_keep_each_column_in_its_group():
         assert len(set(pos.tolist())) == 200 and int(pos.max()) < 224
         assert bool(((pos // 32) == (torch.arange(200) // 32)).all())
     assert quik.act_positions(200, 8).tolist() == list(range(200))
+
+
+def test_rows_wider_than_the_quantize_kernel_take_the_reference_with_a_reason():
+    reason = quik.unsupported_reason(4, 4, torch.device("cpu"), quik.QUANT_MAX_K + 8)
+    assert reason is not None and f"in_features {quik.QUANT_MAX_K + 8}" in reason
+    assert "w4a8" in quik.unsupported_reason(4, 8, torch.device("cpu"))
