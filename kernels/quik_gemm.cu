@@ -38,13 +38,6 @@ __device__ __forceinline__ float div_rn(float a, float b) {
     return r;
 }
 
-// Round to the nearest integer, ties to even (torch.round).
-__device__ __forceinline__ float rint_even(float a) {
-    float r;
-    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
-}
-
 __device__ __forceinline__ float fmin_(float a, float b) {
     float r;
     asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
