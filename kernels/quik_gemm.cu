@@ -551,6 +551,59 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
     wgmma_wait1();
 }
 
+// The block's result: raw int32 sums, or (fused) Eq. 1 when no outlier stage applied it yet, bias, and a transpose
+// through shared memory (the free pipeline buffers at `base`) for 16-byte row stores. The 256 threads that hold the
+// accumulators call it (thread index `tid` among them); BAR is the barrier that spans exactly them.
+template <int BITS, int TN, int BAR>
+__device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
+                                           int r0, int t, int tid, char* smem_raw, u32 base, const float* tsx,
+                                           const float* tax, const u16* __restrict__ sw,
+                                           const float* __restrict__ wred, const u16* __restrict__ bias,
+                                           void* __restrict__ out, int ldc, int raw) {
+    const int f0 = n0 + r0;
+    if (raw) {
+        int* o = reinterpret_cast<int*>(out);
+#pragma unroll
+        for (int i = 0; i < TN / 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int tok = m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
+                if (tok < M && f < N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
+            }
+        }
+        return;
+    }
+    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    const int mt = min(TN, M - m0);  // valid tokens in this tile
+    constexpr int PITCH = 128 + 8;   // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int fr = r0 + 8 * hh, f = n0 + fr;
+        const float bv = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
+#pragma unroll
+        for (int i = 0; i < TN / 8; ++i) {
+            tile[(8 * i + 2 * t) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh]) + bv);
+            tile[(8 * i + 2 * t + 1) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh + 1]) + bv);
+        }
+    }
+    bar_sync<BAR, 256>();
+    u16* o = reinterpret_cast<u16*>(out);
+    const bool vec = n0 + 128 <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * 16; c += 256) {
+            const int row = c >> 4, ch = c & 15;
+            *reinterpret_cast<uint4*>(o + (size_t)(m0 + row) * ldc + n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
+    } else {
+        for (int c = tid; c < mt * 128; c += 256) {
+            const int row = c >> 7, f = c & 127;
+            if (n0 + f < N) o[(size_t)(m0 + row) * ldc + n0 + f] = tile[row * PITCH + f];
+        }
+    }
+}
+
 // raw: write the int32 sums (the caller passes no outlier stages; the unfused ladder rungs). Otherwise the float16
 // output of the fused epilogue, outliers and bias included.
 template <int BITS, int TN, int ST>
@@ -597,49 +650,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     wgmma_wait0();
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on (and tsx/tax are visible)
-
-    if (raw) {
-        int* o = reinterpret_cast<int*>(out);
-#pragma unroll
-        for (int i = 0; i < TN / 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = g.m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
-                if (tok < g.M && f < g.N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
-            }
-        }
-        return;
-    }
-    if (g.steps == g.kt && g.kt > 0) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, wred);
-    const int mt = min(TN, g.M - g.m0);  // valid tokens in this tile
-    // Transpose through shared memory (tokens x 128 features, fp16) for 16-byte row-contiguous stores.
-    constexpr int PITCH = 128 + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
-    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int fr = r0 + 8 * hh, f = g.n0 + fr;
-        const float bv = (bias != nullptr && f < g.N) ? h2f(bias[f]) : 0.f;
-#pragma unroll
-        for (int i = 0; i < TN / 8; ++i) {
-            tile[(8 * i + 2 * t) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh]) + bv);
-            tile[(8 * i + 2 * t + 1) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh + 1]) + bv);
-        }
-    }
-    __syncthreads();
-    u16* o = reinterpret_cast<u16*>(out);
-    const bool vec = g.n0 + 128 <= g.N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
-    if (vec) {
-        for (int c = tid; c < mt * 16; c += 256) {
-            const int row = c >> 4, ch = c & 15;
-            *reinterpret_cast<uint4*>(o + (size_t)(g.m0 + row) * ldc + g.n0 + ch * 8) =
-                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
-        }
-    } else {
-        for (int c = tid; c < mt * 128; c += 256) {
-            const int row = c >> 7, f = c & 127;
-            if (g.n0 + f < g.N) o[(size_t)(g.m0 + row) * ldc + g.n0 + f] = tile[row * PITCH + f];
-        }
-    }
+    store_tile<BITS, TN, 0>(acc, g.m0, g.n0, g.M, g.N, g.steps == g.kt && g.kt > 0, r0, t, tid, smem_raw, base, tsx,
+                            tax, sw, wred, bias, out, ldc, raw);
 }
 
 // MINB: blocks per SM the registers must allow.
@@ -658,3 +670,153 @@ GEMM_ENTRIES(256, 3, 1)
 #if QUIK_TUNING
 GEMM_ENTRIES(256, 4, 1)
 #endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// Warp-specialized GEMM (same result as above): 384 threads. Warpgroup 0 is the copy warpgroup: one thread issues
+// the bulk tensor copies (TMA) of every stage into an ST-deep ring and the rest idle; it gives most of its
+// registers to the two math warpgroups (setmaxnreg). Each stage has a "full" barrier (the copy engine completes it
+// with the byte count) and an "empty" one (every math warp arrives once its wgmmas have read the stage). The math
+// warpgroups never meet at a block barrier inside the loop: while a stage's wgmmas run they wait for the next
+// stage and build its A fragments, so the fragment loads overlap the tensor cores instead of following a barrier.
+// The copy engine writes shared memory in the async proxy, so no proxy fence is needed before wgmma reads it, and
+// its 64/128-byte swizzles are the layouts the fragment loads and the B descriptors above expect.
+//
+// Tensor maps (qtool/cuda/tma.py), all over bytes: ma = activation codes [M, Kp] box 128 x TN, 128-byte swizzle;
+// mw = weight code rows [N, Kp*BITS/8] box 16*BITS x 128, swizzle 16*BITS bytes; mxo = outlier activations
+// [M, 2*kop] box 128 x TN; mwo = outlier weights [N, 2*kop] box 128 x 128 (both 128-byte swizzle). Rows past M
+// or N arrive as zeros.
+// ---------------------------------------------------------------------------------------------------------------
+template <int TN>
+struct WsTile {
+    static constexpr int XT = TN * 128;        // activation tile of a stage
+    static constexpr int SB = XT + 128 * 128;  // plus the weight tile (4-bit stages use half); multiple of 1024
+};
+
+template <int BITS, int TN, int ST>
+__device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
+                                          u32 base, u32 bars, int kt, int steps, int m0, int n0) {
+    using T = WsTile<TN>;
+    for (int gs = 0; gs < steps; ++gs) {
+        const int slot = gs % ST, use = gs / ST;
+        const u32 full = bars + 8 * slot;
+        if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+        const bool outl = gs >= kt;
+        const int s = outl ? gs - kt : gs;
+        const u32 st = base + (u32)slot * T::SB;
+        mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+        tma_load_2d(st, outl ? mxo : ma, full, 128 * s, m0);
+        tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+    }
+}
+
+// One stage of a math warpgroup: the wgmmas of stage gs on fragments `cur`, then (while they run) the release of
+// stage gs - 1 and the fragments of stage gs + 1 into `nxt`.
+template <int BITS, int TN, int ST>
+__device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 base, u32 bars,
+                                        int gs, int kt, int steps, int N, int r0, int t, int lane, const float* tsx,
+                                        const float* tax, const u16* __restrict__ sw,
+                                        const float* __restrict__ wred) {
+    using T = WsTile<TN>;
+    const u32 st = base + (u32)(gs % ST) * T::SB;
+    if (gs < kt) {
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_s8(acc, cur[j], desc_sw128(st + 32 * j));
+    } else {
+        if (gs == kt && kt > 0) {
+            wgmma_wait0();
+            eq1_in_place<BITS, TN>(acc, r0 + (int)blockIdx.x * 128, N, t, tsx, tax, sw, wred);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_f16(acc, cur[j], desc_sw128(st + 32 * j));
+    }
+    wgmma_commit();
+    wgmma_wait1();  // stage gs - 1 is read: hand it back
+    if (gs > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (gs - 1) % ST));
+    const int nx = gs + 1;
+    if (nx < steps) {
+        mbar_wait(bars + 8 * (nx % ST), (u32)(nx / ST) & 1);
+        const u32 wt = base + (u32)(nx % ST) * T::SB + T::XT;
+        if (nx < kt)
+            load_frags<BITS, false>(nxt, wt, r0, t);
+        else
+            load_frags<BITS, true>(nxt, wt, r0, t);
+    }
+}
+
+template <int BITS, int TN, int ST>
+__device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
+                                        int M, int N, int kt, int steps, const float* __restrict__ sx,
+                                        const float* __restrict__ zx, const u16* __restrict__ sw,
+                                        const float* __restrict__ wred, const u16* __restrict__ bias,
+                                        void* __restrict__ out, int ldc, int raw) {
+    using T = WsTile<TN>;
+    extern __shared__ char smem_raw[];
+    __shared__ float tsx[TN], tax[TN];
+    __shared__ __align__(8) u64 bar_mem[2 * ST];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 bars = smem_addr(bar_mem);
+    const int tid = threadIdx.x;
+    const int m0 = (int)blockIdx.y * TN, n0 = (int)blockIdx.x * 128;
+    const float h = (float)(1 << (BITS - 1));
+    for (int k = tid; k < TN; k += 384) {
+        const int m = m0 + k;
+        tsx[k] = m < M ? sx[m] : 0.f;
+        tax[k] = m < M ? zx[m] + h * sx[m] : 0.f;
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < ST; ++i) {
+            mbar_init(bars + 8 * i, 1);         // full: the copy thread's arrival + the bytes
+            mbar_init(bars + 8 * (ST + i), 8);  // empty: one arrival per math warp
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid < 128) {
+        regs_decrease<40>();
+        if (tid == 0) {
+            tma_prefetch_map(ma);
+            tma_prefetch_map(mw);
+            ws_copies<BITS, TN, ST>(ma, mw, mxo, mwo, base, bars, kt, steps, m0, n0);
+        }
+    } else {
+        regs_increase<232>();
+        const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+        const int r0 = 64 * (ctid >> 7) + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
+        int acc[TN / 2];
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
+        u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
+        if (steps > 0) {
+            mbar_wait(bars, 0);
+            if (kt > 0)
+                load_frags<BITS, false>(af0, base + T::XT, r0, t);
+            else
+                load_frags<BITS, true>(af0, base + T::XT, r0, t);
+        }
+        int gs = 0;
+        for (; gs + 1 < steps; gs += 2) {
+            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
+            ws_step<BITS, TN, ST>(acc, af1, af0, base, bars, gs + 1, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
+        }
+        if (gs < steps) ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
+        wgmma_wait0();
+        bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
+        store_tile<BITS, TN, 1>(acc, m0, n0, M, N, steps == kt && kt > 0, r0, t, ctid, smem_raw, base, tsx, tax, sw,
+                                wred, bias, out, ldc, raw);
+    }
+}
+
+#define WS_ENTRY(BITS, TN, ST)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(384, 1) quik_gemm_ws_w##BITS##_n##TN##_s##ST(                    \
+        const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mxo, \
+        const __grid_constant__ TmaMap mwo, int M, int N, int kt, int kto, const float* sx, const float* zx,      \
+        const u16* sw, const float* wred, const u16* bias, void* out, int ldc, int raw) {                         \
+        ws_body<BITS, TN, ST>(&ma, &mw, &mxo, &mwo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, out, ldc, raw);   \
+    }
+#define WS_ENTRIES(TN, ST) WS_ENTRY(4, TN, ST) WS_ENTRY(8, TN, ST)
+WS_ENTRIES(64, 8)
+WS_ENTRIES(128, 6)
+WS_ENTRIES(256, 4)

@@ -8,11 +8,12 @@ widths). The unfused pieces (`quantize_torch`, raw int32 `gemm`, `epilogue_torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from qtool.cuda import compile as cc
+from qtool.cuda import tma
 
 SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole stages (128 codes)
@@ -21,6 +22,11 @@ ROWS = 128  # weight rows (output features) per GEMM block
 # Tokens per GEMM block -> pipeline stages. Weight rows are wgmma's M and tokens its N, so the weight codes are
 # dequantized straight into register fragments and only the activation tile passes through shared memory.
 GEMM_TILES = {64: 4, 128: 4, 256: 3}
+# The warp-specialized GEMM (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
+# tokens per block -> ring stages (~192 KB of shared memory each).
+WS_TILES = {64: 8, 128: 6, 256: 4}
+GEMM_KERNELS = ("sync", "ws")  # sync: all 256 threads copy (cp.async) and meet at a barrier every stage
+WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
 QUANT_MAX_K = 32768  # the quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
@@ -64,6 +70,7 @@ class QuikPrepared:
     oflag: torch.Tensor  # uint8 [ceil(K/8)]: one bit per column, set for outliers
     bias: torch.Tensor | None  # fp16 [N]
     source_ptr: int
+    maps: tma.MapCache = field(default_factory=lambda: tma.MapCache(limit=8))  # weight tensor maps
 
 
 def act_positions(kb: int, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -190,10 +197,25 @@ def gemm_tokens(m: int) -> int:
     return next((tn for tn in sorted(GEMM_TILES) if m <= tn), max(GEMM_TILES))
 
 
+_ACT_MAPS = tma.MapCache(limit=64)
+
+
+def _ws_ready(a: QuantizedActivations, p: QuikPrepared) -> bool:
+    """Whether the copy engine can address every operand (16-byte aligned rows)."""
+    ts = [a.codes, p.wq] + ([a.outliers, p.wo] if p.kop else [])
+    return all(tma.usable(t) for t in ts)
+
+
+def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | None = None) -> str:
+    """The GEMM kernel the dispatch picks for M tokens."""
+    tn = tokens or gemm_tokens(m)
+    return "ws" if tn >= WS_MIN_TOKENS and _ws_ready(a, p) else "sync"
+
+
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
-         tokens: int | None = None) -> torch.Tensor:
+         tokens: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
-    int32 accumulators [M, N] (no outliers, no bias)."""
+    int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -204,19 +226,35 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     tn = tokens or gemm_tokens(m)
     if tn not in GEMM_TILES:
         raise ValueError(f"tokens: found {tn}, expected one of {sorted(GEMM_TILES)}")
-    stages = GEMM_TILES[tn]
-    fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
-    smem = stages * (tn * 128 + ROWS * 128) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
-    cc.allow_shared_memory(fn, smem)
+    kernel = kernel or gemm_kernel(m, a, p, tn)
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
     kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
     kto = p.kop // KO_MULTIPLE if fused else 0
+    tail = (cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
+            cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
+            cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1))
+    grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
+    if kernel == "ws":
+        stages = WS_TILES[tn]
+        fn = _module(dev).fn(f"quik_gemm_ws_w{p.bits}_n{tn}_s{stages}")
+        smem = stages * (tn * 128 + ROWS * 128) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+        ma = _ACT_MAPS.get(a.codes, 128, tn, 128)
+        mw = p.maps.get(p.wq, 16 * p.bits, ROWS, 16 * p.bits)
+        # with no outlier stages the outlier maps are never read: any valid map fills the parameter
+        mxo = _ACT_MAPS.get(a.outliers, 128, tn, 128) if p.kop else ma
+        mwo = p.maps.get(p.wo, 128, ROWS, 128) if p.kop else mw
+        cc.allow_shared_memory(fn, smem)
+        cc.launch(fn, grid, (384,), (ma.arg, mw.arg, mxo.arg, mwo.arg) + tail, shared_mem=smem, device=dev.index)
+        return out
+    stages = GEMM_TILES[tn]
+    fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
+    smem = stages * (tn * 128 + ROWS * 128) + 1024
+    cc.allow_shared_memory(fn, smem)
     cc.launch(
-        fn, ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn), (256,),
+        fn, grid, (256,),
         (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
-         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)),
-         cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
-         cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
-         cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1)),
+         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0))) + tail,
         shared_mem=smem, device=dev.index,
     )
     return out

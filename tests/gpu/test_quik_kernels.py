@@ -107,6 +107,13 @@ def test_quantize_kernel_strided_and_unaligned_rows():
         assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
 
 
+def _variants() -> list[tuple[int, str]]:
+    """Every GEMM build: each token tile, with each kernel (cp.async + block barrier, and warp-specialized)."""
+    from qtool.cuda import quik
+
+    return [(tn, kernel) for kernel in quik.GEMM_KERNELS for tn in sorted(quik.GEMM_TILES)]
+
+
 def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
     acc, _ = layer.accumulate(x.float())
     return acc
@@ -126,11 +133,12 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
     x = _x(m, k, layer.outlier_idx)
     a = quik.quantize(x, p)
     ref = _acc_reference(layer, x) if ko < k else torch.zeros(m, n, dtype=torch.int32, device="cuda")
-    for tokens in sorted(quik.GEMM_TILES):
+    for tokens, kernel in _variants():
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens))
+        synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens, kernel=kernel))
         bad = (out != ref).sum().item()
-        assert bad == 0, f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens})"
+        assert bad == 0, (f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens}, "
+                          f"{kernel})")
 
 
 @needs_hopper
@@ -163,12 +171,35 @@ def test_fused_output_poisoned_buffer_fully_written():
     x = _x(77, 520, layer.outlier_idx)
     a = quik.quantize(x, p)
     ref = layer.reference_forward(x.float()).double()
-    for tokens in sorted(quik.GEMM_TILES):
+    for tokens, kernel in _variants():
         out = torch.full((77, 200), float("nan"), device="cuda", dtype=torch.float16)
-        synced(quik.gemm(a, p, out=out, tokens=tokens))
-        assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens})"
+        synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel))
+        assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens}, {kernel})"
         err = rel_err(out, ref)
-        assert err < 2e-3, f"relative error {err:.2e} (tile {tokens})"
+        assert err < 2e-3, f"relative error {err:.2e} (tile {tokens}, {kernel})"
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+def test_fused_gemm_kernels_agree(bits, n, k, ko):
+    """Both GEMM kernels at every tile give the same fused output for one set of activations: the same integer
+    sums, the same Eq. 1 arithmetic, outlier products that differ only in float32 summation order."""
+    from qtool.cuda import quik
+
+    layer = random_quik(n, k, ko, bits, bias=True)
+    p = quik.prepare(layer)
+    x = _x(300, k, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    outs = {}
+    for tokens, kernel in _variants():
+        out = torch.full((300, n), float("nan"), device="cuda", dtype=torch.float16)
+        outs[(tokens, kernel)] = synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel))
+    first = outs[(256, "sync")]
+    assert bool(torch.isfinite(first).all())
+    for key, y in outs.items():
+        assert bool(torch.isfinite(y).all()), f"unwritten outputs ({key})"
+        assert rel_err(y, first.double()) < 1e-3, f"{key} differs from (256, sync)"
 
 
 @needs_hopper
