@@ -551,57 +551,83 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
     wgmma_wait1();
 }
 
-// The block's result: raw int32 sums, or (fused) Eq. 1 when no outlier stage applied it yet, bias, and a transpose
-// through shared memory (the free pipeline buffers at `base`) for 16-byte row stores. The 256 threads that hold the
-// accumulators call it (thread index `tid` among them); BAR is the barrier that spans exactly them.
-template <int BITS, int TN, int BAR>
-__device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
-                                           int r0, int t, int tid, char* smem_raw, u32 base, const float* tsx,
-                                           const float* tax, const u16* __restrict__ sw,
-                                           const float* __restrict__ wred, const u16* __restrict__ bias,
-                                           void* __restrict__ out, int ldc, int raw) {
-    const int f0 = n0 + r0;
-    if (raw) {
-        int* o = reinterpret_cast<int*>(out);
+// The raw int32 sums of this thread's accumulators (rows f0, f0 + 8; tokens 8i + 2t + e).
+template <int BITS, int TN>
+__device__ __forceinline__ void store_raw(const int (&acc)[TN / 2], int m0, int f0, int M, int N, int t,
+                                          void* __restrict__ out, int ldc) {
+    int* o = reinterpret_cast<int*>(out);
 #pragma unroll
-        for (int i = 0; i < TN / 8; ++i) {
+    for (int i = 0; i < TN / 8; ++i) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
-                if (tok < M && f < N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
-            }
+        for (int e = 0; e < 4; ++e) {
+            const int tok = m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
+            if (tok < M && f < N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
         }
-        return;
     }
-    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
-    const int mt = min(TN, M - m0);  // valid tokens in this tile
-    constexpr int PITCH = 128 + 8;   // halves: 16-byte aligned rows, shifted by 4 banks
-    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
+}
+
+// Tokens C*CH .. C*CH + CH - 1 of the tile: into the transpose buffer, then out with 16-byte row stores (the chunk
+// index is a template parameter so that every accumulator index stays a compile-time constant).
+template <int TN, int BAR, int CH, int C>
+__device__ __forceinline__ void store_chunk(const int (&acc)[TN / 2], int m0, int n0, int N, int mt, int r0, int t,
+                                            int tid, u16* tile, const float (&bv)[2], void* __restrict__ out,
+                                            int ldc) {
+    constexpr int PITCH = 128 + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    if (C > 0) bar_sync<BAR, 256>();  // the previous chunk is read out
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int fr = r0 + 8 * hh, f = n0 + fr;
-        const float bv = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
+        const int fr = r0 + 8 * hh;
 #pragma unroll
-        for (int i = 0; i < TN / 8; ++i) {
-            tile[(8 * i + 2 * t) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh]) + bv);
-            tile[(8 * i + 2 * t + 1) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh + 1]) + bv);
+        for (int i = C * CH / 8; i < (C + 1) * CH / 8; ++i) {
+            const int row = 8 * i + 2 * t - C * CH;
+            tile[row * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh]) + bv[hh]);
+            tile[(row + 1) * PITCH + fr] = f2h(bits2f(acc[4 * i + 2 * hh + 1]) + bv[hh]);
         }
     }
     bar_sync<BAR, 256>();
     u16* o = reinterpret_cast<u16*>(out);
     const bool vec = n0 + 128 <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    const int m1 = m0 + C * CH, rows = min(CH, mt - C * CH);
     if (vec) {
-        for (int c = tid; c < mt * 16; c += 256) {
-            const int row = c >> 4, ch = c & 15;
-            *reinterpret_cast<uint4*>(o + (size_t)(m0 + row) * ldc + n0 + ch * 8) =
+        for (int q = tid; q < rows * 16; q += 256) {
+            const int row = q >> 4, ch = q & 15;
+            *reinterpret_cast<uint4*>(o + (size_t)(m1 + row) * ldc + n0 + ch * 8) =
                 *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
         }
     } else {
-        for (int c = tid; c < mt * 128; c += 256) {
-            const int row = c >> 7, f = c & 127;
-            if (n0 + f < N) o[(size_t)(m0 + row) * ldc + n0 + f] = tile[row * PITCH + f];
+        for (int q = tid; q < rows * 128; q += 256) {
+            const int row = q >> 7, f = q & 127;
+            if (n0 + f < N) o[(size_t)(m1 + row) * ldc + n0 + f] = tile[row * PITCH + f];
         }
     }
+    if constexpr (C + 1 < TN / CH) store_chunk<TN, BAR, CH, C + 1>(acc, m0, n0, N, mt, r0, t, tid, tile, bv, out, ldc);
+}
+
+// The block's result: raw int32 sums, or (fused) Eq. 1 when no outlier stage applied it yet, bias, and a transpose
+// through shared memory at `tbase` for 16-byte row stores, CH tokens at a time (CH = TN: one pass through the free
+// pipeline buffers; the persistent kernel passes a small buffer of its own). The 256 threads that hold the
+// accumulators call it (thread index `tid` among them); BAR is the barrier that spans exactly them.
+template <int BITS, int TN, int BAR, int CH>
+__device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
+                                           int r0, int t, int tid, char* smem_raw, u32 tbase, const float* tsx,
+                                           const float* tax, const u16* __restrict__ sw,
+                                           const float* __restrict__ wred, const u16* __restrict__ bias,
+                                           void* __restrict__ out, int ldc, int raw) {
+    const int f0 = n0 + r0;
+    if (raw) {
+        store_raw<BITS, TN>(acc, m0, f0, M, N, t, out, ldc);
+        return;
+    }
+    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    const int mt = min(TN, M - m0);  // valid tokens in this tile
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (tbase - smem_addr(smem_raw)));
+    float bv[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int f = f0 + 8 * hh;
+        bv[hh] = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
+    }
+    store_chunk<TN, BAR, CH, 0>(acc, m0, n0, N, mt, r0, t, tid, tile, bv, out, ldc);
 }
 
 // raw: write the int32 sums (the caller passes no outlier stages; the unfused ladder rungs). Otherwise the float16
@@ -650,7 +676,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     wgmma_wait0();
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on (and tsx/tax are visible)
-    store_tile<BITS, TN, 0>(acc, g.m0, g.n0, g.M, g.N, g.steps == g.kt && g.kt > 0, r0, t, tid, smem_raw, base, tsx,
+    store_tile<BITS, TN, 0, TN>(acc, g.m0, g.n0, g.M, g.N, g.steps == g.kt && g.kt > 0, r0, t, tid, smem_raw, base, tsx,
                             tax, sw, wred, bias, out, ldc, raw);
 }
 
@@ -690,34 +716,48 @@ template <int TN>
 struct WsTile {
     static constexpr int XT = TN * 128;        // activation tile of a stage
     static constexpr int SB = XT + 128 * 128;  // plus the weight tile (4-bit stages use half); multiple of 1024
+    static constexpr int EPI = 64 * (128 + 8) * 2;  // the persistent kernel's transpose buffer (64 tokens)
 };
+
+// Tile t of the output: 128 weight rows (fastest) x TN tokens.
+__device__ __forceinline__ void ws_tile(int t, int N, int TN_, int& m0, int& n0) {
+    const int ntn = (N + 127) >> 7;
+    n0 = (t % ntn) * 128;
+    m0 = (t / ntn) * TN_;
+}
 
 template <int BITS, int TN, int ST>
 __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
-                                          u32 base, u32 bars, int kt, int steps, int m0, int n0) {
+                                          u32 base, u32 bars, int M, int N, int kt, int steps) {
     using T = WsTile<TN>;
-    for (int gs = 0; gs < steps; ++gs) {
-        const int slot = gs % ST, use = gs / ST;
-        const u32 full = bars + 8 * slot;
-        if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
-        const bool outl = gs >= kt;
-        const int s = outl ? gs - kt : gs;
-        const u32 st = base + (u32)slot * T::SB;
-        mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
-        tma_load_2d(st, outl ? mxo : ma, full, 128 * s, m0);
-        tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+    const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
+    int g = 0;  // position in the ring over all of this block's tiles
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int m0, n0;
+        ws_tile(tile, N, TN, m0, n0);
+        for (int gs = 0; gs < steps; ++gs, ++g) {
+            const int slot = g % ST, use = g / ST;
+            const u32 full = bars + 8 * slot;
+            if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+            const bool outl = gs >= kt;
+            const int s = outl ? gs - kt : gs;
+            const u32 st = base + (u32)slot * T::SB;
+            mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+            tma_load_2d(st, outl ? mxo : ma, full, 128 * s, m0);
+            tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+        }
     }
 }
 
-// One stage of a math warpgroup: the wgmmas of stage gs on fragments `cur`, then (while they run) the release of
-// stage gs - 1 and the fragments of stage gs + 1 into `nxt`.
+// One stage of a math warpgroup: the wgmmas of the tile's stage gs (ring position g) on fragments `cur`, then
+// (while they run) the release of the previous stage and the fragments of the next one into `nxt`.
 template <int BITS, int TN, int ST>
 __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 base, u32 bars,
-                                        int gs, int kt, int steps, int N, int r0, int t, int lane, const float* tsx,
-                                        const float* tax, const u16* __restrict__ sw,
+                                        int gs, int g, int kt, int steps, int N, int f0, int r0, int t, int lane,
+                                        const float* tsx, const float* tax, const u16* __restrict__ sw,
                                         const float* __restrict__ wred) {
     using T = WsTile<TN>;
-    const u32 st = base + (u32)(gs % ST) * T::SB;
+    const u32 st = base + (u32)(g % ST) * T::SB;
     if (gs < kt) {
         wgmma_fence();
 #pragma unroll
@@ -725,27 +765,31 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
     } else {
         if (gs == kt && kt > 0) {
             wgmma_wait0();
-            eq1_in_place<BITS, TN>(acc, r0 + (int)blockIdx.x * 128, N, t, tsx, tax, sw, wred);
+            eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
         }
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j) wgmma_f16(acc, cur[j], desc_sw128(st + 32 * j));
     }
     wgmma_commit();
-    wgmma_wait1();  // stage gs - 1 is read: hand it back
-    if (gs > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (gs - 1) % ST));
-    const int nx = gs + 1;
-    if (nx < steps) {
-        mbar_wait(bars + 8 * (nx % ST), (u32)(nx / ST) & 1);
-        const u32 wt = base + (u32)(nx % ST) * T::SB + T::XT;
-        if (nx < kt)
+    wgmma_wait1();  // the previous stage is read: hand it back
+    if (gs > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g - 1) % ST));
+    if (gs + 1 < steps) {
+        mbar_wait(bars + 8 * ((g + 1) % ST), (u32)((g + 1) / ST) & 1);
+        const u32 wt = base + (u32)((g + 1) % ST) * T::SB + T::XT;
+        if (gs + 1 < kt)
             load_frags<BITS, false>(nxt, wt, r0, t);
         else
             load_frags<BITS, true>(nxt, wt, r0, t);
     }
 }
 
-template <int BITS, int TN, int ST>
+// PERSIST: one block per multiprocessor walks the tiles (tile, tile + grid, ...) through one ring, so the copy
+// warpgroup fills it with the next tile's stages during this tile's epilogue, which transposes through a small
+// buffer of its own (WsTile::EPI, 64 tokens at a time); each thread loads the next tile's s_x/z_x during the
+// current tile (two shared-memory copies, by tile parity). Otherwise every block has one tile and the epilogue
+// transposes through the ring in one pass.
+template <int BITS, int TN, int ST, bool PERSIST>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                         int M, int N, int kt, int steps, const float* __restrict__ sx,
                                         const float* __restrict__ zx, const u16* __restrict__ sw,
@@ -753,18 +797,11 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
                                         void* __restrict__ out, int ldc, int raw) {
     using T = WsTile<TN>;
     extern __shared__ char smem_raw[];
-    __shared__ float tsx[TN], tax[TN];
+    __shared__ float tsx[2][TN], tax[2][TN];
     __shared__ __align__(8) u64 bar_mem[2 * ST];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 bars = smem_addr(bar_mem);
     const int tid = threadIdx.x;
-    const int m0 = (int)blockIdx.y * TN, n0 = (int)blockIdx.x * 128;
-    const float h = (float)(1 << (BITS - 1));
-    for (int k = tid; k < TN; k += 384) {
-        const int m = m0 + k;
-        tsx[k] = m < M ? sx[m] : 0.f;
-        tax[k] = m < M ? zx[m] + h * sx[m] : 0.f;
-    }
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < ST; ++i) {
@@ -779,44 +816,91 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (tid == 0) {
             tma_prefetch_map(ma);
             tma_prefetch_map(mw);
-            ws_copies<BITS, TN, ST>(ma, mw, mxo, mwo, base, bars, kt, steps, m0, n0);
+            ws_copies<BITS, TN, ST>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps);
         }
-    } else {
-        regs_increase<232>();
-        const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
-        const int r0 = 64 * (ctid >> 7) + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
+        return;
+    }
+    regs_increase<232>();
+    const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+    const int r0 = 64 * (ctid >> 7) + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
+    const float h = (float)(1 << (BITS - 1));
+    const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
+    float nsx = 0.f, nax = 0.f;  // token ctid of the next tile
+    auto fetch = [&](int tl) {
+        int m0_, n0_;
+        ws_tile(tl, N, TN, m0_, n0_);
+        const int m = m0_ + ctid;
+        const bool ok = tl < tiles && ctid < TN && m < M;
+        nsx = ok ? sx[m] : 0.f;
+        nax = ok ? zx[m] + h * sx[m] : 0.f;
+    };
+    fetch(blockIdx.x);
+    int g = 0, j = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, g += steps, ++j) {
+        int m0, n0;
+        ws_tile(tile, N, TN, m0, n0);
+        // copy j & 1 was last read in tile j - 2, before every math thread passed tile j - 1's barrier
+        float* csx = tsx[j & 1];
+        float* cax = tax[j & 1];
+        if (ctid < TN) {
+            csx[ctid] = nsx;
+            cax[ctid] = nax;
+        }
+        bar_sync<1, 256>();
+        if (PERSIST) fetch(tile + (int)gridDim.x);
         int acc[TN / 2];
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
         u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
         if (steps > 0) {
-            mbar_wait(bars, 0);
+            mbar_wait(bars + 8 * (g % ST), (u32)(g / ST) & 1);
+            const u32 wt = base + (u32)(g % ST) * T::SB + T::XT;
             if (kt > 0)
-                load_frags<BITS, false>(af0, base + T::XT, r0, t);
+                load_frags<BITS, false>(af0, wt, r0, t);
             else
-                load_frags<BITS, true>(af0, base + T::XT, r0, t);
+                load_frags<BITS, true>(af0, wt, r0, t);
         }
         int gs = 0;
         for (; gs + 1 < steps; gs += 2) {
-            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
-            ws_step<BITS, TN, ST>(acc, af1, af0, base, bars, gs + 1, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
+            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane, csx,
+                                  cax, sw, wred);
+            ws_step<BITS, TN, ST>(acc, af1, af0, base, bars, gs + 1, g + gs + 1, kt, steps, N, n0 + r0, r0, t, lane,
+                                  csx, cax, sw, wred);
         }
-        if (gs < steps) ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, kt, steps, N, r0, t, lane, tsx, tax, sw, wred);
+        if (gs < steps)
+            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane, csx,
+                                  cax, sw, wred);
         wgmma_wait0();
-        bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
-        store_tile<BITS, TN, 1>(acc, m0, n0, M, N, steps == kt && kt > 0, r0, t, ctid, smem_raw, base, tsx, tax, sw,
-                                wred, bias, out, ldc, raw);
+        if (steps > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g + steps - 1) % ST));  // the tile's last stage
+        const bool eq1_pending = steps == kt && kt > 0;
+        if (PERSIST) {
+            // the buffer's last reads (previous tile) finished before this tile's first barrier
+            store_tile<BITS, TN, 1, 64>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
+                                        base + (u32)(ST * T::SB), csx, cax, sw, wred, bias, out, ldc, raw);
+        } else {
+            bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
+            store_tile<BITS, TN, 1, TN>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw, base, csx, cax, sw,
+                                        wred, bias, out, ldc, raw);
+        }
     }
 }
 
-#define WS_ENTRY(BITS, TN, ST)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(384, 1) quik_gemm_ws_w##BITS##_n##TN##_s##ST(                    \
+#define WS_ENTRY(BITS, TN, ST, PERSIST, NAME)                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                    \
         const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mxo, \
         const __grid_constant__ TmaMap mwo, int M, int N, int kt, int kto, const float* sx, const float* zx,      \
         const u16* sw, const float* wred, const u16* bias, void* out, int ldc, int raw) {                         \
-        ws_body<BITS, TN, ST>(&ma, &mw, &mxo, &mwo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, out, ldc, raw);   \
+        ws_body<BITS, TN, ST, PERSIST>(&ma, &mw, &mxo, &mwo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, out, ldc,  \
+                                       raw);                                                                      \
     }
-#define WS_ENTRIES(TN, ST) WS_ENTRY(4, TN, ST) WS_ENTRY(8, TN, ST)
+#define WS_ENTRIES(TN, ST)                                   \
+    WS_ENTRY(4, TN, ST, false, quik_gemm_ws_w4_n##TN##_s##ST) \
+    WS_ENTRY(8, TN, ST, false, quik_gemm_ws_w8_n##TN##_s##ST)
+#define WSP_ENTRIES(TN, ST)                                  \
+    WS_ENTRY(4, TN, ST, true, quik_gemm_wsp_w4_n##TN##_s##ST) \
+    WS_ENTRY(8, TN, ST, true, quik_gemm_wsp_w8_n##TN##_s##ST)
 WS_ENTRIES(64, 8)
 WS_ENTRIES(128, 6)
 WS_ENTRIES(256, 4)
+WSP_ENTRIES(128, 6)
+WSP_ENTRIES(256, 4)

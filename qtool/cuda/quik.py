@@ -25,7 +25,12 @@ GEMM_TILES = {64: 4, 128: 4, 256: 3}
 # The warp-specialized GEMM (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
 # tokens per block -> ring stages (~192 KB of shared memory each).
 WS_TILES = {64: 8, 128: 6, 256: 4}
-GEMM_KERNELS = ("sync", "ws")  # sync: all 256 threads copy (cp.async) and meet at a barrier every stage
+# Its persistent form: one block per multiprocessor walks the tiles, so the next tile's copies and the sx/zx
+# loads overlap the epilogue, which transposes 64 tokens at a time through a small buffer beside the ring.
+WSP_TILES = {128: 6, 256: 4}
+WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 128 features, padded rows (WsTile::EPI)
+# sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized
+GEMM_KERNELS = ("sync", "ws", "wsp")
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
 QUANT_MAX_K = 32768  # the quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
@@ -207,15 +212,19 @@ def _ws_ready(a: QuantizedActivations, p: QuikPrepared) -> bool:
 
 
 def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | None = None) -> str:
-    """The GEMM kernel the dispatch picks for M tokens."""
+    """The GEMM kernel the dispatch picks for M tokens: warp-specialized from 256-token tiles on, persistent for
+    4-bit weights (it won every 4-bit Llama-2-7B shape on the H100; at 8 bits it lost one; kernels/NOTES.md)."""
     tn = tokens or gemm_tokens(m)
-    return "ws" if tn >= WS_MIN_TOKENS and _ws_ready(a, p) else "sync"
+    if tn < WS_MIN_TOKENS or not _ws_ready(a, p):
+        return "sync"
+    return "wsp" if p.bits == 4 and tn in WSP_TILES else "ws"
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
-         tokens: int | None = None, kernel: str | None = None) -> torch.Tensor:
+         tokens: int | None = None, kernel: str | None = None, blocks: int | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
-    int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench)."""
+    int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench);
+    `blocks` caps the persistent kernel's grid (tests: several tiles per block on small problems)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -235,17 +244,26 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
             cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
             cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1))
     grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
-    if kernel == "ws":
-        stages = WS_TILES[tn]
-        fn = _module(dev).fn(f"quik_gemm_ws_w{p.bits}_n{tn}_s{stages}")
+    if kernel in ("ws", "wsp"):
+        tiles = grid[0] * grid[1]
+        table = WSP_TILES if kernel == "wsp" else WS_TILES
+        if tn not in table:
+            raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of {sorted(table)}")
+        stages = table[tn]
         smem = stages * (tn * 128 + ROWS * 128) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+        if kernel == "wsp":
+            smem += WSP_EPILOGUE_BYTES
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            tiles = min(tiles, blocks or cc.sm_count(idx))
+        fn = _module(dev).fn(f"quik_gemm_{kernel}_w{p.bits}_n{tn}_s{stages}")
         ma = _ACT_MAPS.get(a.codes, 128, tn, 128)
         mw = p.maps.get(p.wq, 16 * p.bits, ROWS, 16 * p.bits)
         # with no outlier stages the outlier maps are never read: any valid map fills the parameter
         mxo = _ACT_MAPS.get(a.outliers, 128, tn, 128) if p.kop else ma
         mwo = p.maps.get(p.wo, 128, ROWS, 128) if p.kop else mw
         cc.allow_shared_memory(fn, smem)
-        cc.launch(fn, grid, (384,), (ma.arg, mw.arg, mxo.arg, mwo.arg) + tail, shared_mem=smem, device=dev.index)
+        cc.launch(fn, (tiles,), (384,), (ma.arg, mw.arg, mxo.arg, mwo.arg) + tail, shared_mem=smem,
+                  device=dev.index)
         return out
     stages = GEMM_TILES[tn]
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")

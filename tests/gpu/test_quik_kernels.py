@@ -108,10 +108,12 @@ def test_quantize_kernel_strided_and_unaligned_rows():
 
 
 def _variants() -> list[tuple[int, str]]:
-    """Every GEMM build: each token tile, with each kernel (cp.async + block barrier, and warp-specialized)."""
+    """Every GEMM build: each token tile, with each kernel (cp.async + block barrier, warp-specialized, and its
+    persistent form)."""
     from qtool.cuda import quik
 
-    return [(tn, kernel) for kernel in quik.GEMM_KERNELS for tn in sorted(quik.GEMM_TILES)]
+    tiles = {"sync": quik.GEMM_TILES, "ws": quik.WS_TILES, "wsp": quik.WSP_TILES}
+    return [(tn, kernel) for kernel in quik.GEMM_KERNELS for tn in sorted(tiles[kernel])]
 
 
 def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +179,31 @@ def test_fused_output_poisoned_buffer_fully_written():
         assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens}, {kernel})"
         err = rel_err(out, ref)
         assert err < 2e-3, f"relative error {err:.2e} (tile {tokens}, {kernel})"
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("blocks", [1, 3, 7])
+def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
+    """The persistent kernel with fewer blocks than tiles: every block runs several tiles through one ring
+    (stage phases carry over between tiles), and the integer sums and fused outputs stay exact."""
+    from qtool.cuda import quik
+
+    n, k, ko, m = 1000, 520, 130, 700  # 8 x 3 tiles of 128 x 256, 16 x 6 of 128 x 128
+    layer = random_quik(n, k, ko, bits, bias=True)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    ref = _acc_reference(layer, x)
+    fused_ref = synced(quik.gemm(a, p, tokens=256, kernel="ws"))
+    for tn in sorted(quik.WSP_TILES):
+        out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(quik.gemm(a, p, fused=False, out=out, tokens=tn, kernel="wsp", blocks=blocks))
+        assert int((out != ref).sum()) == 0, f"accumulators differ (tile {tn}, {blocks} blocks)"
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks))
+        assert bool(torch.isfinite(y).all()), f"unwritten outputs (tile {tn}, {blocks} blocks)"
+        assert rel_err(y, fused_ref.double()) < 1e-3
 
 
 @needs_hopper
