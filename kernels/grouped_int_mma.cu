@@ -122,14 +122,10 @@ __device__ __forceinline__ u32 wrow_chunk(int row, int chunk) {
 
 // Dequantize the 4 k16 steps of one stage into A fragments. `mt` holds the stage's scale/zero words: the tile's
 // ROWS rows for codes 0..31 of the stage, then for codes 32..63 (the same group unless groups have 32 codes).
-template <int BITS, int ROWS>
-__device__ __forceinline__ void dequant_stage(u32 (&af)[4][4], u32 wt, u32 mt, int r0, int t) {
-    RowMeta ma[2], mb[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        ma[h] = row_meta<BITS>(lds32(mt + (r0 + 8 * h) * 4));
-        mb[h] = row_meta<BITS>(lds32(mt + (ROWS + r0 + 8 * h) * 4));
-    }
+// ma / mb: rows r0 and r0 + 8 for codes 0..31 / 32..63 of the stage.
+template <int BITS>
+__device__ __forceinline__ void dequant_frags(u32 (&af)[4][4], u32 wt, const RowMeta (&ma)[2], const RowMeta (&mb)[2],
+                                              int r0, int t) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const RowMeta(&m)[2] = j < 2 ? ma : mb;
@@ -155,6 +151,17 @@ __device__ __forceinline__ void dequant_stage(u32 (&af)[4][4], u32 wt, u32 mt, i
             af[j][2 + h] = f16x2_mul(f16x2_sub(hi, m[h].z), m[h].s);
         }
     }
+}
+
+template <int BITS, int ROWS>
+__device__ __forceinline__ void dequant_stage(u32 (&af)[4][4], u32 wt, u32 mt, int r0, int t) {
+    RowMeta ma[2], mb[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ma[h] = row_meta<BITS>(lds32(mt + (r0 + 8 * h) * 4));
+        mb[h] = row_meta<BITS>(lds32(mt + (ROWS + r0 + 8 * h) * 4));
+    }
+    dequant_frags<BITS>(af, wt, ma, mb, r0, t);
 }
 
 // A block holds 128 * RB weight rows: each warpgroup RB row blocks of 64 (RB accumulator sets). RB = 2 halves the
@@ -275,6 +282,47 @@ __device__ __forceinline__ void stage_step(float (&acc)[RB][TN / 2], u32 (&af)[R
     wgmma_wait1();
 }
 
+// fp16 output tile + bias, transposed through shared memory at `tbase` (tokens x ROWS features) for 16-byte
+// row-contiguous stores. The 256 threads holding the accumulators call it (`tid` among them); BAR is the barrier
+// that spans exactly them.
+template <int TN, int RB, int BAR>
+__device__ __forceinline__ void store_out(const float (&acc)[RB][TN / 2], int m0, int n0, int M, int N, int r0, int t,
+                                          int tid, char* smem_raw, u32 tbase, const u16* __restrict__ bias,
+                                          u16* __restrict__ out, int ldc) {
+    constexpr int ROWS = 128 * RB;
+    const int mt = min(TN, M - m0);  // valid tokens in this tile
+    constexpr int PITCH = ROWS + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (tbase - smem_addr(smem_raw)));
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int f = r0 + 64 * b + 8 * h;
+            const float bv = (bias != nullptr && n0 + f < N) ? h2f(bias[n0 + f]) : 0.f;
+#pragma unroll
+            for (int i = 0; i < TN / 8; ++i) {
+                tile[(8 * i + 2 * t) * PITCH + f] = f2h(acc[b][4 * i + 2 * h] + bv);
+                tile[(8 * i + 2 * t + 1) * PITCH + f] = f2h(acc[b][4 * i + 2 * h + 1] + bv);
+            }
+        }
+    }
+    bar_sync<BAR, 256>();
+    constexpr int CH = ROWS / 8;  // 16-byte chunks per token row
+    const bool vec = n0 + ROWS <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * CH; c += 256) {
+            const int row = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * ldc + n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
+    } else {
+        for (int c = tid; c < mt * ROWS; c += 256) {
+            const int row = c / ROWS, f = c % ROWS;
+            if (n0 + f < N) out[(size_t)(m0 + row) * ldc + n0 + f] = tile[row * PITCH + f];
+        }
+    }
+}
+
 template <int BITS, int TN, int STAGES, int RB>
 __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, const u32* __restrict__ qw, int ldw,
                                          const u32* __restrict__ meta, int G, int gshift,
@@ -356,38 +404,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
         }
         if (tid == 0) cnt[tile_id] = 0;
     }
-    const int mt = min(TN, M - a.m0);  // valid tokens in this tile
-    // Transpose through shared memory (tokens x ROWS features, fp16) for 16-byte row-contiguous stores.
-    constexpr int PITCH = T::ROWS + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
-    u16* tile = reinterpret_cast<u16*>(smem_raw + (base - smem_addr(smem_raw)));
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int f = r0 + 64 * b + 8 * h;
-            const float bv = (bias != nullptr && a.n0 + f < N) ? h2f(bias[a.n0 + f]) : 0.f;
-#pragma unroll
-            for (int i = 0; i < TN / 8; ++i) {
-                tile[(8 * i + 2 * t) * PITCH + f] = f2h(acc[b][4 * i + 2 * h] + bv);
-                tile[(8 * i + 2 * t + 1) * PITCH + f] = f2h(acc[b][4 * i + 2 * h + 1] + bv);
-            }
-        }
-    }
-    __syncthreads();
-    constexpr int CH = T::ROWS / 8;  // 16-byte chunks per token row
-    const bool vec = a.n0 + T::ROWS <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
-    if (vec) {
-        for (int c = tid; c < mt * CH; c += 256) {
-            const int row = c / CH, ch = c % CH;
-            *reinterpret_cast<uint4*>(out + (size_t)(a.m0 + row) * ldc + a.n0 + ch * 8) =
-                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
-        }
-    } else {
-        for (int c = tid; c < mt * T::ROWS; c += 256) {
-            const int row = c / T::ROWS, f = c % T::ROWS;
-            if (a.n0 + f < N) out[(size_t)(a.m0 + row) * ldc + a.n0 + f] = tile[row * PITCH + f];
-        }
-    }
+    store_out<TN, RB, 0>(acc, a.m0, a.n0, M, N, r0, t, tid, smem_raw, base, bias, out, ldc);
 }
 
 // MINB: blocks per SM the registers must allow (2 caps them at 128 per thread, so two blocks' warps hide each
@@ -411,3 +428,137 @@ MMA_ENTRIES(256, 5, 1, 1)
 MMA_ENTRIES(64, 6, 2, 1)
 MMA_ENTRIES(128, 4, 2, 1)
 MMA_ENTRIES(128, 5, 2, 1)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Warp-specialized form for long prefills (same result as mma_body at TN = 256, RB = 1, no split-K): 384 threads.
+// Warpgroup 0 copies: one thread issues the bulk tensor copies (TMA) of each 64-code stage, the activation tile
+// (256 tokens x 128 bytes, 128-byte swizzle) and the code tile (128 rows x 8*BITS bytes, 32/64-byte swizzle: the
+// layouts of wrow_chunk), into an ST-deep ring with a "full" and an "empty" mbarrier per stage. Warpgroups 1-2
+// compute: each waits for a stage, issues its wgmmas, and while they run releases the previous stage, waits for
+// the next and dequantizes it into the other fragment set. The scale/zero words come straight from global memory
+// (L1/L2: one 4-byte word per row and half stage), fetched one stage ahead of their use. No block barrier in the
+// loop. Tensor maps (qtool/cuda/tma.py): mx = x [M, K] as bytes, box 128 x 256; mq = qweight [N, Kp*BITS/32
+// words] as bytes, box 8*BITS x 128; columns past K arrive as zeros.
+// ---------------------------------------------------------------------------------------------------------------
+template <int BITS>
+struct WsStage {
+    static constexpr int XT = 256 * 128;       // activation tile
+    static constexpr int SB = XT + 128 * 64;   // plus the code tile (8-bit size; multiple of 1024)
+};
+
+// Scale/zero words of rows r0, r0 + 8 for codes 0 and 32 of global stage gs (rows past N read row 0's: unused).
+template <int BITS>
+__device__ __forceinline__ void fetch_meta(u32 (&w)[4], const u32* __restrict__ meta, int f0, int N, int G,
+                                           int gshift, int gs) {
+    const int g0 = min((gs * 64) >> gshift, G - 1), g1 = min((gs * 64 + 32) >> gshift, G - 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int f = f0 + 8 * h < N ? f0 + 8 * h : 0;
+        w[h] = __ldg(meta + (size_t)f * G + g0);
+        w[2 + h] = __ldg(meta + (size_t)f * G + g1);
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void ws_dequant(u32 (&af)[4][4], u32 wt, const u32 (&w)[4], int r0, int t) {
+    RowMeta ma[2], mb[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ma[h] = row_meta<BITS>(w[h]);
+        mb[h] = row_meta<BITS>(w[2 + h]);
+    }
+    dequant_frags<BITS>(af, wt, ma, mb, r0, t);
+}
+
+// Stage s on fragments `cur`; then release stage s - 1, and dequantize stage s + 1 into `nxt` with the words in
+// `wn` (fetched a stage ago), refilling `wn` with stage s + 2's.
+template <int BITS, int ST>
+__device__ __forceinline__ void gi_ws_step(float (&acc)[128], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 (&wn)[4],
+                                           u32 base, u32 bars, int s, int ns, const u32* __restrict__ meta, int f0,
+                                           int N, int G, int gshift, int r0, int t, int lane) {
+    using T = WsStage<BITS>;
+    const u32 st = base + (u32)(s % ST) * T::SB;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_acc(acc, cur[j], desc_sw128(st + 32 * j));
+    wgmma_commit();
+    wgmma_wait1();  // stage s - 1 is read: hand it back
+    if (s > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (s - 1) % ST));
+    if (s + 1 < ns) {
+        mbar_wait(bars + 8 * ((s + 1) % ST), (u32)((s + 1) / ST) & 1);
+        ws_dequant<BITS>(nxt, base + (u32)((s + 1) % ST) * T::SB + T::XT, wn, r0, t);
+        if (s + 2 < ns) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, s + 2);
+    }
+}
+
+template <int BITS, int ST>
+__device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, const u32* __restrict__ meta, int G,
+                                           int gshift, const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
+                                           int M, int N, int ns) {
+    using T = WsStage<BITS>;
+    extern __shared__ char smem_raw[];
+    __shared__ __align__(8) u64 bar_mem[2 * ST];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 bars = smem_addr(bar_mem);
+    const int tid = threadIdx.x;
+    const int ntn = (N + 127) >> 7, n0 = ((int)blockIdx.x % ntn) * 128, m0 = ((int)blockIdx.x / ntn) * 256;
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < ST; ++i) {
+            mbar_init(bars + 8 * i, 1);         // full: the copy thread's arrival + the bytes
+            mbar_init(bars + 8 * (ST + i), 8);  // empty: one arrival per math warp
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid < 128) {
+        regs_decrease<40>();
+        if (tid == 0) {
+            tma_prefetch_map(mx);
+            tma_prefetch_map(mq);
+            for (int s = 0; s < ns; ++s) {
+                const int slot = s % ST, use = s / ST;
+                const u32 full = bars + 8 * slot, st = base + (u32)slot * T::SB;
+                if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+                mbar_arrive_expect_tx(full, T::XT + 128 * 8 * BITS);
+                tma_load_2d(st, mx, full, 128 * s, m0);
+                tma_load_2d(st + T::XT, mq, full, 8 * BITS * s, n0);
+            }
+        }
+        return;
+    }
+    regs_increase<232>();
+    const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = 64 * (ctid >> 7) + 16 * warp + g, f0 = n0 + r0;
+    float acc[1][128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[0][i] = 0.f;
+    u32 af0[4][4], af1[4][4], wn[4];
+    if (ns > 0) {
+        u32 w0[4];
+        fetch_meta<BITS>(w0, meta, f0, N, G, gshift, 0);
+        if (ns > 1) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, 1);
+        mbar_wait(bars, 0);
+        ws_dequant<BITS>(af0, base + T::XT, w0, r0, t);
+    }
+    int s = 0;
+    for (; s + 1 < ns; s += 2) {
+        gi_ws_step<BITS, ST>(acc[0], af0, af1, wn, base, bars, s, ns, meta, f0, N, G, gshift, r0, t, lane);
+        gi_ws_step<BITS, ST>(acc[0], af1, af0, wn, base, bars, s + 1, ns, meta, f0, N, G, gshift, r0, t, lane);
+    }
+    if (s < ns) gi_ws_step<BITS, ST>(acc[0], af0, af1, wn, base, bars, s, ns, meta, f0, N, G, gshift, r0, t, lane);
+    wgmma_wait0();
+    bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
+    store_out<256, 1, 1>(acc, m0, n0, M, N, r0, t, ctid, smem_raw, base, bias, out, ldc);
+}
+
+#define GI_WS_ENTRY(BITS, ST)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1) grouped_int_ws_b##BITS##_n256_s##ST(                     \
+        const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mq, const u32* meta, int G, int gshift, \
+        const u16* bias, u16* out, int ldc, int M, int N, int nst) {                                              \
+        gi_ws_body<BITS, ST>(&mx, &mq, meta, G, gshift, bias, out, ldc, M, N, nst);                               \
+    }
+GI_WS_ENTRY(4, 5)
+GI_WS_ENTRY(8, 5)
+GI_WS_ENTRY(4, 4)
+GI_WS_ENTRY(8, 4)

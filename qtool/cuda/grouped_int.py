@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
+from qtool.cuda import tma
 
 SOURCE = "grouped_int_gemv.cu"
 MMA_SOURCE = "grouped_int_mma.cu"
@@ -41,6 +42,10 @@ FMA_MAX_PIECES = 256
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
 MMA_MIN_M = int(os.environ.get("QTOOL_MMA_MIN_M", "17"))
 MMA_MAX_M = int(os.environ.get("QTOOL_MMA_MAX_M", "256"))
+# Above MMA_MAX_M, long rows take the warp-specialized form of the wgmma kernel: at K = 11008, M = 2048 it beat
+# dequantize + cuBLAS at 4 and 8 bits on an H100; at K = 4096 it tied or lost (kernels/NOTES.md).
+MMA_LONG_MIN_K = int(os.environ.get("QTOOL_MMA_LONG_MIN_K", "8192"))
+MMA_LONG_MIN_M = int(os.environ.get("QTOOL_MMA_LONG_MIN_M", "2048"))
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -346,18 +351,59 @@ def _mma_workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, tor
     return ws
 
 
+# The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
+# 256-token tiles without split-K, i.e. long prefills. Stages of 64 codes in its ring.
+WS_STAGES = 5
+_WS_MAPS = tma.MapCache(limit=64)
+
+
+def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor, m: int, dev: int,
+            stages: int) -> None:
+    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_ws_b{p.bits}_n256_s{stages}")
+    smem = stages * (256 * 128 + 128 * 64) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+    cc.allow_shared_memory(fn, smem)
+    mx = _WS_MAPS.get(x2, 128, 256, 128)
+    mq = _WS_MAPS.get(p.qweight, 8 * p.bits, 128, 8 * p.bits)
+    n = p.out_features
+    tiles = -(-n // 128) * -(-m // 256)
+    cc.launch(
+        fn, (tiles,), (384,),
+        (mx.arg, mq.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out),
+         cc.i32(n), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64)),
+        shared_mem=smem, device=dev,
+    )
+
+
 def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
         tokens: int | None = None, rows: int | None = None, split: int | None = None,
-        stages: int | None = None) -> torch.Tensor:
+        stages: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
-    the tuned choices (MMA_KERNELS lists the combinations)."""
+    the tuned choices (MMA_KERNELS lists the combinations). `kernel` picks ``sync`` (cp.async, a block barrier per
+    stage) or ``ws`` (warp-specialized; 256-token tiles without split-K); by default ``ws`` wherever it applies."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
     reason = mma_unsupported_reason(p, dev)
     if reason is not None:
         raise cc.CudaUnavailableError(f"grouped_int mma: {reason}; use another path")
+    if kernel not in (None, "sync", "ws"):
+        raise ValueError(f"kernel: found {kernel!r}, expected sync or ws")
+    ws_ok = (tokens in (None, 256) and rows in (None, 128) and split in (None, 1) and m > 128
+             and tma.usable(x2) and tma.usable(p.qweight))
+    if kernel == "ws" and not ws_ok:
+        raise ValueError("kernel ws: needs 256-token tiles of 128 rows without split-K, more than 128 tokens and "
+                         "16-byte aligned rows")
+    if kernel is None and ws_ok:
+        # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill less than a wave
+        tiles = -(-p.out_features // 128) * -(-m // 256)
+        kernel = "ws" if tiles >= cc.sm_count(dev) else "sync"
+    if kernel == "ws":
+        st = WS_STAGES if stages is None else stages
+        if st not in (4, 5):
+            raise ValueError(f"stages: found {st} for kernel ws, expected 4 or 5")
+        _mma_ws(x2, p, bias, out, m, dev, st)
+        return out.reshape(*lead, p.out_features)
     tn = mma_tokens(m) if tokens is None else tokens
     if tn not in MMA_TOKENS:
         raise ValueError(f"tokens: found {tn}, expected one of {MMA_TOKENS}")
@@ -467,6 +513,8 @@ def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, i
     if unsupported_reason(bits, group_size, in_features) is not None:
         return "reference"
     if MMA_MIN_M <= m <= MMA_MAX_M and mma_eligible(dtype, group_size, in_features, hopper):
+        return "mma"
+    if m >= MMA_LONG_MIN_M and in_features >= MMA_LONG_MIN_K and mma_eligible(dtype, group_size, in_features, hopper):
         return "mma"
     if dtype == torch.float16 and 1 <= m <= FMA_MAX_M:
         kp = (in_features + KP_MULTIPLE - 1) // KP_MULTIPLE * KP_MULTIPLE

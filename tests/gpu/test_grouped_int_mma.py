@@ -144,3 +144,26 @@ def test_mma_refuses_small_groups_and_bad_arguments():
         mma(x, good, stages=3)
     with pytest.raises(ValueError, match="^rows: found 256 with tokens=8"):
         mma(x, good, tokens=8, rows=256)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES + [(4096, 4096)])
+def test_mma_warp_specialized_equals_block_synchronous(bits, group_size, symmetric, nk):
+    """The warp-specialized kernel (bulk tensor copies, mbarrier ring) against the float64 reference, and bit for
+    bit against the block-synchronous kernel with the same 256-token tiles: same fragments, same wgmma order."""
+    from qtool.cuda.grouped_int import mma
+
+    n, k = nk
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    p = _prep(layer)
+    for m in (129, 300, 777):
+        y = _check(layer, m, with_bias=True, sample=64, kernel="ws")
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        b = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        synced(mma(x, p, layer.bias, out=a, kernel="ws"))
+        synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=256, split=1))
+        assert torch.equal(a, b), f"ws and sync differ (M={m}): {int((a != b).sum())} elements"
+        assert y.shape == (m, n)

@@ -1,0 +1,35 @@
+"""The grouped_int path choice per token count (qtool/cuda/grouped_int.py `choose_path`), without a GPU: the
+thresholds measured in kernels/NOTES.md, and the fallbacks for other cards and dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+from qtool.cuda.grouped_int import choose_path
+
+F16 = torch.float16
+
+
+def test_small_batches_take_the_skinny_kernels():
+    assert choose_path(1, F16, 4, 128, 4096, hopper=True) == "gemv-fma"
+    assert choose_path(8, F16, 4, 128, 4096, hopper=False) == "gemv"
+
+
+def test_hopper_batches_up_to_256_take_the_wgmma_kernel():
+    assert choose_path(17, F16, 4, 128, 4096, hopper=True) == "mma"
+    assert choose_path(256, F16, 8, 128, 4096, hopper=True) == "mma"
+    assert choose_path(256, F16, 8, 128, 4096, hopper=False) == "dequant+cublas"
+
+
+def test_long_prefills_take_the_wgmma_kernel_only_for_long_rows():
+    assert choose_path(2048, F16, 4, 128, 11008, hopper=True) == "mma"
+    assert choose_path(4096, F16, 8, None, 11008, hopper=True) == "mma"
+    assert choose_path(2048, F16, 4, 128, 4096, hopper=True) == "dequant+cublas"
+    assert choose_path(1024, F16, 4, 128, 11008, hopper=True) == "dequant+cublas"
+    assert choose_path(2048, F16, 4, 128, 11008, hopper=False) == "dequant+cublas"
+    assert choose_path(2048, torch.bfloat16, 4, 128, 11008, hopper=True) == "dequant+cublas"
+
+
+def test_unsupported_layers_take_the_reference():
+    assert choose_path(2048, F16, 3, 128, 11008, hopper=True) == "reference"
+    assert choose_path(4, torch.float32, 4, 128, 4096, hopper=True) == "reference"
