@@ -502,14 +502,7 @@ __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, c
     const u32 bars = smem_addr(bar_mem);
     const int tid = threadIdx.x;
     const int ntn = (N + 127) >> 7, n0 = ((int)blockIdx.x % ntn) * 128, m0 = ((int)blockIdx.x / ntn) * 256;
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < ST; ++i) {
-            mbar_init(bars + 8 * i, 1);         // full: the copy thread's arrival + the bytes
-            mbar_init(bars + 8 * (ST + i), 8);  // empty: one arrival per math warp
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) ring_init<ST>(bars);
     __syncthreads();
     if (tid < 128) {
         regs_decrease<40>();

@@ -101,6 +101,19 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 // Makes the initialized barriers visible to the copy engine before any copy names them.
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 
+// The barriers of an ST-stage ring at `bars` (8 bytes each): full[i] at bars + 8i, completed by the copy thread's
+// arrival plus the stage's bytes; empty[i] at bars + 8(ST + i), by one arrival from each of the 8 math warps.
+// One thread initializes; the block synchronizes before any copy names them.
+template <int ST>
+__device__ __forceinline__ void ring_init(u32 bars) {
+#pragma unroll
+    for (int i = 0; i < ST; ++i) {
+        mbar_init(bars + 8 * i, 1);
+        mbar_init(bars + 8 * (ST + i), 8);
+    }
+    mbar_init_fence();
+}
+
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }

@@ -802,14 +802,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 bars = smem_addr(bar_mem);
     const int tid = threadIdx.x;
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < ST; ++i) {
-            mbar_init(bars + 8 * i, 1);         // full: the copy thread's arrival + the bytes
-            mbar_init(bars + 8 * (ST + i), 8);  // empty: one arrival per math warp
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) ring_init<ST>(bars);
     __syncthreads();
     if (tid < 128) {
         regs_decrease<40>();
