@@ -716,7 +716,8 @@ template <int TN>
 struct WsTile {
     static constexpr int XT = TN * 128;        // activation tile of a stage
     static constexpr int SB = XT + 128 * 128;  // plus the weight tile (4-bit stages use half); multiple of 1024
-    static constexpr int EPI = 64 * (128 + 8) * 2;  // the persistent kernel's transpose buffer (64 tokens)
+    enum : int { EPI_TOKENS = 64 };                         // the persistent kernel's epilogue chunk
+    static constexpr int EPI = EPI_TOKENS * (128 + 8) * 2;  // and its transpose buffer (padded rows)
 };
 
 // Tile t of the output: 128 weight rows (fastest) x TN tokens.
@@ -868,7 +869,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         const bool eq1_pending = steps == kt && kt > 0;
         if (PERSIST) {
             // the buffer's last reads (previous tile) finished before this tile's first barrier
-            store_tile<BITS, TN, 1, 64>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
+            store_tile<BITS, TN, 1, T::EPI_TOKENS>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
                                         base + (u32)(ST * T::SB), csx, cax, sw, wred, bias, out, ldc, raw);
         } else {
             bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
