@@ -33,3 +33,18 @@ def test_long_prefills_take_the_wgmma_kernel_only_for_long_rows():
 def test_unsupported_layers_take_the_reference():
     assert choose_path(2048, F16, 3, 128, 11008, hopper=True) == "reference"
     assert choose_path(4, torch.float32, 4, 128, 4096, hopper=True) == "reference"
+
+
+def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
+    import pytest
+
+    from qtool.cuda.compile import CudaUnavailableError, env_int
+
+    monkeypatch.setenv("QTOOL_MMA_LONG_MIN_K", "8k")
+    with pytest.raises(CudaUnavailableError) as exc:
+        env_int("QTOOL_MMA_LONG_MIN_K", 8192)
+    assert str(exc.value) == "QTOOL_MMA_LONG_MIN_K: found '8k', expected an integer (default 8192)"
+    monkeypatch.setenv("QTOOL_MMA_LONG_MIN_K", " 4096 ")
+    assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 4096
+    monkeypatch.delenv("QTOOL_MMA_LONG_MIN_K")
+    assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 8192

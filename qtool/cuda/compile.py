@@ -56,6 +56,17 @@ def kernel_mode() -> str:
     return mode
 
 
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment (tuning thresholds); a value that is not one is a one-line error."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise CudaUnavailableError(f"{name}: found {raw!r}, expected an integer (default {default})") from None
+
+
 def use_kernels(layout: str, reason: str | None) -> bool:
     """Whether a layer of `layout` runs its CUDA kernels: `reason` says why it cannot (None when it can). Under
     QTOOL_KERNELS=cuda every fallback is a one-line error naming the layout and the reason instead."""

@@ -35,17 +35,17 @@ KP_MULTIPLE = 128
 # * the tensor-core skinny kernel beats dequantize+cuBLAS up to M = 32 and loses at M = 64;
 # * the CUDA-core kernel beats it only for a single token with rows of at most 256 16-byte pieces
 #   (K <= 8192 at 4 bits, K <= 4096 at 8 bits); at M = 2..4 the tensor-core kernel is faster.
-GEMV_MAX_M = min(64, int(os.environ.get("QTOOL_GEMV_MAX_M", "32")))
-FMA_MAX_M = min(4, int(os.environ.get("QTOOL_FMA_MAX_M", "1")))
+GEMV_MAX_M = min(64, cc.env_int("QTOOL_GEMV_MAX_M", 32))
+FMA_MAX_M = min(4, cc.env_int("QTOOL_FMA_MAX_M", 1))
 FMA_MAX_PIECES = 256
 # The wgmma kernel runs M = MMA_MIN_M..MMA_MAX_M tokens on Hopper: the skinny kernels win below, dequantize +
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
-MMA_MIN_M = int(os.environ.get("QTOOL_MMA_MIN_M", "17"))
-MMA_MAX_M = int(os.environ.get("QTOOL_MMA_MAX_M", "256"))
+MMA_MIN_M = cc.env_int("QTOOL_MMA_MIN_M", 17)
+MMA_MAX_M = cc.env_int("QTOOL_MMA_MAX_M", 256)
 # Above MMA_MAX_M, long rows take the warp-specialized form of the wgmma kernel: at K = 11008, M = 2048 it beat
 # dequantize + cuBLAS at 4 and 8 bits on an H100; at K = 4096 it tied or lost (kernels/NOTES.md).
-MMA_LONG_MIN_K = int(os.environ.get("QTOOL_MMA_LONG_MIN_K", "8192"))
-MMA_LONG_MIN_M = int(os.environ.get("QTOOL_MMA_LONG_MIN_M", "2048"))
+MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 8192)
+MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 2048)
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -137,10 +137,10 @@ def _n_tiles(m: int) -> int:
 
 
 # Tuning overrides for the bench; unset in normal use.
-_WARPS_OVERRIDE = os.environ.get("QTOOL_GEMV_WARPS")
+_WARPS_OVERRIDE = cc.env_int("QTOOL_GEMV_WARPS", 0)  # 0: the tuned choice
 # 1: the tensor-core kernel issues activation loads and MMAs in program order (volatile asm), as first measured;
 # 0: the compiler may reorder them.
-GEMV_VOLATILE = int(os.environ.get("QTOOL_GEMV_VOLATILE", "1"))
+GEMV_VOLATILE = cc.env_int("QTOOL_GEMV_VOLATILE", 1)
 
 
 def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
@@ -152,7 +152,7 @@ def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
     while warps < want and warps < 16:
         warps *= 2
     if _WARPS_OVERRIDE:
-        warps = int(_WARPS_OVERRIDE)
+        warps = _WARPS_OVERRIDE
     spans = kp // (4 * (128 // bits))
     return max(1, min(warps, 16, 96 // nt, spans))
 
@@ -208,7 +208,7 @@ _FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QT
 # activations and applies the group scale once per fp16 chain in fp32: 4 fewer instructions per 8 codes, 2-6%
 # faster on an H200 at M = 1, and no fp16 rounding of the weight. 0: it forms each weight as the reference does,
 # (c - z) * s rounded to fp16, then multiplies (kernels/NOTES.md, fma v5).
-FMA_SCALE_AFTER = int(os.environ.get("QTOOL_FMA_SCALE_AFTER", "1"))
+FMA_SCALE_AFTER = cc.env_int("QTOOL_FMA_SCALE_AFTER", 1)
 _OCCUPANCY: dict[tuple[int, int], int] = {}
 
 
@@ -294,7 +294,7 @@ MMA_TOKENS = (8, 16, 32, 64, 128, 256)  # token tile sizes the source instantiat
 # More stages keep more bytes in flight for small tiles; fewer fit the large ones.
 MMA_KERNELS = {(8, 128): (8,), (16, 128): (8,), (32, 128): (8,), (64, 128): (6, 8), (128, 128): (6, 4),
                (256, 128): (5, 4), (64, 256): (6,), (128, 256): (5, 4)}
-_MMA_SPLIT_OVERRIDE = os.environ.get("QTOOL_MMA_SPLIT")
+_MMA_SPLIT_OVERRIDE = cc.env_int("QTOOL_MMA_SPLIT", 0)  # 0: the tuned choice
 
 
 def mma_unsupported_reason(p: Prepared, device: int | None = None) -> str | None:
@@ -421,7 +421,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     n = p.out_features
     nst = p.kp // 64
     if split is None and _MMA_SPLIT_OVERRIDE:
-        split = int(_MMA_SPLIT_OVERRIDE)
+        split = _MMA_SPLIT_OVERRIDE
     if split is None:
         key = (id(fn), smem, dev)
         per_sm = _MMA_PER_SM.get(key)
@@ -455,7 +455,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
 # the slices already done. Off by default: on an H200 the narrower GEMMs lost what the overlap hid (0.71-0.88x
 # of FP16 chunked vs 0.76-0.83x whole, kernels/NOTES.md).
 PREFILL_OVERLAP_MIN_M = 256
-PREFILL_CHUNKS = int(os.environ.get("QTOOL_PREFILL_CHUNKS", "1"))
+PREFILL_CHUNKS = cc.env_int("QTOOL_PREFILL_CHUNKS", 1)
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
