@@ -139,10 +139,15 @@ __device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
     return r;
 }
 
-// Round to the nearest integer, ties to even, as an int (torch.round, then the cast).
-__device__ __forceinline__ int rint_s32(float a) {
-    int r;
-    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+// The s8 code rint(q) - 2^(AB-1) of a quotient 0 <= q <= 2^AB - 1 (plus rounding), in the low byte of the result:
+// q + (1.5 * 2^23 - 2^(AB-1)) lies in [2^23, 2^24), where floats are the integers, so the one rounding of the add is
+// q's rounding to an integer, ties to even (the added constant is even, so ties go the same way), and the low
+// mantissa bits hold the integer minus 2^(AB-1) modulo 256. One add in place of a float-to-int conversion (a
+// quarter-rate instruction) and a subtraction.
+template <int AB>
+__device__ __forceinline__ u32 code_bits(float q) {
+    u32 r;
+    asm("{ .reg .f32 t; add.rn.f32 t, %1, %2; mov.b32 %0, t; }" : "=r"(r) : "f"(q), "f"(12582912.0f - (float)(1 << (AB - 1))));
     return r;
 }
 
@@ -177,7 +182,7 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
                                              const int* __restrict__ dest, int kp, int kop, char* cs, u16* os,
                                              float* red, char* __restrict__ aq, u16* __restrict__ xo,
                                              float* __restrict__ sx, float* __restrict__ zx, int tid) {
-    constexpr int MAXQ = (1 << AB) - 1, HALF = 1 << (AB - 1), W = NT / 32;
+    constexpr int MAXQ = (1 << AB) - 1, W = NT / 32;
     const int lane = tid & 31, warp = tid >> 5, np = (K + 7) >> 3;
     float inf;
     asm("mov.b32 %0, 0x7f800000;" : "=f"(inf));
@@ -239,7 +244,7 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
                     const u16 h = half_of(v[u], i);
                     if (d[i] >= 0) {
                         // no clamp needed: x - lo >= 0, and (x - lo) / s <= (hi - lo) / s <= MAXQ (1 + 2^-23)
-                        cs[d[i]] = (char)(rint_s32(quotient(sub_rn(h2f(h), lo), s, y)) - HALF);
+                        cs[d[i]] = (char)code_bits<AB>(quotient(sub_rn(h2f(h), lo), s, y));
                     } else {
                         os[-1 - d[i]] = h;
                     }
@@ -296,6 +301,160 @@ QUANT_ENTRIES(128, 2, 12)
 QUANT_ENTRIES(256, 2, 6)
 QUANT_ENTRIES(512, 4, 3)
 QUANT_ENTRIES(512, 8, 2)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Fused split + quantize, warp-per-row form (rows of 16-byte aligned, whole 16-byte pieces): a warp quantizes a
+// token row alone, persistent over rows (row, row + warps in the grid, ...), so the min/max needs no block barrier,
+// only shuffles. Each warp owns NB row buffers in shared memory, filled by 1-D bulk copies that lane 0 issues and
+// that complete on the buffer's mbarrier: the next NB - 1 rows stream in while a row is quantized, with no
+// registers holding them (the block-per-row kernel above keeps its row in registers, and the register cap that
+// keeps enough rows in flight there left no room to prefetch).
+//
+// Per row, two passes over the staged copy:
+//   1. min/max over 16-byte pieces in f16x2; mask (0xFFFF per outlier column) turns outlier columns into NaN,
+//      which min.f16x2 / max.f16x2 skip (the accumulators start at +-inf, never NaN);
+//   2. each lane takes 4 consecutive code positions, gathers their columns through src (the byte offset in the
+//      row of the base column whose code sits at each position), computes the codes as above and writes them
+//      with one 4-byte store (a warp writes 128 contiguous bytes). Positions from (kb & ~31) on may be holes
+//      (src 0xFFFF): code 0.
+// The outlier columns are gathered by index into the dense float16 row. A buffer is refilled once the warp has
+// read it (its lanes meet at __syncwarp first).
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// `off`: the column's byte offset in the staged row (so the address is one add).
+template <int AB>
+__device__ __forceinline__ u32 gather_code(const char* row, u32 off, float lo, float s, float y) {
+    return code_bits<AB>(quotient(sub_rn(h2f(*reinterpret_cast<const u16*>(row + off)), lo), s, y));
+}
+
+// TW warps (a team) share a row: each takes every TW-th piece and chunk, and the team meets at a named barrier
+// twice per row (partial min/max; buffer released). TW = 1 needs no barrier at all.
+template <int AB, int NB, int TW>
+__device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, int ldx, int M, int K,
+                                                   const u16* __restrict__ src, const u16* __restrict__ mask,
+                                                   const int* __restrict__ oidx, int kb, int kp, int ko, int kop,
+                                                   char* __restrict__ aq, u16* __restrict__ xo,
+                                                   float* __restrict__ sx, float* __restrict__ zx) {
+    constexpr int MAXQ = (1 << AB) - 1;
+    extern __shared__ __align__(128) char qsm[];
+    __shared__ __align__(8) u64 qbars[1 + 32 * NB];
+    __shared__ float qred[32][2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    const int team = warp / TW, member = warp % TW, teams = W / TW, G = gridDim.x * teams;
+    const u32 bytes = 2u * (u32)K, rb = (bytes + 127u) & ~127u, sb = (2u * (u32)kp + 127u) & ~127u;
+    // the column maps (src, then mask) once per block, then each team's row buffers
+    const u16* smap = reinterpret_cast<const u16*>(qsm);
+    const u16* smask = reinterpret_cast<const u16*>(qsm + sb);
+    const u32 mapbar = smem_addr(&qbars[0]), bar0 = smem_addr(&qbars[1 + team * NB]);
+    char* const buf0 = qsm + sb + rb + (size_t)(team * NB) * rb;
+    int row = blockIdx.x * teams + team;
+    if (threadIdx.x == 0) {
+        mbar_init(mapbar, 1);
+        mbar_init_fence();
+        mbar_arrive_expect_tx(mapbar, 2u * (u32)kp + bytes);
+        bulk_load(smem_addr(smap), src, 2u * (u32)kp, mapbar);
+        bulk_load(smem_addr(smask), mask, bytes, mapbar);
+    }
+    if (member == 0 && lane == 0) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) mbar_init(bar0 + 8 * b, 1);
+        mbar_init_fence();
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            if (row + b * G < M) {
+                mbar_arrive_expect_tx(bar0 + 8 * b, bytes);
+                bulk_load(smem_addr(buf0 + b * rb), x + (size_t)(row + b * G) * ldx, bytes, bar0 + 8 * b);
+            }
+        }
+    }
+    __syncthreads();  // the barriers are initialized before any warp waits on them
+    mbar_wait(mapbar, 0);
+    const int np = K >> 3, nc = kp >> 2, whole = (kb & ~31) >> 2;  // pieces; 4-code chunks; chunks with no hole
+    const int first = 32 * member + lane, step = 32 * TW;
+    for (int i = 0; row < M; ++i, row += G) {
+        const int b = i % NB;
+        char* const buf = buf0 + b * rb;
+        const u16* xs = reinterpret_cast<const u16*>(buf);  // the staged row
+        mbar_wait(bar0 + 8 * b, (u32)(i / NB) & 1u);
+        u32 lo2 = 0x7C007C00u, hi2 = 0xFC00FC00u;
+#pragma unroll 4
+        for (int p = first; p < np; p += step) {
+            uint4 v = reinterpret_cast<const uint4*>(buf)[p];
+            const uint4 m = reinterpret_cast<const uint4*>(smask)[p];
+            v.x |= m.x, v.y |= m.y, v.z |= m.z, v.w |= m.w;
+            lo2 = hmin2(hmin2(lo2, v.x), hmin2(v.y, hmin2(v.z, v.w)));
+            hi2 = hmax2(hmax2(hi2, v.x), hmax2(v.y, hmax2(v.z, v.w)));
+        }
+        float lo = fmin_(h2f((u16)(lo2 & 0xFFFF)), h2f((u16)(lo2 >> 16)));
+        float hi = fmax_(h2f((u16)(hi2 & 0xFFFF)), h2f((u16)(hi2 >> 16)));
+        lo = warp_min(lo);
+        hi = warp_max(hi);
+        if (TW > 1) {
+            if (lane == 0) qred[warp][0] = lo, qred[warp][1] = hi;
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "n"(32 * TW) : "memory");
+#pragma unroll
+            for (int w = 0; w < TW; ++w) lo = fmin_(lo, qred[team * TW + w][0]), hi = fmax_(hi, qred[team * TW + w][1]);
+        }
+        const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
+        const float y = div_rn(1.0f, s);
+        u32* arow = reinterpret_cast<u32*>(aq + (size_t)row * kp);
+        // the chunks with no hole first, in a loop without branches, so the unrolled chunks interleave
+        int c = first;
+#pragma unroll 4
+        for (; c < whole; c += step) {
+            const uint2 sj = reinterpret_cast<const uint2*>(smap)[c];
+            const u32 t0 = gather_code<AB>(buf, sj.x & 0xFFFF, lo, s, y), t1 = gather_code<AB>(buf, sj.x >> 16, lo, s, y);
+            const u32 t2 = gather_code<AB>(buf, sj.y & 0xFFFF, lo, s, y), t3 = gather_code<AB>(buf, sj.y >> 16, lo, s, y);
+            arow[c] = prmt(prmt(t0, t1, 0x0040), prmt(t2, t3, 0x0040), 0x5410);
+        }
+        for (; c < nc; c += step) {
+            const uint2 sj = reinterpret_cast<const uint2*>(smap)[c];
+            const u32 j[4] = {sj.x & 0xFFFF, sj.x >> 16, sj.y & 0xFFFF, sj.y >> 16};
+            u32 t[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[e] = j[e] == 0xFFFF ? 0u : gather_code<AB>(buf, j[e], lo, s, y);
+            arow[c] = prmt(prmt(t[0], t[1], 0x0040), prmt(t[2], t[3], 0x0040), 0x5410);
+        }
+        u16* orow = xo + (size_t)row * kop;
+        for (int o = first; o < kop; o += step) orow[o] = o < ko ? xs[__ldg(oidx + o)] : (u16)0;
+        if (member == 0 && lane == 0) {
+            sx[row] = s;
+            zx[row] = lo;
+        }
+        // every lane of the team is done reading the buffer (and qred) before the copy engine refills it
+        if (TW > 1) {
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "n"(32 * TW) : "memory");
+        } else {
+            __syncwarp();
+        }
+        if (member == 0 && lane == 0 && row + NB * G < M) {
+            mbar_arrive_expect_tx(bar0 + 8 * b, bytes);
+            bulk_load(smem_addr(buf), x + (size_t)(row + NB * G) * ldx, bytes, bar0 + 8 * b);
+        }
+    }
+}
+
+#define QUANT_WARP_ENTRY(AB, NB, TW)                                                                              \
+    extern "C" __global__ void __launch_bounds__(1024, 1) quik_quantize_warp_a##AB##_s##NB##_t##TW(              \
+        const u16* x, int ldx, int M, int K, const u16* src, const u16* mask, const int* oidx, int kb, int kp,   \
+        int ko, int kop, char* aq, u16* xo, float* sx, float* zx) {                                               \
+        quantize_warp_rows<AB, NB, TW>(x, ldx, M, K, src, mask, oidx, kb, kp, ko, kop, aq, xo, sx, zx);          \
+    }
+#define QUANT_WARP_ENTRIES(NB, TW) QUANT_WARP_ENTRY(4, NB, TW) QUANT_WARP_ENTRY(8, NB, TW)
+QUANT_WARP_ENTRIES(1, 1)
+QUANT_WARP_ENTRIES(2, 1)
+QUANT_WARP_ENTRIES(3, 1)
+QUANT_WARP_ENTRIES(1, 2)
+QUANT_WARP_ENTRIES(2, 2)
+QUANT_WARP_ENTRIES(3, 2)
+QUANT_WARP_ENTRIES(1, 4)
+QUANT_WARP_ENTRIES(2, 4)
+QUANT_WARP_ENTRIES(3, 4)
 
 __device__ __forceinline__ void wgmma_s8(int (&d)[32], const u32 (&a)[4], u64 db) {
     asm volatile(

@@ -32,9 +32,16 @@ WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 12
 # sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized
 GEMM_KERNELS = ("sync", "ws", "wsp")
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
-QUANT_MAX_K = 32768  # the quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
+QUANT_MAX_K = 32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
+# block: a block per row, row in registers; warp: a warp per row, rows staged in shared memory by bulk copies
+QUANT_KERNELS = ("block", "warp")
+# row buffers per team and warps per team (a team quantizes a row): the defaults from the sweep in kernels/NOTES.md
+QUANT_WARP_STAGES = 1
+QUANT_WARP_STAGE_CHOICES = (1, 2, 3)
+QUANT_WARP_TEAM = 4
+QUANT_WARP_TEAM_CHOICES = (1, 2, 4)
 
 
 def _round_up(v: int, m: int) -> int:
@@ -73,6 +80,9 @@ class QuikPrepared:
     outlier_idx: torch.Tensor  # int32 [ko]
     dest: torch.Tensor  # int32 [K]: byte position of a base column's code, -(1 + slot) for an outlier column
     oflag: torch.Tensor  # uint8 [ceil(K/8)]: one bit per column, set for outliers
+    src: torch.Tensor  # int16 [kp]: byte offset (2 * column, as uint16 bits) of the base column whose code sits at
+    # each position, -1 (0xFFFF) for a hole (code 0)
+    omask: torch.Tensor  # int16 [8 * ceil(K/8)]: -1 (0xFFFF) for outlier columns, 0 for base columns
     bias: torch.Tensor | None  # fp16 [N]
     source_ptr: int
     maps: tma.MapCache = field(default_factory=lambda: tma.MapCache(limit=8))  # weight tensor maps
@@ -122,12 +132,17 @@ def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, sca
     flags = torch.zeros(pieces * 8, dtype=torch.int32, device=dev)
     flags[outlier_idx.long()] = 1
     oflag = (flags.view(pieces, 8) << torch.arange(8, device=dev, dtype=torch.int32)).sum(1).to(torch.uint8)
+    src = torch.full((kp,), -1, dtype=torch.int16, device=dev)
+    if kb:  # byte offsets 2 * column < 2 * QUANT_MAX_K: as uint16 bits, stored in int16
+        off = 2 * base_idx.to(torch.int32)
+        src[act_positions(kb, act_bits, dev)] = torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
+    omask = -flags.to(torch.int16)
     return QuikPrepared(
         bits=bits, act_bits=act_bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=ko, kop=kop,
         wq=wq, scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
         wreduced=wreduced.to(device=dev, dtype=torch.float32).contiguous(),
         wo=wo,
-        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag,
+        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag, src=src, omask=omask,
         bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
         source_ptr=source_ptr,
     )
@@ -169,8 +184,52 @@ def quant_shape(k: int) -> tuple[int, int]:
     raise cc.CudaUnavailableError(f"quik quantize kernel: in_features {k} exceeds {QUANT_MAX_K} columns")
 
 
-def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None = None) -> QuantizedActivations:
-    """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row."""
+def _smem_optin(device: int) -> int:
+    if device not in _SMEM_OPTIN:
+        _SMEM_OPTIN[device] = int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                                          227 * 1024))
+    return _SMEM_OPTIN[device]
+
+
+_SMEM_OPTIN: dict[int, int] = {}
+
+
+def quant_teams(k: int, smem_optin: int, stages: int = QUANT_WARP_STAGES, team: int = QUANT_WARP_TEAM) -> int:
+    """Most row teams per block of the warp-per-row quantize kernel: as many as `stages` row buffers of k columns
+    each fit in `smem_optin` bytes of shared memory beside the column maps, at most 32 warps; 0 when not even one
+    team's buffers fit."""
+    row = _round_up(2 * k, 128)
+    static = 8 * (1 + 32 * stages)  # the kernel's mbarriers
+    maps = _quant_map_bytes(k)
+    return max(0, min(32 // team, (smem_optin - static - maps) // (stages * row)))
+
+
+def _quant_map_bytes(k: int) -> int:
+    """Shared memory the warp-per-row kernel's column maps take per block: the position -> offset map (kp int16,
+    kp <= k rounded up to KP_MULTIPLE) and the outlier mask (k int16), each padded to 128 bytes."""
+    return _round_up(2 * _round_up(max(k, 1), KP_MULTIPLE), 128) + _round_up(2 * k, 128)
+
+
+def warp_teams(m: int, k: int, sms: int, smem_optin: int) -> int:
+    """Teams per block for m rows: enough that one block per SM covers the rows once (small m spreads over all
+    SMs instead of filling a few), capped by what fits; 0 when the kernel cannot take rows of k columns."""
+    most = quant_teams(k, smem_optin)
+    return min(most, -(-m // sms))
+
+
+def quantize_kernel(m: int, k: int, vec: bool, sms: int, smem_optin: int) -> str:
+    """The quantize kernel for m rows of k columns: "warp" (rows staged in shared memory by bulk copies, a team of
+    warps per row) wherever its rows are 16-byte aligned and fit; it won at every M measured (kernels/NOTES.md).
+    Otherwise "block" (a block per row, the row in registers)."""
+    return "warp" if vec and warp_teams(m, k, sms, smem_optin) > 0 else "block"
+
+
+def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None = None, *,
+             kernel: str | None = None, stages: int = QUANT_WARP_STAGES, team: int = QUANT_WARP_TEAM,
+             teams: int | None = None, blocks: int | None = None) -> QuantizedActivations:
+    """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row. `kernel`, `stages`, `team`
+    (warps per row), `teams` (per block) and `blocks` override the choice (the bench's A/B runs; tests: many rows
+    per team on small inputs)."""
     if x2.dtype != torch.float16:
         raise cc.CudaUnavailableError(f"quik quantize kernel: found activations {x2.dtype}, expected float16")
     if x2.stride(1) != 1:
@@ -181,8 +240,14 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None
         out = empty_activations(m, p, dev)
     if m == 0:
         return out
-    threads, ppt = quant_shape(k)
     vec = k % 8 == 0 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+    kernel = kernel or quantize_kernel(m, k, vec, cc.sm_count(dev.index), _smem_optin(dev.index))
+    if kernel == "warp":
+        _quantize_warp(x2, p, out, vec, stages, team, teams, blocks)
+        return out
+    if kernel != "block":
+        raise ValueError(f"quik quantize kernel: found {kernel!r}, expected one of {QUANT_KERNELS}")
+    threads, ppt = quant_shape(k)
     fn = _module(dev).fn(f"quik_quantize_a{p.act_bits}_t{threads}_p{ppt}")
     smem = p.kp + 2 * p.kop
     cc.allow_shared_memory(fn, smem)
@@ -195,6 +260,32 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None
         shared_mem=smem, device=dev.index,
     )
     return out
+
+
+def _quantize_warp(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations, vec: bool, stages: int,
+                   team: int, teams: int | None, blocks: int | None) -> None:
+    m, k = x2.shape
+    dev = x2.device.index
+    if not vec:
+        raise ValueError("quik quantize kernel 'warp': rows must be 16-byte aligned with K % 8 == 0")
+    if stages not in QUANT_WARP_STAGE_CHOICES or team not in QUANT_WARP_TEAM_CHOICES:
+        raise ValueError(f"quik quantize kernel 'warp': found {stages} stages and teams of {team} warps, expected "
+                         f"stages in {QUANT_WARP_STAGE_CHOICES} and teams in {QUANT_WARP_TEAM_CHOICES}")
+    most = quant_teams(k, _smem_optin(dev), stages, team)
+    t = teams or min(most, -(-m // cc.sm_count(dev)))
+    if not 1 <= t <= most:
+        raise ValueError(f"quik quantize kernel 'warp': found {t} teams per block, expected 1..{most} for K = {k}")
+    blocks = min(blocks or cc.sm_count(dev), -(-m // t))
+    fn = _module(x2.device).fn(f"quik_quantize_warp_a{p.act_bits}_s{stages}_t{team}")
+    smem = _round_up(2 * p.kp, 128) + _round_up(2 * k, 128) + t * stages * _round_up(2 * k, 128)
+    cc.allow_shared_memory(fn, smem)
+    cc.launch(
+        fn, (blocks,), (32 * team * t,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.ptr(p.src), cc.ptr(p.omask),
+         cc.ptr(p.outlier_idx), cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes),
+         cc.ptr(out.outliers), cc.ptr(out.scale), cc.ptr(out.zero)),
+        shared_mem=smem, device=dev,
+    )
 
 
 def gemm_tokens(m: int) -> int:

@@ -62,32 +62,83 @@ SHAPES = [  # (N, K, outliers): Llama-2-7B projections, then odd ones (N % 128 !
 ]
 
 
-@needs_hopper
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k,ko", SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 128, 333])
-def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m):
+def _check_quantize(x: torch.Tensor, p, **kernel) -> None:
+    """The kernel's codes, scales, zeros and outlier values equal the torch split + quantize, under two poisons
+    (an unwritten byte differs from the reference in one of them)."""
     from qtool.cuda import quik
-    from qtool.runtime.quik_linear import quantize_activations
 
-    layer = random_quik(n, k, ko, bits)
-    p = quik.prepare(layer)
-    x = _x(m, k, layer.outlier_idx)
+    m = x.shape[0]
     ref = quik.quantize_torch(x, p)
-    for poison in (0x5A, -0x5B):  # two poisons: an unwritten byte differs from the reference in one of them
+    for poison in (0x5A, -0x5B):
         a = quik.empty_activations(m, p, x.device)
         a.codes.fill_(poison)
         a.outliers.fill_(float("nan"))
         a.scale.fill_(float("nan"))
         a.zero.fill_(float("nan"))
-        quik.quantize(x, p, out=a)
+        quik.quantize(x, p, out=a, **kernel)
         synced(a.codes)
-        assert torch.equal(a.codes, ref.codes), f"codes differ (poison {poison})"
-        assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
-        assert torch.equal(a.outliers, ref.outliers)
+        assert torch.equal(a.codes, ref.codes), f"codes differ (poison {poison}, {kernel})"
+        assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero), kernel
+        assert torch.equal(a.outliers, ref.outliers), kernel
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 128, 333])
+@pytest.mark.parametrize("kernel", ["block", "warp"])
+def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m, kernel):
+    from qtool.cuda import quik
+    from qtool.runtime.quik_linear import quantize_activations
+
+    if kernel == "warp" and k % 8:
+        pytest.skip("the warp-per-row kernel takes whole 16-byte pieces (K % 8 == 0)")
+    layer = random_quik(n, k, ko, bits)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    _check_quantize(x, p, kernel=kernel)
+    if kernel == "warp":  # also a lone warp per row (no named barrier) with a second row buffer
+        _check_quantize(x, p, kernel=kernel, team=1, stages=2)
     if ko < k:
+        ref = quik.quantize_torch(x, p)
         act = quantize_activations(x.float()[:, layer.base_idx], bits)
         assert torch.equal(ref.scale, act.scale) and torch.equal(ref.zero, act.zero)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("team", [1, 2, 4])
+@pytest.mark.parametrize("teams,blocks", [(1, 1), (2, 3), (3, 2)])
+def test_quantize_warp_kernel_reuses_its_row_buffers(bits, stages, team, teams, blocks):
+    """Few row teams over many rows: every team refills each of its buffers many times (the mbarrier parity
+    flips), on shapes with and without holes in the last group of 32 code positions, and with no base column."""
+    from qtool.cuda import quik
+
+    for n, k, ko in ((64, 4096, 256), (40, 1000, 37), (24, 512, 0), (16, 64, 64)):
+        layer = random_quik(n, k, ko, bits)
+        p = quik.prepare(layer)
+        x = _x(97, k, layer.outlier_idx)
+        _check_quantize(x, p, kernel="warp", stages=stages, team=team, teams=teams, blocks=blocks)
+
+
+@needs_hopper
+def test_quantize_warp_kernel_constant_rows_and_ties():
+    """Rows whose base columns are all equal (scale 1, every code -2^(b-1)) and rows of small integers, whose
+    quotients land on exact halves, so rounding ties to even must match the reference."""
+    from qtool.cuda import quik
+
+    for bits in (4, 8):
+        layer = random_quik(48, 2048, 64, bits)
+        p = quik.prepare(layer)
+        x = _x(300, 2048, layer.outlier_idx)
+        x[:100, p.base_idx.long()] = 0.75
+        x[100:200] = torch.randint(-3, 4, (100, 2048), device="cuda").half() * 0.5
+        # scale exactly 1 (4 and 8 bits): every quotient of a half-integer column is a tie
+        x[150, p.base_idx.long()[:2]] = torch.tensor([-1.5, 13.5], device="cuda").half()
+        x[151, p.base_idx.long()[:2]] = torch.tensor([-1.5, 253.5], device="cuda").half()
+        _check_quantize(x, p, kernel="warp")
+        _check_quantize(x, p, kernel="block")
 
 
 @needs_hopper

@@ -1,0 +1,37 @@
+"""The quik quantize kernel's launch plan (qtool/cuda/quik.py), on the CPU: which kernel takes a row, how many row
+teams a block holds in shared memory, and how rows spread over the SMs. H100/H200 numbers: 132 SMs, 232448 bytes
+of opt-in shared memory per block."""
+
+from __future__ import annotations
+
+import pytest
+
+from qtool.cuda import quik
+
+SMS, OPTIN = 132, 232448
+
+
+def test_teams_fill_shared_memory_up_to_32_warps():
+    # K = 4096: 8 KB rows beside 16 KB of column maps; 26 would fit, 32 warps / 4 per team caps it at 8
+    assert quik.quant_teams(4096, OPTIN, stages=1, team=4) == 8
+    assert quik.quant_teams(4096, OPTIN, stages=1, team=1) == 26
+    assert quik.quant_teams(4096, OPTIN, stages=3, team=1) == 8
+    # K = 11008: 22 KB rows, 44 KB of maps
+    assert quik.quant_teams(11008, OPTIN, stages=1, team=1) == 8
+    assert quik.quant_teams(11008, OPTIN, stages=2, team=1) == 4
+    # a row that does not fit twice beside its maps
+    assert quik.quant_teams(60000, OPTIN, stages=1, team=1) == 0
+
+
+@pytest.mark.parametrize("m,teams", [(1, 1), (132, 1), (133, 2), (256, 2), (2048, 8), (100000, 8)])
+def test_teams_spread_rows_over_all_sms_first(m, teams):
+    assert quik.warp_teams(m, 4096, SMS, OPTIN) == teams
+
+
+def test_kernel_choice():
+    assert quik.quantize_kernel(2048, 4096, True, SMS, OPTIN) == "warp"
+    assert quik.quantize_kernel(1, 11008, True, SMS, OPTIN) == "warp"
+    # rows not 16-byte aligned, or too long for shared memory: the block-per-row kernel
+    assert quik.quantize_kernel(2048, 4096, False, SMS, OPTIN) == "block"
+    assert quik.quantize_kernel(2048, 32768, True, SMS, OPTIN) == "warp"  # one team of one 64 KB row fits
+    assert quik.quantize_kernel(2048, 32768, True, SMS, 101376) == "block"
