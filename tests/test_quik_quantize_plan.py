@@ -35,3 +35,27 @@ def test_kernel_choice():
     assert quik.quantize_kernel(2048, 4096, False, SMS, OPTIN) == "block"
     assert quik.quantize_kernel(2048, 32768, True, SMS, OPTIN) == "warp"  # one team of one 64 KB row fits
     assert quik.quantize_kernel(2048, 32768, True, SMS, 101376) == "block"
+
+
+def _tiny_layer() -> quik.QuikPrepared:
+    import torch
+
+    n, k, ko = 4, 64, 8
+    qweight = torch.zeros(n, (k - ko) * 4 // 32, dtype=torch.int32)
+    return quik.build(4, 4, k, qweight, torch.ones(n), torch.zeros(n), torch.zeros(n, ko),
+                      torch.arange(ko, k, dtype=torch.int32), torch.arange(ko, dtype=torch.int32), None)
+
+
+def test_unknown_kernel_or_plan_is_a_one_line_error():
+    import torch
+
+    p = _tiny_layer()
+    x = torch.zeros(4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"found 'bogus', expected one of \('block', 'warp'\)"):
+        quik.quantize(x, p, kernel="bogus")
+    with pytest.raises(ValueError, match="found 5 stages and teams of 4 warps"):
+        quik.quantize(x, p, kernel="warp", stages=5)
+    with pytest.raises(ValueError, match="found 3 stages and teams of 3 warps"):
+        quik.quantize(x, p, kernel="warp", stages=3, team=3)
+    with pytest.raises(ValueError, match="rows must be 16-byte aligned"):
+        quik.quantize(torch.zeros(4, 67, dtype=torch.float16)[:, :64], p, kernel="warp")
