@@ -33,6 +33,23 @@ __device__ __forceinline__ u32 f16x2_mul(u32 a, u32 b) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90; qtool/cuda/dependent_launch.py). A kernel launched with the
+// programmatic-serialization attribute may start before the kernel ahead of it in the stream has finished:
+// grid_dependency_wait() returns once that kernel has completed and its writes are visible (at once for an
+// ordinary launch), so nothing it writes may be read before. launch_dependents() lets the next such kernel start
+// once every block of this one has called it or exited.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -87,44 +87,21 @@ __device__ __forceinline__ u16 half_of(const uint4& v, int i) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Fused split + quantize: a block of NT threads per token row at a time, persistent over rows (row, row + grid,
-// ...). Every thread holds PPT pieces of 8 columns of a row in registers, and the next row's loads are issued
-// before the current row is quantized, so the reads of one row overlap the arithmetic of the previous one. Per
-// row: min/max over the base columns (outlier flags: one bit per column), a block reduction, then each code is
-// computed (step 2 of formats/quik.md, float32, IEEE quotient, ties to even: the codes equal the reference's) and
-// dropped at its position in a shared-memory copy of the output row, outlier values at their slot; the finished
-// row leaves with 16-byte stores.
-//
-// The quotient (x - lo) / s is formed from the correctly rounded reciprocal of s (one division per row) and two
-// FMA corrections, the second of which is Markstein's: with y = RN(1/s) and q within one ulp of the quotient,
-// q + (x - lo - q s) y rounds to the IEEE quotient. A division per element cost more than the row's memory time.
+// Fused split + quantize, block-per-row form: a block of NT threads per token row (rows row, row + grid, ...; the
+// launch gives every row its own block, since a persistent grid that prefetched the next row was slower,
+// kernels/NOTES.md). Every thread holds PPT pieces of 8 columns of the row in registers. Per row: min/max over
+// the base columns (outlier flags: one bit per column), a block reduction, then each code is computed (step 2 of
+// formats/quik.md: y = RN(1/s) once per row, then one fused multiply-add per code, ties to even: the codes equal
+// the reference's) and dropped at its position in a shared-memory copy of the output row, outlier values at their
+// slot; the finished row leaves with 16-byte stores.
 //
 // dest [K]: position of the column's code in the activation row, or -(1 + slot) for an outlier column.
 // oflag [ceil(K/8)]: bit i of byte p is set when column 8p + i is an outlier.
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float fma_rn(float a, float b, float c) {
-    float r;
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-    return r;
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
 __device__ __forceinline__ float sub_rn(float a, float b) {
     float r;
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
-}
-
-// RN(a / b) given y = RN(1 / b), for the finite, normal operands of the quantizer.
-__device__ __forceinline__ float quotient(float a, float b, float y) {
-    const float q0 = mul_rn(a, y);
-    const float q1 = fma_rn(fma_rn(-q0, b, a), y, q0);  // within an ulp
-    return fma_rn(fma_rn(-q1, b, a), y, q1);
 }
 
 __device__ __forceinline__ u32 hmin2(u32 a, u32 b) {
@@ -139,15 +116,17 @@ __device__ __forceinline__ u32 hmax2(u32 a, u32 b) {
     return r;
 }
 
-// The s8 code rint(q) - 2^(AB-1) of a quotient 0 <= q <= 2^AB - 1 (plus rounding), in the low byte of the result:
-// q + (1.5 * 2^23 - 2^(AB-1)) lies in [2^23, 2^24), where floats are the integers, so the one rounding of the add is
-// q's rounding to an integer, ties to even (the added constant is even, so ties go the same way), and the low
-// mantissa bits hold the integer minus 2^(AB-1) modulo 256. One add in place of a float-to-int conversion (a
-// quarter-rate instruction) and a subtraction.
+// The s8 code rint(d·y) - 2^(AB-1), ties to even, for 0 <= d·y <= 2^AB - 1 (plus rounding), in the low byte of
+// the result: d·y + (1.5 * 2^23 - 2^(AB-1)) lies in [2^23, 2^24), where floats are the integers, so the one
+// rounding of the fused multiply-add is the exact product's rounding to an integer, ties to even (the added
+// constant is even, so ties go the same way), and the low mantissa bits hold the integer minus 2^(AB-1) modulo 256.
+// One instruction for the product, the rounding and the offset (step 2 of formats/quik.md rounds the exact product
+// for this reason).
 template <int AB>
-__device__ __forceinline__ u32 code_bits(float q) {
+__device__ __forceinline__ u32 code_of(float d, float y) {
     u32 r;
-    asm("{ .reg .f32 t; add.rn.f32 t, %1, %2; mov.b32 %0, t; }" : "=r"(r) : "f"(q), "f"(12582912.0f - (float)(1 << (AB - 1))));
+    asm("{ .reg .f32 t; fma.rn.f32 t, %1, %2, %3; mov.b32 %0, t; }"
+        : "=r"(r) : "f"(d), "f"(y), "f"(12582912.0f - (float)(1 << (AB - 1))));
     return r;
 }
 
@@ -243,8 +222,8 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
                 if (8 * p + i < K) {
                     const u16 h = half_of(v[u], i);
                     if (d[i] >= 0) {
-                        // no clamp needed: x - lo >= 0, and (x - lo) / s <= (hi - lo) / s <= MAXQ (1 + 2^-23)
-                        cs[d[i]] = (char)code_bits<AB>(quotient(sub_rn(h2f(h), lo), s, y));
+                        // no clamp needed: 0 <= x - lo <= hi - lo, and (hi - lo)·y <= MAXQ (1 + 2^-23)
+                        cs[d[i]] = (char)code_of<AB>(sub_rn(h2f(h), lo), y);
                     } else {
                         os[-1 - d[i]] = h;
                     }
@@ -272,6 +251,7 @@ __device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx
     extern __shared__ __align__(16) char qsm[];
     __shared__ float red[2 * (NT / 32)];
     const int tid = threadIdx.x, G = gridDim.x;
+    launch_dependents();  // the GEMM that reads these rows waits for this whole grid anyway
     char* cs = qsm;                              // kp code bytes
     u16* os = reinterpret_cast<u16*>(qsm + kp);  // kop outlier halves
     // Padding: the positions no column maps to (from the last partial group of 32 on) and the outlier slots past
@@ -279,6 +259,7 @@ __device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx
     for (int j = (kb & ~31) + tid; j < kp; j += NT) cs[j] = 0;
     for (int j = ko + tid; j < kop; j += NT) os[j] = 0;
     __syncthreads();  // the zeros land before the first row's codes in the last partial group
+    grid_dependency_wait();  // the rows (and the buffers written below) belong to the kernel ahead until it completes
     uint4 v[PPT];
     u32 fl[PPT];
     for (int row = blockIdx.x; row < M; row += G) {
@@ -326,10 +307,13 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 
-// `off`: the column's byte offset in the staged row (so the address is one add).
+// `row`: the staged row's shared-memory address; `off`: the column's byte offset in it. 32-bit shared addresses
+// keep the gather at one add per code (a generic pointer costs a 64-bit add and a conversion).
 template <int AB>
-__device__ __forceinline__ u32 gather_code(const char* row, u32 off, float lo, float s, float y) {
-    return code_bits<AB>(quotient(sub_rn(h2f(*reinterpret_cast<const u16*>(row + off)), lo), s, y));
+__device__ __forceinline__ u32 gather_code(u32 row, u32 off, float lo, float y) {
+    u16 h;
+    asm volatile("ld.shared.b16 %0, [%1];" : "=h"(h) : "r"(row + off));
+    return code_of<AB>(sub_rn(h2f(h), lo), y);
 }
 
 // TW warps (a team) share a row: each takes every TW-th piece and chunk, and the team meets at a named barrier
@@ -343,6 +327,7 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
     constexpr int MAXQ = (1 << AB) - 1;
     extern __shared__ __align__(128) char qsm[];
     __shared__ __align__(8) u64 qbars[1 + 32 * NB];
+    launch_dependents();  // the GEMM that reads these rows waits for this whole grid anyway
     __shared__ float qred[32][2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int team = warp / TW, member = warp % TW, teams = W / TW, G = gridDim.x * teams;
@@ -364,6 +349,12 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
 #pragma unroll
         for (int b = 0; b < NB; ++b) mbar_init(bar0 + 8 * b, 1);
         mbar_init_fence();
+    }
+    __syncthreads();  // the barriers are initialized before any warp waits on them
+    // The maps are the layer's own; the rows (and the buffers written below) belong to the kernel ahead until it
+    // completes (a dependent launch starts during its tail).
+    grid_dependency_wait();
+    if (member == 0 && lane == 0) {
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             if (row + b * G < M) {
@@ -372,7 +363,6 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
             }
         }
     }
-    __syncthreads();  // the barriers are initialized before any warp waits on them
     mbar_wait(mapbar, 0);
     const int np = K >> 3, nc = kp >> 2, whole = (kb & ~31) >> 2;  // pieces; 4-code chunks; chunks with no hole
     const int first = 32 * member + lane, step = 32 * TW;
@@ -403,21 +393,22 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
         const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
         const float y = div_rn(1.0f, s);
         u32* arow = reinterpret_cast<u32*>(aq + (size_t)row * kp);
+        const u32 bufa = smem_addr(buf), mapa = smem_addr(smap);
         // the chunks with no hole first, in a loop without branches, so the unrolled chunks interleave
         int c = first;
 #pragma unroll 4
         for (; c < whole; c += step) {
-            const uint2 sj = reinterpret_cast<const uint2*>(smap)[c];
-            const u32 t0 = gather_code<AB>(buf, sj.x & 0xFFFF, lo, s, y), t1 = gather_code<AB>(buf, sj.x >> 16, lo, s, y);
-            const u32 t2 = gather_code<AB>(buf, sj.y & 0xFFFF, lo, s, y), t3 = gather_code<AB>(buf, sj.y >> 16, lo, s, y);
+            const uint2 sj = lds64(mapa + 8u * (u32)c);
+            const u32 t0 = gather_code<AB>(bufa, sj.x & 0xFFFF, lo, y), t1 = gather_code<AB>(bufa, sj.x >> 16, lo, y);
+            const u32 t2 = gather_code<AB>(bufa, sj.y & 0xFFFF, lo, y), t3 = gather_code<AB>(bufa, sj.y >> 16, lo, y);
             arow[c] = prmt(prmt(t0, t1, 0x0040), prmt(t2, t3, 0x0040), 0x5410);
         }
         for (; c < nc; c += step) {
-            const uint2 sj = reinterpret_cast<const uint2*>(smap)[c];
+            const uint2 sj = lds64(mapa + 8u * (u32)c);
             const u32 j[4] = {sj.x & 0xFFFF, sj.x >> 16, sj.y & 0xFFFF, sj.y >> 16};
             u32 t[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) t[e] = j[e] == 0xFFFF ? 0u : gather_code<AB>(buf, j[e], lo, s, y);
+            for (int e = 0; e < 4; ++e) t[e] = j[e] == 0xFFFF ? 0u : gather_code<AB>(bufa, j[e], lo, y);
             arow[c] = prmt(prmt(t[0], t[1], 0x0040), prmt(t[2], t[3], 0x0040), 0x5410);
         }
         u16* orow = xo + (size_t)row * kop;
@@ -807,6 +798,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     const int r0 = 64 * wg + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
     const int f0 = g.n0 + r0;
     const float h = (float)(1 << (BITS - 1));
+    grid_dependency_wait();  // the activations, s_x and z_x come from the kernel ahead (the quantize kernel)
     for (int k = tid; k < TN; k += 256) {
         const int m = g.m0 + k;
         tsx[k] = m < g.M ? sx[m] : 0.f;
@@ -832,6 +824,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
         gemm_step<BITS, TN, ST>(acc, af1, g, base, s + 1, tid, r0, t, f0, tsx, tax, sw, wred);
     }
     if (s < g.steps) gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
+    launch_dependents();  // the next layer's quantize kernel may start its prologue during this epilogue
     wgmma_wait0();
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on (and tsx/tax are visible)
@@ -891,6 +884,22 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
                                           u32 base, u32 bars, int M, int N, int kt, int steps) {
     using T = WsTile<TN>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
+    // The weights do not come from the kernel ahead: the first tile's first ST stages get their weight copies
+    // before the wait for that kernel (a dependent launch starts during its tail), their activations after it.
+    int early = 0;
+    if ((int)blockIdx.x < tiles) {
+        int m0, n0;
+        ws_tile(blockIdx.x, N, TN, m0, n0);
+        early = min(ST, steps);
+        for (int gs = 0; gs < early; ++gs) {
+            const bool outl = gs >= kt;
+            const int s = outl ? gs - kt : gs;
+            const u32 full = bars + 8 * gs, st = base + (u32)gs * T::SB;
+            mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+            tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+        }
+    }
+    grid_dependency_wait();
     int g = 0;  // position in the ring over all of this block's tiles
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int m0, n0;
@@ -902,11 +911,14 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
             const bool outl = gs >= kt;
             const int s = outl ? gs - kt : gs;
             const u32 st = base + (u32)slot * T::SB;
-            mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+            if (g >= early) {
+                mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+                tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+            }
             tma_load_2d(st, outl ? mxo : ma, full, 128 * s, m0);
-            tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
         }
     }
+    launch_dependents();
 }
 
 // One stage of a math warpgroup: the wgmmas of the tile's stage gs (ring position g) on fragments `cur`, then
@@ -974,6 +986,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         return;
     }
     regs_increase<232>();
+    grid_dependency_wait();  // s_x and z_x come from the kernel ahead (the quantize kernel)
     const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
     const int r0 = 64 * (ctid >> 7) + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
     const float h = (float)(1 << (BITS - 1));
@@ -1000,6 +1013,8 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
             cax[ctid] = nax;
         }
         bar_sync<1, 256>();
+        // the next layer's quantize kernel may start its prologue during this block's last tile
+        if (tile + (int)gridDim.x >= tiles) launch_dependents();
         if (PERSIST) fetch(tile + (int)gridDim.x);
         int acc[TN / 2];
 #pragma unroll

@@ -23,9 +23,18 @@ def test_teams_fill_shared_memory_up_to_32_warps():
     assert quik.quant_teams(60000, OPTIN, stages=1, team=1) == 0
 
 
-@pytest.mark.parametrize("m,teams", [(1, 1), (132, 1), (133, 2), (256, 2), (2048, 8), (100000, 8)])
-def test_teams_spread_rows_over_all_sms_first(m, teams):
-    assert quik.warp_teams(m, 4096, SMS, OPTIN) == teams
+@pytest.mark.parametrize("m,plan", [(1, (4, 1)), (132, (4, 1)), (133, (4, 2)), (256, (4, 2)), (1056, (4, 8)),
+                                    (1057, (4, 8)), (2048, (2, 16)), (100000, (2, 16))])
+def test_rows_spread_over_all_sms_first_then_the_smaller_team_at_equal_warps(m, plan):
+    # K = 4096: up to 16 two-warp or 8 four-warp teams per block (32 warps); teams of 4 until the rows per SM
+    # fill 16 two-warp teams as well
+    assert quik.warp_plan(m, 4096, SMS, OPTIN) == plan
+
+
+def test_long_rows_keep_four_warp_teams():
+    # K = 11008: only 8 rows fit, so teams of 4 put twice the warps on an SM
+    assert quik.warp_plan(2048, 11008, SMS, OPTIN) == (4, 8)
+    assert quik.warp_plan(2048, 60000, SMS, OPTIN) == (4, 0)
 
 
 def test_kernel_choice():
@@ -53,9 +62,9 @@ def test_unknown_kernel_or_plan_is_a_one_line_error():
     x = torch.zeros(4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"found 'bogus', expected one of \('block', 'warp'\)"):
         quik.quantize(x, p, kernel="bogus")
-    with pytest.raises(ValueError, match="found 5 stages and teams of 4 warps"):
+    with pytest.raises(ValueError, match=r"found 5 row buffers per team, expected one of \(1, 2, 3\)"):
         quik.quantize(x, p, kernel="warp", stages=5)
-    with pytest.raises(ValueError, match="found 3 stages and teams of 3 warps"):
+    with pytest.raises(ValueError, match=r"found teams of 3 warps, expected one of \(1, 2, 4\)"):
         quik.quantize(x, p, kernel="warp", stages=3, team=3)
     with pytest.raises(ValueError, match="rows must be 16-byte aligned"):
         quik.quantize(torch.zeros(4, 67, dtype=torch.float16)[:, :64], p, kernel="warp")

@@ -9,11 +9,12 @@ widths). The unfused pieces (`quantize_torch`, raw int32 `gemm`, `epilogue_torch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import tma
+from qtool.cuda import dependent_launch, tma
 
 SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole stages (128 codes)
@@ -31,17 +32,22 @@ WSP_TILES = {128: 6, 256: 4}
 WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 128 features, padded rows (WsTile::EPI)
 # sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized
 GEMM_KERNELS = ("sync", "ws", "wsp")
+# The kernels start as programmatic dependents of the kernel ahead (qtool/cuda/dependent_launch.py); False launches
+# them the ordinary way (the bench's A/B)
+DEPENDENT_LAUNCH = True
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
 QUANT_MAX_K = 32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
 # block: a block per row, row in registers; warp: a warp per row, rows staged in shared memory by bulk copies
 QUANT_KERNELS = ("block", "warp")
-# row buffers per team and warps per team (a team quantizes a row): the defaults from the sweep in kernels/NOTES.md
+# row buffers per team and warps per team (a team quantizes a row): the defaults from the sweep in kernels/NOTES.md;
+# the team size is planned per call (warp_plan) from the sizes in QUANT_WARP_PLAN_TEAMS
 QUANT_WARP_STAGES = 1
 QUANT_WARP_STAGE_CHOICES = (1, 2, 3)
 QUANT_WARP_TEAM = 4
 QUANT_WARP_TEAM_CHOICES = (1, 2, 4)
+QUANT_WARP_PLAN_TEAMS = (2, 4)
 
 
 def _round_up(v: int, m: int) -> int:
@@ -210,22 +216,29 @@ def _quant_map_bytes(k: int) -> int:
     return _round_up(2 * _round_up(max(k, 1), KP_MULTIPLE), 128) + _round_up(2 * k, 128)
 
 
-def warp_teams(m: int, k: int, sms: int, smem_optin: int) -> int:
-    """Teams per block for m rows: enough that one block per SM covers the rows once (small m spreads over all
-    SMs instead of filling a few), capped by what fits; 0 when the kernel cannot take rows of k columns."""
-    most = quant_teams(k, smem_optin)
-    return min(most, -(-m // sms))
+def warp_plan(m: int, k: int, sms: int, smem_optin: int) -> tuple[int, int]:
+    """(warps per team, teams per block) for m rows of k columns: teams enough that one block per SM covers the rows
+    once (small m spreads over all SMs instead of filling a few), capped by what fits; of the team sizes, the one
+    that puts the most warps on an SM, the smaller on a tie (fewer warps share a row: no barrier waits for a slow
+    one, and more rows are in flight). Teams is 0 when the kernel cannot take rows of k columns."""
+    per_sm = -(-m // sms)
+    best = (QUANT_WARP_TEAM, 0)
+    for team in sorted(QUANT_WARP_PLAN_TEAMS, reverse=True):
+        teams = min(quant_teams(k, smem_optin, QUANT_WARP_STAGES, team), per_sm)
+        if teams and teams * team >= best[0] * best[1]:
+            best = (team, teams)
+    return best
 
 
 def quantize_kernel(m: int, k: int, vec: bool, sms: int, smem_optin: int) -> str:
     """The quantize kernel for m rows of k columns: "warp" (rows staged in shared memory by bulk copies, a team of
     warps per row) wherever its rows are 16-byte aligned and fit; it won at every M measured (kernels/NOTES.md).
     Otherwise "block" (a block per row, the row in registers)."""
-    return "warp" if vec and warp_teams(m, k, sms, smem_optin) > 0 else "block"
+    return "warp" if vec and warp_plan(m, k, sms, smem_optin)[1] > 0 else "block"
 
 
 def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None = None, *,
-             kernel: str | None = None, stages: int = QUANT_WARP_STAGES, team: int = QUANT_WARP_TEAM,
+             kernel: str | None = None, stages: int = QUANT_WARP_STAGES, team: int | None = None,
              teams: int | None = None, blocks: int | None = None) -> QuantizedActivations:
     """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row. `kernel`, `stages`, `team`
     (warps per row), `teams` (per block) and `blocks` override the choice (the bench's A/B runs; tests: many rows
@@ -252,7 +265,7 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None
     smem = p.kp + 2 * p.kop
     cc.allow_shared_memory(fn, smem)
     # A block per row: a persistent grid with the next row prefetched was slower (kernels/NOTES.md).
-    cc.launch(
+    _dependent_launch(
         fn, (m,), (threads,),
         (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.i32(int(vec)), cc.ptr(p.dest), cc.ptr(p.oflag),
          cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes), cc.ptr(out.outliers),
@@ -263,23 +276,30 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None
 
 
 def _quantize_warp(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations, vec: bool, stages: int,
-                   team: int, teams: int | None, blocks: int | None) -> None:
+                   team: int | None, teams: int | None, blocks: int | None) -> None:
     m, k = x2.shape
     dev = x2.device.index
     if not vec:
         raise ValueError("quik quantize kernel 'warp': rows must be 16-byte aligned with K % 8 == 0")
-    if stages not in QUANT_WARP_STAGE_CHOICES or team not in QUANT_WARP_TEAM_CHOICES:
-        raise ValueError(f"quik quantize kernel 'warp': found {stages} stages and teams of {team} warps, expected "
-                         f"stages in {QUANT_WARP_STAGE_CHOICES} and teams in {QUANT_WARP_TEAM_CHOICES}")
+    if stages not in QUANT_WARP_STAGE_CHOICES:
+        raise ValueError(f"quik quantize kernel 'warp': found {stages} row buffers per team, expected one of "
+                         f"{QUANT_WARP_STAGE_CHOICES}")
+    if team not in (None, *QUANT_WARP_TEAM_CHOICES):
+        raise ValueError(f"quik quantize kernel 'warp': found teams of {team} warps, expected one of "
+                         f"{QUANT_WARP_TEAM_CHOICES}")
+    sms = cc.sm_count(dev)
+    if team is None:
+        team, planned = warp_plan(m, k, sms, _smem_optin(dev))
+        teams = teams or planned or None
     most = quant_teams(k, _smem_optin(dev), stages, team)
-    t = teams or min(most, -(-m // cc.sm_count(dev)))
+    t = teams or min(most, -(-m // sms))
     if not 1 <= t <= most:
         raise ValueError(f"quik quantize kernel 'warp': found {t} teams per block, expected 1..{most} for K = {k}")
-    blocks = min(blocks or cc.sm_count(dev), -(-m // t))
+    blocks = min(blocks or sms, -(-m // t))
     fn = _module(x2.device).fn(f"quik_quantize_warp_a{p.act_bits}_s{stages}_t{team}")
     smem = _round_up(2 * p.kp, 128) + _round_up(2 * k, 128) + t * stages * _round_up(2 * k, 128)
     cc.allow_shared_memory(fn, smem)
-    cc.launch(
+    _dependent_launch(
         fn, (blocks,), (32 * team * t,),
         (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.ptr(p.src), cc.ptr(p.omask),
          cc.ptr(p.outlier_idx), cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes),
@@ -309,6 +329,18 @@ def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | 
     if tn < WS_MIN_TOKENS or not _ws_ready(a, p):
         return "sync"
     return "wsp" if p.bits == 4 and tn in WSP_TILES else "ws"
+
+
+def _dependent_launch(*args: Any, **kwargs: Any) -> None:
+    """Every quik kernel waits for the kernel ahead (griddepcontrol) before it reads what that kernel may write or
+    writes what it may read, so they are launched as dependents: a GEMM's launch, prologue and first weight copies
+    overlap the quantize kernel, and a quantize kernel's launch and column-map loads overlap the end of whatever
+    ran before (the previous layer's GEMM lets it start at its last tile)."""
+    if DEPENDENT_LAUNCH:
+        dependent_launch.launch(*args, **kwargs)
+    else:
+        fn, grid, block, params = args
+        cc.launch(fn, grid, block, tuple(a.arg if isinstance(a, tma.TensorMap) else a for a in params), **kwargs)
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
@@ -353,14 +385,14 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         mxo = _ACT_MAPS.get(a.outliers, 128, tn, 128) if p.kop else ma
         mwo = p.maps.get(p.wo, 128, ROWS, 128) if p.kop else mw
         cc.allow_shared_memory(fn, smem)
-        cc.launch(fn, (tiles,), (384,), (ma.arg, mw.arg, mxo.arg, mwo.arg) + tail, shared_mem=smem,
-                  device=dev.index)
+        _dependent_launch(fn, (tiles,), (384,), (ma, mw, mxo, mwo) + tail, shared_mem=smem,
+                     device=dev.index)
         return out
     stages = GEMM_TILES[tn]
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
     smem = stages * (tn * 128 + ROWS * 128) + 1024
     cc.allow_shared_memory(fn, smem)
-    cc.launch(
+    _dependent_launch(
         fn, grid, (256,),
         (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
          cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0))) + tail,

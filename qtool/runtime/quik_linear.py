@@ -25,14 +25,19 @@ class ActQuant(NamedTuple):
 
 def quantize_activations(xb: torch.Tensor, act_bits: int) -> ActQuant:
     """Per-token asymmetric quantization of `xb` [T, Kb] (float32): `s = (max - min) / (2^b - 1)` (IEEE division;
-    1 when the row is constant), `q = clamp(round_half_even((x - min) / s), 0, 2^b - 1)`, stored signed."""
+    1 when the row is constant), `y = 1 / s` (IEEE division), `q = clamp(round_half_even((x - min) · y), 0, 2^b - 1)`
+    with `x - min` rounded to float32 and the product exact (not rounded to float32 first), stored signed."""
     maxq = (1 << act_bits) - 1
     lo = xb.amin(dim=1)
     hi = xb.amax(dim=1)
     # Divide by a tensor, not a Python number: torch on CUDA turns division by a scalar into multiplication by its
-    # reciprocal, which is not the IEEE quotient the format specifies (codes would move at rounding ties).
+    # reciprocal, which is not the IEEE quotient the format specifies.
     scale = torch.where(hi > lo, (hi - lo) / torch.full_like(lo, maxq), torch.ones_like(lo))
-    q = torch.clamp(torch.round((xb - lo[:, None]) / scale[:, None]), 0, maxq)
+    recip = torch.ones_like(scale) / scale
+    # Two float32 significands multiply exactly in float64 (48 of 53 bits), so rounding the float64 product to an
+    # integer is the one rounding a kernel's fused multiply-add performs.
+    q = torch.round((xb - lo[:, None]).double() * recip.double()[:, None])
+    q = torch.clamp(q, 0, maxq)
     return ActQuant((q - (1 << (act_bits - 1))).to(torch.int32), scale, lo)
 
 

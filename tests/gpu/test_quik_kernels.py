@@ -281,6 +281,46 @@ def test_fused_gemm_kernels_agree(bits, n, k, ko):
 
 
 @needs_hopper
+@pytest.mark.parametrize("m", [5, 700])
+def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
+    """Layers chained through their outputs, so each quantize kernel reads what the GEMM ahead of it wrote, and the
+    buffers a call frees are reused by the next one at once. Launched as programmatic dependents (each kernel may
+    start before the one ahead has finished), eagerly and replayed from a CUDA graph, the chain gives the bits of
+    ordinary launches every time: a read or write placed before a kernel's wait would race and differ."""
+    from qtool.cuda import dependent_launch, quik
+
+    shapes = [(2048, 1024, 64), (1024, 2048, 128), (1536, 1024, 0), (1024, 1536, 96)] * 2  # (N, K, outliers)
+    ps = [quik.prepare(random_quik(n, k, ko, 4, bias=True)) for n, k, ko in shapes]
+    x = torch.randn(m, 1024, device="cuda").half()
+
+    def chain() -> torch.Tensor:
+        y = x
+        for p in ps:
+            y = quik.linear(y, p)
+        return y
+
+    old = quik.DEPENDENT_LAUNCH
+    try:
+        quik.DEPENDENT_LAUNCH = False
+        plain = synced(chain())
+        quik.DEPENDENT_LAUNCH = True
+        eager = [synced(chain()) for _ in range(4)]
+        assert dependent_launch.available(), dependent_launch.fallback_reason()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = chain()
+        outs = []
+        for _ in range(3):
+            graph.replay()
+            outs.append(synced(replayed.clone()))
+    finally:
+        quik.DEPENDENT_LAUNCH = old
+    assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0
+    for y in eager + outs:
+        assert torch.equal(y, plain)
+
+
+@needs_hopper
 def test_24_sparse_layer_runs_on_the_kernel():
     layer = random_quik(256, 1024, 64, 4, sparse=True)
     x = _x(64, 1024, layer.outlier_idx)
