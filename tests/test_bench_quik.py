@@ -68,6 +68,29 @@ def test_ladder_sweep_and_ratios():
     assert "w4a4 fused k=256" in text and "outliers +10.0%" in text and "xFP8 1.00" in text
 
 
+def test_fp16_baseline_is_the_faster_of_its_two_runs():
+    class DriftingTimer(FakeTimer):
+        """cuBLAS FP16 100 us when first timed, 80 us when timed again after the quik kernels."""
+
+        def __call__(self, fns, warmup, iters):
+            samples = super().__call__(fns, warmup, iters)
+            if self.calls[-1][0] == "fp16" and sum(c[0] == "fp16" for c in self.calls) > 1:
+                return [0.8 * v for v in samples]
+            return samples
+
+    cfg = qb.QuikBenchConfig(shapes=[(4096, 4096)], warmup=2, iters=50)
+    report = qb.run_quik_bench(cfg, FakeCases(), DriftingTimer())
+    (row,) = report["results"]
+    fp16 = row["baselines"]["fp16"]
+    assert fp16["runs_us"] == [pytest.approx(100.0), pytest.approx(80.0)]
+    assert fp16["median_us"] == pytest.approx(80.0)
+    # every ratio uses it, the ones timed before the second run included
+    assert row["w4a4_ladder"]["unfused"]["speedup"]["fp16"] == pytest.approx(80.0 / 700.0)
+    assert row["w4a4_ladder"]["fused"]["speedup"]["fp16"] == pytest.approx(80.0 / 55.0)
+    assert row["w8a8"]["speedup"]["fp16"] == pytest.approx(80.0 / 80.0)
+    assert "faster of 100.0 before / 80.0 after ours" in qb.format_report(report)
+
+
 def test_sweep_without_zero_has_no_overhead_and_skips_counts_above_k():
     report, _ = _run(outlier_counts=(128, 8192), ladder_outliers=128)
     (row,) = report["results"]

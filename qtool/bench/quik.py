@@ -62,7 +62,8 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
     rows = []
     m = cfg.m
     for k, n in cfg.shapes:
-        base: dict[str, Any] = {"fp16": _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)}  # noqa: B023
+        first = _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)  # noqa: B023
+        base: dict[str, Any] = {"fp16": first}
         errors: dict[str, str] = {}
         for name, maker in (("int8", cases.int8), ("fp8", cases.fp8)):
             try:
@@ -73,23 +74,35 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
                 base[name] = None
                 errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
-        def t(bits: int, ko: int, rung: str, k: int = k, n: int = n, base: dict[str, Any] = base) -> dict[str, Any]:
+        timed: list[dict[str, Any]] = []
+
+        def t(bits: int, ko: int, rung: str, k: int = k, n: int = n,
+              timed: list[dict[str, Any]] = timed) -> dict[str, Any]:
             s = _summ(timer, lambda: cases.quik(k, n, m, bits, ko, rung), cfg.warmup, cfg.iters)
             tops = stats.gemm_flops(m, n, k) / (s["median_us"] * 1e-6) / 1e12
-            return {**s, "tops": tops, "speedup": _ratios(base, s["median_us"])}
+            timed.append({**s, "tops": tops})
+            return timed[-1]
 
         ladder = {rung: t(4, cfg.ladder_outliers, rung) for rung in RUNGS}
         sweep = {ko: t(4, ko, "fused") for ko in cfg.outlier_counts if ko <= k}
         if cfg.ladder_outliers not in sweep:
             sweep[cfg.ladder_outliers] = ladder["fused"]
         again = t(4, cfg.ladder_outliers, "fused")
+        w8a8 = t(8, cfg.ladder_outliers, "fused") if cfg.w8a8 else None
+        # cuBLAS's own time moves between runs by more than ours; timed again after our kernels, the faster of its
+        # two medians is the baseline (the ratios can only come out lower for it)
+        last = _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)  # noqa: B023
+        base["fp16"] = {**min(first, last, key=lambda v: v["median_us"]),
+                        "runs_us": [first["median_us"], last["median_us"]]}
+        for v in timed:
+            v["speedup"] = _ratios(base, v["median_us"])
         zero = sweep.get(0)
         overhead = {str(ko): (v["median_us"] / zero["median_us"] - 1.0 if zero else None) for ko, v in sweep.items()}
         row = {
             "k": k, "n": n, "m": m, "baselines": base, "baseline_errors": errors,
             "w4a4_ladder": ladder, "ladder_outliers": cfg.ladder_outliers,
             "w4a4_outliers": {str(ko): v for ko, v in sweep.items()}, "outlier_overhead": overhead,
-            "w8a8": t(8, cfg.ladder_outliers, "fused") if cfg.w8a8 else None,
+            "w8a8": w8a8,
             "noise": stats.noise(ladder["fused"]["median_us"], again["median_us"]),
         }
         rows.append(row)
@@ -112,7 +125,9 @@ def _x(v: float | None) -> str:
 
 def format_row(r: dict[str, Any]) -> list[str]:
     fp16 = r["baselines"]["fp16"]["median_us"]
-    out = [f"{r['k']}x{r['n']} M={r['m']}: cuBLAS fp16 {fp16:.1f} us"
+    runs = r["baselines"]["fp16"].get("runs_us")
+    both = f" (faster of {runs[0]:.1f} before / {runs[1]:.1f} after ours)" if runs else ""
+    out = [f"{r['k']}x{r['n']} M={r['m']}: cuBLAS fp16 {fp16:.1f} us{both}"
            + "".join(f", {b} {_x(v and v['median_us'])} us" for b, v in r["baselines"].items() if b != "fp16")]
 
     def line(label: str, v: dict[str, Any]) -> str:
