@@ -884,6 +884,14 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
                                           u32 base, u32 bars, int M, int N, int kt, int steps) {
     using T = WsTile<TN>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
+    // A stage's byte count on its full barrier, then its weight copy (the activation copy is issued separately).
+    auto weights = [&](int gs, int slot, int n0) {
+        const bool outl = gs >= kt;
+        const int s = outl ? gs - kt : gs;
+        const u32 full = bars + 8 * slot;
+        mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
+        tma_load_2d(base + (u32)slot * T::SB + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+    };
     // The weights do not come from the kernel ahead: the first tile's first ST stages get their weight copies
     // before the wait for that kernel (a dependent launch starts during its tail), their activations after it.
     int early = 0;
@@ -891,13 +899,7 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
         int m0, n0;
         ws_tile(blockIdx.x, N, TN, m0, n0);
         early = min(ST, steps);
-        for (int gs = 0; gs < early; ++gs) {
-            const bool outl = gs >= kt;
-            const int s = outl ? gs - kt : gs;
-            const u32 full = bars + 8 * gs, st = base + (u32)gs * T::SB;
-            mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
-            tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
-        }
+        for (int gs = 0; gs < early; ++gs) weights(gs, gs, n0);
     }
     grid_dependency_wait();
     int g = 0;  // position in the ring over all of this block's tiles
@@ -906,16 +908,10 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
         ws_tile(tile, N, TN, m0, n0);
         for (int gs = 0; gs < steps; ++gs, ++g) {
             const int slot = g % ST, use = g / ST;
-            const u32 full = bars + 8 * slot;
             if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+            if (g >= early) weights(gs, slot, n0);
             const bool outl = gs >= kt;
-            const int s = outl ? gs - kt : gs;
-            const u32 st = base + (u32)slot * T::SB;
-            if (g >= early) {
-                mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
-                tma_load_2d(st + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
-            }
-            tma_load_2d(st, outl ? mxo : ma, full, 128 * s, m0);
+            tma_load_2d(base + (u32)slot * T::SB, outl ? mxo : ma, bars + 8 * slot, 128 * (outl ? gs - kt : gs), m0);
         }
     }
     launch_dependents();

@@ -73,12 +73,17 @@ def fallback_reason() -> str:
     return str(_STATE["why"])
 
 
+# The one attribute every dependent launch carries: programmatic stream serialization allowed.
+_ATTRIBUTE = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+_ATTRIBUTE.value[0] = 1
+
+
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           device: int | None = None) -> None:
-    """`compile.launch`, with the programmatic-stream-serialization attribute where the driver takes it. `args`
-    are numpy scalars (what `compile.ptr` and `compile.i32` give) or tensor maps (`tma.TensorMap`, passed by
-    value: the driver copies their 128 bytes)."""
-    fn = _driver_launch() if _STATE["ok"] else None
+           device: int | None = None, dependent: bool = True) -> None:
+    """`compile.launch`, with the programmatic-stream-serialization attribute where the driver takes it (and
+    `dependent` asks for it). `args` are numpy scalars (what `compile.ptr` and `compile.i32` give) or tensor maps
+    (`tma.TensorMap`, passed by value: the driver copies their 128 bytes)."""
+    fn = _driver_launch() if dependent and _STATE["ok"] else None
     handle = _function_handle(kernel) if fn is not None else None
     if handle is None:
         cc.launch(kernel, grid, block, _plain(args), shared_mem=shared_mem, device=device)
@@ -86,18 +91,13 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     dev = torch.cuda.current_device() if device is None else device
     g = tuple(grid) + (1,) * (3 - len(grid))
     b = tuple(block) + (1,) * (3 - len(block))
-    attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
     cfg = _Config(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                  ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream), ctypes.pointer(attr), 1)
+                  ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream), ctypes.pointer(_ATTRIBUTE), 1)
     values = [None if isinstance(a, TensorMap) else ctypes.create_string_buffer(a.tobytes()) for a in args]
     params = (ctypes.c_void_p * len(args))(*[a.address if v is None else ctypes.addressof(v)
                                                for a, v in zip(args, values, strict=True)])
-    if dev == torch.cuda.current_device():
+    with torch.cuda.device(dev):  # the driver launches in the current context
         rc = fn(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
-    else:
-        with torch.cuda.device(dev):  # the driver launches in the current context
-            rc = fn(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
     if rc != 0:
         # CUDA_ERROR_NOT_SUPPORTED and the like: the ordinary launch runs the same kernel (and reports a real
         # argument error itself)

@@ -331,16 +331,13 @@ def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | 
     return "wsp" if p.bits == 4 and tn in WSP_TILES else "ws"
 
 
-def _dependent_launch(*args: Any, **kwargs: Any) -> None:
+def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
+                      device: int | None) -> None:
     """Every quik kernel waits for the kernel ahead (griddepcontrol) before it reads what that kernel may write or
     writes what it may read, so they are launched as dependents: a GEMM's launch, prologue and first weight copies
     overlap the quantize kernel, and a quantize kernel's launch and column-map loads overlap the end of whatever
     ran before (the previous layer's GEMM lets it start at its last tile)."""
-    if DEPENDENT_LAUNCH:
-        dependent_launch.launch(*args, **kwargs)
-    else:
-        fn, grid, block, params = args
-        cc.launch(fn, grid, block, tuple(a.arg if isinstance(a, tma.TensorMap) else a for a in params), **kwargs)
+    dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device, dependent=DEPENDENT_LAUNCH)
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
