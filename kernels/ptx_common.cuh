@@ -167,6 +167,42 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
                  : "memory");
 }
 
+// Copy the box at (c0, c1) of `map` from shared memory at src to global memory (clipped at the tensor's edges), in
+// this thread's current bulk group. Shared-memory writes of other threads must be fenced (fence_async_smem) and
+// synchronized before it is issued.
+__device__ __forceinline__ void tma_store_2d(const TmaMap* map, u32 src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Until this thread's bulk groups but the newest N have read their shared-memory sources.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Until this thread's bulk groups have completed (their global writes done).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Four 8x8 float16 matrices, transposed, into shared memory: register i of a lane holds row lane / 4, columns
+// 2 (lane % 4) and + 1 of matrix i (an mma accumulator fragment), and lanes 8i..8i+7 give the addresses of the
+// 16-byte rows of stored matrix i (its columns before the transpose).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+// Two floats to float16 (round to nearest even), lo in the low half.
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

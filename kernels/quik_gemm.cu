@@ -780,6 +780,57 @@ __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, i
     store_chunk<TN, BAR, CH, 0>(acc, m0, n0, N, mt, r0, t, tid, tile, bv, out, ldc);
 }
 
+// The persistent kernel's epilogue through the copy engine (`mo`: the float16 output as bytes, boxes of 128 bytes x
+// 32 tokens, 128-byte swizzle): Eq. 1 if still pending, bias, then 32 tokens at a time transposed into shared memory
+// by stmatrix (features 0-63 of the tile from warpgroup 0, 64-127 from warpgroup 1: one box each) and written out
+// by a bulk tensor store, clipped at M and N, that no math thread waits for. Two 8 KB buffers at `ebuf` alternate:
+// before each chunk's barrier thread 0 waits until its earlier stores have read their buffers, so the next chunk
+// (and the next tile's first) may overwrite the older one.
+template <int BITS, int TN>
+__device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
+                                               int r0, int t, int tid, u32 ebuf, const float* tsx,
+                                               const float* tax, const u16* __restrict__ sw,
+                                               const float* __restrict__ wred, const u16* __restrict__ bias,
+                                               const TmaMap* mo) {
+    const int f0 = n0 + r0;
+    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    float bv[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int f = f0 + 8 * hh;
+        bv[hh] = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
+    }
+    const int lane = tid & 31, mi = lane >> 3, j = lane & 7;
+    // this lane's stmatrix row: token 8 (2q + mi / 2) + j of the chunk, features 8 (2 warp + mi % 2) .. + 7 of
+    // its warpgroup's box, at 16-byte position (2 warp + mi % 2) ^ j of the swizzled 128-byte row
+    const u32 lrow = (u32)(tid >> 7) * 4096u + (u32)(8 * (mi >> 1) + j) * 128u +
+                     (u32)(((2 * ((tid >> 5) & 3) + (mi & 1)) ^ j) << 4);
+#pragma unroll
+    for (int c = 0; c < TN / 32; ++c) {
+        const u32 buf = ebuf + (u32)(c & 1) * 8192u;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int i = 4 * (4 * c + 2 * q);  // accumulators of token blocks 4c + 2q and + 1
+            stmatrix_x4_trans(buf + lrow + (u32)q * 2048u,
+                              f2h2(bits2f(acc[i]) + bv[0], bits2f(acc[i + 1]) + bv[0]),
+                              f2h2(bits2f(acc[i + 2]) + bv[1], bits2f(acc[i + 3]) + bv[1]),
+                              f2h2(bits2f(acc[i + 4]) + bv[0], bits2f(acc[i + 5]) + bv[0]),
+                              f2h2(bits2f(acc[i + 6]) + bv[1], bits2f(acc[i + 7]) + bv[1]));
+        }
+        fence_async_smem();  // the copy engine reads what these generic stores wrote
+        if (tid == 0) bulk_wait_read<0>();
+        bar_sync<1, 256>();
+        if (tid == 0) {
+            const int m1 = m0 + 32 * c;
+            if (m1 < M) {
+                tma_store_2d(mo, buf, 2 * n0, m1);
+                tma_store_2d(mo, buf + 4096u, 2 * n0 + 128, m1);
+            }
+            bulk_commit();
+        }
+    }
+}
+
 // raw: write the int32 sums (the caller passes no outlier stages; the unfused ladder rungs). Otherwise the float16
 // output of the fused epilogue, outliers and bias included.
 template <int BITS, int TN, int ST>
@@ -862,7 +913,8 @@ GEMM_ENTRIES(256, 4, 1)
 // Tensor maps (qtool/cuda/tma.py), all over bytes: ma = activation codes [M, Kp] box 128 x TN, 128-byte swizzle;
 // mw = weight code rows [N, Kp*BITS/8] box 16*BITS x 128, swizzle 16*BITS bytes; mxo = outlier activations
 // [M, 2*kop] box 128 x TN; mwo = outlier weights [N, 2*kop] box 128 x 128 (both 128-byte swizzle). Rows past M
-// or N arrive as zeros.
+// or N arrive as zeros. mo = the float16 output [M, 2N] box 128 x 32, 128-byte swizzle: the persistent kernel's
+// epilogue stores through it where `tmo` is set (else, and for raw sums, 16-byte stores from the threads).
 // ---------------------------------------------------------------------------------------------------------------
 template <int TN>
 struct WsTile {
@@ -870,6 +922,7 @@ struct WsTile {
     static constexpr int SB = XT + 128 * 128;  // plus the weight tile (4-bit stages use half); multiple of 1024
     enum : int { EPI_TOKENS = 64 };                         // the persistent kernel's epilogue chunk
     static constexpr int EPI = EPI_TOKENS * (128 + 8) * 2;  // and its transpose buffer (padded rows)
+    static_assert(EPI >= 2 * 8192, "store_tile_tma's two buffers of 32 tokens x 128 features");
 };
 
 // Tile t of the output: 128 weight rows (fastest) x TN tokens.
@@ -959,10 +1012,11 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
 // transposes through the ring in one pass.
 template <int BITS, int TN, int ST, bool PERSIST>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
-                                        int M, int N, int kt, int steps, const float* __restrict__ sx,
-                                        const float* __restrict__ zx, const u16* __restrict__ sw,
-                                        const float* __restrict__ wred, const u16* __restrict__ bias,
-                                        void* __restrict__ out, int ldc, int raw) {
+                                        const TmaMap* mo, int M, int N, int kt, int steps,
+                                        const float* __restrict__ sx, const float* __restrict__ zx,
+                                        const u16* __restrict__ sw, const float* __restrict__ wred,
+                                        const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw,
+                                        int tmo) {
     using T = WsTile<TN>;
     extern __shared__ char smem_raw[];
     __shared__ float tsx[2][TN], tax[2][TN];
@@ -1037,7 +1091,10 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         wgmma_wait0();
         if (steps > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g + steps - 1) % ST));  // the tile's last stage
         const bool eq1_pending = steps == kt && kt > 0;
-        if (PERSIST) {
+        if (PERSIST && tmo && !raw) {
+            store_tile_tma<BITS, TN>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB), csx, cax,
+                                     sw, wred, bias, mo);
+        } else if (PERSIST) {
             // the buffer's last reads (previous tile) finished before this tile's first barrier
             store_tile<BITS, TN, 1, T::EPI_TOKENS>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
                                         base + (u32)(ST * T::SB), csx, cax, sw, wred, bias, out, ldc, raw);
@@ -1047,15 +1104,17 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
                                         wred, bias, out, ldc, raw);
         }
     }
+    if (PERSIST && tmo && ctid == 0) bulk_wait_all();  // the output is written before the block exits
 }
 
 #define WS_ENTRY(BITS, TN, ST, PERSIST, NAME)                                                                     \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                    \
         const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mxo, \
-        const __grid_constant__ TmaMap mwo, int M, int N, int kt, int kto, const float* sx, const float* zx,      \
-        const u16* sw, const float* wred, const u16* bias, void* out, int ldc, int raw) {                         \
-        ws_body<BITS, TN, ST, PERSIST>(&ma, &mw, &mxo, &mwo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, out, ldc,  \
-                                       raw);                                                                      \
+        const __grid_constant__ TmaMap mwo, const __grid_constant__ TmaMap mo, int M, int N, int kt, int kto,      \
+        const float* sx, const float* zx, const u16* sw, const float* wred, const u16* bias, void* out, int ldc,   \
+        int raw, int tmo) {                                                                                       \
+        ws_body<BITS, TN, ST, PERSIST>(&ma, &mw, &mxo, &mwo, &mo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, out, \
+                                       ldc, raw, tmo);                                                            \
     }
 #define WS_ENTRIES(TN, ST)                                   \
     WS_ENTRY(4, TN, ST, false, quik_gemm_ws_w4_n##TN##_s##ST) \

@@ -27,9 +27,13 @@ GEMM_TILES = {64: 4, 128: 4, 256: 3}
 # tokens per block -> ring stages (~192 KB of shared memory each).
 WS_TILES = {64: 8, 128: 6, 256: 4}
 # Its persistent form: one block per multiprocessor walks the tiles, so the next tile's copies and the sx/zx
-# loads overlap the epilogue, which transposes 64 tokens at a time through a small buffer beside the ring.
+# loads overlap the epilogue, which transposes 32 tokens at a time into one of two buffers beside the ring and
+# stores them through the copy engine without waiting (or, where the output allows no tensor map, 64 tokens at a
+# time with 16-byte stores).
 WSP_TILES = {128: 6, 256: 4}
 WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 128 features, padded rows (WsTile::EPI)
+# False: the persistent kernel's epilogue stores from the threads even where the output allows a tensor map (A/B)
+TMA_STORE = True
 # sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized
 GEMM_KERNELS = ("sync", "ws", "wsp")
 # The kernels start as programmatic dependents of the kernel ahead (qtool/cuda/dependent_launch.py); False launches
@@ -314,6 +318,7 @@ def gemm_tokens(m: int) -> int:
 
 
 _ACT_MAPS = tma.MapCache(limit=64)
+_OUT_MAPS = tma.MapCache(limit=64)
 
 
 def _ws_ready(a: QuantizedActivations, p: QuikPrepared) -> bool:
@@ -381,9 +386,12 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         # with no outlier stages the outlier maps are never read: any valid map fills the parameter
         mxo = _ACT_MAPS.get(a.outliers, 128, tn, 128) if p.kop else ma
         mwo = p.maps.get(p.wo, 128, ROWS, 128) if p.kop else mw
+        # the persistent kernel stores its tiles through the copy engine where the output rows allow a map
+        tmo = kernel == "wsp" and fused and TMA_STORE and tma.usable(out)
+        mo = _OUT_MAPS.get(out, 128, 32, 128) if tmo else ma
         cc.allow_shared_memory(fn, smem)
-        _dependent_launch(fn, (tiles,), (384,), (ma, mw, mxo, mwo) + tail, shared_mem=smem,
-                     device=dev.index)
+        _dependent_launch(fn, (tiles,), (384,), (ma, mw, mxo, mwo, mo) + tail + (cc.i32(int(tmo)),),
+                          shared_mem=smem, device=dev.index)
         return out
     stages = GEMM_TILES[tn]
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")

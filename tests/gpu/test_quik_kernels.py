@@ -259,6 +259,36 @@ def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
 
 @needs_hopper
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko,m", [(4096, 4096, 256, 300), (200, 520, 130, 77), (72, 4000, 37, 1000),
+                                      (1000, 520, 130, 700)])
+def test_persistent_epilogue_stores_through_the_copy_engine_bit_for_bit(bits, n, k, ko, m, monkeypatch):
+    """The persistent kernel's epilogue through bulk tensor stores (tiles clipped at M and N, two buffers reused
+    over several tiles per block) writes exactly the bits of its thread-store epilogue, and an output whose rows
+    the copy engine cannot address takes the thread stores."""
+    from qtool.cuda import quik
+
+    layer = random_quik(n, k, ko, bits, bias=True)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    for tn in sorted(quik.WSP_TILES):
+        for blocks in (None, 3):
+            outs = {}
+            for tma_store in (True, False):
+                monkeypatch.setattr(quik, "TMA_STORE", tma_store)
+                y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+                outs[tma_store] = synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks))
+            assert bool(torch.isfinite(outs[True]).all()), f"unwritten outputs (tile {tn}, {blocks} blocks)"
+            assert torch.equal(outs[True], outs[False]), f"epilogues differ (tile {tn}, {blocks} blocks)"
+    monkeypatch.setattr(quik, "TMA_STORE", True)
+    flat = torch.full((m * n + 1,), float("nan"), dtype=torch.float16, device="cuda")
+    shifted = flat[1:].view(m, n)  # starts 2 bytes past an aligned address: no tensor map
+    synced(quik.gemm(a, p, out=shifted, tokens=tn, kernel="wsp", blocks=3))
+    assert torch.equal(shifted, outs[True]) and bool(flat[0].isnan())
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,ko", SHAPES)
 def test_fused_gemm_kernels_agree(bits, n, k, ko):
     """Both GEMM kernels at every tile give the same fused output for one set of activations: the same integer
