@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -45,15 +46,18 @@ def cli():
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M as a Hugging Face folder, converted once from the shared GGUF and cached in .cache/."""
-    if not (SMOLLM2_CACHE / "config.json").is_file():
-        tmp = SMOLLM2_CACHE.with_name(SMOLLM2_CACHE.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(ASSETS / "tools" / "smollm2_gguf_to_hf.py"),
-                        str(ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(tmp)],
-                       check=True, capture_output=True)
-        tmp.rename(SMOLLM2_CACHE)
+    """SmolLM2-135M as a Hugging Face folder, converted once from the shared GGUF and cached in .cache/. Test
+    workers running in parallel (pytest -n) take a file lock, so one converts and the others wait for it."""
+    SMOLLM2_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with open(SMOLLM2_CACHE.with_name(SMOLLM2_CACHE.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (SMOLLM2_CACHE / "config.json").is_file():
+            tmp = SMOLLM2_CACHE.with_name(SMOLLM2_CACHE.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run([sys.executable, str(ASSETS / "tools" / "smollm2_gguf_to_hf.py"),
+                            str(ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(tmp)],
+                           check=True, capture_output=True)
+            tmp.rename(SMOLLM2_CACHE)
     return SMOLLM2_CACHE
 
 
