@@ -545,18 +545,21 @@ struct GemmArgs {
     int ldxo;
     const char* Wo;  // outlier weights, reordered float16 [N, ldwo / 2]
     int ldwo;
-    int M, N, kt, steps;
+    int M, N, kt, steps;  // steps: this block's stages (all of them, or its split-K share)
     int m0, n0;
+    int s0;  // this block's first stage (split-K)
 };
 
-// Issue this thread's copies of global stage gs into the shared-memory stage at st.
-template <int BITS, int TN>
+// Issue this thread's copies of global stage gs into the shared-memory stage at st: the activations (X), the
+// weights (W) or both (the weights do not come from the kernel ahead, so a dependent launch may copy them first).
+enum : int { STAGE_X = 1, STAGE_W = 2, STAGE_ALL = 3 };
+template <int BITS, int TN, int PART = STAGE_ALL>
 __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, int tid) {
     const bool outl = gs >= g.kt;
     const int s = outl ? gs - g.kt : gs;
     const char* B = outl ? g.Xo : g.A;
     const size_t ldb = (size_t)(outl ? g.ldxo : g.lda);
-    {
+    if (PART & STAGE_X) {
         const int r = tid >> 3, ch = tid & 7;
 #pragma unroll
         for (int i = 0; i < TN / 32; ++i) {
@@ -567,6 +570,7 @@ __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, in
         }
     }
     const u32 wt = st + QTile<TN>::XT;
+    if (!(PART & STAGE_W)) return;
     if (BITS == 4 && !outl) {
         // 128 rows x 4 chunks of 16 bytes; chunk c of row r at c ^ ((r / 2) % 4), so that the 8 rows of a warp's
         // fragment loads (word 4j + t of rows g = 0..7) fall in 32 different banks
@@ -637,15 +641,16 @@ __device__ __forceinline__ float bits2f(int b) {
     return r;
 }
 
-// Eq. 1 on this thread's accumulators, in place: acc·s_x·s_w + (z_x + h·s_x)·wReduced, as float bits. Rows
-// (features) f0, f0 + 8; tokens 8i + 2t + e of the tile, whose s_x and z_x + h·s_x wait in shared memory.
+// Eq. 1 on this thread's accumulators, in place: acc·s_x·s_w + (z_x + h·s_x)·wReduced, as float bits (wred null:
+// the first term only, for split-K shares after the first). Rows (features) f0, f0 + 8; tokens 8i + 2t + e of the
+// tile, whose s_x and z_x + h·s_x wait in shared memory.
 template <int BITS, int TN>
 __device__ __forceinline__ void eq1_in_place(int (&acc)[TN / 2], int f0, int N, int t, const float* tsx,
                                              const float* tax, const u16* __restrict__ sw,
                                              const float* __restrict__ wred) {
     const float ws = BITS == 4 ? 0.0625f : 1.0f;  // 4-bit accumulators hold 16x the sums
-    const float sw0 = f0 < N ? h2f(sw[f0]) * ws : 0.f, wr0 = f0 < N ? wred[f0] : 0.f;
-    const float sw1 = f0 + 8 < N ? h2f(sw[f0 + 8]) * ws : 0.f, wr1 = f0 + 8 < N ? wred[f0 + 8] : 0.f;
+    const float sw0 = f0 < N ? h2f(sw[f0]) * ws : 0.f, wr0 = f0 < N && wred ? wred[f0] : 0.f;
+    const float sw1 = f0 + 8 < N ? h2f(sw[f0 + 8]) * ws : 0.f, wr1 = f0 + 8 < N && wred ? wred[f0 + 8] : 0.f;
 #pragma unroll
     for (int i = 0; i < TN / 8; ++i) {
 #pragma unroll
@@ -667,10 +672,11 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
     fence_async_smem();       // they are read next by the tensor cores
     __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
     if (s + ST - 2 < g.steps && QUIK_ABLATE != 2)
-        load_stage<BITS, TN>(g, base + (u32)((s + ST - 2) % ST) * T::SB, s + ST - 2, tid);
+        load_stage<BITS, TN>(g, base + (u32)((s + ST - 2) % ST) * T::SB, g.s0 + s + ST - 2, tid);
     cp_async_commit();
     const u32 st = base + (u32)(s % ST) * T::SB;
-    if (s < g.kt) {
+    const int gs = g.s0 + s;  // the stage in the layer's list: integer stages, then outlier stages
+    if (gs < g.kt) {
 #if QUIK_ABLATE == 3
         if constexpr (BITS == 8 && TN == 256) {
             wgmma_fence();
@@ -688,9 +694,9 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
         for (int j = 0; j < 4; ++j)
             if (QUIK_ABLATE != 1) wgmma_s8(acc, af[j], desc_sw128(st + 32 * j));
     } else {
-        if (s == g.kt && g.kt > 0) {
+        if (gs == g.kt && g.s0 < g.kt) {  // this block ran integer stages
             wgmma_wait0();
-            eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, wred);
+            eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
         }
         load_frags<BITS, true>(af, st + T::XT, r0, t);
         wgmma_fence();
@@ -831,13 +837,17 @@ __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n
     }
 }
 
-// raw: write the int32 sums (the caller passes no outlier stages; the unfused ladder rungs). Otherwise the float16
-// output of the fused epilogue, outliers and bias included.
+// raw: write the int32 sums (the caller passes no outlier stages and no split; the unfused ladder rungs). Otherwise
+// the float16 output of the fused epilogue, outliers and bias included. Split-K (gridDim.z = S > 1, few tiles:
+// decode): ws has room for S x tiles x 128 x TN floats and cnt one zero int per tile.
+constexpr int SPLIT_MAX_TOKENS = 128;  // split-K is built for the decode tiles only (qtool/cuda/quik.py)
+
 template <int BITS, int TN, int ST>
 __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __restrict__ sx,
                                           const float* __restrict__ zx, const u16* __restrict__ sw,
                                           const float* __restrict__ wred, const u16* __restrict__ bias,
-                                          void* __restrict__ out, int ldc, int raw) {
+                                          void* __restrict__ out, int ldc, int raw, float* __restrict__ ws,
+                                          int* __restrict__ cnt) {
     using T = QTile<TN>;
     extern __shared__ char smem_raw[];
     __shared__ float tsx[TN], tax[TN];
@@ -846,10 +856,19 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     GemmArgs g = g0;
     g.m0 = (int)blockIdx.y * TN;
     g.n0 = (int)blockIdx.x * 128;
+    // split-K (gridDim.z > 1): block z takes stages [s0, s0 + steps) of the layer's list
+    const int S = gridDim.z, z = blockIdx.z;
+    g.s0 = (int)((long long)z * g0.steps / S);
+    g.steps = (int)((long long)(z + 1) * g0.steps / S) - g.s0;
     const int r0 = 64 * wg + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
     const int f0 = g.n0 + r0;
     const float h = (float)(1 << (BITS - 1));
-    grid_dependency_wait();  // the activations, s_x and z_x come from the kernel ahead (the quantize kernel)
+    // The first stages' weight copies go out before the wait for the kernel ahead (the quantize kernel, whose
+    // activations, s_x and z_x the rest reads); they join the first stage's copy group.
+#pragma unroll
+    for (int p = 0; p < ST - 2; ++p)
+        if (p < g.steps) load_stage<BITS, TN, STAGE_W>(g, base + (u32)p * T::SB, g.s0 + p, tid);
+    grid_dependency_wait();
     for (int k = tid; k < TN; k += 256) {
         const int m = g.m0 + k;
         tsx[k] = m < g.M ? sx[m] : 0.f;
@@ -861,7 +880,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
 #pragma unroll
     for (int p = 0; p < ST - 2; ++p) {
-        if (p < g.steps) load_stage<BITS, TN>(g, base + (u32)p * T::SB, p, tid);
+        if (p < g.steps) load_stage<BITS, TN, STAGE_X>(g, base + (u32)p * T::SB, g.s0 + p, tid);
         cp_async_commit();
     }
     u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
@@ -879,8 +898,50 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     wgmma_wait0();
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on (and tsx/tax are visible)
-    store_tile<BITS, TN, 0, TN>(acc, g.m0, g.n0, g.M, g.N, g.steps == g.kt && g.kt > 0, r0, t, tid, smem_raw, base, tsx,
-                            tax, sw, wred, bias, out, ldc, raw);
+    bool eq1_pending = g.steps > 0 && g.s0 + g.steps <= g.kt;  // integer stages only: Eq. 1 not applied yet
+    if (TN <= SPLIT_MAX_TOKENS && S > 1) {
+        // Split-K (fused output only): every block writes its float32 share of the tile (Eq. 1 applied, the
+        // zero-point term by the first share only) in the accumulator layout, one float4 per thread and step; the
+        // last of the tile's blocks adds the shares in split order (deterministic), then takes the epilogue. It
+        // leaves the tile's counter at zero.
+        __shared__ int last_flag;
+        if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
+        eq1_pending = false;
+        const int tiles = gridDim.x * gridDim.y, tile_id = blockIdx.x + gridDim.x * blockIdx.y;
+        constexpr int F4 = TN / 8;  // float4s per thread: tokens 8q + 2t, + 1 of rows r0, r0 + 8
+        const int mt = min(TN, g.M - g.m0);  // only the tile's valid tokens travel (decode: one or a few)
+        float4* w4 = reinterpret_cast<float4*>(ws) + (size_t)tile_id * F4 * 256 + tid;
+#pragma unroll
+        for (int q = 0; q < F4; ++q)
+            if (8 * q + 2 * t < mt)
+                w4[((size_t)z * tiles * F4 + q) * 256] = make_float4(bits2f(acc[4 * q]), bits2f(acc[4 * q + 1]),
+                                                                     bits2f(acc[4 * q + 2]), bits2f(acc[4 * q + 3]));
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last_flag = atomicAdd(cnt + tile_id, 1) == S - 1;
+        __syncthreads();
+        if (!last_flag) return;
+        __threadfence();
+        float sum[TN / 2];
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) sum[i] = 0.f;
+        for (int q2 = 0; q2 < S; ++q2) {
+#pragma unroll
+            for (int q = 0; q < F4; ++q) {
+                if (8 * q + 2 * t >= mt) continue;
+                const float4 v = __ldcg(w4 + ((size_t)q2 * tiles * F4 + q) * 256);
+                sum[4 * q] += v.x;
+                sum[4 * q + 1] += v.y;
+                sum[4 * q + 2] += v.z;
+                sum[4 * q + 3] += v.w;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[i] = f2bits(sum[i]);
+        if (tid == 0) cnt[tile_id] = 0;
+    }
+    store_tile<BITS, TN, 0, TN>(acc, g.m0, g.n0, g.M, g.N, eq1_pending, r0, t, tid, smem_raw, base, tsx, tax, sw, wred,
+                                bias, out, ldc, raw);
 }
 
 // MINB: blocks per SM the registers must allow.
@@ -888,9 +949,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     extern "C" __global__ void __launch_bounds__(256, MINB) quik_gemm_w##BITS##_n##TN##_s##ST(                 \
         const char* A, int lda, const char* W, int ldw, const char* Xo, int ldxo, const char* Wo, int ldwo,    \
         int M, int N, int kt, int kto, const float* sx, const float* zx, const u16* sw, const float* wred,     \
-        const u16* bias, void* out, int ldc, int raw) {                                                        \
-        const GemmArgs g{A, lda, W, ldw, Xo, ldxo, Wo, ldwo, M, N, kt, kt + kto, 0, 0};                        \
-        gemm_body<BITS, TN, ST>(g, sx, zx, sw, wred, bias, out, ldc, raw);                                     \
+        const u16* bias, void* out, int ldc, int raw, float* ws, int* cnt) {                                   \
+        const GemmArgs g{A, lda, W, ldw, Xo, ldxo, Wo, ldwo, M, N, kt, kt + kto, 0, 0, 0};                     \
+        gemm_body<BITS, TN, ST>(g, sx, zx, sw, wred, bias, out, ldc, raw, ws, cnt);                            \
     }
 #define GEMM_ENTRIES(TN, ST, MINB) GEMM_ENTRY(4, TN, ST, MINB) GEMM_ENTRY(8, TN, ST, MINB)
 GEMM_ENTRIES(64, 4, 2)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
-from qtool.cuda import tma
+from qtool.cuda import split_k, tma
 
 SOURCE = "grouped_int_gemv.cu"
 MMA_SOURCE = "grouped_int_mma.cu"
@@ -327,28 +327,7 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
     return max(1, min(blocks_per_sm * sms // tiles, p.kp // 64 // 4, 16))
 
 
-# One split-K workspace per device: the kernels that use it run in stream order (the tile counters assume that no
-# two split-K launches on one device overlap).
-_WORKSPACE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _MMA_PER_SM: dict[tuple[int, int, int], int] = {}  # resident blocks per SM, by kernel, shared memory and device
-
-
-def _mma_workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Split-K partials and per-tile counters (kept zero by the kernel), grown on demand; None when growing is
-    needed during CUDA-graph capture (the caller then runs without splitting)."""
-    ws = _WORKSPACE.get(dev)
-    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= tiles:
-        return ws
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    old_f = 0 if ws is None else ws[0].numel()
-    old_t = 0 if ws is None else ws[1].numel()
-    if ws is not None:
-        torch.cuda.current_stream(dev).synchronize()  # the old buffers may still be in use by queued kernels
-    ws = (torch.empty(max(floats, old_f), dtype=torch.float32, device=f"cuda:{dev}"),
-          torch.zeros(max(tiles, old_t, 1024), dtype=torch.int32, device=f"cuda:{dev}"))
-    _WORKSPACE[dev] = ws
-    return ws
 
 
 # The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
@@ -436,7 +415,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     grid = (-(-n // rows), -(-m // tn), split)
     ws = cnt = None
     if split > 1:
-        bufs = _mma_workspace(dev, split * grid[0] * grid[1] * rows * tn, grid[0] * grid[1])
+        bufs = split_k.workspace(dev, split * grid[0] * grid[1] * rows * tn, grid[0] * grid[1])
         if bufs is None:
             grid = (grid[0], grid[1], 1)
         else:

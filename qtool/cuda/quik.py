@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch, tma
+from qtool.cuda import dependent_launch, split_k, tma
 
 SOURCE = "quik_gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole stages (128 codes)
@@ -40,6 +40,11 @@ GEMM_KERNELS = ("sync", "ws", "wsp")
 # them the ordinary way (the bench's A/B)
 DEPENDENT_LAUNCH = True
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
+# Split-K for the block-synchronous kernel's decode tiles (kernels/quik_gemm.cu SPLIT_MAX_TOKENS): at M <= 128 a
+# layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
+SPLIT_MAX_TOKENS = 128
+SPLIT_MIN_STAGES = 4  # stages (128 codes or 64 outlier columns) per split block, at least
+SPLIT_MAX = 16
 QUANT_MAX_K = 32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
@@ -336,6 +341,25 @@ def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | 
     return "wsp" if p.bits == 4 and tn in WSP_TILES else "ws"
 
 
+def gemm_split(tiles: int, steps: int, blocks_per_sm: int, sms: int) -> int:
+    """Blocks per output tile along K for the block-synchronous kernel: as many as keep every block in one wave,
+    each with at least SPLIT_MIN_STAGES stages, at most SPLIT_MAX."""
+    return max(1, min(blocks_per_sm * sms // max(1, tiles), steps // SPLIT_MIN_STAGES, SPLIT_MAX))
+
+
+_SYNC_PER_SM: dict[tuple[int, int, int], int] = {}  # resident blocks per SM, by kernel, shared memory and device
+
+
+def _sync_blocks_per_sm(fn: Any, smem: int, dev: int) -> int:
+    key = (id(fn), smem, dev)
+    if key not in _SYNC_PER_SM:
+        props = torch.cuda.get_device_properties(dev)
+        regs = (int(fn.num_regs) + 7) // 8 * 8
+        _SYNC_PER_SM[key] = max(1, min(8, 65536 // (regs * 256),
+                                       int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
+    return _SYNC_PER_SM[key]
+
+
 def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
                       device: int | None) -> None:
     """Every quik kernel waits for the kernel ahead (griddepcontrol) before it reads what that kernel may write or
@@ -346,10 +370,13 @@ def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
-         tokens: int | None = None, kernel: str | None = None, blocks: int | None = None) -> torch.Tensor:
+         tokens: int | None = None, kernel: str | None = None, blocks: int | None = None,
+         split: int | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
     int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench);
-    `blocks` caps the persistent kernel's grid (tests: several tiles per block on small problems)."""
+    `blocks` caps the persistent kernel's grid (tests: several tiles per block on small problems); `split` sets the
+    blocks per tile along K of the block-synchronous kernel (fused, tiles of at most SPLIT_MAX_TOKENS tokens; by
+    default gemm_split's choice)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -363,6 +390,8 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     kernel = kernel or gemm_kernel(m, a, p, tn)
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
+    if split is not None and kernel != "sync":
+        raise ValueError(f"split: found {split} for kernel {kernel}, which does not split K (only sync does)")
     kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
     kto = p.kop // KO_MULTIPLE if fused else 0
     tail = (cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
@@ -397,10 +426,29 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
     smem = stages * (tn * 128 + ROWS * 128) + 1024
     cc.allow_shared_memory(fn, smem)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    steps = kt + kto
+    tiles = grid[0] * grid[1]
+    splittable = fused and tn <= SPLIT_MAX_TOKENS
+    if split is None:
+        split = gemm_split(tiles, steps, _sync_blocks_per_sm(fn, smem, idx), cc.sm_count(idx)) if splittable else 1
+    elif split != 1 and not splittable:
+        raise ValueError(f"split: found {split}; K is split only for the fused output at tiles of at most "
+                         f"{SPLIT_MAX_TOKENS} tokens (here {tn}{'' if fused else ', raw sums'})")
+    if not 1 <= split <= max(1, steps):
+        raise ValueError(f"split: found {split}, expected 1..{max(1, steps)} (the layer's stages)")
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(idx, split * tiles * ROWS * tn, tiles)
+        if bufs is None:  # it would have to grow during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
     _dependent_launch(
-        fn, grid, (256,),
+        fn, grid + (split,), (256,),
         (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
-         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0))) + tail,
+         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)))
+        + tail + (cc.ptr(ws), cc.ptr(cnt)),
         shared_mem=smem, device=dev.index,
     )
     return out

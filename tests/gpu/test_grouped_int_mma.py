@@ -95,7 +95,8 @@ def test_mma_every_kernel_split_and_stage_count(bits):
 
 
 def test_mma_split_k_is_deterministic_and_leaves_counters_zero():
-    from qtool.cuda.grouped_int import _WORKSPACE, mma
+    from qtool.cuda import split_k
+    from qtool.cuda.grouped_int import mma
 
     layer = random_layer(1000, 4096, 4, 128, True, seed=int.from_bytes(os.urandom(4), "little"))
     p = _prep(layer)
@@ -106,7 +107,7 @@ def test_mma_split_k_is_deterministic_and_leaves_counters_zero():
         if split == 7:
             assert torch.equal(first, again), "split-K results differ between identical launches"
     dev = torch.cuda.current_device()
-    assert int(_WORKSPACE[dev][1].abs().sum()) == 0, "tile counters not reset"
+    assert int(split_k.counters(dev).abs().sum()) == 0, "tile counters not reset"
 
 
 def test_mma_in_a_cuda_graph():
