@@ -22,6 +22,12 @@ WIKITEXT = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
 SMOLLM2_CACHE = ROOT / ".cache" / "models" / "smollm2-135m"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel test workers (pytest -n) share the CPUs: one intra-op thread each, or their OpenMP threads spin
+    # against each other (measured: slower in two workers than serially).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if not STORIES.is_dir():
