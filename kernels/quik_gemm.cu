@@ -1188,3 +1188,155 @@ WS_ENTRIES(128, 6)
 WS_ENTRIES(256, 4)
 WSP_ENTRIES(128, 6)
 WSP_ENTRIES(256, 4)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode GEMV (MT = 1 or 2 tokens, fused output or raw sums): one warp per weight row on the CUDA cores. The lanes
+// read the row's code bytes once, 16 at a time (512 contiguous bytes per warp and step), and multiply them with
+// the activation codes by dp4a: a 4-bit word's low nibbles, shifted up, are 16x the codes of activation bytes
+// 4j..4j+3 of its 32-code group and its high nibbles those of bytes 16 + 4j.. (the order of the runtime contract),
+// an 8-bit word's bytes those of the same four positions. The int32 sums are exact (16x at 4 bits, as in the
+// GEMMs); the outlier columns are float32 dot products of the float16 rows; lane 0 applies Eq. 1 and the bias.
+// Each lane's first GEMV_U weight chunks are loaded before the wait for the kernel ahead.
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int GEMV_WARPS = 8;
+constexpr int GEMV_U = 4;  // weight chunks per lane in flight
+
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+template <int BITS, int MT>
+__device__ __forceinline__ void gemv_chunk(int (&acc)[MT], const uint4& w, const char* __restrict__ A, int lda,
+                                           int c) {
+    const u32 wv[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        if (BITS == 4) {
+            const uint4 a0 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 32 * c));
+            const uint4 a1 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 32 * c + 16));
+            const u32 lo[4] = {a0.x, a0.y, a0.z, a0.w}, hi[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc[m] = dp4a(((wv[j] << 4) & 0xF0F0F0F0u) ^ 0x80808080u, lo[j], acc[m]);
+                acc[m] = dp4a((wv[j] & 0xF0F0F0F0u) ^ 0x80808080u, hi[j], acc[m]);
+            }
+        } else {
+            const uint4 a0 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 16 * c));
+            const u32 av[4] = {a0.x, a0.y, a0.z, a0.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[m] = dp4a(wv[j] ^ 0x80808080u, av[j], acc[m]);
+        }
+    }
+}
+
+template <int BITS, int MT>
+__device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, const char* __restrict__ W, int ldw,
+                                          const char* __restrict__ Xo, int ldxo, const char* __restrict__ Wo,
+                                          int ldwo, int M, int N, int kt, int kto, const float* __restrict__ sx,
+                                          const float* __restrict__ zx, const u16* __restrict__ sw,
+                                          const float* __restrict__ wred, const u16* __restrict__ bias,
+                                          void* __restrict__ out, int ldc, int raw) {
+    launch_dependents();  // the next kernel may start its own setup; it waits for this one before reading
+    const int lane = threadIdx.x & 31;
+    const int f = (int)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (f >= N) return;
+    // Everything on the weight side first: it does not come from the kernel ahead.
+    const int wchunks = kt * BITS;  // 16-byte chunks per code row: 128 codes per stage, BITS / 8 bytes each
+    const int ochunks = kto * 8;    // 8 float16 outlier columns per chunk
+    const char* wrow = W + (size_t)f * ldw;
+    const u16* worow = reinterpret_cast<const u16*>(Wo + (size_t)f * ldwo);
+    uint4 w[GEMV_U];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u)
+        if (lane + 32 * u < wchunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + 16 * (lane + 32 * u)));
+    uint4 wo = make_uint4(0u, 0u, 0u, 0u);
+    if (lane < ochunks) wo = ld16(reinterpret_cast<const u32*>(worow + 8 * lane));
+    float swf = 0.f, wrf = 0.f, bf = 0.f;
+    if (lane < MT && !raw) {
+        swf = h2f(sw[f]) * (BITS == 4 ? 0.0625f : 1.0f);  // 4-bit sums are 16x
+        wrf = kt > 0 ? wred[f] : 0.f;
+        bf = bias != nullptr ? h2f(bias[f]) : 0.f;
+    }
+    grid_dependency_wait();  // the activation codes, outliers, s_x and z_x come from the kernel ahead
+    float sxv = 0.f, zxv = 0.f;
+    if (lane < MT && lane < M && !raw) sxv = sx[lane], zxv = zx[lane];
+    uint4 xo[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+        xo[m] = lane < ochunks ? ld16(reinterpret_cast<const u32*>(Xo + (size_t)m * ldxo + 16 * lane))
+                               : make_uint4(0u, 0u, 0u, 0u);
+    int acc[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m] = 0;
+    for (int c0 = 0; c0 < wchunks; c0 += 32 * GEMV_U) {
+        if (c0 > 0) {
+#pragma unroll
+            for (int u = 0; u < GEMV_U; ++u) {
+                const int c = c0 + lane + 32 * u;
+                if (c < wchunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + 16 * c));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int c = c0 + lane + 32 * u;
+            if (c < wchunks) gemv_chunk<BITS, MT>(acc, w[u], A, lda, c);
+        }
+    }
+    float oacc[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) oacc[m] = 0.f;
+    for (int c = lane; c < ochunks; c += 32) {
+        if (c >= 32) {
+            wo = ld16(reinterpret_cast<const u32*>(worow + 8 * c));
+#pragma unroll
+            for (int m = 0; m < MT; ++m) xo[m] = ld16(reinterpret_cast<const u32*>(Xo + (size_t)m * ldxo + 16 * c));
+        }
+        const u32 wp[4] = {wo.x, wo.y, wo.z, wo.w};
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const u32 xp[4] = {xo[m].x, xo[m].y, xo[m].z, xo[m].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                oacc[m] += h2f((u16)(wp[j] & 0xFFFF)) * h2f((u16)(xp[j] & 0xFFFF));
+                oacc[m] += h2f((u16)(wp[j] >> 16)) * h2f((u16)(xp[j] >> 16));
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+            oacc[m] += __shfl_xor_sync(0xffffffffu, oacc[m], o);
+        }
+    }
+    const int m = lane;  // lane m writes token m (acc[m] picked with constant indices below)
+    if (m >= MT || m >= M) return;
+    int a = acc[0];
+    float oa = oacc[0];
+#pragma unroll
+    for (int i = 1; i < MT; ++i)
+        if (m == i) a = acc[i], oa = oacc[i];
+    if (raw) {
+        reinterpret_cast<int*>(out)[(size_t)m * ldc + f] = BITS == 4 ? a >> 4 : a;
+        return;
+    }
+    float y = oa;
+    if (kt > 0) y = (float)a * sxv * swf + (zxv + (float)(1 << (BITS - 1)) * sxv) * wrf + oa;
+    reinterpret_cast<u16*>(out)[(size_t)m * ldc + f] = f2h(y + bf);
+}
+
+#define GEMV_ENTRY(BITS, MT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) quik_gemv_w##BITS##_m##MT(                      \
+        const char* A, int lda, const char* W, int ldw, const char* Xo, int ldxo, const char* Wo, int ldwo,      \
+        int M, int N, int kt, int kto, const float* sx, const float* zx, const u16* sw, const float* wred,       \
+        const u16* bias, void* out, int ldc, int raw) {                                                          \
+        gemv_body<BITS, MT>(A, lda, W, ldw, Xo, ldxo, Wo, ldwo, M, N, kt, kto, sx, zx, sw, wred, bias, out, ldc, \
+                            raw);                                                                                \
+    }
+GEMV_ENTRY(4, 1)
+GEMV_ENTRY(4, 2)
+GEMV_ENTRY(8, 1)
+GEMV_ENTRY(8, 2)

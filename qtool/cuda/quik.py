@@ -34,8 +34,11 @@ WSP_TILES = {128: 6, 256: 4}
 WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 128 features, padded rows (WsTile::EPI)
 # False: the persistent kernel's epilogue stores from the threads even where the output allows a tensor map (A/B)
 TMA_STORE = True
-# sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized
-GEMM_KERNELS = ("sync", "ws", "wsp")
+# sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized; gemv: a
+# warp per weight row on the CUDA cores (dp4a), for up to GEMV_MAX_TOKENS tokens
+GEMM_KERNELS = ("sync", "ws", "wsp", "gemv")
+GEMV_MAX_TOKENS = 2
+GEMV_WARPS = 8  # weight rows per block (kernels/quik_gemm.cu)
 # The kernels start as programmatic dependents of the kernel ahead (qtool/cuda/dependent_launch.py); False launches
 # them the ordinary way (the bench's A/B)
 DEPENDENT_LAUNCH = True
@@ -333,8 +336,11 @@ def _ws_ready(a: QuantizedActivations, p: QuikPrepared) -> bool:
 
 
 def gemm_kernel(m: int, a: QuantizedActivations, p: QuikPrepared, tokens: int | None = None) -> str:
-    """The GEMM kernel the dispatch picks for M tokens: warp-specialized from 256-token tiles on, persistent for
-    4-bit weights (it won every 4-bit Llama-2-7B shape on the H100; at 8 bits it lost one; kernels/NOTES.md)."""
+    """The GEMM kernel the dispatch picks for M tokens: the CUDA-core GEMV for up to GEMV_MAX_TOKENS (decode; unless
+    a token tile is asked for), warp-specialized from 256-token tiles on, persistent for 4-bit weights (it won every
+    4-bit Llama-2-7B shape on the H100; at 8 bits it lost one; kernels/NOTES.md)."""
+    if tokens is None and m <= GEMV_MAX_TOKENS:
+        return "gemv"
     tn = tokens or gemm_tokens(m)
     if tn < WS_MIN_TOKENS or not _ws_ready(a, p):
         return "sync"
@@ -387,17 +393,28 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     tn = tokens or gemm_tokens(m)
     if tn not in GEMM_TILES:
         raise ValueError(f"tokens: found {tn}, expected one of {sorted(GEMM_TILES)}")
-    kernel = kernel or gemm_kernel(m, a, p, tn)
+    kernel = kernel or gemm_kernel(m, a, p, tokens)
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
     if split is not None and kernel != "sync":
         raise ValueError(f"split: found {split} for kernel {kernel}, which does not split K (only sync does)")
+    if kernel == "gemv" and m > GEMV_MAX_TOKENS:
+        raise ValueError(f"kernel gemv: found {m} tokens, expected at most {GEMV_MAX_TOKENS}")
     kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
     kto = p.kop // KO_MULTIPLE if fused else 0
     tail = (cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
             cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
             cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1))
     grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
+    if kernel == "gemv":
+        fn = _module(dev).fn(f"quik_gemv_w{p.bits}_m{1 if m == 1 else 2}")
+        _dependent_launch(
+            fn, (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,),
+            (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
+             cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0))) + tail,
+            shared_mem=0, device=dev.index,
+        )
+        return out
     if kernel in ("ws", "wsp"):
         tiles = grid[0] * grid[1]
         table = WSP_TILES if kernel == "wsp" else WS_TILES

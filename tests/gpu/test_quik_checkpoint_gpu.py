@@ -83,22 +83,24 @@ def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
 
 
 
-# Split and unsplit GEMMs round differently in the last bits (float32 shares added vs one integer sum), and the
-# next layers' activation quantization turns such bits into code flips: 0.01-0.6% of perplexity on an H200 over
-# these 47-token decodes. A lost share or a doubled zero-point term moves it by far more.
+# The GEMV, the split and the unsplit GEMM round differently in the last bits (float32 sums of shares or of
+# lanes vs one integer sum), and the next layers' activation quantization turns such bits into code flips: 0.01-0.6%
+# of perplexity on an H200 over these 47-token decodes (split vs unsplit). A lost share, lane or zero-point term
+# moves it by far more.
 SPLIT_TOL = REL_TOL
 
 
 @pytest.mark.parametrize("batch", [1, 16])
-def test_quik_checkpoint_decode_with_split_k(checkpoint, batch, monkeypatch):
-    """Teacher-forced decode through the KV cache (M = batch tokens per linear: the GEMM's decode tiles) with K
-    split across blocks wherever a layer has two stages (stories260K's layers are too short for the default split
-    rule) scores the tokens as the same decode without splitting (SPLIT_TOL).
+def test_quik_checkpoint_decode_gemv_and_split_k(checkpoint, batch, monkeypatch):
+    """Teacher-forced decode through the KV cache (M = batch tokens per linear) scores the tokens the same way
+    (SPLIT_TOL) with the default dispatch (the CUDA-core GEMV at batch 1), with the block-synchronous GEMM split
+    along K wherever a layer has two stages (stories260K's layers are too short for the default split rule), and
+    with that GEMM unsplit.
 
     Against the CPU reference's full forward the bound is REL_TOL for W8A8. W4A4 is only reported: over 47 decode
     tokens its 4-bit activation grid turns the fp16-vs-fp32 differences of the hidden states into code flips that
-    moved the perplexity by 1.5-7.8% on an H200, split or not; the prefill test above compares it over 16,000
-    tokens."""
+    moved the perplexity by 1.5-7.8% on an H200, whatever the kernel; the prefill test above compares it over
+    16,000 tokens."""
     from qtool.cuda import quik
     from qtool.runtime.quik_linear import QuikLinear
     from tests.gpu.test_checkpoint_perplexity import _decode_ids, _decode_nll, _full_nll, _load
@@ -109,27 +111,39 @@ def test_quik_checkpoint_decode_with_split_k(checkpoint, batch, monkeypatch):
     ids = _decode_ids(tok, batch, 48)
     ref = math.exp(_full_nll(model, ids, "cpu"))
     model, _ = _load(checkpoint, "cuda", torch.float16)
-    splits: Counter = Counter()
-    plan = quik.gemm_split
+    launches: Counter = Counter()
+    plan, pick = quik.gemm_split, quik.gemm_kernel
 
-    def counted(*a, **kw):
+    def counted_split(*a, **kw):
         s = plan(*a, **kw)
-        splits[s] += 1
+        launches["split" if s > 1 else "whole"] += 1
         return s
 
-    monkeypatch.setattr(quik, "gemm_split", counted)
-    got = {}
-    for name, min_stages, max_split in (("split", 1, quik.SPLIT_MAX), ("whole", quik.SPLIT_MIN_STAGES, 1)):
+    def counted_kernel(*a, **kw):
+        k = pick(*a, **kw)
+        launches[k] += 1
+        return k
+
+    monkeypatch.setattr(quik, "gemm_split", counted_split)
+    monkeypatch.setattr(quik, "gemm_kernel", counted_kernel)
+    defaults = (quik.SPLIT_MIN_STAGES, quik.SPLIT_MAX, quik.GEMV_MAX_TOKENS)
+    settings = {"default": defaults, "split": (1, defaults[1], 0), "whole": (defaults[0], 1, 0)}
+    got, seen = {}, {}
+    for name, (min_stages, max_split, gemv_max) in settings.items():
         monkeypatch.setattr(quik, "SPLIT_MIN_STAGES", min_stages)
         monkeypatch.setattr(quik, "SPLIT_MAX", max_split)
-        splits.clear()
+        monkeypatch.setattr(quik, "GEMV_MAX_TOKENS", gemv_max)
+        launches.clear()
         got[name] = math.exp(_decode_nll(model, ids, "cuda"))
-        launched = sum(n for s, n in splits.items() if s > 1)
-        assert (launched > 0) == (name == "split"), f"{name}: GEMM launches by split {dict(splits)}"
-    rel_split = abs(got["split"] - got["whole"]) / got["whole"]
-    rel_cpu = abs(got["split"] - ref) / ref
-    print(f"\nquik W{act_bits} decode batch {batch}: ppl split {got['split']:.5f} whole {got['whole']:.5f} "
-          f"(rel {rel_split:.2e}), cpu fp32 {ref:.5f} (rel {rel_cpu:.2e})")
-    assert math.isfinite(got["split"]) and rel_split < SPLIT_TOL
+        seen[name] = dict(launches)
+    assert seen["split"].get("split", 0) > 0 and "gemv" not in seen["split"], seen
+    assert "split" not in seen["whole"] and "gemv" not in seen["whole"], seen
+    if batch <= defaults[2]:
+        assert seen["default"].get("gemv", 0) > 0 and "sync" not in seen["default"], seen
+    print(f"\nquik W{act_bits} decode batch {batch}: ppl default {got['default']:.5f} split {got['split']:.5f} "
+          f"whole {got['whole']:.5f}, cpu fp32 {ref:.5f} (launches {seen['default']})")
+    for name in ("default", "split"):
+        rel = abs(got[name] - got["whole"]) / got["whole"]
+        assert math.isfinite(got[name]) and rel < SPLIT_TOL, f"{name}: {got[name]} vs whole {got['whole']}"
     if act_bits == 8:
-        assert rel_cpu < REL_TOL
+        assert abs(got["default"] - ref) / ref < REL_TOL

@@ -158,13 +158,14 @@ def test_quantize_kernel_strided_and_unaligned_rows():
         assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
 
 
-def _variants() -> list[tuple[int, str]]:
-    """Every GEMM build: each token tile, with each kernel (cp.async + block barrier, warp-specialized, and its
-    persistent form)."""
+def _variants(m: int = 1 << 30) -> list[tuple[int | None, str]]:
+    """Every GEMM build for M tokens: each token tile, with each kernel (cp.async + block barrier, warp-specialized,
+    and its persistent form), and the GEMV where M allows it."""
     from qtool.cuda import quik
 
     tiles = {"sync": quik.GEMM_TILES, "ws": quik.WS_TILES, "wsp": quik.WSP_TILES}
-    return [(tn, kernel) for kernel in quik.GEMM_KERNELS for tn in sorted(tiles[kernel])]
+    out: list[tuple[int | None, str]] = [(tn, kernel) for kernel in tiles for tn in sorted(tiles[kernel])]
+    return out + ([(None, "gemv")] if m <= quik.GEMV_MAX_TOKENS else [])
 
 
 def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
 @needs_hopper
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,ko", SHAPES)
-@pytest.mark.parametrize("m", [1, 16, 200, 2048])
+@pytest.mark.parametrize("m", [1, 2, 16, 200, 2048])
 def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
     from qtool.cuda import quik
 
@@ -186,7 +187,7 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
     x = _x(m, k, layer.outlier_idx)
     a = quik.quantize(x, p)
     ref = _acc_reference(layer, x) if ko < k else torch.zeros(m, n, dtype=torch.int32, device="cuda")
-    for tokens, kernel in _variants():
+    for tokens, kernel in _variants(m):
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
         synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens, kernel=kernel))
         bad = (out != ref).sum().item()
@@ -197,7 +198,7 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
 @needs_hopper
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,ko", SHAPES)
-@pytest.mark.parametrize("m", [1, 33, 256, 1000])
+@pytest.mark.parametrize("m", [1, 2, 33, 256, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_output_matches_reference(bits, n, k, ko, m, bias):
     layer = random_quik(n, k, ko, bits, bias=bias)
@@ -319,6 +320,33 @@ def test_split_k_gemm_matches_reference_deterministic_counters_zero(bits, n, k, 
         assert worst <= 0, f"split {split} of {steps}: off by more than fp16 rounding (excess {worst:.3e})"
         cnt = split_k.counters(torch.cuda.current_device())
         assert cnt is None or int(cnt.abs().sum()) == 0, "tile counters not reset"
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,ko", SHAPES)
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_is_the_decode_path_and_matches_the_gemm(bits, n, k, ko, m):
+    """At 1-2 tokens the dispatch takes the CUDA-core GEMV; its fused output (poisoned before) equals the
+    block-synchronous GEMM's within fp16 rounding, and more tokens are refused in one line."""
+    from qtool.cuda import quik
+
+    layer = random_quik(n, k, ko, bits, bias=True)
+    p = quik.prepare(layer)
+    x = _x(m, k, layer.outlier_idx)
+    a = quik.quantize(x, p)
+    assert quik.gemm_kernel(m, a, p) == "gemv"
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    synced(quik.gemm(a, p, out=y, kernel="gemv"))
+    assert bool(torch.isfinite(y).all()), "unwritten outputs"
+    ref = synced(quik.gemm(a, p, kernel="sync", split=1)).double()
+    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
+    worst = float(((y.double() - ref).abs() - tol).max())
+    assert worst <= 0, f"GEMV vs GEMM: excess {worst:.3e} (M={m}, N={n}, K={k}, k={ko}, w{bits})"
+    if m == 2:
+        a3 = quik.quantize(_x(3, k, layer.outlier_idx), p)
+        with pytest.raises(ValueError, match="kernel gemv: found 3 tokens"):
+            quik.gemm(a3, p, kernel="gemv")
 
 
 @needs_hopper
