@@ -330,7 +330,6 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
                                          float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
     using T = Tile<BITS, TN, RB>;
     extern __shared__ char smem_raw[];
-    __shared__ int last_flag;
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const Args a{x, ldx, qw, ldw, meta, G, gshift, M, N, (int)blockIdx.y * TN, (int)blockIdx.x * T::ROWS};
@@ -378,12 +377,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
                 w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
                     make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
         }
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) last_flag = atomicAdd(cnt + tile_id, 1) == S - 1;
-        __syncthreads();
-        if (!last_flag) return;
-        __threadfence();
+        if (!split_k_last(cnt, tile_id, S)) return;
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
 #pragma unroll

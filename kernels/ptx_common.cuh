@@ -50,6 +50,19 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// Split-K arrival: once every thread of the block has written its share of the tile's partials, count the block
+// on the tile's counter. True in the tile's last block, which then sees every share's writes (and must reset the
+// counter to zero when it is done).
+__device__ __forceinline__ bool split_k_last(int* cnt, int tile_id, int shares) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + tile_id, 1) == shares - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

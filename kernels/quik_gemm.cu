@@ -904,7 +904,6 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
         // zero-point term by the first share only) in the accumulator layout, one float4 per thread and step; the
         // last of the tile's blocks adds the shares in split order (deterministic), then takes the epilogue. It
         // leaves the tile's counter at zero.
-        __shared__ int last_flag;
         if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
         eq1_pending = false;
         const int tiles = gridDim.x * gridDim.y, tile_id = blockIdx.x + gridDim.x * blockIdx.y;
@@ -916,12 +915,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
             if (8 * q + 2 * t < mt)
                 w4[((size_t)z * tiles * F4 + q) * 256] = make_float4(bits2f(acc[4 * q]), bits2f(acc[4 * q + 1]),
                                                                      bits2f(acc[4 * q + 2]), bits2f(acc[4 * q + 3]));
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) last_flag = atomicAdd(cnt + tile_id, 1) == S - 1;
-        __syncthreads();
-        if (!last_flag) return;
-        __threadfence();
+        if (!split_k_last(cnt, tile_id, S)) return;
         float sum[TN / 2];
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i) sum[i] = 0.f;
