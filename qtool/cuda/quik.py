@@ -406,14 +406,13 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
             cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
             cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1))
     grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
+    # the operands as pointers and byte strides, for the kernels that read them without tensor maps
+    operands = (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
+                cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)))
     if kernel == "gemv":
         fn = _module(dev).fn(f"quik_gemv_w{p.bits}_m{1 if m == 1 else 2}")
-        _dependent_launch(
-            fn, (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,),
-            (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
-             cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0))) + tail,
-            shared_mem=0, device=dev.index,
-        )
+        _dependent_launch(fn, (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,), operands + tail, shared_mem=0,
+                          device=dev.index)
         return out
     if kernel in ("ws", "wsp"):
         tiles = grid[0] * grid[1]
@@ -461,13 +460,8 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
             split = 1
         else:
             ws, cnt = bufs
-    _dependent_launch(
-        fn, grid + (split,), (256,),
-        (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
-         cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)))
-        + tail + (cc.ptr(ws), cc.ptr(cnt)),
-        shared_mem=smem, device=dev.index,
-    )
+    _dependent_launch(fn, grid + (split,), (256,), operands + tail + (cc.ptr(ws), cc.ptr(cnt)), shared_mem=smem,
+                      device=dev.index)
     return out
 
 
