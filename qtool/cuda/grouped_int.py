@@ -327,9 +327,6 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
     return max(1, min(blocks_per_sm * sms // tiles, p.kp // 64 // 4, 16))
 
 
-_MMA_PER_SM: dict[tuple[int, int, int], int] = {}  # resident blocks per SM, by kernel, shared memory and device
-
-
 # The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
 # 256-token tiles without split-K, i.e. long prefills. Stages of 64 codes in its ring.
 WS_STAGES = 5
@@ -402,14 +399,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     if split is None and _MMA_SPLIT_OVERRIDE:
         split = _MMA_SPLIT_OVERRIDE
     if split is None:
-        key = (id(fn), smem, dev)
-        per_sm = _MMA_PER_SM.get(key)
-        if per_sm is None:
-            props = torch.cuda.get_device_properties(dev)
-            regs = (int(fn.num_regs) + 7) // 8 * 8
-            per_sm = max(1, min(8, 65536 // (regs * 256), int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
-            _MMA_PER_SM[key] = per_sm
-        split = mma_split(p, m, tn, rows, per_sm, cc.sm_count(dev))
+        split = mma_split(p, m, tn, rows, cc.resident_blocks(fn, 256, smem, dev), cc.sm_count(dev))
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
     grid = (-(-n // rows), -(-m // tn), split)

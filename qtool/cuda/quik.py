@@ -353,19 +353,6 @@ def gemm_split(tiles: int, steps: int, blocks_per_sm: int, sms: int) -> int:
     return max(1, min(blocks_per_sm * sms // max(1, tiles), steps // SPLIT_MIN_STAGES, SPLIT_MAX))
 
 
-_SYNC_PER_SM: dict[tuple[int, int, int], int] = {}  # resident blocks per SM, by kernel, shared memory and device
-
-
-def _sync_blocks_per_sm(fn: Any, smem: int, dev: int) -> int:
-    key = (id(fn), smem, dev)
-    if key not in _SYNC_PER_SM:
-        props = torch.cuda.get_device_properties(dev)
-        regs = (int(fn.num_regs) + 7) // 8 * 8
-        _SYNC_PER_SM[key] = max(1, min(8, 65536 // (regs * 256),
-                                       int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
-    return _SYNC_PER_SM[key]
-
-
 def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
                       device: int | None) -> None:
     """Every quik kernel waits for the kernel ahead (griddepcontrol) before it reads what that kernel may write or
@@ -447,7 +434,7 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     tiles = grid[0] * grid[1]
     splittable = fused and tn <= SPLIT_MAX_TOKENS
     if split is None:
-        split = gemm_split(tiles, steps, _sync_blocks_per_sm(fn, smem, idx), cc.sm_count(idx)) if splittable else 1
+        split = gemm_split(tiles, steps, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx)) if splittable else 1
     elif split != 1 and not splittable:
         raise ValueError(f"split: found {split}; K is split only for the fused output at tiles of at most "
                          f"{SPLIT_MAX_TOKENS} tokens (here {tn}{'' if fused else ', raw sums'})")
