@@ -129,12 +129,12 @@ _RESIDENT: dict[tuple[int, int, int, int], int] = {}
 
 def resident_blocks(fn: Any, threads: int, smem: int, device: int, cap: int = 8) -> int:
     """Blocks of `threads` threads and `smem` bytes of dynamic shared memory that fit on one multiprocessor at
-    once, by registers and shared memory (cached per kernel), at most `cap`."""
+    once, by threads, registers and shared memory (cached per kernel), at most `cap`."""
     key = (id(fn), threads, smem, device)
     if key not in _RESIDENT:
         props = torch.cuda.get_device_properties(device)
         regs = (int(fn.num_regs) + 7) // 8 * 8  # registers are allocated 256 per warp
-        _RESIDENT[key] = max(1, min(cap, 65536 // (regs * threads),
+        _RESIDENT[key] = max(1, min(cap, 2048 // threads, 65536 // max(1, regs * threads),
                                     int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
     return _RESIDENT[key]
 

@@ -209,18 +209,6 @@ _FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QT
 # faster on an H200 at M = 1, and no fp16 rounding of the weight. 0: it forms each weight as the reference does,
 # (c - z) * s rounded to fp16, then multiplies (kernels/NOTES.md, fma v5).
 FMA_SCALE_AFTER = cc.env_int("QTOOL_FMA_SCALE_AFTER", 1)
-_OCCUPANCY: dict[tuple[int, int], int] = {}
-
-
-def _blocks_per_sm(fn, threads: int) -> int:
-    """Resident blocks per SM for a kernel without dynamic shared memory (threads and registers bound it)."""
-    key = (id(fn), threads)
-    if key not in _OCCUPANCY:
-        regs = (int(fn.num_regs) + 7) // 8 * 8  # registers are allocated 256 per warp
-        _OCCUPANCY[key] = max(1, min(32, 2048 // threads, 65536 // max(1, regs * threads)))
-    return _OCCUPANCY[key]
-
-
 def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
              warps: int | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with the CUDA-core kernel for 1..4 tokens (contiguous 512-byte row reads)."""
@@ -244,7 +232,7 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     grid = groups
     if pipe:
         # Persistent grid: as many blocks as fit on the GPU at once, each taking the same number of row groups.
-        max_blocks = cc.sm_count(dev) * _blocks_per_sm(fn, threads)
+        max_blocks = cc.sm_count(dev) * cc.resident_blocks(fn, threads, 0, dev, cap=32)
         rounds = -(-groups // max_blocks)
         grid = -(-groups // rounds)
     cc.launch(
