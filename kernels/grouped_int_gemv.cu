@@ -442,6 +442,14 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
 #pragma unroll
         for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
 
+    // Dependent launch: x comes from the kernel ahead and y may still be read by it, so both wait for it; the
+    // weights do not. Without PIPE (one row group per block, all blocks resident at once) each thread's first piece
+    // is loaded before the wait, so this kernel streams its weights during the tail of the kernel ahead. The
+    // persistent grid waits first: there, loading early measured slower (kernels/NOTES.md).
+    launch_dependents();
+    bool waited = PIPE;
+    if (PIPE) grid_dependency_wait();
+
     if (PIPE && pieces <= (int)blockDim.x) {
         const int p = threadIdx.x;
         const bool has = p < pieces;
@@ -451,7 +459,7 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
 #pragma unroll
         for (int t = 0; t < MT; ++t)
 #pragma unroll
-            for (int j = 0; j < XV; ++j) X[t][j] = load_cached(x + (long long)min(t, M - 1) * Kp + pc * CPL + 8 * j);
+            for (int j = 0; j < XV; ++j) X[t][j] = ld_dep_v4(x + (long long)min(t, M - 1) * Kp + pc * CPL + 8 * j);
         uint4 w[FMA_ROWS];
         u32 m[FMA_ROWS];
         int rg = blockIdx.x;
@@ -476,13 +484,21 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
                 uint4 w[FMA_ROWS];
                 u32 m[FMA_ROWS];
                 fma_load<BITS, MT>(qw, meta, wpr, G, N, rg, p, grp, w, m);
+                if (!waited) {
+                    grid_dependency_wait();
+                    waited = true;
+                }
                 uint4 X[MT][XV];
 #pragma unroll
                 for (int t = 0; t < MT; ++t)
 #pragma unroll
                     for (int j = 0; j < XV; ++j)
-                        X[t][j] = load_cached(x + (long long)min(t, M - 1) * Kp + p * CPL + 8 * j);
+                        X[t][j] = ld_dep_v4(x + (long long)min(t, M - 1) * Kp + p * CPL + 8 * j);
                 fma_piece<BITS, MT, SA>(w, m, X, acc);
+            }
+            if (!waited) {  // a thread without a piece still writes outputs
+                grid_dependency_wait();
+                waited = true;
             }
             fma_reduce_store<MT>(acc, red[it & 1], rg, bias, y, M, N);
         }

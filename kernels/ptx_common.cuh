@@ -50,6 +50,28 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// Loads of what the kernel ahead wrote, after grid_dependency_wait(). Coherent: a dependent launch starts before
+// that kernel has finished, and the non-coherent (read-only) path may then answer from a line it cached from the
+// same address before the write (measured: a reused activation buffer read back stale); volatile, so they are
+// not hoisted above the wait.
+__device__ __forceinline__ uint4 ld_dep_v4(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float ld_dep_f32(const float* p) {
+    float r;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u16 ld_dep_u16(const u16* p) {
+    u16 r;
+    asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
 // Split-K arrival: once every thread of the block has written its share of the tile's partials, count the block
 // on the tile's counter. True in the tile's last block, which then sees every share's writes (and must reset the
 // counter to zero when it is done).

@@ -141,12 +141,12 @@ __device__ __forceinline__ void load_row(uint4 (&v)[PPT], u32 (&fl)[PPT], const 
         fl[u] = 0xFF;
         if (p < np) {
             if (vec) {
-                v[u] = ld16(reinterpret_cast<const u32*>(src + 8 * p));
+                v[u] = ld_dep_v4(src + 8 * p);
             } else {
                 u32 w[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
-                    if (8 * p + i < K) w[i >> 1] |= (u32)src[8 * p + i] << (16 * (i & 1));
+                    if (8 * p + i < K) w[i >> 1] |= (u32)ld_dep_u16(src + 8 * p + i) << (16 * (i & 1));
                 v[u] = make_uint4(w[0], w[1], w[2], w[3]);
             }
             // columns past K count as outliers here (never base) and are skipped below
@@ -871,8 +871,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     grid_dependency_wait();
     for (int k = tid; k < TN; k += 256) {
         const int m = g.m0 + k;
-        tsx[k] = m < g.M ? sx[m] : 0.f;
-        tax[k] = m < g.M ? zx[m] + h * sx[m] : 0.f;
+        const float sv = m < g.M ? ld_dep_f32(sx + m) : 0.f;
+        tsx[k] = sv;
+        tax[k] = m < g.M ? ld_dep_f32(zx + m) + h * sv : 0.f;
     }
 
     int acc[TN / 2];
@@ -1102,8 +1103,8 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         ws_tile(tl, N, TN, m0_, n0_);
         const int m = m0_ + ctid;
         const bool ok = tl < tiles && ctid < TN && m < M;
-        nsx = ok ? sx[m] : 0.f;
-        nax = ok ? zx[m] + h * sx[m] : 0.f;
+        nsx = ok ? ld_dep_f32(sx + m) : 0.f;
+        nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
     };
     fetch(blockIdx.x);
     int g = 0, j = 0;
@@ -1208,8 +1209,8 @@ __device__ __forceinline__ void gemv_chunk(int (&acc)[MT], const uint4& w, const
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
         if (BITS == 4) {
-            const uint4 a0 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 32 * c));
-            const uint4 a1 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 32 * c + 16));
+            const uint4 a0 = ld_dep_v4(A + (size_t)m * lda + 32 * c);
+            const uint4 a1 = ld_dep_v4(A + (size_t)m * lda + 32 * c + 16);
             const u32 lo[4] = {a0.x, a0.y, a0.z, a0.w}, hi[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -1217,7 +1218,7 @@ __device__ __forceinline__ void gemv_chunk(int (&acc)[MT], const uint4& w, const
                 acc[m] = dp4a((wv[j] & 0xF0F0F0F0u) ^ 0x80808080u, hi[j], acc[m]);
             }
         } else {
-            const uint4 a0 = ld16(reinterpret_cast<const u32*>(A + (size_t)m * lda + 16 * c));
+            const uint4 a0 = ld_dep_v4(A + (size_t)m * lda + 16 * c);
             const u32 av[4] = {a0.x, a0.y, a0.z, a0.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[m] = dp4a(wv[j] ^ 0x80808080u, av[j], acc[m]);
@@ -1255,11 +1256,11 @@ __device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, c
     }
     grid_dependency_wait();  // the activation codes, outliers, s_x and z_x come from the kernel ahead
     float sxv = 0.f, zxv = 0.f;
-    if (lane < MT && lane < M && !raw) sxv = sx[lane], zxv = zx[lane];
+    if (lane < MT && lane < M && !raw) sxv = ld_dep_f32(sx + lane), zxv = ld_dep_f32(zx + lane);
     uint4 xo[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
-        xo[m] = lane < ochunks ? ld16(reinterpret_cast<const u32*>(Xo + (size_t)m * ldxo + 16 * lane))
+        xo[m] = lane < ochunks ? ld_dep_v4(Xo + (size_t)m * ldxo + 16 * lane)
                                : make_uint4(0u, 0u, 0u, 0u);
     int acc[MT];
 #pragma unroll
@@ -1285,7 +1286,7 @@ __device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, c
         if (c >= 32) {
             wo = ld16(reinterpret_cast<const u32*>(worow + 8 * c));
 #pragma unroll
-            for (int m = 0; m < MT; ++m) xo[m] = ld16(reinterpret_cast<const u32*>(Xo + (size_t)m * ldxo + 16 * c));
+            for (int m = 0; m < MT; ++m) xo[m] = ld_dep_v4(Xo + (size_t)m * ldxo + 16 * c);
         }
         const u32 wp[4] = {wo.x, wo.y, wo.z, wo.w};
 #pragma unroll

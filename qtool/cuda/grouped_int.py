@@ -26,18 +26,19 @@ import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
-from qtool.cuda import split_k, tma
+from qtool.cuda import dependent_launch, split_k, tma
 
 SOURCE = "grouped_int_gemv.cu"
 MMA_SOURCE = "grouped_int_mma.cu"
 KP_MULTIPLE = 128
 # Dispatch thresholds, from `qtool bench kernels` on an H200 (kernels/NOTES.md):
 # * the tensor-core skinny kernel beats dequantize+cuBLAS up to M = 32 and loses at M = 64;
-# * the CUDA-core kernel beats it only for a single token with rows of at most 256 16-byte pieces
-#   (K <= 8192 at 4 bits, K <= 4096 at 8 bits); at M = 2..4 the tensor-core kernel is faster.
+# * the CUDA-core kernel beats it only for a single token with rows of at most 512 16-byte pieces
+#   (K <= 16384 at 4 bits, K <= 8192 at 8 bits; at 256 before it became a dependent launch); at M = 2..4 the
+#   tensor-core kernel is faster.
 GEMV_MAX_M = min(64, cc.env_int("QTOOL_GEMV_MAX_M", 32))
 FMA_MAX_M = min(4, cc.env_int("QTOOL_FMA_MAX_M", 1))
-FMA_MAX_PIECES = 256
+FMA_MAX_PIECES = 512
 # The wgmma kernel runs M = MMA_MIN_M..MMA_MAX_M tokens on Hopper: the skinny kernels win below, dequantize +
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
 MMA_MIN_M = cc.env_int("QTOOL_MMA_MIN_M", 17)
@@ -221,10 +222,10 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     elif not 1 <= warps <= 16:
         raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
     mod = cc.load_module(SOURCE, device=dev)
-    # Measured on an H200: 4-bit at K <= 8192 is issue-bound and wants occupancy (one row group per block,
-    # fewer registers); 8-bit, and 4-bit with long rows, want the persistent grid that prefetches the next row
-    # group while it computes the current one.
-    pipe = _FMA_PIPE if _FMA_PIPE is not None else (p.bits == 8 or pieces > 256)
+    # Measured on an H200: 4-bit is issue-bound and wants occupancy (one row group per block, fewer registers,
+    # and its weights loaded before the dependency wait); 8-bit wants the persistent grid that prefetches the next
+    # row group while it computes the current one.
+    pipe = _FMA_PIPE if _FMA_PIPE is not None else p.bits == 8
     pipe = pipe and mt <= 2
     fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}")
     threads = 32 * warps
@@ -235,13 +236,14 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
         max_blocks = cc.sm_count(dev) * cc.resident_blocks(fn, threads, 0, dev, cap=32)
         rounds = -(-groups // max_blocks)
         grid = -(-groups // rounds)
-    cc.launch(
+    dependent_launch.launch(
         fn,
         (grid,),
         (threads,),
         (cc.ptr(p.qweight), cc.ptr(p.meta), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
          cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_shift)),
         device=dev,
+        dependent=dependent_launch.ENABLED,
     )
     return out.reshape(*lead, p.out_features)
 

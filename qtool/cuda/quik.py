@@ -39,9 +39,6 @@ TMA_STORE = True
 GEMM_KERNELS = ("sync", "ws", "wsp", "gemv")
 GEMV_MAX_TOKENS = 2
 GEMV_WARPS = 8  # weight rows per block (kernels/quik_gemm.cu)
-# The kernels start as programmatic dependents of the kernel ahead (qtool/cuda/dependent_launch.py); False launches
-# them the ordinary way (the bench's A/B)
-DEPENDENT_LAUNCH = True
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
 # Split-K for the block-synchronous kernel's decode tiles (kernels/quik_gemm.cu SPLIT_MAX_TOKENS): at M <= 128 a
 # layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
@@ -359,7 +356,7 @@ def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
     writes what it may read, so they are launched as dependents: a GEMM's launch, prologue and first weight copies
     overlap the quantize kernel, and a quantize kernel's launch and column-map loads overlap the end of whatever
     ran before (the previous layer's GEMM lets it start at its last tile)."""
-    dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device, dependent=DEPENDENT_LAUNCH)
+    dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device, dependent=dependent_launch.ENABLED)
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,

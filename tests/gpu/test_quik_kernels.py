@@ -373,15 +373,18 @@ def test_fused_gemm_kernels_agree(bits, n, k, ko):
 
 
 @needs_hopper
-@pytest.mark.parametrize("m", [5, 700])
+@pytest.mark.parametrize("m", [1, 2, 5, 700])
 def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
     """Layers chained through their outputs, so each quantize kernel reads what the GEMM ahead of it wrote, and the
     buffers a call frees are reused by the next one at once. Launched as programmatic dependents (each kernel may
     start before the one ahead has finished), eagerly and replayed from a CUDA graph, the chain gives the bits of
-    ordinary launches every time: a read or write placed before a kernel's wait would race and differ."""
+    ordinary launches every time: a read or write placed before a kernel's wait, or a read of the kernel ahead's
+    output through the non-coherent cache, would race and differ. M = 1, 2 run the GEMV, 5 the block-synchronous
+    GEMM, 700 the persistent one; K = 1002 (rows not 16-byte aligned) the block quantize kernel."""
     from qtool.cuda import dependent_launch, quik
 
-    shapes = [(2048, 1024, 64), (1024, 2048, 128), (1536, 1024, 0), (1024, 1536, 96)] * 2  # (N, K, outliers)
+    # (N, K, outliers)
+    shapes = [(2048, 1024, 64), (1024, 2048, 128), (1002, 1024, 0), (1536, 1002, 40), (1024, 1536, 96)] * 2
     ps = [quik.prepare(random_quik(n, k, ko, 4, bias=True)) for n, k, ko in shapes]
     x = torch.randn(m, 1024, device="cuda").half()
 
@@ -391,11 +394,11 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
             y = quik.linear(y, p)
         return y
 
-    old = quik.DEPENDENT_LAUNCH
+    old = dependent_launch.ENABLED
     try:
-        quik.DEPENDENT_LAUNCH = False
+        dependent_launch.ENABLED = False
         plain = synced(chain())
-        quik.DEPENDENT_LAUNCH = True
+        dependent_launch.ENABLED = True
         eager = [synced(chain()) for _ in range(4)]
         assert dependent_launch.available(), dependent_launch.fallback_reason()
         graph = torch.cuda.CUDAGraph()
@@ -406,7 +409,7 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
             graph.replay()
             outs.append(synced(replayed.clone()))
     finally:
-        quik.DEPENDENT_LAUNCH = old
+        dependent_launch.ENABLED = old
     assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0
     for y in eager + outs:
         assert torch.equal(y, plain)

@@ -49,7 +49,10 @@ def test_dispatch_rule():
 
     assert choose_path(1, torch.float16, 4, 128, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 8, 128, 4096, hopper=False) == "gemv-fma"
-    assert choose_path(1, torch.float16, 4, 128, 11008, hopper=False) == "gemv"  # long rows: tensor-core kernel
+    assert choose_path(1, torch.float16, 4, 128, 11008, hopper=False) == "gemv-fma"  # 344 pieces
+    assert choose_path(1, torch.float16, 8, 128, 11008, hopper=False) == "gemv"  # 688 pieces: tensor-core kernel
+    assert choose_path(1, torch.float16, 4, 128, 16384, hopper=False) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 128, 16512, hopper=False) == "gemv"
     assert choose_path(4, torch.float16, 4, 128, 4096, hopper=False) == "gemv"
     assert choose_path(32, torch.float16, 8, 32, 4096, hopper=False) == "gemv"
     assert choose_path(64, torch.float16, 4, 128, 4096, hopper=False) == "dequant+cublas"
