@@ -54,3 +54,26 @@ def synced(t: torch.Tensor) -> torch.Tensor:
     """Surface asynchronous CUDA errors right after the launch that caused them."""
     torch.cuda.synchronize()
     return t
+
+
+def dependent_chain_runs(chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`chain()` once with ordinary launches, then with dependent launches 4 times eagerly and 3 times replayed
+    from one CUDA graph: (the ordinary output, the dependent outputs)."""
+    from qtool.cuda import dependent_launch
+
+    old = dependent_launch.ENABLED
+    try:
+        dependent_launch.ENABLED = False
+        plain = synced(chain())
+        dependent_launch.ENABLED = True
+        outs = [synced(chain()) for _ in range(4)]
+        assert dependent_launch.available(), dependent_launch.fallback_reason()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = chain()
+        for _ in range(3):
+            graph.replay()
+            outs.append(synced(replayed.clone()))
+    finally:
+        dependent_launch.ENABLED = old
+    return plain, outs

@@ -14,7 +14,7 @@ import torch
 
 from qtool.packing.quik import QuikWeight
 from qtool.runtime.quik_linear import QuikLinear
-from tests.gpu.helpers import gpu_ready, rel_err, synced
+from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
@@ -381,7 +381,7 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
     ordinary launches every time: a read or write placed before a kernel's wait, or a read of the kernel ahead's
     output through the non-coherent cache, would race and differ. M = 1, 2 run the GEMV, 5 the block-synchronous
     GEMM, 700 the persistent one; K = 1002 (rows not 16-byte aligned) the block quantize kernel."""
-    from qtool.cuda import dependent_launch, quik
+    from qtool.cuda import quik
 
     # (N, K, outliers)
     shapes = [(2048, 1024, 64), (1024, 2048, 128), (1002, 1024, 0), (1536, 1002, 40), (1024, 1536, 96)] * 2
@@ -394,24 +394,9 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
             y = quik.linear(y, p)
         return y
 
-    old = dependent_launch.ENABLED
-    try:
-        dependent_launch.ENABLED = False
-        plain = synced(chain())
-        dependent_launch.ENABLED = True
-        eager = [synced(chain()) for _ in range(4)]
-        assert dependent_launch.available(), dependent_launch.fallback_reason()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = chain()
-        outs = []
-        for _ in range(3):
-            graph.replay()
-            outs.append(synced(replayed.clone()))
-    finally:
-        dependent_launch.ENABLED = old
+    plain, outs = dependent_chain_runs(chain)
     assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0
-    for y in eager + outs:
+    for y in outs:
         assert torch.equal(y, plain)
 
 
