@@ -82,11 +82,11 @@ _ATTRIBUTE.value[0] = 1
 
 
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           device: int | None = None, dependent: bool = True) -> None:
-    """`compile.launch`, with the programmatic-stream-serialization attribute where the driver takes it (and
-    `dependent` asks for it). `args` are numpy scalars (what `compile.ptr` and `compile.i32` give) or tensor maps
-    (`tma.TensorMap`, passed by value: the driver copies their 128 bytes)."""
-    fn = _driver_launch() if dependent and _STATE["ok"] else None
+           device: int | None = None, dependent: bool | None = None) -> None:
+    """`compile.launch`, with the programmatic-stream-serialization attribute where the driver takes it and
+    `dependent` (by default ENABLED) asks for it. `args` are numpy scalars (what `compile.ptr` and `compile.i32`
+    give) or tensor maps (`tma.TensorMap`, passed by value: the driver copies their 128 bytes)."""
+    fn = _driver_launch() if (ENABLED if dependent is None else dependent) and _STATE["ok"] else None
     handle = _function_handle(kernel) if fn is not None else None
     if handle is None:
         cc.launch(kernel, grid, block, _plain(args), shared_mem=shared_mem, device=device)

@@ -243,7 +243,6 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
         (cc.ptr(p.qweight), cc.ptr(p.meta), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
          cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_shift)),
         device=dev,
-        dependent=dependent_launch.ENABLED,
     )
     return out.reshape(*lead, p.out_features)
 

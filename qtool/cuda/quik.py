@@ -356,7 +356,7 @@ def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
     writes what it may read, so they are launched as dependents: a GEMM's launch, prologue and first weight copies
     overlap the quantize kernel, and a quantize kernel's launch and column-map loads overlap the end of whatever
     ran before (the previous layer's GEMM lets it start at its last tile)."""
-    dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device, dependent=dependent_launch.ENABLED)
+    dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device)
 
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
