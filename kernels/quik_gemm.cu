@@ -31,6 +31,12 @@
 #ifndef QUIK_ABLATE
 #define QUIK_ABLATE 0
 #endif
+// QUIK_EPI (measurement only): 1 the persistent epilogue's stores skip the wait for their buffers (a race), 2 it
+// stores nothing, 3 neither Eq. 1 nor stores, 4 stmatrix only (no fence, barrier or bulk store), 5 stmatrix, fence
+// and barrier but no bulk store (wrong values; timing only)
+#ifndef QUIK_EPI
+#define QUIK_EPI 0
+#endif
 
 __device__ __forceinline__ float div_rn(float a, float b) {
     float r;
@@ -317,7 +323,8 @@ __device__ __forceinline__ u32 gather_code(u32 row, u32 off, float lo, float y) 
 }
 
 // TW warps (a team) share a row: each takes every TW-th piece and chunk, and the team meets at a named barrier
-// twice per row (partial min/max; buffer released). TW = 1 needs no barrier at all.
+// twice per row (partial min/max; buffer released). TW = 1 needs no barrier at all. Team t uses barrier t (0..15:
+// up to 16 teams of 2 warps; barrier 0 is the block's own only at the __syncthreads before any team uses it).
 template <int AB, int NB, int TW>
 __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, int ldx, int M, int K,
                                                    const u16* __restrict__ src, const u16* __restrict__ mask,
@@ -386,7 +393,7 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
         hi = warp_max(hi);
         if (TW > 1) {
             if (lane == 0) qred[warp][0] = lo, qred[warp][1] = hi;
-            asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "n"(32 * TW) : "memory");
+            asm volatile("bar.sync %0, %1;" ::"r"(team), "n"(32 * TW) : "memory");
 #pragma unroll
             for (int w = 0; w < TW; ++w) lo = fmin_(lo, qred[team * TW + w][0]), hi = fmax_(hi, qred[team * TW + w][1]);
         }
@@ -419,7 +426,7 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
         }
         // every lane of the team is done reading the buffer (and qred) before the copy engine refills it
         if (TW > 1) {
-            asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "n"(32 * TW) : "memory");
+            asm volatile("bar.sync %0, %1;" ::"r"(team), "n"(32 * TW) : "memory");
         } else {
             __syncwarp();
         }
@@ -789,17 +796,23 @@ __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, i
 // The persistent kernel's epilogue through the copy engine (`mo`: the float16 output as bytes, boxes of 128 bytes x
 // 32 tokens, 128-byte swizzle): Eq. 1 if still pending, bias, then 32 tokens at a time transposed into shared memory
 // by stmatrix (features 0-63 of the tile from warpgroup 0, 64-127 from warpgroup 1: one box each) and written out
-// by a bulk tensor store, clipped at M and N, that no math thread waits for. Two 8 KB buffers at `ebuf` alternate:
-// before each chunk's barrier thread 0 waits until its earlier stores have read their buffers, so the next chunk
-// (and the next tile's first) may overwrite the older one.
-template <int BITS, int TN>
+// by a bulk tensor store, clipped at M and N, that no math thread waits for. EB >= 2 buffers of 8 KB at `ebuf`
+// (as many as the ring leaves room for, WsTile::epi_buffers) take the chunks in turn (`eb`: the next one, carried
+// from tile to tile): before each chunk's barrier thread 0 waits until all but its latest EB - 2 stores have read
+// their buffers, so the chunk after it may overwrite the buffer of the oldest one.
+template <int BITS, int TN, int EB>
 __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
-                                               int r0, int t, int tid, u32 ebuf, const float* tsx,
+                                               int r0, int t, int tid, u32 ebuf, int& eb, const float* tsx,
                                                const float* tax, const u16* __restrict__ sw,
                                                const float* __restrict__ wred, const u16* __restrict__ bias,
                                                const TmaMap* mo) {
     const int f0 = n0 + r0;
-    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    if (QUIK_EPI < 3 && eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    if (QUIK_EPI == 2 || QUIK_EPI == 3) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) asm volatile("" ::"r"(acc[i]));  // keep the accumulators' producers
+        return;
+    }
     float bv[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -813,7 +826,8 @@ __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n
                      (u32)(((2 * ((tid >> 5) & 3) + (mi & 1)) ^ j) << 4);
 #pragma unroll
     for (int c = 0; c < TN / 32; ++c) {
-        const u32 buf = ebuf + (u32)(c & 1) * 8192u;
+        const u32 buf = ebuf + (u32)eb * 8192u;
+        eb = eb == EB - 1 ? 0 : eb + 1;
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const int i = 4 * (4 * c + 2 * q);  // accumulators of token blocks 4c + 2q and + 1
@@ -823,10 +837,11 @@ __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n
                               f2h2(bits2f(acc[i + 4]) + bv[0], bits2f(acc[i + 5]) + bv[0]),
                               f2h2(bits2f(acc[i + 6]) + bv[1], bits2f(acc[i + 7]) + bv[1]));
         }
+        if (QUIK_EPI == 4) continue;
         fence_async_smem();  // the copy engine reads what these generic stores wrote
-        if (tid == 0) bulk_wait_read<0>();
+        if (tid == 0 && QUIK_EPI != 1) bulk_wait_read<EB - 2>();
         bar_sync<1, 256>();
-        if (tid == 0) {
+        if (tid == 0 && QUIK_EPI != 5) {
             const int m1 = m0 + 32 * c;
             if (m1 < M) {
                 tma_store_2d(mo, buf, 2 * n0, m1);
@@ -968,17 +983,28 @@ GEMM_ENTRIES(256, 4, 1)
 //
 // Tensor maps (qtool/cuda/tma.py), all over bytes: ma = activation codes [M, Kp] box 128 x TN, 128-byte swizzle;
 // mw = weight code rows [N, Kp*BITS/8] box 16*BITS x 128, swizzle 16*BITS bytes; mxo = outlier activations
-// [M, 2*kop] box 128 x TN; mwo = outlier weights [N, 2*kop] box 128 x 128 (both 128-byte swizzle). Rows past M
-// or N arrive as zeros. mo = the float16 output [M, 2N] box 128 x 32, 128-byte swizzle: the persistent kernel's
-// epilogue stores through it where `tmo` is set (else, and for raw sums, 16-byte stores from the threads).
+// [M, 2*kop] box OB x TN; mwo = outlier weights [N, 2*kop] box OB x 128, both with an OB-byte swizzle, where OB
+// (WsTile::OB) is 64 for 4-bit weights (32 outlier columns per stage: kto counts those stages) and 128 for 8-bit
+// (64 columns). Rows past M or N arrive as zeros. mo = the float16 output [M, 2N] box 128 x 32, 128-byte swizzle:
+// the persistent kernel's epilogue stores through it where `tmo` is set (else, and for raw sums, 16-byte stores
+// from the threads).
 // ---------------------------------------------------------------------------------------------------------------
-template <int TN>
+template <int TN, int BITS>
 struct WsTile {
-    static constexpr int XT = TN * 128;        // activation tile of a stage
-    static constexpr int SB = XT + 128 * 128;  // plus the weight tile (4-bit stages use half); multiple of 1024
-    enum : int { EPI_TOKENS = 64 };                         // the persistent kernel's epilogue chunk
-    static constexpr int EPI = EPI_TOKENS * (128 + 8) * 2;  // and its transpose buffer (padded rows)
-    static_assert(EPI >= 2 * 8192, "store_tile_tma's two buffers of 32 tokens x 128 features");
+    static constexpr int XT = TN * 128;               // activation tile of an integer stage
+    static constexpr int WB = 128 * 16 * BITS;        // weight tile of an integer stage
+    // float16 outlier bytes per row and stage: 4-bit stages take 32 columns (64-byte rows, 64-byte swizzle), so
+    // that their weight tile fits the integer stages' 8 KB and a stage stays at XT + 8 KB: the ring then leaves
+    // room for a fifth stage. 8-bit stages take 64 columns (128-byte rows) as the block-synchronous kernel does.
+    static constexpr int OB = BITS == 4 ? 64 : 128;
+    static constexpr int SB = XT + WB;                // a stage; a multiple of 1024: the swizzle atoms stay aligned
+    enum : int { EPI_TOKENS = 32 };  // the persistent kernel's epilogue chunk (thread stores: 32 x 136 halves)
+    // store_tile_tma's 8 KB buffers beside a ring of ST stages: what fits in the 227 KB a block may have, less
+    // the alignment slack and the static arrays (s_x, z_x + h s_x, barriers), at most 8
+    template <int ST>
+    __device__ static constexpr int epi_buffers() {
+        return (232448 - ST * SB - 1024 - 5 * 1024) / 8192 > 8 ? 8 : (232448 - ST * SB - 1024 - 5 * 1024) / 8192;
+    }
 };
 
 // Tile t of the output: 128 weight rows (fastest) x TN tokens.
@@ -991,15 +1017,15 @@ __device__ __forceinline__ void ws_tile(int t, int N, int TN_, int& m0, int& n0)
 template <int BITS, int TN, int ST>
 __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                           u32 base, u32 bars, int M, int N, int kt, int steps) {
-    using T = WsTile<TN>;
+    using T = WsTile<TN, BITS>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
     // A stage's byte count on its full barrier, then its weight copy (the activation copy is issued separately).
     auto weights = [&](int gs, int slot, int n0) {
         const bool outl = gs >= kt;
         const int s = outl ? gs - kt : gs;
         const u32 full = bars + 8 * slot;
-        mbar_arrive_expect_tx(full, T::XT + 128 * (outl ? 128 : 16 * BITS));
-        tma_load_2d(base + (u32)slot * T::SB + T::XT, outl ? mwo : mw, full, outl ? 128 * s : 16 * BITS * s, n0);
+        mbar_arrive_expect_tx(full, outl ? (TN + 128) * T::OB : T::XT + T::WB);
+        tma_load_2d(base + (u32)slot * T::SB + T::XT, outl ? mwo : mw, full, outl ? T::OB * s : 16 * BITS * s, n0);
     };
     // The weights do not come from the kernel ahead: the first tile's first ST stages get their weight copies
     // before the wait for that kernel (a dependent launch starts during its tail), their activations after it.
@@ -1020,10 +1046,37 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
             if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
             if (g >= early) weights(gs, slot, n0);
             const bool outl = gs >= kt;
-            tma_load_2d(base + (u32)slot * T::SB, outl ? mxo : ma, bars + 8 * slot, 128 * (outl ? gs - kt : gs), m0);
+            tma_load_2d(base + (u32)slot * T::SB, outl ? mxo : ma, bars + 8 * slot, outl ? T::OB * (gs - kt) : 128 * gs,
+                        m0);
         }
     }
     launch_dependents();
+}
+
+// A fragments of a float16 outlier stage of 64-byte rows (4-bit warp-specialized kernels: 32 columns, 64-byte
+// swizzle, chunk c of row r at c ^ ((r / 2) % 4) as in the 4-bit weight tiles): k-step j (16 columns) takes
+// words t of chunks 2j (a0/a1: columns 2t, 2t+1 of rows r0/r0+8) and 2j+1 (a2/a3: columns 8+2t, 8+2t+1).
+__device__ __forceinline__ void load_frags_o64(u32 (&af)[4][4], u32 wt, int r0, int t) {
+    const int x = (r0 >> 1) & 3;
+    const u32 p = wt + r0 * 64 + 4 * t, q = p + 8 * 64;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        af[j][0] = lds32(p + (((2 * j) ^ x) << 4));
+        af[j][1] = lds32(q + (((2 * j) ^ x) << 4));
+        af[j][2] = lds32(p + (((2 * j + 1) ^ x) << 4));
+        af[j][3] = lds32(q + (((2 * j + 1) ^ x) << 4));
+    }
+}
+
+// The A fragments of a warp-specialized stage: integer (`intg`) or outlier, in the stage layout of WsTile.
+template <int BITS, int TN>
+__device__ __forceinline__ void ws_frags(u32 (&af)[4][4], u32 wt, int r0, int t, bool intg) {
+    if (intg)
+        load_frags<BITS, false>(af, wt, r0, t);
+    else if (WsTile<TN, BITS>::OB == 64)
+        load_frags_o64(af, wt, r0, t);
+    else
+        load_frags<BITS, true>(af, wt, r0, t);
 }
 
 // One stage of a math warpgroup: the wgmmas of the tile's stage gs (ring position g) on fragments `cur`, then
@@ -1033,7 +1086,7 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
                                         int gs, int g, int kt, int steps, int N, int f0, int r0, int t, int lane,
                                         const float* tsx, const float* tax, const u16* __restrict__ sw,
                                         const float* __restrict__ wred) {
-    using T = WsTile<TN>;
+    using T = WsTile<TN, BITS>;
     const u32 st = base + (u32)(g % ST) * T::SB;
     if (gs < kt) {
         wgmma_fence();
@@ -1042,11 +1095,16 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
     } else {
         if (gs == kt && kt > 0) {
             wgmma_wait0();
-            eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+            if (QUIK_EPI < 3) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
         }
         wgmma_fence();
+        if (T::OB == 64) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_f16(acc, cur[j], desc_sw128(st + 32 * j));
+            for (int j = 0; j < 2; ++j) wgmma_f16(acc, cur[j], desc_sw64(st + 32 * j));
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wgmma_f16(acc, cur[j], desc_sw128(st + 32 * j));
+        }
     }
     wgmma_commit();
     wgmma_wait1();  // the previous stage is read: hand it back
@@ -1054,10 +1112,7 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
     if (gs + 1 < steps) {
         mbar_wait(bars + 8 * ((g + 1) % ST), (u32)((g + 1) / ST) & 1);
         const u32 wt = base + (u32)((g + 1) % ST) * T::SB + T::XT;
-        if (gs + 1 < kt)
-            load_frags<BITS, false>(nxt, wt, r0, t);
-        else
-            load_frags<BITS, true>(nxt, wt, r0, t);
+        ws_frags<BITS, TN>(nxt, wt, r0, t, gs + 1 < kt);
     }
 }
 
@@ -1073,7 +1128,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
                                         const u16* __restrict__ sw, const float* __restrict__ wred,
                                         const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw,
                                         int tmo) {
-    using T = WsTile<TN>;
+    using T = WsTile<TN, BITS>;
     extern __shared__ char smem_raw[];
     __shared__ float tsx[2][TN], tax[2][TN];
     __shared__ __align__(8) u64 bar_mem[2 * ST];
@@ -1107,7 +1162,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
     };
     fetch(blockIdx.x);
-    int g = 0, j = 0;
+    int g = 0, j = 0, eb = 0;  // eb: the next epilogue buffer (store_tile_tma)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, g += steps, ++j) {
         int m0, n0;
         ws_tile(tile, N, TN, m0, n0);
@@ -1129,10 +1184,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (steps > 0) {
             mbar_wait(bars + 8 * (g % ST), (u32)(g / ST) & 1);
             const u32 wt = base + (u32)(g % ST) * T::SB + T::XT;
-            if (kt > 0)
-                load_frags<BITS, false>(af0, wt, r0, t);
-            else
-                load_frags<BITS, true>(af0, wt, r0, t);
+            ws_frags<BITS, TN>(af0, wt, r0, t, kt > 0);
         }
         int gs = 0;
         for (; gs + 1 < steps; gs += 2) {
@@ -1148,8 +1200,10 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (steps > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g + steps - 1) % ST));  // the tile's last stage
         const bool eq1_pending = steps == kt && kt > 0;
         if (PERSIST && tmo && !raw) {
-            store_tile_tma<BITS, TN>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB), csx, cax,
-                                     sw, wred, bias, mo);
+            constexpr int EB = T::template epi_buffers<ST>();
+            static_assert(EB >= 2, "the ring leaves room for two epilogue buffers");
+            store_tile_tma<BITS, TN, EB>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB), eb,
+                                         csx, cax, sw, wred, bias, mo);
         } else if (PERSIST) {
             // the buffer's last reads (previous tile) finished before this tile's first barrier
             store_tile<BITS, TN, 1, T::EPI_TOKENS>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
@@ -1183,6 +1237,7 @@ WS_ENTRIES(128, 6)
 WS_ENTRIES(256, 4)
 WSP_ENTRIES(128, 6)
 WSP_ENTRIES(256, 4)
+WS_ENTRY(4, 256, 5, true, quik_gemm_wsp_w4_n256_s5)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode GEMV (MT = 1 or 2 tokens, fused output or raw sums): one warp per weight row on the CUDA cores. The lanes

@@ -27,11 +27,19 @@ GEMM_TILES = {64: 4, 128: 4, 256: 3}
 # tokens per block -> ring stages (~192 KB of shared memory each).
 WS_TILES = {64: 8, 128: 6, 256: 4}
 # Its persistent form: one block per multiprocessor walks the tiles, so the next tile's copies and the sx/zx
-# loads overlap the epilogue, which transposes 32 tokens at a time into one of two buffers beside the ring and
+# loads overlap the epilogue, which transposes 32 tokens at a time into one of three buffers beside the ring and
 # stores them through the copy engine without waiting (or, where the output allows no tensor map, 64 tokens at a
 # time with 16-byte stores).
 WSP_TILES = {128: 6, 256: 4}
-WSP_EPILOGUE_BYTES = 64 * (ROWS + 8) * 2  # its transpose buffer: 64 tokens x 128 features, padded rows (WsTile::EPI)
+# 4-bit stages are smaller (WS_OUTLIER_COLUMNS), so a fifth fits at 256 tokens, leaving two epilogue buffers
+# instead of seven: it pays for layers whose tiles have at least WSP_DEEP_RING_STEPS stages (11008 x 4096: 107)
+# and cost at 4096 x 4096 (38; kernels/NOTES.md)
+WSP_RINGS_W4 = {128: (6,), 256: (4, 5)}
+WSP_DEEP_RING_STEPS = 64
+# float16 outlier columns per stage of the warp-specialized kernels: 4-bit stages hold the weight tile of an
+# integer stage (8 KB), so their outlier stages take 32 columns; 8-bit stages 64, as the block-synchronous kernel
+WS_OUTLIER_COLUMNS = {4: 32, 8: 64}
+SMEM_BLOCK_MAX = 232448  # bytes of shared memory a block may have on Hopper (227 KB)
 # False: the persistent kernel's epilogue stores from the threads even where the output allows a tensor map (A/B)
 TMA_STORE = True
 # sync: all 256 threads copy (cp.async) and meet at a barrier every stage; ws / wsp: warp-specialized; gemv: a
@@ -317,6 +325,34 @@ def _quantize_warp(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations,
     )
 
 
+def ws_stage_bytes(tn: int, bits: int) -> int:
+    """One ring stage of the warp-specialized kernels: the activation tile and an integer stage's weight tile
+    (kernels/quik_gemm.cu WsTile::SB)."""
+    return tn * 128 + ROWS * 16 * bits
+
+
+def wsp_epilogue_bytes(tn: int, bits: int, stages: int) -> int:
+    """The persistent kernel's epilogue buffers of 8 KB (32 tokens x 128 float16 features) beside a ring of
+    `stages`: what fits with the alignment slack and the static arrays, at most 8 (WsTile::epi_buffers)."""
+    buffers = min(8, (SMEM_BLOCK_MAX - stages * ws_stage_bytes(tn, bits) - 1024 - 5 * 1024) // 8192)
+    return buffers * 8192
+
+
+def ws_rings(kernel: str, bits: int, tn: int) -> tuple[int, ...]:
+    """The ring depths built for warp-specialized kernel `kernel` ("ws" or "wsp") at tiles of tn tokens."""
+    table = WS_TILES if kernel == "ws" else WSP_TILES if bits == 8 else {t: r[0] for t, r in WSP_RINGS_W4.items()}
+    if tn not in table:
+        raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of {sorted(table)}")
+    return WSP_RINGS_W4[tn] if kernel == "wsp" and bits == 4 else (table[tn],)
+
+
+def ws_stages(kernel: str, bits: int, tn: int, steps: int) -> int:
+    """Ring stages of warp-specialized kernel `kernel` for tiles of tn tokens and `steps` stages per tile: the
+    deepest ring built where the tiles are long (WSP_DEEP_RING_STEPS), else the shallowest."""
+    rings = ws_rings(kernel, bits, tn)
+    return rings[-1] if steps >= WSP_DEEP_RING_STEPS else rings[0]
+
+
 def gemm_tokens(m: int) -> int:
     """Tokens per GEMM block: the smallest tile that holds M, up to 256."""
     return next((tn for tn in sorted(GEMM_TILES) if m <= tn), max(GEMM_TILES))
@@ -361,12 +397,13 @@ def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
 
 def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
          tokens: int | None = None, kernel: str | None = None, blocks: int | None = None,
-         split: int | None = None) -> torch.Tensor:
+         split: int | None = None, stages: int | None = None) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
     int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench);
     `blocks` caps the persistent kernel's grid (tests: several tiles per block on small problems); `split` sets the
     blocks per tile along K of the block-synchronous kernel (fused, tiles of at most SPLIT_MAX_TOKENS tokens; by
-    default gemm_split's choice)."""
+    default gemm_split's choice); `stages` the ring depth of the warp-specialized kernels (one of ws_rings; by
+    default ws_stages' choice)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -382,6 +419,8 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         raise ValueError(f"kernel: found {kernel!r}, expected one of {GEMM_KERNELS}")
     if split is not None and kernel != "sync":
         raise ValueError(f"split: found {split} for kernel {kernel}, which does not split K (only sync does)")
+    if stages is not None and kernel not in ("ws", "wsp"):
+        raise ValueError(f"stages: found {stages} for kernel {kernel}; only ws and wsp take a ring depth")
     if kernel == "gemv" and m > GEMV_MAX_TOKENS:
         raise ValueError(f"kernel gemv: found {m} tokens, expected at most {GEMV_MAX_TOKENS}")
     kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
@@ -400,21 +439,26 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         return out
     if kernel in ("ws", "wsp"):
         tiles = grid[0] * grid[1]
-        table = WSP_TILES if kernel == "wsp" else WS_TILES
-        if tn not in table:
-            raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of {sorted(table)}")
-        stages = table[tn]
-        smem = stages * (tn * 128 + ROWS * 128) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+        kto_ws = p.kop // WS_OUTLIER_COLUMNS[p.bits] if fused else 0
+        rings = ws_rings(kernel, p.bits, tn)
+        if stages is None:
+            stages = ws_stages(kernel, p.bits, tn, kt + kto_ws)
+        elif stages not in rings:
+            raise ValueError(f"stages: found {stages} for kernel {kernel} at {tn} tokens, w{p.bits}; expected one "
+                             f"of {rings}")
+        smem = stages * ws_stage_bytes(tn, p.bits) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
         if kernel == "wsp":
-            smem += WSP_EPILOGUE_BYTES
+            smem += wsp_epilogue_bytes(tn, p.bits, stages)
             idx = dev.index if dev.index is not None else torch.cuda.current_device()
             tiles = min(tiles, blocks or cc.sm_count(idx))
         fn = _module(dev).fn(f"quik_gemm_{kernel}_w{p.bits}_n{tn}_s{stages}")
         ma = _ACT_MAPS.get(a.codes, 128, tn, 128)
         mw = p.maps.get(p.wq, 16 * p.bits, ROWS, 16 * p.bits)
         # with no outlier stages the outlier maps are never read: any valid map fills the parameter
-        mxo = _ACT_MAPS.get(a.outliers, 128, tn, 128) if p.kop else ma
-        mwo = p.maps.get(p.wo, 128, ROWS, 128) if p.kop else mw
+        ob = 2 * WS_OUTLIER_COLUMNS[p.bits]  # outlier bytes per row and stage
+        mxo = _ACT_MAPS.get(a.outliers, ob, tn, ob) if p.kop else ma
+        mwo = p.maps.get(p.wo, ob, ROWS, ob) if p.kop else mw
+        tail = tail[:3] + (cc.i32(kto_ws),) + tail[4:]
         # the persistent kernel stores its tiles through the copy engine where the output rows allow a map
         tmo = kernel == "wsp" and fused and TMA_STORE and tma.usable(out)
         mo = _OUT_MAPS.get(out, 128, 32, 128) if tmo else ma

@@ -158,14 +158,22 @@ def test_quantize_kernel_strided_and_unaligned_rows():
         assert torch.equal(a.scale, ref.scale) and torch.equal(a.zero, ref.zero)
 
 
-def _variants(m: int = 1 << 30) -> list[tuple[int | None, str]]:
+def _variants(bits: int, m: int = 1 << 30) -> list[tuple[int | None, str, int | None]]:
     """Every GEMM build for M tokens: each token tile, with each kernel (cp.async + block barrier, warp-specialized,
-    and its persistent form), and the GEMV where M allows it."""
+    and its persistent form, at each ring depth built), and the GEMV where M allows it: (tokens, kernel, stages)."""
     from qtool.cuda import quik
 
-    tiles = {"sync": quik.GEMM_TILES, "ws": quik.WS_TILES, "wsp": quik.WSP_TILES}
-    out: list[tuple[int | None, str]] = [(tn, kernel) for kernel in tiles for tn in sorted(tiles[kernel])]
-    return out + ([(None, "gemv")] if m <= quik.GEMV_MAX_TOKENS else [])
+    out: list[tuple[int | None, str, int | None]] = [(tn, "sync", None) for tn in sorted(quik.GEMM_TILES)]
+    for kernel, tiles in (("ws", quik.WS_TILES), ("wsp", quik.WSP_TILES)):
+        out += [(tn, kernel, st) for tn in sorted(tiles) for st in quik.ws_rings(kernel, bits, tn)]
+    return out + ([(None, "gemv", None)] if m <= quik.GEMV_MAX_TOKENS else [])
+
+
+def _wsp_rings(bits: int) -> list[tuple[int, int]]:
+    """(tokens, ring stages) of every persistent GEMM build."""
+    from qtool.cuda import quik
+
+    return [(tn, st) for tn in sorted(quik.WSP_TILES) for st in quik.ws_rings("wsp", bits, tn)]
 
 
 def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
@@ -187,12 +195,12 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
     x = _x(m, k, layer.outlier_idx)
     a = quik.quantize(x, p)
     ref = _acc_reference(layer, x) if ko < k else torch.zeros(m, n, dtype=torch.int32, device="cuda")
-    for tokens, kernel in _variants(m):
+    for tokens, kernel, stages in _variants(bits, m):
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens, kernel=kernel))
+        synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens, kernel=kernel, stages=stages))
         bad = (out != ref).sum().item()
         assert bad == 0, (f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens}, "
-                          f"{kernel})")
+                          f"{kernel}, ring {stages})")
 
 
 @needs_hopper
@@ -225,12 +233,12 @@ def test_fused_output_poisoned_buffer_fully_written():
     x = _x(77, 520, layer.outlier_idx)
     a = quik.quantize(x, p)
     ref = layer.reference_forward(x.float()).double()
-    for tokens, kernel in _variants():
+    for tokens, kernel, stages in _variants(4):
         out = torch.full((77, 200), float("nan"), device="cuda", dtype=torch.float16)
-        synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel))
-        assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens}, {kernel})"
+        synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel, stages=stages))
+        assert bool(torch.isfinite(out).all()), f"unwritten outputs (tile {tokens}, {kernel}, ring {stages})"
         err = rel_err(out, ref)
-        assert err < 2e-3, f"relative error {err:.2e} (tile {tokens}, {kernel})"
+        assert err < 2e-3, f"relative error {err:.2e} (tile {tokens}, {kernel}, ring {stages})"
 
 
 @needs_hopper
@@ -248,13 +256,13 @@ def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
     a = quik.quantize(x, p)
     ref = _acc_reference(layer, x)
     fused_ref = synced(quik.gemm(a, p, tokens=256, kernel="ws"))
-    for tn in sorted(quik.WSP_TILES):
+    for tn, st in _wsp_rings(bits):
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(quik.gemm(a, p, fused=False, out=out, tokens=tn, kernel="wsp", blocks=blocks))
-        assert int((out != ref).sum()) == 0, f"accumulators differ (tile {tn}, {blocks} blocks)"
+        synced(quik.gemm(a, p, fused=False, out=out, tokens=tn, kernel="wsp", blocks=blocks, stages=st))
+        assert int((out != ref).sum()) == 0, f"accumulators differ (tile {tn}, ring {st}, {blocks} blocks)"
         y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks))
-        assert bool(torch.isfinite(y).all()), f"unwritten outputs (tile {tn}, {blocks} blocks)"
+        synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks, stages=st))
+        assert bool(torch.isfinite(y).all()), f"unwritten outputs (tile {tn}, ring {st}, {blocks} blocks)"
         assert rel_err(y, fused_ref.double()) < 1e-3
 
 
@@ -263,28 +271,30 @@ def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
 @pytest.mark.parametrize("n,k,ko,m", [(4096, 4096, 256, 300), (200, 520, 130, 77), (72, 4000, 37, 1000),
                                       (1000, 520, 130, 700)])
 def test_persistent_epilogue_stores_through_the_copy_engine_bit_for_bit(bits, n, k, ko, m, monkeypatch):
-    """The persistent kernel's epilogue through bulk tensor stores (tiles clipped at M and N, two buffers reused
-    over several tiles per block) writes exactly the bits of its thread-store epilogue, and an output whose rows
-    the copy engine cannot address takes the thread stores."""
+    """The persistent kernel's epilogue through bulk tensor stores (tiles clipped at M and N, its buffers reused
+    in turn over several tiles per block, at every ring depth and so every buffer count) writes exactly the bits
+    of its thread-store epilogue, and an output whose rows the copy engine cannot address takes the thread
+    stores."""
     from qtool.cuda import quik
 
     layer = random_quik(n, k, ko, bits, bias=True)
     p = quik.prepare(layer)
     x = _x(m, k, layer.outlier_idx)
     a = quik.quantize(x, p)
-    for tn in sorted(quik.WSP_TILES):
+    for tn, st in _wsp_rings(bits):
         for blocks in (None, 3):
             outs = {}
             for tma_store in (True, False):
                 monkeypatch.setattr(quik, "TMA_STORE", tma_store)
                 y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-                outs[tma_store] = synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks))
-            assert bool(torch.isfinite(outs[True]).all()), f"unwritten outputs (tile {tn}, {blocks} blocks)"
-            assert torch.equal(outs[True], outs[False]), f"epilogues differ (tile {tn}, {blocks} blocks)"
+                outs[tma_store] = synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks, stages=st))
+            where = f"tile {tn}, ring {st}, {blocks} blocks"
+            assert bool(torch.isfinite(outs[True]).all()), f"unwritten outputs ({where})"
+            assert torch.equal(outs[True], outs[False]), f"epilogues differ ({where})"
     monkeypatch.setattr(quik, "TMA_STORE", True)
     flat = torch.full((m * n + 1,), float("nan"), dtype=torch.float16, device="cuda")
     shifted = flat[1:].view(m, n)  # starts 2 bytes past an aligned address: no tensor map
-    synced(quik.gemm(a, p, out=shifted, tokens=tn, kernel="wsp", blocks=3))
+    synced(quik.gemm(a, p, out=shifted, tokens=tn, kernel="wsp", blocks=3, stages=st))
     assert torch.equal(shifted, outs[True]) and bool(flat[0].isnan())
 
 
@@ -362,10 +372,10 @@ def test_fused_gemm_kernels_agree(bits, n, k, ko):
     x = _x(300, k, layer.outlier_idx)
     a = quik.quantize(x, p)
     outs = {}
-    for tokens, kernel in _variants():
+    for tokens, kernel, stages in _variants(bits):
         out = torch.full((300, n), float("nan"), device="cuda", dtype=torch.float16)
-        outs[(tokens, kernel)] = synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel))
-    first = outs[(256, "sync")]
+        outs[(tokens, kernel, stages)] = synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel, stages=stages))
+    first = outs[(256, "sync", None)]
     assert bool(torch.isfinite(first).all())
     for key, y in outs.items():
         assert bool(torch.isfinite(y).all()), f"unwritten outputs ({key})"
