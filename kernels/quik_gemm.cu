@@ -1117,9 +1117,9 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
 }
 
 // PERSIST: one block per multiprocessor walks the tiles (tile, tile + grid, ...) through one ring, so the copy
-// warpgroup fills it with the next tile's stages during this tile's epilogue, which transposes through a small
-// buffer of its own (WsTile::EPI, 64 tokens at a time); each thread loads the next tile's s_x/z_x during the
-// current tile (two shared-memory copies, by tile parity). Otherwise every block has one tile and the epilogue
+// warpgroup fills it with the next tile's stages during this tile's epilogue, which transposes through small
+// buffers of its own (WsTile::epi_buffers, 32 tokens at a time); each thread loads the next tile's s_x/z_x during
+// the current tile (two shared-memory copies, by tile parity). Otherwise every block has one tile and the epilogue
 // transposes through the ring in one pass.
 template <int BITS, int TN, int ST, bool PERSIST>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,

@@ -27,9 +27,9 @@ GEMM_TILES = {64: 4, 128: 4, 256: 3}
 # tokens per block -> ring stages (~192 KB of shared memory each).
 WS_TILES = {64: 8, 128: 6, 256: 4}
 # Its persistent form: one block per multiprocessor walks the tiles, so the next tile's copies and the sx/zx
-# loads overlap the epilogue, which transposes 32 tokens at a time into one of three buffers beside the ring and
-# stores them through the copy engine without waiting (or, where the output allows no tensor map, 64 tokens at a
-# time with 16-byte stores).
+# loads overlap the epilogue, which transposes 32 tokens at a time into the 8 KB buffers beside the ring (as many as
+# fit: wsp_epilogue_bytes) and stores them through the copy engine without waiting (or, where the output allows no
+# tensor map, with 16-byte stores from the threads).
 WSP_TILES = {128: 6, 256: 4}
 # 4-bit stages are smaller (WS_OUTLIER_COLUMNS), so a fifth fits at 256 tokens, leaving two epilogue buffers
 # instead of seven: it pays for layers whose tiles have at least WSP_DEEP_RING_STEPS stages (11008 x 4096: 107)
