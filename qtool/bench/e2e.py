@@ -4,7 +4,9 @@ grouped_int, both under CUDA graphs with a static KV cache.
 The decoder here is deliberately small and self-contained (RMSNorm, RoPE, grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU MLP) so that every step is capturable: positions and cache writes are
 device tensors, nothing synchronizes with the host. Linear layers are either `nn.Linear` (FP16) or
-`GroupedIntLinear` (packed), so the comparison isolates the weight format.
+`GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, the rotary
+embedding and the KV-cache write run as one fused kernel (qtool/cuda/rope_cache.py, bit-identical to the torch
+form here) for both models.
 """
 
 from __future__ import annotations
@@ -63,11 +65,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+# Fused rotary embedding + cache write on CUDA (set False for the torch form, e.g. to measure what it saves).
+FUSED_ROPE = True
+
+
+def _fused_rope_available(device: torch.device) -> bool:
+    if not FUSED_ROPE or device.type != "cuda":
+        return False
+    from qtool.cuda import compile as cc  # noqa: PLC0415
+
+    return cc.cupy_available()
+
+
 class Block(nn.Module):
     def __init__(self, d: Dims, make_linear, device: torch.device) -> None:
         super().__init__()
         hd = d.head_dim
         self.d = d
+        self.fused_rope = _fused_rope_available(device)
         # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
@@ -77,18 +92,27 @@ class Block(nn.Module):
         self.n1 = RMSNorm(d.hidden, device)
         self.n2 = RMSNorm(d.hidden, device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], kc: torch.Tensor,
+                vc: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         x = self.n1(h)
-        qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd).transpose(1, 2)
-        qk = rope(qkv[:, : d.heads + d.kv_heads], cos, sin)  # one RoPE pass over queries and keys
-        q, k = qk[:, : d.heads], qk[:, d.heads :]
-        v = qkv[:, d.heads + d.kv_heads :]
-        # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
-        kc.index_copy_(2, pos, k)
-        vc.index_copy_(2, pos, v)
+        qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd)
+        if self.fused_rope:
+            from qtool.cuda.rope_cache import rope_cache  # noqa: PLC0415
+
+            q = rope_cache(qkv, tables[0], tables[1], pos, kc, vc, d.heads, d.kv_heads)
+            # prefill starts at position 0, so the cache's first t positions are this step's keys and values
+            k, v = kc[:, :, :t], vc[:, :, :t]
+        else:
+            qkv = qkv.transpose(1, 2)
+            cos, sin = tables[0][pos][None, None], tables[1][pos][None, None]
+            qk = rope(qkv[:, : d.heads + d.kv_heads], cos, sin)  # one RoPE pass over queries and keys
+            q, k = qk[:, : d.heads], qk[:, d.heads :]
+            v = qkv[:, d.heads + d.kv_heads :]
+            # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
         if mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
         else:
@@ -117,15 +141,15 @@ class Decoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
                 tables: tuple[torch.Tensor, torch.Tensor], decode: bool) -> torch.Tensor:
-        """ids [B, T]; pos [T] absolute positions (device). Returns the next token per sequence [B]."""
-        cos, sin = tables[0][pos][None, None], tables[1][pos][None, None]
+        """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables. Returns the next
+        token per sequence [B]."""
         mask = None
         if decode:
             max_len = caches[0][0].shape[2]
             mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h = self.embed(ids)
         for blk, (kc, vc) in zip(self.blocks, caches, strict=True):
-            h = blk(h, cos, sin, kc, vc, pos, mask)
+            h = blk(h, tables, kc, vc, pos, mask)
         logits = self.lm_head(self.norm(h[:, -1]))
         return logits.argmax(-1)
 
