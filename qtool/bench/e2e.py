@@ -4,9 +4,10 @@ grouped_int, both under CUDA graphs with a static KV cache.
 The decoder here is deliberately small and self-contained (RMSNorm, RoPE, grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU MLP) so that every step is capturable: positions and cache writes are
 device tensors, nothing synchronizes with the host. Linear layers are either `nn.Linear` (FP16) or
-`GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, the rotary
-embedding and the KV-cache write run as one fused kernel (qtool/cuda/rope_cache.py, bit-identical to the torch
-form here) for both models.
+`GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
+the step's small operations as fused kernels: the rotary embedding with the KV-cache write
+(qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
+(qtool/cuda/rms_norm.py) and the SwiGLU activation (qtool/cuda/swiglu.py).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def dims_for(name: str) -> Dims:
 
 
 class RMSNorm(nn.Module):
+    eps = 1e-5
+
     def __init__(self, dim: int, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,12 +68,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-# Fused rotary embedding + cache write on CUDA (set False for the torch form, e.g. to measure what it saves).
+# Fused kernels on CUDA (set False for the torch forms, e.g. to measure what each saves): rotary embedding + cache
+# write, residual add + RMSNorm, SwiGLU.
 FUSED_ROPE = True
+FUSED_NORM = True
+FUSED_SWIGLU = True
 
 
-def _fused_rope_available(device: torch.device) -> bool:
-    if not FUSED_ROPE or device.type != "cuda":
+def _fusable(flag: bool, device: torch.device, width: int, multiple: int) -> bool:
+    if not flag or device.type != "cuda" or width % multiple:
         return False
     from qtool.cuda import compile as cc  # noqa: PLC0415
 
@@ -82,7 +88,9 @@ class Block(nn.Module):
         super().__init__()
         hd = d.head_dim
         self.d = d
-        self.fused_rope = _fused_rope_available(device)
+        self.fused_rope = _fusable(FUSED_ROPE, device, hd, 2)
+        self.fused_norm = _fusable(FUSED_NORM, device, d.hidden, 8)
+        self.fused_swiglu = _fusable(FUSED_SWIGLU, device, d.intermediate, 8)
         # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
@@ -92,11 +100,24 @@ class Block(nn.Module):
         self.n1 = RMSNorm(d.hidden, device)
         self.n2 = RMSNorm(d.hidden, device)
 
-    def forward(self, h: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], kc: torch.Tensor,
-                vc: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + y, norm(h + y)); y None: (h, norm(h))."""
+        if self.fused_norm:
+            from qtool.cuda.rms_norm import add_rms_norm  # noqa: PLC0415
+
+            return add_rms_norm(h, y, norm.weight, norm.eps)
+        if y is not None:
+            h = h + y
+        return h, norm(h)
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor],
+                kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h with the previous block's output y still to be added (None for the first block),
+        so that the add runs inside this block's first normalization. Returns (h, this block's output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
-        x = self.n1(h)
+        h, x = self._add_norm(h, y, self.n1)
         qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd)
         if self.fused_rope:
             from qtool.cuda.rope_cache import rope_cache  # noqa: PLC0415
@@ -117,9 +138,16 @@ class Block(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
-        h = h + self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd))
-        gate, up = self.gate_up(self.n2(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h, x = self._add_norm(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2)
+        gu = self.gate_up(x)
+        if self.fused_swiglu:
+            from qtool.cuda.swiglu import swiglu  # noqa: PLC0415
+
+            act = swiglu(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h, self.down(act)
 
 
 class Decoder(nn.Module):
@@ -147,10 +175,10 @@ class Decoder(nn.Module):
         if decode:
             max_len = caches[0][0].shape[2]
             mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
-        h = self.embed(ids)
+        h, y = self.embed(ids), None
         for blk, (kc, vc) in zip(self.blocks, caches, strict=True):
-            h = blk(h, tables, kc, vc, pos, mask)
-        logits = self.lm_head(self.norm(h[:, -1]))
+            h, y = blk(h, y, tables, kc, vc, pos, mask)
+        logits = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
         return logits.argmax(-1)
 
 

@@ -295,6 +295,12 @@ def i32(v: int) -> Any:
     return np.int32(v)
 
 
+def f32(v: float) -> Any:
+    import numpy as np  # noqa: PLC0415
+
+    return np.float32(v)
+
+
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
            device: int | None = None) -> None:
     global _HANDLE_OK

@@ -67,6 +67,38 @@ def test_rope_cache_refuses_bad_input_in_one_line():
         rope_cache(qkv, table.float(), table, pos, cache, cache, 2, 2)
 
 
+def _decode_run(e2e, d, dev):
+    torch.manual_seed(0)
+    model = e2e.Decoder(d, e2e.fp16_linear(dev), dev)
+    tables = model.rope_tables(64, dev)
+    shape = (2, d.kv_heads, 32, d.head_dim)
+    cache = [(torch.zeros(shape, dtype=torch.float16, device=dev), torch.zeros(shape, dtype=torch.float16,
+              device=dev)) for _ in range(d.layers)]
+    with torch.inference_mode():
+        prefill = model(torch.arange(32, device=dev).remainder(d.vocab)[None].repeat(2, 1),
+                        torch.arange(32, device=dev), cache, tables, decode=False)
+        step = model(torch.tensor([[3], [5]], device=dev), torch.tensor([9], device=dev), cache, tables, decode=True)
+    return model, synced(prefill).tolist(), step.tolist(), [c[0].clone() for c in cache]
+
+
+def test_bench_decoder_fused_kernels_match_torch_forms(monkeypatch):
+    """All fused kernels of the bench decoder against all torch forms: caches within float16 rounding of each
+    other (the normalization sums its squares in another order)."""
+    from qtool.bench import e2e
+
+    d = e2e.dims_for("tiny")
+    dev = torch.device("cuda")
+    runs = {}
+    for fused in (True, False):
+        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU"):
+            monkeypatch.setattr(e2e, flag, fused)
+        runs[fused] = _decode_run(e2e, d, dev)
+        blk = runs[fused][0].blocks[0]
+        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu) == (fused,) * 3
+    for a, b in zip(runs[True][3], runs[False][3], strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
 def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     from qtool.bench import e2e
 

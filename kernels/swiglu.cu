@@ -1,0 +1,31 @@
+// SwiGLU activation of the fused gate/up projection: out[r, i] = silu(gu[r, i]) * gu[r, I + i], with silu(g) =
+// g / (1 + exp(-g)) in float32 rounded to float16 and the product rounded to float16, as torch's F.silu and half
+// multiply compute them (qtool/bench/e2e.py): one kernel instead of two. Rows of 2I float16, I % 8 == 0
+// (qtool/cuda/swiglu.py checks).
+#include "ptx_common.cuh"
+
+__device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
+    const float x = h2f(g);
+    const u16 s = f2h(x / (1.0f + expf(-x)));
+    return f2h(h2f(s) * h2f(u));
+}
+
+extern "C" __global__ void __launch_bounds__(256) swiglu_f16(const u16* __restrict__ gu, u16* __restrict__ out,
+                                                            int R, int I) {
+    const int pieces = I >> 3;
+    const long long total = (long long)R * pieces;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / pieces;
+        const int p = (int)(e % pieces);
+        const uint4 g = reinterpret_cast<const uint4*>(gu + r * 2 * I)[p];
+        const uint4 u = reinterpret_cast<const uint4*>(gu + r * 2 * I + I)[p];
+        const u32 a[4] = {g.x, g.y, g.z, g.w}, b[4] = {u.x, u.y, u.z, u.w};
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            o[j] = (u32)swiglu1((u16)(a[j] & 0xFFFFu), (u16)(b[j] & 0xFFFFu)) |
+                   ((u32)swiglu1((u16)(a[j] >> 16), (u16)(b[j] >> 16)) << 16);
+        reinterpret_cast<uint4*>(out + r * I)[p] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}

@@ -1,0 +1,49 @@
+"""Residual add fused with RMSNorm (kernels/rms_norm.cu): one kernel per normalization of the decode step instead
+of torch's add and normalization kernels. The sum is bit-identical to torch's half add; the normalized rows agree
+with torch's rms_norm to float16 rounding (the squares are summed in another order)."""
+
+from __future__ import annotations
+
+import torch
+
+from qtool.cuda import compile as cc
+
+SOURCE = "rms_norm.cu"
+THREADS = 256
+
+
+def supported(h: torch.Tensor) -> bool:
+    """Whether the kernel takes rows like h's last dimension (multiples of 8 float16, 16-byte aligned rows)."""
+    return h.dtype == torch.float16 and h.is_cuda and h.shape[-1] % 8 == 0
+
+
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + y, rms_norm(h + y) * weight) for float16 rows [..., D]; with y None, (h, rms_norm(h) * weight).
+    `out` (like h) receives the normalized rows when given."""
+    d = h.shape[-1]
+    named = (("h", h), ("weight", weight)) + ((("y", y),) if y is not None else ())
+    for name, x in named:
+        if x.dtype != torch.float16 or not x.is_cuda or not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError(f"{name}: found {x.dtype} on {x.device} (contiguous: {x.is_contiguous()}), expected "
+                             f"contiguous 16-byte aligned float16 on CUDA")
+    if d % 8 or weight.shape != (d,) or (y is not None and y.shape != h.shape):
+        raise ValueError(f"add_rms_norm: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, weight "
+                         f"{list(weight.shape)}; expected rows of a multiple of 8, y like h, weight [D]")
+    rows = h.numel() // d
+    hs = torch.empty_like(h) if y is not None else h
+    if out is None:
+        out = torch.empty_like(h)
+    elif out.dtype != torch.float16 or out.shape != h.shape or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous 16-byte aligned float16 "
+                         f"{list(h.shape)}")
+    if rows == 0:
+        return hs, out
+    dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
+    cc.launch(
+        cc.load_module(SOURCE, device=dev).fn("add_rms_norm_f16"), (rows,), (THREADS,),
+        (cc.ptr(h), cc.ptr(y), cc.ptr(weight), cc.ptr(hs if y is not None else None), cc.ptr(out), cc.i32(d),
+         cc.f32(eps)),
+        device=dev,
+    )
+    return hs, out

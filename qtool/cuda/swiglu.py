@@ -1,0 +1,39 @@
+"""SwiGLU of a fused gate/up projection (kernels/swiglu.cu): silu(gate) * up in one kernel, each step rounded to
+float16 as torch's F.silu and half multiply round it."""
+
+from __future__ import annotations
+
+import torch
+
+from qtool.cuda import compile as cc
+
+SOURCE = "swiglu.cu"
+THREADS = 256
+
+
+def supported(gu: torch.Tensor) -> bool:
+    """Whether the kernel takes gate/up rows like gu's (float16, halves of a multiple of 8)."""
+    return gu.dtype == torch.float16 and gu.is_cuda and gu.shape[-1] % 16 == 0
+
+
+def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gu float16 [..., 2I] (gate columns, then up columns) -> silu(gate) * up [..., I] (into `out` if given)."""
+    if not supported(gu) or not gu.is_contiguous() or gu.data_ptr() % 16:
+        raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)} on {gu.device} (contiguous: {gu.is_contiguous()}),"
+                         f" expected contiguous 16-byte aligned float16 on CUDA with a last dimension divisible by 16")
+    i = gu.shape[-1] // 2
+    rows = gu.numel() // (2 * i)
+    shape = (*gu.shape[:-1], i)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float16, device=gu.device)
+    elif out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous 16-byte aligned float16 "
+                         f"{list(shape)}")
+    if rows == 0:
+        return out
+    dev = gu.device.index if gu.device.index is not None else torch.cuda.current_device()
+    total = rows * (i // 8)
+    blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
+    cc.launch(cc.load_module(SOURCE, device=dev).fn("swiglu_f16"), (blocks,), (THREADS,),
+              (cc.ptr(gu), cc.ptr(out), cc.i32(rows), cc.i32(i)), device=dev)
+    return out
