@@ -7,7 +7,8 @@ device tensors, nothing synchronizes with the host. Linear layers are either `nn
 `GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
 the step's small operations as fused kernels: the rotary embedding with the KV-cache write
 (qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
-(qtool/cuda/rms_norm.py) and the SwiGLU activation (qtool/cuda/swiglu.py).
+(qtool/cuda/rms_norm.py), the SwiGLU activation (qtool/cuda/swiglu.py) and a decode step's attention over the
+cache (qtool/cuda/decode_attention.py).
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 # Fused kernels on CUDA (set False for the torch forms, e.g. to measure what each saves): rotary embedding + cache
-# write, residual add + RMSNorm, SwiGLU.
+# write, residual add + RMSNorm, SwiGLU, one-token attention over the cache.
 FUSED_ROPE = True
 FUSED_NORM = True
 FUSED_SWIGLU = True
+FUSED_ATTENTION = True
 
 
 def _fusable(flag: bool, device: torch.device, width: int, multiple: int) -> bool:
@@ -91,6 +93,8 @@ class Block(nn.Module):
         self.fused_rope = _fusable(FUSED_ROPE, device, hd, 2)
         self.fused_norm = _fusable(FUSED_NORM, device, d.hidden, 8)
         self.fused_swiglu = _fusable(FUSED_SWIGLU, device, d.intermediate, 8)
+        # reads the rotary kernel's query layout
+        self.fused_attention = self.fused_rope and _fusable(FUSED_ATTENTION, device, hd, 2) and hd <= 256
         # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
@@ -136,6 +140,10 @@ class Block(nn.Module):
             vc.index_copy_(2, pos, v)
         if mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
+        elif self.fused_attention and t == 1:
+            from qtool.cuda.decode_attention import decode_attention  # noqa: PLC0415
+
+            a = decode_attention(q, kc, vc, pos).transpose(1, 2)  # a view of [B, 1, H, D], as attention returns
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
         h, x = self._add_norm(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2)

@@ -1,6 +1,7 @@
 """The fused rotary-embedding + KV-cache kernel (qtool/cuda/rope_cache.py) against its torch form (the bench
 decoder's `rope` and two `index_copy_`): bit-identical queries and caches on fresh random inputs, untouched cache
-positions left alone, and a decode step of the bench decoder that gives the same token either way."""
+positions left alone, and a decode step of the bench decoder that gives the same token either way. Also the
+bench decoder with all its fused kernels against all the torch forms."""
 
 from __future__ import annotations
 
@@ -90,11 +91,11 @@ def test_bench_decoder_fused_kernels_match_torch_forms(monkeypatch):
     dev = torch.device("cuda")
     runs = {}
     for fused in (True, False):
-        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU"):
+        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU", "FUSED_ATTENTION"):
             monkeypatch.setattr(e2e, flag, fused)
         runs[fused] = _decode_run(e2e, d, dev)
         blk = runs[fused][0].blocks[0]
-        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu) == (fused,) * 3
+        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu, blk.fused_attention) == (fused,) * 4
     for a, b in zip(runs[True][3], runs[False][3], strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
 
@@ -105,6 +106,7 @@ def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     d = e2e.dims_for("tiny")
     dev = torch.device("cuda")
     tokens = {}
+    monkeypatch.setattr(e2e, "FUSED_ATTENTION", False)  # it needs the fused rotary kernel's layout: off in both
     for fused in (True, False):
         monkeypatch.setattr(e2e, "FUSED_ROPE", fused)
         torch.manual_seed(0)

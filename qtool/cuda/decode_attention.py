@@ -1,0 +1,49 @@
+"""One decode step's attention over a static KV cache (kernels/decode_attention.cu): a block per sequence and
+query head, float32 softmax, output in the [B, 1, H, D] layout the output projection reads. It replaces
+`scaled_dot_product_attention` with an `arange(L) <= pos` mask plus the transposing copy after it; results agree
+with a float64 reference to float16 rounding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qtool.cuda import compile as cc
+
+SOURCE = "decode_attention.cu"
+THREADS = 256
+MAX_HEAD_DIM = 256
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q float16 [B, H, 1, D]; caches kc/vc float16 [B, KVH, L, D] (H a multiple of KVH); pos int64 [1]: the step
+    attends to cache positions 0..pos. Returns (or fills `out`) float16 [B, 1, H, D]."""
+    for name, x in (("q", q), ("kc", kc), ("vc", vc)):
+        if x.dtype != torch.float16 or not x.is_cuda or not x.is_contiguous() or x.dim() != 4:
+            raise ValueError(f"{name}: found {x.dtype} {list(x.shape)} on {x.device} (contiguous: "
+                             f"{x.is_contiguous()}), expected a contiguous 4-d float16 CUDA tensor")
+    b, h, t, d = q.shape
+    kvh, length = kc.shape[1], kc.shape[2]
+    if t != 1 or kc.shape != vc.shape or kc.shape[0] != b or kc.shape[3] != d or h % kvh or d % 2 \
+            or d > MAX_HEAD_DIM:
+        raise ValueError(f"decode_attention: found q {list(q.shape)}, caches {list(kc.shape)} and {list(vc.shape)}; "
+                         f"expected one query token, equal caches [B, KVH, L, D] with H a multiple of KVH and an "
+                         f"even D <= {MAX_HEAD_DIM}")
+    if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
+    shape = (b, 1, h, d)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float16, device=q.device)
+    elif out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {list(shape)}")
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    smem = 4 * (length + d + THREADS // 32 * d)
+    fn = cc.load_module(SOURCE, device=dev).fn("decode_attention_f16")
+    cc.allow_shared_memory(fn, smem)
+    cc.launch(fn, (b * h,), (THREADS,),
+              (cc.ptr(q), cc.ptr(kc), cc.ptr(vc), cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length),
+               cc.i32(d), cc.f32(1.0 / math.sqrt(d))),
+              shared_mem=smem, device=dev)
+    return out
