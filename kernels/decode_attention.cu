@@ -23,6 +23,19 @@ __device__ __forceinline__ float warp_max_f(float v) {
 constexpr int PPL = 4;   // column pairs per lane: D <= 256
 constexpr int ROWS = 8;  // cache rows a warp loads at once
 
+// This lane's column pairs (lane + 32 j) of cache rows l0 .. l0 + ROWS - 1, zero past row n or the row's end: all
+// loads issued before any is used.
+__device__ __forceinline__ void load_rows(u32 (&x)[ROWS][PPL], const u32* __restrict__ rows, int l0, int n, int pairs,
+                                          int lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+            const int l = l0 + r, d2 = lane + 32 * j;
+            x[r][j] = l < n && d2 < pairs ? rows[(size_t)l * pairs + d2] : 0u;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(256) decode_attention_f16(const u16* __restrict__ q,
                                                                       const u16* __restrict__ kc,
                                                                       const u16* __restrict__ vc,
@@ -49,13 +62,7 @@ extern "C" __global__ void __launch_bounds__(256) decode_attention_f16(const u16
     float mx = -3.0e38f;
     for (int l0 = warp * ROWS; l0 < n; l0 += warps * ROWS) {
         u32 kv[ROWS][PPL];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-            for (int j = 0; j < PPL; ++j) {
-                const int l = l0 + r, d2 = lane + 32 * j;
-                kv[r][j] = l < n && d2 < pairs ? K32[(size_t)l * pairs + d2] : 0u;
-            }
+        load_rows(kv, K32, l0, n, pairs, lane);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             float acc = 0.f;
@@ -98,13 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) decode_attention_f16(const u16
     const u32* V32 = reinterpret_cast<const u32*>(V);
     for (int l0 = warp * ROWS; l0 < n; l0 += warps * ROWS) {
         u32 vv[ROWS][PPL];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-            for (int j = 0; j < PPL; ++j) {
-                const int l = l0 + r, d2 = lane + 32 * j;
-                vv[r][j] = l < n && d2 < pairs ? V32[(size_t)l * pairs + d2] : 0u;
-            }
+        load_rows(vv, V32, l0, n, pairs, lane);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float pl = l0 + r < n ? s[l0 + r] : 0.f;

@@ -109,18 +109,7 @@ def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     monkeypatch.setattr(e2e, "FUSED_ATTENTION", False)  # it needs the fused rotary kernel's layout: off in both
     for fused in (True, False):
         monkeypatch.setattr(e2e, "FUSED_ROPE", fused)
-        torch.manual_seed(0)
-        model = e2e.Decoder(d, e2e.fp16_linear(dev), dev)
+        model, *tokens[fused] = _decode_run(e2e, d, dev)
         assert model.blocks[0].fused_rope is fused
-        tables = model.rope_tables(64, dev)
-        shape = (2, d.kv_heads, 32, d.head_dim)
-        cache = [(torch.zeros(shape, dtype=torch.float16, device=dev), torch.zeros(shape, dtype=torch.float16,
-                  device=dev)) for _ in range(d.layers)]
-        with torch.inference_mode():
-            prefill = model(torch.arange(32, device=dev).remainder(d.vocab)[None].repeat(2, 1),
-                            torch.arange(32, device=dev), cache, tables, decode=False)
-            step = model(torch.tensor([[3], [5]], device=dev), torch.tensor([9], device=dev), cache, tables,
-                         decode=True)
-        tokens[fused] = (synced(prefill).tolist(), step.tolist(), [c[0].clone() for c in cache])
     assert tokens[True][:2] == tokens[False][:2]
     assert all(torch.equal(a, b) for a, b in zip(tokens[True][2], tokens[False][2], strict=True))
