@@ -12,11 +12,6 @@ SOURCE = "rms_norm.cu"
 THREADS = 256
 
 
-def supported(h: torch.Tensor) -> bool:
-    """Whether the kernel takes rows like h's last dimension (multiples of 8 float16, 16-byte aligned rows)."""
-    return h.dtype == torch.float16 and h.is_cuda and h.shape[-1] % 8 == 0
-
-
 def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + y, rms_norm(h + y) * weight) for float16 rows [..., D]; with y None, (h, rms_norm(h) * weight).

@@ -11,14 +11,10 @@ SOURCE = "swiglu.cu"
 THREADS = 256
 
 
-def supported(gu: torch.Tensor) -> bool:
-    """Whether the kernel takes gate/up rows like gu's (float16, halves of a multiple of 8)."""
-    return gu.dtype == torch.float16 and gu.is_cuda and gu.shape[-1] % 16 == 0
-
-
 def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gu float16 [..., 2I] (gate columns, then up columns) -> silu(gate) * up [..., I] (into `out` if given)."""
-    if not supported(gu) or not gu.is_contiguous() or gu.data_ptr() % 16:
+    if gu.dtype != torch.float16 or not gu.is_cuda or gu.shape[-1] % 16 or not gu.is_contiguous() \
+            or gu.data_ptr() % 16:
         raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)} on {gu.device} (contiguous: {gu.is_contiguous()}),"
                          f" expected contiguous 16-byte aligned float16 on CUDA with a last dimension divisible by 16")
     i = gu.shape[-1] // 2
