@@ -98,12 +98,17 @@ def cupy_available() -> bool:
 _ARCHS: dict[int, str] = {}
 
 
+def device_index(device: torch.device) -> int:
+    """The ordinal of a CUDA device ("cuda" without an index means the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def target_arch(device: torch.device | int | None = None) -> str:
     """NVRTC target of a CUDA device (cached: the dispatch asks on every call)."""
     if device is None:
         idx = torch.cuda.current_device()
     elif isinstance(device, torch.device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+        idx = device_index(device)
     else:
         idx = int(device)
     arch = _ARCHS.get(idx)

@@ -38,7 +38,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
         out = torch.empty(shape, dtype=torch.float16, device=q.device)
     elif out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {list(shape)}")
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(q.device)
     smem = 4 * (length + d + THREADS // 32 * d)
     fn = cc.load_module(SOURCE, device=dev).fn("decode_attention_f16")
     cc.allow_shared_memory(fn, smem)

@@ -176,7 +176,7 @@ def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: tor
         out = torch.empty(m, p.out_features, dtype=torch.float16, device=x.device)
     elif out.dtype != torch.float16 or tuple(out.shape) != (m, p.out_features) or not out.is_contiguous():
         raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {[m, p.out_features]}")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(x.device)
     return x2, out, m, dev
 
 
@@ -261,7 +261,7 @@ def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tenso
         out = torch.empty(n, p.kp, dtype=dtype, device=p.qweight.device)
     elif out.dtype != dtype or tuple(out.shape) != (n, p.kp) or not out.is_contiguous():
         raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous {dtype} {[n, p.kp]}")
-    dev = p.qweight.device.index if p.qweight.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(p.qweight.device)
     mod = cc.load_module(SOURCE, device=dev)
     octs = n * (p.kp // 8)  # one thread per 8 codes
     name = f"grouped_int_dequant_b{p.bits}_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
@@ -430,7 +430,7 @@ def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = Non
     m = x2.shape[0]
     if PREFILL_CHUNKS <= 1 or m < PREFILL_OVERLAP_MIN_M or n < 256 * PREFILL_CHUNKS:
         return F.linear(x, dequantize(p, x.dtype)[:, :k], bias)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(x.device)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     per_chunk = -(-n // PREFILL_CHUNKS)

@@ -178,7 +178,7 @@ def prepare(layer: torch.nn.Module) -> QuikPrepared:
 
 
 def _module(dev: torch.device) -> cc.KernelModule:
-    return cc.load_module(SOURCE, device=dev.index if dev.index is not None else torch.cuda.current_device())
+    return cc.load_module(SOURCE, device=cc.device_index(dev))
 
 
 @dataclass
@@ -449,7 +449,7 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         smem = stages * ws_stage_bytes(tn, p.bits) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
         if kernel == "wsp":
             smem += wsp_epilogue_bytes(tn, p.bits, stages)
-            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            idx = cc.device_index(dev)
             tiles = min(tiles, blocks or cc.sm_count(idx))
         fn = _module(dev).fn(f"quik_gemm_{kernel}_w{p.bits}_n{tn}_s{stages}")
         ma = _ACT_MAPS.get(a.codes, 128, tn, 128)
@@ -470,7 +470,7 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
     smem = stages * (tn * 128 + ROWS * 128) + 1024
     cc.allow_shared_memory(fn, smem)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx = cc.device_index(dev)
     steps = kt + kto
     tiles = grid[0] * grid[1]
     splittable = fused and tn <= SPLIT_MAX_TOKENS

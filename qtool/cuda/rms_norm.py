@@ -34,7 +34,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
                          f"{list(h.shape)}")
     if rows == 0:
         return hs, out
-    dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(h.device)
     cc.launch(
         cc.load_module(SOURCE, device=dev).fn("add_rms_norm_f16"), (rows,), (THREADS,),
         (cc.ptr(h), cc.ptr(y), cc.ptr(weight), cc.ptr(hs if y is not None else None), cc.ptr(out), cc.i32(d),

@@ -32,7 +32,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
         raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on "
                          f"{qkv.device}")
     q = torch.empty(b, heads, t, d, dtype=torch.float16, device=qkv.device)
-    dev = qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(qkv.device)
     total = b * t * (heads + 2 * kv_heads) * (d // 2)
     blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
     cc.launch(

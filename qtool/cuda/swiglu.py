@@ -27,7 +27,7 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
                          f"{list(shape)}")
     if rows == 0:
         return out
-    dev = gu.device.index if gu.device.index is not None else torch.cuda.current_device()
+    dev = cc.device_index(gu.device)
     total = rows * (i // 8)
     blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
     cc.launch(cc.load_module(SOURCE, device=dev).fn("swiglu_f16"), (blocks,), (THREADS,),

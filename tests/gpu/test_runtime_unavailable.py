@@ -73,3 +73,7 @@ def test_dispatch_rule():
     for n, nt, kp in [(4096, 1, 4096), (11008, 2, 4096), (17, 8, 128), (4096, 8, 11008)]:
         w = gemv_warps(n, nt, kp, 4, 132)
         assert 1 <= w <= 16 and w * nt * 4 * 32 * 4 <= 48 * 1024
+
+
+def test_device_index_takes_the_ordinal_given():
+    assert cc.device_index(torch.device("cuda", 3)) == 3
