@@ -340,10 +340,13 @@ def wsp_epilogue_bytes(tn: int, bits: int, stages: int) -> int:
 
 def ws_rings(kernel: str, bits: int, tn: int) -> tuple[int, ...]:
     """The ring depths built for warp-specialized kernel `kernel` ("ws" or "wsp") at tiles of tn tokens."""
-    table = WS_TILES if kernel == "ws" else WSP_TILES if bits == 8 else {t: r[0] for t, r in WSP_RINGS_W4.items()}
+    if kernel == "wsp" and bits == 4:
+        table = WSP_RINGS_W4
+    else:
+        table = {t: (st,) for t, st in (WS_TILES if kernel == "ws" else WSP_TILES).items()}
     if tn not in table:
         raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of {sorted(table)}")
-    return WSP_RINGS_W4[tn] if kernel == "wsp" and bits == 4 else (table[tn],)
+    return table[tn]
 
 
 def ws_stages(kernel: str, bits: int, tn: int, steps: int) -> int:
