@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qtool.cuda.grouped_int import choose_path
+from qtool.cuda.grouped_int import choose_path, fma_long_rows
 
 F16 = torch.float16
 
@@ -48,3 +48,14 @@ def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
     assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 4096
     monkeypatch.delenv("QTOOL_MMA_LONG_MIN_K")
     assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 8192
+
+
+def test_long_rows_take_the_register_capped_fma_entry():
+    assert fma_long_rows(4, 1, False, 344, 11)  # K = 11008
+    assert fma_long_rows(4, 1, False, 384, 12)  # K = 12288
+    assert not fma_long_rows(4, 1, False, 128, 4)  # K = 4096: the cap measured slower
+    assert not fma_long_rows(4, 1, False, 448, 14)  # K = 14336: not measured, more threads than the cap
+    assert not fma_long_rows(8, 1, False, 344, 11)  # 8-bit takes the persistent grid
+    assert not fma_long_rows(4, 2, False, 344, 11)  # entry built for one token
+    assert not fma_long_rows(4, 1, True, 344, 11)  # persistent grid
+    assert not fma_long_rows(4, 1, False, 344, 16)  # 512 threads do not fit its 384-thread bound
