@@ -103,6 +103,27 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def check_f16(name: str, t: torch.Tensor, aligned: bool = False) -> None:
+    """One-line error naming `name` unless `t` is a contiguous float16 CUDA tensor (with a 16-byte aligned start
+    when `aligned`: the kernels' 16-byte loads)."""
+    if t.dtype != torch.float16 or not t.is_cuda or not t.is_contiguous() or (aligned and t.data_ptr() % 16):
+        raise ValueError(f"{name}: found {t.dtype} {list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}), "
+                         f"expected contiguous {'16-byte aligned ' if aligned else ''}float16 on CUDA")
+
+
+def f16_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device,
+            aligned: bool = False) -> torch.Tensor:
+    """A kernel's float16 output: `out` checked against `shape` (one-line error), or a new tensor."""
+    shape = tuple(shape)
+    if out is None:
+        return torch.empty(shape, dtype=torch.float16, device=device)
+    if out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous() \
+            or (aligned and out.data_ptr() % 16):
+        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous "
+                         f"{'16-byte aligned ' if aligned else ''}float16 {list(shape)}")
+    return out
+
+
 def target_arch(device: torch.device | int | None = None) -> str:
     """NVRTC target of a CUDA device (cached: the dispatch asks on every call)."""
     if device is None:

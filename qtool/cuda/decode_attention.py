@@ -34,10 +34,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
     if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
     shape = (b, 1, h, d)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float16, device=q.device)
-    elif out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous():
-        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {list(shape)}")
+    out = cc.f16_out(out, shape, q.device)
     dev = cc.device_index(q.device)
     smem = 4 * (length + d + THREADS // 32 * d)
     fn = cc.load_module(SOURCE, device=dev).fn("decode_attention_f16")

@@ -175,10 +175,7 @@ def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: tor
     x2 = _pad_activations(x2, p.kp)
     if bias is not None and (bias.dtype != torch.float16 or bias.numel() != p.out_features):
         raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{p.out_features}]")
-    if out is None:
-        out = torch.empty(m, p.out_features, dtype=torch.float16, device=x.device)
-    elif out.dtype != torch.float16 or tuple(out.shape) != (m, p.out_features) or not out.is_contiguous():
-        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous float16 {[m, p.out_features]}")
+    out = cc.f16_out(out, (m, p.out_features), x.device)
     dev = cc.device_index(x.device)
     return x2, out, m, dev
 

@@ -19,19 +19,13 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     d = h.shape[-1]
     named = (("h", h), ("weight", weight)) + ((("y", y),) if y is not None else ())
     for name, x in named:
-        if x.dtype != torch.float16 or not x.is_cuda or not x.is_contiguous() or x.data_ptr() % 16:
-            raise ValueError(f"{name}: found {x.dtype} on {x.device} (contiguous: {x.is_contiguous()}), expected "
-                             f"contiguous 16-byte aligned float16 on CUDA")
+        cc.check_f16(name, x, aligned=True)
     if d % 8 or weight.shape != (d,) or (y is not None and y.shape != h.shape):
         raise ValueError(f"add_rms_norm: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, weight "
                          f"{list(weight.shape)}; expected rows of a multiple of 8, y like h, weight [D]")
     rows = h.numel() // d
     hs = torch.empty_like(h) if y is not None else h
-    if out is None:
-        out = torch.empty_like(h)
-    elif out.dtype != torch.float16 or out.shape != h.shape or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous 16-byte aligned float16 "
-                         f"{list(h.shape)}")
+    out = cc.f16_out(out, h.shape, h.device, aligned=True)
     if rows == 0:
         return hs, out
     dev = cc.device_index(h.device)

@@ -21,9 +21,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
         raise ValueError(f"qkv: found {list(qkv.shape)}, expected [B, T, {heads + 2 * kv_heads}, even D]")
     b, t, _, d = qkv.shape
     for name, x in (("qkv", qkv), ("cos", cos), ("sin", sin), ("kc", kc), ("vc", vc)):
-        if x.dtype != torch.float16 or not x.is_cuda or not x.is_contiguous():
-            raise ValueError(f"{name}: found {x.dtype} on {x.device} (contiguous: {x.is_contiguous()}), expected "
-                             f"contiguous float16 on CUDA")
+        cc.check_f16(name, x)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2:
         raise ValueError(f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each")
     if kc.shape != vc.shape or tuple(kc.shape[:2]) != (b, kv_heads) or kc.shape[3] != d:

@@ -20,11 +20,7 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     i = gu.shape[-1] // 2
     rows = gu.numel() // (2 * i)
     shape = (*gu.shape[:-1], i)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float16, device=gu.device)
-    elif out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous 16-byte aligned float16 "
-                         f"{list(shape)}")
+    out = cc.f16_out(out, shape, gu.device, aligned=True)
     if rows == 0:
         return out
     dev = cc.device_index(gu.device)

@@ -77,3 +77,16 @@ def test_dispatch_rule():
 
 def test_device_index_takes_the_ordinal_given():
     assert cc.device_index(torch.device("cuda", 3)) == 3
+
+
+def test_f16_checks_are_one_line_errors_naming_the_tensor():
+    with pytest.raises(ValueError, match=r"^x: found torch.float16 \[2, 8\] on cpu .*expected contiguous float16 on CUDA$"):
+        cc.check_f16("x", torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^out: found torch.float32 \[3\], expected contiguous 16-byte aligned float16 \[3\]$"):
+        cc.f16_out(torch.zeros(3), (3,), torch.device("cpu"), aligned=True)
+    with pytest.raises(ValueError, match=r"expected contiguous float16 \[2, 4\]$"):
+        cc.f16_out(torch.zeros(4, 2, dtype=torch.float16).t(), (2, 4), torch.device("cpu"))
+    out = torch.zeros(2, 4, dtype=torch.float16)
+    assert cc.f16_out(out, (2, 4), out.device) is out
+    fresh = cc.f16_out(None, (2, 4), torch.device("cpu"))
+    assert fresh.shape == (2, 4) and fresh.dtype == torch.float16
