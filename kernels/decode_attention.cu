@@ -6,6 +6,9 @@
 //
 // q [B, H, 1, D] float16 (the fused rotary kernel's output), kc/vc [B, KVH, L, D], D even and at most 256
 // (qtool/cuda/decode_attention.py checks); dynamic shared memory: L + D + warps * D floats.
+//
+// A programmatic dependent (qtool/cuda/dependent_launch.py): q, the caches and the position come from the kernels
+// ahead, so they are read after the wait through coherent loads.
 #include "ptx_common.cuh"
 
 __device__ __forceinline__ float warp_sum_f(float v) {
@@ -32,7 +35,7 @@ __device__ __forceinline__ void load_rows(u32 (&x)[ROWS][PPL], const u32* __rest
 #pragma unroll
         for (int j = 0; j < PPL; ++j) {
             const int l = l0 + r, d2 = lane + 32 * j;
-            x[r][j] = l < n && d2 < pairs ? rows[(size_t)l * pairs + d2] : 0u;
+            x[r][j] = l < n && d2 < pairs ? ld_dep_u32(rows + (size_t)l * pairs + d2) : 0u;
         }
 }
 
@@ -46,12 +49,14 @@ extern "C" __global__ void __launch_bounds__(256) decode_attention_f16(const u16
     float* s = sm;       // scores [L]
     float* qs = sm + L;  // the scaled query [D]
     __shared__ float red[8];
+    launch_dependents();  // the output projection after it loads its weights before its own wait
+    grid_dependency_wait();
     const int bh = blockIdx.x, b = bh / H, h = bh % H, kvh = h / (H / KVH);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
-    const long long p = pos[0];
+    const long long p = ld_dep_s64(pos);
     const int n = p + 1 < (long long)L ? (int)(p + 1) : L;  // cache positions 0..pos
     const u16* qp = q + (size_t)bh * D;
-    for (int d = tid; d < D; d += blockDim.x) qs[d] = h2f(qp[d]) * scale;
+    for (int d = tid; d < D; d += blockDim.x) qs[d] = h2f(ld_dep_u16(qp + d)) * scale;
     __syncthreads();
     const u16* K = kc + ((size_t)b * KVH + kvh) * L * D;
     const u16* V = vc + ((size_t)b * KVH + kvh) * L * D;

@@ -72,6 +72,18 @@ __device__ __forceinline__ u16 ld_dep_u16(const u16* p) {
     return r;
 }
 
+__device__ __forceinline__ u32 ld_dep_u32(const u32* p) {
+    u32 r;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ long long ld_dep_s64(const long long* p) {
+    long long r;
+    asm volatile("ld.global.s64 %0, [%1];" : "=l"(r) : "l"(p));
+    return r;
+}
+
 // Split-K arrival: once every thread of the block has written its share of the tile's partials, count the block
 // on the tile's counter. True in the tile's last block, which then sees every share's writes (and must reset the
 // counter to zero when it is done).

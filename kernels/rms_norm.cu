@@ -6,6 +6,9 @@
 // fixed cost).
 //
 // Rows of D float16 (D % 8 == 0, 16-byte aligned rows: qtool/cuda/rms_norm.py checks).
+//
+// Launched as a programmatic dependent (qtool/cuda/dependent_launch.py): h and y come from the kernels ahead, so
+// they are read after the wait, through coherent loads; w is a weight and never written by a kernel.
 #include "ptx_common.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -25,6 +28,9 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_f16(const u16* __
                                                                   const u16* __restrict__ w, u16* __restrict__ hs,
                                                                   u16* __restrict__ out, int D, float eps) {
     __shared__ float part[8];
+    // The projection after this normalization streams its weights before it waits for it: let it start now.
+    launch_dependents();
+    grid_dependency_wait();
     const size_t base = (size_t)blockIdx.x * D;
     const uint4* hp = reinterpret_cast<const uint4*>(h + base);
     const uint4* yp = reinterpret_cast<const uint4*>(y + (y ? base : 0));
@@ -32,9 +38,9 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_f16(const u16* __
     const int pieces = D >> 3;
     float ss = 0.f;
     for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
-        uint4 v = hp[p];
+        uint4 v = ld_dep_v4(hp + p);
         if (y) {
-            const uint4 b = yp[p];
+            const uint4 b = ld_dep_v4(yp + p);
             v = make_uint4(add_h2(v.x, b.x), add_h2(v.y, b.y), add_h2(v.z, b.z), add_h2(v.w, b.w));
             sp[p] = v;
         }
@@ -56,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_f16(const u16* __
     const uint4* wp = reinterpret_cast<const uint4*>(w);
     uint4* op = reinterpret_cast<uint4*>(out + base);
     for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
-        const uint4 v = src[p], g = wp[p];
+        const uint4 v = ld_dep_v4(src + p), g = wp[p];
         const u32 a[4] = {v.x, v.y, v.z, v.w}, b[4] = {g.x, g.y, g.z, g.w};
         u32 o[4];
 #pragma unroll

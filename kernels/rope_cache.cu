@@ -8,6 +8,10 @@
 // each product and the sum rounded to float16 as torch's half arithmetic does (qtool/bench/e2e.py rope), so the
 // results are bit-identical to it. Queries go to q [B, H, T, D]; rotated keys to kc[b, h, pos[t], :] and values,
 // unrotated, to vc[b, h, pos[t], :] (caches [B, KVH, L, D]).
+//
+// A programmatic dependent (qtool/cuda/dependent_launch.py): qkv and the positions are read after the wait through
+// coherent loads, and the caches written after it (the attention kernel of the step ahead may still read them
+// until then); the cos/sin tables are constants.
 #include "ptx_common.cuh"
 
 __device__ __forceinline__ u16 mul_h(u16 a, u16 b) { return f2h(h2f(a) * h2f(b)); }
@@ -18,6 +22,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache_f16(const u16* __re
                                                                 const long long* __restrict__ pos, u16* __restrict__ q,
                                                                 u16* __restrict__ kc, u16* __restrict__ vc, int B,
                                                                 int T, int H, int KVH, int D, int L) {
+    launch_dependents();
+    grid_dependency_wait();
     const int half = D >> 1, heads = H + 2 * KVH;
     const long long total = (long long)B * T * heads * half;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
@@ -28,8 +34,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache_f16(const u16* __re
         r /= heads;
         const int t = (int)(r % T), b = (int)(r / T);
         const u16* src = qkv + (((long long)b * T + t) * heads + hh) * D;
-        const u16 x1 = src[i], x2 = src[i + half];
-        const long long p = pos[t];
+        const u16 x1 = ld_dep_u16(src + i), x2 = ld_dep_u16(src + i + half);
+        const long long p = ld_dep_s64(pos + t);
         if (hh >= H + KVH) {  // values: copied into the cache as they are
             u16* dst = vc + (((long long)b * KVH + (hh - H - KVH)) * L + p) * D;
             dst[i] = x1;

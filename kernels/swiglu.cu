@@ -1,7 +1,8 @@
 // SwiGLU activation of the fused gate/up projection: out[r, i] = silu(gu[r, i]) * gu[r, I + i], with silu(g) =
 // g / (1 + exp(-g)) in float32 rounded to float16 and the product rounded to float16, as torch's F.silu and half
 // multiply compute them (qtool/bench/e2e.py): one kernel instead of two. Rows of 2I float16, I % 8 == 0
-// (qtool/cuda/swiglu.py checks).
+// (qtool/cuda/swiglu.py checks). A programmatic dependent: gu is the projection's output, read after the wait
+// through coherent loads.
 #include "ptx_common.cuh"
 
 __device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
@@ -12,14 +13,16 @@ __device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
 
 extern "C" __global__ void __launch_bounds__(256) swiglu_f16(const u16* __restrict__ gu, u16* __restrict__ out,
                                                             int R, int I) {
+    launch_dependents();  // the down projection after it loads its weights before its own wait
+    grid_dependency_wait();
     const int pieces = I >> 3;
     const long long total = (long long)R * pieces;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
         const long long r = e / pieces;
         const int p = (int)(e % pieces);
-        const uint4 g = reinterpret_cast<const uint4*>(gu + r * 2 * I)[p];
-        const uint4 u = reinterpret_cast<const uint4*>(gu + r * 2 * I + I)[p];
+        const uint4 g = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I) + p);
+        const uint4 u = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I + I) + p);
         const u32 a[4] = {g.x, g.y, g.z, g.w}, b[4] = {u.x, u.y, u.z, u.w};
         u32 o[4];
 #pragma unroll

@@ -10,6 +10,7 @@ import math
 import torch
 
 from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
 
 SOURCE = "decode_attention.cu"
 THREADS = 256
@@ -39,8 +40,9 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
     smem = 4 * (length + d + THREADS // 32 * d)
     fn = cc.load_module(SOURCE, device=dev).fn("decode_attention_f16")
     cc.allow_shared_memory(fn, smem)
-    cc.launch(fn, (b * h,), (THREADS,),
-              (cc.ptr(q), cc.ptr(kc), cc.ptr(vc), cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length),
-               cc.i32(d), cc.f32(1.0 / math.sqrt(d))),
-              shared_mem=smem, device=dev)
+    dependent_launch.launch(
+        fn, (b * h,), (THREADS,),
+        (cc.ptr(q), cc.ptr(kc), cc.ptr(vc), cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length),
+         cc.i32(d), cc.f32(1.0 / math.sqrt(d))),
+        shared_mem=smem, device=dev)
     return out

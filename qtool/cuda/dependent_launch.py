@@ -35,8 +35,8 @@ class _Config(ctypes.Structure):
 
 
 _STATE: dict[str, Any] = {"fn": None, "ok": True, "why": ""}
-# The quik and grouped_int kernels start as programmatic dependents of the kernel ahead; False launches them the
-# ordinary way (the tests' and the bench's A/B).
+# The quik and grouped_int kernels and the decode step's fused kernels (norm, rotary, attention, SwiGLU) start as
+# programmatic dependents of the kernel ahead; False launches them the ordinary way (the tests' and the bench's A/B).
 ENABLED = True
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
 
 SOURCE = "rms_norm.cu"
 THREADS = 256
@@ -29,7 +30,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     if rows == 0:
         return hs, out
     dev = cc.device_index(h.device)
-    cc.launch(
+    dependent_launch.launch(
         cc.load_module(SOURCE, device=dev).fn("add_rms_norm_f16"), (rows,), (THREADS,),
         (cc.ptr(h), cc.ptr(y), cc.ptr(weight), cc.ptr(hs if y is not None else None), cc.ptr(out), cc.i32(d),
          cc.f32(eps)),

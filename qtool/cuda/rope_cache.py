@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
 
 SOURCE = "rope_cache.cu"
 THREADS = 256
@@ -33,7 +34,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
     dev = cc.device_index(qkv.device)
     total = b * t * (heads + 2 * kv_heads) * (d // 2)
     blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
-    cc.launch(
+    dependent_launch.launch(
         cc.load_module(SOURCE, device=dev).fn("rope_cache_f16"), (blocks,), (THREADS,),
         (cc.ptr(qkv), cc.ptr(cos), cc.ptr(sin), cc.ptr(pos), cc.ptr(q), cc.ptr(kc), cc.ptr(vc), cc.i32(b), cc.i32(t),
          cc.i32(heads), cc.i32(kv_heads), cc.i32(d), cc.i32(kc.shape[2])),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
 
 SOURCE = "swiglu.cu"
 THREADS = 256
@@ -26,6 +27,6 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     dev = cc.device_index(gu.device)
     total = rows * (i // 8)
     blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
-    cc.launch(cc.load_module(SOURCE, device=dev).fn("swiglu_f16"), (blocks,), (THREADS,),
-              (cc.ptr(gu), cc.ptr(out), cc.i32(rows), cc.i32(i)), device=dev)
+    dependent_launch.launch(cc.load_module(SOURCE, device=dev).fn("swiglu_f16"), (blocks,), (THREADS,),
+                            (cc.ptr(gu), cc.ptr(out), cc.i32(rows), cc.i32(i)), device=dev)
     return out
