@@ -1001,9 +1001,10 @@ struct WsTile {
     enum : int { EPI_TOKENS = 32 };  // the persistent kernel's epilogue chunk (thread stores: 32 x 136 halves)
     // store_tile_tma's 8 KB buffers beside a ring of ST stages: what fits in the 227 KB a block may have, less
     // the alignment slack and the static arrays (s_x, z_x + h s_x, barriers), at most 8
+    __device__ static constexpr int epi_fit(int st) { return (232448 - st * SB - 1024 - 5 * 1024) / 8192; }
     template <int ST>
     __device__ static constexpr int epi_buffers() {
-        return (232448 - ST * SB - 1024 - 5 * 1024) / 8192 > 8 ? 8 : (232448 - ST * SB - 1024 - 5 * 1024) / 8192;
+        return epi_fit(ST) > 8 ? 8 : epi_fit(ST);
     }
 };
 

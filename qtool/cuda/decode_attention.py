@@ -22,16 +22,15 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
     """q float16 [B, H, 1, D]; caches kc/vc float16 [B, KVH, L, D] (H a multiple of KVH); pos int64 [1]: the step
     attends to cache positions 0..pos. Returns (or fills `out`) float16 [B, 1, H, D]."""
     for name, x in (("q", q), ("kc", kc), ("vc", vc)):
-        if x.dtype != torch.float16 or not x.is_cuda or not x.is_contiguous() or x.dim() != 4:
-            raise ValueError(f"{name}: found {x.dtype} {list(x.shape)} on {x.device} (contiguous: "
-                             f"{x.is_contiguous()}), expected a contiguous 4-d float16 CUDA tensor")
-    b, h, t, d = q.shape
-    kvh, length = kc.shape[1], kc.shape[2]
-    if t != 1 or kc.shape != vc.shape or kc.shape[0] != b or kc.shape[3] != d or h % kvh or d % 2 \
-            or d > MAX_HEAD_DIM:
+        cc.check_f16(name, x)
+    four_d = q.dim() == 4 and kc.dim() == 4
+    b, h, t, d = q.shape if four_d else (0, 0, 0, 0)
+    kvh, length = (kc.shape[1], kc.shape[2]) if four_d else (0, 0)
+    if not four_d or t != 1 or kc.shape != vc.shape or kc.shape[0] != b or kc.shape[3] != d or not kvh \
+            or h % kvh or d % 2 or d > MAX_HEAD_DIM:
         raise ValueError(f"decode_attention: found q {list(q.shape)}, caches {list(kc.shape)} and {list(vc.shape)}; "
-                         f"expected one query token, equal caches [B, KVH, L, D] with H a multiple of KVH and an "
-                         f"even D <= {MAX_HEAD_DIM}")
+                         f"expected q [B, H, 1, D] (one query token), equal caches [B, KVH, L, D] with H a multiple "
+                         f"of KVH and an even D <= {MAX_HEAD_DIM}")
     if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
         raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
     shape = (b, 1, h, d)

@@ -14,10 +14,10 @@ THREADS = 256
 
 def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gu float16 [..., 2I] (gate columns, then up columns) -> silu(gate) * up [..., I] (into `out` if given)."""
-    if gu.dtype != torch.float16 or not gu.is_cuda or gu.shape[-1] % 16 or not gu.is_contiguous() \
-            or gu.data_ptr() % 16:
-        raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)} on {gu.device} (contiguous: {gu.is_contiguous()}),"
-                         f" expected contiguous 16-byte aligned float16 on CUDA with a last dimension divisible by 16")
+    cc.check_f16("gu", gu, aligned=True)
+    if gu.dim() == 0 or gu.shape[-1] % 16:
+        raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)}, expected a last dimension divisible by 16 (gate "
+                         f"columns, then up columns)")
     i = gu.shape[-1] // 2
     rows = gu.numel() // (2 * i)
     shape = (*gu.shape[:-1], i)
