@@ -438,6 +438,7 @@ template <int BITS>
 struct WsStage {
     static constexpr int XT = 256 * 128;       // activation tile
     static constexpr int SB = XT + 128 * 64;   // plus the code tile (8-bit size; multiple of 1024)
+    static constexpr int SBP = XT + 128 * 8 * BITS;  // the persistent form's slot: the code tile's own size
 };
 
 // Scale/zero words of rows r0, r0 + 8 for codes 0 and 32 of global stage gs (rows past N read row 0's: unused).
@@ -464,25 +465,45 @@ __device__ __forceinline__ void ws_dequant(u32 (&af)[4][4], u32 wt, const u32 (&
     dequant_frags<BITS>(af, wt, ma, mb, r0, t);
 }
 
-// Stage s on fragments `cur`; then release stage s - 1, and dequantize stage s + 1 into `nxt` with the words in
-// `wn` (fetched a stage ago), refilling `wn` with stage s + 2's.
-template <int BITS, int ST>
-__device__ __forceinline__ void gi_ws_step(float (&acc)[128], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 (&wn)[4],
-                                           u32 base, u32 bars, int s, int ns, const u32* __restrict__ meta, int f0,
-                                           int N, int G, int gshift, int r0, int t, int lane) {
-    using T = WsStage<BITS>;
-    const u32 st = base + (u32)(s % ST) * T::SB;
+// Stage s of a tile whose stage 0 sits at ring position g0 (SB bytes per slot), on fragments `cur`; then release
+// stage s - 1, and dequantize stage s + 1 into `nxt` with the words in `wn` (fetched a stage ago), refilling `wn`
+// with stage s + 2's.
+template <int BITS, int ST, int SB, int TN>
+__device__ __forceinline__ void gi_ws_step(float (&acc)[TN / 2], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 (&wn)[4],
+                                           u32 base, u32 bars, int g0, int s, int ns, const u32* __restrict__ meta,
+                                           int f0, int N, int G, int gshift, int r0, int t, int lane) {
+    const int g = g0 + s;
+    const u32 st = base + (u32)(g % ST) * SB;
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) wgmma_acc(acc, cur[j], desc_sw128(st + 32 * j));
     wgmma_commit();
     wgmma_wait1();  // stage s - 1 is read: hand it back
-    if (s > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (s - 1) % ST));
+    if (s > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g - 1) % ST));
     if (s + 1 < ns) {
-        mbar_wait(bars + 8 * ((s + 1) % ST), (u32)((s + 1) / ST) & 1);
-        ws_dequant<BITS>(nxt, base + (u32)((s + 1) % ST) * T::SB + T::XT, wn, r0, t);
+        mbar_wait(bars + 8 * ((g + 1) % ST), (u32)((g + 1) / ST) & 1);
+        ws_dequant<BITS>(nxt, base + (u32)((g + 1) % ST) * SB + 256 * 128, wn, r0, t);
         if (s + 2 < ns) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, s + 2);
     }
+}
+
+// A tile's main loop (TN tokens) from ring position g0: `w0` / `wn` hold the scale/zero words of its stages 0, 1.
+template <int BITS, int ST, int SB, int TN>
+__device__ __forceinline__ void gi_ws_tile(float (&acc)[TN / 2], const u32 (&w0)[4], u32 (&wn)[4], u32 base, u32 bars,
+                                           int g0, int ns, const u32* __restrict__ meta, int f0, int N, int G,
+                                           int gshift, int r0, int t, int lane) {
+    u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
+    if (ns > 0) {
+        mbar_wait(bars + 8 * (g0 % ST), (u32)(g0 / ST) & 1);
+        ws_dequant<BITS>(af0, base + (u32)(g0 % ST) * SB + 256 * 128, w0, r0, t);
+    }
+    int s = 0;
+    for (; s + 1 < ns; s += 2) {
+        gi_ws_step<BITS, ST, SB, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, meta, f0, N, G, gshift, r0, t, lane);
+        gi_ws_step<BITS, ST, SB, TN>(acc, af1, af0, wn, base, bars, g0, s + 1, ns, meta, f0, N, G, gshift, r0, t, lane);
+    }
+    if (s < ns) gi_ws_step<BITS, ST, SB, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, meta, f0, N, G, gshift, r0, t, lane);
+    wgmma_wait0();
 }
 
 template <int BITS, int ST>
@@ -520,21 +541,10 @@ __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, c
     float acc[1][128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[0][i] = 0.f;
-    u32 af0[4][4], af1[4][4], wn[4];
-    if (ns > 0) {
-        u32 w0[4];
-        fetch_meta<BITS>(w0, meta, f0, N, G, gshift, 0);
-        if (ns > 1) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, 1);
-        mbar_wait(bars, 0);
-        ws_dequant<BITS>(af0, base + T::XT, w0, r0, t);
-    }
-    int s = 0;
-    for (; s + 1 < ns; s += 2) {
-        gi_ws_step<BITS, ST>(acc[0], af0, af1, wn, base, bars, s, ns, meta, f0, N, G, gshift, r0, t, lane);
-        gi_ws_step<BITS, ST>(acc[0], af1, af0, wn, base, bars, s + 1, ns, meta, f0, N, G, gshift, r0, t, lane);
-    }
-    if (s < ns) gi_ws_step<BITS, ST>(acc[0], af0, af1, wn, base, bars, s, ns, meta, f0, N, G, gshift, r0, t, lane);
-    wgmma_wait0();
+    u32 w0[4], wn[4];
+    fetch_meta<BITS>(w0, meta, f0, N, G, gshift, 0);
+    if (ns > 1) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, 1);
+    gi_ws_tile<BITS, ST, T::SB, 256>(acc[0], w0, wn, base, bars, 0, ns, meta, f0, N, G, gshift, r0, t, lane);
     bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
     store_out<256, 1, 1>(acc, m0, n0, M, N, r0, t, ctid, smem_raw, base, bias, out, ldc);
 }
@@ -549,3 +559,141 @@ GI_WS_ENTRY(4, 5)
 GI_WS_ENTRY(8, 5)
 GI_WS_ENTRY(4, 4)
 GI_WS_ENTRY(8, 4)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Persistent form (`grouped_int_wsp_*`): one block per multiprocessor walks the work items (item, item + grid,
+// ...) through one ring, so the copy thread fills it with the next item's stages while the math warpgroups finish
+// the current one; their epilogue adds the bias and leaves through the copy engine (tma_store_tile: EB buffers of
+// 8 KB beside the ring; mo = the float16 output [M, 2N bytes], boxes of 128 bytes x 32 tokens, 128-byte swizzle),
+// so no math thread waits for its stores. Slots hold the code tile's own size (36 KB at 4 bits). The scale/zero
+// words of an item's first two stages are fetched during the item before.
+// Items: the first `full` tiles of 128 rows x 256 tokens (rows fastest), then each remaining tile as four items of
+// 64 tokens (mx64: x with boxes of 64 rows), those past M skipped. The host makes `full` whole rounds of the grid
+// when the quarters of the rest fit in one round: a last, partial round of whole tiles (688 tiles on 132 SMs at
+// 4096 x 11008, M = 2048) would take a whole tile's time on a few SMs. Same values as the one-tile-per-block form
+// (same fragments, same wgmma order per output: token tiles only change which wgmma instruction holds a token).
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int GI_WSP_EB = 3;
+
+// Rows n0.., tokens m0.. and token count (256 or 64; 0: skipped) of work item `item`.
+__device__ __forceinline__ int gi_wsp_item(int item, int full, int ntn, int M, int& n0, int& m0) {
+    if (item < full) {
+        n0 = (item % ntn) * 128;
+        m0 = (item / ntn) * 256;
+        return 256;
+    }
+    const int q = item - full, tile = full + (q >> 2);
+    n0 = (tile % ntn) * 128;
+    m0 = (tile / ntn) * 256 + 64 * (q & 3);
+    return m0 < M ? 64 : 0;
+}
+
+// One work item of TN tokens for the math warpgroups: main loop, release of its last stage, the next item's first
+// scale/zero words, epilogue.
+template <int BITS, int ST, int SB, int TN>
+__device__ __forceinline__ void gi_wsp_run(u32 (&w0)[4], u32 (&wn)[4], u32 base, u32 bars, int g0, int ns,
+                                           const u32* __restrict__ meta, int n0, int m0, int next_n0, int M, int N,
+                                           int G, int gshift, const u16* __restrict__ bias, int r0, int t, int lane,
+                                           int ctid, int& eb, const TmaMap* mo) {
+    const int f0 = n0 + r0;
+    float acc[TN / 2];
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
+    gi_ws_tile<BITS, ST, SB, TN>(acc, w0, wn, base, bars, g0, ns, meta, f0, N, G, gshift, r0, t, lane);
+    if (ns > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g0 + ns - 1) % ST));  // the item's last stage
+    if (next_n0 >= 0) {
+        fetch_meta<BITS>(w0, meta, next_n0 + r0, N, G, gshift, 0);
+        if (ns > 1) fetch_meta<BITS>(wn, meta, next_n0 + r0, N, G, gshift, 1);
+    }
+    float bv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int f = f0 + 8 * h;
+        bv[h] = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
+    }
+    // accumulator i is row r0 + 8 ((i / 2) % 2)'s
+    tma_store_tile<TN, GI_WSP_EB>([&](int i) { return acc[i] + bv[(i >> 1) & 1]; }, m0, n0, M, ctid,
+                                  base + (u32)(ST * SB), eb, mo);
+}
+
+template <int BITS, int ST>
+__device__ __forceinline__ void gi_wsp_body(const TmaMap* mx, const TmaMap* mx64, const TmaMap* mq,
+                                            const TmaMap* mo, const u32* __restrict__ meta, int G, int gshift,
+                                            const u16* __restrict__ bias, int M, int N, int ns, int full) {
+    constexpr int SB = WsStage<BITS>::SBP;
+    extern __shared__ char smem_raw[];
+    __shared__ __align__(8) u64 bar_mem[2 * ST];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 bars = smem_addr(bar_mem);
+    const int tid = threadIdx.x;
+    const int ntn = (N + 127) >> 7, tiles = ntn * ((M + 255) >> 8), items = full + 4 * (tiles - full);
+    if (tid == 0) ring_init<ST>(bars);
+    __syncthreads();
+    if (tid < 128) {
+        regs_decrease<40>();
+        if (tid == 0) {
+            tma_prefetch_map(mx);
+            tma_prefetch_map(mx64);
+            tma_prefetch_map(mq);
+            int g = 0;
+            for (int item = blockIdx.x; item < items; item += gridDim.x) {
+                int n0, m0;
+                const int tn = gi_wsp_item(item, full, ntn, M, n0, m0);
+                if (tn == 0) continue;
+                for (int s = 0; s < ns; ++s, ++g) {
+                    const int slot = g % ST, use = g / ST;
+                    const u32 full_bar = bars + 8 * slot, st = base + (u32)slot * SB;
+                    if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+                    mbar_arrive_expect_tx(full_bar, tn * 128 + 128 * 8 * BITS);
+                    tma_load_2d(st, tn == 256 ? mx : mx64, full_bar, 128 * s, m0);
+                    tma_load_2d(st + 256 * 128, mq, full_bar, 8 * BITS * s, n0);
+                }
+            }
+        }
+        return;
+    }
+    regs_increase<232>();
+    const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, t = lane & 3;
+    const int r0 = 64 * (ctid >> 7) + 16 * warp + (lane >> 2);
+    // the next item this block runs after `item` (its rows in n0; -1 when none)
+    auto next_rows = [&](int item) {
+        for (int it = item + (int)gridDim.x; it < items; it += gridDim.x) {
+            int n0, m0;
+            if (gi_wsp_item(it, full, ntn, M, n0, m0) != 0) return n0;
+        }
+        return -1;
+    };
+    u32 w0[4], wn[4];
+    int item = blockIdx.x, n0 = 0, m0 = 0;
+    while (item < items && gi_wsp_item(item, full, ntn, M, n0, m0) == 0) item += gridDim.x;
+    if (item < items) {
+        fetch_meta<BITS>(w0, meta, n0 + r0, N, G, gshift, 0);
+        if (ns > 1) fetch_meta<BITS>(wn, meta, n0 + r0, N, G, gshift, 1);
+    }
+    int g0 = 0, eb = 0;
+    for (; item < items; item += gridDim.x) {
+        const int tn = gi_wsp_item(item, full, ntn, M, n0, m0);
+        if (tn == 0) continue;
+        const int next_n0 = next_rows(item);
+        if (tn == 256)
+            gi_wsp_run<BITS, ST, SB, 256>(w0, wn, base, bars, g0, ns, meta, n0, m0, next_n0, M, N, G, gshift, bias,
+                                          r0, t, lane, ctid, eb, mo);
+        else
+            gi_wsp_run<BITS, ST, SB, 64>(w0, wn, base, bars, g0, ns, meta, n0, m0, next_n0, M, N, G, gshift, bias,
+                                         r0, t, lane, ctid, eb, mo);
+        g0 += ns;
+    }
+    if (ctid == 0) bulk_wait_all();  // the output is written before the block exits
+}
+
+#define GI_WSP_ENTRY(BITS, ST)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(384, 1) grouped_int_wsp_b##BITS##_n256_s##ST(                    \
+        const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mx64, const __grid_constant__ TmaMap mq, \
+        const __grid_constant__ TmaMap mo, const u32* meta, int G, int gshift, const u16* bias, int M, int N,     \
+        int nst, int full) {                                                                                      \
+        gi_wsp_body<BITS, ST>(&mx, &mx64, &mq, &mo, meta, G, gshift, bias, M, N, nst, full);                     \
+    }
+GI_WSP_ENTRY(4, 5)
+GI_WSP_ENTRY(8, 5)
+GI_WSP_ENTRY(4, 4)
+GI_WSP_ENTRY(8, 4)

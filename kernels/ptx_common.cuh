@@ -275,3 +275,47 @@ template <int ID, int THREADS>
 __device__ __forceinline__ void bar_sync() {
     asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
 }
+
+// The persistent GEMMs' epilogue through the copy engine. The 256 math threads of two warpgroups hold a tile of 128
+// output features (warpgroup w: features 64w..64w+63, a thread's rows r0 and r0 + 8 as in a wgmma m64 accumulator)
+// x TN tokens; `val(i)` is this thread's accumulator i as a float, bias included. 32 tokens at a time go into
+// shared memory by stmatrix, transposed into the 128-byte-swizzled layout of `mo` (the float16 output as bytes,
+// boxes of 128 bytes x 32 tokens: one box per warpgroup), and leave by bulk tensor stores, clipped at M and N,
+// that no math thread waits for. EB >= 2 buffers of 8 KB at `ebuf` take the chunks in turn (`eb`: the next one,
+// carried from tile to tile): before each chunk's barrier thread 0 waits until all but its latest EB - 2 stores
+// have read their buffers, so the chunk after it may overwrite the oldest one's. Thread 0 waits for all its stores
+// (bulk_wait_all) before the block exits.
+// MODE (measurement builds only): 1 skips that wait (a race), 4 stores by stmatrix only, 5 skips the bulk stores.
+template <int TN, int EB, int MODE = 0, typename V>
+__device__ __forceinline__ void tma_store_tile(const V& val, int m0, int n0, int M, int tid, u32 ebuf, int& eb,
+                                               const TmaMap* mo) {
+    static_assert(EB >= 2, "two epilogue buffers at least");
+    const int lane = tid & 31, mi = lane >> 3, j = lane & 7;
+    // this lane's stmatrix row: token 8 (2q + mi / 2) + j of the chunk, features 8 (2 warp + mi % 2) .. + 7 of
+    // its warpgroup's box, at 16-byte position (2 warp + mi % 2) ^ j of the swizzled 128-byte row
+    const u32 lrow = (u32)(tid >> 7) * 4096u + (u32)(8 * (mi >> 1) + j) * 128u +
+                     (u32)(((2 * ((tid >> 5) & 3) + (mi & 1)) ^ j) << 4);
+#pragma unroll
+    for (int c = 0; c < TN / 32; ++c) {
+        const u32 buf = ebuf + (u32)eb * 8192u;
+        eb = eb == EB - 1 ? 0 : eb + 1;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int i = 4 * (4 * c + 2 * q);  // accumulators of token blocks 4c + 2q and + 1
+            stmatrix_x4_trans(buf + lrow + (u32)q * 2048u, f2h2(val(i), val(i + 1)), f2h2(val(i + 2), val(i + 3)),
+                              f2h2(val(i + 4), val(i + 5)), f2h2(val(i + 6), val(i + 7)));
+        }
+        if (MODE == 4) continue;
+        fence_async_smem();  // the copy engine reads what these generic stores wrote
+        if (tid == 0 && MODE != 1) bulk_wait_read<EB - 2>();
+        bar_sync<1, 256>();
+        if (tid == 0 && MODE != 5) {
+            const int m1 = m0 + 32 * c;
+            if (m1 < M) {
+                tma_store_2d(mo, buf, 2 * n0, m1);
+                tma_store_2d(mo, buf + 4096u, 2 * n0 + 128, m1);
+            }
+            bulk_commit();
+        }
+    }
+}

@@ -793,13 +793,8 @@ __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, i
     store_chunk<TN, BAR, CH, 0>(acc, m0, n0, N, mt, r0, t, tid, tile, bv, out, ldc);
 }
 
-// The persistent kernel's epilogue through the copy engine (`mo`: the float16 output as bytes, boxes of 128 bytes x
-// 32 tokens, 128-byte swizzle): Eq. 1 if still pending, bias, then 32 tokens at a time transposed into shared memory
-// by stmatrix (features 0-63 of the tile from warpgroup 0, 64-127 from warpgroup 1: one box each) and written out
-// by a bulk tensor store, clipped at M and N, that no math thread waits for. EB >= 2 buffers of 8 KB at `ebuf`
-// (as many as the ring leaves room for, WsTile::epi_buffers) take the chunks in turn (`eb`: the next one, carried
-// from tile to tile): before each chunk's barrier thread 0 waits until all but its latest EB - 2 stores have read
-// their buffers, so the chunk after it may overwrite the buffer of the oldest one.
+// The persistent kernel's epilogue: Eq. 1 if still pending, bias, then out through the copy engine (tma_store_tile,
+// ptx_common.cuh; `mo`: the float16 output as bytes, boxes of 128 bytes x 32 tokens, 128-byte swizzle).
 template <int BITS, int TN, int EB>
 __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
                                                int r0, int t, int tid, u32 ebuf, int& eb, const float* tsx,
@@ -819,37 +814,9 @@ __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n
         const int f = f0 + 8 * hh;
         bv[hh] = (bias != nullptr && f < N) ? h2f(bias[f]) : 0.f;
     }
-    const int lane = tid & 31, mi = lane >> 3, j = lane & 7;
-    // this lane's stmatrix row: token 8 (2q + mi / 2) + j of the chunk, features 8 (2 warp + mi % 2) .. + 7 of
-    // its warpgroup's box, at 16-byte position (2 warp + mi % 2) ^ j of the swizzled 128-byte row
-    const u32 lrow = (u32)(tid >> 7) * 4096u + (u32)(8 * (mi >> 1) + j) * 128u +
-                     (u32)(((2 * ((tid >> 5) & 3) + (mi & 1)) ^ j) << 4);
-#pragma unroll
-    for (int c = 0; c < TN / 32; ++c) {
-        const u32 buf = ebuf + (u32)eb * 8192u;
-        eb = eb == EB - 1 ? 0 : eb + 1;
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int i = 4 * (4 * c + 2 * q);  // accumulators of token blocks 4c + 2q and + 1
-            stmatrix_x4_trans(buf + lrow + (u32)q * 2048u,
-                              f2h2(bits2f(acc[i]) + bv[0], bits2f(acc[i + 1]) + bv[0]),
-                              f2h2(bits2f(acc[i + 2]) + bv[1], bits2f(acc[i + 3]) + bv[1]),
-                              f2h2(bits2f(acc[i + 4]) + bv[0], bits2f(acc[i + 5]) + bv[0]),
-                              f2h2(bits2f(acc[i + 6]) + bv[1], bits2f(acc[i + 7]) + bv[1]));
-        }
-        if (QUIK_EPI == 4) continue;
-        fence_async_smem();  // the copy engine reads what these generic stores wrote
-        if (tid == 0 && QUIK_EPI != 1) bulk_wait_read<EB - 2>();
-        bar_sync<1, 256>();
-        if (tid == 0 && QUIK_EPI != 5) {
-            const int m1 = m0 + 32 * c;
-            if (m1 < M) {
-                tma_store_2d(mo, buf, 2 * n0, m1);
-                tma_store_2d(mo, buf + 4096u, 2 * n0 + 128, m1);
-            }
-            bulk_commit();
-        }
-    }
+    // accumulator i is row r0 + 8 ((i / 2) % 2)'s
+    tma_store_tile<TN, EB, QUIK_EPI>([&](int i) { return bits2f(acc[i]) + bv[(i >> 1) & 1]; }, m0, n0, M, tid, ebuf,
+                                     eb, mo);
 }
 
 // raw: write the int32 sums (the caller passes no outlier stages and no split; the unfused ladder rungs). Otherwise

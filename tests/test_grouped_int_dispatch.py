@@ -21,11 +21,12 @@ def test_hopper_batches_up_to_256_take_the_wgmma_kernel():
     assert choose_path(256, F16, 8, 128, 4096, hopper=False) == "dequant+cublas"
 
 
-def test_long_prefills_take_the_wgmma_kernel_only_for_long_rows():
+def test_long_prefills_take_the_wgmma_kernel():
     assert choose_path(2048, F16, 4, 128, 11008, hopper=True) == "mma"
     assert choose_path(4096, F16, 8, None, 11008, hopper=True) == "mma"
-    assert choose_path(2048, F16, 4, 128, 4096, hopper=True) == "dequant+cublas"
-    assert choose_path(1024, F16, 4, 128, 11008, hopper=True) == "dequant+cublas"
+    assert choose_path(2048, F16, 4, 128, 4096, hopper=True) == "mma"
+    assert choose_path(1024, F16, 4, 128, 4096, hopper=True) == "mma"
+    assert choose_path(512, F16, 4, 128, 4096, hopper=True) == "dequant+cublas"  # the tiles fill half the SMs
     assert choose_path(2048, F16, 4, 128, 11008, hopper=False) == "dequant+cublas"
     assert choose_path(2048, torch.bfloat16, 4, 128, 11008, hopper=True) == "dequant+cublas"
 

@@ -7,10 +7,11 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
   M <= GEMV_MAX_M.
 * ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
   in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
-  tiles are too few to fill the GPU. fp16 activations, MMA_MIN_M <= M <= MMA_MAX_M, group sizes >= 32 or
-  per-channel.
-* ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used for large M
-  (compute-bound, where cuBLAS's tile kernels win) and for bf16 activations.
+  tiles are too few to fill the GPU; once 256-token tiles fill the GPU, its warp-specialized persistent form
+  (bulk tensor copies, one block per SM walking the tiles). fp16 activations, MMA_MIN_M <= M <= MMA_MAX_M or
+  M >= MMA_LONG_MIN_M, group sizes >= 32 or per-channel.
+* ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used between
+  MMA_MAX_M and MMA_LONG_MIN_M tokens, off Hopper, and for bf16 activations.
 * ``reference``: the float32 torch reference (any bits/group size the kernels do not cover).
 
 The checkpoint tensors are used in place when K is a multiple of 128; otherwise a zero-padded copy of `qweight`
@@ -46,10 +47,11 @@ FMA_LONG_PIECES = (257, 384)
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
 MMA_MIN_M = cc.env_int("QTOOL_MMA_MIN_M", 17)
 MMA_MAX_M = cc.env_int("QTOOL_MMA_MAX_M", 256)
-# Above MMA_MAX_M, long rows take the warp-specialized form of the wgmma kernel: at K = 11008, M = 2048 it beat
-# dequantize + cuBLAS at 4 and 8 bits on an H100; at K = 4096 it tied or lost (kernels/NOTES.md).
-MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 8192)
-MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 2048)
+# From MMA_LONG_MIN_M tokens on, the persistent warp-specialized form of the wgmma kernel: on an H100 it beat
+# dequantize + cuBLAS at every Llama-2-7B shape at M = 1024 and 2048, 4 and 8 bits; at M = 512 it lost at two of
+# the three (kernels/NOTES.md). MMA_LONG_MIN_K can keep rows shorter than it on dequantize + cuBLAS.
+MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 0)
+MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 1024)
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -326,20 +328,58 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
 
 
 # The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
-# 256-token tiles without split-K, i.e. long prefills. Stages of 64 codes in its ring.
-WS_STAGES = 5
+# 256-token tiles without split-K, i.e. long prefills. Stages of 64 codes in its ring. ``ws`` runs one tile per
+# block; ``wsp`` is persistent (one block per multiprocessor walks the tiles, the next tile's copies overlap the
+# current tile's epilogue, which leaves through the copy engine) and needs a 16-byte-aligned output row.
+WS_STAGES = {"ws": 5, "wsp": 4}  # ring depth by default; 4 and 5 are built for both
+WS_KERNELS = ("ws", "wsp")
+# The warp-specialized kernels (no split-K) run by default once the 256-token tiles fill this share of the
+# multiprocessors: 128 tiles on 132 (M = 1024, N = 4096) ran 0.92-0.98x cuBLAS FP16 persistent on an H100.
+WS_MIN_WAVE = 0.75
+WSP_EPILOGUE_BUFFERS = 3  # 8 KB each, beside the ring (kernels/grouped_int_mma.cu GI_WSP_EB)
 _WS_MAPS = tma.MapCache(limit=64)
 
 
+def ws_smem(kernel: str, bits: int, stages: int) -> int:
+    """Dynamic shared memory of a warp-specialized kernel: the ring (the persistent form's slots hold the code
+    tile's own size, the other's the 8-bit size), its epilogue buffers, and slack to align the 1024-byte swizzle
+    atoms."""
+    if kernel == "wsp":
+        return stages * (256 * 128 + 128 * 8 * bits) + WSP_EPILOGUE_BUFFERS * 8192 + 1024
+    return stages * (256 * 128 + 128 * 64) + 1024
+
+
+def wsp_full_tiles(tiles: int, grid: int) -> int:
+    """How many 256-token tiles the persistent kernel runs whole: all of them, or, where the tiles leave a last
+    partial round of the grid whose 64-token quarters fit in one round, the whole rounds before it (the rest run
+    as quarters, so that round takes about a quarter of a tile's time instead of a whole one)."""
+    rest = tiles % grid
+    if tiles > grid and 0 < 4 * rest <= grid:
+        return tiles - rest
+    return tiles
+
+
 def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor, m: int, dev: int,
-            stages: int) -> None:
-    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_ws_b{p.bits}_n256_s{stages}")
-    smem = stages * (256 * 128 + 128 * 64) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+            stages: int, kernel: str, blocks: int | None) -> None:
+    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n256_s{stages}")
+    smem = ws_smem(kernel, p.bits, stages)
     cc.allow_shared_memory(fn, smem)
     mx = _WS_MAPS.get(x2, 128, 256, 128)
     mq = _WS_MAPS.get(p.qweight, 8 * p.bits, 128, 8 * p.bits)
     n = p.out_features
     tiles = -(-n // 128) * -(-m // 256)
+    if kernel == "wsp":
+        grid = min(tiles, blocks or cc.sm_count(dev))
+        full = wsp_full_tiles(tiles, grid)
+        mx64 = _WS_MAPS.get(x2, 128, 64, 128) if full < tiles else mx
+        mo = _WS_MAPS.get(out, 128, 32, 128)
+        cc.launch(
+            fn, (grid,), (384,),
+            (mx.arg, mx64.arg, mq.arg, mo.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift),
+             cc.ptr(bias), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64), cc.i32(full)),
+            shared_mem=smem, device=dev,
+        )
+        return
     cc.launch(
         fn, (tiles,), (384,),
         (mx.arg, mq.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out),
@@ -350,33 +390,41 @@ def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch
 
 def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
         tokens: int | None = None, rows: int | None = None, split: int | None = None,
-        stages: int | None = None, kernel: str | None = None) -> torch.Tensor:
+        stages: int | None = None, kernel: str | None = None, blocks: int | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
     the tuned choices (MMA_KERNELS lists the combinations). `kernel` picks ``sync`` (cp.async, a block barrier per
-    stage) or ``ws`` (warp-specialized; 256-token tiles without split-K); by default ``ws`` wherever it applies."""
+    stage), ``ws`` (warp-specialized; 256-token tiles without split-K) or ``wsp`` (its persistent form); by default
+    ``wsp`` wherever the 256-token tiles cover WS_MIN_WAVE of the SMs and the output rows allow it, else ``ws``
+    there. `blocks` caps the
+    persistent grid (tests: several tiles per block on small problems)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
     reason = mma_unsupported_reason(p, dev)
     if reason is not None:
         raise cc.CudaUnavailableError(f"grouped_int mma: {reason}; use another path")
-    if kernel not in (None, "sync", "ws"):
-        raise ValueError(f"kernel: found {kernel!r}, expected sync or ws")
+    if kernel not in (None, "sync", *WS_KERNELS):
+        raise ValueError(f"kernel: found {kernel!r}, expected sync, ws or wsp")
     ws_ok = (tokens in (None, 256) and rows in (None, 128) and split in (None, 1) and m > 128
              and tma.usable(x2) and tma.usable(p.qweight))
-    if kernel == "ws" and not ws_ok:
-        raise ValueError("kernel ws: needs 256-token tiles of 128 rows without split-K, more than 128 tokens and "
-                         "16-byte aligned rows")
+    if kernel in WS_KERNELS and not ws_ok:
+        raise ValueError(f"kernel {kernel}: needs 256-token tiles of 128 rows without split-K, more than 128 tokens "
+                         "and 16-byte aligned rows")
+    if kernel == "wsp" and not tma.usable(out):
+        raise ValueError(f"kernel wsp: found output rows of {out.stride(0)} halves at {out.data_ptr():#x}, expected "
+                         "16-byte aligned rows (out_features a multiple of 8)")
     if kernel is None and ws_ok:
-        # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill less than a wave
+        # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill too few SMs
         tiles = -(-p.out_features // 128) * -(-m // 256)
-        kernel = "ws" if tiles >= cc.sm_count(dev) else "sync"
-    if kernel == "ws":
-        st = WS_STAGES if stages is None else stages
+        kernel = ("wsp" if tma.usable(out) else "ws") if tiles >= WS_MIN_WAVE * cc.sm_count(dev) else "sync"
+    if blocks is not None and (kernel != "wsp" or blocks < 1):
+        raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
+    if kernel in WS_KERNELS:
+        st = WS_STAGES[kernel] if stages is None else stages
         if st not in (4, 5):
-            raise ValueError(f"stages: found {st} for kernel ws, expected 4 or 5")
-        _mma_ws(x2, p, bias, out, m, dev, st)
+            raise ValueError(f"stages: found {st} for kernel {kernel}, expected 4 or 5")
+        _mma_ws(x2, p, bias, out, m, dev, st, kernel, blocks)
         return out.reshape(*lead, p.out_features)
     tn = mma_tokens(m) if tokens is None else tokens
     if tn not in MMA_TOKENS:

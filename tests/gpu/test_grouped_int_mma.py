@@ -168,3 +168,48 @@ def test_mma_warp_specialized_equals_block_synchronous(bits, group_size, symmetr
         synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=256, split=1))
         assert torch.equal(a, b), f"ws and sync differ (M={m}): {int((a != b).sum())} elements"
         assert y.shape == (m, n)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", [(72, 4000), (200, 520), (136, 1000), (4096, 4096)])  # N % 8 == 0: aligned rows
+def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, nk):
+    """The persistent warp-specialized kernel (blocks walk several tiles through one ring, copy-engine epilogue)
+    against the float64 reference, and bit for bit against the one-tile-per-block kernel, at every ring depth and
+    with grids capped so that blocks take 1, 2, 3 or many tiles (the last ones partial in tokens and rows), and
+    such that the last partial round runs as 64-token quarters (those past M skipped)."""
+    from qtool.cuda.grouped_int import mma, wsp_full_tiles
+
+    n, k = nk
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    p = _prep(layer)
+    quartered = 0
+    for m in (129, 777, 2048):
+        _check(layer, m, with_bias=True, sample=64, kernel="wsp", blocks=3)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        synced(mma(x, p, layer.bias, out=ref, kernel="ws"))
+        tiles = -(-n // 128) * -(-m // 256)
+        for stages in (4, 5):
+            for blocks in (None, 1, 2, 3, 7, 84):
+                quartered += wsp_full_tiles(tiles, min(tiles, blocks or 10**6)) < tiles
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                synced(mma(x, p, layer.bias, out=y, kernel="wsp", stages=stages, blocks=blocks))
+                assert torch.equal(y, ref), (f"wsp and ws differ (M={m}, stages={stages}, blocks={blocks}): "
+                                             f"{int((y != ref).sum())} elements")
+    assert quartered > 0, "no grid of this test ran the last round as 64-token quarters"
+
+
+def test_mma_persistent_refuses_unaligned_output_rows_and_stray_grid_caps():
+    from qtool.cuda.grouped_int import mma
+
+    layer = random_layer(100, 512, 4, 128, True, seed=int.from_bytes(os.urandom(4), "little"))
+    p = _prep(layer)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="^kernel wsp: found output rows of 100 halves"):
+        mma(x, p, kernel="wsp")
+    with pytest.raises(ValueError, match="^blocks: found 2 for kernel ws"):
+        mma(x, p, kernel="ws", blocks=2)
+    y = synced(mma(x, p))  # the default takes a kernel that can write these rows
+    assert rel_err(y, reference64(layer, x)) < TOL
