@@ -506,6 +506,45 @@ __device__ __forceinline__ void gi_ws_tile(float (&acc)[TN / 2], const u32 (&w0)
     wgmma_wait0();
 }
 
+// Rows n0.., tokens m0.. and token count (256 or 64; 0: skipped) of work item `item`.
+__device__ __forceinline__ int gi_wsp_item(int item, int full, int ntn, int M, int& n0, int& m0) {
+    if (item < full) {
+        n0 = (item % ntn) * 128;
+        m0 = (item / ntn) * 256;
+        return 256;
+    }
+    const int q = item - full, tile = full + (q >> 2);
+    n0 = (tile % ntn) * 128;
+    m0 = (tile / ntn) * 256 + 64 * (q & 3);
+    return m0 < M ? 64 : 0;
+}
+
+// The copy thread of the warp-specialized kernels: the stages of this block's work items (item, item + grid, ...;
+// gi_wsp_item) into the ST-slot ring, SB bytes per slot: the activation tile (mx, or mx64 for 64-token items) and
+// the code tile 32 KB after it.
+template <int BITS, int ST, int SB>
+__device__ __forceinline__ void gi_ws_copies(const TmaMap* mx, const TmaMap* mx64, const TmaMap* mq, u32 base,
+                                             u32 bars, int M, int N, int ns, int full) {
+    const int ntn = (N + 127) >> 7, tiles = ntn * ((M + 255) >> 8), items = full + 4 * (tiles - full);
+    tma_prefetch_map(mx);
+    tma_prefetch_map(mx64);
+    tma_prefetch_map(mq);
+    int g = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        int n0, m0;
+        const int tn = gi_wsp_item(item, full, ntn, M, n0, m0);
+        if (tn == 0) continue;
+        for (int s = 0; s < ns; ++s, ++g) {
+            const int slot = g % ST, use = g / ST;
+            const u32 full_bar = bars + 8 * slot, st = base + (u32)slot * SB;
+            if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+            mbar_arrive_expect_tx(full_bar, tn * 128 + 128 * 8 * BITS);
+            tma_load_2d(st, tn == 256 ? mx : mx64, full_bar, 128 * s, m0);
+            tma_load_2d(st + 256 * 128, mq, full_bar, 8 * BITS * s, n0);
+        }
+    }
+}
+
 template <int BITS, int ST>
 __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, const u32* __restrict__ meta, int G,
                                            int gshift, const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
@@ -521,18 +560,9 @@ __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, c
     __syncthreads();
     if (tid < 128) {
         regs_decrease<40>();
-        if (tid == 0) {
-            tma_prefetch_map(mx);
-            tma_prefetch_map(mq);
-            for (int s = 0; s < ns; ++s) {
-                const int slot = s % ST, use = s / ST;
-                const u32 full = bars + 8 * slot, st = base + (u32)slot * T::SB;
-                if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
-                mbar_arrive_expect_tx(full, T::XT + 128 * 8 * BITS);
-                tma_load_2d(st, mx, full, 128 * s, m0);
-                tma_load_2d(st + T::XT, mq, full, 8 * BITS * s, n0);
-            }
-        }
+        // one block per tile: the grid's only item for this block is tile blockIdx.x, whole
+        const int tiles = ntn * ((M + 255) >> 8);
+        if (tid == 0) gi_ws_copies<BITS, ST, T::SB>(mx, mx, mq, base, bars, M, N, ns, tiles);
         return;
     }
     regs_increase<232>();
@@ -574,19 +604,6 @@ GI_WS_ENTRY(8, 4)
 // (same fragments, same wgmma order per output: token tiles only change which wgmma instruction holds a token).
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int GI_WSP_EB = 3;
-
-// Rows n0.., tokens m0.. and token count (256 or 64; 0: skipped) of work item `item`.
-__device__ __forceinline__ int gi_wsp_item(int item, int full, int ntn, int M, int& n0, int& m0) {
-    if (item < full) {
-        n0 = (item % ntn) * 128;
-        m0 = (item / ntn) * 256;
-        return 256;
-    }
-    const int q = item - full, tile = full + (q >> 2);
-    n0 = (tile % ntn) * 128;
-    m0 = (tile / ntn) * 256 + 64 * (q & 3);
-    return m0 < M ? 64 : 0;
-}
 
 // One work item of TN tokens for the math warpgroups: main loop, release of its last stage, the next item's first
 // scale/zero words, epilogue.
@@ -631,25 +648,7 @@ __device__ __forceinline__ void gi_wsp_body(const TmaMap* mx, const TmaMap* mx64
     __syncthreads();
     if (tid < 128) {
         regs_decrease<40>();
-        if (tid == 0) {
-            tma_prefetch_map(mx);
-            tma_prefetch_map(mx64);
-            tma_prefetch_map(mq);
-            int g = 0;
-            for (int item = blockIdx.x; item < items; item += gridDim.x) {
-                int n0, m0;
-                const int tn = gi_wsp_item(item, full, ntn, M, n0, m0);
-                if (tn == 0) continue;
-                for (int s = 0; s < ns; ++s, ++g) {
-                    const int slot = g % ST, use = g / ST;
-                    const u32 full_bar = bars + 8 * slot, st = base + (u32)slot * SB;
-                    if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
-                    mbar_arrive_expect_tx(full_bar, tn * 128 + 128 * 8 * BITS);
-                    tma_load_2d(st, tn == 256 ? mx : mx64, full_bar, 128 * s, m0);
-                    tma_load_2d(st + 256 * 128, mq, full_bar, 8 * BITS * s, n0);
-                }
-            }
-        }
+        if (tid == 0) gi_ws_copies<BITS, ST, SB>(mx, mx64, mq, base, bars, M, N, ns, full);
         return;
     }
     regs_increase<232>();
