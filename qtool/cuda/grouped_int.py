@@ -397,8 +397,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     the tuned choices (MMA_KERNELS lists the combinations). `kernel` picks ``sync`` (cp.async, a block barrier per
     stage), ``ws`` (warp-specialized; 256-token tiles without split-K) or ``wsp`` (its persistent form); by default
     ``wsp`` wherever the 256-token tiles cover WS_MIN_WAVE of the SMs and the output rows allow it, else ``ws``
-    there. `blocks` caps the
-    persistent grid (tests: several tiles per block on small problems)."""
+    there. `blocks` caps the persistent grid (tests: several tiles per block on small problems)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
     reason = mma_unsupported_reason(p, dev)
