@@ -90,7 +90,7 @@ class FakeCases:
     def launch_floor(self):
         return [lambda: "floor"]
 
-    def paths(self, k, m, bits, group_size):
+    def paths(self, k, n, m, bits, group_size):
         return (["gemv", "dequant+cublas"], "gemv") if m <= 64 else (["dequant+cublas"], "dequant+cublas")
 
     def quant(self, k, n, m, bits, group_size, symmetric, path):

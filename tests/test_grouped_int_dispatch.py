@@ -11,29 +11,40 @@ F16 = torch.float16
 
 
 def test_small_batches_take_the_skinny_kernels():
-    assert choose_path(1, F16, 4, 128, 4096, hopper=True) == "gemv-fma"
-    assert choose_path(8, F16, 4, 128, 4096, hopper=False) == "gemv"
+    assert choose_path(1, F16, 4, 128, 4096, 4096, hopper=True) == "gemv-fma"
+    assert choose_path(8, F16, 4, 128, 4096, 4096, hopper=False) == "gemv"
 
 
 def test_hopper_batches_up_to_256_take_the_wgmma_kernel():
-    assert choose_path(17, F16, 4, 128, 4096, hopper=True) == "mma"
-    assert choose_path(256, F16, 8, 128, 4096, hopper=True) == "mma"
-    assert choose_path(256, F16, 8, 128, 4096, hopper=False) == "dequant+cublas"
+    assert choose_path(17, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(256, F16, 8, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(256, F16, 8, 128, 4096, 4096, hopper=False) == "dequant+cublas"
 
 
 def test_long_prefills_take_the_wgmma_kernel():
-    assert choose_path(2048, F16, 4, 128, 11008, hopper=True) == "mma"
-    assert choose_path(4096, F16, 8, None, 11008, hopper=True) == "mma"
-    assert choose_path(2048, F16, 4, 128, 4096, hopper=True) == "mma"
-    assert choose_path(1024, F16, 4, 128, 4096, hopper=True) == "mma"
-    assert choose_path(512, F16, 4, 128, 4096, hopper=True) == "dequant+cublas"  # the tiles fill half the SMs
-    assert choose_path(2048, F16, 4, 128, 11008, hopper=False) == "dequant+cublas"
-    assert choose_path(2048, torch.bfloat16, 4, 128, 11008, hopper=True) == "dequant+cublas"
+    assert choose_path(2048, F16, 4, 128, 11008, 4096, hopper=True) == "mma"
+    assert choose_path(4096, F16, 8, None, 11008, 4096, hopper=True) == "mma"
+    assert choose_path(2048, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(1024, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"  # below MMA_LONG_MIN_M
+    assert choose_path(2048, F16, 4, 128, 11008, 4096, hopper=False) == "dequant+cublas"
+    assert choose_path(2048, torch.bfloat16, 4, 128, 11008, 4096, hopper=True) == "dequant+cublas"
+
+
+def test_long_prefills_of_narrow_or_short_row_layers_stay_on_cublas():
+    # 4096x1024 (a GQA key/value projection): 8 x 8 tiles of 256 tokens x 128 rows at M = 2048 cover under 3/4
+    # of 132 SMs; 8 x 16 at M = 4096 cover them
+    assert choose_path(2048, F16, 4, 128, 4096, 1024, hopper=True, sms=132) == "dequant+cublas"
+    assert choose_path(4096, F16, 4, 128, 4096, 1024, hopper=True, sms=132) == "mma"
+    assert choose_path(2048, F16, 4, 128, 4096, 1024, hopper=True, sms=64) == "mma"  # a smaller GPU
+    # rows shorter than MMA_LONG_MIN_K (SmolLM2-135M's 576-wide projections); Qwen2-7B's 3584 are long enough
+    assert choose_path(4096, F16, 4, 64, 576, 1536, hopper=True, sms=132) == "dequant+cublas"
+    assert choose_path(1024, F16, 4, 128, 3584, 3584, hopper=True, sms=132) == "mma"
 
 
 def test_unsupported_layers_take_the_reference():
-    assert choose_path(2048, F16, 3, 128, 11008, hopper=True) == "reference"
-    assert choose_path(4, torch.float32, 4, 128, 4096, hopper=True) == "reference"
+    assert choose_path(2048, F16, 3, 128, 11008, 4096, hopper=True) == "reference"
+    assert choose_path(4, torch.float32, 4, 128, 4096, 4096, hopper=True) == "reference"
 
 
 def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):

@@ -74,10 +74,10 @@ class CudaCases:
         b = torch.empty_like(a)
         return [lambda: torch.neg(a, out=b) for _ in range(32)]
 
-    def paths(self, k: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
+    def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
         from qtool.cuda.grouped_int import GEMV_MAX_M, choose_path, mma_eligible, unsupported_reason  # noqa: PLC0415
 
-        dispatched = choose_path(m, torch.float16, bits, group_size, k)
+        dispatched = choose_path(m, torch.float16, bits, group_size, k, n)
         if unsupported_reason(bits, group_size, k) is not None:
             return ["reference"], "reference"
         cands = ["dequant+cublas"]

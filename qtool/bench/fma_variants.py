@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             tc1 = _median_us(timer, cases.quant(k, n, 1, bits, gs, True, "gemv"), warm, it)
             tc16 = _median_us(timer, cases.quant(k, n, 16, bits, gs, True, "gemv"), warm, it)
             row = {"KxN": f"{k}x{n}", "bits": bits, "fp16_m1_us": fp16_1, "fp16_m16_us": fp16_16,
-                   "dispatched_m1": gi.choose_path(1, torch.float16, bits, gs, k), "gemv_m1_us": tc1,
+                   "dispatched_m1": gi.choose_path(1, torch.float16, bits, gs, k, n), "gemv_m1_us": tc1,
                    "gemv_m16_us": tc16, "err": errs}
             for v in ("s0", "s1"):
                 med = statistics.median(t[v])

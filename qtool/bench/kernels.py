@@ -56,7 +56,7 @@ class Cases(Protocol):
     def fp16(self, k: int, n: int, m: int) -> Fns: ...
     def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
-    def paths(self, k: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]: ...
+    def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]: ...
 
 
 @dataclass
@@ -127,7 +127,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                     base_err[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             for bits in cfg.bits:
                 for gs in cfg.group_sizes:
-                    paths, dispatched = cases.paths(k, m, bits, gs)
+                    paths, dispatched = cases.paths(k, n, m, bits, gs)
                     cands = {}
                     for p in paths:
                         cands[p] = _time(timer, lambda p=p: cases.quant(k, n, m, bits, gs, cfg.symmetric, p),  # noqa: B023

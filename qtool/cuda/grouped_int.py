@@ -8,10 +8,12 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
 * ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
   in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
   tiles are too few to fill the GPU; once 256-token tiles fill the GPU, its warp-specialized persistent form
-  (bulk tensor copies, one block per SM walking the tiles). fp16 activations, MMA_MIN_M <= M <= MMA_MAX_M or
-  M >= MMA_LONG_MIN_M, group sizes >= 32 or per-channel.
+  (bulk tensor copies, one block per SM walking the tiles). fp16 activations, group sizes >= 32 or
+  per-channel, MMA_MIN_M <= M <= MMA_MAX_M, or M >= MMA_LONG_MIN_M where the tiles fill the GPU and rows hold at
+  least MMA_LONG_MIN_K codes.
 * ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used between
-  MMA_MAX_M and MMA_LONG_MIN_M tokens, off Hopper, and for bf16 activations.
+  MMA_MAX_M and MMA_LONG_MIN_M tokens, for long prefills of narrow or short-row layers, off Hopper, and for bf16
+  activations.
 * ``reference``: the float32 torch reference (any bits/group size the kernels do not cover).
 
 The checkpoint tensors are used in place when K is a multiple of 128; otherwise a zero-padded copy of `qweight`
@@ -49,8 +51,11 @@ MMA_MIN_M = cc.env_int("QTOOL_MMA_MIN_M", 17)
 MMA_MAX_M = cc.env_int("QTOOL_MMA_MAX_M", 256)
 # From MMA_LONG_MIN_M tokens on, the persistent warp-specialized form of the wgmma kernel: on an H100 it beat
 # dequantize + cuBLAS at every Llama-2-7B shape at M = 1024 and 2048, 4 and 8 bits; at M = 512 it lost at two of
-# the three (kernels/NOTES.md). MMA_LONG_MIN_K can keep rows shorter than it on dequantize + cuBLAS.
-MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 0)
+# the three. It takes only layers whose 256-token tiles cover WS_MIN_WAVE of the SMs and whose rows hold at least
+# MMA_LONG_MIN_K codes: on narrower layers (GQA key/value projections, 4096x1024 at M = 2048: 44.9 vs 28.9 us) and
+# short rows (576x1536 at M = 4096: 30.9 vs 16.2 us) dequantize + cuBLAS was faster, while rows of 3584 (Qwen2-7B)
+# still won (3584x3584 at M = 1024: 42.2 vs 48.1 us); 3072 lies between the two (kernels/NOTES.md).
+MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 3072)
 MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 1024)
 _SUPPORTED_BITS = (4, 8)
 
@@ -415,8 +420,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
                          "16-byte aligned rows (out_features a multiple of 8)")
     if kernel is None and ws_ok:
         # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill too few SMs
-        tiles = -(-p.out_features // 128) * -(-m // 256)
-        kernel = ("wsp" if tma.usable(out) else "ws") if tiles >= WS_MIN_WAVE * cc.sm_count(dev) else "sync"
+        kernel = ("wsp" if tma.usable(out) else "ws") if long_tiles_fill(m, p.out_features, cc.sm_count(dev)) else "sync"
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
     if kernel in WS_KERNELS:
@@ -519,17 +523,27 @@ def mma_eligible(dtype: torch.dtype, group_size: int | None, in_features: int, h
     return bool(hopper) and dtype == torch.float16 and (group_size is None or group_size >= min(32, in_features))
 
 
-def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int,
-                hopper: bool | None = None) -> str:
+def long_tiles_fill(m: int, out_features: int, sms: int) -> bool:
+    """Whether the 256-token x 128-row tiles of an M-token layer cover WS_MIN_WAVE of `sms` multiprocessors (the
+    condition for the warp-specialized wgmma kernels)."""
+    return -(-out_features // 128) * -(-m // 256) >= WS_MIN_WAVE * sms
+
+
+def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int, out_features: int,
+                hopper: bool | None = None, sms: int | None = None) -> str:
     """The path `linear` takes for M tokens: gemv-fma, gemv, mma, dequant+cublas or reference.
 
-    `hopper` (default: whether the current CUDA device builds for sm_90a) enables the wgmma kernel."""
+    `hopper` (default: whether the current CUDA device builds for sm_90a) enables the wgmma kernel; `sms` (default:
+    the current CUDA device's, else an H100's 132) decides whether a long prefill's tiles fill the GPU."""
     if unsupported_reason(bits, group_size, in_features) is not None:
         return "reference"
     if MMA_MIN_M <= m <= MMA_MAX_M and mma_eligible(dtype, group_size, in_features, hopper):
         return "mma"
     if m >= MMA_LONG_MIN_M and in_features >= MMA_LONG_MIN_K and mma_eligible(dtype, group_size, in_features, hopper):
-        return "mma"
+        if sms is None:
+            sms = cc.sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+        if long_tiles_fill(m, out_features, sms):
+            return "mma"
     if dtype == torch.float16 and 1 <= m <= FMA_MAX_M:
         kp = (in_features + KP_MULTIPLE - 1) // KP_MULTIPLE * KP_MULTIPLE
         if kp // (128 // bits) <= FMA_MAX_PIECES:
@@ -544,7 +558,8 @@ def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, i
 def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x . W^T + bias on the fastest available path for this shape."""
     m = x.numel() // max(1, x.shape[-1])
-    path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None, p.in_features)
+    path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None, p.in_features,
+                       p.out_features)
     if path == "gemv-fma":
         return gemv_fma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "gemv":
@@ -566,7 +581,7 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
     spec = layer.spec
     m = x.numel() // max(1, x.shape[-1])
     reason = None
-    if choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features) == "reference":
+    if choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features, layer.out_features) == "reference":
         reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
     if not cc.use_kernels("grouped_int", reason):
         return None

@@ -202,7 +202,7 @@ def test_module_forward_dispatch(m, dtype):
     assert bool(torch.isfinite(y).all())
     ref = reference64(layer, x.reshape(m, 1000).float()).reshape(1, m, 200)
     tol = TOL if dtype == torch.float16 else 1.5e-2
-    assert rel_err(y, ref) < tol, f"path {choose_path(m, dtype, 4, 128, 1000)} error {rel_err(y, ref):.2e}"
+    assert rel_err(y, ref) < tol, f"path {choose_path(m, dtype, 4, 128, 1000, 200)} error {rel_err(y, ref):.2e}"
     from qtool.cuda.compile import target_arch
     from qtool.cuda.grouped_int import GEMV_MAX_M, MMA_MAX_M, MMA_MIN_M
 
@@ -215,7 +215,7 @@ def test_module_forward_dispatch(m, dtype):
         expected = "mma"
     else:
         expected = "gemv" if m <= GEMV_MAX_M else "dequant+cublas"
-    assert choose_path(m, dtype, 4, 128, 1000) == expected
+    assert choose_path(m, dtype, 4, 128, 1000, 200) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -133,7 +133,7 @@ def test_mma_refuses_small_groups_and_bad_arguments():
     x = torch.randn(32, 256, device="cuda", dtype=torch.float16)
     with pytest.raises(CudaUnavailableError, match="group_size=16"):
         mma(x, _prep(layer))
-    assert choose_path(32, torch.float16, 8, 16, 256) != "mma"
+    assert choose_path(32, torch.float16, 8, 16, 256, 64) != "mma"
     y = synced(layer(x))  # the layer still runs (another path)
     assert rel_err(y, reference64(layer, x)) < TOL
     good = _prep(random_layer(64, 256, 4, 64, True, seed=6))

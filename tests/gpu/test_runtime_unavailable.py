@@ -47,29 +47,29 @@ def test_bad_kernel_mode_is_named(monkeypatch):
 def test_dispatch_rule():
     from qtool.cuda.grouped_int import choose_path, gemv_warps
 
-    assert choose_path(1, torch.float16, 4, 128, 4096, hopper=False) == "gemv-fma"
-    assert choose_path(1, torch.float16, 8, 128, 4096, hopper=False) == "gemv-fma"
-    assert choose_path(1, torch.float16, 4, 128, 11008, hopper=False) == "gemv-fma"  # 344 pieces
-    assert choose_path(1, torch.float16, 8, 128, 11008, hopper=False) == "gemv"  # 688 pieces: tensor-core kernel
-    assert choose_path(1, torch.float16, 4, 128, 16384, hopper=False) == "gemv-fma"
-    assert choose_path(1, torch.float16, 4, 128, 16512, hopper=False) == "gemv"
-    assert choose_path(4, torch.float16, 4, 128, 4096, hopper=False) == "gemv"
-    assert choose_path(32, torch.float16, 8, 32, 4096, hopper=False) == "gemv"
-    assert choose_path(64, torch.float16, 4, 128, 4096, hopper=False) == "dequant+cublas"
-    assert choose_path(2048, torch.float16, 4, 128, 4096, hopper=False) == "dequant+cublas"
-    assert choose_path(1, torch.bfloat16, 4, 128, 4096, hopper=False) == "dequant+cublas"
-    assert choose_path(1, torch.float16, 3, 128, 4096, hopper=False) == "reference"
-    assert choose_path(1, torch.float16, 4, 16, 4096, hopper=False) == "reference"  # group smaller than one 16-byte load
-    assert choose_path(8, torch.float16, 4, None, 1000, hopper=False) == "gemv"
-    assert choose_path(1, torch.float16, 4, None, 1000, hopper=False) == "gemv-fma"
-    assert choose_path(1, torch.float16, 4, 96, 4096, hopper=False) == "reference"  # not a power of two
+    assert choose_path(1, torch.float16, 4, 128, 4096, 4096, hopper=False) == "gemv-fma"
+    assert choose_path(1, torch.float16, 8, 128, 4096, 4096, hopper=False) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 128, 11008, 4096, hopper=False) == "gemv-fma"  # 344 pieces
+    assert choose_path(1, torch.float16, 8, 128, 11008, 4096, hopper=False) == "gemv"  # 688 pieces: tensor-core kernel
+    assert choose_path(1, torch.float16, 4, 128, 16384, 4096, hopper=False) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 128, 16512, 4096, hopper=False) == "gemv"
+    assert choose_path(4, torch.float16, 4, 128, 4096, 4096, hopper=False) == "gemv"
+    assert choose_path(32, torch.float16, 8, 32, 4096, 4096, hopper=False) == "gemv"
+    assert choose_path(64, torch.float16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
+    assert choose_path(2048, torch.float16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
+    assert choose_path(1, torch.bfloat16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
+    assert choose_path(1, torch.float16, 3, 128, 4096, 4096, hopper=False) == "reference"
+    assert choose_path(1, torch.float16, 4, 16, 4096, 4096, hopper=False) == "reference"  # group smaller than one 16-byte load
+    assert choose_path(8, torch.float16, 4, None, 1000, 4096, hopper=False) == "gemv"
+    assert choose_path(1, torch.float16, 4, None, 1000, 4096, hopper=False) == "gemv-fma"
+    assert choose_path(1, torch.float16, 4, 96, 4096, 4096, hopper=False) == "reference"  # not a power of two
     # Hopper: the wgmma kernel from MMA_MIN_M to MMA_MAX_M tokens (fp16, groups of >= 32 or per-channel)
-    assert choose_path(16, torch.float16, 4, 128, 4096, hopper=True) == "gemv"
-    assert choose_path(17, torch.float16, 4, 128, 4096, hopper=True) == "mma"
-    assert choose_path(256, torch.float16, 8, None, 4096, hopper=True) == "mma"
-    assert choose_path(257, torch.float16, 4, 128, 4096, hopper=True) == "dequant+cublas"
-    assert choose_path(64, torch.bfloat16, 4, 128, 4096, hopper=True) == "dequant+cublas"
-    assert choose_path(64, torch.float16, 8, 16, 4096, hopper=True) == "dequant+cublas"  # groups below 32
+    assert choose_path(16, torch.float16, 4, 128, 4096, 4096, hopper=True) == "gemv"
+    assert choose_path(17, torch.float16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(256, torch.float16, 8, None, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(257, torch.float16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
+    assert choose_path(64, torch.bfloat16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
+    assert choose_path(64, torch.float16, 8, 16, 4096, 4096, hopper=True) == "dequant+cublas"  # groups below 32
     for n, nt, kp in [(4096, 1, 4096), (11008, 2, 4096), (17, 8, 128), (4096, 8, 11008)]:
         w = gemv_warps(n, nt, kp, 4, 132)
         assert 1 <= w <= 16 and w * nt * 4 * 32 * 4 <= 48 * 1024
