@@ -3,9 +3,10 @@
 
 The checkpoint is built here (GPTQ W4 g32 asymmetric, the quickstart recipe with a smaller calibration set), then
 scored with one protocol on both devices. Besides the prefill-shaped perplexity (M = 4 windows x 512 tokens:
-dequantize + cuBLAS, and the warp-specialized wgmma kernels with their thresholds lowered), a teacher-forced decode with the KV cache scores the same tokens one step at a time, so the
-single-token (M = 1: gemv-fma) and batched-decode (M = 16: tensor-core gemv; M = 64: the Hopper wgmma kernel)
-kernels are measured on a real model too. Assets come from $QTOOL_ASSETS (default ../shared/assets beside the checkout, see tests/conftest.py).
+dequantize + cuBLAS, and the warp-specialized wgmma kernels with their thresholds lowered), a teacher-forced decode
+with the KV cache scores the same tokens one step at a time, so the single-token (M = 1: gemv-fma) and
+batched-decode (M = 16: tensor-core gemv; M = 64: the Hopper wgmma kernel) kernels are measured on a real model
+too. Assets come from $QTOOL_ASSETS (default ../shared/assets beside the checkout, see tests/conftest.py).
 """
 
 from __future__ import annotations
