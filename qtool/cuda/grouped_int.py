@@ -420,7 +420,8 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
                          "16-byte aligned rows (out_features a multiple of 8)")
     if kernel is None and ws_ok:
         # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill too few SMs
-        kernel = ("wsp" if tma.usable(out) else "ws") if long_tiles_fill(m, p.out_features, cc.sm_count(dev)) else "sync"
+        fill = long_tiles_fill(m, p.out_features, cc.sm_count(dev))
+        kernel = ("wsp" if tma.usable(out) else "ws") if fill else "sync"
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
     if kernel in WS_KERNELS:

@@ -59,7 +59,8 @@ def test_dispatch_rule():
     assert choose_path(2048, torch.float16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
     assert choose_path(1, torch.bfloat16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
     assert choose_path(1, torch.float16, 3, 128, 4096, 4096, hopper=False) == "reference"
-    assert choose_path(1, torch.float16, 4, 16, 4096, 4096, hopper=False) == "reference"  # group smaller than one 16-byte load
+    # a group smaller than one 16-byte load
+    assert choose_path(1, torch.float16, 4, 16, 4096, 4096, hopper=False) == "reference"
     assert choose_path(8, torch.float16, 4, None, 1000, 4096, hopper=False) == "gemv"
     assert choose_path(1, torch.float16, 4, None, 1000, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 4, 96, 4096, 4096, hopper=False) == "reference"  # not a power of two
