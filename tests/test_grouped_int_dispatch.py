@@ -3,6 +3,7 @@ thresholds measured in kernels/NOTES.md, and the fallbacks for other cards and d
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qtool.cuda.grouped_int import choose_path, fma_long_rows
@@ -48,7 +49,6 @@ def test_unsupported_layers_take_the_reference():
 
 
 def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
-    import pytest
 
     from qtool.cuda.compile import CudaUnavailableError, env_int
 
@@ -71,3 +71,15 @@ def test_long_rows_take_the_register_capped_fma_entry():
     assert not fma_long_rows(4, 2, False, 344, 11)  # entry built for one token
     assert not fma_long_rows(4, 1, True, 344, 11)  # persistent grid
     assert not fma_long_rows(4, 1, False, 344, 16)  # 512 threads do not fit its 384-thread bound
+
+
+def test_linear_refuses_an_unknown_path_in_one_line():
+    # Refused before anything touches a GPU, so CPU tensors stand in for the prepared layer.
+    from qtool.cuda.grouped_int import PATHS, Prepared, linear
+
+    p = Prepared(torch.zeros(8, 16, dtype=torch.int32), torch.ones(8, 1, dtype=F16), None,
+                 torch.zeros(8, 1, dtype=torch.int32), 4, 128, 128, 8, 128, 1, 0)
+    with pytest.raises(ValueError) as exc:
+        linear(torch.zeros(1, 128, dtype=F16), p, path="cublas")
+    assert str(exc.value) == f"path: found 'cublas', expected one of {', '.join(PATHS)}"
+    assert "gemv-fma" in PATHS and "reference" in PATHS

@@ -530,6 +530,9 @@ def long_tiles_fill(m: int, out_features: int, sms: int) -> bool:
     return -(-out_features // 128) * -(-m // 256) >= WS_MIN_WAVE * sms
 
 
+PATHS = ("gemv-fma", "gemv", "mma", "dequant+cublas", "reference")
+
+
 def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int, out_features: int,
                 hopper: bool | None = None, sms: int | None = None) -> str:
     """The path `linear` takes for M tokens: gemv-fma, gemv, mma, dequant+cublas or reference.
@@ -556,11 +559,15 @@ def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, i
     return "reference"
 
 
-def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x . W^T + bias on the fastest available path for this shape."""
+def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """y = x . W^T + bias on the fastest available path for this shape (`path`: what `choose_path` gave for it,
+    when the caller has it already)."""
     m = x.numel() // max(1, x.shape[-1])
-    path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None, p.in_features,
-                       p.out_features)
+    if path not in (None, *PATHS):
+        raise ValueError(f"path: found {path!r}, expected one of {', '.join(PATHS)}")
+    if path is None:
+        path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None,
+                           p.in_features, p.out_features)
     if path == "gemv-fma":
         return gemv_fma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "gemv":
@@ -582,7 +589,8 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
     spec = layer.spec
     m = x.numel() // max(1, x.shape[-1])
     reason = None
-    if choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features, layer.out_features) == "reference":
+    path = choose_path(m, x.dtype, spec.bits, spec.group_size, layer.in_features, layer.out_features)
+    if path == "reference":
         reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
     if not cc.use_kernels("grouped_int", reason):
         return None
@@ -591,4 +599,4 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
         p = prepare(layer.qweight, layer.scales, layer.zeros, spec.bits, spec.group_size, layer.in_features,
                     layer.out_features)
         layer._qtool_prepared = p
-    return linear(x, p, layer.bias)
+    return linear(x, p, layer.bias, path)
