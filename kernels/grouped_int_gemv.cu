@@ -529,9 +529,10 @@ GEMV_FMA_ENTRIES(0)
 GEMV_FMA_ENTRIES(1)
 
 // The one-row-group grid for rows of 257..384 pieces (K = 8224..12288 at 4 bits), one token: register-capped so
-// three blocks fit on a multiprocessor instead of two. Such a layer needs several waves of blocks (each thread
-// holds one piece of four rows in flight), and 11008x4096 ran 7% faster on an H100 at 56 registers (a few bytes
-// spilled) than at 64; at K = 4096 the cap lost 17% (kernels/NOTES.md), so only long rows take it.
+// three blocks fit on a multiprocessor instead of two. Such a layer needs several waves of blocks, and 11008x4096
+// ran 7% faster on an H100 at 56 registers (a few bytes spilled) than at 64 (blocks of one thread per piece); at
+// K = 4096 the cap lost 17% (kernels/NOTES.md), so only long rows take it. The host now launches such rows in
+// blocks of 4 warps whose threads walk several pieces (FMA_ONE_TOKEN_WARPS).
 #define GEMV_FMA_LONG_ENTRY(SA)                                                                                   \
     extern "C" __global__ void __launch_bounds__(384, 3) grouped_int_gemv_fma_b4_m1_p0_s##SA##_long(              \
         const u32* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,                     \

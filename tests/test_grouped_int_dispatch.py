@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda.grouped_int import choose_path, fma_long_rows
+from qtool.cuda.grouped_int import choose_path, fma_long_rows, fma_warps
 
 F16 = torch.float16
 
@@ -83,3 +83,16 @@ def test_linear_refuses_an_unknown_path_in_one_line():
         linear(torch.zeros(1, 128, dtype=F16), p, path="cublas")
     assert str(exc.value) == f"path: found 'cublas', expected one of {', '.join(PATHS)}"
     assert "gemv-fma" in PATHS and "reference" in PATHS
+
+
+def test_one_token_4bit_rows_run_in_blocks_of_four_warps():
+    assert fma_warps(4, 1, False, 128) == 4  # K = 4096: one piece per thread, as before
+    assert fma_warps(4, 1, False, 344) == 4  # K = 11008: threads walk several pieces (measured faster)
+    assert fma_warps(4, 1, False, 448) == 4  # K = 14336
+    assert fma_warps(4, 1, False, 40) == 2  # short rows: no idle warps
+    assert fma_warps(8, 1, True, 344) == 11  # 8-bit, persistent grid: one thread per piece
+    assert fma_warps(8, 1, False, 344) == 11
+    assert fma_warps(4, 2, False, 344) == 11  # two tokens: not measured, unchanged
+    assert fma_warps(4, 1, False, 1024) == 4
+    assert fma_warps(8, 1, False, 1024) == 16
+    assert fma_long_rows(4, 1, False, 344, fma_warps(4, 1, False, 344))  # still the register-capped entry

@@ -45,6 +45,12 @@ FMA_MAX_PIECES = 512
 # One-token 4-bit rows of this many 16-byte pieces take the register-capped entry (three blocks per
 # multiprocessor): 344 pieces (K = 11008) measured 7% faster with it on an H100, 128 pieces 17% slower.
 FMA_LONG_PIECES = (257, 384)
+# One-token 4-bit rows longer than 128 pieces (K > 4096) run in blocks of this many warps whose threads walk
+# several pieces, instead of one thread per piece: on an H100, 7.9 vs 8.7 us at 8192x4096, 11.5 vs 12.2 at
+# 11008x4096, 12.7 vs 15.5 at 14336x4096, 26.5 vs 27.9 at 11008x11008, 12.6 vs 12.5 at 12288x4096
+# (kernels/NOTES.md; likely because smaller blocks are replaced at a finer grain over the waves such layers need).
+# Rows of 257-384 pieces still take the register-capped entry (`fma_long_rows`; that is how these were timed).
+FMA_ONE_TOKEN_WARPS = 4
 # The wgmma kernel runs M = MMA_MIN_M..MMA_MAX_M tokens on Hopper: the skinny kernels win below, dequantize +
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
 MMA_MIN_M = cc.env_int("QTOOL_MMA_MIN_M", 17)
@@ -224,16 +230,16 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     x2, out, m, dev = _gemv_args(x, p, bias, out, 4)
     mt = 1 if m == 1 else (2 if m == 2 else 4)
     pieces = p.kp // (128 // p.bits)
-    if warps is None:
-        warps = max(1, min(16, -(-pieces // 32)))
-    elif not 1 <= warps <= 16:
-        raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
-    mod = cc.load_module(SOURCE, device=dev)
     # Measured on an H200: 4-bit is issue-bound and wants occupancy (one row group per block, fewer registers,
     # and its weights loaded before the dependency wait); 8-bit wants the persistent grid that prefetches the next
     # row group while it computes the current one.
     pipe = _FMA_PIPE if _FMA_PIPE is not None else p.bits == 8
     pipe = pipe and mt <= 2
+    if warps is None:
+        warps = fma_warps(p.bits, mt, pipe, pieces)
+    elif not 1 <= warps <= 16:
+        raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
+    mod = cc.load_module(SOURCE, device=dev)
     name = f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}"
     if fma_long_rows(p.bits, mt, pipe, pieces, warps):
         name += "_long"
@@ -255,6 +261,15 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
         device=dev,
     )
     return out.reshape(*lead, p.out_features)
+
+
+def fma_warps(bits: int, token_slots: int, pipe: bool, pieces: int) -> int:
+    """Default warps per block of `gemv_fma`: one thread per 16-byte piece of the row (at most 16 warps), except
+    one-token 4-bit rows on the one-row-group grid, which take at most FMA_ONE_TOKEN_WARPS."""
+    warps = max(1, min(16, -(-pieces // 32)))
+    if bits == 4 and token_slots == 1 and not pipe:
+        warps = min(warps, FMA_ONE_TOKEN_WARPS)
+    return warps
 
 
 def fma_long_rows(bits: int, token_slots: int, pipe: bool, pieces: int, warps: int) -> bool:
