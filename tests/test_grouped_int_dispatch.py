@@ -49,7 +49,6 @@ def test_unsupported_layers_take_the_reference():
 
 
 def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
-
     from qtool.cuda.compile import CudaUnavailableError, env_int
 
     monkeypatch.setenv("QTOOL_MMA_LONG_MIN_K", "8k")
