@@ -578,11 +578,11 @@ def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path:
     """y = x . W^T + bias on the fastest available path for this shape (`path`: what `choose_path` gave for it,
     when the caller has it already)."""
     m = x.numel() // max(1, x.shape[-1])
-    if path not in (None, *PATHS):
-        raise ValueError(f"path: found {path!r}, expected one of {', '.join(PATHS)}")
     if path is None:
         path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None,
                            p.in_features, p.out_features)
+    elif path not in PATHS:
+        raise ValueError(f"path: found {path!r}, expected one of {', '.join(PATHS)}")
     if path == "gemv-fma":
         return gemv_fma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "gemv":
