@@ -528,21 +528,6 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
 GEMV_FMA_ENTRIES(0)
 GEMV_FMA_ENTRIES(1)
 
-// The one-row-group grid for rows of 257..384 pieces (K = 8224..12288 at 4 bits), one token: register-capped so
-// three blocks fit on a multiprocessor instead of two. Such a layer needs several waves of blocks, and 11008x4096
-// ran 7% faster on an H100 at 56 registers (a few bytes spilled) than at 64 (blocks of one thread per piece); at
-// K = 4096 the cap lost 17% (kernels/NOTES.md), so only long rows take it. The host now launches such rows in
-// blocks of 4 warps whose threads walk several pieces (FMA_ONE_TOKEN_WARPS).
-#define GEMV_FMA_LONG_ENTRY(SA)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(384, 3) grouped_int_gemv_fma_b4_m1_p0_s##SA##_long(              \
-        const u32* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,                     \
-        const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp, int G, int gs_shift) {          \
-        gemv_fma_body<4, 1, false, (SA != 0)>(qw, meta, x, bias, y, M, N, Kp, G, gs_shift);                      \
-    }
-
-GEMV_FMA_LONG_ENTRY(0)
-GEMV_FMA_LONG_ENTRY(1)
-
 // Dequantize to a dense [N, Kp] fp16/bf16 matrix for the prefill path (dequantize, then cuBLAS).
 // One thread per 8 codes, so each thread stores 16 contiguous bytes and a warp's store covers 512 contiguous
 // bytes. fp16: the exact integer (c - z) times the fp16 scale, rounded once (the same rounding as the float32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda.grouped_int import choose_path, fma_long_rows, fma_warps
+from qtool.cuda.grouped_int import choose_path, fma_warps
 
 F16 = torch.float16
 
@@ -61,17 +61,6 @@ def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
     assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 8192
 
 
-def test_long_rows_take_the_register_capped_fma_entry():
-    assert fma_long_rows(4, 1, False, 344, 11)  # K = 11008
-    assert fma_long_rows(4, 1, False, 384, 12)  # K = 12288
-    assert not fma_long_rows(4, 1, False, 128, 4)  # K = 4096: the cap measured slower
-    assert not fma_long_rows(4, 1, False, 448, 14)  # K = 14336: not measured, more threads than the cap
-    assert not fma_long_rows(8, 1, False, 344, 11)  # 8-bit takes the persistent grid
-    assert not fma_long_rows(4, 2, False, 344, 11)  # entry built for one token
-    assert not fma_long_rows(4, 1, True, 344, 11)  # persistent grid
-    assert not fma_long_rows(4, 1, False, 344, 16)  # 512 threads do not fit its 384-thread bound
-
-
 def test_linear_refuses_an_unknown_path_in_one_line():
     # Refused before anything touches a GPU, so CPU tensors stand in for the prepared layer.
     from qtool.cuda.grouped_int import PATHS, Prepared, linear
@@ -94,4 +83,3 @@ def test_one_token_4bit_rows_run_in_blocks_of_four_warps():
     assert fma_warps(4, 2, False, 344) == 11  # two tokens: not measured, unchanged
     assert fma_warps(4, 1, False, 1024) == 4
     assert fma_warps(8, 1, False, 1024) == 16
-    assert fma_long_rows(4, 1, False, 344, fma_warps(4, 1, False, 344))  # still the register-capped entry

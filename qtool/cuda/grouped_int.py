@@ -42,14 +42,11 @@ KP_MULTIPLE = 128
 GEMV_MAX_M = min(64, cc.env_int("QTOOL_GEMV_MAX_M", 32))
 FMA_MAX_M = min(4, cc.env_int("QTOOL_FMA_MAX_M", 1))
 FMA_MAX_PIECES = 512
-# One-token 4-bit rows of this many 16-byte pieces take the register-capped entry (three blocks per
-# multiprocessor): 344 pieces (K = 11008) measured 7% faster with it on an H100, 128 pieces 17% slower.
-FMA_LONG_PIECES = (257, 384)
 # One-token 4-bit rows longer than 128 pieces (K > 4096) run in blocks of this many warps whose threads walk
-# several pieces, instead of one thread per piece: on an H100, 7.9 vs 8.7 us at 8192x4096, 11.5 vs 12.2 at
-# 11008x4096, 12.7 vs 15.5 at 14336x4096, 26.5 vs 27.9 at 11008x11008, 12.6 vs 12.5 at 12288x4096
-# (kernels/NOTES.md; likely because smaller blocks are replaced at a finer grain over the waves such layers need).
-# Rows of 257-384 pieces still take the register-capped entry (`fma_long_rows`; that is how these were timed).
+# several pieces, instead of one thread per piece. On an H100 (kernels/NOTES.md), against one thread per piece with
+# the register-capped entry that rows of 257-384 pieces took before: 10.2 vs 12.2 us at 11008x4096, 11.0 vs 12.5 at
+# 12288x4096, 25.0 vs 27.9 at 11008x11008; 12.7 vs 15.5 at 14336x4096 and 7.9 vs 8.7 at 8192x4096 (both uncapped).
+# Capping the registers (three blocks of 384 threads per SM) made 4-warp blocks 6-12% slower, so no entry caps them.
 FMA_ONE_TOKEN_WARPS = 4
 # The wgmma kernel runs M = MMA_MIN_M..MMA_MAX_M tokens on Hopper: the skinny kernels win below, dequantize +
 # cuBLAS above (`qtool bench kernels` on an H100, kernels/NOTES.md).
@@ -240,10 +237,7 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     elif not 1 <= warps <= 16:
         raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
     mod = cc.load_module(SOURCE, device=dev)
-    name = f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}"
-    if fma_long_rows(p.bits, mt, pipe, pieces, warps):
-        name += "_long"
-    fn = mod.fn(name)
+    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}")
     threads = 32 * warps
     groups = (p.out_features + FMA_ROWS - 1) // FMA_ROWS
     grid = groups
@@ -270,12 +264,6 @@ def fma_warps(bits: int, token_slots: int, pipe: bool, pieces: int) -> int:
     if bits == 4 and token_slots == 1 and not pipe:
         warps = min(warps, FMA_ONE_TOKEN_WARPS)
     return warps
-
-
-def fma_long_rows(bits: int, token_slots: int, pipe: bool, pieces: int, warps: int) -> bool:
-    """Whether `gemv_fma` launches the register-capped entry for long 4-bit rows (at most 384 threads)."""
-    lo, hi = FMA_LONG_PIECES
-    return bits == 4 and token_slots == 1 and not pipe and lo <= pieces <= hi and warps <= 12
 
 
 def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None,

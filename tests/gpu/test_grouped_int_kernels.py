@@ -130,14 +130,14 @@ def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, scale_after, monkeypatc
 @pytest.mark.parametrize("nk", [(72, 9000), (33, 12288), (4096, 11008)])
 @pytest.mark.parametrize("scale_after", [0, 1])
 def test_gemv_fma_long_rows(group_size, symmetric, nk, scale_after, monkeypatch):
-    """Rows of 257..384 pieces at one token take the register-capped entry (three blocks per multiprocessor)."""
+    """Rows longer than 128 pieces at one token: by default each thread of a 4-warp block walks several pieces."""
     from qtool.cuda import grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", False)
     monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
     n, k = nk
     kp = -(-k // 128) * 128
-    assert grouped_int.fma_long_rows(4, 1, False, kp // 32, min(16, -(-kp // 32 // 32)))
+    assert grouped_int.fma_warps(4, 1, False, kp // 32) * 32 < kp // 32
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_layer(n, k, 4, group_size, symmetric, seed=seed, bias=True)
     _check_gemv(layer, 1, seed, with_bias=True, kernel="gemv_fma")
