@@ -140,6 +140,31 @@ def test_kernel_bench_report_with_fake_timer(tmp_path):
     assert "FakeGPU" in text and "gemv" in text and "3.00" in text
 
 
+class SlowerFirstFp16Timer(FakeTimer):
+    """cuBLAS FP16 at 12 us on its first timing and 10 us on its second (a baseline that moves between runs)."""
+
+    def __call__(self, fns, warmup, iters):
+        times = super().__call__(fns, warmup, iters)
+        if self.calls[-1][0] == "fp16" and sum(c[0] == "fp16" for c in self.calls) % 2 == 0:
+            return [t * 10.0 / 12.0 for t in times]
+        return times
+
+
+def test_kernel_bench_divides_by_the_faster_of_two_fp16_timings():
+    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 16], bits=[4], group_sizes=[128], warmup=3, iters=50)
+    timer = SlowerFirstFp16Timer()
+    report = kb.run_kernel_bench(cfg, FakeCases(), timer)
+    assert stats.validate_kernels_report(report) == []
+    labels = [label for label, _, _ in timer.calls]
+    # per (shape, M): FP16 first, then INT8/FP8 and our paths, then FP16 again
+    assert labels.count("fp16") == 4 and labels[-1] == "fp16"
+    for r in report["results"]:
+        fp16 = r["baselines"]["fp16"]
+        assert fp16["runs_us"] == [pytest.approx(12.0), pytest.approx(10.0)]
+        assert fp16["median_us"] == pytest.approx(10.0)
+        assert r["speedup"]["fp16"] == pytest.approx(10.0 / 4.0)
+
+
 def test_schema_validation_catches_problems():
     report, _ = _report()
     bad = json.loads(json.dumps(report))
