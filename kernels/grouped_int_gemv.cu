@@ -43,6 +43,11 @@ __device__ __forceinline__ uint4 load_cached(const u16* p) {
     return r;
 }
 
+// The activations of a dependent launch (DEP): written by the kernel ahead, so coherent (ld_dep_v4,
+// ptx_common.cuh), which is also volatile.
+template <bool VOL, bool DEP>
+__device__ __forceinline__ uint4 load_x(const u16* p);
+
 // The same two in program order (volatile): one of the measured variants of the tensor-core kernel.
 __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
     uint4 r;
@@ -50,6 +55,12 @@ __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
+}
+
+template <bool VOL, bool DEP>
+__device__ __forceinline__ uint4 load_x(const u16* p) {
+    if (DEP) return ld_dep_v4(p);
+    return VOL ? load_cached_v(p) : load_cached(p);
 }
 
 __device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
@@ -127,7 +138,7 @@ __device__ __forceinline__ void code_pairs(u32 w, int h, u32& lo, u32& hi) {
     }
 }
 
-template <int BITS, int NT, bool VOL>
+template <int BITS, int NT, bool VOL, bool DEP>
 __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const uint4& wa, const uint4& wb,
                                           const u16* __restrict__ scales, const u8* __restrict__ zeros,
                                           const u16* __restrict__ x, int M, int Kp, int G, int gs, int sym_zero,
@@ -148,8 +159,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
         for (int t = 0; t < NT; ++t) {
             const int tok = t * 8 + g;
             if (tok < M) {
-                X[t] = VOL ? load_cached_v(x + (long long)tok * Kp + k0 + 8 * jj)
-                           : load_cached(x + (long long)tok * Kp + k0 + 8 * jj);
+                X[t] = load_x<VOL, DEP>(x + (long long)tok * Kp + k0 + 8 * jj);
             } else {
                 X[t] = u4(0u, 0u, 0u, 0u);
             }
@@ -200,7 +210,9 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
 // and the tokens as the 8-column B operand (so M = 1 wastes MMA lanes, not memory bandwidth).
 // One block owns 16 output rows; its warps split K (span s goes to warp s % warps) and reduce through shared
 // memory at the end. A quad of lanes reads 64 contiguous bytes of a row per span with one 16-byte load each.
-template <int BITS, int NT, bool VOL>
+// DEP (a programmatic dependent launch): each warp's first two spans of weights are loaded before the wait for the
+// kernel ahead, whose outputs (the activations) are read after it through coherent loads.
+template <int BITS, int NT, bool VOL, bool DEP>
 __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16* __restrict__ scales,
                                           const u8* __restrict__ zeros, const u16* __restrict__ x,
                                           const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,
@@ -226,17 +238,28 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
         for (int c = 0; c < 4; ++c) acc[t][c] = 0.f;
 
     // Two spans in flight per warp before any arithmetic: the loads, not the math, set the pace.
-    for (int s0 = warp; s0 < nspans; s0 += 2 * nwarps) {
+    uint4 wa0, wb0, wa1, wb1;
+    auto load = [&](int s0) {
         const int s1 = s0 + nwarps;
-        const uint4 wa0 = load_stream(qa + (long long)s0 * 16);
-        const uint4 wb0 = load_stream(qb + (long long)s0 * 16);
-        uint4 wa1 = u4(0u, 0u, 0u, 0u), wb1 = wa1;
+        wa0 = load_stream(qa + (long long)s0 * 16);
+        wb0 = load_stream(qb + (long long)s0 * 16);
+        wa1 = u4(0u, 0u, 0u, 0u), wb1 = wa1;
         if (s1 < nspans) {
             wa1 = load_stream(qa + (long long)s1 * 16);
             wb1 = load_stream(qb + (long long)s1 * 16);
         }
-        gemv_span<BITS, NT, VOL>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
-        if (s1 < nspans) gemv_span<BITS, NT, VOL>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+    };
+    if (DEP) {
+        launch_dependents();
+        if (warp < nspans) load(warp);
+        grid_dependency_wait();
+    }
+    for (int s0 = warp; s0 < nspans; s0 += 2 * nwarps) {
+        const int s1 = s0 + nwarps;
+        if (!DEP || s0 != warp) load(s0);
+        gemv_span<BITS, NT, VOL, DEP>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+        if (s1 < nspans)
+            gemv_span<BITS, NT, VOL, DEP>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
     }
 
     // Accumulator fragment: c0,c1 -> row g, tokens 2q, 2q+1; c2,c3 -> row g+8.
@@ -260,13 +283,21 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
 }
 
 // Entry points: grouped_int_gemv_b{bits}_nt{token tiles}_v{1: activation loads and MMAs issued in program order
-// (volatile), 0: left to the compiler's scheduling}.
+// (volatile), 0: left to the compiler's scheduling}, and _dep: the volatile form as a dependent launch, held to
+// 64 registers so that two blocks of 512 threads fit an SM (the dispatch takes it where the grid is one such wave).
 #define GEMV_ENTRY(BITS, NT, VOL)                                                                                \
     extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_b##BITS##_nt##NT##_v##VOL(                \
         const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
         const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
         int G, int gs, int sym_zero) {                                                                           \
-        gemv_body<BITS, NT, (VOL != 0)>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);               \
+        gemv_body<BITS, NT, (VOL != 0), false>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);        \
+    }
+#define GEMV_DEP_ENTRY(BITS, NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 2) grouped_int_gemv_b##BITS##_nt##NT##_dep(                \
+        const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
+        const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
+        int G, int gs, int sym_zero) {                                                                           \
+        gemv_body<BITS, NT, true, true>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);               \
     }
 
 #define GEMV_ENTRIES(BITS, VOL) \
@@ -274,11 +305,17 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
     GEMV_ENTRY(BITS, 2, VOL)    \
     GEMV_ENTRY(BITS, 4, VOL)    \
     GEMV_ENTRY(BITS, 8, VOL)
+// Up to 16 tokens: at 32 and 64 the 64-register cap spills (176-1856 bytes).
+#define GEMV_DEP_ENTRIES(BITS) \
+    GEMV_DEP_ENTRY(BITS, 1)    \
+    GEMV_DEP_ENTRY(BITS, 2)
 
 GEMV_ENTRIES(4, 0)
 GEMV_ENTRIES(4, 1)
 GEMV_ENTRIES(8, 0)
 GEMV_ENTRIES(8, 1)
+GEMV_DEP_ENTRIES(4)
+GEMV_DEP_ENTRIES(8)
 
 __device__ __forceinline__ u32 f16x2_fma(u32 a, u32 b, u32 c) {
     u32 r;

@@ -83,3 +83,21 @@ def test_one_token_4bit_rows_run_in_blocks_of_four_warps():
     assert fma_warps(4, 2, False, 344) == 11  # two tokens: not measured, unchanged
     assert fma_warps(4, 1, False, 1024) == 4
     assert fma_warps(8, 1, False, 1024) == 16
+
+
+def test_tensor_core_gemv_is_a_dependent_launch_only_where_its_grid_is_one_wave_of_16_warp_blocks(monkeypatch):
+    from qtool.cuda import dependent_launch
+    from qtool.cuda.grouped_int import gemv_dependent, gemv_warps
+
+    sms = 132
+    nt = 2  # M = 9..16
+    w = gemv_warps(4096, nt, 4096, 4, sms)
+    assert w == 16 and gemv_dependent(nt, w, 4096 // 16, sms)  # N = 4096: 256 blocks, two per SM
+    assert gemv_dependent(nt, gemv_warps(4096, nt, 11008, 4, sms), 256, sms)  # 11008x4096
+    w = gemv_warps(11008, nt, 4096, 4, sms)
+    assert w == 4 and not gemv_dependent(nt, w, 688, sms)  # N = 11008: measured slower as a dependent
+    assert not gemv_dependent(nt, 16, 2 * sms + 1, sms)  # more than one wave
+    assert not gemv_dependent(4, 16, 256, sms)  # 17..32 tokens: no dependent entry (it would spill)
+    assert gemv_dependent(1, 16, 64, sms)
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    assert not gemv_dependent(nt, 16, 256, sms)

@@ -163,6 +163,37 @@ def test_gemv_fma_large_activations(bits, scale_after, monkeypatch):
     assert err < TOL, f"relative error {err:.2e} (seed {seed})"
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES + REAL_SHAPES[:2])
+def test_gemv_dependent_entry_gives_the_bits_of_the_ordinary_one(bits, group_size, symmetric, nk):
+    """The dependent-launch entry (weights loaded before the wait, coherent activation loads, 64 registers) against
+    the ordinary one at the same split of K: the same bits, every output written (poisoned), and within the float64
+    reference's tolerance."""
+    from qtool.cuda.grouped_int import gemv
+
+    n, k = nk
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=seed, bias=True)
+    p = _prep(layer)
+    w64 = layer.layout.dequantize(torch.float32).double().cpu()  # reference64's weight, made once
+    for m in (1, 2, 7, 8, 9, 16):
+        x = _x(m, k)
+        ref = x.double().cpu() @ w64.T + layer.bias.double().cpu()
+        for warps in (None, 16, 5):
+            ys = []
+            for dependent in (False, True):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                ys.append(synced(gemv(x, p, layer.bias, out=out, warps=warps, dependent=dependent)))
+            assert bool(torch.isfinite(ys[1]).all()), f"unwritten outputs (seed {seed}, M={m}, warps={warps})"
+            assert torch.equal(ys[0], ys[1]), f"seed {seed}, M={m}, warps={warps}"
+            err = rel_err(ys[1], ref)
+            assert err < TOL, f"relative error {err:.2e} (seed {seed}, M={m}, warps={warps})"
+    with pytest.raises(ValueError, match="dependent: found 17 rows, expected at most 16"):
+        gemv(_x(17, k), p, dependent=True)
+
+
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 5, 8, 16])
 def test_gemv_any_split_k(warps):
     seed = int.from_bytes(os.urandom(4), "little")
@@ -326,10 +357,12 @@ def test_launch_follows_torch_stream():
     assert rel_err(y, reference64(layer, x)) < TOL
 
 
-@pytest.mark.parametrize("kernels,m", [("gemv_fma", 1), ("gemv_fma", 2), ("gemv_fma", 3), ("gemv_fma,gemv", 1)])
+@pytest.mark.parametrize("kernels,m", [("gemv_fma", 1), ("gemv_fma", 2), ("gemv_fma", 3), ("gemv_fma,gemv", 1),
+                                       ("gemv", 5), ("gemv", 16)])
 def test_dependent_launches_give_the_bits_of_ordinary_launches(kernels, m):
     """Layers chained through their outputs (4- and 8-bit, so both the one-row-group and the persistent CUDA-core
-    grids run; with `gemv` between, an ordinary launch follows each dependent one), each kernel reading what the
+    grids run; with `gemv` between, the tensor-core kernel runs dependent where its grid is one wave of 16-warp
+    blocks and ordinary elsewhere; `gemv` alone: layers where it is always dependent), each kernel reading what the
     one ahead wrote while the buffers a call frees are reused by the next at once. Launched as programmatic
     dependents (each may start, and load its weights, before the one ahead has finished), eagerly and replayed
     from a CUDA graph, the chain gives the bits of ordinary launches every time: an activation read or output
@@ -339,8 +372,15 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(kernels, m):
 
     # (N, K, bits); K a multiple of 128, so no padding copy runs between the kernels
     shapes = [(2048, 1024, 4), (1024, 2048, 8), (1536, 1024, 4), (1024, 1536, 8)] * 2
+    if kernels == "gemv":  # layers whose tensor-core grid is one wave of 16-warp blocks: all dependent launches
+        shapes = [(2048, 1024, 8), (1024, 2048, 4)] * 4
     seed = int.from_bytes(os.urandom(4), "little")
     ps = [_prep(random_layer(n, k, bits, 128, False, seed=seed + i, bias=True)) for i, (n, k, bits) in enumerate(shapes)]
+    if kernels == "gemv":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        nt = grouped_int._n_tiles(m)
+        assert all(grouped_int.gemv_dependent(nt, grouped_int.gemv_warps(p.out_features, nt, p.kp, p.bits, sms),
+                                              (p.out_features + 15) // 16, sms) for p in ps)
     ops = [getattr(grouped_int, name) for name in kernels.split(",")]
     x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
 
