@@ -43,11 +43,6 @@ __device__ __forceinline__ uint4 load_cached(const u16* p) {
     return r;
 }
 
-// The activations of a dependent launch (DEP): written by the kernel ahead, so coherent (ld_dep_v4,
-// ptx_common.cuh), which is also volatile.
-template <bool VOL, bool DEP>
-__device__ __forceinline__ uint4 load_x(const u16* p);
-
 // The same two in program order (volatile): one of the measured variants of the tensor-core kernel.
 __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
     uint4 r;
@@ -57,6 +52,8 @@ __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
     return r;
 }
 
+// An activation load of the tensor-core kernel. In a dependent launch (DEP) the activations were written by the
+// kernel ahead, so the load is coherent (ld_dep_v4, ptx_common.cuh; also volatile).
 template <bool VOL, bool DEP>
 __device__ __forceinline__ uint4 load_x(const u16* p) {
     if (DEP) return ld_dep_v4(p);

@@ -148,11 +148,8 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                         "baselines": base, "baseline_errors": base_err, "roofline": roof,
                         "noise": stats.noise(us, again.median_us),
                     })
-            # cuBLAS's own time moves between runs by more than ours; timed again after our kernels, the faster of
-            # its two medians is the baseline (the ratios can only come out lower for it), as in `bench quik`
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
-            base["fp16"] = {**min(first, last, key=lambda v: v["median_us"]),
-                            "runs_us": [first["median_us"], last["median_us"]]}
+            base["fp16"] = stats.faster_run(first, last)
             for row in rows:
                 row["speedup"] = {
                     name: (stats.speedup(v["median_us"], row["quant"]["median_us"]) if isinstance(v, dict) else None)

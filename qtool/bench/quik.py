@@ -89,11 +89,8 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
             sweep[cfg.ladder_outliers] = ladder["fused"]
         again = t(4, cfg.ladder_outliers, "fused")
         w8a8 = t(8, cfg.ladder_outliers, "fused") if cfg.w8a8 else None
-        # cuBLAS's own time moves between runs by more than ours; timed again after our kernels, the faster of its
-        # two medians is the baseline (the ratios can only come out lower for it)
         last = _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)  # noqa: B023
-        base["fp16"] = {**min(first, last, key=lambda v: v["median_us"]),
-                        "runs_us": [first["median_us"], last["median_us"]]}
+        base["fp16"] = stats.faster_run(first, last)
         for v in timed:
             v["speedup"] = _ratios(base, v["median_us"])
         zero = sweep.get(0)

@@ -58,6 +58,12 @@ def noise(a_us: float, b_us: float) -> float:
     return abs(a_us - b_us) / min(a_us, b_us)
 
 
+def faster_run(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """A baseline timed before and after ours (summaries as dicts): the faster median, with both in `runs_us`.
+    cuBLAS's own time moves between runs by more than ours, so the ratios can only come out lower for it."""
+    return {**min(first, last, key=lambda v: v["median_us"]), "runs_us": [first["median_us"], last["median_us"]]}
+
+
 def speedup(baseline_us: float | None, us: float) -> float | None:
     """> 1 means `us` is faster than the baseline."""
     if baseline_us is None:
