@@ -4,7 +4,7 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
 
 * ``gemv-fma``: a CUDA-core kernel for 1..FMA_MAX_M tokens (fp16 activations).
 * ``gemv``: the tensor-core skinny kernel (weights streamed once, dequantized in registers), fp16 activations,
-  M <= GEMV_MAX_M.
+  M <= GEMV_MAX_M; a programmatic dependent launch where its grid is one wave of 16-warp blocks (gemv_dependent).
 * ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
   in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
   tiles are too few to fill the GPU; once 256-token tiles fill the GPU, its warp-specialized persistent form
