@@ -224,11 +224,9 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else f"v{GEMV_VOLATILE}")
     args = (cc.ptr(p.qweight), cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
             cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_size), cc.i32(p.sym_zero))
-    smem = warps * nt * 4 * 32 * 4
-    if dependent:
-        dependent_launch.launch(mod.fn(name), (blocks,), (32 * warps,), args, shared_mem=smem, device=dev)
-    else:
-        cc.launch(mod.fn(name), (blocks,), (32 * warps,), args, shared_mem=smem, device=dev)
+    # the dependent entry as a dependent launch wherever those are enabled; the ordinary entry never
+    dependent_launch.launch(mod.fn(name), (blocks,), (32 * warps,), args, shared_mem=warps * nt * 4 * 32 * 4,
+                            device=dev, dependent=None if dependent else False)
     return out.reshape(*lead, p.out_features)
 
 
