@@ -37,6 +37,19 @@
 #ifndef QUIK_EPI
 #define QUIK_EPI 0
 #endif
+// QUIK_TRACE (measurement only): the fused form writes %globaltimer (low 32 bits, ns) at its events into
+// ready[64 + 64 * block + slot] (the caller grows the counter buffer): 0 block start, 1..8 the math warps' first
+// rows done, 9..32 the copy warps' rows done (8 each), 33..40 tile starts, 41..48 tile ends, 49 first copy.
+#ifndef QUIK_TRACE
+#define QUIK_TRACE 0
+#endif
+__device__ __forceinline__ void trace_at(int* ready, int slot) {
+#if QUIK_TRACE
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    ready[64 + 64 * blockIdx.x + slot] = (int)(u32)t;
+#endif
+}
 
 __device__ __forceinline__ float div_rn(float a, float b) {
     float r;
@@ -322,6 +335,91 @@ __device__ __forceinline__ u32 gather_code(u32 row, u32 off, float lo, float y) 
     return code_of<AB>(sub_rn(h2f(h), lo), y);
 }
 
+// Outlier mask words for 2 columns from 2 bits of p.oflag (bit j of byte i: column 8i + j): 0xFFFF per outlier.
+__device__ __forceinline__ u32 mask2(u32 b) { return ((b & 1u) ? 0xFFFFu : 0u) | ((b & 2u) ? 0xFFFF0000u : 0u); }
+
+// One staged row (shared memory at `buf`) into its codes, outliers, s_x and z_x, as described above, by a team of
+// TW warps (`member` of team `team`; qred is the block's min/max exchange). `mapa`: the position -> offset map in
+// shared memory; `msk`: the outlier mask in shared memory, a 16-bit word per column (BITMASK false) or a bit per
+// column (true: p.oflag, the fused GEMM's smaller copy, which also has the outlier columns' byte offsets in shared
+// memory at `omapa`, p.osrc; otherwise they are gathered through oidx). UNR: the unroll of the two passes (the
+// fused GEMM's copy warps run this with 40 registers).
+template <int AB, int TW, bool BITMASK, int UNR>
+__device__ __forceinline__ void quantize_staged(const char* buf, const char* msk, u32 mapa,
+                                                const int* __restrict__ oidx, int row, int K, int kb, int kp, int ko,
+                                                int kop, int team, int member, int lane, float (*qred)[2],
+                                                char* __restrict__ aq, u16* __restrict__ xo, float* __restrict__ sx,
+                                                float* __restrict__ zx, u32 omapa = 0) {
+    constexpr int MAXQ = (1 << AB) - 1;
+    const int warp = team * TW + member;
+    const u16* xs = reinterpret_cast<const u16*>(buf);
+    const int np = K >> 3, nc = kp >> 2, whole = (kb & ~31) >> 2;  // pieces; 4-code chunks; chunks with no hole
+    const int first = 32 * member + lane, step = 32 * TW;
+    u32 lo2 = 0x7C007C00u, hi2 = 0xFC00FC00u;
+#pragma unroll UNR
+    for (int p = first; p < np; p += step) {
+        uint4 v = reinterpret_cast<const uint4*>(buf)[p];
+        uint4 m;
+        if (BITMASK) {
+            const u32 b = reinterpret_cast<const u8*>(msk)[p];
+            m = make_uint4(mask2(b), mask2(b >> 2), mask2(b >> 4), mask2(b >> 6));
+        } else {
+            m = reinterpret_cast<const uint4*>(msk)[p];
+        }
+        v.x |= m.x, v.y |= m.y, v.z |= m.z, v.w |= m.w;
+        lo2 = hmin2(hmin2(lo2, v.x), hmin2(v.y, hmin2(v.z, v.w)));
+        hi2 = hmax2(hmax2(hi2, v.x), hmax2(v.y, hmax2(v.z, v.w)));
+    }
+    float lo = fmin_(h2f((u16)(lo2 & 0xFFFF)), h2f((u16)(lo2 >> 16)));
+    float hi = fmax_(h2f((u16)(hi2 & 0xFFFF)), h2f((u16)(hi2 >> 16)));
+    lo = warp_min(lo);
+    hi = warp_max(hi);
+    if (TW > 1) {
+        if (lane == 0) qred[warp][0] = lo, qred[warp][1] = hi;
+        asm volatile("bar.sync %0, %1;" ::"r"(team), "n"(32 * TW) : "memory");
+#pragma unroll
+        for (int w = 0; w < TW; ++w) lo = fmin_(lo, qred[team * TW + w][0]), hi = fmax_(hi, qred[team * TW + w][1]);
+    }
+    const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
+    const float y = div_rn(1.0f, s);
+    u32* arow = reinterpret_cast<u32*>(aq + (size_t)row * kp);
+    const u32 bufa = smem_addr(buf);
+    // the chunks with no hole first, in a loop without branches, so the unrolled chunks interleave
+    int c = first;
+#pragma unroll UNR
+    for (; c < whole; c += step) {
+        const uint2 sj = lds64(mapa + 8u * (u32)c);
+        const u32 t0 = gather_code<AB>(bufa, sj.x & 0xFFFF, lo, y), t1 = gather_code<AB>(bufa, sj.x >> 16, lo, y);
+        const u32 t2 = gather_code<AB>(bufa, sj.y & 0xFFFF, lo, y), t3 = gather_code<AB>(bufa, sj.y >> 16, lo, y);
+        arow[c] = prmt(prmt(t0, t1, 0x0040), prmt(t2, t3, 0x0040), 0x5410);
+    }
+    for (; c < nc; c += step) {
+        const uint2 sj = lds64(mapa + 8u * (u32)c);
+        const u32 j[4] = {sj.x & 0xFFFF, sj.x >> 16, sj.y & 0xFFFF, sj.y >> 16};
+        u32 t[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t[e] = j[e] == 0xFFFF ? 0u : gather_code<AB>(bufa, j[e], lo, y);
+        arow[c] = prmt(prmt(t[0], t[1], 0x0040), prmt(t[2], t[3], 0x0040), 0x5410);
+    }
+    u16* orow = xo + (size_t)row * kop;
+    if (BITMASK) {
+        // the offsets from shared memory: a global gather per outlier (L2 latency each) made a row take ~3 us more
+#pragma unroll 4
+        for (int o = first; o < kop; o += step) {
+            u16 off, h;
+            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(off) : "r"(omapa + 2u * (u32)o));
+            asm volatile("ld.shared.b16 %0, [%1];" : "=h"(h) : "r"(bufa + off));
+            orow[o] = o < ko ? h : (u16)0;
+        }
+    } else {
+        for (int o = first; o < kop; o += step) orow[o] = o < ko ? xs[__ldg(oidx + o)] : (u16)0;
+    }
+    if (member == 0 && lane == 0) {
+        sx[row] = s;
+        zx[row] = lo;
+    }
+}
+
 // TW warps (a team) share a row: each takes every TW-th piece and chunk, and the team meets at a named barrier
 // twice per row (partial min/max; buffer released). TW = 1 needs no barrier at all. Team t uses barrier t (0..15:
 // up to 16 teams of 2 warps; barrier 0 is the block's own only at the __syncthreads before any team uses it).
@@ -331,7 +429,6 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
                                                    const int* __restrict__ oidx, int kb, int kp, int ko, int kop,
                                                    char* __restrict__ aq, u16* __restrict__ xo,
                                                    float* __restrict__ sx, float* __restrict__ zx) {
-    constexpr int MAXQ = (1 << AB) - 1;
     extern __shared__ __align__(128) char qsm[];
     __shared__ __align__(8) u64 qbars[1 + 32 * NB];
     launch_dependents();  // the GEMM that reads these rows waits for this whole grid anyway
@@ -371,59 +468,12 @@ __device__ __forceinline__ void quantize_warp_rows(const u16* __restrict__ x, in
         }
     }
     mbar_wait(mapbar, 0);
-    const int np = K >> 3, nc = kp >> 2, whole = (kb & ~31) >> 2;  // pieces; 4-code chunks; chunks with no hole
-    const int first = 32 * member + lane, step = 32 * TW;
     for (int i = 0; row < M; ++i, row += G) {
         const int b = i % NB;
         char* const buf = buf0 + b * rb;
-        const u16* xs = reinterpret_cast<const u16*>(buf);  // the staged row
         mbar_wait(bar0 + 8 * b, (u32)(i / NB) & 1u);
-        u32 lo2 = 0x7C007C00u, hi2 = 0xFC00FC00u;
-#pragma unroll 4
-        for (int p = first; p < np; p += step) {
-            uint4 v = reinterpret_cast<const uint4*>(buf)[p];
-            const uint4 m = reinterpret_cast<const uint4*>(smask)[p];
-            v.x |= m.x, v.y |= m.y, v.z |= m.z, v.w |= m.w;
-            lo2 = hmin2(hmin2(lo2, v.x), hmin2(v.y, hmin2(v.z, v.w)));
-            hi2 = hmax2(hmax2(hi2, v.x), hmax2(v.y, hmax2(v.z, v.w)));
-        }
-        float lo = fmin_(h2f((u16)(lo2 & 0xFFFF)), h2f((u16)(lo2 >> 16)));
-        float hi = fmax_(h2f((u16)(hi2 & 0xFFFF)), h2f((u16)(hi2 >> 16)));
-        lo = warp_min(lo);
-        hi = warp_max(hi);
-        if (TW > 1) {
-            if (lane == 0) qred[warp][0] = lo, qred[warp][1] = hi;
-            asm volatile("bar.sync %0, %1;" ::"r"(team), "n"(32 * TW) : "memory");
-#pragma unroll
-            for (int w = 0; w < TW; ++w) lo = fmin_(lo, qred[team * TW + w][0]), hi = fmax_(hi, qred[team * TW + w][1]);
-        }
-        const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
-        const float y = div_rn(1.0f, s);
-        u32* arow = reinterpret_cast<u32*>(aq + (size_t)row * kp);
-        const u32 bufa = smem_addr(buf), mapa = smem_addr(smap);
-        // the chunks with no hole first, in a loop without branches, so the unrolled chunks interleave
-        int c = first;
-#pragma unroll 4
-        for (; c < whole; c += step) {
-            const uint2 sj = lds64(mapa + 8u * (u32)c);
-            const u32 t0 = gather_code<AB>(bufa, sj.x & 0xFFFF, lo, y), t1 = gather_code<AB>(bufa, sj.x >> 16, lo, y);
-            const u32 t2 = gather_code<AB>(bufa, sj.y & 0xFFFF, lo, y), t3 = gather_code<AB>(bufa, sj.y >> 16, lo, y);
-            arow[c] = prmt(prmt(t0, t1, 0x0040), prmt(t2, t3, 0x0040), 0x5410);
-        }
-        for (; c < nc; c += step) {
-            const uint2 sj = lds64(mapa + 8u * (u32)c);
-            const u32 j[4] = {sj.x & 0xFFFF, sj.x >> 16, sj.y & 0xFFFF, sj.y >> 16};
-            u32 t[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) t[e] = j[e] == 0xFFFF ? 0u : gather_code<AB>(bufa, j[e], lo, y);
-            arow[c] = prmt(prmt(t[0], t[1], 0x0040), prmt(t[2], t[3], 0x0040), 0x5410);
-        }
-        u16* orow = xo + (size_t)row * kop;
-        for (int o = first; o < kop; o += step) orow[o] = o < ko ? xs[__ldg(oidx + o)] : (u16)0;
-        if (member == 0 && lane == 0) {
-            sx[row] = s;
-            zx[row] = lo;
-        }
+        quantize_staged<AB, TW, false, 4>(buf, reinterpret_cast<const char*>(smask), smem_addr(smap), oidx, row, K,
+                                          kb, kp, ko, kop, team, member, lane, qred, aq, xo, sx, zx);
         // every lane of the team is done reading the buffer (and qred) before the copy engine refills it
         if (TW > 1) {
             asm volatile("bar.sync %0, %1;" ::"r"(team), "n"(32 * TW) : "memory");
@@ -982,9 +1032,81 @@ __device__ __forceinline__ void ws_tile(int t, int N, int TN_, int& m0, int& n0)
     m0 = (t / ntn) * TN_;
 }
 
-template <int BITS, int TN, int ST>
+// ---------------------------------------------------------------------------------------------------------------
+// The fused form (quik_gemm_wsq_*): the persistent GEMM quantizes its own activation rows, so the quantize
+// kernel's DRAM time (about 9 us of a 4096 x 4096 layer at M = 2048 on an H100) runs under the GEMM instead of
+// before it. Rows 0..r1-1 (the token tiles of the grid's first tiles) are quantized first, one row per math warp
+// staged in the ring's activation areas; the copy warpgroup's idle warps quantize the rest while the first tiles
+// run, each through its own row buffer beside the epilogue buffers. A row is counted in ready[row / TN] once its
+// codes, outliers, s_x and z_x are written; the copy thread waits for a tile's count before copying its
+// activations, and each math thread before loading its token's s_x / z_x. One block per SM, all resident at once
+// (grid <= SMs), so these waits between blocks cannot deadlock. The last block to finish resets the counts (the
+// counter after them counts the finished blocks), so they are zero between launches as the split-K counters are.
+// ---------------------------------------------------------------------------------------------------------------
+struct FusedQuant {
+    const u16* x;  // float16 activations [M, K], row stride ldx (halves)
+    int ldx, K, kb, kp, ko, kop, r1, q2;  // q2: copy warps that quantize (1..3)
+    const u16* src;   // p.src: the position -> offset map
+    const u8* oflag;  // p.oflag, padded to 128 bytes: a bit per column, set for outliers
+    const u16* osrc;  // p.osrc: byte offsets of the outlier columns (kop entries, 0 past ko)
+    const int* oidx;
+    char* aq;
+    u16* xo;
+    int* ready;  // ceil(M / TN) row counts, then the finished-block count
+};
+
+// Until *c >= target (acquire, GPU scope), then a proxy fence: the caller's copy-engine reads that follow see the
+// rows other blocks wrote with ordinary stores. (No bound on the wait: a spin counter made the math warps, which
+// wait here with a tile's accumulators live, spill 240 bytes.)
+__device__ __forceinline__ void rows_wait(const int* c, int target) {
+    for (;;) {
+        int v;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) break;
+        asm volatile("nanosleep.u32 64;");
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Rows row0, row0 + stride, ... below row_end, one at a time through the row buffer `buf` (bulk copy completing
+// on `bar`), by one warp; each row is counted in ready[row / TN] once written.
+// The first row's copy is issued before the wait for the column maps (`mapbar`), which the block loads meanwhile.
+template <int AB, int TN, int UNR>
+__device__ __forceinline__ void fused_rows(const FusedQuant& q, float* __restrict__ sx, float* __restrict__ zx,
+                                           int row0, int row_end, int stride, char* buf, u32 bar, u32 mapbar,
+                                           const char* msk, u32 mapa, u32 omapa, int lane, int tslot = -1) {
+    const u32 bytes = 2u * (u32)q.K;
+    auto fetch_row = [&](int row) {
+        if (lane == 0 && row < row_end) {
+            mbar_arrive_expect_tx(bar, bytes);
+            bulk_load(smem_addr(buf), q.x + (size_t)row * q.ldx, bytes, bar);
+        }
+    };
+    fetch_row(row0);
+    mbar_wait(mapbar, 0);
+    u32 phase = 0;
+    for (int row = row0, i = 0; row < row_end; row += stride, phase ^= 1u, ++i) {
+        if (i > 0) fetch_row(row);
+        mbar_wait(bar, phase);
+        quantize_staged<AB, 1, true, UNR>(buf, msk, mapa, q.oidx, row, q.K, q.kb, q.kp, q.ko, q.kop, 0, 0, lane,
+                                          nullptr, q.aq, q.xo, sx, zx, omapa);
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // other blocks' copy engines read these codes
+        __syncwarp();  // every lane's writes, and its reads of the buffer, come before the count and the refill
+        if (lane == 0) {
+            // release: the warp's writes (ordered before it by __syncwarp) are visible before the count
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(q.ready + row / TN) : "memory");
+            if (QUIK_TRACE && tslot >= 0 && i < 8) trace_at(q.ready, tslot + i);
+        }
+    }
+}
+
+// FUSED (quik_gemm_wsq_*): the activation rows are quantized by this kernel's own warps. Before the first
+// activation copy the block's math warps must have released the ring slots they staged rows in (`staged`); before
+// each tile's copies, every row of its tokens must be counted in `ready` (rows_wait).
+template <int BITS, int TN, int ST, bool FUSED = false>
 __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
-                                          u32 base, u32 bars, int M, int N, int kt, int steps) {
+                                          u32 base, u32 bars, int M, int N, int kt, int steps,
+                                          const int* ready = nullptr, u32 staged = 0) {
     using T = WsTile<TN, BITS>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
     // A stage's byte count on its full barrier, then its weight copy (the activation copy is issued separately).
@@ -1005,10 +1127,16 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
         for (int gs = 0; gs < early; ++gs) weights(gs, gs, n0);
     }
     grid_dependency_wait();
+    if (FUSED) {
+        mbar_wait(staged, 0);
+        fence_async_smem();  // the staged rows were read by the generic proxy; the copy engine now overwrites them
+    }
     int g = 0;  // position in the ring over all of this block's tiles
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int m0, n0;
         ws_tile(tile, N, TN, m0, n0);
+        if (FUSED) rows_wait(ready + m0 / TN, min(TN, M - m0));
+        if (QUIK_TRACE && FUSED && g == 0) trace_at(const_cast<int*>(ready), 49);
         for (int gs = 0; gs < steps; ++gs, ++g) {
             const int slot = g % ST, use = g / ST;
             if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
@@ -1089,13 +1217,15 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
 // buffers of its own (WsTile::epi_buffers, 32 tokens at a time); each thread loads the next tile's s_x/z_x during
 // the current tile (two shared-memory copies, by tile parity). Otherwise every block has one tile and the epilogue
 // transposes through the ring in one pass.
-template <int BITS, int TN, int ST, bool PERSIST>
+// FUSED: the fused form (FusedQuant above; PERSIST and the copy-engine epilogue only) with EBF epilogue buffers,
+// then the column maps and the copy warps' row buffers: s_x and z_x are written here, not by a kernel ahead.
+template <int BITS, int TN, int ST, bool PERSIST, bool FUSED = false, int EBF = 0>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                         const TmaMap* mo, int M, int N, int kt, int steps,
                                         const float* __restrict__ sx, const float* __restrict__ zx,
                                         const u16* __restrict__ sw, const float* __restrict__ wred,
                                         const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw,
-                                        int tmo) {
+                                        int tmo, const FusedQuant* fq = nullptr) {
     using T = WsTile<TN, BITS>;
     extern __shared__ char smem_raw[];
     __shared__ float tsx[2][TN], tax[2][TN];
@@ -1103,20 +1233,72 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 bars = smem_addr(bar_mem);
     const int tid = threadIdx.x;
-    if (tid == 0) ring_init<ST>(bars);
+    // FUSED: the maps' barrier, the 8 math warps' and 3 copy warps' row buffers', and `staged` (every math warp
+    // is done with its ring row buffer)
+    __shared__ __align__(8) u64 qbar_mem[FUSED ? 13 : 1];
+    const u32 qbars = smem_addr(qbar_mem), mapbar = qbars, staged = qbars + 8 * 12;
+    const u32 qreg = base + (u32)(ST * T::SB + EBF * 8192);  // FUSED: src map, oflag, osrc, then row buffers
+    const u32 rb = FUSED ? (2u * (u32)fq->K + 127u) & ~127u : 128u;  // a row, padded to 128 bytes
+    const u32 sbm = FUSED ? (2u * (u32)fq->kp + 127u) & ~127u : 0u, fb = FUSED ? ((u32)fq->K / 8u + 127u) & ~127u : 0u;
+    const u32 ob = FUSED ? (2u * (u32)fq->kop + 127u) & ~127u : 0u;  // the outlier offsets (kop is a multiple of 64)
+    const u32 rows_at = sbm + fb + ob;  // the copy warps' row buffers, from qreg
+    const int per_slot = FUSED ? T::XT / (int)rb : 0, q1 = min(8, ST * per_slot);
+    const int r1 = FUSED ? (q1 > 0 ? (fq->q2 > 0 ? fq->r1 : M) : 0) : 0;
+    if (tid == 0) {
+        ring_init<ST>(bars);
+        if (FUSED) {
+            for (int i = 0; i < 12; ++i) mbar_init(qbars + 8 * i, 1);
+            mbar_init(staged, 8);
+            mbar_init_fence();
+            // the maps are the layer's own: no wait for the kernel ahead
+            mbar_arrive_expect_tx(mapbar, sbm + fb + 2u * (u32)fq->kop);
+            bulk_load(qreg, fq->src, 2u * (u32)fq->kp, mapbar);
+            bulk_load(qreg + sbm, fq->oflag, fb, mapbar);
+            if (fq->kop > 0) bulk_load(qreg + sbm + fb, fq->osrc, 2u * (u32)fq->kop, mapbar);
+        }
+    }
     __syncthreads();
+    if (QUIK_TRACE && FUSED && tid == 0) trace_at(fq->ready, 0);
+    char* const qgen = smem_raw + (qreg - smem_addr(smem_raw));  // the same bytes as a generic pointer
     if (tid < 128) {
         regs_decrease<40>();
         if (tid == 0) {
             tma_prefetch_map(ma);
             tma_prefetch_map(mw);
-            ws_copies<BITS, TN, ST>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps);
+            ws_copies<BITS, TN, ST, FUSED>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps, FUSED ? fq->ready : nullptr,
+                                           staged);
         }
-        return;
-    }
+        if (!FUSED) return;
+        const int cw = (tid >> 5) - 1;  // the copy warps after the first quantize rows r1.. while the tiles run
+        if (cw >= 0 && cw < fq->q2) {
+            grid_dependency_wait();  // the rows come from the kernel ahead
+            // not before the block's first rows are done: their copies have the DRAM to themselves (measured:
+            // 4096 x 11008, M = 2048, 189 -> 181 us)
+            mbar_wait(staged, 0);
+            fused_rows<BITS, TN, 1>(*fq, const_cast<float*>(sx), const_cast<float*>(zx),
+                                    r1 + (int)blockIdx.x + (int)gridDim.x * cw, M, (int)gridDim.x * fq->q2,
+                                    qgen + rows_at + (u32)cw * rb, qbars + 8 * (9 + cw), mapbar, qgen + sbm, qreg,
+                                    qreg + sbm + fb, tid & 31, 9 + 8 * cw);
+        }
+        launch_dependents();
+    } else {
     regs_increase<232>();
-    grid_dependency_wait();  // s_x and z_x come from the kernel ahead (the quantize kernel)
+    grid_dependency_wait();  // s_x and z_x come from the kernel ahead (the quantize kernel), or (FUSED) x does
     const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
+    if (FUSED) {
+        // rows 0..r1-1 first, a row per math warp staged in the activation area of a ring slot (free until the
+        // copy thread passes `staged`)
+        const int mw = ctid >> 5;
+        if (mw < q1) {
+            fused_rows<BITS, TN, 4>(*fq, const_cast<float*>(sx), const_cast<float*>(zx),
+                                    (int)blockIdx.x + (int)gridDim.x * mw, r1, (int)gridDim.x * q1,
+                                    smem_raw + (base - smem_addr(smem_raw)) + (mw / per_slot) * T::SB +
+                                        (mw % per_slot) * rb,
+                                    qbars + 8 * (1 + mw), mapbar, qgen + sbm, qreg, qreg + sbm + fb, lane);
+        }
+        if (lane == 0) mbar_arrive(staged);
+        if (QUIK_TRACE && lane == 0) trace_at(fq->ready, 1 + mw);
+    }
     const int r0 = 64 * (ctid >> 7) + 16 * warp + gq;  // this lane's rows in the tile: r0, r0 + 8
     const float h = (float)(1 << (BITS - 1));
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
@@ -1126,6 +1308,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         ws_tile(tl, N, TN, m0_, n0_);
         const int m = m0_ + ctid;
         const bool ok = tl < tiles && ctid < TN && m < M;
+        if (FUSED && ok) rows_wait(fq->ready + m0_ / TN, min(TN, M - m0_));
         nsx = ok ? ld_dep_f32(sx + m) : 0.f;
         nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
     };
@@ -1142,9 +1325,10 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
             cax[ctid] = nax;
         }
         bar_sync<1, 256>();
+        if (QUIK_TRACE && FUSED && ctid == 0 && j < 8) trace_at(fq->ready, 33 + j);
         // the next layer's quantize kernel may start its prologue during this block's last tile
         if (tile + (int)gridDim.x >= tiles) launch_dependents();
-        if (PERSIST) fetch(tile + (int)gridDim.x);
+        if (PERSIST && !FUSED) fetch(tile + (int)gridDim.x);
         int acc[TN / 2];
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
@@ -1166,12 +1350,16 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
                                   cax, sw, wred);
         wgmma_wait0();
         if (steps > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g + steps - 1) % ST));  // the tile's last stage
+        // FUSED: the next tile's rows may be quantized by now (they are during the first tiles): waited for here,
+        // after this tile's wgmmas, so the wait and the loads overlap the epilogue
+        if (FUSED) fetch(tile + (int)gridDim.x);
         const bool eq1_pending = steps == kt && kt > 0;
         if (PERSIST && tmo && !raw) {
-            constexpr int EB = T::template epi_buffers<ST>();
+            constexpr int EB = FUSED ? EBF : T::template epi_buffers<ST>();
             static_assert(EB >= 2, "the ring leaves room for two epilogue buffers");
             store_tile_tma<BITS, TN, EB>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB), eb,
                                          csx, cax, sw, wred, bias, mo);
+            if (QUIK_TRACE && FUSED && ctid == 0 && j < 8) trace_at(fq->ready, 41 + j);
         } else if (PERSIST) {
             // the buffer's last reads (previous tile) finished before this tile's first barrier
             store_tile<BITS, TN, 1, T::EPI_TOKENS>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
@@ -1183,6 +1371,18 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         }
     }
     if (PERSIST && tmo && ctid == 0) bulk_wait_all();  // the output is written before the block exits
+    }
+    if (FUSED) {
+        __syncthreads();  // this block's waits on the counts are over
+        if (tid == 0) {
+            const int ntt = (M + TN - 1) / TN;
+            __threadfence();
+            if (atomicAdd(fq->ready + ntt, 1) == (int)gridDim.x - 1) {
+                for (int i = 0; i <= ntt; ++i) fq->ready[i] = 0;
+                __threadfence();
+            }
+        }
+    }
 }
 
 #define WS_ENTRY(BITS, TN, ST, PERSIST, NAME)                                                                     \
@@ -1206,6 +1406,20 @@ WS_ENTRIES(256, 4)
 WSP_ENTRIES(128, 6)
 WSP_ENTRIES(256, 4)
 WS_ENTRY(4, 256, 5, true, quik_gemm_wsp_w4_n256_s5)
+
+// The fused form (FusedQuant): W4A4 and W8A8, fused output through the copy engine only (tmo), two epilogue buffers.
+#define WSQ_ENTRY(BITS, TN, ST)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(384, 1) quik_gemm_wsq_w##BITS##_n##TN##_s##ST(                  \
+        const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mxo, \
+        const __grid_constant__ TmaMap mwo, const __grid_constant__ TmaMap mo, int M, int N, int kt, int kto,      \
+        float* sx, float* zx, const u16* sw, const float* wred, const u16* bias, void* out, int ldc,              \
+        const u16* x, int ldx, int K, const u16* src, const u8* oflag, const u16* osrc, const int* oidx, int kb,   \
+        int kp, int ko, int kop, char* aq, u16* xo, int* ready, int r1, int q2) {                                 \
+        const FusedQuant fq{x, ldx, K, kb, kp, ko, kop, r1, q2, src, oflag, osrc, oidx, aq, xo, ready};           \
+        ws_body<BITS, TN, ST, true, true, 2>(&ma, &mw, &mxo, &mwo, &mo, M, N, kt, kt + kto, sx, zx, sw, wred, bias, \
+                                             out, ldc, 0, 1, &fq);                                                \
+    }
+WSQ_ENTRY(4, 256, 4)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode GEMV (MT = 1 or 2 tokens, fused output or raw sums): one warp per weight row on the CUDA cores. The lanes

@@ -13,7 +13,8 @@ from tests.test_bench_stats import FakeCases as KernelFakeCases
 # Per-call microseconds the fake timer returns for each labelled callable.
 TIMES = {"floor": 2.0, "copy": 1000.0, "peak": 1600.0, "fp16": 100.0, "int8": 90.0, "fp8": 55.0,
          "unfused": 700.0, "fused-quant": 330.0, "fused/4/0": 50.0, "fused/4/128": 52.0, "fused/4/256": 55.0,
-         "fused/4/512": 60.0, "fused/4/1024": 70.0, "fused/8/256": 80.0, "fused/8/128": 78.0}
+         "fused/4/512": 60.0, "fused/4/1024": 70.0, "fused/8/256": 80.0, "fused/8/128": 78.0,
+         "two-kernel": 56.0, "one-kernel": 54.0}
 
 
 class FakeTimer:
@@ -66,6 +67,26 @@ def test_ladder_sweep_and_ratios():
     assert (4096, 4096, 2048, 8, 256, "fused") in cases.asked
     text = qb.format_report(report)
     assert "w4a4 fused k=256" in text and "outliers +10.0%" in text and "xFP8 1.00" in text
+    # both forms of the W4A4 layer, forced, beside the dispatched one
+    assert row["w4a4_forms"]["two-kernel"]["median_us"] == pytest.approx(56.0)
+    assert row["w4a4_forms"]["one-kernel"]["speedup"]["fp16"] == pytest.approx(100.0 / 54.0)
+    assert "w4a4 one-kernel k=256" in text and "w4a4 two-kernel k=256" in text
+
+
+def test_one_kernel_form_that_cannot_take_a_shape_is_reported_not_fatal():
+    class NoOneKernel(FakeCases):
+        def quik(self, k, n, m, bits, outliers, rung):
+            if rung == "one-kernel":
+                raise ValueError("107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)")
+            return super().quik(k, n, m, bits, outliers, rung)
+
+    cfg = qb.QuikBenchConfig(shapes=[(11008, 4096)], warmup=2, iters=50)
+    report = qb.run_quik_bench(cfg, NoOneKernel(), FakeTimer())
+    (row,) = report["results"]
+    assert row["w4a4_forms"]["one-kernel"] is None and row["w4a4_forms"]["two-kernel"] is not None
+    assert row["baseline_errors"]["one-kernel"].startswith("107 stages per tile")
+    assert qb.validate_report(report) == []
+    assert "w4a4 one-kernel          -  (107 stages per tile" in qb.format_report(report)
 
 
 def test_fp16_baseline_is_the_faster_of_its_two_runs():

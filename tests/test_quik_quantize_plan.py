@@ -68,3 +68,53 @@ def test_unknown_kernel_or_plan_is_a_one_line_error():
         quik.quantize(x, p, kernel="warp", stages=3, team=3)
     with pytest.raises(ValueError, match="rows must be 16-byte aligned"):
         quik.quantize(torch.zeros(4, 67, dtype=torch.float16)[:, :64], p, kernel="warp")
+
+
+def _layer(n: int, k: int, ko: int, bits: int = 4) -> quik.QuikPrepared:
+    import torch
+
+    kb = k - ko
+    qweight = torch.zeros(n, -(-kb * bits // 32), dtype=torch.int32)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    return quik.build(bits, bits, k, qweight, torch.ones(n), torch.zeros(n), torch.zeros(n, ko),
+                      perm[ko:].sort().values, perm[:ko].sort().values, None)
+
+
+def test_fused_form_first_rows_cover_the_first_tiles_token_tiles():
+    # 4096 output rows are 32 row blocks: 132 tiles span 5 token tiles, 128 exactly 4
+    assert quik.wsq_first_rows(2048, 4096, 132) == 1280
+    assert quik.wsq_first_rows(2048, 4096, 128) == 1024
+    assert quik.wsq_first_rows(2048, 11008, 132) == 512  # 86 row blocks
+    assert quik.wsq_first_rows(300, 72, 132) == 300  # 2 tiles in all, M rows at most
+    assert quik.wsq_first_rows(2048, 4096, 1) == 256
+
+
+def test_fused_form_copy_warps_and_shared_memory():
+    p = _layer(64, 4096, 256)  # kp 3840: 7680 bytes of map, 512 of flags, 512 of outlier offsets, 8 KB rows
+    assert quik.wsq_shared_bytes(p, 3) == 4 * 40960 + 1024 + 2 * 8192 + 7680 + 512 + 512 + 3 * 8192
+    assert quik.wsq_copy_warps(p) == 3
+    assert quik.wsq_copy_warps(_layer(64, 6000, 8)) == 2
+    assert quik.wsq_copy_warps(_layer(64, 11008, 896)) == 1  # 22 KB rows: one beside the 42 KB of maps
+
+
+def test_fused_form_takes_w4a4_prefills_only():
+    import torch
+
+    p = _layer(4096, 4096, 256)
+    x = torch.zeros(2048, 4096, dtype=torch.float16)
+    assert quik.fused_quantize_reason(x, p) is None
+    assert quik.fused_quantize_reason(x[:128], p) == "128 tokens (the fused form has 256-token tiles: M > 128)"
+    assert quik.fused_quantize_reason(x, _layer(4096, 4096, 256, bits=8)) == "w8a8 (built for w4a4)"
+    assert "activation rows" in quik.fused_quantize_reason(x.float(), p)
+    # 11008 x 4096: 79 + 28 stages per tile, the 5-stage ring's length
+    assert quik.fused_quantize_reason(torch.zeros(300, 11008, dtype=torch.float16), _layer(64, 11008, 896)) == (
+        "107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)")
+    assert quik.fused_quantize_reason(x[:, :4000], _layer(100, 4000, 37)) == (
+        "out_features 100 (output rows must be 16-byte aligned for the copy engine)")
+
+
+def test_linear_takes_the_fused_form_from_six_rounds_of_tiles():
+    assert quik.fused_quantize_pays(2048, 11008, 132)  # 688 tiles: 6 rounds
+    assert not quik.fused_quantize_pays(2048, 4096, 132)  # 256 tiles: 2 rounds
+    assert not quik.fused_quantize_pays(1024, 11008, 132)  # 344 tiles: 3 rounds
+    assert quik.fused_quantize_pays(4096, 4096, 40)

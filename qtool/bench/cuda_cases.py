@@ -175,8 +175,15 @@ class QuikCudaCases(CudaCases):
         for _ in range(rotations(set_bytes, self.l2)):
             p = self._quik_layer(k, n, bits, outliers)
             x = self._randn(m, k)
-            if rung == "fused":
+            if rung == "fused":  # what a model runs: the dispatch's choice of the two forms below
+                fns.append(lambda x=x, p=p: quik.linear(x, p))
+            elif rung == "two-kernel":
                 fns.append(lambda x=x, p=p: quik.gemm(quik.quantize(x, p), p))
+            elif rung == "one-kernel":
+                reason = quik.fused_quantize_reason(x, p)
+                if reason is not None:
+                    raise ValueError(reason)
+                fns.append(lambda x=x, p=p: quik.quantize_gemm(x, p)[0])
             elif rung == "fused-quant":
                 fns.append(lambda x=x, p=p: quik.epilogue_torch(quik.gemm(a := quik.quantize(x, p), p, fused=False),
                                                                  a, p))
@@ -184,5 +191,6 @@ class QuikCudaCases(CudaCases):
                 fns.append(lambda x=x, p=p: quik.epilogue_torch(
                     quik.gemm(a := quik.quantize_torch(x, p), p, fused=False), a, p))
             else:
-                raise ValueError(f"rung: found {rung!r}, expected unfused, fused-quant or fused")
+                raise ValueError(f"rung: found {rung!r}, expected unfused, fused-quant, fused, two-kernel or "
+                                 "one-kernel")
         return fns

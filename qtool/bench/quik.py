@@ -2,7 +2,9 @@
 
 * Fig. 5 ladder (W4A4 at one outlier count): ``unfused`` (torch split + quantize, integer GEMM to int32, torch
   dequantization and outlier matmul), ``fused-quant`` (the quantize kernel instead of the torch ops) and
-  ``fused`` (quantize kernel + GEMM with the Eq. 1 epilogue and the outlier product inside).
+  ``fused`` (the dispatched path: quantize kernel + GEMM with the Eq. 1 epilogue and the outlier product inside, or
+  for long W4A4 layers one kernel that also quantizes). Beside it, both forms forced (``w4a4_forms``:
+  ``two-kernel``, ``one-kernel``; None where the one-kernel form cannot take the shape).
 * Fig. 14 sweep: the fused W4A4 path at several outlier counts; overhead = time(k) / time(0) - 1.
 * W8A8 fused at the ladder's outlier count, beside the FP8 `_scaled_mm` baseline.
 """
@@ -88,6 +90,13 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
         if cfg.ladder_outliers not in sweep:
             sweep[cfg.ladder_outliers] = ladder["fused"]
         again = t(4, cfg.ladder_outliers, "fused")
+        forms: dict[str, Any] = {}
+        for form in ("two-kernel", "one-kernel"):
+            try:
+                forms[form] = t(4, cfg.ladder_outliers, form)
+            except ValueError as exc:  # the one-kernel form does not take this shape: say why
+                forms[form] = None
+                errors[form] = str(exc)
         w8a8 = t(8, cfg.ladder_outliers, "fused") if cfg.w8a8 else None
         last = _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)  # noqa: B023
         base["fp16"] = stats.faster_run(first, last)
@@ -97,7 +106,7 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
         overhead = {str(ko): (v["median_us"] / zero["median_us"] - 1.0 if zero else None) for ko, v in sweep.items()}
         row = {
             "k": k, "n": n, "m": m, "baselines": base, "baseline_errors": errors,
-            "w4a4_ladder": ladder, "ladder_outliers": cfg.ladder_outliers,
+            "w4a4_ladder": ladder, "ladder_outliers": cfg.ladder_outliers, "w4a4_forms": forms,
             "w4a4_outliers": {str(ko): v for ko, v in sweep.items()}, "outlier_overhead": overhead,
             "w8a8": w8a8,
             "noise": stats.noise(ladder["fused"]["median_us"], again["median_us"]),
@@ -134,6 +143,11 @@ def format_row(r: dict[str, Any]) -> list[str]:
 
     for rung, v in r["w4a4_ladder"].items():
         out.append(line(f"w4a4 {rung} k={r['ladder_outliers']}", v))
+    for form, v in r.get("w4a4_forms", {}).items():
+        if v is None:
+            out.append(f"  w4a4 {form:<19} -  ({r['baseline_errors'].get(form, 'not run')})")
+        else:
+            out.append(line(f"w4a4 {form} k={r['ladder_outliers']}", v))
     for ko, v in r["w4a4_outliers"].items():
         ov = r["outlier_overhead"].get(ko)
         out.append(line(f"w4a4 fused k={ko}", v) + (f"  outliers +{100 * ov:.1f}%" if ov is not None else ""))

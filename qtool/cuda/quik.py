@@ -1,7 +1,8 @@
 """CUDA execution of the `quik` layout (kernels/quik_gemm.cu): a fused split + quantize kernel, then an INT8
 tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16 outlier product in its epilogue.
 
-Paths (`linear`, `module_forward`): ``fused`` (the two kernels; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
+Paths (`linear`, `module_forward`): ``fused`` (the two kernels, or for W4A4 prefills one kernel that quantizes
+its own rows under the GEMM: `quantize_gemm`; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
 (the torch path of qtool/runtime/quik_linear.py: other GPUs, bf16/float32 activations, mixed weight/activation
 widths). The unfused pieces (`quantize_torch`, raw int32 `gemm`, `epilogue_torch`) exist for the bench ladder.
 """
@@ -65,6 +66,19 @@ QUANT_WARP_STAGE_CHOICES = (1, 2, 3)
 QUANT_WARP_TEAM = 4
 QUANT_WARP_TEAM_CHOICES = (1, 2, 4)
 QUANT_WARP_PLAN_TEAMS = (2, 4)
+# The fused form (quik_gemm_wsq_*, `quantize_gemm`): the persistent 256-token GEMM quantizes its own rows, the first
+# ones before its first tiles, the rest by the copy warpgroup's idle warps under them. Built for W4A4 with a 4-stage
+# ring and two epilogue buffers; the column maps and up to WSQ_COPY_WARPS row buffers take the rest of the shared
+# memory. `linear` takes it where the tiles fill at least WSQ_MIN_ROUNDS rounds of the grid: its first rows cost
+# about as long as the whole quantize kernel, which the later rounds win back (H100, M = 2048: 4096 x 11008, six
+# rounds, 177-181 us against 200-213 for the two kernels in the same process; 4096 x 4096, two rounds, 67 us against
+# 63-67; kernels/NOTES.md). False: `linear` never takes it (A/B).
+FUSED_QUANTIZE = True
+WSQ_MIN_ROUNDS = 6
+WSQ_STAGES = 4
+WSQ_EPILOGUE_BUFFERS = 2
+WSQ_COPY_WARPS = 3
+SMEM_STATIC_SLACK = 5 * 1024  # the warp-specialized kernels' static shared arrays (s_x, z_x + h s_x, barriers)
 
 
 def _round_up(v: int, m: int) -> int:
@@ -102,7 +116,8 @@ class QuikPrepared:
     base_idx: torch.Tensor  # int32 [kb]
     outlier_idx: torch.Tensor  # int32 [ko]
     dest: torch.Tensor  # int32 [K]: byte position of a base column's code, -(1 + slot) for an outlier column
-    oflag: torch.Tensor  # uint8 [ceil(K/8)]: one bit per column, set for outliers
+    oflag: torch.Tensor  # uint8 [ceil(K/8) rounded up to 128]: one bit per column, set for outliers
+    osrc: torch.Tensor  # int16 [kop]: byte offset (2 * column, as uint16 bits) of each outlier column, 0 past ko
     src: torch.Tensor  # int16 [kp]: byte offset (2 * column, as uint16 bits) of the base column whose code sits at
     # each position, -1 (0xFFFF) for a hole (code 0)
     omask: torch.Tensor  # int16 [8 * ceil(K/8)]: -1 (0xFFFF) for outlier columns, 0 for base columns
@@ -155,17 +170,23 @@ def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, sca
     flags = torch.zeros(pieces * 8, dtype=torch.int32, device=dev)
     flags[outlier_idx.long()] = 1
     oflag = (flags.view(pieces, 8) << torch.arange(8, device=dev, dtype=torch.int32)).sum(1).to(torch.uint8)
+    # padded to 128 bytes: the fused GEMM copies it whole into shared memory (a bulk copy of 128-byte rows)
+    oflag = torch.cat([oflag, oflag.new_zeros(_round_up(pieces, 128) - pieces)])
     src = torch.full((kp,), -1, dtype=torch.int16, device=dev)
     if kb:  # byte offsets 2 * column < 2 * QUANT_MAX_K: as uint16 bits, stored in int16
         off = 2 * base_idx.to(torch.int32)
         src[act_positions(kb, act_bits, dev)] = torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
     omask = -flags.to(torch.int16)
+    osrc = torch.zeros(kop, dtype=torch.int16, device=dev)
+    if ko:
+        off = 2 * outlier_idx
+        osrc[:ko] = torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
     return QuikPrepared(
         bits=bits, act_bits=act_bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=ko, kop=kop,
         wq=wq, scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
         wreduced=wreduced.to(device=dev, dtype=torch.float32).contiguous(),
         wo=wo,
-        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag, src=src, omask=omask,
+        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag, osrc=osrc, src=src, omask=omask,
         bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
         source_ptr=source_ptr,
     )
@@ -496,6 +517,105 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     return out
 
 
+def wsq_shared_bytes(p: QuikPrepared, copy_warps: int) -> int:
+    """Dynamic shared memory of the fused form: the ring, its epilogue buffers, the column maps (src, oflag, osrc) and
+    `copy_warps` row buffers (kernels/quik_gemm.cu ws_body, FUSED)."""
+    k = p.in_features
+    return (WSQ_STAGES * ws_stage_bytes(256, p.bits) + 1024 + WSQ_EPILOGUE_BUFFERS * 8192 + _round_up(2 * p.kp, 128)
+            + _round_up(k // 8, 128) + 2 * p.kop + copy_warps * _round_up(2 * k, 128))
+
+
+def wsq_copy_warps(p: QuikPrepared) -> int:
+    """The copy warps whose row buffers fit beside the fused form's ring (0: the form cannot take this layer)."""
+    fit = [w for w in range(1, WSQ_COPY_WARPS + 1) if wsq_shared_bytes(p, w) <= SMEM_BLOCK_MAX - SMEM_STATIC_SLACK]
+    return fit[-1] if fit else 0
+
+
+def wsq_first_rows(m: int, n: int, grid: int) -> int:
+    """Rows the fused form quantizes before its first tiles: those of the token tiles the grid's first tiles read
+    (tiles run 128 output rows fastest, so `grid` tiles span ceil(grid / row blocks) token tiles)."""
+    row_blocks = -(-n // ROWS)
+    return min(m, 256 * -(-min(grid, row_blocks * -(-m // 256)) // row_blocks))
+
+
+def fused_quantize_reason(x2: torch.Tensor, p: QuikPrepared) -> str | None:
+    """Why `quantize_gemm` cannot take this call (None when it can): W4A4 only; a 256-token tile (M > 128); rows of
+    16-byte aligned float16; a tile short enough for the 4-stage ring (longer ones run the 5-stage two-kernel path,
+    WSP_DEEP_RING_STEPS); output rows the copy engine can store; the maps and a row buffer fit."""
+    m, k = x2.shape
+    n = p.out_features
+    if (p.bits, p.act_bits) != (4, 4):
+        return f"w{p.bits}a{p.act_bits} (built for w4a4)"
+    if m <= 128:
+        return f"{m} tokens (the fused form has 256-token tiles: M > 128)"
+    if x2.dtype != torch.float16 or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16 or k % 8:
+        return "activation rows not 16-byte aligned float16"
+    steps = p.kp // KP_MULTIPLE + p.kop // WS_OUTLIER_COLUMNS[p.bits]
+    if steps >= WSP_DEEP_RING_STEPS:
+        return f"{steps} stages per tile (the 5-stage ring of the two-kernel path is faster from {WSP_DEEP_RING_STEPS})"
+    if n % 8:
+        return f"out_features {n} (output rows must be 16-byte aligned for the copy engine)"
+    if 2 * k > 256 * 128:
+        return f"in_features {k} (a row must fit a ring slot's activation area)"
+    if wsq_copy_warps(p) == 0:
+        return f"in_features {k} (the column maps and a row buffer do not fit beside the ring)"
+    return None
+
+
+def quantize_gemm(x2: torch.Tensor, p: QuikPrepared, out: torch.Tensor | None = None,
+                  acts: QuantizedActivations | None = None, *, first_rows: int | None = None,
+                  copy_warps: int | None = None, blocks: int | None = None) -> tuple[torch.Tensor, QuantizedActivations]:
+    """The fused form: fp16 [M, N] = `gemm(quantize(x2, p), p)`, bit for bit, from one kernel that writes the
+    quantized activations (returned as well) and reads them back. `first_rows` (rows quantized before the first
+    tiles; default wsq_first_rows), `copy_warps` (1..3) and `blocks` (grid cap) override the plan (tests)."""
+    reason = fused_quantize_reason(x2, p)
+    if reason is not None:
+        raise ValueError(f"quik fused quantize + GEMM: {reason}")
+    m, k = x2.shape
+    n = p.out_features
+    dev = x2.device
+    idx = cc.device_index(dev)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float16, device=dev)
+    if acts is None:
+        acts = empty_activations(m, p, dev)
+    most = wsq_copy_warps(p)
+    copy_warps = most if copy_warps is None else copy_warps
+    if not 1 <= copy_warps <= most:
+        raise ValueError(f"copy_warps: found {copy_warps}, expected 1..{most} for in_features {k}")
+    tiles = -(-n // ROWS) * -(-m // 256)
+    grid = min(tiles, blocks or cc.sm_count(idx))
+    first_rows = wsq_first_rows(m, n, grid) if first_rows is None else first_rows
+    if not 0 <= first_rows <= m:
+        raise ValueError(f"first_rows: found {first_rows}, expected 0..{m}")
+    bufs = split_k.workspace(idx, 0, -(-m // 256) + 1)
+    if bufs is None:  # the counters would have to grow during CUDA-graph capture
+        return gemm(quantize(x2, p, acts), p, out=out), acts
+    ready = bufs[1]
+    kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
+    kto = p.kop // WS_OUTLIER_COLUMNS[p.bits]
+    ob = 2 * WS_OUTLIER_COLUMNS[p.bits]
+    ma = _ACT_MAPS.get(acts.codes, 128, 256, 128)
+    mw = p.maps.get(p.wq, 16 * p.bits, ROWS, 16 * p.bits)
+    mxo = _ACT_MAPS.get(acts.outliers, ob, 256, ob) if p.kop else ma
+    mwo = p.maps.get(p.wo, ob, ROWS, ob) if p.kop else mw
+    mo = _OUT_MAPS.get(out, 128, 32, 128)
+    fn = _module(dev).fn(f"quik_gemm_wsq_w{p.bits}_n256_s{WSQ_STAGES}")
+    smem = wsq_shared_bytes(p, copy_warps)
+    cc.allow_shared_memory(fn, smem)
+    _dependent_launch(
+        fn, (grid,), (384,),
+        (ma, mw, mxo, mwo, mo, cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto), cc.ptr(acts.scale), cc.ptr(acts.zero),
+         cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias), cc.ptr(out), cc.i32(n),
+         cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(k), cc.ptr(p.src), cc.ptr(p.oflag), cc.ptr(p.osrc),
+         cc.ptr(p.outlier_idx),
+         cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(acts.codes), cc.ptr(acts.outliers),
+         cc.ptr(ready), cc.i32(first_rows), cc.i32(copy_warps)),
+        shared_mem=smem, device=idx,
+    )
+    return out, acts
+
+
 def quantize_torch(x2: torch.Tensor, p: QuikPrepared) -> QuantizedActivations:
     """The unfused split + quantize (torch ops: gather, min/max, divide, round, scatter): the bench's first rung,
     and the layout the kernel must write."""
@@ -528,9 +648,21 @@ def epilogue_torch(acc: torch.Tensor, a: QuantizedActivations, p: QuikPrepared) 
     return y.to(torch.float16)
 
 
+def fused_quantize_pays(m: int, n: int, sms: int) -> bool:
+    """Whether `linear` takes the fused form for M tokens and N output rows (when it can): tiles of 256 tokens for
+    WSQ_MIN_ROUNDS rounds of the grid at least (the last one may be partial)."""
+    return -(-(-(-n // ROWS) * -(-m // 256)) // sms) >= WSQ_MIN_ROUNDS
+
+
 def linear(x: torch.Tensor, p: QuikPrepared) -> torch.Tensor:
     x2 = x.reshape(-1, p.in_features)
-    y = gemm(quantize(x2, p), p)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if (FUSED_QUANTIZE and fused_quantize_pays(x2.shape[0], p.out_features, cc.sm_count(cc.device_index(x2.device)))
+            and fused_quantize_reason(x2, p) is None):
+        y = quantize_gemm(x2, p)[0]
+    else:
+        y = gemm(quantize(x2, p), p)
     return y.reshape(*x.shape[:-1], p.out_features)
 
 
