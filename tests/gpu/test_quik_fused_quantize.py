@@ -113,6 +113,7 @@ def test_fused_form_in_a_chain_of_dependent_launches(monkeypatch):
     programmatic dependent (eagerly and from a CUDA graph), and gives the bits of ordinary launches."""
     from qtool.cuda import quik
 
+    monkeypatch.setattr(quik, "FUSED_QUANTIZE", True)
     monkeypatch.setattr(quik, "WSQ_MIN_ROUNDS", 0)  # `linear` takes the fused form at these small shapes
     shapes = [(2048, 1024, 64), (1024, 2048, 128), (1536, 1024, 40), (1024, 1536, 96)] * 2
     ps = [quik.prepare(random_quik(n, k, ko, 4, bias=True)) for n, k, ko in shapes]
