@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
-from tests.gpu.test_quik_kernels import _fresh_seed, _x, needs_hopper, random_quik  # noqa: F401
+from tests.gpu.helpers import gpu_ready, rel_err, synced
+from tests.gpu.test_quik_kernels import _fresh_seed, _x, assert_linear_chain_bits, needs_hopper, random_quik  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
@@ -120,17 +120,7 @@ def test_fused_form_in_a_chain_of_dependent_launches(monkeypatch):
     x = torch.randn(700, 1024, device="cuda").half()
     assert all(quik.fused_quantize_reason(x if i == 0 else torch.empty(700, p.in_features, device="cuda").half(),
                                           p) is None for i, p in enumerate(ps))
-
-    def chain() -> torch.Tensor:
-        y = x
-        for p in ps:
-            y = quik.linear(y, p)
-        return y
-
-    plain, outs = dependent_chain_runs(chain)
-    assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0
-    for y in outs:
-        assert torch.equal(y, plain)
+    assert_linear_chain_bits(ps, x)
 
 
 @needs_hopper

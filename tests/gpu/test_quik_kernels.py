@@ -396,7 +396,13 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
     # (N, K, outliers)
     shapes = [(2048, 1024, 64), (1024, 2048, 128), (1002, 1024, 0), (1536, 1002, 40), (1024, 1536, 96)] * 2
     ps = [quik.prepare(random_quik(n, k, ko, 4, bias=True)) for n, k, ko in shapes]
-    x = torch.randn(m, 1024, device="cuda").half()
+    assert_linear_chain_bits(ps, torch.randn(m, 1024, device="cuda").half())
+
+
+def assert_linear_chain_bits(ps: list, x: torch.Tensor) -> None:
+    """`quik.linear` through the layers `ps` in turn: dependent launches (eager and replayed) give the bits of
+    ordinary ones, finite and not all zero."""
+    from qtool.cuda import quik
 
     def chain() -> torch.Tensor:
         y = x
