@@ -1035,13 +1035,14 @@ __device__ __forceinline__ void ws_tile(int t, int N, int TN_, int& m0, int& n0)
 // ---------------------------------------------------------------------------------------------------------------
 // The fused form (quik_gemm_wsq_*): the persistent GEMM quantizes its own activation rows, so the quantize
 // kernel's DRAM time (about 9 us of a 4096 x 4096 layer at M = 2048 on an H100) runs under the GEMM instead of
-// before it. Rows 0..r1-1 (the token tiles of the grid's first tiles) are quantized first, one row per math warp
-// staged in the ring's activation areas; the copy warpgroup's idle warps quantize the rest while the first tiles
-// run, each through its own row buffer beside the epilogue buffers. A row is counted in ready[row / TN] once its
-// codes, outliers, s_x and z_x are written; the copy thread waits for a tile's count before copying its
-// activations, and each math thread before loading its token's s_x / z_x. One block per SM, all resident at once
-// (grid <= SMs), so these waits between blocks cannot deadlock. The last block to finish resets the counts (the
-// counter after them counts the finished blocks), so they are zero between launches as the split-K counters are.
+// before it. Rows 0..r1-1 (the token tiles of the grid's first tiles) are quantized first by the math warps in
+// teams (fused_team_rows), staged in the ring's activation areas; the copy warpgroup's idle warps quantize the rest
+// while the first tiles run, each through its own row buffer beside the epilogue buffers. A row is counted in
+// ready[row / TN] once its codes, outliers, s_x and z_x are written; the copy thread waits for a tile's count
+// before copying its activations, and each math thread before loading its token's s_x / z_x. One block per SM, all
+// resident at once (grid <= SMs), so these waits between blocks cannot deadlock. The last block to finish resets
+// the counts (the counter after them counts the finished blocks), so they are zero between launches as the split-K
+// counters are.
 // ---------------------------------------------------------------------------------------------------------------
 struct FusedQuant {
     const u16* x;  // float16 activations [M, K], row stride ldx (halves)
@@ -1098,6 +1099,89 @@ __device__ __forceinline__ void fused_rows(const FusedQuant& q, float* __restric
             if (QUIK_TRACE && tslot >= 0 && i < 8) trace_at(q.ready, tslot + i);
         }
     }
+}
+
+// The fused form's teams (fused_team_rows): 2 warps per row. On the H100 at 4096 x 4096, M = 2048, teams of 2 and 4
+// took 66.4-67.7 us, teams of 1 and 8 68.4-71.2 and the row per warp before them 67.4-70.3 (kernels/NOTES.md).
+#ifndef QUIK_WSQ_TW
+#define QUIK_WSQ_TW 2
+#endif
+// Rows row0 + i * stride below row_end (i = 0, 1, ...), by the 8 math warps in teams of TW warps: team k of the
+// `active` ones takes the rows i = k mod active, in order, each as soon as its copy lands, so the rows' DRAM time and
+// their arithmetic overlap. Team k owns nb / active of the nb row buffers (`buf(b)`, ring slots' activation areas,
+// barrier bar + 8 b), filled ahead by its first lane; it meets at named barrier 2 + k. Each warp counts its share of
+// a row in done[k] (release, CTA scope); the publisher (publish_rows) turns whole rows into the `ready` counts, so
+// no math warp waits on a GPU-scope release between rows.
+template <int AB, int TN, int TW, typename Buf>
+__device__ __forceinline__ void fused_team_rows(const FusedQuant& q, float* __restrict__ sx, float* __restrict__ zx,
+                                                int row0, int row_end, int stride, int nb, Buf buf, u32 bar,
+                                                u32 mapbar, const char* msk, u32 mapa, u32 omapa, int mw,
+                                                int lane, float (*qred)[24][2], u32 done) {
+    const u32 bytes = 2u * (u32)q.K;
+    const int active = min(8 / TW, nb), k = mw / TW, member = mw % TW, nbt = nb / active;
+    const int nr = row0 < row_end ? (row_end - row0 + stride - 1) / stride : 0;
+    if (k >= active) return;
+    const int mine = nr > k ? (nr - k + active - 1) / active : 0;  // this team's rows: i = k + active * j
+    auto fetch_row = [&](int j) {
+        if (member == 0 && lane == 0 && j < mine) {
+            const u32 bj = bar + 8u * (u32)(k * nbt + j % nbt);
+            mbar_arrive_expect_tx(bj, bytes);
+            bulk_load(smem_addr(buf(k * nbt + j % nbt)), q.x + (size_t)(row0 + (k + active * j) * stride) * q.ldx,
+                      bytes, bj);
+        }
+    };
+    for (int j = 0; j < nbt; ++j) fetch_row(j);
+    mbar_wait(mapbar, 0);
+    for (int j = 0; j < mine; ++j) {
+        mbar_wait(bar + 8u * (u32)(k * nbt + j % nbt), (u32)(j / nbt) & 1u);
+        // qred alternates: a warp writes row j + 2's set only after the team's barrier of row j + 1, which every
+        // member reaches after its reads of row j's set
+        quantize_staged<AB, TW, true, 2>(buf(k * nbt + j % nbt), msk, mapa, q.oidx, row0 + (k + active * j) * stride,
+                                         q.K, q.kb, q.kp, q.ko, q.kop, 2 + k, member, lane, qred[j & 1], q.aq, q.xo,
+                                         sx, zx, omapa);
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // other blocks' copy engines read these codes
+        __syncwarp();
+        if (lane == 0)
+            asm volatile("red.release.cta.shared::cta.add.u32 [%0], 1;" ::"r"(done + 4u * (u32)k) : "memory");
+        if (j + nbt < mine) {
+            // every member is done reading the buffer before the copy engine refills it
+            if (TW > 1) asm volatile("bar.sync %0, %1;" ::"r"(2 + k), "n"(32 * TW) : "memory");
+            if (member == 0 && lane == 0) fence_async_smem();
+            fetch_row(j + nbt);
+        }
+    }
+}
+
+// The publisher of fused_team_rows (one lane): once row i's team (i mod active) has counted it in done[team] from
+// all TW warps, adds it to ready[row / TN] (release, GPU scope), the finished rows of one token tile together. The
+// team's writes come before their counts (release), the counts before this add (acquire), so the add publishes them.
+template <int TN, int TW>
+__device__ __forceinline__ void publish_rows(int* ready, int row0, int row_end, int stride, int nb, u32 done) {
+    const int active = min(8 / TW, nb);
+    const int nr = row0 < row_end ? (row_end - row0 + stride - 1) / stride : 0;
+    int pend = 0, pt = 0;
+    auto flush = [&]() {
+        if (pend) asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ready + pt), "r"(pend) : "memory");
+        pend = 0;
+    };
+    for (int i = 0; i < nr;) {
+        u32 d;
+        asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+                     : "=r"(d)
+                     : "r"(done + 4u * (u32)(i % active))
+                     : "memory");
+        if ((int)d >= TW * (i / active + 1)) {
+            const int t = (row0 + i * stride) / TN;
+            if (t != pt) flush();
+            pt = t;
+            ++pend, ++i;
+        } else if (pend) {
+            flush();
+        } else {
+            asm volatile("nanosleep.u32 32;");
+        }
+    }
+    flush();
 }
 
 // FUSED (quik_gemm_wsq_*): the activation rows are quantized by this kernel's own warps. Before the first
@@ -1236,6 +1320,9 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
     // FUSED: the maps' barrier, the 8 math warps' and 3 copy warps' row buffers', and `staged` (every math warp
     // is done with its ring row buffer)
     __shared__ __align__(8) u64 qbar_mem[FUSED ? 13 : 1];
+    // FUSED: the teams' min/max exchange (two sets) and their counts of row shares (fused_team_rows)
+    __shared__ float fqred[FUSED ? 2 : 1][24][2];
+    __shared__ u32 qdone[FUSED ? 8 : 1];
     const u32 qbars = smem_addr(qbar_mem), mapbar = qbars, staged = qbars + 8 * 12;
     const u32 qreg = base + (u32)(ST * T::SB + EBF * 8192);  // FUSED: src map, oflag, osrc, then row buffers
     const u32 rb = FUSED ? (2u * (u32)fq->K + 127u) & ~127u : 128u;  // a row, padded to 128 bytes
@@ -1248,6 +1335,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         ring_init<ST>(bars);
         if (FUSED) {
             for (int i = 0; i < 12; ++i) mbar_init(qbars + 8 * i, 1);
+            for (int i = 0; i < 8; ++i) qdone[i] = 0;
             mbar_init(staged, 8);
             mbar_init_fence();
             // the maps are the layer's own: no wait for the kernel ahead
@@ -1270,6 +1358,13 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         }
         if (!FUSED) return;
         const int cw = (tid >> 5) - 1;  // the copy warps after the first quantize rows r1.. while the tiles run
+        if (cw == 0 && q1 > 0) {
+            // the counts belong to the kernel ahead until it completes (its last block resets them)
+            grid_dependency_wait();
+            if ((tid & 31) == 0)
+                publish_rows<TN, QUIK_WSQ_TW>(fq->ready, (int)blockIdx.x, r1, (int)gridDim.x, q1, smem_addr(qdone));
+            __syncwarp();
+        }
         if (cw >= 0 && cw < fq->q2) {
             grid_dependency_wait();  // the rows come from the kernel ahead
             // not before the block's first rows are done: their copies have the DRAM to themselves (measured:
@@ -1286,15 +1381,16 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
     grid_dependency_wait();  // s_x and z_x come from the kernel ahead (the quantize kernel), or (FUSED) x does
     const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, gq = lane >> 2, t = lane & 3;
     if (FUSED) {
-        // rows 0..r1-1 first, a row per math warp staged in the activation area of a ring slot (free until the
-        // copy thread passes `staged`)
+        // rows 0..r1-1 first, by the math warps in teams, staged in the activation areas of the ring slots (free
+        // until the copy thread passes `staged`); copy warp 1 publishes them
         const int mw = ctid >> 5;
-        if (mw < q1) {
-            fused_rows<BITS, TN, 4>(*fq, const_cast<float*>(sx), const_cast<float*>(zx),
-                                    (int)blockIdx.x + (int)gridDim.x * mw, r1, (int)gridDim.x * q1,
-                                    smem_raw + (base - smem_addr(smem_raw)) + (mw / per_slot) * T::SB +
-                                        (mw % per_slot) * rb,
-                                    qbars + 8 * (1 + mw), mapbar, qgen + sbm, qreg, qreg + sbm + fb, lane);
+        if (q1 > 0) {
+            char* const ring = smem_raw + (base - smem_addr(smem_raw));
+            auto buf = [&](int b) { return ring + (b / per_slot) * T::SB + (b % per_slot) * rb; };
+            fused_team_rows<BITS, TN, QUIK_WSQ_TW>(*fq, const_cast<float*>(sx), const_cast<float*>(zx),
+                                                   (int)blockIdx.x, r1, (int)gridDim.x, q1, buf, qbars + 8, mapbar,
+                                                   qgen + sbm, qreg, qreg + sbm + fb, mw, lane, fqred,
+                                                   smem_addr(qdone));
         }
         if (lane == 0) mbar_arrive(staged);
         if (QUIK_TRACE && lane == 0) trace_at(fq->ready, 1 + mw);

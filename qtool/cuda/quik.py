@@ -69,10 +69,10 @@ QUANT_WARP_PLAN_TEAMS = (2, 4)
 # The fused form (quik_gemm_wsq_*, `quantize_gemm`): the persistent 256-token GEMM quantizes its own rows, the first
 # ones before its first tiles, the rest by the copy warpgroup's idle warps under them. Built for W4A4 with a 4-stage
 # ring and two epilogue buffers; the column maps and up to WSQ_COPY_WARPS row buffers take the rest of the shared
-# memory. Its first rows take about as long as the whole quantize kernel (kernels/NOTES.md), and on the H100 it was
-# not faster than the two kernels at their best (M = 2048, 256 outliers: 4096 x 4096 67-69 us against 63-64;
-# 4096 x 11008 177-181 against 170-213). So `linear` does not take it (FUSED_QUANTIZE False); True: where the tiles
-# fill at least WSQ_MIN_ROUNDS rounds of the grid.
+# memory. Its first tiles wait for their rows from every block and for the counts that publish them: on the H100 it
+# was not faster than the two kernels at their best (M = 2048, 256 outliers: 4096 x 4096 66-67 us against 63-66;
+# 4096 x 11008 179-183 against 170-205; kernels/NOTES.md). So `linear` does not take it (FUSED_QUANTIZE False);
+# True: where the tiles fill at least WSQ_MIN_ROUNDS rounds of the grid.
 FUSED_QUANTIZE = False
 WSQ_MIN_ROUNDS = 6
 WSQ_STAGES = 4
