@@ -211,13 +211,14 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     x2, out, m, dev = _gemv_args(x, p, bias, out, 64)
     mod = cc.load_module(SOURCE, device=dev)
     nt = _n_tiles(m)
+    sms = cc.sm_count(dev)
     if warps is None:
-        warps = gemv_warps(p.out_features, nt, p.kp, p.bits, cc.sm_count(dev))
+        warps = gemv_warps(p.out_features, nt, p.kp, p.bits, sms)
     elif not 1 <= warps <= 16 or warps * nt * 512 > 48 * 1024:
         raise ValueError(f"warps: found {warps}, expected 1..16 with warps * token tiles <= 96")
     blocks = (p.out_features + 15) // 16
     if dependent is None:
-        dependent = gemv_dependent(nt, warps, blocks, cc.sm_count(dev))
+        dependent = gemv_dependent(nt, warps, blocks, sms)
     elif dependent and nt > GEMV_DEP_MAX_TILES:
         raise ValueError(f"dependent: found {m} rows, expected at most {8 * GEMV_DEP_MAX_TILES} for the "
                          "dependent-launch entry")

@@ -81,6 +81,13 @@ WSQ_COPY_WARPS = 3
 SMEM_STATIC_SLACK = 5 * 1024  # the warp-specialized kernels' static shared arrays (s_x, z_x + h s_x, barriers)
 
 
+def _byte_offsets(columns: torch.Tensor) -> torch.Tensor:
+    """Byte offsets 2 * column (< 2 * QUANT_MAX_K, so they fit 16 bits) as uint16 bits stored in int16: the kernels'
+    shared-memory maps."""
+    off = 2 * columns.to(torch.int32)
+    return torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
+
+
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
@@ -173,14 +180,12 @@ def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, sca
     # padded to 128 bytes: the fused GEMM copies it whole into shared memory (a bulk copy of 128-byte rows)
     oflag = torch.cat([oflag, oflag.new_zeros(_round_up(pieces, 128) - pieces)])
     src = torch.full((kp,), -1, dtype=torch.int16, device=dev)
-    if kb:  # byte offsets 2 * column < 2 * QUANT_MAX_K: as uint16 bits, stored in int16
-        off = 2 * base_idx.to(torch.int32)
-        src[act_positions(kb, act_bits, dev)] = torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
+    if kb:
+        src[act_positions(kb, act_bits, dev)] = _byte_offsets(base_idx)
     omask = -flags.to(torch.int16)
     osrc = torch.zeros(kop, dtype=torch.int16, device=dev)
     if ko:
-        off = 2 * outlier_idx
-        osrc[:ko] = torch.where(off >= 1 << 15, off - (1 << 16), off).to(torch.int16)
+        osrc[:ko] = _byte_offsets(outlier_idx)
     return QuikPrepared(
         bits=bits, act_bits=act_bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=ko, kop=kop,
         wq=wq, scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
