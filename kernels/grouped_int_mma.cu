@@ -323,6 +323,45 @@ __device__ __forceinline__ void store_out(const float (&acc)[RB][TN / 2], int m0
     }
 }
 
+// Split-K across the S blocks of a tile (this one is share z): each writes its float32 partial in the accumulator
+// layout (one float4 per thread and step, coalesced); the last to arrive adds the partials in split order
+// (deterministic), leaves the sum in `acc`, resets the tile's counter and returns true; the others return false.
+// The THREADS threads of barrier BAR hold the tile (tid among them; BAR 0: the whole block).
+template <int TN, int RB, int BAR, int THREADS>
+__device__ __forceinline__ bool split_k_sum(float (&acc)[RB][TN / 2], float* __restrict__ ws, int* __restrict__ cnt,
+                                            int tid, int z, int S, int tiles, int tile_id) {
+    float4* w4 = reinterpret_cast<float4*>(ws);
+    constexpr int F4 = RB * TN / 8;  // float4s per thread
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int q = 0; q < TN / 8; ++q)
+            w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
+                make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
+    }
+    if (!split_k_last<BAR, THREADS>(cnt, tile_id, S, tid)) return false;
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
+    }
+    for (int q2 = 0; q2 < S; ++q2) {
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+#pragma unroll
+            for (int q = 0; q < TN / 8; ++q) {
+                const float4 v = __ldcg(w4 + ((size_t)(q2 * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid);
+                acc[b][4 * q] += v.x;
+                acc[b][4 * q + 1] += v.y;
+                acc[b][4 * q + 2] += v.z;
+                acc[b][4 * q + 3] += v.w;
+            }
+        }
+    }
+    if (tid == 0) cnt[tile_id] = 0;
+    return true;
+}
+
 template <int BITS, int TN, int STAGES, int RB>
 __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, const u32* __restrict__ qw, int ldw,
                                          const u32* __restrict__ meta, int G, int gshift,
@@ -363,41 +402,9 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ x, int ldx, con
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory is free from here on
 
-    if (S > 1) {
-        // Split-K: every block writes its float32 partial tile in the accumulator layout (one float4 per thread
-        // and step, coalesced); the last of the tile's blocks adds the partials in split order (deterministic),
-        // then takes the single-block epilogue below. It leaves the tile's counter at zero.
-        const int tiles = gridDim.x * gridDim.y, tile_id = blockIdx.x + gridDim.x * blockIdx.y;
-        float4* w4 = reinterpret_cast<float4*>(ws);
-        constexpr int F4 = RB * TN / 8;  // float4s per thread
-#pragma unroll
-        for (int b = 0; b < RB; ++b) {
-#pragma unroll
-            for (int q = 0; q < TN / 8; ++q)
-                w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
-                    make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
-        }
-        if (!split_k_last(cnt, tile_id, S)) return;
-#pragma unroll
-        for (int b = 0; b < RB; ++b) {
-#pragma unroll
-            for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
-        }
-        for (int q2 = 0; q2 < S; ++q2) {
-#pragma unroll
-            for (int b = 0; b < RB; ++b) {
-#pragma unroll
-                for (int q = 0; q < TN / 8; ++q) {
-                    const float4 v = __ldcg(w4 + ((size_t)(q2 * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid);
-                    acc[b][4 * q] += v.x;
-                    acc[b][4 * q + 1] += v.y;
-                    acc[b][4 * q + 2] += v.z;
-                    acc[b][4 * q + 3] += v.w;
-                }
-            }
-        }
-        if (tid == 0) cnt[tile_id] = 0;
-    }
+    if (S > 1 && !split_k_sum<TN, RB, 0, 256>(acc, ws, cnt, tid, z, S, gridDim.x * gridDim.y,
+                                                blockIdx.x + gridDim.x * blockIdx.y))
+        return;
     store_out<TN, RB, 0>(acc, a.m0, a.n0, M, N, r0, t, tid, smem_raw, base, bias, out, ldc);
 }
 
@@ -424,21 +431,28 @@ MMA_ENTRIES(128, 4, 2, 1)
 MMA_ENTRIES(128, 5, 2, 1)
 
 // ---------------------------------------------------------------------------------------------------------------
-// Warp-specialized form for long prefills (same result as mma_body at TN = 256, RB = 1, no split-K): 384 threads.
-// Warpgroup 0 copies: one thread issues the bulk tensor copies (TMA) of each 64-code stage, the activation tile
-// (256 tokens x 128 bytes, 128-byte swizzle) and the code tile (128 rows x 8*BITS bytes, 32/64-byte swizzle: the
-// layouts of wrow_chunk), into an ST-deep ring with a "full" and an "empty" mbarrier per stage. Warpgroups 1-2
+// Warp-specialized form (same result as mma_body at the same TN and split, RB = 1): 384 threads. Warpgroup 0
+// copies: one thread issues the bulk tensor copies (TMA) of each 64-code stage, the activation tile (TN tokens x
+// 128 bytes, 128-byte swizzle) and the code tile (128 rows x 8*BITS bytes, 32/64-byte swizzle: the layouts of
+// wrow_chunk), into an ST-deep ring with a "full" and an "empty" mbarrier per stage. Warpgroups 1-2
 // compute: each waits for a stage, issues its wgmmas, and while they run releases the previous stage, waits for
 // the next and dequantizes it into the other fragment set. The scale/zero words come straight from global memory
 // (L1/L2: one 4-byte word per row and half stage), fetched one stage ahead of their use. No block barrier in the
-// loop. Tensor maps (qtool/cuda/tma.py): mx = x [M, K] as bytes, box 128 x 256; mq = qweight [N, Kp*BITS/32
-// words] as bytes, box 8*BITS x 128; columns past K arrive as zeros.
+// loop. Tensor maps (qtool/cuda/tma.py): mx = x [M, K] as bytes, box 128 x TN; mq = qweight [N, Kp*BITS/32
+// words] as bytes, box 8*BITS x 128; columns and tokens past the tensor arrive as zeros. With split-K (gridDim.z
+// shares of the stages) the blocks of a tile add their partials as mma_body's do, through `ws` and `cnt`.
 // ---------------------------------------------------------------------------------------------------------------
+// A ring slot of the one-tile-per-block form: TN tokens' activation tile, then the code tile XO bytes in (slots of
+// the 8-bit size, multiples of 1024).
+template <int TN>
+struct WsSlot {
+    static constexpr int XO = TN * 128;
+    static constexpr int SB = XO + 128 * 64;
+};
+// The persistent form's slot: a 256-token activation tile and the code tile's own size.
 template <int BITS>
 struct WsStage {
-    static constexpr int XT = 256 * 128;       // activation tile
-    static constexpr int SB = XT + 128 * 64;   // plus the code tile (8-bit size; multiple of 1024)
-    static constexpr int SBP = XT + 128 * 8 * BITS;  // the persistent form's slot: the code tile's own size
+    static constexpr int SBP = 256 * 128 + 128 * 8 * BITS;
 };
 
 // Scale/zero words of rows r0, r0 + 8 for codes 0 and 32 of global stage gs (rows past N read row 0's: unused).
@@ -485,13 +499,14 @@ __device__ __forceinline__ void ws_dequant(u32 (&af)[4][4], u32 wt, const u32 (&
     dequant_frags<BITS>(af, wt, ma, mb, r0, t);
 }
 
-// Stage s of a tile whose stage 0 sits at ring position g0 (SB bytes per slot), on fragments `cur`; then release
-// stage s - 1, and dequantize stage s + 1 into `nxt` with the words in `wn` (fetched a stage ago), then turning `wn`
-// into stage s + 2's.
-template <int BITS, int ST, int SB, int TN>
+// Stage s of a tile whose stage 0 sits at ring position g0 (SB bytes per slot, the code tile XO bytes into it) and
+// is stage s0 of the rows, on fragments `cur`; then release stage s - 1, and dequantize stage s + 1 into `nxt` with
+// the words in `wn` (fetched a stage ago), then turning `wn` into stage s + 2's.
+template <int BITS, int ST, int SB, int XO, int TN>
 __device__ __forceinline__ void gi_ws_step(float (&acc)[TN / 2], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 (&wn)[4],
-                                           u32 base, u32 bars, int g0, int s, int ns, const u32* __restrict__ meta,
-                                           int f0, int N, int G, int gshift, int r0, int t, int lane) {
+                                           u32 base, u32 bars, int g0, int s, int ns, int s0,
+                                           const u32* __restrict__ meta, int f0, int N, int G, int gshift, int r0,
+                                           int t, int lane) {
     const int g = g0 + s;
     const u32 st = base + (u32)(g % ST) * SB;
     wgmma_fence();
@@ -502,27 +517,32 @@ __device__ __forceinline__ void gi_ws_step(float (&acc)[TN / 2], u32 (&cur)[4][4
     if (s > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g - 1) % ST));
     if (s + 1 < ns) {
         mbar_wait(bars + 8 * ((g + 1) % ST), (u32)((g + 1) / ST) & 1);
-        ws_dequant<BITS>(nxt, base + (u32)((g + 1) % ST) * SB + 256 * 128, wn, r0, t);
-        if (s + 2 < ns) next_meta<BITS>(wn, meta, f0, N, G, gshift, s + 2);
+        ws_dequant<BITS>(nxt, base + (u32)((g + 1) % ST) * SB + XO, wn, r0, t);
+        if (s + 2 < ns) next_meta<BITS>(wn, meta, f0, N, G, gshift, s0 + s + 2);
     }
 }
 
-// A tile's main loop (TN tokens) from ring position g0: `w0` / `wn` hold the scale/zero words of its stages 0, 1.
-template <int BITS, int ST, int SB, int TN>
+// A tile's main loop (TN tokens, ns stages from the rows' stage s0) from ring position g0: `w0` / `wn` hold the
+// scale/zero words of its stages 0, 1.
+template <int BITS, int ST, int SB, int XO, int TN>
 __device__ __forceinline__ void gi_ws_tile(float (&acc)[TN / 2], const u32 (&w0)[4], u32 (&wn)[4], u32 base, u32 bars,
-                                           int g0, int ns, const u32* __restrict__ meta, int f0, int N, int G,
+                                           int g0, int ns, int s0, const u32* __restrict__ meta, int f0, int N, int G,
                                            int gshift, int r0, int t, int lane) {
     u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
     if (ns > 0) {
         mbar_wait(bars + 8 * (g0 % ST), (u32)(g0 / ST) & 1);
-        ws_dequant<BITS>(af0, base + (u32)(g0 % ST) * SB + 256 * 128, w0, r0, t);
+        ws_dequant<BITS>(af0, base + (u32)(g0 % ST) * SB + XO, w0, r0, t);
     }
     int s = 0;
     for (; s + 1 < ns; s += 2) {
-        gi_ws_step<BITS, ST, SB, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, meta, f0, N, G, gshift, r0, t, lane);
-        gi_ws_step<BITS, ST, SB, TN>(acc, af1, af0, wn, base, bars, g0, s + 1, ns, meta, f0, N, G, gshift, r0, t, lane);
+        gi_ws_step<BITS, ST, SB, XO, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, s0, meta, f0, N, G, gshift, r0, t,
+                                         lane);
+        gi_ws_step<BITS, ST, SB, XO, TN>(acc, af1, af0, wn, base, bars, g0, s + 1, ns, s0, meta, f0, N, G, gshift, r0,
+                                         t, lane);
     }
-    if (s < ns) gi_ws_step<BITS, ST, SB, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, meta, f0, N, G, gshift, r0, t, lane);
+    if (s < ns)
+        gi_ws_step<BITS, ST, SB, XO, TN>(acc, af0, af1, wn, base, bars, g0, s, ns, s0, meta, f0, N, G, gshift, r0, t,
+                                         lane);
     wgmma_wait0();
 }
 
@@ -539,9 +559,25 @@ __device__ __forceinline__ int gi_wsp_item(int item, int full, int ntn, int M, i
     return m0 < M ? 64 : 0;
 }
 
-// The copy thread of the warp-specialized kernels: the stages of this block's work items (item, item + grid, ...;
-// gi_wsp_item) into the ST-slot ring, SB bytes per slot: the activation tile (mx, or mx64 for 64-token items) and
-// the code tile 32 KB after it.
+// The copy thread's stages s0 .. s0 + ns - 1 of the tile at rows n0, tokens m0 (tn of them: mx's box) into the
+// ST-slot ring from ring position g, SB bytes per slot: the activation tile, and the code tile XO bytes after it.
+// Returns the ring position after them.
+template <int BITS, int ST, int SB, int XO>
+__device__ __forceinline__ int gi_ws_stages(const TmaMap* mx, const TmaMap* mq, u32 base, u32 bars, int g, int m0,
+                                           int n0, int s0, int ns, int tn) {
+    for (int s = s0; s < s0 + ns; ++s, ++g) {
+        const int slot = g % ST, use = g / ST;
+        const u32 full_bar = bars + 8 * slot, st = base + (u32)slot * SB;
+        if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
+        mbar_arrive_expect_tx(full_bar, tn * 128 + 128 * 8 * BITS);
+        tma_load_2d(st, mx, full_bar, 128 * s, m0);
+        tma_load_2d(st + XO, mq, full_bar, 8 * BITS * s, n0);
+    }
+    return g;
+}
+
+// The persistent kernel's copy thread: the stages of this block's work items (item, item + grid, ...; gi_wsp_item)
+// into the ring: the activation tile (mx, or mx64 for 64-token items) and the code tile 32 KB after it.
 template <int BITS, int ST, int SB>
 __device__ __forceinline__ void gi_ws_copies(const TmaMap* mx, const TmaMap* mx64, const TmaMap* mq, u32 base,
                                              u32 bars, int M, int N, int ns, int full) {
@@ -554,61 +590,63 @@ __device__ __forceinline__ void gi_ws_copies(const TmaMap* mx, const TmaMap* mx6
         int n0, m0;
         const int tn = gi_wsp_item(item, full, ntn, M, n0, m0);
         if (tn == 0) continue;
-        for (int s = 0; s < ns; ++s, ++g) {
-            const int slot = g % ST, use = g / ST;
-            const u32 full_bar = bars + 8 * slot, st = base + (u32)slot * SB;
-            if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
-            mbar_arrive_expect_tx(full_bar, tn * 128 + 128 * 8 * BITS);
-            tma_load_2d(st, tn == 256 ? mx : mx64, full_bar, 128 * s, m0);
-            tma_load_2d(st + 256 * 128, mq, full_bar, 8 * BITS * s, n0);
-        }
+        g = gi_ws_stages<BITS, ST, SB, 256 * 128>(tn == 256 ? mx : mx64, mq, base, bars, g, m0, n0, 0, ns, tn);
     }
 }
 
-template <int BITS, int ST>
+// One block per (128-row, TN-token) tile and share z of its K stages (gridDim.z shares; split-K as in mma_body).
+template <int BITS, int ST, int TN>
 __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, const u32* __restrict__ meta, int G,
                                            int gshift, const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
-                                           int M, int N, int ns) {
-    using T = WsStage<BITS>;
+                                           float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
+    using T = WsSlot<TN>;
     extern __shared__ char smem_raw[];
     __shared__ __align__(8) u64 bar_mem[2 * ST];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 bars = smem_addr(bar_mem);
     const int tid = threadIdx.x;
-    const int ntn = (N + 127) >> 7, n0 = ((int)blockIdx.x % ntn) * 128, m0 = ((int)blockIdx.x / ntn) * 256;
+    const int n0 = (int)blockIdx.x * 128, m0 = (int)blockIdx.y * TN;
+    const int S = gridDim.z, z = blockIdx.z;
+    const int s0 = (int)((long long)z * nst / S), ns = (int)((long long)(z + 1) * nst / S) - s0;
     if (tid == 0) ring_init<ST>(bars);
     __syncthreads();
     if (tid < 128) {
         regs_decrease<40>();
-        // one block per tile: the grid's only item for this block is tile blockIdx.x, whole
-        const int tiles = ntn * ((M + 255) >> 8);
-        if (tid == 0) gi_ws_copies<BITS, ST, T::SB>(mx, mx, mq, base, bars, M, N, ns, tiles);
+        if (tid == 0) {
+            tma_prefetch_map(mx);
+            tma_prefetch_map(mq);
+            gi_ws_stages<BITS, ST, T::SB, T::XO>(mx, mq, base, bars, 0, m0, n0, s0, ns, TN);
+        }
         return;
     }
     regs_increase<232>();
     const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = 64 * (ctid >> 7) + 16 * warp + g, f0 = n0 + r0;
-    float acc[1][128];
+    float acc[1][TN / 2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[0][i] = 0.f;
+    for (int i = 0; i < TN / 2; ++i) acc[0][i] = 0.f;
     u32 w0[4], wn[4];
-    fetch_meta<BITS>(w0, meta, f0, N, G, gshift, 0);
-    if (ns > 1) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, 1);
-    gi_ws_tile<BITS, ST, T::SB, 256>(acc[0], w0, wn, base, bars, 0, ns, meta, f0, N, G, gshift, r0, t, lane);
+    fetch_meta<BITS>(w0, meta, f0, N, G, gshift, s0);
+    if (ns > 1) fetch_meta<BITS>(wn, meta, f0, N, G, gshift, s0 + 1);
+    gi_ws_tile<BITS, ST, T::SB, T::XO, TN>(acc[0], w0, wn, base, bars, 0, ns, s0, meta, f0, N, G, gshift, r0, t, lane);
     bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
-    store_out<256, 1, 1>(acc, m0, n0, M, N, r0, t, ctid, smem_raw, base, bias, out, ldc);
+    if (S > 1 && !split_k_sum<TN, 1, 1, 256>(acc, ws, cnt, ctid, z, S, gridDim.x * gridDim.y,
+                                             blockIdx.x + gridDim.x * blockIdx.y))
+        return;
+    store_out<TN, 1, 1>(acc, m0, n0, M, N, r0, t, ctid, smem_raw, base, bias, out, ldc);
 }
 
-#define GI_WS_ENTRY(BITS, ST)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 1) grouped_int_ws_b##BITS##_n256_s##ST(                     \
+#define GI_WS_ENTRY(BITS, TN, ST)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) grouped_int_ws_b##BITS##_n##TN##_s##ST(                  \
         const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mq, const u32* meta, int G, int gshift, \
-        const u16* bias, u16* out, int ldc, int M, int N, int nst) {                                              \
-        gi_ws_body<BITS, ST>(&mx, &mq, meta, G, gshift, bias, out, ldc, M, N, nst);                               \
+        const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                         \
+        gi_ws_body<BITS, ST, TN>(&mx, &mq, meta, G, gshift, bias, out, ldc, ws, cnt, M, N, nst);                  \
     }
-GI_WS_ENTRY(4, 5)
-GI_WS_ENTRY(8, 5)
-GI_WS_ENTRY(4, 4)
-GI_WS_ENTRY(8, 4)
+#define GI_WS_ENTRIES(TN, ST) GI_WS_ENTRY(4, TN, ST) GI_WS_ENTRY(8, TN, ST)
+GI_WS_ENTRIES(256, 5)
+GI_WS_ENTRIES(256, 4)
+GI_WS_ENTRIES(128, 6)
+GI_WS_ENTRIES(64, 8)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Persistent form (`grouped_int_wsp_*`): one block per multiprocessor walks the work items (item, item + grid,
@@ -636,7 +674,7 @@ __device__ __forceinline__ void gi_wsp_run(u32 (&w0)[4], u32 (&wn)[4], u32 base,
     float acc[TN / 2];
 #pragma unroll
     for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
-    gi_ws_tile<BITS, ST, SB, TN>(acc, w0, wn, base, bars, g0, ns, meta, f0, N, G, gshift, r0, t, lane);
+    gi_ws_tile<BITS, ST, SB, 256 * 128, TN>(acc, w0, wn, base, bars, g0, ns, 0, meta, f0, N, G, gshift, r0, t, lane);
     if (ns > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g0 + ns - 1) % ST));  // the item's last stage
     if (next_n0 >= 0) {
         fetch_meta<BITS>(w0, meta, next_n0 + r0, N, G, gshift, 0);

@@ -84,15 +84,23 @@ __device__ __forceinline__ long long ld_dep_s64(const long long* p) {
     return r;
 }
 
-// Split-K arrival: once every thread of the block has written its share of the tile's partials, count the block
+// Named barrier `ID` for THREADS threads (bar.sync 0 over the whole block is __syncthreads).
+template <int ID, int THREADS>
+__device__ __forceinline__ void bar_sync() {
+    asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
+// Split-K arrival: once every thread holding the tile has written its share of the tile's partials, count the block
 // on the tile's counter. True in the tile's last block, which then sees every share's writes (and must reset the
-// counter to zero when it is done).
-__device__ __forceinline__ bool split_k_last(int* cnt, int tile_id, int shares) {
+// counter to zero when it is done). BAR 0: the whole block holds the tile; else the THREADS threads of named
+// barrier BAR do (warp-specialized kernels, whose copy warps have left), `tid` counting among them.
+template <int BAR = 0, int THREADS = 0>
+__device__ __forceinline__ bool split_k_last(int* cnt, int tile_id, int shares, int tid = threadIdx.x) {
     __shared__ int last;
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt + tile_id, 1) == shares - 1;
-    __syncthreads();
+    if constexpr (BAR == 0) __syncthreads(); else bar_sync<BAR, THREADS>();
+    if (tid == 0) last = atomicAdd(cnt + tile_id, 1) == shares - 1;
+    if constexpr (BAR == 0) __syncthreads(); else bar_sync<BAR, THREADS>();
     if (last) __threadfence();
     return last;
 }
@@ -270,11 +278,6 @@ __device__ __forceinline__ void regs_decrease() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 
-// Named barrier `ID` for THREADS threads (bar.sync 0 over the whole block is __syncthreads).
-template <int ID, int THREADS>
-__device__ __forceinline__ void bar_sync() {
-    asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS) : "memory");
-}
 
 // The persistent GEMMs' epilogue through the copy engine. The 256 math threads of two warpgroups hold a tile of 128
 // output features (warpgroup w: features 64w..64w+63, a thread's rows r0 and r0 + 8 as in a wgmma m64 accumulator)

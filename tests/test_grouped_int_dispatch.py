@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda.grouped_int import choose_path, fma_warps
+from qtool.cuda.grouped_int import choose_path, fma_warps, ws_plan
 
 F16 = torch.float16
 
@@ -22,12 +22,35 @@ def test_hopper_batches_up_to_256_take_the_wgmma_kernel():
     assert choose_path(256, F16, 8, 128, 4096, 4096, hopper=False) == "dequant+cublas"
 
 
+def test_batches_up_to_512_on_wide_layers_take_the_wgmma_kernel():
+    # its warp-specialized form beat dequantize + cuBLAS at 512 tokens on all three Llama-2-7B shapes (H100)
+    assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(400, F16, 4, 128, 11008, 4096, hopper=True) == "mma"
+    assert choose_path(512, F16, 4, 128, 4096, 1024, hopper=True) == "dequant+cublas"  # GQA key/value: cuBLAS won
+    assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
+
+
+def test_warp_specialized_tiles_follow_the_measured_best():
+    # (token tile, split) that the H100 timings in kernels/NOTES.md found fastest, 132 SMs
+    assert ws_plan(4096, 128, 4096, 132) == (128, 4)
+    assert ws_plan(4096, 256, 4096, 132) == (128, 2)  # a 256-token tile would be split 4 ways
+    assert ws_plan(11008, 256, 4096, 132) == (256, 1)  # 86 tiles: one wave, no split
+    assert ws_plan(4096, 256, 11008, 132) == (256, 4)  # long rows: the larger tile's stages pay for its partials
+    assert ws_plan(1024, 128, 4096, 132) == (64, 8)  # 8 row tiles: small token tiles, fewer shares
+    assert ws_plan(4096, 65, 4096, 132) == (128, 4)
+    for n, m, kp in ((4096, 100, 4096), (1024, 512, 4096), (200, 300, 256), (11008, 512, 11008)):
+        tn, split = ws_plan(n, m, kp, 132)
+        assert tn in (64, 128, 256) and tn >= m // 4
+        assert kp // 64 // split >= 4 or split == 1
+        assert split == 1 or -(-n // 128) * -(-m // tn) * split <= 132  # a split grid stays in one wave
+
+
 def test_long_prefills_take_the_wgmma_kernel():
     assert choose_path(2048, F16, 4, 128, 11008, 4096, hopper=True) == "mma"
     assert choose_path(4096, F16, 8, None, 11008, 4096, hopper=True) == "mma"
     assert choose_path(2048, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
     assert choose_path(1024, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
-    assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"  # below MMA_LONG_MIN_M
+    assert choose_path(768, F16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"  # below MMA_LONG_MIN_M
     assert choose_path(2048, F16, 4, 128, 11008, 4096, hopper=False) == "dequant+cublas"
     assert choose_path(2048, torch.bfloat16, 4, 128, 11008, 4096, hopper=True) == "dequant+cublas"
 

@@ -7,13 +7,14 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
   M <= GEMV_MAX_M; a programmatic dependent launch where its grid is one wave of 16-warp blocks (gemv_dependent).
 * ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
   in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
-  tiles are too few to fill the GPU; once 256-token tiles fill the GPU, its warp-specialized persistent form
-  (bulk tensor copies, one block per SM walking the tiles). fp16 activations, group sizes >= 32 or
-  per-channel, MMA_MIN_M <= M <= MMA_MAX_M, or M >= MMA_LONG_MIN_M where the tiles fill the GPU and rows hold at
-  least MMA_LONG_MIN_K codes.
+  tiles are too few to fill the GPU; from WS_SHORT_MIN_M tokens its warp-specialized form (bulk tensor copies
+  into an mbarrier ring, a copy warpgroup), and once 256-token tiles fill the GPU the persistent one (one block
+  per SM walking the tiles). fp16 activations, group sizes >= 32 or per-channel, MMA_MIN_M <= M <= MMA_MAX_M,
+  M <= WS_MID_MAX_M on layers of at least WS_MID_MIN_N outputs, or M >= MMA_LONG_MIN_M where the tiles fill the
+  GPU and rows hold at least MMA_LONG_MIN_K codes.
 * ``dequant+cublas``: a CUDA kernel writes the dense fp16/bf16 weight, then cuBLAS multiplies. Used between
-  MMA_MAX_M and MMA_LONG_MIN_M tokens, for long prefills of narrow or short-row layers, off Hopper, and for bf16
-  activations.
+  MMA_MAX_M (WS_MID_MAX_M on wide layers) and MMA_LONG_MIN_M tokens, for long prefills of narrow or short-row
+  layers, off Hopper, and for bf16 activations.
 * ``reference``: the float32 torch reference (any bits/group size the kernels do not cover).
 
 The checkpoint tensors are used in place when K is a multiple of 128; otherwise a zero-padded copy of `qweight`
@@ -60,6 +61,15 @@ MMA_MAX_M = cc.env_int("QTOOL_MMA_MAX_M", 256)
 # still won (3584x3584 at M = 1024: 42.2 vs 48.1 us); 3072 lies between the two (kernels/NOTES.md).
 MMA_LONG_MIN_K = cc.env_int("QTOOL_MMA_LONG_MIN_K", 3072)
 MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 1024)
+# From WS_SHORT_MIN_M tokens on, the wgmma kernel runs warp-specialized with split-K (``ws``) instead of
+# block-synchronous (``sync``), and up to WS_MID_MAX_M tokens on layers of at least WS_MID_MIN_N outputs it also
+# replaces dequantize + cuBLAS. On an H100 at Llama-2-7B shapes (kernels/NOTES.md): 128 tokens 19.0-19.8 / 36.9 /
+# 34.7-35.6 us against sync's 20.8-21.6 / 51.3 / 37.1-37.6; 512 tokens 35.3-37.1 / 96.5-97.4 / 78 us against
+# dequantize + cuBLAS's 40.1-40.5 / 106.4-107.0 / 105.2-105.4. At 64 tokens neither won everywhere, and on 1024
+# outputs (GQA key/value projections) dequantize + cuBLAS won from 256 tokens.
+WS_SHORT_MIN_M = cc.env_int("QTOOL_WS_SHORT_MIN_M", 65)
+WS_MID_MAX_M = cc.env_int("QTOOL_WS_MID_MAX_M", 512)
+WS_MID_MIN_N = 4096
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -353,12 +363,15 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
     return max(1, min(blocks_per_sm * sms // tiles, p.kp // 64 // 4, 16))
 
 
-# The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups):
-# 256-token tiles without split-K, i.e. long prefills. Stages of 64 codes in its ring. ``ws`` runs one tile per
-# block; ``wsp`` is persistent (one block per multiprocessor walks the tiles, the next tile's copies overlap the
-# current tile's epilogue, which leaves through the copy engine) and needs a 16-byte-aligned output row.
-WS_STAGES = {"ws": 5, "wsp": 4}  # ring depth by default; 4 and 5 are built for both
+# The warp-specialized form (bulk tensor copies into an mbarrier ring, a copy warpgroup and two math warpgroups),
+# stages of 64 codes in its ring. ``ws`` runs one tile of 128 rows x 64, 128 or 256 tokens per block, with split-K
+# across blocks where the tiles are few; ``wsp`` is persistent (256-token tiles without split-K: one block per
+# multiprocessor walks the tiles, the next tile's copies overlap the current tile's epilogue, which leaves through
+# the copy engine) and needs a 16-byte-aligned output row.
+WS_STAGES = {"ws": 5, "wsp": 4}  # ring depth by default at 256 tokens; 4 and 5 are built for both
 WS_KERNELS = ("ws", "wsp")
+# ``ws`` token tiles -> the ring depths the source instantiates, the default first (smaller tiles, deeper rings)
+WS_TILE_STAGES = {64: (8,), 128: (6,), 256: (5, 4)}
 # The warp-specialized kernels (no split-K) run by default once the 256-token tiles fill this share of the
 # multiprocessors: 128 tiles on 132 (M = 1024, N = 4096) ran 0.92-0.98x cuBLAS FP16 persistent on an H100.
 WS_MIN_WAVE = 0.75
@@ -366,13 +379,43 @@ WSP_EPILOGUE_BUFFERS = 3  # 8 KB each, beside the ring (kernels/grouped_int_mma.
 _WS_MAPS = tma.MapCache(limit=64)
 
 
-def ws_smem(kernel: str, bits: int, stages: int) -> int:
+def ws_smem(kernel: str, bits: int, stages: int, tokens: int = 256) -> int:
     """Dynamic shared memory of a warp-specialized kernel: the ring (the persistent form's slots hold the code
     tile's own size, the other's the 8-bit size), its epilogue buffers, and slack to align the 1024-byte swizzle
     atoms."""
     if kernel == "wsp":
         return stages * (256 * 128 + 128 * 8 * bits) + WSP_EPILOGUE_BUFFERS * 8192 + 1024
-    return stages * (256 * 128 + 128 * 64) + 1024
+    return stages * (tokens * 128 + 128 * 64) + 1024
+
+
+def ws_tokens(m: int) -> int:
+    """``ws`` token tile for M tokens: the smallest built tile holding them all, at most 256."""
+    return next((tn for tn in WS_TILE_STAGES if m <= tn), 256)
+
+
+# A cost model for picking the ``ws`` token tile, fitted to H100 timings at 128-768 tokens on Llama-2-7B and GQA
+# shapes (kernels/NOTES.md): the time of one 64-code stage by token tile, one block per SM, and the cost of each
+# share of a split tile per 256 tokens (its float32 partial written, and read back by the tile's last block).
+WS_STAGE_US = {64: 0.46, 128: 0.53, 256: 0.70}
+WS_SHARE_US = 3.0
+
+
+def ws_plan(n: int, m: int, kp: int, sms: int) -> tuple[int, int]:
+    """(token tile, split) for a ``ws`` launch: the smallest tile holding all M tokens or half of it, each split
+    as mma_split splits one block per SM, whichever WS_STAGE_US and WS_SHARE_US rate faster (small tiles win
+    where a large one would be split many ways: its partials cost more than its stages save)."""
+    nst = kp // 64
+    full = ws_tokens(m)
+    best: tuple[float, int, int] | None = None
+    for tn in (full, full // 2) if full > 64 else (full,):
+        tiles = -(-n // 128) * -(-m // tn)
+        split = max(1, min(sms // tiles, nst // 4, 16))
+        waves = -(-tiles * split // sms)
+        cost = waves * -(-nst // split) * WS_STAGE_US[tn] + (WS_SHARE_US * split * tn / 256 if split > 1 else 0.0)
+        if best is None or cost < best[0]:
+            best = (cost, tn, split)
+    assert best is not None
+    return best[1], best[2]
 
 
 def wsp_full_tiles(tiles: int, grid: int) -> int:
@@ -385,15 +428,25 @@ def wsp_full_tiles(tiles: int, grid: int) -> int:
     return tiles
 
 
+def _split_workspace(dev: int, split: int, tiles: int, rows: int, tn: int) -> tuple[int, torch.Tensor | None,
+                                                                                     torch.Tensor | None]:
+    """(split, partials, counters) for `tiles` output tiles split `split` ways; no split where the workspace
+    cannot grow (during CUDA-graph capture)."""
+    if split == 1:
+        return 1, None, None
+    bufs = split_k.workspace(dev, split * tiles * rows * tn, tiles)
+    return (1, None, None) if bufs is None else (split, *bufs)
+
+
 def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor, m: int, dev: int,
-            stages: int, kernel: str, blocks: int | None) -> None:
-    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n256_s{stages}")
-    smem = ws_smem(kernel, p.bits, stages)
+            stages: int, kernel: str, blocks: int | None, tn: int = 256, split: int = 1) -> None:
+    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n{tn}_s{stages}")
+    smem = ws_smem(kernel, p.bits, stages, tn)
     cc.allow_shared_memory(fn, smem)
-    mx = _WS_MAPS.get(x2, 128, 256, 128)
+    mx = _WS_MAPS.get(x2, 128, tn, 128)
     mq = _WS_MAPS.get(p.qweight, 8 * p.bits, 128, 8 * p.bits)
     n = p.out_features
-    tiles = -(-n // 128) * -(-m // 256)
+    tiles = -(-n // 128) * -(-m // tn)
     if kernel == "wsp":
         grid = min(tiles, blocks or cc.sm_count(dev))
         full = wsp_full_tiles(tiles, grid)
@@ -406,10 +459,11 @@ def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch
             shared_mem=smem, device=dev,
         )
         return
+    split, ws, cnt = _split_workspace(dev, split, tiles, 128, tn)
     cc.launch(
-        fn, (tiles,), (384,),
+        fn, (-(-n // 128), -(-m // tn), split), (384,),
         (mx.arg, mq.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out),
-         cc.i32(n), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64)),
+         cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64)),
         shared_mem=smem, device=dev,
     )
 
@@ -420,10 +474,12 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
-    the tuned choices (MMA_KERNELS lists the combinations). `kernel` picks ``sync`` (cp.async, a block barrier per
-    stage), ``ws`` (warp-specialized; 256-token tiles without split-K) or ``wsp`` (its persistent form); by default
-    ``wsp`` wherever the 256-token tiles cover WS_MIN_WAVE of the SMs and the output rows allow it, else ``ws``
-    there. `blocks` caps the persistent grid (tests: several tiles per block on small problems)."""
+    the tuned choices (MMA_KERNELS and WS_TILE_STAGES list the combinations). `kernel` picks ``sync`` (cp.async, a
+    block barrier per stage), ``ws`` (warp-specialized, one tile of 64-256 tokens per block, split-K) or ``wsp``
+    (persistent, 256-token tiles without split-K); by default ``wsp`` wherever the 256-token tiles cover
+    WS_MIN_WAVE of the SMs and the output rows allow it (else ``ws`` there), ``ws`` from WS_SHORT_MIN_M tokens up
+    to WS_MID_MAX_M (token tile and split by ws_plan), ``sync`` otherwise. `blocks` caps the persistent grid
+    (tests: several tiles per block on small problems)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
     reason = mma_unsupported_reason(p, dev)
@@ -431,25 +487,41 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
         raise cc.CudaUnavailableError(f"grouped_int mma: {reason}; use another path")
     if kernel not in (None, "sync", *WS_KERNELS):
         raise ValueError(f"kernel: found {kernel!r}, expected sync, ws or wsp")
-    ws_ok = (tokens in (None, 256) and rows in (None, 128) and split in (None, 1) and m > 128
-             and tma.usable(x2) and tma.usable(p.qweight))
-    if kernel in WS_KERNELS and not ws_ok:
-        raise ValueError(f"kernel {kernel}: needs 256-token tiles of 128 rows without split-K, more than 128 tokens "
-                         "and 16-byte aligned rows")
+    tma_ok = rows in (None, 128) and tma.usable(x2) and tma.usable(p.qweight)
+    long_ok = tma_ok and tokens in (None, 256) and split in (None, 1) and m > 128
+    if kernel == "wsp" and not long_ok:
+        raise ValueError("kernel wsp: needs 256-token tiles of 128 rows without split-K, more than 128 tokens and "
+                         "16-byte aligned rows")
+    if kernel == "ws" and not tma_ok:
+        raise ValueError("kernel ws: needs tiles of 128 rows and 16-byte aligned rows")
     if kernel == "wsp" and not tma.usable(out):
         raise ValueError(f"kernel wsp: found output rows of {out.stride(0)} halves at {out.data_ptr():#x}, expected "
                          "16-byte aligned rows (out_features a multiple of 8)")
-    if kernel is None and ws_ok:
-        # 256-token tiles are what mma_tokens picks here; split-K only pays while the tiles fill too few SMs
-        fill = long_tiles_fill(m, p.out_features, cc.sm_count(dev))
-        kernel = ("wsp" if tma.usable(out) else "ws") if fill else "sync"
+    if kernel is None:
+        if long_ok and long_tiles_fill(m, p.out_features, cc.sm_count(dev)):
+            kernel = "wsp" if tma.usable(out) else "ws"
+        elif tma_ok and WS_SHORT_MIN_M <= m <= WS_MID_MAX_M and tokens in (None, *WS_TILE_STAGES):
+            kernel = "ws"
+        else:
+            kernel = "sync"
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
+    nst = p.kp // 64
     if kernel in WS_KERNELS:
-        st = WS_STAGES[kernel] if stages is None else stages
-        if st not in (4, 5):
-            raise ValueError(f"stages: found {st} for kernel {kernel}, expected 4 or 5")
-        _mma_ws(x2, p, bias, out, m, dev, st, kernel, blocks)
+        tn = 256 if kernel == "wsp" else (ws_tokens(m) if tokens is None else tokens)
+        if kernel == "ws" and tokens is None and split is None:
+            tn, split = ws_plan(p.out_features, m, p.kp, cc.sm_count(dev))
+        if tn not in WS_TILE_STAGES:
+            raise ValueError(f"tokens: found {tn} for kernel ws, expected one of {tuple(WS_TILE_STAGES)}")
+        built = (4, 5) if kernel == "wsp" else WS_TILE_STAGES[tn]
+        st = (WS_STAGES[kernel] if tn == 256 else built[0]) if stages is None else stages
+        if st not in built:
+            raise ValueError(f"stages: found {st} for kernel {kernel} with tokens={tn}, expected one of {built}")
+        if split is None:
+            split = 1 if kernel == "wsp" else mma_split(p, m, tn, 128, 1, cc.sm_count(dev))
+        if not 1 <= split <= nst:
+            raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
+        _mma_ws(x2, p, bias, out, m, dev, st, kernel, blocks, tn, split)
         return out.reshape(*lead, p.out_features)
     tn = mma_tokens(m) if tokens is None else tokens
     if tn not in MMA_TOKENS:
@@ -466,21 +538,15 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     smem = _mma_smem(p.bits, tn, rows, st)
     cc.allow_shared_memory(fn, smem)
     n = p.out_features
-    nst = p.kp // 64
     if split is None and _MMA_SPLIT_OVERRIDE:
         split = _MMA_SPLIT_OVERRIDE
     if split is None:
         split = mma_split(p, m, tn, rows, cc.resident_blocks(fn, 256, smem, dev), cc.sm_count(dev))
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
+    tiles = -(-n // rows) * -(-m // tn)
+    split, ws, cnt = _split_workspace(dev, split, tiles, rows, tn)
     grid = (-(-n // rows), -(-m // tn), split)
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(dev, split * grid[0] * grid[1] * rows * tn, grid[0] * grid[1])
-        if bufs is None:
-            grid = (grid[0], grid[1], 1)
-        else:
-            ws, cnt = bufs
     cc.launch(
         fn, grid, (256,),
         (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(p.qweight), cc.i32(p.qweight.stride(0)), cc.ptr(p.meta),
@@ -562,7 +628,8 @@ def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, i
     the current CUDA device's, else an H100's 132) decides whether a long prefill's tiles fill the GPU."""
     if unsupported_reason(bits, group_size, in_features) is not None:
         return "reference"
-    if MMA_MIN_M <= m <= MMA_MAX_M and mma_eligible(dtype, group_size, in_features, hopper):
+    if (MMA_MIN_M <= m and (m <= MMA_MAX_M or (m <= WS_MID_MAX_M and out_features >= WS_MID_MIN_N))
+            and mma_eligible(dtype, group_size, in_features, hopper)):
         return "mma"
     if m >= MMA_LONG_MIN_M and in_features >= MMA_LONG_MIN_K and mma_eligible(dtype, group_size, in_features, hopper):
         if sms is None:

@@ -161,14 +161,75 @@ def test_mma_warp_specialized_equals_block_synchronous(bits, group_size, symmetr
     layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     p = _prep(layer)
     for m in (129, 300, 777):
-        y = _check(layer, m, with_bias=True, sample=64, kernel="ws")
+        y = _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=256, split=1)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
         b = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-        synced(mma(x, p, layer.bias, out=a, kernel="ws"))
+        synced(mma(x, p, layer.bias, out=a, kernel="ws", tokens=256, split=1))
         synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=256, split=1))
         assert torch.equal(a, b), f"ws and sync differ (M={m}): {int((a != b).sum())} elements"
         assert y.shape == (m, n)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("nk", ODD_SHAPES + [(4096, 4096)])
+def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size, symmetric, nk):
+    """The warp-specialized kernel at every token tile (64, 128, 256) and with split-K (shares of K added by the
+    tile's last block) against the float64 reference, bit for bit against the block-synchronous kernel at the same
+    tile and split, and with its own choice of tile and split (ws_plan); the tile counters end at zero."""
+    from qtool.cuda import split_k
+    from qtool.cuda.grouped_int import mma
+
+    n, k = nk
+    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    p = _prep(layer)
+    # tokens past M in the last tile (17, 100, 300), every share one 64-code stage (split = stages), 2-wave grids
+    for m, tn, split in ((17, 64, 3), (64, 64, 1), (100, 128, 2), (100, 64, p.kp // 64), (256, 256, 4),
+                         (300, 128, 1), (300, 256, 2)):
+        split = min(split, p.kp // 64)
+        _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=tn, split=split)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        b = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+        synced(mma(x, p, layer.bias, out=a, kernel="ws", tokens=tn, split=split))
+        synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=tn, split=split))
+        assert torch.equal(a, b), f"ws and sync differ (M={m}, tokens={tn}, split={split}): {int((a != b).sum())}"
+    for m in (65, 200, 512):
+        _check(layer, m, sample=64, kernel="ws")
+        _check(layer, m, sample=64)  # the default path for this many tokens
+    assert int(split_k.counters(torch.cuda.current_device()).abs().sum()) == 0, "tile counters not reset"
+
+
+def test_mma_warp_specialized_split_k_in_a_cuda_graph():
+    from qtool.cuda.graphs import GraphedStep
+    from qtool.cuda.grouped_int import mma, ws_plan
+
+    layer = random_layer(4096, 4096, 4, 128, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    p = _prep(layer)
+    assert ws_plan(4096, 200, p.kp, 132)[1] > 1  # this case splits K
+    step = GraphedStep(lambda x: mma(x, p, layer.bias, kernel="ws"), [torch.randn(200, 4096, device="cuda").half()])
+    for _ in range(3):
+        x = torch.randn(200, 4096, device="cuda", dtype=torch.float16)
+        y = synced(step(x))
+        assert torch.equal(y, synced(mma(x, p, layer.bias, kernel="ws")))
+        assert rel_err(y, reference64(layer, x)) < TOL
+
+
+def test_mma_warp_specialized_refuses_bad_tiles():
+    from qtool.cuda.grouped_int import mma
+
+    p = _prep(random_layer(256, 512, 4, 128, True, seed=7))
+    x = torch.randn(100, 512, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^tokens: found 32 for kernel ws, expected one of \(64, 128, 256\)$"):
+        mma(x, p, kernel="ws", tokens=32)
+    with pytest.raises(ValueError, match=r"^stages: found 5 for kernel ws with tokens=64, expected one of \(8,\)$"):
+        mma(x, p, kernel="ws", tokens=64, stages=5)
+    with pytest.raises(ValueError, match="^kernel ws: needs tiles of 128 rows"):
+        mma(x, p, kernel="ws", tokens=128, rows=256)
+    with pytest.raises(ValueError, match="^split: found 9, expected 1..8"):
+        mma(x, p, kernel="ws", split=9)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -190,7 +251,7 @@ def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, n
         _check(layer, m, with_bias=True, sample=64, kernel="wsp", blocks=3)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         ref = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-        synced(mma(x, p, layer.bias, out=ref, kernel="ws"))
+        synced(mma(x, p, layer.bias, out=ref, kernel="ws", tokens=256, split=1))
         tiles = -(-n // 128) * -(-m // 256)
         for stages in (4, 5):
             for blocks in (None, 1, 2, 3, 7, 84):
