@@ -68,7 +68,10 @@ def test_dispatch_rule():
     assert choose_path(16, torch.float16, 4, 128, 4096, 4096, hopper=True) == "gemv"
     assert choose_path(17, torch.float16, 4, 128, 4096, 4096, hopper=True) == "mma"
     assert choose_path(256, torch.float16, 8, None, 4096, 4096, hopper=True) == "mma"
-    assert choose_path(257, torch.float16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
+    # then up to WS_MID_MAX_M tokens on layers of WS_MID_MIN_N or more outputs; dequantize + cuBLAS on narrower ones
+    assert choose_path(257, torch.float16, 4, 128, 4096, 4096, hopper=True) == "mma"
+    assert choose_path(257, torch.float16, 4, 128, 4096, 1024, hopper=True) == "dequant+cublas"
+    assert choose_path(513, torch.float16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
     assert choose_path(64, torch.bfloat16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
     assert choose_path(64, torch.float16, 8, 16, 4096, 4096, hopper=True) == "dequant+cublas"  # groups below 32
     for n, nt, kp in [(4096, 1, 4096), (11008, 2, 4096), (17, 8, 128), (4096, 8, 11008)]:
