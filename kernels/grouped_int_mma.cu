@@ -595,7 +595,9 @@ __device__ __forceinline__ void gi_ws_copies(const TmaMap* mx, const TmaMap* mx6
 }
 
 // One block per (128-row, TN-token) tile and share z of its K stages (gridDim.z shares; split-K as in mma_body).
-template <int BITS, int ST, int TN>
+// MINB blocks per SM: at 2 the math warps get 96 registers (the copy warpgroup gives back all but 40 of the 80
+// each thread starts with), enough for a 64-token tile.
+template <int BITS, int ST, int TN, int MINB>
 __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, const u32* __restrict__ meta, int G,
                                            int gshift, const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
                                            float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
@@ -619,7 +621,7 @@ __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, c
         }
         return;
     }
-    regs_increase<232>();
+    regs_increase<MINB == 2 ? 96 : 232>();
     const int ctid = tid - 128, warp = (ctid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int r0 = 64 * (ctid >> 7) + 16 * warp + g, f0 = n0 + r0;
     float acc[1][TN / 2];
@@ -636,17 +638,20 @@ __device__ __forceinline__ void gi_ws_body(const TmaMap* mx, const TmaMap* mq, c
     store_out<TN, 1, 1>(acc, m0, n0, M, N, r0, t, ctid, smem_raw, base, bias, out, ldc);
 }
 
-#define GI_WS_ENTRY(BITS, TN, ST)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) grouped_int_ws_b##BITS##_n##TN##_s##ST(                  \
+#define GI_WS_ENTRY(BITS, TN, ST, MINB, SUFFIX)                                                                   \
+    extern "C" __global__ void __launch_bounds__(384, MINB) grouped_int_ws_b##BITS##_n##TN##_s##ST##SUFFIX(      \
         const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mq, const u32* meta, int G, int gshift, \
         const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                         \
-        gi_ws_body<BITS, ST, TN>(&mx, &mq, meta, G, gshift, bias, out, ldc, ws, cnt, M, N, nst);                  \
+        gi_ws_body<BITS, ST, TN, MINB>(&mx, &mq, meta, G, gshift, bias, out, ldc, ws, cnt, M, N, nst);            \
     }
-#define GI_WS_ENTRIES(TN, ST) GI_WS_ENTRY(4, TN, ST) GI_WS_ENTRY(8, TN, ST)
+#define GI_WS_ENTRIES(TN, ST) GI_WS_ENTRY(4, TN, ST, 1, ) GI_WS_ENTRY(8, TN, ST, 1, )
 GI_WS_ENTRIES(256, 5)
 GI_WS_ENTRIES(256, 4)
 GI_WS_ENTRIES(128, 6)
 GI_WS_ENTRIES(64, 8)
+// two blocks per SM (ring of 6: 97 KB of shared memory each)
+GI_WS_ENTRY(4, 64, 6, 2, _x2)
+GI_WS_ENTRY(8, 64, 6, 2, _x2)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Persistent form (`grouped_int_wsp_*`): one block per multiprocessor walks the work items (item, item + grid,

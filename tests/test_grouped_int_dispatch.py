@@ -31,18 +31,22 @@ def test_batches_up_to_512_on_wide_layers_take_the_wgmma_kernel():
 
 
 def test_warp_specialized_tiles_follow_the_measured_best():
-    # (token tile, split) that the H100 timings in kernels/NOTES.md found fastest, 132 SMs
-    assert ws_plan(4096, 128, 4096, 132) == (128, 4)
-    assert ws_plan(4096, 256, 4096, 132) == (128, 2)  # a 256-token tile would be split 4 ways
-    assert ws_plan(11008, 256, 4096, 132) == (256, 1)  # 86 tiles: one wave, no split
-    assert ws_plan(4096, 256, 11008, 132) == (256, 4)  # long rows: the larger tile's stages pay for its partials
-    assert ws_plan(1024, 128, 4096, 132) == (64, 8)  # 8 row tiles: small token tiles, fewer shares
-    assert ws_plan(4096, 65, 4096, 132) == (128, 4)
-    for n, m, kp in ((4096, 100, 4096), (1024, 512, 4096), (200, 300, 256), (11008, 512, 11008)):
-        tn, split = ws_plan(n, m, kp, 132)
-        assert tn in (64, 128, 256) and tn >= m // 4
+    # (token tile, split, blocks per SM) that the H100/H200 timings in kernels/NOTES.md found fastest, 132 SMs
+    assert ws_plan(4096, 128, 4096, 132) == (128, 4, 1)
+    assert ws_plan(4096, 256, 4096, 132) == (128, 2, 1)  # a 256-token tile would be split 4 ways
+    assert ws_plan(11008, 256, 4096, 132) == (256, 1, 1)  # 86 tiles: one wave, no split
+    assert ws_plan(4096, 256, 11008, 132) == (256, 4, 1)  # long rows: the larger tile's stages pay for its partials
+    assert ws_plan(1024, 128, 4096, 132) == (64, 8, 1)  # 8 row tiles: small token tiles, fewer shares
+    assert ws_plan(4096, 65, 4096, 132) == (128, 4, 1)
+    assert ws_plan(4096, 64, 4096, 132) == (64, 4, 1)
+    assert ws_plan(11008, 64, 4096, 132) == (64, 3, 2)  # 86 tiles: two blocks per SM fill the GPU 3 ways split
+    assert ws_plan(22016, 32, 4096, 132) == (64, 1, 2)  # 172 tiles: one wave of two blocks per SM
+    for n, m, kp in ((4096, 100, 4096), (1024, 512, 4096), (200, 300, 256), (11008, 512, 11008), (12288, 20, 4096)):
+        tn, split, per_sm = ws_plan(n, m, kp, 132)
+        assert tn in (64, 128, 256) and tn >= m // 4 and per_sm in (1, 2) and (per_sm == 1 or tn == 64)
         assert kp // 64 // split >= 4 or split == 1
-        assert split == 1 or -(-n // 128) * -(-m // tn) * split <= 132  # a split grid stays in one wave
+        # a split grid stays in one wave
+        assert split == 1 or -(-n // 128) * -(-m // tn) * split <= per_sm * 132
 
 
 def test_long_prefills_take_the_wgmma_kernel():

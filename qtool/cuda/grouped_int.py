@@ -70,6 +70,10 @@ MMA_LONG_MIN_M = cc.env_int("QTOOL_MMA_LONG_MIN_M", 1024)
 WS_SHORT_MIN_M = cc.env_int("QTOOL_WS_SHORT_MIN_M", 65)
 WS_MID_MAX_M = cc.env_int("QTOOL_WS_MID_MAX_M", 512)
 WS_MID_MIN_N = 4096
+# Layers of at least WS_WIDE_MIN_N outputs take ``ws`` from MMA_MIN_M tokens: on an H200 at 32 and 64 tokens it beat
+# ``sync`` by 3-25% at 4096x11008, 4096x12288 (fused q/k/v) and 4096x22016 (fused gate/up), and lost by 1-20% on
+# 4096 and 1024 outputs at 32 tokens (kernels/NOTES.md).
+WS_WIDE_MIN_N = cc.env_int("QTOOL_WS_WIDE_MIN_N", 8192)
 _SUPPORTED_BITS = (4, 8)
 
 
@@ -370,8 +374,10 @@ def mma_split(p: Prepared, m: int, tn: int, rows: int, blocks_per_sm: int, sms: 
 # the copy engine) and needs a 16-byte-aligned output row.
 WS_STAGES = {"ws": 5, "wsp": 4}  # ring depth by default at 256 tokens; 4 and 5 are built for both
 WS_KERNELS = ("ws", "wsp")
-# ``ws`` token tiles -> the ring depths the source instantiates, the default first (smaller tiles, deeper rings)
+# ``ws`` token tiles -> the ring depths the source instantiates, the default first (smaller tiles, deeper rings);
+# 64-token tiles two blocks per SM have rings of WS_X2_STAGES
 WS_TILE_STAGES = {64: (8,), 128: (6,), 256: (5, 4)}
+WS_X2_STAGES = (6,)
 # The warp-specialized kernels (no split-K) run by default once the 256-token tiles fill this share of the
 # multiprocessors: 128 tiles on 132 (M = 1024, N = 4096) ran 0.92-0.98x cuBLAS FP16 persistent on an H100.
 WS_MIN_WAVE = 0.75
@@ -396,26 +402,32 @@ def ws_tokens(m: int) -> int:
 # A cost model for picking the ``ws`` token tile, fitted to H100 timings at 128-768 tokens on Llama-2-7B and GQA
 # shapes (kernels/NOTES.md): the time of one 64-code stage by token tile, one block per SM, and the cost of each
 # share of a split tile per 256 tokens (its float32 partial written, and read back by the tile's last block).
+# 64-token tiles also run two blocks per SM (`_x2` entries): each block's stage then took 0.79 us (H200, 172 blocks
+# of 64 stages at 4096x22016 and 4096x11008), more stages per SM and us than one block alone.
 WS_STAGE_US = {64: 0.46, 128: 0.53, 256: 0.70}
+WS_STAGE_US_X2 = 0.79
 WS_SHARE_US = 3.0
 
 
-def ws_plan(n: int, m: int, kp: int, sms: int) -> tuple[int, int]:
-    """(token tile, split) for a ``ws`` launch: the smallest tile holding all M tokens or half of it, each split
-    as mma_split splits one block per SM, whichever WS_STAGE_US and WS_SHARE_US rate faster (small tiles win
-    where a large one would be split many ways: its partials cost more than its stages save)."""
+def ws_plan(n: int, m: int, kp: int, sms: int) -> tuple[int, int, int]:
+    """(token tile, split, blocks per SM) for a ``ws`` launch: the smallest tile holding all M tokens or half of
+    it (64-token tiles one or two blocks per SM), each split as mma_split splits, whichever WS_STAGE_US and
+    WS_SHARE_US rate faster (small tiles win where a large one would be split many ways: its partials cost more
+    than its stages save)."""
     nst = kp // 64
     full = ws_tokens(m)
-    best: tuple[float, int, int] | None = None
+    best: tuple[float, int, int, int] | None = None
     for tn in (full, full // 2) if full > 64 else (full,):
-        tiles = -(-n // 128) * -(-m // tn)
-        split = max(1, min(sms // tiles, nst // 4, 16))
-        waves = -(-tiles * split // sms)
-        cost = waves * -(-nst // split) * WS_STAGE_US[tn] + (WS_SHARE_US * split * tn / 256 if split > 1 else 0.0)
-        if best is None or cost < best[0]:
-            best = (cost, tn, split)
+        for per_sm in (1, 2) if tn == 64 else (1,):
+            tiles = -(-n // 128) * -(-m // tn)
+            split = max(1, min(per_sm * sms // tiles, nst // 4, 16))
+            waves = -(-tiles * split // (per_sm * sms))
+            stage = WS_STAGE_US_X2 if per_sm == 2 else WS_STAGE_US[tn]
+            cost = waves * -(-nst // split) * stage + (WS_SHARE_US * split * tn / 256 if split > 1 else 0.0)
+            if best is None or cost < best[0]:
+                best = (cost, tn, split, per_sm)
     assert best is not None
-    return best[1], best[2]
+    return best[1], best[2], best[3]
 
 
 def wsp_full_tiles(tiles: int, grid: int) -> int:
@@ -439,8 +451,9 @@ def _split_workspace(dev: int, split: int, tiles: int, rows: int, tn: int) -> tu
 
 
 def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor, m: int, dev: int,
-            stages: int, kernel: str, blocks: int | None, tn: int = 256, split: int = 1) -> None:
-    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n{tn}_s{stages}")
+            stages: int, kernel: str, blocks: int | None, tn: int = 256, split: int = 1, per_sm: int = 1) -> None:
+    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n{tn}_s{stages}"
+                                                   + ("_x2" if per_sm == 2 else ""))
     smem = ws_smem(kernel, p.bits, stages, tn)
     cc.allow_shared_memory(fn, smem)
     mx = _WS_MAPS.get(x2, 128, tn, 128)
@@ -470,7 +483,8 @@ def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch
 
 def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
         tokens: int | None = None, rows: int | None = None, split: int | None = None,
-        stages: int | None = None, kernel: str | None = None, blocks: int | None = None) -> torch.Tensor:
+        stages: int | None = None, kernel: str | None = None, blocks: int | None = None,
+        per_sm: int = 1) -> torch.Tensor:
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
@@ -478,8 +492,10 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     block barrier per stage), ``ws`` (warp-specialized, one tile of 64-256 tokens per block, split-K) or ``wsp``
     (persistent, 256-token tiles without split-K); by default ``wsp`` wherever the 256-token tiles cover
     WS_MIN_WAVE of the SMs and the output rows allow it (else ``ws`` there), ``ws`` from WS_SHORT_MIN_M tokens up
-    to WS_MID_MAX_M (token tile and split by ws_plan), ``sync`` otherwise. `blocks` caps the persistent grid
-    (tests: several tiles per block on small problems)."""
+    to WS_MID_MAX_M, and from MMA_MIN_M on layers of at least WS_WIDE_MIN_N outputs (token tile, split and blocks
+    per SM by ws_plan), ``sync`` otherwise. `blocks` caps the persistent grid (tests: several tiles per block on
+    small problems); `per_sm` 2 runs ``ws`` 64-token tiles two blocks per SM (the default: ws_plan's choice where it
+    picks the tile and split, else 1)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
     reason = mma_unsupported_reason(p, dev)
@@ -500,28 +516,34 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     if kernel is None:
         if long_ok and long_tiles_fill(m, p.out_features, cc.sm_count(dev)):
             kernel = "wsp" if tma.usable(out) else "ws"
-        elif tma_ok and WS_SHORT_MIN_M <= m <= WS_MID_MAX_M and tokens in (None, *WS_TILE_STAGES):
+        elif (tma_ok and (WS_SHORT_MIN_M <= m or p.out_features >= WS_WIDE_MIN_N) and m <= WS_MID_MAX_M
+              and tokens in (None, *WS_TILE_STAGES)):
             kernel = "ws"
         else:
             kernel = "sync"
+    if per_sm != 1 and kernel != "ws":
+        raise ValueError(f"per_sm: found {per_sm} for kernel {kernel}, expected 1 (only ws runs two blocks per SM)")
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
     nst = p.kp // 64
     if kernel in WS_KERNELS:
         tn = 256 if kernel == "wsp" else (ws_tokens(m) if tokens is None else tokens)
         if kernel == "ws" and tokens is None and split is None:
-            tn, split = ws_plan(p.out_features, m, p.kp, cc.sm_count(dev))
+            tn, split, per_sm = ws_plan(p.out_features, m, p.kp, cc.sm_count(dev))
         if tn not in WS_TILE_STAGES:
             raise ValueError(f"tokens: found {tn} for kernel ws, expected one of {tuple(WS_TILE_STAGES)}")
-        built = (4, 5) if kernel == "wsp" else WS_TILE_STAGES[tn]
+        if per_sm not in (1, 2) or (per_sm == 2 and (kernel != "ws" or tn != 64)):
+            raise ValueError(f"per_sm: found {per_sm} for kernel {kernel} with tokens={tn}, expected 1, or 2 for "
+                             "kernel ws with tokens=64")
+        built = (4, 5) if kernel == "wsp" else WS_X2_STAGES if per_sm == 2 else WS_TILE_STAGES[tn]
         st = (WS_STAGES[kernel] if tn == 256 else built[0]) if stages is None else stages
         if st not in built:
             raise ValueError(f"stages: found {st} for kernel {kernel} with tokens={tn}, expected one of {built}")
         if split is None:
-            split = 1 if kernel == "wsp" else mma_split(p, m, tn, 128, 1, cc.sm_count(dev))
+            split = 1 if kernel == "wsp" else mma_split(p, m, tn, 128, per_sm, cc.sm_count(dev))
         if not 1 <= split <= nst:
             raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
-        _mma_ws(x2, p, bias, out, m, dev, st, kernel, blocks, tn, split)
+        _mma_ws(x2, p, bias, out, m, dev, st, kernel, blocks, tn, split, per_sm)
         return out.reshape(*lead, p.out_features)
     tn = mma_tokens(m) if tokens is None else tokens
     if tn not in MMA_TOKENS:

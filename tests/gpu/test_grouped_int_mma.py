@@ -185,17 +185,20 @@ def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size,
     n, k = nk
     layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     p = _prep(layer)
-    # tokens past M in the last tile (17, 100, 300), every share one 64-code stage (split = stages), 2-wave grids
-    for m, tn, split in ((17, 64, 3), (64, 64, 1), (100, 128, 2), (100, 64, p.kp // 64), (256, 256, 4),
-                         (300, 128, 1), (300, 256, 2)):
+    # tokens past M in the last tile (17, 100, 300), every share one 64-code stage (split = stages), 2-wave grids,
+    # 64-token tiles two blocks per SM
+    for m, tn, split, per_sm in ((17, 64, 3, 1), (64, 64, 1, 1), (100, 128, 2, 1), (100, 64, p.kp // 64, 1),
+                                 (256, 256, 4, 1), (300, 128, 1, 1), (300, 256, 2, 1), (20, 64, 3, 2),
+                                 (64, 64, 1, 2), (130, 64, p.kp // 64, 2)):
         split = min(split, p.kp // 64)
-        _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=tn, split=split)
+        _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=tn, split=split, per_sm=per_sm)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
         b = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-        synced(mma(x, p, layer.bias, out=a, kernel="ws", tokens=tn, split=split))
+        synced(mma(x, p, layer.bias, out=a, kernel="ws", tokens=tn, split=split, per_sm=per_sm))
         synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=tn, split=split))
-        assert torch.equal(a, b), f"ws and sync differ (M={m}, tokens={tn}, split={split}): {int((a != b).sum())}"
+        assert torch.equal(a, b), (f"ws and sync differ (M={m}, tokens={tn}, split={split}, per_sm={per_sm}): "
+                                   f"{int((a != b).sum())}")
     for m in (65, 200, 512):
         _check(layer, m, sample=64, kernel="ws")
         _check(layer, m, sample=64)  # the default path for this many tokens
@@ -230,6 +233,10 @@ def test_mma_warp_specialized_refuses_bad_tiles():
         mma(x, p, kernel="ws", tokens=128, rows=256)
     with pytest.raises(ValueError, match="^split: found 9, expected 1..8"):
         mma(x, p, kernel="ws", split=9)
+    with pytest.raises(ValueError, match="^per_sm: found 2 for kernel ws with tokens=128, expected 1, or 2 for"):
+        mma(x, p, kernel="ws", tokens=128, per_sm=2)
+    with pytest.raises(ValueError, match="^per_sm: found 2 for kernel sync, expected 1"):
+        mma(x, p, kernel="sync", per_sm=2)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
