@@ -484,7 +484,7 @@ def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch
 def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
         tokens: int | None = None, rows: int | None = None, split: int | None = None,
         stages: int | None = None, kernel: str | None = None, blocks: int | None = None,
-        per_sm: int = 1) -> torch.Tensor:
+        per_sm: int | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
@@ -494,7 +494,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     WS_MIN_WAVE of the SMs and the output rows allow it (else ``ws`` there), ``ws`` from WS_SHORT_MIN_M tokens up
     to WS_MID_MAX_M, and from MMA_MIN_M on layers of at least WS_WIDE_MIN_N outputs (token tile, split and blocks
     per SM by ws_plan), ``sync`` otherwise. `blocks` caps the persistent grid (tests: several tiles per block on
-    small problems); `per_sm` 2 runs ``ws`` 64-token tiles two blocks per SM (the default: ws_plan's choice where it
+    small problems); `per_sm` 2 runs ``ws`` 64-token tiles two blocks per SM (by default ws_plan's choice where it
     picks the tile and split, else 1)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 1 << 31)
@@ -521,7 +521,7 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
             kernel = "ws"
         else:
             kernel = "sync"
-    if per_sm != 1 and kernel != "ws":
+    if per_sm not in (None, 1) and kernel != "ws":
         raise ValueError(f"per_sm: found {per_sm} for kernel {kernel}, expected 1 (only ws runs two blocks per SM)")
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
@@ -529,7 +529,9 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     if kernel in WS_KERNELS:
         tn = 256 if kernel == "wsp" else (ws_tokens(m) if tokens is None else tokens)
         if kernel == "ws" and tokens is None and split is None:
-            tn, split, per_sm = ws_plan(p.out_features, m, p.kp, cc.sm_count(dev))
+            tn, split, planned = ws_plan(p.out_features, m, p.kp, cc.sm_count(dev))
+            per_sm = planned if per_sm is None else per_sm
+        per_sm = 1 if per_sm is None else per_sm
         if tn not in WS_TILE_STAGES:
             raise ValueError(f"tokens: found {tn} for kernel ws, expected one of {tuple(WS_TILE_STAGES)}")
         if per_sm not in (1, 2) or (per_sm == 2 and (kernel != "ws" or tn != 64)):
