@@ -20,7 +20,7 @@ from qtool.models.loading import config_dtype, load_config, load_model
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
 from qtool.runtime.layouts import module_for
-from qtool.stages.base import QuantizerStage
+from qtool.stages.base import BlockContext, QuantizerStage
 
 
 @dataclass
@@ -33,6 +33,9 @@ class QuantizedModel:
     calibration: dict | None
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
+    # What the transforms did (per stage, per block) and the run-time schemes of the whole model they set.
+    transforms: list[dict] = field(default_factory=list)
+    model_schemes: dict = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,15 +59,15 @@ def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[st
     for i in range(len(adapter.blocks(model))):
         for rel in adapter.linear_names():
             full = f"{adapter.block_prefix(i)}.{rel}"
-            claims = [s.stage for s in recipe.stages if s.stage.targets.matches(full)]
+            claims = [q for q in recipe.quantizers() if q.targets.matches(full)]
             if len(claims) > 1:
                 raise RecipeError(f"{recipe.path}:stages: {full} is targeted by {claims[0].label} and "
                                   f"{claims[1].label}; expected each linear in one quantizer's targets")
             if claims:
                 assignment[full] = claims[0]
-    for s in recipe.stages:
-        if s.stage not in assignment.values():
-            raise RecipeError(f"{recipe.path}:stages[{s.stage.index}].targets: matches no linear of the model; "
+    for q in recipe.quantizers():
+        if q not in assignment.values():
+            raise RecipeError(f"{recipe.path}:stages[{q.index}].targets: matches no linear of the model; "
                               f"expected patterns over names such as {adapter.block_prefix(0)}.{adapter.linear_names()[0]}")
     return assignment
 
@@ -72,10 +75,19 @@ def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[st
 def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
-    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(load_config(recipe.model)))
+    config = load_config(recipe.model)
+    for spec in recipe.stages:
+        spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(config))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)
     assignment = assign_stages(model, adapter, recipe)
+    transforms = recipe.transforms()
+    records: list[dict] = []
+    for t in transforms:
+        info = t.apply_model(model, adapter)
+        if info:
+            records.append({"stage": t.name, **info})
     blocks = adapter.blocks(model)
     timings = {"load_s": time.perf_counter() - t0}
 
@@ -92,7 +104,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     calibration_info = None
     inputs: list[torch.Tensor] = []
     kwargs: dict = {}
-    if any(wants_pass(s) for s in assignment.values()):
+    if any(wants_pass(s) for s in assignment.values()) or any(t.needs_calibration() for t in transforms):
         cal = recipe.calibration
         t = time.perf_counter()
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config)
@@ -107,10 +119,18 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     t = time.perf_counter()
     last_needing = max((i for i in range(len(blocks)) for rel in adapter.linear_names()
                         if (s := assignment.get(f"{adapter.block_prefix(i)}.{rel}")) and wants_pass(s)), default=-1)
+    if any(t.needs_calibration() for t in transforms):
+        last_needing = len(blocks) - 1
     for i in reporter.track(range(len(blocks)), total=len(blocks), description="quantizing blocks"):
         block = blocks[i].to(device)
         prefix = adapter.block_prefix(i)
         mine = {rel: assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names() if f"{prefix}.{rel}" in assignment}
+        if transforms:
+            ctx = BlockContext(block, i, prefix, adapter, model.config, inputs, kwargs, mine)
+            for t in transforms:
+                info = t.apply_block(ctx)
+                if info:
+                    records.append({"stage": t.name, "block": i, **info})
         sequential = any(s.sequential() for s in mine.values())
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
@@ -140,7 +160,11 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         setattr(parent, child, module_for(layout, bias))
     timings["total_s"] = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak)
+    schemes: dict = {}
+    for t in transforms:
+        schemes.update(t.model_scheme() or {})
+    return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak,
+                          records, schemes)
 
 
 def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,

@@ -59,9 +59,11 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
         "calibration": qm.calibration,
         "seed": recipe.calibration.seed if recipe.calibration else None,
         "stages": [s.stage.name for s in recipe.stages],
+        "transforms": qm.transforms,
         "eval": ev_result,
     }
-    write_checkpoint(out, tensors=tensors, config=config, layers=layers, tokenizer=qm.tokenizer,
+    write_checkpoint(out, tensors=tensors, config=config, layers=layers, model_schemes=qm.model_schemes,
+                     tokenizer=qm.tokenizer,
                      recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
                      max_shard_bytes=recipe.max_shard_bytes(), overwrite=overwrite)
     reporter.log(f"wrote {out}")

@@ -19,7 +19,7 @@ from qtool.errors import RecipeError
 from qtool.models.loading import is_hub_id
 from qtool.options import option, parse_options
 from qtool.stages import STAGES
-from qtool.stages.base import QuantizerStage, Targets
+from qtool.stages.base import QuantizerStage, Targets, TransformStage
 
 _TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
@@ -60,7 +60,7 @@ class Settings:
 
 @dataclass
 class StageSpec:
-    stage: QuantizerStage
+    stage: QuantizerStage | TransformStage
     raw: dict
 
 
@@ -77,6 +77,12 @@ class Recipe:
 
     def needs_calibration(self) -> bool:
         return any(s.stage.needs_calibration() for s in self.stages)
+
+    def quantizers(self) -> list[QuantizerStage]:
+        return [s.stage for s in self.stages if isinstance(s.stage, QuantizerStage)]
+
+    def transforms(self) -> list[TransformStage]:
+        return [s.stage for s in self.stages if isinstance(s.stage, TransformStage)]
 
     def max_shard_bytes(self) -> int:
         return parse_size(self.settings.max_shard_size)
@@ -148,6 +154,15 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
     if not isinstance(stages_raw, list) or not stages_raw:
         raise RecipeError(f"{label}:stages: found {stages_raw!r}, expected a non-empty list of stages")
     stages = [_parse_stage(s, i, label) for i, s in enumerate(stages_raw)]
+    # Transforms rewrite the float model that the quantizers then see; one after a quantizer would have to
+    # undo the packed layers.
+    seen_quantizer = None
+    for spec in stages:
+        if isinstance(spec.stage, QuantizerStage):
+            seen_quantizer = seen_quantizer or spec.stage
+        elif seen_quantizer is not None:
+            raise RecipeError(f"{label}:stages[{spec.stage.index}]: transform {spec.stage.name!r} comes after "
+                              f"quantizer {seen_quantizer.label}; expected every transform before the quantizers")
 
     cal_raw = raw.get("calibration")
     cal_over = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("calibration.")}

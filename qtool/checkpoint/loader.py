@@ -16,6 +16,7 @@ from qtool.checkpoint.writer import INDEX_NAME, WEIGHTS_NAME
 from qtool.errors import CheckpointError
 from qtool.models.loading import check_architecture
 from qtool.runtime.layouts import LAYOUTS
+from qtool.runtime.schemes import apply_model_schemes
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -129,6 +130,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.device.type == "meta":
             raise CheckpointError(f"tensor {name}: missing from {path}")
+    apply_model_schemes(model, qcfg, str(path / "config.json"))
     model.eval()
     return model.to(device)
 

@@ -62,6 +62,7 @@ def write_checkpoint(
     tensors: dict[str, torch.Tensor],
     config: dict,
     layers: dict[str, dict],
+    model_schemes: dict | None = None,
     tokenizer,
     recipe_as_run: dict | None,
     manifest_extra: dict,
@@ -92,7 +93,7 @@ def write_checkpoint(
 
         config = dict(config)
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
-                                         "layers": layers}
+                                         **(model_schemes or {}), "layers": layers}
         (tmp / "config.json").write_text(dumps(config))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

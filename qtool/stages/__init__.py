@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from qtool.stages.base import QuantizerStage
+from qtool.stages.base import QuantizerStage, TransformStage
 
-STAGES: dict[str, type[QuantizerStage]] = {}
+STAGES: dict[str, type[QuantizerStage] | type[TransformStage]] = {}
 
 
-def register(cls: type[QuantizerStage]) -> type[QuantizerStage]:
+def register(cls):
     STAGES[cls.name] = cls
     return cls
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
@@ -70,12 +71,97 @@ class QuantizerStage(ABC):
     def needs_hessian(self) -> bool:
         return False
 
+    def check_config(self, config, where: str) -> None:
+        """Refuse a model this quantizer cannot handle, from its config alone (before any weight is loaded);
+        raise RecipeError naming `where`."""
+        return None
+
     def sequential(self) -> bool:
         """Whether a block's linears must see the outputs of the already-quantized linears before them."""
         return True
 
     @abstractmethod
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult: ...
+
+
+class BlockContext:
+    """What a transform sees of one decoder block in the block-wise pipeline: the block (on the compute device),
+    its calibration inputs and keyword arguments, and the quantizer stage claiming each of its linears."""
+
+    def __init__(self, block: nn.Module, index: int, prefix: str, adapter, config, inputs: list[torch.Tensor],
+                 kwargs: dict, quantizers: dict[str, QuantizerStage]) -> None:
+        self.block = block
+        self.index = index
+        self.prefix = prefix
+        self.adapter = adapter
+        self.config = config
+        self.inputs = inputs
+        self.kwargs = kwargs
+        self.quantizers = quantizers  # relative linear name -> stage
+
+    def capture(self, names: list[str], outputs: bool = False) -> dict[str, list[torch.Tensor]]:
+        """The inputs (or outputs) of the named submodules over all calibration samples, flattened to
+        [tokens, features] per sample. One forward of the block per sample."""
+        got: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+        def make_hook(n: str):
+            def hook(module, args, output):
+                t = output if outputs else args[0]
+                t = t[0] if isinstance(t, tuple) else t
+                got[n].append(t.detach().reshape(-1, t.shape[-1]).float())
+
+            return hook
+
+        handles = [self.block.get_submodule(n).register_forward_hook(make_hook(n)) for n in names]
+        try:
+            with torch.no_grad():
+                for x in self.inputs:
+                    self.block(x, **self.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        return got
+
+
+class TransformStage(ABC):
+    """Rewrites the float model without changing what it computes (up to float error), before the quantizers see
+    it: `apply_model` once on the whole model (weights only), then `apply_block` on each decoder block with its
+    calibration inputs, in recipe order, before that block's linears are quantized."""
+
+    name: ClassVar[str]
+    options_cls: ClassVar[type]
+    help: ClassVar[str]
+
+    def __init__(self, options, targets: Targets, index: int) -> None:
+        self.options = options
+        self.targets = targets
+        self.index = index
+
+    @property
+    def label(self) -> str:
+        return f"stages[{self.index}] ({self.name})"
+
+    def needs_calibration(self) -> bool:
+        """Whether `apply_block` needs the block's calibration inputs."""
+        return False
+
+    def check_config(self, config, where: str) -> None:
+        """Refuse a model this transform cannot handle, from its config alone (before any weight is loaded);
+        raise RecipeError naming `where`."""
+        return None
+
+    def apply_model(self, model: nn.Module, adapter) -> dict | None:
+        """Transform the whole model before the block loop; return what to record in the manifest."""
+        return None
+
+    def apply_block(self, ctx: BlockContext) -> dict | None:
+        """Transform one block with its calibration inputs; return what to record in the manifest."""
+        return None
+
+    def model_scheme(self) -> dict | None:
+        """A run-time scheme of the whole model this stage sets (e.g. the KV cache), stored in the checkpoint's
+        quantization_config under the returned mapping's keys."""
+        return None
 
 
 class HessianStage(QuantizerStage):

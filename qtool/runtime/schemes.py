@@ -1,0 +1,25 @@
+"""Run-time schemes of a whole model (not of one linear), stored beside `layers` in the checkpoint's
+quantization_config: the KV cache's. The loader and the pipeline install them through `apply_model_schemes`, so
+a key the runtime does not know is refused rather than silently ignored."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qtool.errors import CheckpointError
+
+# Keys of quantization_config that are not model schemes.
+RESERVED = ("quant_method", "format_version", "layers")
+
+
+def apply_model_schemes(model: nn.Module, qcfg: dict, where: str) -> None:
+    for key, value in qcfg.items():
+        if key in RESERVED:
+            continue
+        if key == "kv_cache":
+            from qtool.runtime.kv_cache import install_kv_cache  # noqa: PLC0415
+
+            install_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
+        else:
+            raise CheckpointError(f"{where}: quantization_config.{key} is not a scheme this qtool knows; expected "
+                                  f"one of {', '.join(RESERVED)}, kv_cache")
