@@ -84,10 +84,10 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     assignment = assign_stages(model, adapter, recipe)
     transforms = recipe.transforms()
     records: list[dict] = []
-    for t in transforms:
-        info = t.apply_model(model, adapter)
+    for tr in transforms:
+        info = tr.apply_model(model, adapter)
         if info:
-            records.append({"stage": t.name, **info})
+            records.append({"stage": tr.name, **info})
     blocks = adapter.blocks(model)
     timings = {"load_s": time.perf_counter() - t0}
 
@@ -104,7 +104,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     calibration_info = None
     inputs: list[torch.Tensor] = []
     kwargs: dict = {}
-    if any(wants_pass(s) for s in assignment.values()) or any(t.needs_calibration() for t in transforms):
+    if any(wants_pass(s) for s in assignment.values()) or any(tr.needs_calibration() for tr in transforms):
         cal = recipe.calibration
         t = time.perf_counter()
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config)
@@ -119,7 +119,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     t = time.perf_counter()
     last_needing = max((i for i in range(len(blocks)) for rel in adapter.linear_names()
                         if (s := assignment.get(f"{adapter.block_prefix(i)}.{rel}")) and wants_pass(s)), default=-1)
-    if any(t.needs_calibration() for t in transforms):
+    if any(tr.needs_calibration() for tr in transforms):
         last_needing = len(blocks) - 1
     for i in reporter.track(range(len(blocks)), total=len(blocks), description="quantizing blocks"):
         block = blocks[i].to(device)
@@ -127,10 +127,10 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         mine = {rel: assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names() if f"{prefix}.{rel}" in assignment}
         if transforms:
             ctx = BlockContext(block, i, prefix, adapter, model.config, inputs, kwargs, mine)
-            for t in transforms:
-                info = t.apply_block(ctx)
+            for tr in transforms:
+                info = tr.apply_block(ctx)
                 if info:
-                    records.append({"stage": t.name, "block": i, **info})
+                    records.append({"stage": tr.name, "block": i, **info})
         sequential = any(s.sequential() for s in mine.values())
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
@@ -161,8 +161,8 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     timings["total_s"] = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     schemes: dict = {}
-    for t in transforms:
-        schemes.update(t.model_scheme() or {})
+    for tr in transforms:
+        schemes.update(tr.model_scheme() or {})
     return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak,
                           records, schemes)
 

@@ -53,8 +53,9 @@ class EvalSpec:
 @dataclass
 class Settings:
     device: str = option("auto", help="compute device for the block-wise pipeline: auto, cpu, cuda, cuda:N")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
-        "auto", help="activation dtype in the pipeline; auto is float32 on CPU and the model's dtype on CUDA")
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = option(
+        "auto", help="activation dtype in the pipeline; auto is float32 on CPU and the model's dtype on CUDA "
+                     "(float64 for exactness checks)")
     max_shard_size: str = option("5GB", help="largest safetensors file before the checkpoint is sharded")
 
 

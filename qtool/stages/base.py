@@ -16,6 +16,7 @@ from qtool.options import option
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.packing.quik import QuikWeight
 from qtool.quant.grid import GridSpec
+from qtool.quant.rtn import rtn_quantize
 
 
 @dataclass
@@ -79,6 +80,20 @@ class QuantizerStage(ABC):
     def sequential(self) -> bool:
         """Whether a block's linears must see the outputs of the already-quantized linears before them."""
         return True
+
+    def preview(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [N, K] as round-to-nearest under this stage's scheme leaves it (float32): what transforms that
+        search their parameters (smoothing strength) measure the quantization error with."""
+        spec = getattr(self.options, "grid_spec", None)
+        if spec is None:
+            return weight
+        codes, scales, zeros = rtn_quantize(weight.float(), spec())
+        return GroupedIntWeight.from_codes(codes, scales, zeros, spec()).dequantize(torch.float32).to(weight.device)
+
+    def preview_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The input rows [T, K] as this stage's run-time activation quantization leaves them (identity for
+        weight-only schemes)."""
+        return x
 
     @abstractmethod
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult: ...
