@@ -127,10 +127,10 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         mine = {rel: assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names() if f"{prefix}.{rel}" in assignment}
         if transforms:
             ctx = BlockContext(block, i, prefix, adapter, model.config, inputs, kwargs, mine)
-            for t in transforms:
-                info = t.apply_block(ctx)
+            for tr in transforms:
+                info = tr.apply_block(ctx)
                 if info:
-                    records.append({"stage": t.name, "block": i, **info})
+                    records.append({"stage": tr.name, "block": i, **info})
         sequential = any(s.sequential() for s in mine.values())
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
