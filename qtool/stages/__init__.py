@@ -13,7 +13,16 @@ def register(cls):
 
 
 def _load_builtin() -> None:
-    from qtool.stages import gptq, kv_cache, outliers, reorder, rtn, smooth, smooth_attention  # noqa: F401  (importing registers them)
+    from qtool.stages import (  # noqa: F401  (importing registers them)
+        gptq,
+        kv_cache,
+        outliers,
+        reorder,
+        rotate,
+        rtn,
+        smooth,
+        smooth_attention,
+    )
 
 
 _load_builtin()
