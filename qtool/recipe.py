@@ -182,6 +182,11 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
                 raise RecipeError(f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
                                   f"written by `qtool calibrate`")
             calibration.stats = str(p)
+            moved = next((s.stage for s in stages if isinstance(s.stage, TransformStage)), None)
+            if moved is not None:
+                raise RecipeError(f"{where('calibration.stats')}: a stats file of the original model, with "
+                                  f"{moved.label} changing the model first; expected no stats file (the pipeline "
+                                  f"calibrates the transformed model itself)")
     if calibration is None and any(s.stage.needs_calibration() for s in stages):
         first = next(s.stage for s in stages if s.stage.needs_calibration())
         raise RecipeError(f"{label}:calibration: missing; expected calibration data, which {first.label} needs")
