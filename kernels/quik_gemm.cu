@@ -271,7 +271,7 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
             for (int i = 0; i < 8; ++i) {
                 if (8 * p + i < K) {
                     const u16 h = half_of(v[u], i);
-                    if (SYM) {
+                    if constexpr (SYM) {
                         const int q = sym_code(h2f(h), y);
                         cs[d[i]] = (char)q;
                         csum += q;
@@ -1060,8 +1060,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
         const int m = g.m0 + k;
         const float sv = m < g.M ? ld_dep_f32(sx + m) : 0.f;
         tsx[k] = sv;
-        if (QOQ != QOQ_NONE)
-            tax[k] = m < g.M ? ld_dep_f32(zx + m) : 0.f;  // the row sum's bits
+        if (QOQ != QOQ_NONE)  // the row sum, as int bits
+            tax[k] = bits2f(m < g.M ? (int)ld_dep_u32(reinterpret_cast<const u32*>(zx) + m) : 0);
         else
             tax[k] = m < g.M ? ld_dep_f32(zx + m) + h * sv : 0.f;
     }
