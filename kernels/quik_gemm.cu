@@ -175,12 +175,34 @@ __device__ __forceinline__ void load_row(uint4 (&v)[PPT], u32 (&fl)[PPT], const 
     }
 }
 
+// QoQ's symmetric codes (AB = SYM_A8): clamp(rint(x·r), -127, 127) with r = 127 / max|x| and x·r one rounded
+// product (then rint: the fma trick of code_of would round the exact product instead, which differs at ties).
+constexpr int SYM_A8 = 0;
+
+__device__ __forceinline__ int sym_code(float x, float r) {
+    float p;
+    int q;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(x), "f"(r));
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(p));
+    return max(-127, min(127, q));
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+// AB = SYM_A8: QoQ's per-token symmetric 8-bit codes (no outlier columns), s_x = max|x| / 127 into sx and the row's
+// code sum into rsum instead of the asymmetric z_x.
 template <int AB, int NT, int PPT>
 __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&fl)[PPT], int row, int K, int vec,
                                              const int* __restrict__ dest, int kp, int kop, char* cs, u16* os,
                                              float* red, char* __restrict__ aq, u16* __restrict__ xo,
-                                             float* __restrict__ sx, float* __restrict__ zx, int tid) {
-    constexpr int MAXQ = (1 << AB) - 1, W = NT / 32;
+                                             float* __restrict__ sx, float* __restrict__ zx, int tid,
+                                             int* rsred = nullptr, int* __restrict__ rsum = nullptr) {
+    constexpr bool SYM = AB == SYM_A8;
+    constexpr int MAXQ = SYM ? 127 : (1 << AB) - 1, W = NT / 32;
     const int lane = tid & 31, warp = tid >> 5, np = (K + 7) >> 3;
     float inf;
     asm("mov.b32 %0, 0x7f800000;" : "=f"(inf));
@@ -220,8 +242,17 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
         lo = fmin_(lo, red[w]);
         hi = fmax_(hi, red[W + w]);
     }
-    const float s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
-    const float y = div_rn(1.0f, s);
+    float s, y;
+    if (SYM) {
+        // hi >= lo, so max|x| = max(hi, -lo); y is r = 127 / max|x|
+        const float amax = fmax_(hi, -lo);
+        s = amax > 0.f ? div_rn(amax, (float)MAXQ) : 1.0f;
+        y = amax > 0.f ? div_rn((float)MAXQ, amax) : 1.0f;
+    } else {
+        s = hi > lo ? div_rn(hi - lo, (float)MAXQ) : 1.0f;
+        y = div_rn(1.0f, s);
+    }
+    int csum = 0;
 #pragma unroll
     for (int u = 0; u < PPT; ++u) {
         const int p = tid + NT * u;
@@ -240,7 +271,11 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
             for (int i = 0; i < 8; ++i) {
                 if (8 * p + i < K) {
                     const u16 h = half_of(v[u], i);
-                    if (d[i] >= 0) {
+                    if constexpr (SYM) {
+                        const int q = sym_code(h2f(h), y);
+                        cs[d[i]] = (char)q;
+                        csum += q;
+                    } else if (d[i] >= 0) {
                         // no clamp needed: 0 <= x - lo <= hi - lo, and (hi - lo)·y <= MAXQ (1 + 2^-23)
                         cs[d[i]] = (char)code_of<AB>(sub_rn(h2f(h), lo), y);
                     } else {
@@ -250,6 +285,11 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
             }
         }
     }
+    if (SYM) {
+        // the previous row's partial sums were read by thread 0 before it reached this row's first barrier
+        csum = warp_sum(csum);
+        if ((tid & 31) == 0) rsred[tid >> 5] = csum;
+    }
     __syncthreads();
     char* arow = aq + (size_t)row * kp;
     for (int c = tid; c < kp / 16; c += NT) st_global16(arow + 16 * c, *reinterpret_cast<const uint4*>(cs + 16 * c));
@@ -258,7 +298,14 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
         st_global16(orow + 8 * c, *reinterpret_cast<const uint4*>(os + 8 * c));
     if (tid == 0) {
         sx[row] = s;
-        zx[row] = lo;
+        if (SYM) {
+            int t = 0;
+#pragma unroll
+            for (int w = 0; w < W; ++w) t += rsred[w];
+            rsum[row] = t;
+        } else {
+            zx[row] = lo;
+        }
     }
 }
 
@@ -266,9 +313,11 @@ template <int AB, int NT, int PPT>
 __device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx, int M, int K, int vec,
                                               const int* __restrict__ dest, const u8* __restrict__ oflag, int kb,
                                               int kp, int ko, int kop, char* __restrict__ aq, u16* __restrict__ xo,
-                                              float* __restrict__ sx, float* __restrict__ zx) {
+                                              float* __restrict__ sx, float* __restrict__ zx,
+                                              int* __restrict__ rsum = nullptr) {
     extern __shared__ __align__(16) char qsm[];
     __shared__ float red[2 * (NT / 32)];
+    __shared__ int rsred[AB == SYM_A8 ? NT / 32 : 1];
     const int tid = threadIdx.x, G = gridDim.x;
     launch_dependents();  // the GEMM that reads these rows waits for this whole grid anyway
     char* cs = qsm;                              // kp code bytes
@@ -283,7 +332,7 @@ __device__ __forceinline__ void quantize_rows(const u16* __restrict__ x, int ldx
     u32 fl[PPT];
     for (int row = blockIdx.x; row < M; row += G) {
         load_row<NT, PPT>(v, fl, x + (size_t)row * ldx, K, vec, oflag, tid);
-        quantize_one<AB, NT, PPT>(v, fl, row, K, vec, dest, kp, kop, cs, os, red, aq, xo, sx, zx, tid);
+        quantize_one<AB, NT, PPT>(v, fl, row, K, vec, dest, kp, kop, cs, os, red, aq, xo, sx, zx, tid, rsred, rsum);
     }
 }
 
@@ -301,6 +350,21 @@ QUANT_ENTRIES(128, 2, 12)
 QUANT_ENTRIES(256, 2, 6)
 QUANT_ENTRIES(512, 4, 3)
 QUANT_ENTRIES(512, 8, 2)
+
+// QoQ (formats/qoq.md): per-token symmetric 8-bit codes, s_x and the code sums; no outlier columns (oflag all zero,
+// ko = kop = 0). dest: each column's byte position (the order the GEMM's weights unpack in, qtool/cuda/qoq.py).
+#define QOQ_QUANT_ENTRY(NT, PPT, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(NT, MINB) qoq_quantize_t##NT##_p##PPT(                          \
+        const u16* x, int ldx, int M, int K, int vec, const int* dest, const u8* oflag, int kp, char* aq,         \
+        float* sx, int* rsum) {                                                                                   \
+        quantize_rows<SYM_A8, NT, PPT>(x, ldx, M, K, vec, dest, oflag, K, kp, 0, 0, aq, nullptr, sx, nullptr,     \
+                                       rsum);                                                                     \
+    }
+QOQ_QUANT_ENTRY(128, 1, 12)
+QOQ_QUANT_ENTRY(128, 2, 12)
+QOQ_QUANT_ENTRY(256, 2, 6)
+QOQ_QUANT_ENTRY(512, 4, 3)
+QOQ_QUANT_ENTRY(512, 8, 2)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Fused split + quantize, warp-per-row form (rows of 16-byte aligned, whole 16-byte pieces): a warp quantizes a
@@ -504,59 +568,40 @@ QUANT_WARP_ENTRIES(1, 4)
 QUANT_WARP_ENTRIES(2, 4)
 QUANT_WARP_ENTRIES(3, 4)
 
-__device__ __forceinline__ void wgmma_s8(int (&d)[32], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
+// The accumulator operands of an m64nN wgmma (N/2 registers a thread) and their places in its asm string.
+#define WG_ACC32 "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+#define WG_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_ACC64 "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+#define WG_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WG_ACC128 "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
+#define WG_REGS128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
-__device__ __forceinline__ void wgmma_f16(int (&d)[32], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void wgmma_s8(int (&d)[64], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void wgmma_f16(int (&d)[64], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void wgmma_s8(int (&d)[128], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-__device__ __forceinline__ void wgmma_f16(int (&d)[128], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]), "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]), "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
+// One wgmma, A from registers and B from shared memory by descriptor, accumulating (the predicate is scale-d):
+// integer (A s8, or u8 where UA: QoQ's weights as unsigned bytes; B s8, k = 32) or float16 (k = 16).
+#define WG_INT(N, R, TY, A, DB, P)                                                                              \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %" P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k32.s32." TY \
+                 ".s8 " WG_REGS##R ", {" A "}, %" DB ", p; }"                                                     \
+                 : WG_ACC##R                                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+#define WG_F16(N, R, A, DB, P)                                                                                  \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %" P ", 0; wgmma.mma_async.sync.aligned.m64n" #N               \
+                 "k16.f32.f16.f16 " WG_REGS##R ", {" A "}, %" DB ", p, 1, 1, 0; }"                               \
+                 : WG_ACC##R                                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+#define WG_WRAPPERS(N, R, A, DB, P)                                                      \
+    template <bool UA = false>                                                           \
+    __device__ __forceinline__ void wgmma_s8(int (&d)[R], const u32 (&a)[4], u64 db) {   \
+        if constexpr (UA)                                                                \
+            WG_INT(N, R, "u8", A, DB, P);                                                \
+        else                                                                             \
+            WG_INT(N, R, "s8", A, DB, P);                                                \
+    }                                                                                    \
+    __device__ __forceinline__ void wgmma_f16(int (&d)[R], const u32 (&a)[4], u64 db) { \
+        WG_F16(N, R, A, DB, P);                                                          \
+    }
+WG_WRAPPERS(64, 32, "%32, %33, %34, %35", "36", "37")
+WG_WRAPPERS(128, 64, "%64, %65, %66, %67", "68", "69")
+WG_WRAPPERS(256, 128, "%128, %129, %130, %131", "132", "133")
 
 #if QUIK_ABLATE == 3
 // Measurement only: A from shared memory (the 8-bit weight tile is already in the 128-byte-swizzled K-major layout).
@@ -586,6 +631,16 @@ __device__ __forceinline__ void wgmma_s8_ss(int (&d)[128], u64 da, u64 db) {
 // After the integer stages the accumulators become float32 in place (Eq. 1), the outlier stages accumulate on top
 // with wgmma f32.f16.f16, and the tile is transposed through shared memory for 16-byte row stores with the bias.
 // ---------------------------------------------------------------------------------------------------------------
+// QoQ's 4-bit schemes in the GEMM's QOQ parameter (qtool/cuda/qoq.py, formats/qoq.md): QOQ_NONE is quik, QOQ_PC
+// per-channel u4 weights (the u8 codes q straight into `wgmma ... u8.s8`; z[n]·rowsum[t] comes off in the epilogue),
+// any larger value the progressive group size g (32, 64, 128): per group, Q8hat + 128 = q·s1 + (128 - z·s1) as u8,
+// by one IMAD per 4 codes (products <= 240 and sums <= 255: no carries between bytes), and 128·rowsum[t] comes off
+// in the epilogue. The group words (byte 0: 128 - z·s1, byte 1: s1) of a stage sit in its weight area from
+// QOQ_GW_OFFSET, 128 / g per row: they reach the kernel as GemmArgs::Wo (row stride ldwo bytes), free since QoQ
+// has no outlier stages.
+enum : int { QOQ_NONE = 0, QOQ_PC = 1 };
+constexpr int QOQ_GW_OFFSET = 128 * 64;  // past the 4-bit codes of a stage
+
 template <int TN>
 struct QTile {
     static constexpr int XT = TN * 128;      // activation bytes per stage
@@ -610,7 +665,7 @@ struct GemmArgs {
 // Issue this thread's copies of global stage gs into the shared-memory stage at st: the activations (X), the
 // weights (W) or both (the weights do not come from the kernel ahead, so a dependent launch may copy them first).
 enum : int { STAGE_X = 1, STAGE_W = 2, STAGE_ALL = 3 };
-template <int BITS, int TN, int PART = STAGE_ALL>
+template <int BITS, int TN, int PART = STAGE_ALL, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, int tid) {
     const bool outl = gs >= g.kt;
     const int s = outl ? gs - g.kt : gs;
@@ -628,6 +683,18 @@ __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, in
     }
     const u32 wt = st + QTile<TN>::XT;
     if (!(PART & STAGE_W)) return;
+    if constexpr (QOQ > QOQ_PC) {
+        // the stage's group words (128 / QOQ per row) into the half of the weight area 4-bit codes leave free
+        constexpr int GPS = 128 / QOQ;
+#pragma unroll
+        for (int i = 0; i < (128 * GPS + 255) / 256; ++i) {
+            const int e = tid + 256 * i, row = e / GPS, f = g.n0 + row;
+            const bool ok = f < g.N;
+            if (e < 128 * GPS)
+                cp_async4(wt + QOQ_GW_OFFSET + 4 * e, g.Wo + (ok ? (size_t)f * g.ldwo + 4 * (s * GPS + e % GPS) : 0),
+                          ok ? 4 : 0);
+        }
+    }
     if (BITS == 4 && !outl) {
         // 128 rows x 4 chunks of 16 bytes; chunk c of row r at c ^ ((r / 2) % 4), so that the 8 rows of a warp's
         // fragment loads (word 4j + t of rows g = 0..7) fall in 32 different banks
@@ -659,6 +726,41 @@ __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, in
 // k = 16+4t..16+4t+3 (s8; float16: k = 2t, 2t+1 and 8+2t, 8+2t+1). 4-bit: word 4j+t of the stage row, low
 // nibbles -> a0/a1, high nibbles -> a2/a3 (hence the activation order of the contract). 8-bit and float16: words
 // 8j+t -> a0/a1 and 8j+4+t -> a2/a3.
+// QoQ (QOQ != QOQ_NONE): the same words, unsigned: low nibbles w & 0x0F0F0F0F, high (w >> 4) & 0x0F0F0F0F, then
+// for progressive groups one IMAD each with the group of k-step j (32 codes lie in one group: g >= 32).
+__device__ __forceinline__ u32 imad(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+template <int QOQ>
+__device__ __forceinline__ void qoq_frags(u32 (&af)[4][4], u32 wt, int r0, int t) {
+    const int x = (r0 >> 1) & 3;
+    const u32 p = wt + r0 * 64 + 4 * t, q = p + 8 * 64;
+    constexpr int GPS = QOQ > QOQ_PC ? 128 / QOQ : 1;
+    u32 cp = 0, sp = 0, cq = 0, sq = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 pw = lds32(p + ((j ^ x) << 4)), qw = lds32(q + ((j ^ x) << 4));
+        const u32 pl = pw & 0x0F0F0F0Fu, ql = qw & 0x0F0F0F0Fu;
+        const u32 ph = (pw >> 4) & 0x0F0F0F0Fu, qh = (qw >> 4) & 0x0F0F0F0Fu;
+        if constexpr (QOQ == QOQ_PC) {
+            af[j][0] = pl, af[j][1] = ql, af[j][2] = ph, af[j][3] = qh;
+        } else {
+            if ((32 * j) % QOQ == 0) {
+                const u32 ga = wt + QOQ_GW_OFFSET + 4u * (u32)(r0 * GPS + 32 * j / QOQ);
+                const u32 gp = lds32(ga), gq = lds32(ga + 4u * 8u * GPS);
+                // byte 0 of the group word (128 - z·s1) to all four bytes; byte 1 (s1) alone
+                cp = prmt(gp, 0u, 0x0000u), sp = prmt(gp, 0u, 0x4441u);
+                cq = prmt(gq, 0u, 0x0000u), sq = prmt(gq, 0u, 0x4441u);
+            }
+            af[j][0] = imad(pl, sp, cp), af[j][1] = imad(ql, sq, cq);
+            af[j][2] = imad(ph, sp, cp), af[j][3] = imad(qh, sq, cq);
+        }
+    }
+}
+
 template <int BITS, bool OUTL>
 __device__ __forceinline__ void load_frags(u32 (&af)[4][4], u32 wt, int r0, int t) {
     if (BITS == 4 && !OUTL) {
@@ -720,7 +822,43 @@ __device__ __forceinline__ void eq1_in_place(int (&acc)[TN / 2], int f0, int N, 
     }
 }
 
-template <int BITS, int TN, int ST>
+// QoQ's epilogue, integer part: the accumulators become the exact products Σ qx·Wint by subtracting zc[f]·rowsum[t]
+// (zc: z[f] per-channel, from `zeros` as int32; 128 for progressive groups). Rows f0, f0 + 8; the token's rowsum
+// waits in shared memory (tax, as int bits).
+template <int QOQ, int TN>
+__device__ __forceinline__ void qoq_correct(int (&acc)[TN / 2], int f0, int N, int t, const float* tax,
+                                            const int* __restrict__ zeros) {
+    const int z0 = QOQ == QOQ_PC ? (f0 < N ? zeros[f0] : 0) : 128;
+    const int z1 = QOQ == QOQ_PC ? (f0 + 8 < N ? zeros[f0 + 8] : 0) : 128;
+#pragma unroll
+    for (int i = 0; i < TN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int rs = f2bits(tax[8 * i + 2 * t + e]);
+            acc[4 * i + e] -= z0 * rs;
+            acc[4 * i + 2 + e] -= z1 * rs;
+        }
+    }
+}
+
+// ... and the scaling, in place as float bits: float(acc) · (s_x[t] · s0[f]) (the scale product first, as the
+// reference rounds it).
+template <int TN>
+__device__ __forceinline__ void qoq_scale(int (&acc)[TN / 2], int f0, int N, int t, const float* tsx,
+                                          const u16* __restrict__ sw) {
+    const float s0 = f0 < N ? h2f(sw[f0]) : 0.f, s1 = f0 + 8 < N ? h2f(sw[f0 + 8]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < TN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float sxv = tsx[8 * i + 2 * t + e];
+            acc[4 * i + e] = f2bits((float)acc[4 * i + e] * (sxv * s0));
+            acc[4 * i + 2 + e] = f2bits((float)acc[4 * i + 2 + e] * (sxv * s1));
+        }
+    }
+}
+
+template <int BITS, int TN, int ST, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], const GemmArgs& g, u32 base, int s,
                                           int tid, int r0, int t, int f0, const float* tsx, const float* tax,
                                           const u16* __restrict__ sw, const float* __restrict__ wred) {
@@ -729,7 +867,7 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
     fence_async_smem();       // they are read next by the tensor cores
     __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
     if (s + ST - 2 < g.steps && QUIK_ABLATE != 2)
-        load_stage<BITS, TN>(g, base + (u32)((s + ST - 2) % ST) * T::SB, g.s0 + s + ST - 2, tid);
+        load_stage<BITS, TN, STAGE_ALL, QOQ>(g, base + (u32)((s + ST - 2) % ST) * T::SB, g.s0 + s + ST - 2, tid);
     cp_async_commit();
     const u32 st = base + (u32)(s % ST) * T::SB;
     const int gs = g.s0 + s;  // the stage in the layer's list: integer stages, then outlier stages
@@ -745,12 +883,16 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
             return;
         }
 #endif
-        if (QUIK_ABLATE != 4) load_frags<BITS, false>(af, st + T::XT, r0, t);
+        if constexpr (QOQ != QOQ_NONE) {
+            qoq_frags<QOQ>(af, st + T::XT, r0, t);
+        } else if (QUIK_ABLATE != 4) {
+            load_frags<BITS, false>(af, st + T::XT, r0, t);
+        }
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (QUIK_ABLATE != 1) wgmma_s8(acc, af[j], desc_sw128(st + 32 * j));
-    } else {
+            if (QUIK_ABLATE != 1) wgmma_s8<QOQ != QOQ_NONE>(acc, af[j], desc_sw128(st + 32 * j));
+    } else if constexpr (QOQ == QOQ_NONE) {
         if (gs == g.kt && g.s0 < g.kt) {  // this block ran integer stages
             wgmma_wait0();
             eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
@@ -765,7 +907,7 @@ __device__ __forceinline__ void gemm_step(int (&acc)[TN / 2], u32 (&af)[4][4], c
 }
 
 // The raw int32 sums of this thread's accumulators (rows f0, f0 + 8; tokens 8i + 2t + e).
-template <int BITS, int TN>
+template <int BITS, int TN, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void store_raw(const int (&acc)[TN / 2], int m0, int f0, int M, int N, int t,
                                           void* __restrict__ out, int ldc) {
     int* o = reinterpret_cast<int*>(out);
@@ -774,7 +916,8 @@ __device__ __forceinline__ void store_raw(const int (&acc)[TN / 2], int m0, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int tok = m0 + 8 * i + 2 * t + (e & 1), f = f0 + 8 * (e >> 1);
-            if (tok < M && f < N) o[(size_t)tok * ldc + f] = BITS == 4 ? acc[4 * i + e] >> 4 : acc[4 * i + e];
+            if (tok < M && f < N)
+                o[(size_t)tok * ldc + f] = BITS == 4 && QOQ == QOQ_NONE ? acc[4 * i + e] >> 4 : acc[4 * i + e];
         }
     }
 }
@@ -820,18 +963,28 @@ __device__ __forceinline__ void store_chunk(const int (&acc)[TN / 2], int m0, in
 // through shared memory at `tbase` for 16-byte row stores, CH tokens at a time (CH = TN: one pass through the free
 // pipeline buffers; the persistent kernel passes a small buffer of its own). The 256 threads that hold the
 // accumulators call it (thread index `tid` among them); BAR is the barrier that spans exactly them.
-template <int BITS, int TN, int BAR, int CH>
+template <int BITS, int TN, int BAR, int CH, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
                                            int r0, int t, int tid, char* smem_raw, u32 tbase, const float* tsx,
                                            const float* tax, const u16* __restrict__ sw,
                                            const float* __restrict__ wred, const u16* __restrict__ bias,
                                            void* __restrict__ out, int ldc, int raw) {
     const int f0 = n0 + r0;
-    if (raw) {
-        store_raw<BITS, TN>(acc, m0, f0, M, N, t, out, ldc);
-        return;
+    if constexpr (QOQ != QOQ_NONE) {
+        // QoQ's integer correction is pending here (split-K shares add raw sums), wred is its int32 zeros
+        if (eq1_pending) qoq_correct<QOQ, TN>(acc, f0, N, t, tax, reinterpret_cast<const int*>(wred));
+        if (raw) {
+            store_raw<BITS, TN, QOQ>(acc, m0, f0, M, N, t, out, ldc);
+            return;
+        }
+        if (eq1_pending) qoq_scale<TN>(acc, f0, N, t, tsx, sw);
+    } else {
+        if (raw) {
+            store_raw<BITS, TN>(acc, m0, f0, M, N, t, out, ldc);
+            return;
+        }
+        if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
     }
-    if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
     const int mt = min(TN, M - m0);  // valid tokens in this tile
     u16* tile = reinterpret_cast<u16*>(smem_raw + (tbase - smem_addr(smem_raw)));
     float bv[2];
@@ -874,7 +1027,9 @@ __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n
 // decode): ws has room for S x tiles x 128 x TN floats and cnt one zero int per tile.
 constexpr int SPLIT_MAX_TOKENS = 128;  // split-K is built for the decode tiles only (qtool/cuda/quik.py)
 
-template <int BITS, int TN, int ST>
+// QOQ != QOQ_NONE: QoQ's W4A8 (see QOQ_PC above): zx is the int32 row sums, wred the int32 zeros (per-channel),
+// Wo / ldwo the group words; no outlier stages (kto = 0), no 16x scaling.
+template <int BITS, int TN, int ST, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __restrict__ sx,
                                           const float* __restrict__ zx, const u16* __restrict__ sw,
                                           const float* __restrict__ wred, const u16* __restrict__ bias,
@@ -899,13 +1054,16 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     // activations, s_x and z_x the rest reads); they join the first stage's copy group.
 #pragma unroll
     for (int p = 0; p < ST - 2; ++p)
-        if (p < g.steps) load_stage<BITS, TN, STAGE_W>(g, base + (u32)p * T::SB, g.s0 + p, tid);
+        if (p < g.steps) load_stage<BITS, TN, STAGE_W, QOQ>(g, base + (u32)p * T::SB, g.s0 + p, tid);
     grid_dependency_wait();
     for (int k = tid; k < TN; k += 256) {
         const int m = g.m0 + k;
         const float sv = m < g.M ? ld_dep_f32(sx + m) : 0.f;
         tsx[k] = sv;
-        tax[k] = m < g.M ? ld_dep_f32(zx + m) + h * sv : 0.f;
+        if (QOQ != QOQ_NONE)  // the row sum, as int bits
+            tax[k] = bits2f(m < g.M ? (int)ld_dep_u32(reinterpret_cast<const u32*>(zx) + m) : 0);
+        else
+            tax[k] = m < g.M ? ld_dep_f32(zx + m) + h * sv : 0.f;
     }
 
     int acc[TN / 2];
@@ -913,7 +1071,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
     for (int i = 0; i < TN / 2; ++i) acc[i] = 0;
 #pragma unroll
     for (int p = 0; p < ST - 2; ++p) {
-        if (p < g.steps) load_stage<BITS, TN, STAGE_X>(g, base + (u32)p * T::SB, g.s0 + p, tid);
+        if (p < g.steps) load_stage<BITS, TN, STAGE_X, QOQ>(g, base + (u32)p * T::SB, g.s0 + p, tid);
         cp_async_commit();
     }
     u32 af0[4][4], af1[4][4];  // a stage's wgmmas may still read one set while the next stage fills the other
@@ -923,10 +1081,10 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
 #endif
     int s = 0;
     for (; s + 1 < g.steps; s += 2) {
-        gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
-        gemm_step<BITS, TN, ST>(acc, af1, g, base, s + 1, tid, r0, t, f0, tsx, tax, sw, wred);
+        gemm_step<BITS, TN, ST, QOQ>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
+        gemm_step<BITS, TN, ST, QOQ>(acc, af1, g, base, s + 1, tid, r0, t, f0, tsx, tax, sw, wred);
     }
-    if (s < g.steps) gemm_step<BITS, TN, ST>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
+    if (s < g.steps) gemm_step<BITS, TN, ST, QOQ>(acc, af0, g, base, s, tid, r0, t, f0, tsx, tax, sw, wred);
     launch_dependents();  // the next layer's quantize kernel may start its prologue during this epilogue
     wgmma_wait0();
     cp_async_wait<0>();
@@ -936,9 +1094,14 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
         // Split-K (fused output only): every block writes its float32 share of the tile (Eq. 1 applied, the
         // zero-point term by the first share only) in the accumulator layout, one float4 per thread and step; the
         // last of the tile's blocks adds the shares in split order (deterministic), then takes the epilogue. It
-        // leaves the tile's counter at zero.
-        if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
-        eq1_pending = false;
+        // leaves the tile's counter at zero. QoQ: the shares are the raw int32 sums (as float bits), added exactly;
+        // the epilogue follows on the total.
+        if constexpr (QOQ == QOQ_NONE) {
+            if (eq1_pending) eq1_in_place<BITS, TN>(acc, f0, g.N, t, tsx, tax, sw, g.s0 == 0 ? wred : nullptr);
+            eq1_pending = false;
+        } else {
+            eq1_pending = g.kt > 0;
+        }
         const int tiles = gridDim.x * gridDim.y, tile_id = blockIdx.x + gridDim.x * blockIdx.y;
         constexpr int F4 = TN / 8;  // float4s per thread: tokens 8q + 2t, + 1 of rows r0, r0 + 8
         const int mt = min(TN, g.M - g.m0);  // only the tile's valid tokens travel (decode: one or a few)
@@ -957,18 +1120,25 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& g0, const float* __res
             for (int q = 0; q < F4; ++q) {
                 if (8 * q + 2 * t >= mt) continue;
                 const float4 v = __ldcg(w4 + ((size_t)q2 * tiles * F4 + q) * 256);
-                sum[4 * q] += v.x;
-                sum[4 * q + 1] += v.y;
-                sum[4 * q + 2] += v.z;
-                sum[4 * q + 3] += v.w;
+                if constexpr (QOQ == QOQ_NONE) {
+                    sum[4 * q] += v.x;
+                    sum[4 * q + 1] += v.y;
+                    sum[4 * q + 2] += v.z;
+                    sum[4 * q + 3] += v.w;
+                } else {
+                    sum[4 * q] = bits2f(f2bits(sum[4 * q]) + f2bits(v.x));
+                    sum[4 * q + 1] = bits2f(f2bits(sum[4 * q + 1]) + f2bits(v.y));
+                    sum[4 * q + 2] = bits2f(f2bits(sum[4 * q + 2]) + f2bits(v.z));
+                    sum[4 * q + 3] = bits2f(f2bits(sum[4 * q + 3]) + f2bits(v.w));
+                }
             }
         }
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i) acc[i] = f2bits(sum[i]);
         if (tid == 0) cnt[tile_id] = 0;
     }
-    store_tile<BITS, TN, 0, TN>(acc, g.m0, g.n0, g.M, g.N, eq1_pending, r0, t, tid, smem_raw, base, tsx, tax, sw, wred,
-                                bias, out, ldc, raw);
+    store_tile<BITS, TN, 0, TN, QOQ>(acc, g.m0, g.n0, g.M, g.N, eq1_pending, r0, t, tid, smem_raw, base, tsx, tax, sw,
+                                     wred, bias, out, ldc, raw);
 }
 
 // MINB: blocks per SM the registers must allow.
@@ -987,6 +1157,28 @@ GEMM_ENTRIES(256, 3, 1)
 #if QUIK_TUNING
 GEMM_ENTRIES(256, 4, 1)
 #endif
+
+// QoQ W4A8 (formats/qoq.md), block-synchronous: A = the activation codes at quik's 4-bit positions (pos(b) =
+// 32 (b / 32) + 16 (b % 2) + (b % 32) / 2, the order the nibbles unpack in), W = the checkpoint's nibble streams
+// padded to whole stages, G = the group words [N, ldg / 4] (progressive; unused per-channel), rsum = the
+// activation code sums, zeros = z[n] as int32 (per-channel). raw: the exact int32 products Σ qx·Wint.
+#define QOQ_GEMM_ENTRY(NAME, QOQ, TN, ST, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(256, MINB) qoq_gemm_##NAME##_n##TN##_s##ST(                   \
+        const char* A, int lda, const char* W, int ldw, const char* G, int ldg, int M, int N, int kt,          \
+        const float* sx, const int* rsum, const u16* sw, const int* zeros, const u16* bias, void* out, int ldc, \
+        int raw, float* ws, int* cnt) {                                                                        \
+        const GemmArgs g{A, lda, W, ldw, nullptr, 0, G, ldg, M, N, kt, kt, 0, 0, 0};                           \
+        gemm_body<4, TN, ST, QOQ>(g, sx, reinterpret_cast<const float*>(rsum), sw,                             \
+                                  reinterpret_cast<const float*>(zeros), bias, out, ldc, raw, ws, cnt);        \
+    }
+#define QOQ_GEMM_ENTRIES(TN, ST, MINB)             \
+    QOQ_GEMM_ENTRY(pc, QOQ_PC, TN, ST, MINB)       \
+    QOQ_GEMM_ENTRY(g32, 32, TN, ST, MINB)          \
+    QOQ_GEMM_ENTRY(g64, 64, TN, ST, MINB)          \
+    QOQ_GEMM_ENTRY(g128, 128, TN, ST, MINB)
+QOQ_GEMM_ENTRIES(64, 4, 2)
+QOQ_GEMM_ENTRIES(128, 4, 1)
+QOQ_GEMM_ENTRIES(256, 3, 1)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Warp-specialized GEMM (same result as above): 384 threads. Warpgroup 0 is the copy warpgroup: one thread issues

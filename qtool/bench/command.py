@@ -21,7 +21,7 @@ def _need_gpu() -> None:
         raise BenchError("qtool bench: found no CUDA GPU, expected one (the bench times GPU kernels)")
 
 
-def _group_sizes(text: str) -> list[int | None]:
+def _group_sizes(text: str, option: str = "--group-size") -> list[int | None]:
     out: list[int | None] = []
     for part in text.split(","):
         part = part.strip().lower()
@@ -30,7 +30,7 @@ def _group_sizes(text: str) -> list[int | None]:
         elif part.isdigit() and int(part) > 0:
             out.append(int(part))
         else:
-            raise BenchError(f"--group-size: found {part!r}, expected positive integers or 'channel', comma-separated")
+            raise BenchError(f"{option}: found {part!r}, expected positive integers or 'channel', comma-separated")
     return out
 
 
@@ -67,12 +67,14 @@ def bench() -> None:
 @click.option("--group-size", "group_size", default="128", show_default=True,
               help="Group sizes, comma-separated; 'channel' for one group per row.")
 @click.option("--asym", is_flag=True, help="Asymmetric (with zero points) instead of symmetric.")
+@click.option("--w4a8", "w4a8", default="ch,128", show_default=True,
+              help="Group sizes of the qoq W4A8 rows ('ch': per-channel; 'none-rows' or empty: no W4A8 rows).")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
 @click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of the speedups here.")
-def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool,
+def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
                 warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
     """Time the quantized matmuls and the cuBLAS FP16/INT8/FP8 baselines, with the card's measured ceilings."""
 
@@ -84,6 +86,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
         cfg = kb.KernelBenchConfig(
             shapes=shape_list, ms=stats.parse_ints(ms, "--m"), bits=stats.parse_ints(bits, "--bits", 2),
             group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
+            w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
         )
         _need_gpu()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415

@@ -146,6 +146,31 @@ class CudaCases:
         return fns, m_eff
 
 
+    def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
+        """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" quantizes
+        the float16 activations and runs the GEMM, "w4a8-gemm" runs the GEMM on codes quantized beforehand."""
+        from qtool.cuda import qoq  # noqa: PLC0415
+
+        groups = k // group_size if group_size else 1
+        fns = []
+        for _ in range(rotations(n * k // 2 + 4 * n * groups + 3 * m * k + 2 * m * n, self.l2)):
+            qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=self.dev, generator=self.gen)
+            scales = (torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half()
+            zeros = torch.randint(0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=self.dev,
+                                  generator=self.gen)
+            s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=self.dev, generator=self.gen) \
+                if group_size else None
+            p = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
+            x = self._randn(m, k)
+            if path == "w4a8":
+                fns.append(lambda x=x, p=p: qoq.linear(x, p))
+            elif path == "w4a8-gemm":
+                a = qoq.quantize_activations(x, p)
+                fns.append(lambda a=a, p=p: qoq.gemm(a, p))
+            else:
+                raise ValueError(f"path: found {path!r}, expected one of w4a8, w4a8-gemm")
+        return fns
+
 
 class QuikCudaCases(CudaCases):
     """Adds the quik kernels: random packed layers built on the GPU (every code word is valid)."""

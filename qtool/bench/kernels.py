@@ -1,11 +1,12 @@
-"""`qtool bench kernels`: grouped_int matmuls against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
+"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16) and the qoq W4A8 kernels against cuBLAS FP16, INT8 and
+FP8 on the same card, same run."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +58,12 @@ class Cases(Protocol):
     def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]: ...
+    def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns: ...
+
+
+# The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
+# GEMM alone on activations quantized beforehand.
+W4A8_PATHS = ("w4a8", "w4a8-gemm")
 
 
 @dataclass
@@ -68,6 +75,7 @@ class KernelBenchConfig:
     symmetric: bool = True
     warmup: int = 10
     iters: int = 100
+    w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -127,27 +135,32 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                     base[name] = None
                     base_err[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             rows = []
+
+            def measure(bits: int, gs: int | None, symmetric: bool, paths: list[str], dispatched: str,
+                        make: Callable[[str], Fns]) -> dict[str, Any]:
+                cands = {p: _time(timer, lambda p=p: make(p), cfg.warmup, cfg.iters).to_dict() for p in paths}
+                again = _time(timer, lambda: make(dispatched), cfg.warmup, cfg.iters)
+                q = cands[dispatched]
+                us = q["median_us"]
+                roof = stats.roofline(us, stats.quant_bytes(m, n, k, bits, gs, symmetric),  # noqa: B023
+                                      stats.gemm_flops(m, n, k), ceilings["copy_tbps"],  # noqa: B023
+                                      ceilings["fp16_tflops"])
+                return {
+                    "k": k, "n": n, "m": m, "bits": bits, "group_size": gs, "symmetric": symmetric,  # noqa: B023
+                    "path": dispatched, "best_path": min(cands, key=lambda p: cands[p]["median_us"]), "quant": q,
+                    "candidates": cands, "baselines": base, "baseline_errors": base_err, "roofline": roof,  # noqa: B023
+                    "noise": stats.noise(us, again.median_us),
+                }
+
             for bits in cfg.bits:
                 for gs in cfg.group_sizes:
                     paths, dispatched = cases.paths(k, n, m, bits, gs)
-                    cands = {}
-                    for p in paths:
-                        cands[p] = _time(timer, lambda p=p: cases.quant(k, n, m, bits, gs, cfg.symmetric, p),  # noqa: B023
-                                         cfg.warmup, cfg.iters).to_dict()
-                    again = _time(timer, lambda: cases.quant(k, n, m, bits, gs, cfg.symmetric, dispatched),  # noqa: B023
-                                  cfg.warmup, cfg.iters)
-                    q = cands[dispatched]
-                    best = min(cands, key=lambda p: cands[p]["median_us"])
-                    us = q["median_us"]
-                    roof = stats.roofline(us, stats.quant_bytes(m, n, k, bits, gs, cfg.symmetric),
-                                          stats.gemm_flops(m, n, k), ceilings["copy_tbps"],
-                                          ceilings["fp16_tflops"])
-                    rows.append({
-                        "k": k, "n": n, "m": m, "bits": bits, "group_size": gs, "symmetric": cfg.symmetric,
-                        "path": dispatched, "best_path": best, "quant": q, "candidates": cands,
-                        "baselines": base, "baseline_errors": base_err, "roofline": roof,
-                        "noise": stats.noise(us, again.median_us),
-                    })
+                    rows.append(measure(bits, gs, cfg.symmetric, paths, dispatched,
+                                        lambda p, bits=bits, gs=gs: cases.quant(k, n, m, bits, gs, cfg.symmetric, p)))  # noqa: B023
+            for gs in cfg.w4a8_group_sizes:
+                # weight bytes as an asymmetric 4-bit layer's (the group words stand in for scales and zeros)
+                rows.append(measure(4, gs, False, list(W4A8_PATHS), W4A8_PATHS[0],
+                                    lambda p, gs=gs: cases.w4a8(k, n, m, gs, p)))  # noqa: B023
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
@@ -165,6 +178,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "shapes": [f"{k}x{n}" for k, n in cfg.shapes], "m": cfg.ms, "bits": cfg.bits,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
+            "w4a8_group_sizes": cfg.w4a8_group_sizes,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,

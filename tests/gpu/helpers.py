@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qtool.packing.bitpack import pack_codes
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.quant.grid import GridSpec
 from qtool.runtime.qlinear import GroupedIntLinear
@@ -77,3 +78,44 @@ def dependent_chain_runs(chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
     finally:
         dependent_launch.ENABLED = old
     return plain, outs
+
+
+class QoQFieldLayer(torch.nn.Module):
+    """A random layer holding the qoq layout's fields under their names (what QoQLinear holds: formats/qoq.md; W8:
+    Q8 + 128 byte streams; W4: nibble streams with per-channel s, z or progressive s0, s1, z), plus its integer weight
+    Wint [N, K] for the checks. Some rows take the extremes (Q8 = ±127; s1 = 16, z = 8 with q = 0 and 15)."""
+
+    def __init__(self, n: int, k: int, bits: int, group_size: int | None, bias: bool,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        gen = generator
+        self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, group_size
+        if bits == 8:
+            q8 = torch.randint(-127, 128, (n, k), generator=gen)
+            q8[0, : min(k, 4)] = torch.tensor([-127, 127, -127, 127])[: min(k, 4)]
+            self.register_buffer("qweight", pack_codes(q8 + 128, 8))
+            wint = q8
+        elif group_size is None:
+            q = torch.randint(0, 16, (n, k), generator=gen)
+            z = torch.randint(0, 16, (n,), generator=gen)
+            self.register_buffer("qweight", pack_codes(q, 4))
+            self.register_buffer("zeros", z.to(torch.uint8))
+            wint = q - z[:, None]
+        else:
+            g = k // group_size
+            s1 = torch.randint(1, 17, (n, g), generator=gen)
+            # z so that s1·(q - z) stays in [-128, 127] for every q in [0, 15] (the layout's guarantee)
+            lo = (15 - torch.div(127, s1, rounding_mode="floor")).clamp(min=0)
+            hi = torch.div(128, s1, rounding_mode="floor").clamp(max=15)
+            z = lo + (torch.rand(n, g, generator=gen) * (hi - lo + 1).float()).long().clamp(max=hi - lo)
+            s1[0, 0], z[0, 0] = 16, 8  # the extremes: -128 and 112
+            q = torch.randint(0, 16, (n, k), generator=gen)
+            q[0, :2] = torch.tensor([0, 15])
+            self.register_buffer("qweight", pack_codes(q, 4))
+            self.register_buffer("group_scales", s1.to(torch.uint8))
+            self.register_buffer("zeros", z.to(torch.uint8))
+            wint = s1.repeat_interleave(group_size, 1) * (q - z.repeat_interleave(group_size, 1))
+            assert int(wint.min()) >= -128 and int(wint.max()) <= 127
+        self.register_buffer("scales", ((torch.rand(n, generator=gen) + 0.5) / (127 * 16 * k**0.5)).half())
+        self.register_buffer("bias", (torch.randn(n, generator=gen) * 0.1).half() if bias else None)
+        self.wint = wint.to(torch.int32)

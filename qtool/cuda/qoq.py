@@ -1,0 +1,302 @@
+"""CUDA execution of the `qoq` layout (formats/qoq.md; kernels/quik_gemm.cu, the `qoq_*` entries): per-token
+symmetric INT8 activations with their code sums, then W4A8 on the INT8 tensor cores (`wgmma ... s32.u8.s8`, Hopper)
+with the zero-point correction and the per-token x per-channel scaling in the epilogue; W8A8 through
+`torch._int_mm`.
+
+The arithmetic is the layout's (formats/qoq.md), so the kernels reproduce the integer products exactly:
+  * activations: amax = max|x|, r = 127 / amax, s_x = amax / 127 (float32, IEEE division; amax = 0: both 1),
+    qx = clamp(rint(x·r), -127, 127) with one rounded product, rowsum = Σ qx;
+  * acc = Σ qx·Wint with Wint = Q8 (W8), q - z (W4 per-channel) or Q8hat = s1·(q - z) (W4 progressive);
+  * y = float32(acc) · (s_x · s0) (the scale product first), + bias, then float16.
+
+The 4-bit GEMM consumes the checkpoint's nibble streams as stored (code k at nibble k % 8 of word k / 8): a word's
+low nibbles feed wgmma k positions 4t..4t+3 of its 32-code step and the high nibbles 16 + 4t.., so the activation
+codes sit at quik's 4-bit positions (qtool/cuda/quik.py act_positions). Progressive groups travel as one int32
+"group word" per (row, group): byte 0 = 128 - z·s1 in [2, 128], byte 1 = s1, from which the kernel forms
+Q8hat + 128 = q·s1 + (128 - z·s1) with one IMAD per 4 codes and takes 128·rowsum off in the epilogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtool.cuda import compile as cc
+from qtool.cuda import quik, split_k
+
+GROUP_SIZES = (32, 64, 128)  # progressive group sizes with a GEMM entry (a k-step of 32 codes lies in one group)
+KP_MULTIPLE = quik.KP_MULTIPLE  # activation rows and weight rows padded to whole stages of 128 codes
+ROWS = quik.ROWS
+INT_MM_MIN_ROWS = 32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def unsupported_reason(bits: int, group_size: int | None, in_features: int, out_features: int,
+                       device: torch.device) -> str | None:
+    """Why the kernels cannot run this layer here (None when they can)."""
+    if device.type != "cuda":
+        return f"device {device} (the kernels run on CUDA)"
+    if bits == 4:
+        if group_size is not None and group_size not in GROUP_SIZES:
+            return f"group_size {group_size} (the W4A8 GEMM takes per-channel or groups of {GROUP_SIZES})"
+    elif bits == 8:
+        if group_size is not None:
+            return f"w8 group_size {group_size} (8-bit weights are per-channel)"
+        if in_features % 8 or out_features % 8:
+            return f"w8 {out_features} x {in_features} (torch._int_mm needs both multiples of 8)"
+    else:
+        return f"bits {bits} (kernels cover w4a8 and w8a8)"
+    if group_size is not None and in_features % group_size:
+        return f"in_features {in_features} not a multiple of group_size {group_size}"
+    if in_features > quik.QUANT_MAX_K:
+        return f"in_features {in_features} (the quantize kernel takes rows of at most {quik.QUANT_MAX_K} columns)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the kernels use wgmma: Hopper, 9.0)"
+    return None
+
+
+@dataclass
+class QoQPrepared:
+    """Device-side view of one layer, ready for the kernels."""
+
+    bits: int
+    group_size: int | None
+    in_features: int  # K
+    out_features: int  # N
+    kp: int  # K padded to KP_MULTIPLE: activation code row length
+    wq: torch.Tensor  # 4-bit: int32 [N, kp / 8] nibble streams; 8-bit: int8 [N, kp] Q8 (signed)
+    scales: torch.Tensor  # fp16 [N]: s0 (s per-channel)
+    zeros: torch.Tensor | None  # int32 [N]: z (W4 per-channel only)
+    gwords: torch.Tensor | None  # int32 [N, kp / g]: (128 - z·s1) | s1 << 8 (W4 progressive only)
+    dest: torch.Tensor  # int32 [K]: byte position of column b's code in an activation row
+    oflag: torch.Tensor  # uint8 [ceil(K / 8)], zero: the quantize kernel's outlier bits (QoQ has none)
+    bias: torch.Tensor | None  # fp16 [N]
+    source_ptr: int
+
+
+def group_words(group_scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The GEMM's int32 group words from s1 and z [N, K/g]: byte 0 = 128 - z·s1, byte 1 = s1. One-line error where
+    a group's Q8hat = s1·(q - z) leaves [-128, 127] for some q in [0, 15] (the layout guarantees it does not: the
+    kernel's bytes would carry into their neighbours)."""
+    s1 = group_scales.to(torch.int32)
+    c = 128 - zeros.to(torch.int32) * s1
+    bad = (s1 < 0) | (s1 > 255) | (c < 0) | (15 * s1 + c > 255)
+    if bool(bad.any()):
+        n, g = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"qoq layer: group ({n}, {g}) has s1 {int(s1[n, g])}, z {int(zeros[n, g])}: "
+                         f"s1·(q - z) leaves [-128, 127]")
+    return c | (s1 << 8)
+
+
+def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
+          zeros: torch.Tensor | None, group_scales: torch.Tensor | None, bias: torch.Tensor | None,
+          source_ptr: int = 0) -> QoQPrepared:
+    """One layer's tensors for the kernels (once per layer), from the checkpoint's fields (formats/qoq.md)."""
+    dev = qweight.device
+    n, k = qweight.shape[0], in_features
+    kp = _round_up(max(k, 1), KP_MULTIPLE)
+    if bits == 8:
+        # codes Q8 + 128 in little-endian byte streams -> signed Q8, zero-padded to kp columns
+        codes = qweight.contiguous().view(torch.uint8).view(n, -1)[:, :k].to(torch.int16) - 128
+        wq = torch.zeros(n, kp, dtype=torch.int8, device=dev)
+        wq[:, :k] = codes.to(torch.int8)
+        positions = torch.arange(k, device=dev)
+    else:
+        words = kp // 8
+        if qweight.shape[1] == words and qweight.is_contiguous() and qweight.dtype == torch.int32:
+            wq = qweight
+        else:  # padding codes meet the activations' zero padding: any value is right
+            wq = torch.zeros(n, words, dtype=torch.int32, device=dev)
+            wq[:, : min(words, qweight.shape[1])] = qweight[:, :words]
+        positions = quik.act_positions(k, 4, dev)
+    zc = gw = None
+    if bits == 4 and group_size is None:
+        zc = zeros.to(device=dev, dtype=torch.int32).reshape(n).contiguous()
+    elif bits == 4:
+        words = group_words(group_scales.to(dev), zeros.to(dev))
+        gw = torch.zeros(n, kp // group_size, dtype=torch.int32, device=dev)
+        gw[:, : words.shape[1]] = words
+    dest = positions.to(torch.int32).contiguous()
+    return QoQPrepared(
+        bits=bits, group_size=group_size, in_features=k, out_features=n, kp=kp, wq=wq,
+        scales=scales.to(device=dev, dtype=torch.float16).reshape(n).contiguous(), zeros=zc, gwords=gw,
+        dest=dest, oflag=torch.zeros((k + 7) // 8, dtype=torch.uint8, device=dev),
+        bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
+        source_ptr=source_ptr,
+    )
+
+
+def prepare(layer: torch.nn.Module) -> QoQPrepared:
+    """The layer's prepared tensors, cached on it (rebuilt when its qweight storage changes)."""
+    p = getattr(layer, "_qtool_prepared", None)
+    if p is not None and p.source_ptr == layer.qweight.data_ptr() and p.wq.device == layer.qweight.device:
+        return p
+    p = build(layer.bits, layer.group_size, layer.in_features, layer.qweight, layer.scales,
+              getattr(layer, "zeros", None), getattr(layer, "group_scales", None), layer.bias,
+              source_ptr=layer.qweight.data_ptr())
+    layer._qtool_prepared = p
+    return p
+
+
+@dataclass
+class QoQActivations:
+    codes: torch.Tensor  # int8 [M, kp]: qx at the prepared positions, zero in the padding
+    scale: torch.Tensor  # fp32 [M]: s_x
+    rowsum: torch.Tensor  # int32 [M]: Σ qx
+
+
+def empty_activations(m: int, p: QoQPrepared, device: torch.device) -> QoQActivations:
+    return QoQActivations(
+        codes=torch.empty(m, p.kp, dtype=torch.int8, device=device),
+        scale=torch.empty(m, dtype=torch.float32, device=device),
+        rowsum=torch.empty(m, dtype=torch.int32, device=device),
+    )
+
+
+def _module(dev: torch.device) -> cc.KernelModule:
+    return cc.load_module(quik.SOURCE, device=cc.device_index(dev))
+
+
+def quantize_activations(x2: torch.Tensor, p: QoQPrepared, out: QoQActivations | None = None) -> QoQActivations:
+    """Per-token symmetric INT8 codes of fp16 `x2` [M, K], their scales and sums, in one read of each row (a block
+    per row: quik's quantize kernel in its symmetric mode)."""
+    if x2.dtype != torch.float16:
+        raise ValueError(f"qoq quantize kernel: found activations {x2.dtype}, expected float16")
+    if x2.dim() != 2 or x2.shape[1] != p.in_features:
+        raise ValueError(f"qoq quantize kernel: found activations {list(x2.shape)}, expected [M, {p.in_features}]")
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    dev = x2.device
+    if out is None:
+        out = empty_activations(m, p, dev)
+    if m == 0:
+        return out
+    vec = k % 8 == 0 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+    threads, ppt = quik.quant_shape(k)
+    fn = _module(dev).fn(f"qoq_quantize_t{threads}_p{ppt}")
+    cc.allow_shared_memory(fn, p.kp)
+    quik._dependent_launch(
+        fn, (m,), (threads,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.i32(int(vec)), cc.ptr(p.dest), cc.ptr(p.oflag),
+         cc.i32(p.kp), cc.ptr(out.codes), cc.ptr(out.scale), cc.ptr(out.rowsum)),
+        shared_mem=p.kp, device=cc.device_index(dev),
+    )
+    return out
+
+
+def quantize_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout's activation quantization in torch ops: (codes int8 [M, K] in column order, s_x fp32 [M],
+    rowsum int32 [M]); what the kernel must write (at its positions)."""
+    xf = x2.to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    ones = torch.ones_like(amax)
+    nz = amax > 0
+    r = torch.where(nz, 127.0 / torch.where(nz, amax, ones), ones)
+    sx = torch.where(nz, amax / 127.0, ones)
+    q = torch.round(xf * r[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), sx, q.sum(dim=1).to(torch.int32)
+
+
+def scheme(p: QoQPrepared) -> str:
+    """The GEMM entry's scheme name (kernels/quik_gemm.cu qoq_gemm_<scheme>_n<tokens>_s<stages>)."""
+    return "pc" if p.group_size is None else f"g{p.group_size}"
+
+
+def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
+         tokens: int | None = None, split: int | None = None) -> torch.Tensor:
+    """fp16 [M, N] = the layout's y from quantized activations; `raw`: the exact int32 products acc [M, N] instead.
+    `tokens` (tile: 64, 128, 256) and `split` (blocks per tile along K, fp16 output at tiles of at most 128 tokens)
+    override the dispatch (tests, bench)."""
+    m = a.codes.shape[0]
+    n = p.out_features
+    dev = a.codes.device
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.int32 if raw else torch.float16, device=dev)
+    if m == 0:
+        return out
+    if p.bits == 8:
+        return _gemm_w8(a, p, out, raw)
+    tn = tokens or quik.gemm_tokens(m)
+    if tn not in quik.GEMM_TILES:
+        raise ValueError(f"tokens: found {tn}, expected one of {sorted(quik.GEMM_TILES)}")
+    stages = quik.GEMM_TILES[tn]
+    fn = _module(dev).fn(f"qoq_gemm_{scheme(p)}_n{tn}_s{stages}")
+    smem = stages * (tn * 128 + ROWS * 128) + 1024
+    cc.allow_shared_memory(fn, smem)
+    idx = cc.device_index(dev)
+    kt = p.kp // KP_MULTIPLE
+    grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
+    tiles = grid[0] * grid[1]
+    splittable = not raw and tn <= quik.SPLIT_MAX_TOKENS
+    if split is None:
+        split = quik.gemm_split(tiles, kt, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx)) if splittable \
+            else 1
+    elif split != 1 and not splittable:
+        raise ValueError(f"split: found {split}; K is split only for the fp16 output at tiles of at most "
+                         f"{quik.SPLIT_MAX_TOKENS} tokens (here {tn}{', raw sums' if raw else ''})")
+    if not 1 <= split <= kt:
+        raise ValueError(f"split: found {split}, expected 1..{kt} (the layer's stages)")
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(idx, split * tiles * ROWS * tn, tiles)
+        if bufs is None:  # it would have to grow during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    gw = p.gwords
+    quik._dependent_launch(
+        fn, grid + (split,), (256,),
+        (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)), cc.ptr(gw),
+         cc.i32(0 if gw is None else 4 * gw.stride(0)), cc.i32(m), cc.i32(n), cc.i32(kt), cc.ptr(a.scale),
+         cc.ptr(a.rowsum), cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out),
+         cc.i32(n), cc.i32(int(raw)), cc.ptr(ws), cc.ptr(cnt)),
+        shared_mem=smem, device=idx,
+    )
+    return out
+
+
+def epilogue_torch(acc: torch.Tensor, scale: torch.Tensor, p: QoQPrepared) -> torch.Tensor:
+    """y = float32(acc) · (s_x · s0) + bias as float16, in the layout's order (torch ops)."""
+    y = acc.to(torch.float32) * (scale[:, None] * p.scales.to(torch.float32)[None, :])
+    if p.bias is not None:
+        y = y + p.bias.to(torch.float32)
+    return y.to(torch.float16)
+
+
+def _gemm_w8(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool) -> torch.Tensor:
+    m = a.codes.shape[0]
+    codes = a.codes
+    if m < INT_MM_MIN_ROWS or m % 8:
+        codes = torch.zeros(max(INT_MM_MIN_ROWS, _round_up(m, 8)), p.kp, dtype=torch.int8, device=codes.device)
+        codes[:m] = a.codes
+    acc = torch._int_mm(codes, p.wq.t())[:m]
+    out.copy_(acc if raw else epilogue_torch(acc, a.scale, p))
+    return out
+
+
+def linear(x: torch.Tensor, p: QoQPrepared, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) through the kernels; `bias` overrides the prepared one."""
+    x2 = x.reshape(-1, p.in_features)
+    if bias is not None:
+        p = QoQPrepared(**{**p.__dict__, "bias": bias.detach().to(device=x.device, dtype=torch.float16).contiguous()})
+    y = gemm(quantize_activations(x2, p), p)
+    return y.reshape(*x.shape[:-1], p.out_features)
+
+
+def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CUDA forward for a QoQLinear, or None when the caller should run the reference path (CPU tensors, shapes or
+    cards the kernels do not take, no cupy). QTOOL_KERNELS=cuda turns every fallback into a one-line error."""
+    if cc.kernel_mode() == "reference":
+        return None
+    reason = unsupported_reason(layer.bits, layer.group_size, layer.in_features, layer.out_features, x.device)
+    if reason is None and x.dtype != torch.float16:
+        reason = f"activations {x.dtype} (the kernels read float16)"
+    if not cc.use_kernels("qoq", reason):
+        return None
+    return linear(x, prepare(layer))

@@ -1,0 +1,190 @@
+"""The qoq CUDA kernels (qtool/cuda/qoq.py) against the layout's arithmetic (formats/qoq.md), on fresh random
+inputs, real and odd shapes: the activation codes, scales and row sums and the int32 products must be identical,
+the float16 output equal to the layout's float32 order and within one float16 rounding of float64.
+
+The layers are built from the layout's field definitions (tests/gpu/helpers.py QoQFieldLayer), so these tests do not
+depend on the quantizer. Outputs are poisoned
+before each launch (NaN for float16, a sentinel for int32) so an unwritten element fails; `synced` makes a faulting
+launch fail here rather than in a later test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.gpu.helpers import QoQFieldLayer as FieldLayer
+from tests.gpu.helpers import gpu_ready, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+POISON = -0x5A5A5A5A
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(gpu_ready() is None and not _hopper(), reason="qoq kernels need Hopper (wgmma)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+    return seed
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    x = torch.randn(m, k, device="cuda")
+    x[:, torch.randperm(k)[: max(1, k // 64)]] *= 20.0  # a few large channels, as in real activations
+    if m > 2:
+        x[1] = 0.0  # amax = 0: unit scale, all-zero codes
+        x[2, 1:] = 0.0  # one nonzero value: it takes the code ±127 exactly
+    return x.half()
+
+
+def _spec_y(acc: torch.Tensor, sx: torch.Tensor, layer: FieldLayer) -> torch.Tensor:
+    """The layout's output order in float32: float32(acc) · (s_x · s0), + bias, then float16."""
+    y = acc.to(torch.float32) * (sx[:, None] * layer.scales.float()[None, :])
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.half()
+
+
+def _check_y(y: torch.Tensor, acc: torch.Tensor, sx: torch.Tensor, layer: FieldLayer) -> None:
+    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
+    ref = _spec_y(acc, sx, layer)
+    bad = (y != ref).sum().item()
+    assert bad == 0, f"{bad} of {y.numel()} outputs differ from the layout's float32 order"
+    y64 = acc.double() * (sx.double()[:, None] * layer.scales.double()[None, :])
+    if layer.bias is not None:
+        y64 = y64 + layer.bias.double()
+    # one float16 rounding (plus the float32 roundings before it): half a float16 ulp at |y64|, with slack
+    ulp = torch.exp2(torch.floor(torch.log2(y64.abs().clamp_min(2.0**-14))) - 10)
+    assert bool(((y.double() - y64).abs() <= 0.75 * ulp).all()), "output off by more than one float16 rounding"
+
+
+def _acc_ref(codes: torch.Tensor, layer: FieldLayer) -> torch.Tensor:
+    """Σ qx·Wint exactly: float64 products and sums of integers stay below 2^53."""
+    return (codes.double() @ layer.wint.cuda().double().t()).round().to(torch.int32)
+
+
+def _quantized(x: torch.Tensor, p):
+    from qtool.cuda import qoq
+
+    a = qoq.empty_activations(x.shape[0], p, x.device)
+    a.codes.fill_(0x5A)
+    a.scale.fill_(float("nan"))
+    a.rowsum.fill_(POISON)
+    qoq.quantize_activations(x, p, out=a)
+    synced(a.codes)
+    return a
+
+
+SCHEMES = [(8, None), (4, None), (4, 32), (4, 64), (4, 128)]
+SCHEME_IDS = ["w8", "w4pc", "w4g32", "w4g64", "w4g128"]
+
+
+@needs_hopper
+@pytest.mark.parametrize("k", [64, 100, 256, 576, 4096, 11008])
+@pytest.mark.parametrize("m", [1, 7, 129, 2048])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_kernel_equals_reference(k, m, bits):
+    from qtool.cuda import qoq
+
+    layer = FieldLayer(8, k, bits, None, False).cuda() if bits == 4 or k % 8 == 0 else None
+    if layer is None:
+        pytest.skip("w8 layers have K % 8 == 0")
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    for xin in (x, torch.cat([x, x[:, :1]], 1)[:, :k]):  # contiguous, and rows with a stride not a multiple of 8
+        a = _quantized(xin, p)
+        codes, sx, rs = qoq.quantize_torch(xin)
+        pos = p.dest.long()
+        assert torch.equal(a.codes[:, pos], codes), "codes differ"
+        rest = torch.ones(p.kp, dtype=torch.bool, device="cuda")
+        rest[pos] = False
+        assert not a.codes[:, rest].any(), "padding positions are not zero"
+        assert torch.equal(a.scale, sx) and torch.equal(a.rowsum, rs)
+        assert torch.equal(rs, codes.int().sum(1).int())
+
+
+SMALL = [(64, 256), (200, 576), (72, 128), (136, 4096)]
+LARGE = [(4096, 4096), (11008, 4096), (4096, 11008)]
+CASES = [(n, k, m) for n, k in SMALL for m in (1, 7, 16, 64, 129, 512, 2048)] + \
+        [(n, k, m) for n, k in LARGE for m in (1, 16, 129, 2048)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES, ids=SCHEME_IDS)
+@pytest.mark.parametrize("n,k,m", CASES)
+def test_gemm_exact(bits, group_size, n, k, m):
+    from qtool.cuda import qoq
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=m % 2 == 1).cuda()
+    assert qoq.unsupported_reason(bits, group_size, k, n, torch.device("cuda")) is None
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    a = _quantized(x, p)
+    codes, sx, _ = qoq.quantize_torch(x)
+    acc_ref = _acc_ref(codes, layer)
+    raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+    qoq.gemm(a, p, out=raw, raw=True)
+    synced(raw)
+    assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    qoq.gemm(a, p, out=y)
+    synced(y)
+    _check_y(y, acc_ref, sx, layer)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
+@pytest.mark.parametrize("tokens", [64, 128, 256])
+@pytest.mark.parametrize("m", [1, 33, 300])
+def test_gemm_tiles_and_splits(bits, group_size, tokens, m):
+    """Every token tile on several tiles of tokens and weight rows, and split-K shares (exact integer sums)."""
+    from qtool.cuda import qoq
+
+    n, k = 328, 2048
+    layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    a = _quantized(x, p)
+    codes, sx, _ = qoq.quantize_torch(x)
+    acc_ref = _acc_ref(codes, layer)
+    raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+    synced(qoq.gemm(a, p, out=raw, raw=True, tokens=tokens))
+    assert torch.equal(raw, acc_ref)
+    for split in (1, 3, 16) if tokens <= 128 else (1,):
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(qoq.gemm(a, p, out=y, tokens=tokens, split=split))
+        _check_y(y, acc_ref, sx, layer)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES, ids=SCHEME_IDS)
+def test_module_forward(bits, group_size, monkeypatch):
+    """module_forward on a 3-D input equals quantize + gemm; it declines CPU inputs and the reference mode."""
+    from qtool.cuda import qoq
+
+    n, k = 264, 1024
+    layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
+    x = _x(10, k).reshape(2, 5, k)
+    y = qoq.module_forward(layer, x)
+    synced(y)
+    assert y is not None and y.shape == (2, 5, n) and y.dtype == torch.float16
+    codes, sx, _ = qoq.quantize_torch(x.reshape(-1, k))
+    _check_y(y.reshape(-1, n), _acc_ref(codes, layer), sx, layer)
+    assert qoq.module_forward(layer, x.float()) is None  # the kernels read float16
+    monkeypatch.setenv("QTOOL_KERNELS", "reference")
+    assert qoq.module_forward(layer, x) is None
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")
+    with pytest.raises(Exception, match="qoq layer"):
+        qoq.module_forward(layer, x.float())
