@@ -197,8 +197,12 @@ def quantize_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     amax = xf.abs().amax(dim=1)
     ones = torch.ones_like(amax)
     nz = amax > 0
-    r = torch.where(nz, 127.0 / torch.where(nz, amax, ones), ones)
-    sx = torch.where(nz, amax / 127.0, ones)
+    # Tensor by tensor: torch on CUDA turns a division involving a Python number into a multiplication by a
+    # reciprocal, which is not the IEEE quotient the layout specifies.
+    full = torch.full_like(amax, 127.0)
+    safe = torch.where(nz, amax, ones)
+    r = torch.where(nz, full / safe, ones)
+    sx = torch.where(nz, safe / full, ones)
     q = torch.round(xf * r[:, None]).clamp_(-127, 127)
     return q.to(torch.int8), sx, q.sum(dim=1).to(torch.int32)
 
