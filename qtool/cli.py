@@ -132,12 +132,23 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
             ("wall time", f"{summary['timings']['total_s']:.1f} s"),
             ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
     ev = summary.get("eval")
-    if ev:
+    if ev and "protocol" in ev:
         rows.append(("perplexity (original)", f"{ev['original']['perplexity']:.4f}"))
         rows.append(("perplexity (quantized)", f"{ev['quantized']['perplexity']:.4f}"))
         p = ev["protocol"]
         rows.append(("protocol", f"{Path(p['text']).name}, {ev['quantized']['windows']} windows x {p['seq_len']}, "
                                  f"stride {p['stride']}"))
+    if ev and "tasks_protocol" in ev:
+        from qtool.evaluate import format_value
+
+        for task, ms in ev["quantized"]["tasks"].items():
+            for metric, v in ms.items():
+                o = ev["original"]["tasks"].get(task, {}).get(metric)
+                before = format_value(o["value"], o["stderr"]) if o else "-"
+                rows.append((f"{task} {metric}", f"{before} → {format_value(v['value'], v['stderr'])}"))
+        p = ev["tasks_protocol"]
+        rows.append(("task protocol", f"limit {p['limit'] or 'none'}, {p['num_fewshot']}-shot, lm-eval "
+                                      f"{p['lm_eval_version']}, {p['runtime']} on {p['device']}"))
     emit(reporter, summary, rows, "qtool quantize")
 
 
@@ -169,6 +180,7 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 
 @cli.command("eval")
 @click.argument("model")
+@click.argument("model_b", required=False)
 @click.option("--text", required=False, help="Text to score: .txt/.jsonl file, datasets folder or datasets name.")
 @click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per window.")
 @click.option("--windows", "max_windows", type=int, help="Score only the first N windows.")
@@ -176,33 +188,102 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 @click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding text in jsonl/datasets.")
 @click.option("--split", default="test", show_default=True, help="datasets split.")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per forward pass.")
+@click.option("--tasks", help="Zero-shot tasks through lm-evaluation-harness, comma-separated: piqa, arc_easy, "
+                              "arc_challenge, winogrande, hellaswag, lambada_openai, or tasks of --include-path.")
+@click.option("--limit", type=int, help="Score only the first N items of each task.")
+@click.option("--num-fewshot", type=int, default=0, show_default=True, help="Examples in each task prompt.")
+@click.option("--batch-size", help="Windows (perplexity, default 4) or lm-eval requests (tasks, default 32) per "
+                                   "forward pass; auto lets lm-eval find the largest that fits.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--tasks", help="Zero-shot tasks through lm-eval-harness (not implemented yet).")
+@click.option("--seed", type=int, default=1234, show_default=True, help="lm-eval's seeds (few-shot sampling).")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Folder of the standard tasks' JSONL files "
+                                                                   "(default: $QTOOL_ZEROSHOT_DATA, else "
+                                                                   "../shared/assets/data/zeroshot).")
+@click.option("--include-path", multiple=True, type=click.Path(file_okay=False),
+              help="Folder of your own lm-eval task YAMLs over local data (repeatable).")
 @output_options
-def eval_cmd(model, text, seq_len, max_windows, stride, separator, text_field, split, batch_size, device, tasks,
-             reporter: Reporter) -> None:
-    """Perplexity of MODEL (a qtool checkpoint, a model directory or a hub id) on a text.
+def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, tasks, limit,
+             num_fewshot, batch_size, device, seed, data_dir, include_path, reporter: Reporter) -> None:
+    """Perplexity and zero-shot accuracy of MODEL (a qtool checkpoint, a model directory or a hub id), or of MODEL
+    and MODEL_B side by side with the difference.
 
-    The protocol (sequence length, windows, stride, tokenizer, token hash) is printed and stored in the JSON
-    result, so the original and the quantized model are one command each.
+    \b
+    The protocol (windows and token hash; lm-eval version, task versions, limit, few-shot count, device and whether
+    the packed layers ran their CUDA kernels or the torch reference) is printed and stored in the JSON result.
+      qtool eval out/smollm2-gptq --tasks piqa,arc_easy --limit 200
+      qtool eval .cache/models/smollm2-135m out/smollm2-gptq --tasks piqa --text wikitext2.txt --seq-len 512
     """
-    if tasks:
-        raise NotImplementedYet("eval --tasks: zero-shot evaluation is not implemented yet; use perplexity (--text)")
-    if not text:
-        raise QtoolError("eval: --text is required; expected a text file, datasets folder or datasets name")
     from qtool.evaluate import run_eval
 
-    summary = run_eval(model, text=text, seq_len=seq_len, max_windows=max_windows, stride=stride,
-                       separator=separator, text_field=text_field, split=split, batch_size=batch_size,
-                       device=device, reporter=reporter)
-    p = summary["protocol"]
-    emit(reporter, summary, [("model", summary["model"]), ("perplexity", f"{summary['perplexity']:.4f}"),
-                             ("text", p["text"]), ("windows", f"{summary['windows']} x {p['seq_len']} tokens, "
-                                                               f"stride {p['stride']}"),
-                             ("scored tokens", str(summary["scored_tokens"])),
-                             ("tokenizer", p["tokenizer"]), ("seconds", f"{summary['seconds']:.1f}")],
-         "qtool eval")
+    summary = run_eval([model] if model_b is None else [model, model_b], text=text, seq_len=seq_len,
+                       max_windows=max_windows, stride=stride, separator=separator, text_field=text_field,
+                       split=split, batch_size=batch_size, device=device, reporter=reporter, tasks=tasks,
+                       limit=limit, num_fewshot=num_fewshot, seed=seed, data_dir=data_dir,
+                       include_paths=include_path)
+    if reporter.json_mode:
+        emit(reporter, summary, [], "qtool eval")
+    elif model_b is None:
+        _print_eval(reporter, summary)
+    else:
+        _print_comparison(reporter, summary)
+
+
+def _protocol_rows(summary: dict) -> list[tuple[str, str]]:
+    rows = []
+    if "perplexity" in summary:
+        p = summary["protocol"]
+        rows += [("perplexity", f"{summary['perplexity']:.4f}"), ("text", p["text"]),
+                 ("windows", f"{summary['windows']} x {p['seq_len']} tokens, stride {p['stride']}"),
+                 ("scored tokens", str(summary["scored_tokens"])), ("tokenizer", p["tokenizer"])]
+    if "zeroshot" in summary:
+        z = summary["zeroshot"]["protocol"]
+        rows += [("tasks", f"limit {z['limit'] or 'none'}, {z['num_fewshot']}-shot, batch {z['batch_size']}, "
+                           f"lm-eval {z['lm_eval_version']}"),
+                 ("runtime", f"{z['runtime']} on {z['device']}"),
+                 ("task seconds", f"{z['seconds']:.1f}")]
+    return rows
+
+
+def _print_eval(reporter: Reporter, summary: dict) -> None:
+    from rich.table import Table
+
+    from qtool.eval.zeroshot import metrics
+    from qtool.evaluate import format_value
+
+    emit(reporter, summary, [("model", summary["model"]), *_protocol_rows(summary),
+                             ("seconds", f"{_seconds(summary):.1f}")], "qtool eval")
+    if "zeroshot" in summary:
+        table = Table(title="zero-shot", title_justify="left")
+        for col in ("task", "metric", "value ± stderr"):
+            table.add_column(col)
+        for task, ms in metrics(summary["zeroshot"]["results"]).items():
+            for metric, v in ms.items():
+                table.add_row(task, metric, format_value(v["value"], v["stderr"]))
+        reporter.out.print(table)
+
+
+def _seconds(summary: dict) -> float:
+    return summary.get("seconds", 0.0) + summary.get("zeroshot", {}).get("protocol", {}).get("seconds", 0.0)
+
+
+def _print_comparison(reporter: Reporter, summary: dict) -> None:
+    from rich.table import Table
+
+    from qtool.evaluate import format_value
+
+    a, b = summary["models"]
+    table = Table(title=f"qtool eval: A = {a['model']} ({a['kind']}), B = {b['model']} ({b['kind']})",
+                  title_justify="left")
+    for col in ("task", "metric", "A", "B", "B - A"):
+        table.add_column(col)
+    for r in summary["comparison"]:
+        table.add_row(r["task"], r["metric"], format_value(r["a"], r["a_stderr"]), format_value(r["b"], r["b_stderr"]),
+                      f"{r['delta']:+.4f}")
+    reporter.out.print(table)
+    for label, s in (("A", a), ("B", b)):
+        reporter.out.print(f"{label}: " + "; ".join(f"{k} {v}" for k, v in _protocol_rows(s)
+                                                    if k in ("runtime", "tasks", "text", "windows"))
+                           + f"; {_seconds(s):.1f} s")
 
 
 @cli.command()

@@ -1,6 +1,11 @@
-"""`qtool eval`: perplexity of an original model or a packed checkpoint."""
+"""`qtool eval`: perplexity and zero-shot accuracy of an original model or a packed checkpoint, or of two side by
+side."""
 
 from __future__ import annotations
+
+import gc
+import math
+from contextlib import nullcontext
 
 import torch
 
@@ -8,36 +13,126 @@ from qtool.console import Reporter
 from qtool.recipe import EvalSpec
 
 
-def run_eval(model_ref: str, *, text: str, seq_len: int, max_windows: int | None, stride: int | None,
-             separator: str | None, text_field: str, split: str, batch_size: int, device: str,
-             reporter: Reporter) -> dict:
-    from pathlib import Path
-
+def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter):
+    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
-    from qtool.errors import QtoolError
-    from qtool.eval.perplexity import perplexity
     from qtool.models.loading import load_model
-    from qtool.pipeline import resolve_device
-    from qtool.recipe import resolve_text
 
-    dev = resolve_device(device)
-    spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
-                    stride=stride, separator=separator, text_field=text_field, split=split, batch_size=batch_size)
-    for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--windows", max_windows),
-                        ("--stride", stride)):
-        if value is not None and value < 1:
-            raise QtoolError(f"{name}: found {value}, expected a positive integer")
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
-        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype)
-        tokenizer = load_tokenizer(model_ref)
-        kind = "qtool checkpoint"
-    else:
-        reporter.log(f"loading model {model_ref}")
-        model, tokenizer, _, _ = load_model(model_ref, dtype)
-        model.to(dev)
-        kind = "original"
-    result = perplexity(model, tokenizer, spec, dev, reporter)
-    return {"model": model_ref, "kind": kind, "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
-            **result}
+        return load_checkpoint(model_ref, device=str(dev), dtype=dtype), load_tokenizer(model_ref), "qtool checkpoint"
+    reporter.log(f"loading model {model_ref}")
+    model, tokenizer, _, _ = load_model(model_ref, dtype)
+    return model.to(dev), tokenizer, "original"
+
+
+def evaluate_loaded(model, tokenizer, dev: torch.device, *, spec: EvalSpec | None, suite,
+                    reporter: Reporter) -> dict:
+    """Perplexity on `spec` and/or lm-eval tasks of `suite` (a TaskSuite) for a loaded model."""
+    from qtool.eval.perplexity import perplexity
+    from qtool.runtime.cache import reference_cache
+
+    out: dict = {}
+    with reference_cache(model) if dev.type == "cpu" else nullcontext():
+        if spec is not None:
+            out.update(perplexity(model, tokenizer, spec, dev, reporter))
+        if suite is not None:
+            from qtool.eval.zeroshot import evaluate_tasks
+
+            out["zeroshot"] = evaluate_tasks(model, tokenizer, suite, dev, reporter)
+    return out
+
+
+def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max_windows: int | None,
+             stride: int | None, separator: str | None, text_field: str, split: str, batch_size: int | str | None,
+             device: str, reporter: Reporter, tasks: str | None = None, limit: int | None = None,
+             num_fewshot: int = 0, seed: int = 1234, data_dir: str | None = None,
+             include_paths: tuple[str, ...] = ()) -> dict:
+    from pathlib import Path
+
+    from qtool.errors import QtoolError
+    from qtool.eval.zeroshot import PERPLEXITY_BATCH, TaskSuite, parse_batch_size
+    from qtool.pipeline import resolve_device
+    from qtool.recipe import resolve_text
+
+    refs = [model_refs] if isinstance(model_refs, str) else list(model_refs)
+    if not text and not tasks:
+        raise QtoolError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
+                         "(zero-shot accuracy)")
+    bs = parse_batch_size(batch_size)
+    dev = resolve_device(device)
+    spec = None
+    if text:
+        ppl_batch = bs if isinstance(bs, int) else PERPLEXITY_BATCH
+        for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
+            if value is not None and value < 1:
+                raise QtoolError(f"{name}: found {value}, expected a positive integer")
+        spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
+                        stride=stride, separator=separator, text_field=text_field, split=split,
+                        batch_size=ppl_batch)
+    suite = None
+    if tasks:
+        # Tasks and data are checked (and loaded once) before any model is.
+        suite = TaskSuite(tasks.split(","), limit=limit, num_fewshot=num_fewshot, batch_size=bs, seed=seed,
+                          data_dir=data_dir, include_paths=include_paths)
+    summaries = []
+    try:
+        for ref in refs:
+            model, tokenizer, kind = load_for_eval(ref, dev, reporter)
+            result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
+            summaries.append({"model": ref, "kind": kind, "device": str(dev),
+                              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result})
+            del model
+            gc.collect()
+    finally:
+        if suite is not None:
+            suite.close()
+    if len(summaries) == 1:
+        return summaries[0]
+    return {"models": summaries, "comparison": compare(summaries[0], summaries[1])}
+
+
+def compare(a: dict, b: dict) -> list[dict]:
+    """One row per (task, metric) both models have, plus perplexity: each value, its stderr and b - a."""
+    from qtool.eval.zeroshot import metrics
+
+    rows = []
+    if "perplexity" in a and "perplexity" in b:
+        rows.append({"task": "text", "metric": "perplexity", "a": a["perplexity"], "a_stderr": None,
+                     "b": b["perplexity"], "b_stderr": None, "delta": b["perplexity"] - a["perplexity"]})
+    ma = metrics(a["zeroshot"]["results"]) if "zeroshot" in a else {}
+    mb = metrics(b["zeroshot"]["results"]) if "zeroshot" in b else {}
+    for task in ma:
+        for metric, va in ma[task].items():
+            vb = mb.get(task, {}).get(metric)
+            if vb is None:
+                continue
+            rows.append({"task": task, "metric": metric, "a": va["value"], "a_stderr": va["stderr"],
+                         "b": vb["value"], "b_stderr": vb["stderr"], "delta": vb["value"] - va["value"]})
+    return rows
+
+
+def eval_record(original: dict, quantized: dict) -> dict:
+    """What the manifest keeps of both models' evaluations: perplexity with its protocol, each task metric with its
+    stderr and the task protocol (wall times left out, so the same recipe writes the same manifest)."""
+    from qtool.eval.zeroshot import metrics
+
+    ppl_keys = ("perplexity", "nll", "scored_tokens", "windows")
+    record: dict = {"original": {}, "quantized": {}}
+    if "perplexity" in quantized:
+        record["protocol"] = quantized["protocol"]
+        record["original"].update({k: original[k] for k in ppl_keys})
+        record["quantized"].update({k: quantized[k] for k in ppl_keys})
+    if "zeroshot" in quantized:
+        record["tasks_protocol"] = {k: v for k, v in quantized["zeroshot"]["protocol"].items() if k != "seconds"}
+        record["original"]["tasks"] = metrics(original["zeroshot"]["results"])
+        record["quantized"]["tasks"] = metrics(quantized["zeroshot"]["results"])
+    return record
+
+
+def format_value(value: float, stderr: float | None) -> str:
+    fmt = ".4f" if abs(value) < 1000 else ".4g"
+    if stderr is None or not math.isfinite(stderr):
+        return f"{value:{fmt}}"
+    return f"{value:{fmt}} ± {stderr:{fmt}}"

@@ -1,4 +1,4 @@
-"""`qtool quantize`: recipe → block-wise pipeline → (optional perplexity) → packed checkpoint."""
+"""`qtool quantize`: recipe → block-wise pipeline → (optional perplexity and zero-shot accuracy) → packed checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from qtool.recipe import load_recipe
 
 
 def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
-    from qtool.eval.perplexity import perplexity
+    from qtool.eval.zeroshot import TaskSuite
+    from qtool.evaluate import eval_record, evaluate_loaded
     from qtool.models.loading import load_model
     from qtool.pipeline import compute_dtype, quantize_model, resolve_device
 
@@ -28,24 +29,30 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     device = resolve_device(recipe.settings.device)
 
     ev_result = None
+    suite = None
+    if run_eval and recipe.eval is not None and recipe.eval.tasks:
+        # The tasks' data is checked before any model loads.
+        suite = TaskSuite(recipe.eval.tasks, limit=recipe.eval.limit, num_fewshot=recipe.eval.num_fewshot,
+                          batch_size=recipe.eval.task_batch_size, data_dir=recipe.eval.data_dir)
+    ppl_spec = recipe.eval if recipe.eval is not None and recipe.eval.text is not None else None
     if run_eval and recipe.eval is not None:
         model, tokenizer, _, original = load_model(recipe.model, torch.float32)
         model.to(compute_dtype(recipe.settings.dtype, device, original)).to(device)
-        reporter.log("perplexity of the original model")
-        fp = perplexity(model, tokenizer, recipe.eval, device, reporter)
+        reporter.log("evaluating the original model")
+        fp = evaluate_loaded(model, tokenizer, device, spec=ppl_spec, suite=suite, reporter=reporter)
         del model
         gc.collect()
 
     qm = quantize_model(recipe, reporter)
 
     if run_eval and recipe.eval is not None:
-        reporter.log("perplexity of the quantized model")
+        reporter.log("evaluating the quantized model")
         qm.model.to(device)
-        q = perplexity(qm.model, qm.tokenizer, recipe.eval, device, reporter)
+        q = evaluate_loaded(qm.model, qm.tokenizer, device, spec=ppl_spec, suite=suite, reporter=reporter)
         qm.model.to("cpu")
-        ev_result = {"protocol": q["protocol"],
-                     "original": {k: fp[k] for k in ("perplexity", "nll", "scored_tokens", "windows")},
-                     "quantized": {k: q[k] for k in ("perplexity", "nll", "scored_tokens", "windows")}}
+        ev_result = eval_record(fp, q)
+        if suite is not None:
+            suite.close()
 
     tensors = collect_tensors(qm.model, qm.packed, qm.original_dtype)
     layers = {name: p.layer_config(getattr(qm.model.get_submodule(name), "bias", None) is not None)

@@ -39,7 +39,8 @@ class CalibrationSpec:
 
 @dataclass
 class EvalSpec:
-    text: str = option(help="a .txt/.jsonl file, a saved datasets folder, or a datasets name")
+    text: str | None = option(None, help="perplexity text: a .txt/.jsonl file, a saved datasets folder, or a datasets "
+                                         "name")
     seq_len: int = option(2048, min=8, max=1_048_576, help="tokens per window")
     max_windows: int | None = option(None, min=1, help="evaluate only the first windows; null for all")
     stride: int | None = option(None, min=1, help="tokens between window starts; null for non-overlapping")
@@ -48,6 +49,17 @@ class EvalSpec:
     split: str = option("test", help="datasets split")
     config: str | None = option(None, help="datasets config name")
     batch_size: int = option(4, min=1, max=1024, help="windows per forward pass")
+    tasks: list[str] | None = option(None, help="zero-shot tasks through lm-eval, e.g. [piqa, arc_easy, hellaswag]")
+    limit: int | None = option(None, min=1, help="score only the first items of each task; null for all")
+    num_fewshot: int = option(0, min=0, max=100, help="examples in each task prompt")
+    task_batch_size: int | Literal["auto"] = option(32, min=1, max=4096, help="lm-eval requests per forward pass")
+    data_dir: str | None = option(None, help="folder of the standard tasks' JSONL files (default: "
+                                             "$QTOOL_ZEROSHOT_DATA, else ../shared/assets/data/zeroshot)")
+
+    def validate(self) -> tuple[str, str] | None:
+        if self.text is None and not self.tasks:
+            return "text", "missing; expected a text (perplexity) and/or tasks (zero-shot accuracy)"
+        return None
 
 
 @dataclass
@@ -197,7 +209,10 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
         if isinstance(ev_raw, dict) and "eval.max_windows" in overrides:
             ev_raw = {**ev_raw, "max_windows": overrides["eval.max_windows"]}
         ev = parse_options(EvalSpec, ev_raw, f"{label}:eval")
-        ev.text = resolve_text(ev.text, base, f"{label}:eval.text")
+        if ev.text is not None:
+            ev.text = resolve_text(ev.text, base, f"{label}:eval.text")
+        if ev.data_dir is not None:
+            ev.data_dir = str((base / Path(ev.data_dir).expanduser()).resolve())
 
     recipe = Recipe(path, model, output, calibration, stages, ev, settings)
     recipe.as_run = _as_run(recipe)

@@ -26,6 +26,9 @@ from qtool.console import Reporter
 from qtool.errors import QtoolError
 from qtool.recipe import EvalSpec
 
+# EvalSpec's zero-shot settings, which are not part of the perplexity protocol.
+TASK_FIELDS = ("tasks", "limit", "num_fewshot", "task_batch_size", "data_dir")
+
 
 def tokenize_eval_text(tokenizer, spec: EvalSpec) -> torch.Tensor:
     docs = read_documents(TextSource(spec.text, spec.text_field, spec.split, spec.config))
@@ -125,7 +128,8 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
                 total_tokens += scored
     nll = total_nll / total_tokens
     protocol = dataclasses.asdict(spec)
-    protocol.pop("batch_size")
+    for key in ("batch_size", *TASK_FIELDS):
+        protocol.pop(key)
     protocol["stride"] = stride
     protocol["tokenizer"] = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     protocol["tokens_sha256"] = hashlib.sha256(ids.to(torch.int32).numpy().tobytes()).hexdigest()[:16]

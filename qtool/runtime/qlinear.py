@@ -26,6 +26,7 @@ class GroupedIntLinear(nn.Module):
             self.bias = nn.Parameter(bias, requires_grad=False)
         else:
             self.bias = None
+        self.reference_cache: dict | None = None  # see qtool/runtime/cache.py
 
     @property
     def layout(self) -> GroupedIntWeight:
@@ -43,7 +44,16 @@ class GroupedIntLinear(nn.Module):
             if y is not None:
                 return y
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(torch.float32).to(x.dtype), bias)
+        return F.linear(x, self.reference_weight(x.dtype), bias)
+
+    def reference_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        cache = getattr(self, "reference_cache", None)
+        w = None if cache is None else cache.get(dtype)
+        if w is None:
+            w = self.dequantize(torch.float32).to(dtype)
+            if cache is not None:
+                cache[dtype] = w
+        return w
 
     def _apply(self, fn, recurse: bool = True):
         # `model.to(dtype)` / `.half()` cast floating buffers; the packed scales must stay float16.

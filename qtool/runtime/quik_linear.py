@@ -71,6 +71,7 @@ class QuikLinear(nn.Module):
             self.bias = nn.Parameter(bias, requires_grad=False)
         else:
             self.bias = None
+        self.reference_cache: dict | None = None  # see qtool/runtime/cache.py
 
     @property
     def layout(self) -> QuikWeight:
@@ -85,7 +86,20 @@ class QuikLinear(nn.Module):
         act = quantize_activations(x2[:, self.base_idx], self.act_bits)
         kb = self.base_idx.numel()
         bound = kb * (1 << (self.act_bits - 1)) * (1 << (self.bits - 1))
-        return int_matmul(act.codes, self.wcodes, bound), act
+        codes = self.wcodes
+        if bound < _EXACT_F64:
+            # int_matmul's float operand for this bound, converted once per evaluation under reference_cache.
+            dt = torch.float32 if bound < _EXACT_F32 else torch.float64
+            codes = self._cached(("wcodes", dt), lambda: self.wcodes.to(dt))
+        return int_matmul(act.codes, codes, bound), act
+
+    def _cached(self, key, make):
+        cache = getattr(self, "reference_cache", None)
+        if cache is None:
+            return make()
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -99,12 +113,14 @@ class QuikLinear(nn.Module):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.float32)
-        y = x2[:, self.outlier_idx.long()] @ self.outlier_weight.to(torch.float32).T
+        outlier_weight = self._cached("outlier_weight", lambda: self.outlier_weight.to(torch.float32))
+        y = x2[:, self.outlier_idx.long()] @ outlier_weight.T
         if self.base_idx.numel():
             acc, act = self.accumulate(x2)
             half = float(1 << (self.act_bits - 1))
             # Eq. 1: x ≈ s_x·(q + half) + z_x, so Σ_k x_k·s_w·c_k = s_x·s_w·acc + (z_x + half·s_x)·wreduced.
-            y = y + acc.to(torch.float32) * act.scale[:, None] * self.scales.to(torch.float32)[None, :]
+            scales = self._cached("scales", lambda: self.scales.to(torch.float32))
+            y = y + acc.to(torch.float32) * act.scale[:, None] * scales[None, :]
             y = y + (act.zero + half * act.scale)[:, None] * self.wreduced[None, :]
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)

@@ -1,0 +1,268 @@
+"""Zero-shot (and few-shot) accuracy through lm-evaluation-harness, offline, on the model as loaded.
+
+lm-eval builds the requests, batches them, scores and aggregates (acc, acc_norm, LAMBADA's last-word accuracy and
+perplexity, standard errors); qtool hands it the loaded model instance and its tokenizer through lm-eval's Hugging
+Face LM class, so a packed checkpoint is measured through the forward a user deploys: its CUDA kernels on a GPU,
+the torch reference on CPU.
+
+The standard tasks ship in `qtool/eval/tasks/` as lm-eval task YAMLs with lm-eval's own prompts, choices and
+metrics, reading local JSONL files instead of the hub. At run time each is included from a generated YAML that
+adds the absolute path of its data file (`--data-dir`, `QTOOL_ZEROSHOT_DATA`, or the shared assets beside the
+checkout), and lm-eval's task manager loads them from that folder plus any `--include-path` of the user's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import torch
+
+from qtool.console import Reporter
+from qtool.errors import QtoolError
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+DATA_ENV = "QTOOL_ZEROSHOT_DATA"
+
+# Standard task -> (file in the data folder, keys every line must have).
+STANDARD_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "piqa": ("piqa.jsonl", ("query", "choices", "gold")),
+    "arc_easy": ("arc_easy.jsonl", ("query", "choices", "gold")),
+    "arc_challenge": ("arc_challenge.jsonl", ("query", "choices", "gold")),
+    "winogrande": ("winogrande.jsonl", ("context_options", "continuation", "gold")),
+    "hellaswag": ("hellaswag_val_subset1000.jsonl", ("activity_label", "ctx_a", "ctx_b", "endings", "label")),
+    "lambada_openai": ("lambada_openai.jsonl", ("context", "continuation")),
+}
+PERPLEXITY_BATCH = 4  # windows per forward when --batch-size is auto or not given
+TASK_BATCH = 32  # lm-eval requests per forward when --batch-size is not given
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    assets = os.environ.get("QTOOL_ASSETS")
+    if assets:
+        return Path(assets).expanduser().resolve() / "data" / "zeroshot"
+    # A checkout (or editable install) sits beside ../shared/assets.
+    return Path(__file__).resolve().parents[3] / "shared" / "assets" / "data" / "zeroshot"
+
+
+def parse_batch_size(value: str | int | None, where: str = "--batch-size") -> int | str | None:
+    if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        if value.strip().isdigit() and int(value) >= 1:
+            return int(value)
+    raise QtoolError(f"{where}: found {value!r}, expected a positive integer or auto")
+
+
+def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
+    """Check every line of a task's JSONL (so a bad file fails before the model loads); return its sha256."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise QtoolError(f"{path}: file not found; expected the task's JSONL (set --data-dir or {DATA_ENV})") from None
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot be read ({e.strerror or e}); expected a readable JSONL file") from None
+    lines = 0
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QtoolError(f"{path}:{n}: found malformed JSON ({e.msg} at column {e.colno}), expected one JSON "
+                             f"object per line") from None
+        if not isinstance(row, dict) or any(k not in row for k in keys):
+            found = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise QtoolError(f"{path}:{n}: found {found or 'no keys'}, expected keys {', '.join(keys)}")
+        lines += 1
+    if not lines:
+        raise QtoolError(f"{path}: found no rows, expected one JSON object per line")
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _quiet_lm_eval() -> None:
+    import logging
+
+    # lm-eval logs every task it builds and every few-shot override at WARNING/INFO; qtool prints the protocol.
+    for name in ("lm_eval", "lm-eval"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextmanager
+def _offline_datasets():
+    """Nothing is downloaded while tasks load: the standard tasks read local files, and a user's task that names a
+    hub dataset fails with datasets' own reason instead of fetching it."""
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
+
+
+class TaskSuite:
+    """The requested tasks, checked and loadable by lm-eval's task manager. Use as a context manager: the generated
+    task folder lives until the suite is closed."""
+
+    def __init__(self, tasks: list[str], *, limit: int | None = None, num_fewshot: int = 0,
+                 batch_size: int | str | None = None, seed: int = 1234, data_dir: str | Path | None = None,
+                 include_paths: list[str] | tuple[str, ...] = ()) -> None:
+        if limit is not None and limit < 1:
+            raise QtoolError(f"--limit: found {limit}, expected a positive number of items per task")
+        if num_fewshot < 0:
+            raise QtoolError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+        names = [t.strip() for t in tasks if t.strip()]
+        if not names:
+            raise QtoolError("--tasks: found no task names, expected a comma-separated list such as piqa,arc_easy")
+        self.names = list(dict.fromkeys(names))
+        self.limit = limit
+        self.num_fewshot = num_fewshot
+        self.batch_size = parse_batch_size(batch_size) or TASK_BATCH
+        self.seed = seed
+        self.data_dir = Path(data_dir).expanduser().resolve() if data_dir else default_data_dir()
+        self.include_paths = [Path(p).expanduser().resolve() for p in include_paths]
+        for p in self.include_paths:
+            if not p.is_dir():
+                raise QtoolError(f"--include-path: '{p}' is not a directory; expected a folder of lm-eval task YAMLs")
+        self._tmp = tempfile.TemporaryDirectory(prefix="qtool-tasks-")
+        self.data: dict[str, dict] = {}
+        try:
+            self._prepare()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TaskSuite:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    def _prepare(self) -> None:
+        _quiet_lm_eval()
+        from lm_eval.tasks import TaskManager
+
+        user_tasks = TaskManager(include_path=[str(p) for p in self.include_paths], include_defaults=False) \
+            if self.include_paths else None
+        user_names = set(user_tasks.all_tasks) if user_tasks else set()
+        # Standard tasks a user's folder redefines are the user's.
+        standard = [n for n in STANDARD_TASKS if n not in user_names]
+        available = sorted(set(standard) | user_names)
+        unknown = [n for n in self.names if n not in available]
+        if unknown:
+            raise QtoolError(f"--tasks: unknown task {unknown[0]!r}; expected one of {', '.join(available)}")
+        gen = Path(self._tmp.name)
+        for name in self.names:
+            if name not in standard:
+                continue
+            file, keys = STANDARD_TASKS[name]
+            path = self.data_dir / file
+            self.data[name] = {"file": str(path), "sha256": check_data_file(path, keys)}
+            (gen / f"{name}.yaml").write_text(
+                f"include: {json.dumps(str(TASKS_DIR / f'{name}.yaml'))}\n"
+                f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(path))}\n")
+        self.manager = TaskManager(include_path=[str(gen), *map(str, self.include_paths)], include_defaults=False)
+        self.load()  # a config or data file lm-eval rejects fails here, before any model loads
+
+    def load(self) -> dict:
+        """Fresh lm-eval Task objects (requests are built into them, so each evaluation gets its own)."""
+        with _offline_datasets():
+            try:
+                return self.manager.load(self.names)["tasks"]
+            except QtoolError:
+                raise
+            except Exception as e:  # noqa: BLE001  lm-eval and datasets raise many types; the reason is the message
+                raise QtoolError(f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
+                                 f"{_first_line(e)})") from None
+
+    def protocol(self) -> dict:
+        return {"tasks": self.names, "limit": self.limit, "num_fewshot": self.num_fewshot,
+                "batch_size": self.batch_size, "seed": self.seed, "data": self.data,
+                "include_paths": [str(p) for p in self.include_paths]}
+
+
+def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
+    """Which forward the quantized linears take: their CUDA kernels, or the torch reference path."""
+    from qtool.runtime.layouts import LAYOUTS
+
+    packed = tuple(m for _, m in LAYOUTS.values())
+    if not any(isinstance(m, packed) for m in model.modules()):
+        return "float (no packed layers)"
+    if device.type != "cuda":
+        return "torch reference"
+    from qtool.cuda.compile import cupy_available, kernel_mode
+
+    if kernel_mode() == "reference" or not cupy_available():
+        return "torch reference"
+    return "cuda kernels"
+
+
+def wrap_model(model, tokenizer, batch_size: int | str = TASK_BATCH):
+    """lm-eval's Hugging Face LM around a loaded model instance (float or packed) and its tokenizer."""
+    _quiet_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    # Log-softmax in float32: float16 logits (CUDA) would otherwise be normalized in float16.
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
+
+
+def evaluate_tasks(model, tokenizer, suite: TaskSuite, device: torch.device, reporter: Reporter | None = None) -> dict:
+    import lm_eval
+    from lm_eval import simple_evaluate
+
+    t0 = time.perf_counter()
+    lm = wrap_model(model, tokenizer, suite.batch_size)
+    if reporter:
+        reporter.log(f"zero-shot tasks {', '.join(suite.names)} (limit {suite.limit}, {suite.num_fewshot}-shot)")
+    quiet = reporter is None or reporter.quiet
+    # lm-eval prints (bootstrap notices) and draws tqdm bars; stdout carries only qtool's result (JSON with --json).
+    sink = open(os.devnull, "w") if quiet else sys.stderr  # noqa: SIM115
+    try:
+        with redirect_stdout(sink), redirect_stderr(sink), _offline_datasets():
+            res = simple_evaluate(model=lm, tasks=list(suite.load().values()), num_fewshot=suite.num_fewshot,
+                                  limit=suite.limit, log_samples=False, task_manager=suite.manager,
+                                  random_seed=suite.seed, numpy_random_seed=suite.seed, torch_random_seed=suite.seed,
+                                  fewshot_random_seed=suite.seed)
+    finally:
+        if sink is not sys.stderr:
+            sink.close()
+    protocol = {**suite.protocol(), "batch_size": lm.batch_size if suite.batch_size == "auto" else suite.batch_size,
+                "lm_eval_version": lm_eval.__version__, "task_versions": res["versions"], "device": str(device),
+                "runtime": runtime_of(model, device), "seconds": round(time.perf_counter() - t0, 3)}
+    return {"results": res["results"], "versions": res["versions"], "n-shot": res["n-shot"],
+            "higher_is_better": res["higher_is_better"], "n-samples": res["n-samples"], "protocol": protocol}
+
+
+def metrics(results: dict) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{task: {metric: {"value", "stderr"}}} from lm-eval's results dict (keys like "acc,none", "acc_stderr,none")."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for task, row in results.items():
+        for key, value in row.items():
+            metric, _, filt = key.partition(",")
+            if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr = row.get(f"{metric}_stderr,{filt}")
+            out.setdefault(task, {})[metric] = {
+                "value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+    return out
