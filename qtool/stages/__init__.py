@@ -13,7 +13,7 @@ def register(cls):
 
 
 def _load_builtin() -> None:
-    from qtool.stages import gptq, outliers, rtn  # noqa: F401  (importing registers them)
+    from qtool.stages import gptq, outliers, progressive, rtn  # noqa: F401  (importing registers them)
 
 
 _load_builtin()
