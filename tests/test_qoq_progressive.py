@@ -40,13 +40,15 @@ def test_protective_range_exhaustive_every_group_range_stays_in_int8():
     assert int(s1.min()) == 1 and int(s1.max()) == 16
     assert int(z.min()) == 0 and int(z.max()) == 15
     assert torch.equal(s1, s1.round()) and torch.equal(z, z.round())
-    assert int((s1 * z).max()) <= 128
+    assert int((s1 * z).max()) <= 127  # formats/qoq.md: s1·z ≤ -lo + s1/2 ≤ 119 + 8
 
     v = torch.arange(-PROTECT, PROTECT + 1, dtype=torch.float32)[None, :].expand(mn.numel(), -1)
     inside = (v >= mn[:, None]) & (v <= mx[:, None])
     q = _level1_by_formula(v, s1, z)
     q8hat = s1[:, None] * (q - z[:, None])
     assert int(q8hat[inside].min()) >= -128 and int(q8hat[inside].max()) <= 127
+    # The argument of formats/qoq.md gives more: |s1·round(v/s1)| ≤ |v| + s1/2 ≤ 127, so -128 never occurs.
+    assert int(q8hat[inside].abs().max()) <= 127
     assert torch.equal(level1_codes(v, s1, z)[inside], q[inside])
     # The error of level 1 is at most s1/2 wherever the grid reaches the value.
     reach = inside & (q > 0) & (q < 15)
@@ -55,7 +57,8 @@ def test_protective_range_exhaustive_every_group_range_stays_in_int8():
 
 def test_range_120_overflows_the_papers_counterexample():
     """The check above can fail: the paper's group [-113, 120] (level 0 in ±127) gives s1 = 16, z = 7 and
-    120 → 15 → 128."""
+    round(120/16) + 7 = 8 + 7 = 15 → 128, under half-to-even too (the paper's `round(Q8/s1 + z)` would round
+    14.5 to 14 there; this layout adds z after rounding)."""
     s1, z = level1_params(torch.tensor([[-113.0, 120.0]]))
     assert (int(s1), int(z)) == (16, 7)
     q = _level1_by_formula(torch.tensor([[120.0]]), s1, z)
