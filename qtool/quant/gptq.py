@@ -77,7 +77,8 @@ def gptq_run(
     sparsity_24: bool = False,
     grid: ColumnGrid | None = None,
 ) -> GPTQOutput:
-    """GPTQ with two extensions used by outlier-aware quantization.
+    """GPTQ with the extensions used by outlier-aware (`keep_last`, `sparsity_24`) and progressive (`grid`)
+    quantization.
 
     `keep_last`: the last `keep_last` columns are never quantized; they still receive the error feedback of every
     quantized column, so the rounding error accumulates into them (the caller permutes the columns it wants to

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
@@ -73,6 +72,8 @@ class ProgressiveStage(QuantizerStage):
         adapter = adapter_for(getattr(config, "architectures", None))
         if g is None or adapter is None:  # an unsupported architecture is refused when the model loads
             return
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
+
         # The skeleton on the meta device gives every linear's width without reading a weight.
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
