@@ -72,12 +72,17 @@ def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[st
     return assignment
 
 
+def check_stages(recipe: Recipe, config) -> None:
+    """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
+    for spec in recipe.stages:
+        spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+
+
 def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
     config = load_config(recipe.model)
-    for spec in recipe.stages:
-        spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+    check_stages(recipe, config)
     dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(config))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)

@@ -25,9 +25,13 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
     layers = config["quantization_config"]["layers"]
     layouts: dict[str, int] = {}
     for cfg in layers.values():
-        key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'} {'sym' if cfg['symmetric'] else 'asym'}"
-        if "act_bits" in cfg:  # quik: activation bits and outlier count vary per layer
-            key += f" a{cfg['act_bits']} outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
+        key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key
+            key += " sym" if cfg["symmetric"] else " asym"
+        if "act_bits" in cfg:
+            key += f" a{cfg['act_bits']}"
+        if "num_outliers" in cfg:  # quik: the outlier count varies per layer
+            key += f" outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
         layouts[key] = layouts.get(key, 0) + 1
     summary = {"checkpoint": str(checkpoint), "verified": True, "quantized_layers": len(layers),
                "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}

@@ -23,6 +23,25 @@ def clip_ratios(grid: int, min_ratio: float) -> list[float]:
     return [1.0 - i * step for i in range(grid)]
 
 
+def error_weight(hessian: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """What `output_error` weights a weight error with: the [cols, cols] Hessian block, or its diagonal when the
+    block is wider than FULL_BLOCK_MAX_COLS or only the diagonal is given, or None (plain squared error)."""
+    if hessian is None:
+        return None
+    if hessian.dim() == 2 and hessian.shape[0] > FULL_BLOCK_MAX_COLS:
+        hessian = torch.diagonal(hessian)
+    return hessian.to(dtype)
+
+
+def output_error(e: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """Per-row output error of the weight error `e` [rows, cols]: `e H eᵀ`, `Σ e² diag(H)` or `Σ e²`."""
+    if weight is None:
+        return (e * e).sum(dim=1)
+    if weight.dim() == 1:
+        return (e * e * weight).sum(dim=1)
+    return ((e @ weight) * e).sum(dim=1)
+
+
 def clipped_grid_params(
     w: torch.Tensor,
     spec: GridSpec,
@@ -33,23 +52,13 @@ def clipped_grid_params(
 
     `hessian` is the [cols, cols] block of H for these columns, or its diagonal [cols], or None.
     """
-    weight = None
-    if hessian is not None:
-        if hessian.dim() == 2 and hessian.shape[0] > FULL_BLOCK_MAX_COLS:
-            hessian = torch.diagonal(hessian)
-        weight = hessian.to(w.dtype)
+    weight = error_weight(hessian, w.dtype)
     best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype, device=w.device)
     best_scale = torch.empty_like(best_err)
     best_zero = torch.empty_like(best_err)
     for r in ratios:
         scale, zero = grid_params(w, spec, r)
-        e = w - fake_quantize(w, scale, zero, spec)
-        if weight is None:
-            err = (e * e).sum(dim=1)
-        elif weight.dim() == 1:
-            err = (e * e * weight).sum(dim=1)
-        else:
-            err = ((e @ weight) * e).sum(dim=1)
+        err = output_error(w - fake_quantize(w, scale, zero, spec), weight)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)

@@ -3,7 +3,7 @@ into the columns not yet quantized through the inverse Hessian, in lazy batches 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -11,7 +11,24 @@ from qtool.quant.clip import clipped_grid_params
 from qtool.quant.grid import GridSpec, grid_params
 
 
-def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h_block: torch.Tensor | None):
+class ColumnGrid(Protocol):
+    """A grid that is not the affine one of a GridSpec (e.g. the two-level grid of quant/progressive.py): it picks
+    each group's parameters and rounds columns itself; GPTQ only feeds back the errors."""
+
+    def group_params(self, w: torch.Tensor, h_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row (scale, zero) of the group whose (error-updated) columns are `w` [rows, cols]."""
+        ...
+
+    def quantize_column(self, w: torch.Tensor, scale: torch.Tensor,
+                        zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, the weights they dequantize to) of one column `w` [rows] with its group's parameters."""
+        ...
+
+
+def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h_block: torch.Tensor | None,
+                  grid: ColumnGrid | None = None):
+    if grid is not None:
+        return grid.group_params(w, h_block)
     if ratios is None:
         return grid_params(w, spec)
     return clipped_grid_params(w, spec, ratios, h_block)
@@ -58,8 +75,10 @@ def gptq_run(
     clip_ratios: list[float] | None = None,
     keep_last: int = 0,
     sparsity_24: bool = False,
+    grid: ColumnGrid | None = None,
 ) -> GPTQOutput:
-    """GPTQ with two extensions used by outlier-aware quantization.
+    """GPTQ with the extensions used by outlier-aware (`keep_last`, `sparsity_24`) and progressive (`grid`)
+    quantization.
 
     `keep_last`: the last `keep_last` columns are never quantized; they still receive the error feedback of every
     quantized column, so the rounding error accumulates into them (the caller permutes the columns it wants to
@@ -70,6 +89,9 @@ def gptq_run(
     quantized columns, the 2 weights of each row with the smallest `w² / [H⁻¹]_jj²` (on the error-updated
     weights) are set to the zero point, and their removal error is fed back like a rounding error. A partial
     last group of r < 4 columns keeps at most 2 (prunes r - 2 when r = 3).
+
+    `grid`: group parameters and column codes come from it instead of `spec`'s affine grid (`spec` still gives
+    the group size; `clip_ratios` is not used, the grid clips as it chooses).
     """
     w = weight.clone()
     h = hessian.to(w.dtype).clone()
@@ -82,6 +104,8 @@ def gptq_run(
         raise ValueError("act_order with groups needs static_groups")
     if act_order and (keep_last or sparsity_24):
         raise ValueError("act_order cannot be combined with keep_last or sparsity_24 (both fix the column order)")
+    if grid is not None and sparsity_24:
+        raise ValueError("sparsity_24 needs the affine grid (its pruned weights are the zero point)")
 
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1
@@ -93,7 +117,7 @@ def gptq_run(
     bounds = spec.group_bounds(kq) if spec.group_size is not None else [(0, kq)]
     if static_groups or spec.group_size is None:
         for j, (s, e) in enumerate(bounds):
-            scales[:, j], zeros[:, j] = _group_params(w[:, s:e], spec, clip_ratios, h[s:e, s:e])
+            scales[:, j], zeros[:, j] = _group_params(w[:, s:e], spec, clip_ratios, h[s:e, s:e], grid)
 
     perm = torch.arange(k, device=w.device)
     if act_order:
@@ -133,7 +157,8 @@ def gptq_run(
             if dynamic and col % g == 0:
                 e = min(col + g, kq)
                 j = col // g
-                scales[:, j], zeros[:, j] = _group_params(w1[:, i:i + (e - col)], spec, clip_ratios, h[col:e, col:e])
+                scales[:, j], zeros[:, j] = _group_params(w1[:, i:i + (e - col)], spec, clip_ratios, h[col:e, col:e],
+                                                          grid)
                 cur_j = -1  # the group's scale and zero point just changed
             if pruned is not None and i % 4 == 0:
                 m = min(4, i2 - i1 - i)
@@ -144,13 +169,17 @@ def gptq_run(
             j = group_list[col]
             if j != cur_j:
                 cur_j, s, z = j, scales[:, j], zeros[:, j]
-            wcol, q = w1[:, i], q1[:, i]
-            torch.div(wcol, s, out=q)
-            q.round_().add_(z).clamp_(0, maxq)
-            if pruned is not None:
-                q.copy_(torch.where(pruned[:, i], z, q))  # the zero point dequantizes to exactly 0
-            e_col = err1[:, i]
-            torch.sub(wcol, s * (q - z), out=e_col)
+            wcol, q, e_col = w1[:, i], q1[:, i], err1[:, i]
+            if grid is not None:
+                codes_i, wq = grid.quantize_column(wcol, s, z)
+                q.copy_(codes_i)
+                torch.sub(wcol, wq, out=e_col)
+            else:
+                torch.div(wcol, s, out=q)
+                q.round_().add_(z).clamp_(0, maxq)
+                if pruned is not None:
+                    q.copy_(torch.where(pruned[:, i], z, q))  # the zero point dequantizes to exactly 0
+                torch.sub(wcol, s * (q - z), out=e_col)
             e_col.div_(dinv[i])  # a 0-d tensor, not a Python float: torch may turn x / float into x * (1 / float)
             w1[:, i:] -= e_col[:, None] * hinv1[i, i:][None, :]
         codes[:, i1:i2] = q1.to(torch.int64)

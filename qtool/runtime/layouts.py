@@ -7,14 +7,18 @@ from torch import nn
 
 from qtool.packing.grouped_int import FORMAT as GROUPED_INT
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.qoq import FORMAT as QOQ
+from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import FORMAT as QUIK
 from qtool.packing.quik import QuikWeight
 from qtool.runtime.qlinear import GroupedIntLinear
+from qtool.runtime.qoq_linear import QoQLinear
 from qtool.runtime.quik_linear import QuikLinear
 
 LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
     GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),
     QUIK: (QuikWeight, QuikLinear),
+    QOQ: (QoQWeight, QoQLinear),
 }
 
 

@@ -17,6 +17,7 @@ def _load_builtin() -> None:
         gptq,
         kv_cache,
         outliers,
+        progressive,
         reorder,
         rotate,
         rtn,

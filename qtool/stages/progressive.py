@@ -1,0 +1,102 @@
+"""Stage `progressive`: QoQ's W4A8 weights (QServe §4.1) in the `qoq` layout: W8 or W4 per output channel, or W4
+progressive groups (a per-channel INT8 level with the protective range, then u4 groups of it with integer scales).
+
+Solvers: `rtn` rounds to nearest; `gptq` runs GPTQ on the same grid (level 0 fixed per row before the column loop,
+each group's level-1 scale and zero chosen when GPTQ reaches the group). `clip` searches one ratio per output
+channel that shrinks the level-0 range, scored by the layer output error of the whole quantized row (Hessian, or
+its diagonal, as quant/clip.py weights it).
+
+Within the block-wise pipeline, the next linears and the next block are calibrated on the outputs of this layer's
+dequantized weights with float activations (weight-only fake quantization, as the `outliers` stage does). The
+quantized model returned by the pipeline, and the one `qtool.load` builds from the checkpoint, run the full
+W+A8 reference forward of formats/qoq.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from qtool.calibration.stats import LinearStats
+from qtool.errors import RecipeError
+from qtool.models.adapters import adapter_for
+from qtool.options import option
+from qtool.packing.qoq import QoQWeight
+from qtool.quant.clip import clip_ratios
+from qtool.quant.progressive import qoq_quantize
+from qtool.stages import register
+from qtool.stages.base import QuantizerStage, QuantResult
+
+
+@dataclass
+class ProgressiveOptions:
+    bits: Literal[4, 8] = option(4, help="weight bits: 8 (per channel) or 4 (per channel, or progressive groups)")
+    group_size: int | None = option(128, min=1, help="input columns per level-1 group (bits 4); null: one "
+                                                     "scale per output channel")
+    act_bits: Literal[8] = option(8, help="activation bits at run time (symmetric per token, dynamic)")
+    solver: Literal["rtn", "gptq"] = option("rtn", help="round to nearest, or GPTQ on the same grid")
+    clip: bool = option(False, help="search the level-0 range shrink minimising the layer output error")
+    clip_grid: int = option(20, min=2, max=200, help="number of shrink ratios tried by clip")
+    clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
+    damp: float = option(0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean")
+    block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
+    sequential: bool = option(True, help="gptq: within a block, q/k/v then o then gate/up then down, each "
+                                         "calibrated on the outputs of the already quantized linears")
+
+    def validate(self) -> tuple[str, str] | None:
+        if self.bits == 8 and self.group_size is not None:
+            return ("group_size", f"found {self.group_size} with bits 8; expected null (W8 has one scale per "
+                                  f"output channel)")
+        return None
+
+
+@register
+class ProgressiveStage(QuantizerStage):
+    name = "progressive"
+    options_cls = ProgressiveOptions
+    help = "QoQ W4A8: W8 or W4 per channel, or W4 progressive groups on a protective-range INT8 level"
+
+    def needs_calibration(self) -> bool:
+        return self.options.solver == "gptq" or self.options.clip
+
+    def needs_hessian(self) -> bool:
+        return self.options.solver == "gptq"
+
+    def sequential(self) -> bool:
+        return self.options.solver == "gptq" and self.options.sequential
+
+    def check_config(self, config, where: str) -> None:
+        g = self.options.group_size
+        adapter = adapter_for(getattr(config, "architectures", None))
+        if g is None or adapter is None:  # an unsupported architecture is refused when the model loads
+            return
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
+
+        # The skeleton on the meta device gives every linear's width without reading a weight.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        for i, block in enumerate(adapter.blocks(model)):
+            for rel in adapter.linear_names():
+                full = f"{adapter.block_prefix(i)}.{rel}"
+                k = block.get_submodule(rel).in_features
+                if self.targets.matches(full) and k % g:
+                    raise RecipeError(f"{where}.group_size: found {g}, but targeted linear {full} has "
+                                      f"in_features {k}; expected a divisor of every targeted linear's in_features "
+                                      f"(or exclude it in targets)")
+
+    def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
+        o: ProgressiveOptions = self.options
+        hessian = None
+        if o.solver == "gptq":
+            if stats is None or not stats.has_hessian:
+                raise RuntimeError(f"progressive (gptq) needs the Hessian of {name}")
+            hessian = stats.hessian().to(weight.device)
+        elif o.clip and stats is not None:
+            hessian = (stats.hessian() if stats.has_hessian else stats.hessian_diag()).to(weight.device)
+        out = qoq_quantize(weight.float(), o.bits, o.group_size, solver=o.solver, hessian=hessian,
+                           clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
+                           damp=o.damp, block_size=o.block_size)
+        packed = QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros)
+        return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))
