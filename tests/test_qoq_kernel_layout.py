@@ -66,12 +66,19 @@ def test_quantize_torch_is_the_layout_formula():
 
 
 def test_group_words_reject_groups_outside_the_protective_range():
-    s1 = torch.tensor([[16, 16]], dtype=torch.uint8)
-    z = torch.tensor([[8, 7]], dtype=torch.uint8)  # z = 7: (15 - 7)·16 = 128 overflows
+    s1 = torch.tensor([[16, 16, 16]], dtype=torch.uint8)
+    z = torch.tensor([[8, 7, 9]], dtype=torch.uint8)
+    qmax = torch.tensor([[15, 15, 15]])  # z = 7: (15 - 7)·16 = 128 overflows; z = 9: 128 - 144 < 0
     with pytest.raises(ValueError, match=r"group \(0, 1\)"):
-        qoq.group_words(s1, z)
-    w = qoq.group_words(s1[:, :1], z[:, :1])
+        qoq.group_words(s1, z, qmax)
+    with pytest.raises(ValueError, match=r"group \(0, 0\) has s1 16, z 9"):
+        qoq.group_words(s1[:, 2:], z[:, 2:], qmax[:, 2:])
+    w = qoq.group_words(s1[:, :1], z[:, :1], qmax[:, :1])
     assert int(w) == (128 - 128) | (16 << 8)
+    # The group the quantizer produces for the range [-113, 119] (s1 = 16, z = 7) never holds q = 15: its largest
+    # code is round(119/16) + 7 = 14, whose byte 14·16 + 16 = 240 fits.
+    w = qoq.group_words(s1[:, 1:2], z[:, 1:2], torch.tensor([[14]]))
+    assert int(w) == (128 - 112) | (16 << 8)
 
 
 def test_unsupported_reasons_are_one_line():
@@ -81,4 +88,4 @@ def test_unsupported_reasons_are_one_line():
         reason = qoq.unsupported_reason(*args, torch.device("cuda"))
         assert reason and "\n" not in reason
     assert "multiple of group_size" in qoq.unsupported_reason(4, 128, 576, 64, torch.device("cuda"))
-    assert "_int_mm" in qoq.unsupported_reason(8, None, 100, 64, torch.device("cuda"))
+    assert "_int_mm" in qoq.unsupported_reason(8, None, 128, 60, torch.device("cuda"))

@@ -24,6 +24,7 @@ import torch
 
 from qtool.cuda import compile as cc
 from qtool.cuda import quik, split_k
+from qtool.packing.bitpack import packed_words, unpack_codes
 
 GROUP_SIZES = (32, 64, 128)  # progressive group sizes with a GEMM entry (a k-step of 32 codes lies in one group)
 KP_MULTIPLE = quik.KP_MULTIPLE  # activation rows and weight rows padded to whole stages of 128 codes
@@ -46,8 +47,8 @@ def unsupported_reason(bits: int, group_size: int | None, in_features: int, out_
     elif bits == 8:
         if group_size is not None:
             return f"w8 group_size {group_size} (8-bit weights are per-channel)"
-        if in_features % 8 or out_features % 8:
-            return f"w8 {out_features} x {in_features} (torch._int_mm needs both multiples of 8)"
+        if out_features % 8:  # the inputs are zero-padded to KP_MULTIPLE columns
+            return f"w8 out_features {out_features} (torch._int_mm needs a multiple of 8)"
     else:
         return f"bits {bits} (kernels cover w4a8 and w8a8)"
     if group_size is not None and in_features % group_size:
@@ -79,17 +80,19 @@ class QoQPrepared:
     source_ptr: int
 
 
-def group_words(group_scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The GEMM's int32 group words from s1 and z [N, K/g]: byte 0 = 128 - z·s1, byte 1 = s1. One-line error where
-    a group's Q8hat = s1·(q - z) leaves [-128, 127] for some q in [0, 15] (the layout guarantees it does not: the
-    kernel's bytes would carry into their neighbours)."""
+def group_words(group_scales: torch.Tensor, zeros: torch.Tensor, qmax: torch.Tensor) -> torch.Tensor:
+    """The GEMM's int32 group words from s1 and z [N, K/g]: byte 0 = 128 - z·s1, byte 1 = s1. The kernel forms
+    q·s1 + (128 - z·s1) = Q8hat + 128 for four codes in one 32-bit multiply-add, so each byte must stay in
+    [0, 255]: 128 - z·s1 >= 0, and for the group's largest code `qmax` [N, K/g], qmax·s1 + 128 - z·s1 <= 255
+    (what the layout's protective range guarantees for the codes it produces; a code the quantizer cannot
+    produce, e.g. q = 15 where z = 7 and s1 = 16, may exist in no group). One-line error otherwise."""
     s1 = group_scales.to(torch.int32)
     c = 128 - zeros.to(torch.int32) * s1
-    bad = (s1 < 0) | (s1 > 255) | (c < 0) | (15 * s1 + c > 255)
+    bad = (s1 < 0) | (s1 > 255) | (c < 0) | (qmax.to(torch.int32) * s1 + c > 255)
     if bool(bad.any()):
         n, g = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"qoq layer: group ({n}, {g}) has s1 {int(s1[n, g])}, z {int(zeros[n, g])}: "
-                         f"s1·(q - z) leaves [-128, 127]")
+        raise ValueError(f"qoq layer: group ({n}, {g}) has s1 {int(s1[n, g])}, z {int(zeros[n, g])} and codes up "
+                         f"to {int(qmax[n, g])}: s1·(q - z) leaves [-128, 127]")
     return c | (s1 << 8)
 
 
@@ -118,7 +121,9 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
     if bits == 4 and group_size is None:
         zc = zeros.to(device=dev, dtype=torch.int32).reshape(n).contiguous()
     elif bits == 4:
-        words = group_words(group_scales.to(dev), zeros.to(dev))
+        codes = unpack_codes(qweight[:, :packed_words(k, 4)].contiguous(), 4, k)
+        codes = codes.reshape(n, k // group_size, group_size)
+        words = group_words(group_scales.to(dev), zeros.to(dev), codes.amax(dim=2))
         gw = torch.zeros(n, kp // group_size, dtype=torch.int32, device=dev)
         gw[:, : words.shape[1]] = words
     dest = positions.to(torch.int32).contiguous()
