@@ -47,8 +47,6 @@ def unsupported_reason(bits: int, group_size: int | None, in_features: int, out_
     elif bits == 8:
         if group_size is not None:
             return f"w8 group_size {group_size} (8-bit weights are per-channel)"
-        if out_features % 8:  # the inputs are zero-padded to KP_MULTIPLE columns
-            return f"w8 out_features {out_features} (torch._int_mm needs a multiple of 8)"
     else:
         return f"bits {bits} (kernels cover w4a8 and w8a8)"
     if group_size is not None and in_features % group_size:
@@ -70,7 +68,7 @@ class QoQPrepared:
     in_features: int  # K
     out_features: int  # N
     kp: int  # K padded to KP_MULTIPLE: activation code row length
-    wq: torch.Tensor  # 4-bit: int32 [N, kp / 8] nibble streams; 8-bit: int8 [N, kp] Q8 (signed)
+    wq: torch.Tensor  # 4-bit: int32 [N, kp / 8] nibble streams; 8-bit: int8 [N rounded up to 8, kp] Q8 (signed)
     scales: torch.Tensor  # fp16 [N]: s0 (s per-channel)
     zeros: torch.Tensor | None  # int32 [N]: z (W4 per-channel only)
     gwords: torch.Tensor | None  # int32 [N, kp / g]: (128 - z·s1) | s1 << 8 (W4 progressive only)
@@ -106,8 +104,9 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
     if bits == 8:
         # codes Q8 + 128 in little-endian byte streams -> signed Q8, zero-padded to kp columns
         codes = qweight.contiguous().view(torch.uint8).view(n, -1)[:, :k].to(torch.int16) - 128
-        wq = torch.zeros(n, kp, dtype=torch.int8, device=dev)
-        wq[:, :k] = codes.to(torch.int8)
+        # rows padded to a multiple of 8 for torch._int_mm; the padding rows' sums are dropped
+        wq = torch.zeros(_round_up(n, 8), kp, dtype=torch.int8, device=dev)
+        wq[:n, :k] = codes.to(torch.int8)
         positions = torch.arange(k, device=dev)
     else:
         words = kp // 8
@@ -284,7 +283,7 @@ def _gemm_w8(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool) ->
     if m < INT_MM_MIN_ROWS or m % 8:
         codes = torch.zeros(max(INT_MM_MIN_ROWS, _round_up(m, 8)), p.kp, dtype=torch.int8, device=codes.device)
         codes[:m] = a.codes
-    acc = torch._int_mm(codes, p.wq.t())[:m]
+    acc = torch._int_mm(codes, p.wq.t())[:m, :p.out_features]
     out.copy_(acc if raw else epilogue_torch(acc, a.scale, p))
     return out
 
