@@ -236,3 +236,22 @@ output: {tmp_path / "out"}
 """)
     r = cli("quantize", path)
     assert r.exit_code == 2 and "calibration.stats" in r.stderr and "smooth" in r.stderr
+
+
+def test_smooth_searches_under_the_claiming_quantizer(tmp_path):
+    """With a W4A8 quantizer claiming o_proj/down_proj, the α search scores the quantized output error (not the
+    float one, which is the same for every α up to rounding), and what it picks is what the stage recorded."""
+    recipe = _recipe(tmp_path, STORIES, """
+  - stage: smooth
+    alpha_grid: [0.0, 0.5]
+  - stage: progressive
+    bits: 4
+    group_size: null
+""", samples=2, seq=64)
+    qm = quantize_model(recipe, Reporter(quiet=True))
+    records = [r for r in qm.transforms if r["stage"] == "smooth"]
+    assert len(records) == 5
+    for r in records:
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert r[name]["alpha"] in (0.0, 0.5)
+            assert r[name]["error"] > 1e-8  # W4A8 rounding error, far above float error

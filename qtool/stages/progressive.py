@@ -26,6 +26,7 @@ from qtool.options import option
 from qtool.packing.qoq import QoQWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.progressive import qoq_quantize
+from qtool.runtime.qoq_linear import quantize_activations
 from qtool.stages import register
 from qtool.stages.base import QuantizerStage, QuantResult
 
@@ -85,6 +86,16 @@ class ProgressiveStage(QuantizerStage):
                     raise RecipeError(f"{where}.group_size: found {g}, but targeted linear {full} has "
                                       f"in_features {k}; expected a divisor of every targeted linear's in_features "
                                       f"(or exclude it in targets)")
+
+    def preview(self, weight: torch.Tensor) -> torch.Tensor:
+        o: ProgressiveOptions = self.options
+        out = qoq_quantize(weight.float(), o.bits, o.group_size, solver="rtn")
+        return QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales,
+                                    out.zeros).dequantize(torch.float32).to(weight.device)
+
+    def preview_activations(self, x: torch.Tensor) -> torch.Tensor:
+        act = quantize_activations(x.float())
+        return act.codes.to(torch.float32) * act.scale[:, None]
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: ProgressiveOptions = self.options
