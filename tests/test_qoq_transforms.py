@@ -255,3 +255,21 @@ def test_smooth_searches_under_the_claiming_quantizer(tmp_path):
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             assert r[name]["alpha"] in (0.0, 0.5)
             assert r[name]["error"] > 1e-8  # W4A8 rounding error, far above float error
+
+
+@pytest.mark.parametrize("name", ["qoq-w4a8kv4-chn", "qoq-w4a8kv4-g128", "rotate-gptq-w4a16-g128",
+                                  "smooth-attention-kv4"])
+def test_shipped_qoq_recipes_validate(name):
+    from conftest import ROOT
+
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", {"model": str(STORIES)})
+    assert recipe.transforms()
+
+
+def test_g128_recipe_refuses_smollm2_before_loading(cli, smollm2, tmp_path):
+    from conftest import ROOT
+
+    r = cli("quantize", ROOT / "recipes" / "qoq-w4a8kv4-g128.yaml", "--model", smollm2, "-o", tmp_path / "o")
+    assert r.exit_code == 2
+    assert "group_size: found 128" in r.stderr and "in_features 576" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
