@@ -80,6 +80,8 @@ def test_recipe_errors_name_file_and_key(cli, tmp_path, kwargs, fragments):
     ("solver: gptq", "solver: gptq\n    act_bits: 4", ["stages[0].act_bits: found 4", "one of 8"]),
     ("solver: gptq", "solver: gptq\n    clip_grid: 1", ["stages[0].clip_grid: found 1"]),
     ("solver: gptq", "solver: gptq\n    symmetric: true", ["stages[0].symmetric: unknown option"]),
+    ("solver: gptq", "solver: gptq\n    act_order: true", ["stages[0].static_groups: found false with act_order",
+                                                           "expected true"]),
 ])
 def test_bad_option_values(cli, tmp_path, old, new, fragments):
     text = recipe_text(tmp_path / "o").replace(old, new, 1)

@@ -136,28 +136,32 @@ def _hessian(k: int, seed: int, tokens: int = 256, quiet: int | None = None) -> 
     return x, 2 * x.T @ x / tokens
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits,g", [(8, None), (4, None), (4, 16)])
-def test_gptq_with_a_diagonal_hessian_is_rtn(bits, g):
-    """No off-diagonal curvature, no feedback: GPTQ on the same grid must give RTN's codes and parameters."""
+def test_gptq_with_a_diagonal_hessian_is_rtn(bits, g, act_order):
+    """No off-diagonal curvature, no feedback: GPTQ on the same grid must give RTN's codes and parameters, in any
+    column order."""
     torch.manual_seed(2)
     w = torch.randn(9, 96, dtype=torch.float64)
     h = torch.diag(torch.rand(96, dtype=torch.float64) + 0.5)
     rtn = qoq_quantize(w, bits, g)
-    gptq = qoq_quantize(w, bits, g, solver="gptq", hessian=h, block_size=32)
+    gptq = qoq_quantize(w, bits, g, solver="gptq", hessian=h, block_size=32, act_order=act_order,
+                        static_groups=act_order)
     assert torch.equal(gptq.codes, rtn.codes)
     assert torch.equal(gptq.scales, rtn.scales)
     for a, b in ((gptq.group_scales, rtn.group_scales), (gptq.zeros, rtn.zeros)):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits,g", [(8, None), (4, None), (4, 16)])
-def test_gptq_lowers_the_output_error_and_stays_in_the_layout(bits, g):
+def test_gptq_lowers_the_output_error_and_stays_in_the_layout(bits, g, act_order):
     x, h = _hessian(128, seed=3)
     torch.manual_seed(3)
     w = torch.randn(24, 128, dtype=torch.float64)
     errs = {}
     for solver in ("rtn", "gptq"):
-        out = qoq_quantize(w, bits, g, solver=solver, hessian=h)
+        out = qoq_quantize(w, bits, g, solver=solver, hessian=h, act_order=act_order, static_groups=act_order)
         layout = QoQWeight.from_codes(out.codes, out.scales, bits, g, out.group_scales, out.zeros)
         # from_tensors refuses codes whose integer weight leaves int8 (the progressive invariant).
         layout = QoQWeight.from_tensors("layer", layout.layer_config(False), layout.tensors())

@@ -164,10 +164,14 @@ def qoq_quantize(
     clip_ratios: list[float] | None = None,
     damp: float = 0.01,
     block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool = False,
 ) -> QoQCodes:
     """Quantize `weight` [N, K] to one of the three QoQ rungs (bits 8 per channel; bits 4 per channel; bits 4 with
     groups of `group_size`). `solver` "gptq" needs the Hessian [K, K]; "rtn" uses `hessian` ([K, K] or its
-    diagonal) only to score clip ratios. Computes in weight's dtype."""
+    diagonal) only to score clip ratios; `act_order` / `static_groups` are GPTQ's (with groups, act_order needs
+    static groups: every group's s1 and z are then chosen from the unquantized weights before the column loop).
+    Computes in weight's dtype."""
     n, k = weight.shape
     if bits == 8 and group_size is not None:
         raise ValueError(f"bits 8 is per channel; got group_size {group_size}")
@@ -178,7 +182,7 @@ def qoq_quantize(
     if bits == 4 and group_size is None:
         if solver == "gptq":
             codes, scales, zeros = gptq_quantize(weight, hessian, W4_CHANNEL, damp=damp, block_size=block_size,
-                                                 clip_ratios=clip_ratios)
+                                                 act_order=act_order, clip_ratios=clip_ratios)
         else:
             codes, scales, zeros = rtn_quantize(weight, W4_CHANNEL, clip_ratios=clip_ratios, hessian=hessian)
         return QoQCodes(codes, scales[:, 0], None, zeros[:, 0])
@@ -192,7 +196,8 @@ def qoq_quantize(
     if solver == "gptq":
         grid = Level0Grid(s0, W8_MAX) if bits == 8 else ProgressiveGrid(s0)
         spec = GridSpec(bits=bits, symmetric=bits == 8, group_size=group_size)
-        out = gptq_run(weight, hessian, spec, damp=damp, block_size=block_size, grid=grid)
+        out = gptq_run(weight, hessian, spec, damp=damp, block_size=block_size, act_order=act_order,
+                       static_groups=static_groups, grid=grid)
         if bits == 8:
             return QoQCodes(out.codes, s0, None, None)
         return QoQCodes(out.codes, s0, out.scales, out.zeros)

@@ -2,7 +2,8 @@
 progressive groups (a per-channel INT8 level with the protective range, then u4 groups of it with integer scales).
 
 Solvers: `rtn` rounds to nearest; `gptq` runs GPTQ on the same grid (level 0 fixed per row before the column loop,
-each group's level-1 scale and zero chosen when GPTQ reaches the group). `clip` searches one ratio per output
+each group's level-1 scale and zero chosen when GPTQ reaches the group, or all before the loop with
+`static_groups`, which `act_order` needs). `clip` searches one ratio per output
 channel that shrinks the level-0 range, scored by the layer output error of the whole quantized row (Hessian, or
 its diagonal, as quant/clip.py weights it).
 
@@ -43,6 +44,8 @@ class ProgressiveOptions:
     clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
     damp: float = option(0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean")
     block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
+    act_order: bool = option(False, help="gptq: quantize columns in order of decreasing diag(H)")
+    static_groups: bool = option(False, help="gptq: choose every group's s1 and z before the column loop")
     sequential: bool = option(True, help="gptq: within a block, q/k/v then o then gate/up then down, each "
                                          "calibrated on the outputs of the already quantized linears")
 
@@ -50,6 +53,9 @@ class ProgressiveOptions:
         if self.bits == 8 and self.group_size is not None:
             return ("group_size", f"found {self.group_size} with bits 8; expected null (W8 has one scale per "
                                   f"output channel)")
+        if self.act_order and self.group_size is not None and not self.static_groups:
+            return ("static_groups", "found false with act_order and group_size set; expected true (the qoq "
+                    "layout keeps columns in their original order and has no per-column group index)")
         return None
 
 
@@ -108,6 +114,7 @@ class ProgressiveStage(QuantizerStage):
             hessian = (stats.hessian() if stats.has_hessian else stats.hessian_diag()).to(weight.device)
         out = qoq_quantize(weight.float(), o.bits, o.group_size, solver=o.solver, hessian=hessian,
                            clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
-                           damp=o.damp, block_size=o.block_size)
+                           damp=o.damp, block_size=o.block_size, act_order=o.act_order,
+                           static_groups=o.static_groups)
         packed = QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros)
         return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))
