@@ -14,6 +14,7 @@ from torch import nn
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import QuikWeight
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
@@ -45,7 +46,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight
+    packed: GroupedIntWeight | QuikWeight | QoQWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
