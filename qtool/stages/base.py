@@ -50,8 +50,9 @@ class QuantResult:
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
-class QuantizerStage(ABC):
-    """Chooses the representation of each targeted linear and produces its packed layer."""
+class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses declare theirs)
+    """What every recipe stage has: its name in recipes, its options dataclass, its targets and its place in the
+    recipe, and a check of the model config that runs before any weight is loaded."""
 
     name: ClassVar[str]
     options_cls: ClassVar[type]
@@ -67,16 +68,20 @@ class QuantizerStage(ABC):
         return f"stages[{self.index}] ({self.name})"
 
     def needs_calibration(self) -> bool:
-        """Whether this stage needs statistics of each linear's inputs from the block-wise pipeline."""
-        return False
-
-    def needs_hessian(self) -> bool:
+        """Whether this stage needs calibration data from the block-wise pipeline."""
         return False
 
     def check_config(self, config, where: str) -> None:
-        """Refuse a model this quantizer cannot handle, from its config alone (before any weight is loaded);
-        raise RecipeError naming `where`."""
+        """Refuse a model this stage cannot handle, from its config alone (before any weight is loaded); raise
+        RecipeError naming `where`."""
         return None
+
+
+class QuantizerStage(Stage):
+    """Chooses the representation of each targeted linear and produces its packed layer."""
+
+    def needs_hessian(self) -> bool:
+        return False
 
     def sequential(self) -> bool:
         """Whether a block's linears must see the outputs of the already-quantized linears before them."""
@@ -139,32 +144,11 @@ class BlockContext:
         return got
 
 
-class TransformStage(ABC):
+class TransformStage(Stage):
     """Rewrites the float model without changing what it computes (up to float error), before the quantizers see
     it: `apply_model` once on the whole model (weights only), then `apply_block` on each decoder block with its
-    calibration inputs, in recipe order, before that block's linears are quantized."""
-
-    name: ClassVar[str]
-    options_cls: ClassVar[type]
-    help: ClassVar[str]
-
-    def __init__(self, options, targets: Targets, index: int) -> None:
-        self.options = options
-        self.targets = targets
-        self.index = index
-
-    @property
-    def label(self) -> str:
-        return f"stages[{self.index}] ({self.name})"
-
-    def needs_calibration(self) -> bool:
-        """Whether `apply_block` needs the block's calibration inputs."""
-        return False
-
-    def check_config(self, config, where: str) -> None:
-        """Refuse a model this transform cannot handle, from its config alone (before any weight is loaded);
-        raise RecipeError naming `where`."""
-        return None
+    calibration inputs, in recipe order, before that block's linears are quantized. `needs_calibration`: whether
+    `apply_block` needs the block's calibration inputs."""
 
     def apply_model(self, model: nn.Module, adapter) -> dict | None:
         """Transform the whole model before the block loop; return what to record in the manifest."""

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.errors import RecipeError
 from qtool.stages import register
 from qtool.stages.base import BlockContext, TransformStage
-from qtool.stages.smooth_attention import attention_shape
+from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
 
 @dataclass
@@ -41,10 +40,7 @@ class ReorderStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
-        heads, kv, _ = attention_shape(config)
-        if heads % kv:
-            raise RecipeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
-                              f"expected query heads in equal groups per KV head")
+        check_attention_groups(config, where)
 
     def apply_block(self, ctx: BlockContext) -> dict | None:
         heads, kv, dim = attention_shape(ctx.config)

@@ -19,7 +19,7 @@ from qtool.errors import RecipeError
 from qtool.options import option
 from qtool.stages import register
 from qtool.stages.base import BlockContext, QuantizerStage, TransformStage
-from qtool.stages.smooth_attention import attention_shape
+from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
 # Calibration tokens the α search evaluates the output error on (the statistics use all of them).
 SEARCH_TOKENS = 4096
@@ -55,10 +55,7 @@ class SmoothStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
-        heads, kv, _ = attention_shape(config)
-        if heads % kv:
-            raise RecipeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
-                              f"expected query heads in equal groups per KV head")
+        check_attention_groups(config, where)
 
     def apply_block(self, ctx: BlockContext) -> dict | None:
         done = {}

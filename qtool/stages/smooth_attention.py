@@ -32,6 +32,15 @@ def attention_shape(config) -> tuple[int, int, int]:
     return heads, kv, dim
 
 
+def check_attention_groups(config, where: str) -> None:
+    """Query heads must come in equal groups per KV head: the transforms give a KV channel's factor (or
+    permutation) to every query head of its group."""
+    heads, kv, _ = attention_shape(config)
+    if heads % kv:
+        raise RecipeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+                          f"expected query heads in equal groups per KV head")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -62,10 +71,8 @@ class SmoothAttentionStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
-        heads, kv, dim = attention_shape(config)
-        if heads % kv:
-            raise RecipeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
-                              f"expected query heads in equal groups per KV head")
+        check_attention_groups(config, where)
+        _, _, dim = attention_shape(config)
         if dim % 2 and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
             raise RecipeError(f"{where}: head_dim {dim} is odd; expected an even head dim (RoPE pairs channel i "
                               f"with i + head_dim/2)")
