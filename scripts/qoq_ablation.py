@@ -7,7 +7,8 @@ Protocol (stated in the output): calibration = `--num-samples` random `--seq-len
 seed 0; evaluation = the first `--windows` non-overlapping 512-token windows of the WikiText-2 test text ("\\n\\n"-
 joined rows). Rungs, after the float model and W4A16 RTN for reference:
   W8A8 RTN -> W4A8 RTN -> + rotate -> + clipping -> + KV4 -> + SmoothAttention -> + progressive groups -> + reorder
-  -> + output smoothing (the full QoQ), and the same final recipe with GPTQ.
+  -> + output smoothing (the full QoQ); then KV4 alone and with SmoothAttention, RTN W4A8KV4 without transforms
+  (per channel and grouped), and the full QoQ with the GPTQ solver.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def rungs(g: int, solver: str) -> list[tuple[str, list[dict]]]:
         ("W4A8KV4 RTN, no transforms", [{"stage": "kv_cache", "bits": 4}, pc]),
         ("KV4 only (no weight quantization)", [{"stage": "kv_cache", "bits": 4}]),
         ("KV4 + SmoothAttention only", [{"stage": "smooth_attention"}, {"stage": "kv_cache", "bits": 4}]),
+        (f"W4A8KV4 g{g} RTN, no transforms", [{"stage": "kv_cache", "bits": 4}, {**pc, "group_size": g}]),
+        (f"QoQ g{g}, GPTQ solver (act_order, static groups)",
+         [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"},
+          {"stage": "kv_cache", "bits": 4},
+          {**grouped, "solver": "gptq", "clip": False, "act_order": True, "static_groups": True}]),
     ]
     return ladder
 
