@@ -8,7 +8,7 @@ seed 0; evaluation = the first `--windows` non-overlapping 512-token windows of 
 joined rows). Rungs, after the float model and W4A16 RTN for reference:
   W8A8 RTN -> W4A8 RTN -> + rotate -> + clipping -> + KV4 -> + SmoothAttention -> + progressive groups -> + reorder
   -> + output smoothing (the full QoQ); then KV4 alone and with SmoothAttention, RTN W4A8KV4 without transforms
-  (per channel and grouped), and the full QoQ with the GPTQ solver.
+  (per channel and grouped), the full QoQ with the GPTQ solver, and the full QoQ without rotate.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def rungs(g: int, solver: str) -> list[tuple[str, list[dict]]]:
          [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"},
           {"stage": "kv_cache", "bits": 4},
           {**grouped, "solver": "gptq", "clip": False, "act_order": True, "static_groups": True}]),
+        (f"QoQ g{g} without rotate", [{"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"},
+                                      {"stage": "kv_cache", "bits": 4}, grouped]),
     ]
     return ladder
 
