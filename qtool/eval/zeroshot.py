@@ -51,7 +51,7 @@ def default_data_dir() -> Path:
     if assets:
         return Path(assets).expanduser().resolve() / "data" / "zeroshot"
     # A checkout (or editable install) sits beside ../shared/assets.
-    return Path(__file__).resolve().parents[3] / "shared" / "assets" / "data" / "zeroshot"
+    return (Path(__file__).resolve().parents[3] / "shared" / "assets" / "data" / "zeroshot").resolve()
 
 
 def parse_batch_size(value: str | int | None, where: str = "--batch-size") -> int | str | None:
