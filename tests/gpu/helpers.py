@@ -21,6 +21,21 @@ def gpu_ready() -> str | None:
     return None
 
 
+def tinystories_perplexity(ckpt, device: str, dtype: torch.dtype) -> dict:
+    """Perplexity of a stories260K checkpoint on 32 TinyStories windows of 512 tokens (BOS per story), loaded on
+    `device` in `dtype`: the protocol the checkpoint GPU tests compare the CPU reference and the kernels with."""
+    import qtool
+    from qtool.checkpoint.loader import load_tokenizer
+    from qtool.eval.perplexity import perplexity
+    from qtool.recipe import EvalSpec
+
+    from conftest import TINYSTORIES
+
+    spec = EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4)
+    model = qtool.load(ckpt, device=device, dtype=dtype).eval()
+    return perplexity(model, load_tokenizer(ckpt), spec, device)
+
+
 def random_layer(n: int, k: int, bits: int, group_size: int | None, symmetric: bool, *, seed: int,
                  bias: bool = False, device: str = "cuda") -> GroupedIntLinear:
     """Uniform random codes and zero points; scales sized so outputs are O(1) for unit-variance inputs."""

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.gpu.helpers import gpu_ready
+from tests.gpu.helpers import gpu_ready, tinystories_perplexity
 
 from conftest import STORIES, TINYSTORIES, write_recipe
 
@@ -67,17 +67,6 @@ def checkpoint(request, tmp_path_factory):
     return tmp / "ckpt"
 
 
-def _ppl(ckpt, device: str, dtype: torch.dtype) -> dict:
-    import qtool
-    from qtool.checkpoint.loader import load_tokenizer
-    from qtool.eval.perplexity import perplexity
-    from qtool.recipe import EvalSpec
-
-    spec = EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4)
-    model = qtool.load(ckpt, device=device, dtype=dtype).eval()
-    return perplexity(model, load_tokenizer(ckpt), spec, device)
-
-
 def test_qoq_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
     from qtool.cuda import qoq
 
@@ -90,8 +79,8 @@ def test_qoq_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
         return linear(*a, **kw)
 
     monkeypatch.setattr(qoq, "linear", counted)
-    ref = _ppl(checkpoint, "cpu", torch.float32)
-    got = _ppl(checkpoint, "cuda", torch.float16)
+    ref = tinystories_perplexity(checkpoint, "cpu", torch.float32)
+    got = tinystories_perplexity(checkpoint, "cuda", torch.float16)
     assert calls["linear"] > 0, "no qoq layer ran the CUDA kernels"
     rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
     print(f"\nqoq perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.gpu.helpers import gpu_ready
+from tests.gpu.helpers import gpu_ready, tinystories_perplexity
 from tests.test_quik_checkpoint import recipe_text
 
 from conftest import STORIES, TINYSTORIES, write_recipe
@@ -49,17 +49,6 @@ def checkpoint(request, tmp_path_factory):
     return tmp / "ckpt"
 
 
-def _ppl(ckpt, device: str, dtype: torch.dtype) -> dict:
-    import qtool
-    from qtool.checkpoint.loader import load_tokenizer
-    from qtool.eval.perplexity import perplexity
-    from qtool.recipe import EvalSpec
-
-    spec = EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4)
-    model = qtool.load(ckpt, device=device, dtype=dtype).eval()
-    return perplexity(model, load_tokenizer(ckpt), spec, device)
-
-
 def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
     from qtool.cuda import quik
 
@@ -72,8 +61,8 @@ def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
         return gemm(*a, **kw)
 
     monkeypatch.setattr(quik, "gemm", counted)
-    ref = _ppl(checkpoint, "cpu", torch.float32)
-    got = _ppl(checkpoint, "cuda", torch.float16)
+    ref = tinystories_perplexity(checkpoint, "cpu", torch.float32)
+    got = tinystories_perplexity(checkpoint, "cuda", torch.float16)
     assert calls["gemm"] > 0, "no quik layer ran the CUDA kernels"
     rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
     print(f"\nquik perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
