@@ -174,5 +174,45 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
     _wrap(go)
 
 
+@bench.command("attention")
+@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
+              help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).")
+@click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
+@click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
+@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4", show_default=True,
+              help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4.")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
+@click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
+@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
+                  json_path: str | None) -> None:
+    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8 and INT4 (KV4) caches."""
+
+    def go() -> None:
+        from qtool.bench import attention as ab  # noqa: PLC0415
+        from qtool.bench import stats  # noqa: PLC0415
+        from qtool.bench.e2e import dims_for  # noqa: PLC0415
+
+        dims_for(model_config)
+        names = [r.strip().lower() for r in rows.split(",") if r.strip()]
+        bad = [r for r in names if r not in ab.ROWS]
+        if bad or not names:
+            raise BenchError(f"--rows: found {rows!r}, expected some of {', '.join(ab.ROWS)}")
+        bl, cl = stats.parse_ints(batches, "--batches"), stats.parse_ints(contexts, "--contexts")
+        _need_gpu()
+        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+
+        report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
+                                        log=lambda s: click.echo(s, err=True))
+        if json_path:
+            from pathlib import Path  # noqa: PLC0415
+
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(ab.format_attention(report))
+
+    _wrap(go)
+
+
 if __name__ == "__main__":
     bench()

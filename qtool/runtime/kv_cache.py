@@ -36,7 +36,9 @@ def quantize_kv(x: torch.Tensor, bits: int) -> KVCodes:
     lo = xf.amin(dim=-1, keepdim=True)
     hi = xf.amax(dim=-1, keepdim=True)
     flat = hi <= lo
-    scale = torch.where(flat, torch.ones_like(lo), (hi - lo) / maxq).to(torch.float16)
+    # Divisions by tensors, never by Python numbers: torch on CUDA turns `t / number` into `t * (1 / number)`,
+    # which rounds differently from the division the format specifies (and the CUDA cache write performs).
+    scale = torch.where(flat, torch.ones_like(lo), (hi - lo) / torch.full_like(lo, maxq)).to(torch.float16)
     # A scale that underflows float16 would divide by zero: the smallest subnormal keeps the codes finite.
     scale = torch.where(scale == 0, torch.full_like(scale, 2.0**-24), scale)
     zero = torch.where(flat, -lo, -lo / scale.float()).to(torch.float16)

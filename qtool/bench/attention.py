@@ -1,0 +1,128 @@
+"""`qtool bench attention`: one decode step's attention over a KV cache, FP16 against the quantized caches.
+
+Rows, each timed over the same query and a cache of `context` tokens per sequence (the step attends to all of
+them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report), our
+FP16 decode kernel (qtool/cuda/decode_attention.py) and the quantized-cache kernel (qtool/cuda/kv_cache.py) with
+FP8, INT8 and INT4 caches. Decode attention reads each cached byte once, so the report gives bytes moved and the
+bandwidth reached next to the time; cache sets rotate so that no call finds its cache in L2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qtool.bench import stats
+from qtool.bench.e2e import dims_for
+from qtool.bench.timing import Timer
+
+ATTENTION_SCHEMA = "qtool.bench.attention/1"
+ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4")
+L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds the cache it reads there
+
+
+def _sdpa_backend_name() -> str:
+    try:
+        from torch.nn.attention import SDPBackend  # noqa: PLC0415, F401
+    except ImportError:
+        return "default"
+    return "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
+
+
+def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, gen: torch.Generator,
+           dev: torch.device) -> tuple[list[Callable[[], Any]], int]:
+    """The functions to time (one per cache set) and the bytes one call reads."""
+    q = (torch.randn(b, h, 1, d, device=dev, generator=gen) * 0.5).half()
+    pos = torch.tensor([length - 1], device=dev)
+    fns: list[Callable[[], Any]] = []
+    nbytes = 0
+    for _ in range(sets):
+        if row in ("fp16-sdpa", "fp16"):
+            k = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
+            v = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
+            nbytes = 2 * k.numel() * 2
+            if row == "fp16-sdpa":
+                gqa = h != kvh
+                fns.append(lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=gqa))
+            else:
+                from qtool.cuda.decode_attention import decode_attention  # noqa: PLC0415
+
+                out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
+                fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
+        else:
+            from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+
+            cache = kvc.allocate(row, b, kvh, length, d, dev, k_scale=0.05, v_scale=0.05)
+            for t in (cache.k, cache.v):
+                if row == "fp8":
+                    t.copy_((torch.randn(t.shape, device=dev, generator=gen) * 4).to(torch.float8_e4m3fn)
+                            .view(torch.uint8))
+                else:
+                    t.copy_(torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32)
+                            .to(torch.uint8))
+            for t in (cache.k_params, cache.v_params):
+                if t is not None:
+                    t[..., 0] = 0.1
+                    t[..., 1] = 7.5
+            nbytes = cache.nbytes()
+            out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
+            fns.append(lambda q=q, cache=cache, out=out: kvc.attention(q, cache, pos, out=out))
+    return fns, nbytes
+
+
+def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
+    if row in ("fp16-sdpa", "fp16"):
+        return 2 * b * kvh * length * d * 2
+    from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
+
+    return b * length * bytes_per_token(row, kvh, d)
+
+
+def run_attention_bench(model: str, batches: list[int], contexts: list[int], rows: list[str], warmup: int,
+                        iters: int, timer: Timer, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    d = dims_for(model)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    results = []
+    for b in batches:
+        for length in contexts:
+            entry: dict[str, Any] = {"batch": b, "context": length, "rows": {}}
+            for row in rows:
+                per_set = _row_bytes(row, b, d.kv_heads, d.head_dim, length)
+                sets = max(1, math.ceil(L2_ROTATE_BYTES / per_set))
+                fns, nbytes = _cases(row, b, d.heads, d.kv_heads, d.head_dim, length, sets, gen, dev)
+                s = stats.summarize(timer(fns, warmup, iters))
+                entry["rows"][row] = {**s.to_dict(), "bytes": nbytes, "tbps": nbytes / (s.median_us * 1e-6) / 1e12,
+                                      "sets": sets}
+                del fns
+                torch.cuda.empty_cache()
+            base = entry["rows"].get("fp16-sdpa", {}).get("median_us")
+            for r in entry["rows"].values():
+                r["speedup_vs_sdpa"] = stats.speedup(base, r["median_us"])
+            kern = entry["rows"].get("fp16", {}).get("median_us")
+            for r in entry["rows"].values():
+                r["speedup_vs_fp16_kernel"] = stats.speedup(kern, r["median_us"])
+            log(f"b{b} L{length}: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items()))
+            results.append(entry)
+    return {"schema": ATTENTION_SCHEMA, "model": model, "heads": d.heads, "kv_heads": d.kv_heads,
+            "head_dim": d.head_dim, "device": torch.cuda.get_device_name(dev), "sdpa_backend": _sdpa_backend_name(),
+            "torch": torch.__version__, "results": results}
+
+
+def format_attention(r: dict[str, Any]) -> str:
+    rows = list(r["results"][0]["rows"]) if r["results"] else []
+    lines = [f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
+             f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
+             f"{'batch':>5} {'context':>7} " + " ".join(f"{x:>24}" for x in rows)]
+    for e in r["results"]:
+        cells = []
+        for x in rows:
+            v = e["rows"][x]
+            sp = v.get("speedup_vs_sdpa")
+            cells.append(f"{v['median_us']:>8.1f} ({v['tbps']:.2f}) {'' if sp is None else f'{sp:.2f}x':>6}")
+        lines.append(f"{e['batch']:>5} {e['context']:>7} " + " ".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""The quantized KV cache on CUDA (kernels/kv_cache.cu, formats/qoq.md "KV cache"): a static cache of 4- or 8-bit
+codes with a float16 (scale, zero) per token and KV head, the write that fills it (rotary embedding fused with the
+quantization, bit-identical to qtool/runtime/kv_cache.py `quantize_kv`) and one decode step's attention that reads
+it. An FP8 (e4m3, one scale per tensor) cache runs through the same kernels as the baseline.
+
+The torch forms here (`reference_write`, `dequantize`, `reference_attention`) are what the kernels are tested
+against."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
+
+SOURCE = "kv_cache.cu"
+THREADS = 256
+MODES = ("int4", "int8", "fp8")
+BITS = {"int4": 4, "int8": 8, "fp8": 8}
+MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class KVCache:
+    """One layer's cache. codes [B, KVH, L, D * bits / 8] uint8; params [B, KVH, L, 2] float16 (scale, zero) for
+    the integer modes, None for fp8, whose per-tensor scales are `k_scale`/`v_scale`."""
+
+    mode: str
+    k: torch.Tensor
+    v: torch.Tensor
+    k_params: torch.Tensor | None
+    v_params: torch.Tensor | None
+    head_dim: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_params, self.v_params)
+                   if t is not None)
+
+
+def check_shape(mode: str, head_dim: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"KV cache mode: found {mode!r}, expected one of {', '.join(MODES)}")
+    epw = 32 // BITS[mode]
+    if head_dim % epw or head_dim // epw > 32 or head_dim % 2:
+        raise ValueError(f"KV cache {mode}: found head_dim {head_dim}, expected a multiple of {epw} up to "
+                         f"{32 * epw}")
+
+
+def bytes_per_token(mode: str, kv_heads: int, head_dim: int) -> int:
+    """Cache bytes one token adds in one layer (keys and values)."""
+    params = 0 if mode == "fp8" else 4
+    return 2 * kv_heads * (head_dim * BITS[mode] // 8 + params)
+
+
+def allocate(mode: str, batch: int, kv_heads: int, length: int, head_dim: int, device: torch.device,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> KVCache:
+    check_shape(mode, head_dim)
+    width = head_dim * BITS[mode] // 8
+    codes = [torch.zeros(batch, kv_heads, length, width, dtype=torch.uint8, device=device) for _ in range(2)]
+    params = [None, None] if mode == "fp8" else \
+        [torch.zeros(batch, kv_heads, length, 2, dtype=torch.float16, device=device) for _ in range(2)]
+    return KVCache(mode, codes[0], codes[1], params[0], params[1], head_dim, k_scale, v_scale)
+
+
+def _check_arch(mode: str, device: torch.device) -> None:
+    if mode == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("KV cache fp8: needs e4m3 conversions (compute capability 8.9 or newer)")
+
+
+def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: KVCache, heads: int,
+          dequantized: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """qkv float16 [B, T, heads + 2 KVH, D]; cos/sin float16 [L', D/2] indexed by the int64 positions `pos` [T].
+    Rotates queries and keys, quantizes keys and values into `cache` at the positions and returns the rotated
+    queries [B, heads, T, D], plus the dequantized keys and values [B, KVH, T, D] when `dequantized` (what prefill
+    attention reads)."""
+    kvh, d = cache.kv_heads, cache.head_dim
+    if qkv.dim() != 4 or qkv.shape[2] != heads + 2 * kvh or qkv.shape[3] != d or qkv.shape[0] != cache.batch:
+        raise ValueError(f"qkv: found {list(qkv.shape)}, expected [{cache.batch}, T, {heads + 2 * kvh}, {d}]")
+    b, t = qkv.shape[:2]
+    for name, x in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        cc.check_f16(name, x)
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2:
+        raise ValueError(f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each")
+    if pos.dtype != torch.int64 or pos.shape != (t,) or pos.device != qkv.device:
+        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on "
+                         f"{qkv.device}")
+    if heads % kvh or d > 256:
+        raise ValueError(f"heads: found {heads} query heads over {kvh} KV heads of {d}, expected a multiple and "
+                         f"head_dim <= 256")
+    _check_arch(cache.mode, qkv.device)
+    q = torch.empty(b, heads, t, d, dtype=torch.float16, device=qkv.device)
+    deq_k = deq_v = None
+    if dequantized:
+        deq_k = torch.empty(b, kvh, t, d, dtype=torch.float16, device=qkv.device)
+        deq_v = torch.empty_like(deq_k)
+    dev = cc.device_index(qkv.device)
+    vectors = b * t * (heads + 2 * kvh)
+    warps = THREADS // 32
+    blocks = max(1, min(-(-vectors // warps), cc.sm_count(dev) * 8))
+    dependent_launch.launch(
+        cc.load_module(SOURCE, device=dev).fn(f"kv_write_{cache.mode}"), (blocks,), (THREADS,),
+        (cc.ptr(qkv), cc.ptr(cos), cc.ptr(sin), cc.ptr(pos), cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v),
+         cc.ptr(cache.k_params), cc.ptr(cache.v_params), cc.ptr(deq_k), cc.ptr(deq_v), cc.i32(b), cc.i32(t),
+         cc.i32(heads), cc.i32(kvh), cc.i32(d), cc.i32(cache.length), cc.f32(cache.k_scale), cc.f32(cache.v_scale)),
+        shared_mem=warps * d, device=dev)
+    return q, deq_k, deq_v
+
+
+def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
+    fills `out`) float16 [B, 1, H, D], the layout the output projection reads."""
+    cc.check_f16("q", q)
+    b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
+    if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
+            or q.shape[1] // kvh > MAX_GROUP:
+        raise ValueError(f"q: found {list(q.shape)}, expected [{b}, H, 1, {d}] with H a multiple of {kvh} KV heads, "
+                         f"at most {MAX_GROUP} per KV head")
+    if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
+        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
+    _check_arch(cache.mode, q.device)
+    h = q.shape[1]
+    g = h // kvh
+    out = cc.f16_out(out, (b, 1, h, d), q.device)
+    dev = cc.device_index(q.device)
+    warps = THREADS // 32
+    smem = 4 * max(g * d + g, warps * g * (d + 2))
+    fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_{cache.mode}_g{g}")
+    cc.allow_shared_memory(fn, smem)
+    dependent_launch.launch(
+        fn, (b * kvh,), (THREADS,),
+        (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_params), cc.ptr(cache.v_params), cc.ptr(pos),
+         cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(d), cc.f32(LOG2E / math.sqrt(d)),
+         cc.f32(cache.k_scale), cc.f32(cache.v_scale)),
+        shared_mem=smem, device=dev)
+    return out
+
+
+# -- torch forms (the reference) --------------------------------------------------------------------------------
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float16 arithmetic (each product and sum rounded, as torch's half ops and the kernel
+    do); x [..., T, D], cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _codes(x: torch.Tensor, mode: str, scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x float16 [..., D] -> (codes uint8 [..., D], params float16 [..., 2] or None, dequantized float16)."""
+    if mode == "fp8":
+        xf = x.float()
+        f8 = (xf / torch.full_like(xf, scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return f8.view(torch.uint8), None, (f8.float() * torch.full_like(xf, scale)).half()
+    from qtool.runtime.kv_cache import dequantize_kv, quantize_kv  # noqa: PLC0415
+
+    c = quantize_kv(x, BITS[mode])
+    return c.codes, torch.cat([c.scale, c.zero], dim=-1), dequantize_kv(c, torch.float16)
+
+
+def pack_codes(codes: torch.Tensor, mode: str) -> torch.Tensor:
+    """uint8 codes [..., D] -> the cache's bytes [..., D * bits / 8] (element 2i in the low nibble for int4)."""
+    if BITS[mode] == 8:
+        return codes
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(raw: torch.Tensor, mode: str) -> torch.Tensor:
+    if BITS[mode] == 8:
+        return raw
+    return torch.stack([raw & 0xF, raw >> 4], dim=-1).flatten(-2)
+
+
+def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                    heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `write` does, in torch: returns (rotated queries, dequantized keys, dequantized values)."""
+    kvh = cache.kv_heads
+    x = qkv.transpose(1, 2)  # [B, heads + 2 KVH, T, D]
+    c, s = cos[pos], sin[pos]
+    q = rope_half(x[:, :heads], c, s)
+    k = rope_half(x[:, heads:heads + kvh], c, s)
+    v = x[:, heads + kvh:]
+    deq = []
+    for src, codes_t, params_t, scale in ((k, cache.k, cache.k_params, cache.k_scale),
+                                          (v, cache.v, cache.v_params, cache.v_scale)):
+        codes, params, back = _codes(src, cache.mode, scale)
+        codes_t[:, :, pos] = pack_codes(codes, cache.mode)
+        if params_t is not None:
+            params_t[:, :, pos] = params
+        deq.append(back)
+    return q.contiguous(), deq[0], deq[1]
+
+
+def dequantize(cache: KVCache, which: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The cached keys or values [B, KVH, L, D] as `dtype`."""
+    raw, params, scale = (cache.k, cache.k_params, cache.k_scale) if which == "k" else \
+        (cache.v, cache.v_params, cache.v_scale)
+    codes = unpack_codes(raw, cache.mode)
+    if cache.mode == "fp8":
+        return codes.view(torch.float8_e4m3fn).to(dtype) * scale
+    return (codes.to(dtype) - params[..., 1:].to(dtype)) * params[..., :1].to(dtype)
+
+
+def reference_attention(q: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+    """Float64 attention of q [B, H, 1, D] over the dequantized cache positions 0..pos: [B, 1, H, D]."""
+    h, kvh = q.shape[1], cache.kv_heads
+    n = min(pos + 1, cache.length)
+    k = dequantize(cache, "k")[:, :, :n].repeat_interleave(h // kvh, dim=1)
+    v = dequantize(cache, "v")[:, :, :n].repeat_interleave(h // kvh, dim=1)
+    att = torch.softmax(q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    return (att @ v).transpose(1, 2)

@@ -1,0 +1,167 @@
+"""Quantized KV cache kernels (qtool/cuda/kv_cache.py): the write is bit-identical to the torch form (rotary
+embedding in float16 arithmetic, then qtool/runtime/kv_cache.py `quantize_kv`) and touches only its positions; the
+decode attention over a cache of random codes matches float64 attention over the dequantized cache within float16
+rounding, for every mode, grouped-query ratio and odd lengths, with every output written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.helpers import dependent_chain_runs, gpu_ready, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+POISON = 0xA5
+
+
+def _tables(length: int, d: int):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    ang = torch.arange(length, device="cuda", dtype=torch.float32)[:, None] * inv[None]
+    return ang.cos().half(), ang.sin().half()
+
+
+def _poisoned(mode, b, kvh, length, d):
+    from qtool.cuda import kv_cache as kvc
+
+    cache = kvc.allocate(mode, b, kvh, length, d, torch.device("cuda"), k_scale=0.05, v_scale=0.02)
+    for t in (cache.k, cache.v):
+        t.fill_(POISON)
+    for t in (cache.k_params, cache.v_params):
+        if t is not None:
+            t.fill_(float("nan"))
+    return cache
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("b,t,h,kvh,d,positions", [
+    (1, 3, 32, 32, 128, [0, 1, 2]),     # Llama-2-7B head shape, a short prompt
+    (2, 4, 9, 3, 64, [5, 9, 10, 30]),   # SmolLM2's heads, scattered positions
+    (3, 1, 8, 2, 128, [17]),            # one decode token
+    (1, 2, 4, 4, 32, [0, 63]),
+    (2, 5, 6, 1, 96, [1, 2, 3, 4, 40]),  # head_dim 96: lanes idle in each row
+])
+def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positions):
+    from qtool.cuda import kv_cache as kvc
+
+    if mode == "int4" and d % 8:
+        pytest.skip("int4 needs head_dim % 8 == 0")
+    gen = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + d)
+    length = 64
+    cos, sin = _tables(length, d)
+    qkv = (torch.randn(b, t, h + 2 * kvh, d, device="cuda", generator=gen) * 3).half()
+    qkv[0, 0, h] = 1.25                       # a constant key: scale 1, zero -min
+    qkv[-1, -1, h + kvh, :] = 0.5
+    qkv[-1, -1, h + kvh, 1] = 0.5 + 2 ** -11  # a value range whose scale rounds to a float16 subnormal
+    qkv[0, 0, -1] = 0.0
+    qkv[0, 0, -1, 0] = 2 ** -24               # ... and to zero: the scale becomes 2^-24
+    pos = torch.tensor(positions, device="cuda")
+    got_c, ref_c = _poisoned(mode, b, kvh, length, d), _poisoned(mode, b, kvh, length, d)
+    q, dk, dv = kvc.write(qkv, cos, sin, pos, got_c, h, dequantized=True)
+    synced(q)
+    rq, rk, rv = kvc.reference_write(qkv, cos, sin, pos, ref_c, h)
+    assert torch.equal(q, rq), "rotated queries differ from the float16 torch form"
+    assert torch.equal(dk, rk) and torch.equal(dv, rv), "dequantized keys/values differ from the torch form"
+    for name in ("k", "v", "k_params", "v_params"):
+        a, r = getattr(got_c, name), getattr(ref_c, name)
+        if a is None:
+            continue
+        written = a[:, :, pos]
+        assert torch.equal(written.view(torch.uint8), r[:, :, pos].view(torch.uint8)), f"{name} at the positions"
+        others = torch.ones(length, dtype=torch.bool, device="cuda")
+        others[pos] = False
+        rest = a[:, :, others]
+        untouched = rest.isnan().all() if rest.is_floating_point() else (rest == POISON).all()
+        assert bool(untouched), f"{name}: the write touched positions outside {positions}"
+
+
+def _random_cache(mode, b, kvh, length, d, gen):
+    """A cache of random codes and params (not a write's output: every code and zero point value occurs)."""
+    from qtool.cuda import kv_cache as kvc
+
+    cache = kvc.allocate(mode, b, kvh, length, d, torch.device("cuda"), k_scale=0.5, v_scale=0.25)
+    for t in (cache.k, cache.v):
+        if mode == "fp8":
+            vals = torch.randn(*t.shape, device="cuda", generator=gen) * 4
+            t.copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
+        else:
+            t.copy_(torch.randint(0, 256, t.shape, device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8))
+    for t in (cache.k_params, cache.v_params):
+        if t is not None:
+            maxq = 15 if mode == "int4" else 255
+            t[..., 0] = (torch.rand(t.shape[:-1], device="cuda", generator=gen) * 4 / maxq + 1e-3).half()
+            t[..., 1] = (torch.rand(t.shape[:-1], device="cuda", generator=gen) * maxq).half()
+    return cache
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("b,h,kvh,length,d", [
+    (2, 32, 32, 300, 128),   # Llama-2-7B heads, L not a multiple of the rows a block takes
+    (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
+    (2, 9, 3, 77, 64),       # SmolLM2: 3
+    (1, 8, 1, 1024, 64),     # 8 per KV head (the most one block holds)
+    (1, 4, 4, 1, 32),        # a one-position cache
+    (2, 6, 3, 45, 96),       # idle lanes in each row
+])
+def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
+    from qtool.cuda import kv_cache as kvc
+
+    if mode == "int4" and d % 8:
+        pytest.skip("int4 needs head_dim % 8 == 0")
+    if mode != "int4" and d > 128:
+        pytest.skip("8-bit caches hold head_dim <= 128")
+    gen = torch.Generator(device="cuda").manual_seed(b * 100 + h + length + d)
+    cache = _random_cache(mode, b, kvh, length, d, gen)
+    q = (torch.randn(b, h, 1, d, device="cuda", generator=gen) * 0.5).half()
+    for p in sorted({0, length // 2, length - 1, length + 5}):
+        pos = torch.tensor([p], device="cuda")
+        out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
+        got = synced(kvc.attention(q, cache, pos, out=out))
+        assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p})"
+        ref = kvc.reference_attention(q, cache, p)
+        tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
+        worst = float(((got.double() - ref).abs() - tol).max())
+        assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}: excess {worst:.3e}"
+
+
+def test_write_then_attention_under_dependent_launches_and_a_graph():
+    """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
+    from qtool.cuda import kv_cache as kvc
+
+    b, h, kvh, d, length = 4, 8, 2, 128, 96
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cos, sin = _tables(length, d)
+    cache = kvc.allocate("int4", b, kvh, length, d, torch.device("cuda"))
+    prompt = (torch.randn(b, 40, h + 2 * kvh, d, device="cuda", generator=gen)).half()
+    kvc.write(prompt, cos, sin, torch.arange(40, device="cuda"), cache, h)
+    step = (torch.randn(b, 1, h + 2 * kvh, d, device="cuda", generator=gen)).half()
+    pos = torch.tensor([40], device="cuda")
+
+    def chain():
+        q, _, _ = kvc.write(step, cos, sin, pos, cache, h)
+        return kvc.attention(q, cache, pos)
+
+    plain, outs = dependent_chain_runs(chain)
+    for o in outs:
+        assert torch.equal(o, plain)
+    q_ref = kvc.rope_half(step.transpose(1, 2)[:, :h], cos[pos], sin[pos])
+    ref = kvc.reference_attention(q_ref, cache, 40)
+    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
+    assert float(((plain.double() - ref).abs() - tol).max()) <= 0
+
+
+def test_kv_cache_kernels_refuse_bad_input_in_one_line():
+    from qtool.cuda import kv_cache as kvc
+
+    with pytest.raises(ValueError, match="found head_dim 36, expected a multiple of 8"):
+        kvc.allocate("int4", 1, 1, 8, 36, torch.device("cuda"))
+    with pytest.raises(ValueError, match="KV cache mode: found 'int3'"):
+        kvc.allocate("int3", 1, 1, 8, 64, torch.device("cuda"))
+    cache = kvc.allocate("int4", 1, 2, 8, 64, torch.device("cuda"))
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match=r"q: found \[1, 3, 1, 64\]"):
+        kvc.attention(torch.zeros(1, 3, 1, 64, dtype=torch.float16, device="cuda"), cache, pos)
+    with pytest.raises(ValueError, match=r"at most 8 per KV head"):
+        kvc.attention(torch.zeros(1, 18, 1, 64, dtype=torch.float16, device="cuda"), cache, pos)
+    with pytest.raises(ValueError, match="pos: found torch.int32"):
+        kvc.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda"), cache, pos.int())

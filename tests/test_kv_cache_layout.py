@@ -1,0 +1,60 @@
+"""The quantized KV cache's storage (qtool/cuda/kv_cache.py torch forms, formats/qoq.md "KV cache"): codes packed
+two per byte, low nibble first; the stored (codes, scale, zero) dequantize to exactly what the reference attention
+path (qtool/runtime/kv_cache.py) feeds attention; a write touches only its positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtool.cuda import kv_cache as kvc
+from qtool.runtime.kv_cache import fake_quantize_kv
+
+
+def test_int4_codes_pack_low_nibble_first_and_round_trip():
+    codes = torch.tensor([[1, 2, 15, 0, 7, 8, 3, 12]], dtype=torch.uint8)
+    packed = kvc.pack_codes(codes, "int4")
+    assert packed.tolist() == [[0x21, 0x0F, 0x87, 0xC3]]
+    assert torch.equal(kvc.unpack_codes(packed, "int4"), codes)
+    assert torch.equal(kvc.pack_codes(codes, "int8"), codes)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_stored_cache_dequantizes_to_what_the_reference_path_attends_to(mode):
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, kvh, d, length = 2, 5, 6, 2, 64, 16
+    qkv = (torch.randn(b, t, h + 2 * kvh, d, generator=gen) * 2).half()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(length, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = ang.cos().half(), ang.sin().half()
+    pos = torch.tensor([1, 2, 3, 8, 9])
+    cache = kvc.allocate(mode, b, kvh, length, d, torch.device("cpu"))
+    cache.k.fill_(0xA5)
+    q, dk, dv = kvc.reference_write(qkv, cos, sin, pos, cache, h)
+    x = qkv.transpose(1, 2)
+    k = kvc.rope_half(x[:, h:h + kvh], cos[pos], sin[pos])
+    bits = kvc.BITS[mode]
+    assert torch.equal(dk, fake_quantize_kv(k, bits))
+    assert torch.equal(dv, fake_quantize_kv(x[:, h + kvh:], bits))
+    assert torch.equal(kvc.dequantize(cache, "k", torch.float32)[:, :, pos].half(), dk)
+    assert torch.equal(kvc.dequantize(cache, "v", torch.float32)[:, :, pos].half(), dv)
+    assert torch.equal(q, kvc.rope_half(x[:, :h], cos[pos], sin[pos]))
+    untouched = torch.ones(length, dtype=torch.bool)
+    untouched[pos] = False
+    assert bool((cache.k[:, :, untouched] == 0xA5).all())
+
+
+def test_cache_bytes_per_token_are_a_quarter_of_fp16_plus_params():
+    # Llama-2-7B layer: 32 KV heads of 128; FP16 stores 2 * 32 * 128 * 2 bytes per token
+    fp16 = 2 * 32 * 128 * 2
+    assert kvc.bytes_per_token("int4", 32, 128) == fp16 // 4 + 2 * 32 * 4
+    assert kvc.bytes_per_token("fp8", 32, 128) == fp16 // 2
+    cache = kvc.allocate("int4", 3, 32, 10, 128, torch.device("cpu"))
+    assert cache.nbytes() == 3 * 10 * kvc.bytes_per_token("int4", 32, 128)
+
+
+def test_unsupported_head_dims_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="KV cache int4: found head_dim 260, expected a multiple of 8 up to 256"):
+        kvc.check_shape("int4", 260)
+    with pytest.raises(ValueError, match="KV cache int8: found head_dim 256, expected a multiple of 4 up to 128"):
+        kvc.check_shape("int8", 256)
