@@ -8,47 +8,71 @@
 //
 // Decode attention (kv_attention_*): one block per sequence and KV head, holding the G = H / KVH query heads that
 // share it, so each cached element is loaded and converted once for all of them (grouped-query attention). One
-// pass over the cache with an online softmax: a warp's lanes split a row into 32-bit words (8 codes of 4 bits),
-// a row's lanes reduce its scores by shuffles, and each lane keeps the running max, sum and output columns of the
-// rows it sees; warps, then lane groups, merge at the end. Memory-bound by design (QServe Section 5.3): per code
-// a shift and a mask turn it into a float 1 + c / 2^BITS without an int-to-float conversion (a quarter-rate
-// instruction on sm_90), and the offset and zero point are subtracted once per row, not per element:
-//   q . k = s (F q . x - (F + z) sum(q)),   sum_l p_l v_l = F sum_l (p_l s_l) x_l - sum_l p_l s_l (F + z_l),
-// with F = 2^BITS and x = 1 + c / F. Scores, softmax and sums in float32; one rounding to float16 at the end.
+// pass over the cache with an online softmax: a warp's lanes split a row into WPL 32-bit words each (8 codes of 4
+// bits a word), a row's lanes reduce its scores by shuffles, and each lane keeps the running max, sum and output
+// columns of the rows it sees; lane groups, then warps, merge at the end. Memory-bound by design (QServe Section
+// 5.3), which on sm_90 means few instructions per code: no int-to-float conversion (quarter rate), but a mask that
+// makes a float x = 1 + c / f of the code where a shift has put it into the mantissa's top bits (one shift serves
+// two codes: f = 2^4 and 2^8 for 4-bit codes, 2^8 for 8-bit ones), and the offsets and zero point subtracted once
+// per row, not per element:
+//   q . k = s (sum_d (q_d f_d) x_d - sum_d q_d f_d - z sum_d q_d)
+//   sum_l p_l v_ld = f_d (sum_l w_l x_ld - sum_l w_l) - sum_l w_l z_l,   w_l = p_l s_l.
+// Scores, softmax and sums in float32; one rounding to float16 at the end.
 //
 // Programmatic dependents (qtool/cuda/dependent_launch.py): what the kernel ahead wrote is read after the wait
 // through coherent loads.
 #include "ptx_common.cuh"
 
 constexpr int KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2;
-constexpr int MAX_G = 8;
 
 template <int MODE>
 struct Fmt {
     static constexpr int BITS = MODE == KV_INT4 ? 4 : 8;
     static constexpr int EPW = 32 / BITS;  // elements per 32-bit word
-    static constexpr float F = MODE == KV_INT4 ? 16.f : MODE == KV_INT8 ? 256.f : 1.f;
 };
 
-// Element e of word w as a float: 1 + c / F for integer codes (mantissa bits 23 - BITS .. 22; exact), the value
-// for e4m3.
+// The factor f of element e of a word: its code is f (x - 1).
 template <int MODE>
-__device__ __forceinline__ float unpack(u32 w, int e) {
+__device__ __forceinline__ constexpr float factor(int e) {
+    return MODE == KV_INT4 ? (e & 1 ? 256.f : 16.f) : MODE == KV_INT8 ? 256.f : 1.f;
+}
+
+__device__ __forceinline__ float mant(u32 t, u32 mask) { return __uint_as_float((t & mask) | 0x3F800000u); }
+
+__device__ __forceinline__ u32 rotl(u32 w, int s) { return __funnelshift_l(w, w, s); }
+
+// The EPW elements of word w as floats: x = 1 + c / f(e) for integer codes (exact), the values for e4m3.
+template <int MODE>
+__device__ __forceinline__ void unpack(u32 w, float* x) {
     if constexpr (MODE == KV_INT4) {
-        const int sh = 19 - 4 * e;
-        const u32 t = sh >= 0 ? w << sh : w >> -sh;
-        return __uint_as_float((t & 0x00780000u) | 0x3F800000u);
+        // codes 2j+1 land in mantissa bits 15-18 (f = 2^8), codes 2j in bits 19-22 (f = 2^4)
+        constexpr u32 LO = 0x00078000u, HI = 0x00780000u;
+        const u32 r = rotl(w, 19), a = w << 11, b = w << 3, c = w >> 5;
+        x[0] = mant(r, HI);
+        x[7] = mant(r, LO);
+        x[1] = mant(a, LO);
+        x[2] = mant(a, HI);
+        x[3] = mant(b, LO);
+        x[4] = mant(b, HI);
+        x[5] = mant(c, LO);
+        x[6] = mant(c, HI);
     } else if constexpr (MODE == KV_INT8) {
-        const int sh = 15 - 8 * e;
-        const u32 t = sh >= 0 ? w << sh : w >> -sh;
-        return __uint_as_float((t & 0x007F8000u) | 0x3F800000u);
+        constexpr u32 M = 0x007F8000u;  // bits 15-22
+        x[0] = mant(w << 15, M);
+        x[1] = mant(w << 7, M);
+        x[2] = mant(w >> 1, M);
+        x[3] = mant(w >> 9, M);
     } else {
-        u32 h2 = 0;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            u32 h2 = 0;
 #if __CUDA_ARCH__ >= 890  // e4m3 conversions (sm_89+); qtool/cuda/kv_cache.py refuses fp8 below
-        const u16 pair = (u16)(w >> (16 * (e >> 1)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+            const u16 pair = (u16)(w >> (16 * j));
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
 #endif
-        return h2f((u16)(e & 1 ? h2 >> 16 : h2 & 0xFFFFu));
+            x[2 * j] = h2f((u16)(h2 & 0xFFFFu));
+            x[2 * j + 1] = h2f((u16)(h2 >> 16));
+        }
     }
 }
 
@@ -58,22 +82,28 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return r;
 }
 
-// Per-lane partial output of one decode block: the running max m and sum l (log2 domain) and, per element of this
-// lane's word, the weighted sum of x; corr the weighted sum of (F + z) the output subtracts.
-template <int G, int EPW>
-struct Partial {
-    float m[G], l[G], corr[G], acc[G][EPW];
-};
+template <int WPL>
+__device__ __forceinline__ void load_words(u32 (&w)[WPL], const u32* p) {
+    if constexpr (WPL == 2) {
+        u32 a, b;
+        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+        w[0] = a;
+        w[1] = b;
+    } else {
+        w[0] = ld_dep_u32(p);
+    }
+}
 
-template <int MODE, int G, int U>
+// MODE: cache format; G: query heads per KV head; U: rows a lane loads before it uses them (one memory latency per
+// U rows); WPL: words per lane (2 halves the per-row work of shuffles, scale conversions and exponentials per code,
+// at twice the registers for the query and the output columns).
+template <int MODE, int G, int U, int WPL>
 __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u32* __restrict__ kc,
                                              const u32* __restrict__ vc, const u32* __restrict__ kp,
                                              const u32* __restrict__ vp, const long long* __restrict__ pos,
                                              u16* __restrict__ out, int H, int KVH, int L, int D, float qscale,
                                              float kscale, float vscale) {
-    using Fm = Fmt<MODE>;
-    constexpr int EPW = Fm::EPW;
-    constexpr float F = Fm::F;
+    constexpr int EPW = Fmt<MODE>::EPW, EPL = EPW * WPL;
     constexpr bool INT = MODE != KV_FP8;
     extern __shared__ float sm[];
     launch_dependents();
@@ -82,78 +112,94 @@ __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u3
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
     const int W = D / EPW;  // words per row
     int lpr = 1;
-    while (lpr < W) lpr <<= 1;  // lanes per row (a power of two: rows reduce by xor shuffles)
+    while (lpr * WPL < W) lpr <<= 1;  // lanes per row (a power of two: rows reduce by xor shuffles)
     const int rpi = 32 / lpr, sub = lane % lpr, rw = lane / lpr;
-    const bool active = sub < W;
+    const bool active = sub * WPL < W;
     const long long p = ld_dep_s64(pos);
     const int n = p + 1 < (long long)L ? (int)(p + 1) : L;
 
-    // this lane's query elements (scaled: softmax in log2), and each head's sum of its query
-    float qr[G][EPW], qsum[G];
-    float* qs = sm;               // [G][D] staging, reused for the merge below
-    float* qsum_sm = sm + G * D;  // [G]
+    // this lane's query elements times their factors (scaled: softmax in log2), and per head the sums of the
+    // query and of the query times the factors
+    float qr[G][EPL], qsum[G], qfsum[G];
+    float* qs = sm;                // [G][D] staging, reused for the merge below
+    float* sums = sm + G * D;      // [G][2]
     for (int i = tid; i < G * D; i += blockDim.x)
         qs[i] = h2f(ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G) * D + i)) * qscale;
     __syncthreads();
     for (int g = warp; g < G; g += warps) {
-        float s = 0.f;
-        for (int d = lane; d < D; d += 32) s += qs[g * D + d];
+        float s = 0.f, sf = 0.f;
+        for (int d = lane; d < D; d += 32) {
+            s += qs[g * D + d];
+            sf += qs[g * D + d] * factor<MODE>(d % EPW);
+        }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) qsum_sm[g] = s;
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+            sf += __shfl_xor_sync(0xffffffffu, sf, o);
+        }
+        if (lane == 0) {
+            sums[2 * g] = s;
+            sums[2 * g + 1] = sf;
+        }
     }
     __syncthreads();
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        qsum[g] = qsum_sm[g];
+        qsum[g] = sums[2 * g];
+        qfsum[g] = sums[2 * g + 1];
 #pragma unroll
-        for (int e = 0; e < EPW; ++e) qr[g][e] = active ? qs[g * D + sub * EPW + e] : 0.f;
+        for (int e = 0; e < EPL; ++e)
+            qr[g][e] = active ? qs[g * D + sub * EPL + e] * factor<MODE>(e % EPW) : 0.f;
     }
     __syncthreads();
 
-    Partial<G, EPW> st;
+    // running state of this lane: max m and sum l (log2 domain), and the weighted sums of x, of w and of w z
+    float m[G], l[G], ws[G], wz[G], acc[G][EPL];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        st.m[g] = -1.0e30f;  // finite: a masked row's -inf score then gives exp2(-inf) = 0, never NaN
-        st.l[g] = st.corr[g] = 0.f;
+        m[g] = -1.0e30f;  // finite: a masked row's -inf score then gives exp2(-inf) = 0, never NaN
+        l[g] = ws[g] = wz[g] = 0.f;
 #pragma unroll
-        for (int e = 0; e < EPW; ++e) st.acc[g][e] = 0.f;
+        for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
     }
     const size_t row0 = ((size_t)b * KVH + kvh) * L;
-    const u32* K = kc + row0 * W;
-    const u32* V = vc + row0 * W;
+    const u32* K = kc + row0 * W + sub * WPL;
+    const u32* V = vc + row0 * W + sub * WPL;
     const int step = warps * rpi * U;
     // the loop bound is the warp's, not the lane's: every lane takes part in the row reductions' shuffles
     for (int lb = warp * rpi * U; lb < n; lb += step) {
         const int l0 = lb + rw;
-        // all loads of the U rows first: one memory latency per U rows
-        u32 kw[U], vw[U], kpar[U], vpar[U];
+        u32 kw[U][WPL], vw[U][WPL], kpar[U], vpar[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int l = l0 + u * rpi;
-            const bool ok = l < n && active;
-            kw[u] = ok ? ld_dep_u32(K + (size_t)l * W + sub) : 0u;
-            vw[u] = ok ? ld_dep_u32(V + (size_t)l * W + sub) : 0u;
+            const int r = l0 + u * rpi;
+            const bool ok = r < n && active;
+#pragma unroll
+            for (int j = 0; j < WPL; ++j) kw[u][j] = vw[u][j] = 0u;
+            if (ok) {
+                load_words<WPL>(kw[u], K + (size_t)r * W);
+                load_words<WPL>(vw[u], V + (size_t)r * W);
+            }
             if constexpr (INT) {
-                kpar[u] = l < n ? ld_dep_u32(kp + row0 + l) : 0u;
-                vpar[u] = l < n ? ld_dep_u32(vp + row0 + l) : 0u;
+                kpar[u] = r < n ? ld_dep_u32(kp + row0 + r) : 0u;
+                vpar[u] = r < n ? ld_dep_u32(vp + row0 + r) : 0u;
             }
         }
         float sc[U][G];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            float x[EPW];
+            float x[EPL];
 #pragma unroll
-            for (int e = 0; e < EPW; ++e) x[e] = unpack<MODE>(kw[u], e);
+            for (int j = 0; j < WPL; ++j) unpack<MODE>(kw[u][j], x + j * EPW);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float a = 0.f;
 #pragma unroll
-                for (int e = 0; e < EPW; ++e) a = fmaf(qr[g][e], x[e], a);
+                for (int e = 0; e < EPL; ++e) a = fmaf(qr[g][e], x[e], a);
                 for (int o = lpr >> 1; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
                 if constexpr (INT) {
                     const float s = h2f((u16)(kpar[u] & 0xFFFFu)), z = h2f((u16)(kpar[u] >> 16));
-                    a = s * (F * a - (F + z) * qsum[g]);
+                    a = s * (a - qfsum[g] - z * qsum[g]);
                 } else {
                     a *= kscale;
                 }
@@ -162,21 +208,22 @@ __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u3
         }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-            float mn = st.m[g];
+            float mn = m[g];
 #pragma unroll
             for (int u = 0; u < U; ++u) mn = fmaxf(mn, sc[u][g]);
-            const float alpha = fast_exp2(st.m[g] - mn);
-            st.m[g] = mn;
-            st.l[g] *= alpha;
-            st.corr[g] *= alpha;
+            const float alpha = fast_exp2(m[g] - mn);
+            m[g] = mn;
+            l[g] *= alpha;
+            ws[g] *= alpha;
+            wz[g] *= alpha;
 #pragma unroll
-            for (int e = 0; e < EPW; ++e) st.acc[g][e] *= alpha;
+            for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            float x[EPW];
+            float x[EPL];
 #pragma unroll
-            for (int e = 0; e < EPW; ++e) x[e] = unpack<MODE>(vw[u], e);
+            for (int j = 0; j < WPL; ++j) unpack<MODE>(vw[u][j], x + j * EPW);
             float vs = vscale, vz = 0.f;
             if constexpr (INT) {
                 vs = h2f((u16)(vpar[u] & 0xFFFFu));
@@ -184,12 +231,15 @@ __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u3
             }
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                const float pr = fast_exp2(sc[u][g] - st.m[g]);
-                st.l[g] += pr;
+                const float pr = fast_exp2(sc[u][g] - m[g]);
+                l[g] += pr;
                 const float w = pr * vs;
-                if constexpr (INT) st.corr[g] = fmaf(w, F + vz, st.corr[g]);
+                if constexpr (INT) {
+                    ws[g] += w;
+                    wz[g] = fmaf(w, vz, wz[g]);
+                }
 #pragma unroll
-                for (int e = 0; e < EPW; ++e) st.acc[g][e] = fmaf(w, x[e], st.acc[g][e]);
+                for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(w, x[e], acc[g][e]);
             }
         }
     }
@@ -197,31 +247,33 @@ __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u3
     for (int o = lpr; o < 32; o <<= 1) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-            const float mo = __shfl_xor_sync(0xffffffffu, st.m[g], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, st.l[g], o);
-            const float co = __shfl_xor_sync(0xffffffffu, st.corr[g], o);
-            const float mn = fmaxf(st.m[g], mo), a = fast_exp2(st.m[g] - mn), c = fast_exp2(mo - mn);
-            st.m[g] = mn;
-            st.l[g] = st.l[g] * a + lo * c;
-            st.corr[g] = st.corr[g] * a + co * c;
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float wso = __shfl_xor_sync(0xffffffffu, ws[g], o);
+            const float wzo = __shfl_xor_sync(0xffffffffu, wz[g], o);
+            const float mn = fmaxf(m[g], mo), a = fast_exp2(m[g] - mn), c = fast_exp2(mo - mn);
+            m[g] = mn;
+            l[g] = l[g] * a + lo * c;
+            ws[g] = ws[g] * a + wso * c;
+            wz[g] = wz[g] * a + wzo * c;
 #pragma unroll
-            for (int e = 0; e < EPW; ++e)
-                st.acc[g][e] = st.acc[g][e] * a + __shfl_xor_sync(0xffffffffu, st.acc[g][e], o) * c;
+            for (int e = 0; e < EPL; ++e) acc[g][e] = acc[g][e] * a + __shfl_xor_sync(0xffffffffu, acc[g][e], o) * c;
         }
     }
-    // then the warps, through shared memory: y = F acc - corr (the unnormalized output), m and l per head
-    float* ys = sm;                       // [warps][G][D]
-    float* ml = sm + warps * G * D;       // [warps][G][2]
+    // then the warps, through shared memory: y (the unnormalized output), m and l per head
+    float* ys = sm;                  // [warps][G][D]
+    float* ml = sm + warps * G * D;  // [warps][G][2]
     if (rw == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             if (active)
 #pragma unroll
-                for (int e = 0; e < EPW; ++e)
-                    ys[(warp * G + g) * D + sub * EPW + e] = INT ? F * st.acc[g][e] - st.corr[g] : st.acc[g][e];
+                for (int e = 0; e < EPL; ++e)
+                    ys[(warp * G + g) * D + sub * EPL + e] =
+                        INT ? factor<MODE>(e % EPW) * (acc[g][e] - ws[g]) - wz[g] : acc[g][e];
             if (sub == 0) {
-                ml[(warp * G + g) * 2] = st.m[g];
-                ml[(warp * G + g) * 2 + 1] = st.l[g];
+                ml[(warp * G + g) * 2] = m[g];
+                ml[(warp * G + g) * 2 + 1] = l[g];
             }
         }
     }
@@ -230,32 +282,35 @@ __device__ __forceinline__ void kv_attention(const u16* __restrict__ q, const u3
         const int g = i / D, d = i % D;
         float mx = -1.0e30f;
         for (int w = 0; w < warps; ++w) mx = fmaxf(mx, ml[(w * G + g) * 2]);
-        float y = 0.f, l = 0.f;
+        float y = 0.f, ls = 0.f;
         for (int w = 0; w < warps; ++w) {
             const float c = fast_exp2(ml[(w * G + g) * 2] - mx);
             y += c * ys[(w * G + g) * D + d];
-            l += c * ml[(w * G + g) * 2 + 1];
+            ls += c * ml[(w * G + g) * 2 + 1];
         }
-        out[((size_t)b * H + (size_t)kvh * G + g) * D + d] = f2h(y / l);
+        out[((size_t)b * H + (size_t)kvh * G + g) * D + d] = f2h(y / ls);
     }
 }
 
-#define KV_ATTENTION(NAME, MODE, G)                                                                                 \
+#define KV_ATTENTION(NAME, MODE, G, WPL)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                         \
         const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
         const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
         u16* __restrict__ out, int H, int KVH, int L, int D, float qscale, float kscale, float vscale) {          \
-        kv_attention<MODE, G, 4>(q, kc, vc, kp, vp, pos, out, H, KVH, L, D, qscale, kscale, vscale);               \
+        kv_attention<MODE, G, 4, WPL>(q, kc, vc, kp, vp, pos, out, H, KVH, L, D, qscale, kscale, vscale);          \
     }
+// two words a lane where the query and output registers allow it (G <= 2), one otherwise
 #define KV_ATTENTION_ALL_G(PREFIX, MODE)                                                                            \
-    KV_ATTENTION(PREFIX##_g1, MODE, 1)                                                                              \
-    KV_ATTENTION(PREFIX##_g2, MODE, 2)                                                                              \
-    KV_ATTENTION(PREFIX##_g3, MODE, 3)                                                                              \
-    KV_ATTENTION(PREFIX##_g4, MODE, 4)                                                                              \
-    KV_ATTENTION(PREFIX##_g5, MODE, 5)                                                                              \
-    KV_ATTENTION(PREFIX##_g6, MODE, 6)                                                                              \
-    KV_ATTENTION(PREFIX##_g7, MODE, 7)                                                                              \
-    KV_ATTENTION(PREFIX##_g8, MODE, 8)
+    KV_ATTENTION(PREFIX##_g1, MODE, 1, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g2, MODE, 2, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g3, MODE, 3, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g4, MODE, 4, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g5, MODE, 5, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g6, MODE, 6, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g7, MODE, 7, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g8, MODE, 8, 1)                                                                           \
+    KV_ATTENTION(PREFIX##_g1_w2, MODE, 1, 2)                                                                        \
+    KV_ATTENTION(PREFIX##_g2_w2, MODE, 2, 2)
 
 KV_ATTENTION_ALL_G(kv_attention_int4, KV_INT4)
 KV_ATTENTION_ALL_G(kv_attention_int8, KV_INT8)

@@ -107,15 +107,24 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
               help="Model dimensions (llama-2-7b, llama-3-8b, mistral-7b, tiny); weights are random.")
 @click.option("--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v))
 @click.option("--group-size", "group_size", default="128", show_default=True)
-@click.option("--prompt", default=2048, show_default=True, type=click.IntRange(1, None), help="Prefill tokens.")
-@click.option("--batches", default="1,16,64", show_default=True, help="Decode batch sizes.")
+@click.option("--prompt", default=None, type=click.IntRange(1, None),
+              help="Prefill tokens (default 2048; 1024 with --throughput).")
+@click.option("--batches", default=None, help="Decode batch sizes (default 1,16,64; with --throughput "
+                                               "16,64,256,max, max being the largest batch whose cache fits).")
 @click.option("--context", default=128, show_default=True, type=click.IntRange(2, None),
               help="Static KV-cache length for decode (attention reads all of it).")
+@click.option("--throughput", is_flag=True, help="Batched generation throughput (prompt + --new-tokens per "
+                                                 "sequence) of the --variants instead of prefill/decode latency.")
+@click.option("--new-tokens", default=512, show_default=True, type=click.IntRange(2, None),
+              help="Generated tokens per sequence (--throughput).")
+@click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
+              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4).")
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
-def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches: str, context: int, iters: int,
-            json_path: str | None) -> None:
-    """Prefill and decode tokens/s, FP16 vs grouped_int, same decoder, CUDA graphs, peak GPU memory."""
+def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, batches: str | None, context: int,
+            throughput: bool, new_tokens: int, variants: str, iters: int, json_path: str | None) -> None:
+    """Prefill and decode tokens/s, FP16 vs grouped_int, same decoder, CUDA graphs, peak GPU memory; with
+    --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that fits."""
 
     def go() -> None:
         from qtool.bench import stats  # noqa: PLC0415
@@ -125,9 +134,15 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches:
         gs = _group_sizes(group_size)
         if len(gs) != 1:
             raise BenchError(f"--group-size: found {group_size!r}, expected one value for e2e")
-        bl = stats.parse_ints(batches, "--batches")
+        if throughput:
+            _throughput(model_config, gs[0], prompt or 1024, new_tokens, batches or "16,64,256,max", variants,
+                        iters, json_path)
+            return
+        bl = stats.parse_ints(batches or "1,16,64", "--batches")
+        prompt_n = prompt or 2048
         _need_gpu()
-        report = run_e2e(model_config, bits, gs[0], prompt, bl, context, iters, log=lambda s: click.echo(s, err=True))
+        report = run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
+                         log=lambda s: click.echo(s, err=True))
         if json_path:
             from pathlib import Path  # noqa: PLC0415
 
@@ -136,6 +151,29 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches:
         click.echo(format_e2e(report))
 
     _wrap(go)
+
+
+def _throughput(model_config: str, group_size: int | None, prompt: int, new_tokens: int, batches: str,
+                variants: str, iters: int, json_path: str | None) -> None:
+    from qtool.bench import stats  # noqa: PLC0415
+    from qtool.bench import throughput as tp  # noqa: PLC0415
+
+    names = [v.strip().lower() for v in variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in tp.VARIANTS]
+    if bad or not names:
+        raise BenchError(f"--variants: found {variants!r}, expected some of {', '.join(tp.VARIANTS)}")
+    sizes: list[int | str] = ["max" if b.strip().lower() == "max" else b for b in batches.split(",") if b.strip()]
+    nums = ",".join(str(b) for b in sizes if b != "max")
+    sizes = [*stats.parse_ints(nums, "--batches"), *(["max"] if "max" in sizes else [])] if nums else ["max"]
+    _need_gpu()
+    report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
+                               log=lambda s: click.echo(s, err=True))
+    if json_path:
+        from pathlib import Path  # noqa: PLC0415
+
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(tp.format_throughput(report))
 
 
 @bench.command("quik")

@@ -115,14 +115,19 @@ class Block(nn.Module):
         return h, norm(h)
 
     def forward(self, h: torch.Tensor, y: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor],
-                kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
-        so that the add runs inside this block's first normalization. Returns (h, this block's output)."""
+        so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
+        quantized qtool.cuda.kv_cache.KVCache; mask None for prefill from position 0. Returns (h, this block's
+        output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         h, x = self._add_norm(h, y, self.n1)
         qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd)
+        if not isinstance(cache, tuple):
+            a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=mask is not None)
+            return self._mlp(h, a, b, t)
+        kc, vc = cache
         if self.fused_rope:
             from qtool.cuda.rope_cache import rope_cache  # noqa: PLC0415
 
@@ -146,6 +151,23 @@ class Block(nn.Module):
             a = decode_attention(q, kc, vc, pos).transpose(1, 2)  # a view of [B, 1, H, D], as attention returns
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
+        return self._mlp(h, a, b, t)
+
+    def _quantized_cache_attention(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], cache,
+                                   pos: torch.Tensor, decode: bool) -> torch.Tensor:
+        """RoPE + quantized cache write in one kernel; prefill attends to the dequantized keys and values of the
+        prompt (what decode steps will read), decode to the cache through the quantized-cache kernel."""
+        from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+
+        d = self.d
+        q, dk, dv = kvc.write(qkv, tables[0], tables[1], pos, cache, d.heads, dequantized=not decode)
+        if decode:
+            return kvc.attention(q, cache, pos).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, dk, dv, is_causal=True, enable_gqa=d.kv_heads != d.heads)
+
+    def _mlp(self, h: torch.Tensor, a: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection of attention `a` [B, H, T, D], then the MLP."""
+        d, hd = self.d, self.d.head_dim
         h, x = self._add_norm(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2)
         gu = self.gate_up(x)
         if self.fused_swiglu:
@@ -175,17 +197,18 @@ class Decoder(nn.Module):
         ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None]
         return ang.cos().half(), ang.sin().half()
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list,
                 tables: tuple[torch.Tensor, torch.Tensor], decode: bool) -> torch.Tensor:
-        """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables. Returns the next
-        token per sequence [B]."""
+        """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
+        (keys, values) float16 or a quantized KVCache. Returns the next token per sequence [B]."""
         mask = None
         if decode:
-            max_len = caches[0][0].shape[2]
+            c0 = caches[0]
+            max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
             mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h, y = self.embed(ids), None
-        for blk, (kc, vc) in zip(self.blocks, caches, strict=True):
-            h, y = blk(h, y, tables, kc, vc, pos, mask)
+        for blk, cache in zip(self.blocks, caches, strict=True):
+            h, y = blk(h, y, tables, cache, pos, mask)
         logits = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
         return logits.argmax(-1)
 

@@ -124,9 +124,16 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     return q, deq_k, deq_v
 
 
-def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def words_per_lane(mode: str, group: int, head_dim: int) -> int:
+    """2 (a lane loads 8 bytes of a row) where the registers for 2 query heads allow it, else 1."""
+    return 2 if group <= 2 and (head_dim // (32 // BITS[mode])) % 2 == 0 else 1
+
+
+def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None,
+              wpl: int | None = None) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
-    fills `out`) float16 [B, 1, H, D], the layout the output projection reads."""
+    fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the kernel's words
+    per lane (1, or 2 where `words_per_lane` allows it)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
@@ -142,7 +149,12 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
     dev = cc.device_index(q.device)
     warps = THREADS // 32
     smem = 4 * max(g * d + g, warps * g * (d + 2))
-    fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_{cache.mode}_g{g}")
+    best = words_per_lane(cache.mode, g, d)
+    if wpl is None:
+        wpl = best
+    elif wpl not in (1, best):
+        raise ValueError(f"wpl: found {wpl}, expected 1 or {best} for {g} query heads per KV head of {d}")
+    fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else ""))
     cc.allow_shared_memory(fn, smem)
     dependent_launch.launch(
         fn, (b * kvh,), (THREADS,),

@@ -100,6 +100,7 @@ def _random_cache(mode, b, kvh, length, d, gen):
     (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
     (2, 9, 3, 77, 64),       # SmolLM2: 3
     (1, 8, 1, 1024, 64),     # 8 per KV head (the most one block holds)
+    (3, 4, 2, 129, 64),      # 2 per KV head: two words a lane
     (1, 4, 4, 1, 32),        # a one-position cache
     (2, 6, 3, 45, 96),       # idle lanes in each row
 ])
@@ -113,15 +114,17 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
     gen = torch.Generator(device="cuda").manual_seed(b * 100 + h + length + d)
     cache = _random_cache(mode, b, kvh, length, d, gen)
     q = (torch.randn(b, h, 1, d, device="cuda", generator=gen) * 0.5).half()
+    variants = sorted({1, kvc.words_per_lane(mode, h // kvh, d)})  # both kernel forms where there are two
     for p in sorted({0, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
-        out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-        got = synced(kvc.attention(q, cache, pos, out=out))
-        assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p})"
         ref = kvc.reference_attention(q, cache, p)
         tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
-        worst = float(((got.double() - ref).abs() - tol).max())
-        assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}: excess {worst:.3e}"
+        for wpl in variants:
+            out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
+            got = synced(kvc.attention(q, cache, pos, out=out, wpl=wpl))
+            assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {wpl} words a lane)"
+            worst = float(((got.double() - ref).abs() - tol).max())
+            assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}, {wpl} words a lane: excess {worst:.3e}"
 
 
 def test_write_then_attention_under_dependent_launches_and_a_graph():
@@ -165,3 +168,38 @@ def test_kv_cache_kernels_refuse_bad_input_in_one_line():
         kvc.attention(torch.zeros(1, 18, 1, 64, dtype=torch.float16, device="cuda"), cache, pos)
     with pytest.raises(ValueError, match="pos: found torch.int32"):
         kvc.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda"), cache, pos.int())
+
+
+@pytest.mark.parametrize("variant", ["w4a8kv4", "fp8"])
+def test_bench_decoder_runs_quantized_caches_under_graphs(variant):
+    """The throughput bench's decoder (qtool/bench/throughput.py): prefill then decode steps on KV4/FP8 caches
+    with W4A8/FP8 linears, eagerly and replayed from CUDA graphs, give the same tokens; the prompt's cache rows
+    are written (no poison left), later rows untouched."""
+    from qtool.bench.e2e import Decoder, dims_for
+    from qtool.bench.throughput import _caches, make_linear
+    from qtool.cuda.graphs import GraphedStep
+
+    d = dims_for("tiny")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    model = Decoder(d, make_linear(variant, dev, None, gen), dev).eval()  # per channel: 688 is no multiple of 128
+    tables = model.rope_tables(65, dev)
+    eager, graphed = _caches(variant, model, 3, 64, dev), _caches(variant, model, 3, 64, dev)
+    for c in eager + graphed:
+        c.k.fill_(POISON)
+    ids = torch.randint(0, d.vocab, (3, 20), device=dev, generator=gen)
+    with torch.inference_mode():
+        t_eager = model(ids, torch.arange(20, device=dev), eager, tables, decode=False)
+        fn = lambda ids, pos: model(ids, pos, graphed, tables, decode=False)  # noqa: E731
+        t_graph = GraphedStep(fn, [ids, torch.arange(20, device=dev)])(ids, torch.arange(20, device=dev))
+        assert torch.equal(t_eager, t_graph)
+        for c in eager:
+            assert not bool((c.k[:, :, :20] == POISON).all(-1).any()) and bool((c.k[:, :, 20:] == POISON).all())
+        step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
+        step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
+        for p in range(20, 24):
+            pos.fill_(p)
+            a = model(step_ids, pos, eager, tables, decode=True)
+            b = step(step_ids, pos)
+            assert torch.equal(a, b), f"graph replay differs from eager at position {p}"
+            step_ids.copy_(a[:, None])

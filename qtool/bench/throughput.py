@@ -1,0 +1,203 @@
+"""`qtool bench e2e --throughput`: batched generation throughput (QServe's protocol: 1024 prompt tokens and 512
+generated tokens per sequence) of one Llama-shaped decoder with random weights in several formats, each at the
+batch sizes asked for and at the largest batch whose KV cache fits in the GPU's free memory.
+
+Formats: `fp16` (cuBLAS linears, FP16 cache), `fp8` (`torch._scaled_mm` linears with static per-tensor scales,
+FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache) and `w4a8kv4` (qoq W4A8 kernels, KV4 cache). The same
+decoder (qtool/bench/e2e.py) runs them all under CUDA graphs.
+
+Timing: the prefill of a few prompts is timed and scaled to the batch (prefill is compute-bound, so its time is
+linear in the tokens); one decode step is timed at the middle position of the generated span, which is the mean
+step time because attention is the only part that grows with the position, linearly. Generation time of a batch
+is then prefill + new_tokens x step, and throughput the batch's generated tokens over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from qtool.bench.e2e import Decoder, _time_graph, dims_for, fp16_linear, quant_linear, weight_bytes
+
+THROUGHPUT_SCHEMA = "qtool.bench.throughput/1"
+VARIANTS = ("fp16", "fp8", "w4a16", "w4a8kv4")
+KV_MODE = {"fp16": "fp16", "fp8": "fp8", "w4a16": "fp16", "w4a8kv4": "int4"}
+PREFILL_PROMPTS = 4
+MEMORY_MARGIN = 3 * 2**30  # the decode step's activations, graph pools, allocator slack
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T through `torch._scaled_mm` in e4m3 with static per-tensor scales (1.0): the FP8 baseline's
+    linear (rows padded to 16, as _scaled_mm requires)."""
+
+    def __init__(self, k: int, n: int, device: torch.device) -> None:
+        super().__init__()
+        w = torch.randn(n, k, device=device) * 0.02
+        self.register_buffer("weight", w.to(torch.float8_e4m3fn))
+        self.register_buffer("one", torch.ones((), device=device, dtype=torch.float32))
+        self.out_features = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        pad = -m % 16
+        if pad:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+        y = torch._scaled_mm(x2.to(torch.float8_e4m3fn), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                             out_dtype=torch.float16)
+        return y[:m].reshape(*x.shape[:-1], self.out_features)
+
+
+class W4A8Linear(nn.Module):
+    """The qoq W4A8 layer (qtool/cuda/qoq.py) on random valid fields: per-token INT8 activations, 4-bit weights."""
+
+    def __init__(self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator) -> None:
+        super().__init__()
+        from qtool.cuda import qoq  # noqa: PLC0415
+
+        groups = k // group_size if group_size else 1
+        qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=device, generator=gen)
+        scales = (torch.rand(n, device=device, generator=gen) * 0.004 + 0.002).half()
+        zeros = torch.randint(0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=device,
+                              generator=gen)
+        s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=device, generator=gen) if group_size else None
+        self.prepared = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
+        # the packed tensors as buffers, so that weight_bytes counts them
+        for name, t in self.prepared.__dict__.items():
+            if isinstance(t, torch.Tensor):
+                self.register_buffer(f"p_{name}", t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from qtool.cuda import qoq  # noqa: PLC0415
+
+        return qoq.linear(x, self.prepared)
+
+
+def make_linear(variant: str, device: torch.device, group_size: int | None, gen: torch.Generator):
+    if variant == "fp16":
+        return fp16_linear(device)
+    if variant == "fp8":
+        return lambda k, n: Fp8Linear(k, n, device)
+    if variant == "w4a16":
+        return quant_linear(device, 4, group_size, gen)
+    if variant == "w4a8kv4":
+        return lambda k, n: W4A8Linear(k, n, group_size, device, gen)
+    raise ValueError(f"--variants: found {variant!r}, expected some of {', '.join(VARIANTS)}")
+
+
+def cache_bytes_per_token(variant: str, layers: int, kv_heads: int, head_dim: int) -> int:
+    mode = KV_MODE[variant]
+    if mode == "fp16":
+        return layers * 2 * kv_heads * head_dim * 2
+    from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
+
+    return layers * bytes_per_token(mode, kv_heads, head_dim)
+
+
+def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.device) -> list:
+    d = model.d
+    mode = KV_MODE[variant]
+    if mode == "fp16":
+        shape = (batch, d.kv_heads, length, d.head_dim)
+        return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
+                 dtype=torch.float16)) for _ in range(d.layers)]
+    from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+
+    return [kvc.allocate(mode, batch, d.kv_heads, length, d.head_dim, dev) for _ in range(d.layers)]
+
+
+def measure_generation(model: Decoder, variant: str, prompt: int, new_tokens: int, batches: list[int | str],
+                       iters: int, log=lambda s: None) -> dict[str, Any]:
+    from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+
+    dev = model.embed.weight.device
+    d = model.d
+    length = prompt + new_tokens
+    tables = model.rope_tables(length + 1, dev)
+    out: dict[str, Any] = {"decode": {}}
+    with torch.inference_mode():
+        cache = _caches(variant, model, PREFILL_PROMPTS, length, dev)
+        ids = torch.randint(0, d.vocab, (PREFILL_PROMPTS, prompt), device=dev)
+        pos = torch.arange(prompt, device=dev)
+        fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=False)  # noqa: E731
+        step = GraphedStep(fn, [ids, pos])
+        us = _time_graph(step, 5)
+        out["prefill"] = {"prompts": PREFILL_PROMPTS, "tokens": PREFILL_PROMPTS * prompt, "us": us,
+                          "us_per_prompt": us / PREFILL_PROMPTS}
+        del step, cache, fn
+        torch.cuda.empty_cache()
+        per_seq = cache_bytes_per_token(variant, d.layers, d.kv_heads, d.head_dim) * length
+        free = torch.cuda.mem_get_info(dev)[0]
+        largest = max(0, (free - MEMORY_MARGIN) // per_seq) // 16 * 16
+        out["largest_batch"] = int(largest)
+        out["cache_bytes_per_sequence"] = per_seq
+        sizes = sorted({int(largest) if b == "max" else int(b) for b in batches})
+        for b in sizes:
+            if b <= 0 or b > largest:
+                out["decode"][str(b)] = {"batch": b, "fits": False}
+                log(f"{variant}: batch {b} does not fit (largest {largest})")
+                continue
+            cache = _caches(variant, model, b, length, dev)
+            ids = torch.randint(0, d.vocab, (b, 1), device=dev)
+            pos = torch.tensor([prompt + new_tokens // 2], device=dev)
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            step = GraphedStep(fn, [ids, pos])
+            step_us = _time_graph(step, iters)
+            total_s = out["prefill"]["us_per_prompt"] * 1e-6 * b + new_tokens * step_us * 1e-6
+            out["decode"][str(b)] = {"batch": b, "fits": True, "step_us": step_us, "generation_s": total_s,
+                                     "tokens_per_s": b * new_tokens / total_s, "decode_tokens_per_s": b / (step_us * 1e-6),
+                                     "largest": b == largest}
+            log(f"{variant}: batch {b}: step {step_us / 1e3:.2f} ms, {b * new_tokens / total_s:.0f} generated tok/s")
+            del step, cache, fn
+            torch.cuda.empty_cache()
+    return out
+
+
+def run_throughput(model_name: str, variants: list[str], group_size: int | None, prompt: int, new_tokens: int,
+                   batches: list[int | str], iters: int, log=lambda s: None) -> dict[str, Any]:
+    d = dims_for(model_name)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    report: dict[str, Any] = {
+        "schema": THROUGHPUT_SCHEMA, "model": model_name, "dims": asdict(d), "group_size": group_size,
+        "prompt_tokens": prompt, "new_tokens": new_tokens, "batches": [str(b) for b in batches],
+        "device": torch.cuda.get_device_name(dev), "memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
+        "runs": {},
+    }
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for variant in variants:
+        torch.cuda.empty_cache()
+        model = Decoder(d, make_linear(variant, dev, group_size, gen), dev).eval()
+        res = measure_generation(model, variant, prompt, new_tokens, batches, iters, log)
+        res["weight_bytes"] = weight_bytes(model)
+        res["kv_cache"] = KV_MODE[variant]
+        report["runs"][variant] = res
+        del model
+    fits = {v: [r for r in res["decode"].values() if r.get("fits")] for v, res in report["runs"].items()}
+    best = {v: max(rs, key=lambda r: r["tokens_per_s"]) for v, rs in fits.items() if rs}
+    report["best"] = {v: {"batch": r["batch"], "tokens_per_s": r["tokens_per_s"]} for v, r in best.items()}
+    if "fp16" in best:
+        report["speedup_vs_fp16_at_best"] = {v: r["tokens_per_s"] / best["fp16"]["tokens_per_s"]
+                                             for v, r in best.items()}
+    return report
+
+
+def format_throughput(r: dict[str, Any]) -> str:
+    sizes = sorted({int(b) for run in r["runs"].values() for b in run["decode"]})
+    lines = [f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
+             f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
+             f"{'':>8} " + " ".join(f"{'b' + str(b):>10}" for b in sizes) + f" {'largest':>8} {'best tok/s':>11} "
+             f"{'vs fp16':>8} {'weights GiB':>11}"]
+    for v, run in r["runs"].items():
+        cells = []
+        for b in sizes:
+            e = run["decode"].get(str(b))
+            cells.append(f"{'':>10}" if e is None else f"{'-':>10}" if not e["fits"]
+                         else f"{e['tokens_per_s']:>9.0f}{'*' if e['largest'] else ' '}")
+        best = r["best"].get(v, {})
+        sp = r.get("speedup_vs_fp16_at_best", {}).get(v)
+        lines.append(f"{v:>8} " + " ".join(cells) + f" {run['largest_batch']:>8} {best.get('tokens_per_s', 0):>11.0f} "
+                     f"{'' if sp is None else f'{sp:.2f}x':>8} {run['weight_bytes'] / 2**30:>11.2f}")
+    return "\n".join(lines)
