@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import RecipeError, UsageError
 
 
 def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessians: bool, device: str,
@@ -24,12 +24,12 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         model_ref, cal = recipe.model, recipe.calibration
     else:
         if "model" not in overrides or "calibration.source" not in overrides:
-            raise QtoolError("calibrate: expected a RECIPE or both --model and --calibration")
+            raise UsageError("calibrate: expected a RECIPE or both --model and --calibration")
         raw = {"model": overrides["model"], "stages": [{"stage": "rtn"}]}
         recipe = validate_recipe(raw, "command line", Path.cwd(), overrides)
         model_ref, cal = recipe.model, recipe.calibration
     if cal is None:
-        raise QtoolError(f"{recipe_path}:calibration: missing; expected calibration data")
+        raise RecipeError(f"{recipe_path}:calibration: missing; expected calibration data")
     assert isinstance(cal, CalibrationSpec)
     dev = resolve_device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.float16

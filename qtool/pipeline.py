@@ -14,7 +14,7 @@ from qtool.calibration.capture import StopForward, block_output, capture_block_i
 from qtool.calibration.data import TextSource, sample_windows
 from qtool.calibration.stats import LinearStats, load_stats
 from qtool.console import Reporter
-from qtool.errors import QtoolError, RecipeError
+from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.models.adapters import Adapter
 from qtool.models.loading import config_dtype, load_config, load_model
 from qtool.packing.grouped_int import GroupedIntWeight
@@ -42,7 +42,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QtoolError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
+        raise ResourceError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
     return torch.device(name)
 
 
@@ -205,5 +205,5 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
 def _check_stats(recipe: Recipe, fp_stats: dict[str, LinearStats], assignment: dict[str, QuantizerStage]) -> None:
     for full, stage in assignment.items():
         if stage.needs_calibration() and not stage.needs_hessian() and full not in fp_stats:
-            raise QtoolError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
+            raise InputError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
                              f"computed on this model")

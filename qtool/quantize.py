@@ -10,7 +10,7 @@ import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import RecipeError, UsageError
 from qtool.recipe import load_recipe
 
 
@@ -22,10 +22,10 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
-        raise QtoolError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
+        raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     out = Path(recipe.output)
     if out.exists() and not overwrite:
-        raise QtoolError(f"output '{out}': already exists; expected a new path (or pass --overwrite)")
+        raise UsageError(f"output '{out}': already exists; expected a new path (or pass --overwrite)")
     device = resolve_device(recipe.settings.device)
     # Before the original model's perplexity: a model the stages refuse must fail in seconds, not after an eval.
     check_stages(recipe, load_config(recipe.model))

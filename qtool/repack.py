@@ -13,7 +13,7 @@ from qtool.console import Reporter
 def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter) -> dict:
     from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
     from qtool.checkpoint.writer import write_checkpoint
-    from qtool.errors import QtoolError
+    from qtool.errors import UsageError
     from qtool.recipe import parse_size
 
     manifest = read_manifest(checkpoint)
@@ -39,7 +39,7 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
         try:
             shard_bytes = parse_size(max_shard_size)
         except ValueError:
-            raise QtoolError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+            raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
         tensors = read_tensors(checkpoint)
         config.pop("quantization_config")
         recipe_file = checkpoint / "recipe.yaml"

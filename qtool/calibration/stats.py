@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qtool.errors import QtoolError
+from qtool.errors import InputError
 
 STATS_KEY = "qtool_stats"
 
@@ -83,12 +83,12 @@ def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if STATS_KEY not in meta:
-                raise QtoolError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
+                raise InputError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
             stamp = json.loads(meta[STATS_KEY])
             grouped: dict[str, dict[str, torch.Tensor]] = {}
             for key in f.keys():
                 name, field = key.rsplit(".", 1)
                 grouped.setdefault(name, {})[field] = f.get_tensor(key)
     except (OSError, ValueError) as e:  # safetensors raises these for unreadable files
-        raise QtoolError(f"{path}: cannot read stats file: {e}") from None
+        raise InputError(f"{path}: cannot read stats file: {e}") from None
     return {name: LinearStats.from_tensors(t) for name, t in grouped.items()}, stamp

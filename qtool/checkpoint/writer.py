@@ -18,7 +18,7 @@ from qtool.checkpoint.manifest import (
     hash_files,
     package_versions,
 )
-from qtool.errors import QtoolError
+from qtool.errors import UsageError
 from qtool.packing.grouped_int import GroupedIntWeight
 
 WEIGHTS_NAME = "model.safetensors"
@@ -72,7 +72,7 @@ def write_checkpoint(
     """Write the checkpoint and return its manifest. Nothing appears at `out_dir` until it is complete."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise QtoolError(f"output '{out_dir}': already exists; expected a new path (or pass --overwrite)")
+        raise UsageError(f"output '{out_dir}': already exists; expected a new path (or pass --overwrite)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
