@@ -7,15 +7,13 @@ from pathlib import Path
 import torch
 
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import RecipeError, UsageError
+from qtool.output import Output, reserve_output, stats_bytes
 
 
 def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessians: bool, device: str,
                   reporter: Reporter) -> dict:
-    from qtool.calibration.capture import block_output, capture_block_inputs
-    from qtool.calibration.data import TextSource, sample_windows
-    from qtool.calibration.stats import LinearStats, save_stats
-    from qtool.models.loading import load_model
+    from qtool.models.loading import load_config
     from qtool.pipeline import resolve_device
     from qtool.recipe import CalibrationSpec, load_recipe, validate_recipe
 
@@ -24,14 +22,27 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         model_ref, cal = recipe.model, recipe.calibration
     else:
         if "model" not in overrides or "calibration.source" not in overrides:
-            raise QtoolError("calibrate: expected a RECIPE or both --model and --calibration")
+            raise UsageError("calibrate: expected a RECIPE or both --model and --calibration")
         raw = {"model": overrides["model"], "stages": [{"stage": "rtn"}]}
         recipe = validate_recipe(raw, "command line", Path.cwd(), overrides)
         model_ref, cal = recipe.model, recipe.calibration
     if cal is None:
-        raise QtoolError(f"{recipe_path}:calibration: missing; expected calibration data")
+        raise RecipeError(f"{recipe_path}:calibration: missing; expected calibration data")
     assert isinstance(cal, CalibrationSpec)
     dev = resolve_device(device)
+    # The stats file is checked (and its temporary created) before the model loads; it is replaced as before.
+    needs = stats_bytes(model_ref, load_config(model_ref), hessians)
+    with reserve_output(out, directory=False, overwrite=True, needs_bytes=needs, log=reporter.log) as reserved:
+        return _calibrate(model_ref, cal, out, reserved, dev, hessians=hessians, reporter=reporter)
+
+
+def _calibrate(model_ref: str, cal, out: Path, reserved: Output, dev: torch.device, *, hessians: bool,
+               reporter: Reporter) -> dict:
+    from qtool.calibration.capture import block_output, capture_block_inputs
+    from qtool.calibration.data import TextSource, sample_windows
+    from qtool.calibration.stats import LinearStats, save_stats
+    from qtool.models.loading import load_model
+
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     model, tokenizer, adapter, _ = load_model(model_ref, dtype)
     windows, digest = sample_windows(tokenizer, TextSource(cal.source, cal.text_field, cal.split, cal.config),
@@ -52,6 +63,8 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         blocks[i] = block.to("cpu")
     stamp = {"model": model_ref, "source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
              "seed": cal.seed, "data_sha256": digest, "hessians": hessians}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_stats(out, stats, stamp)
-    return {"output": str(out), "linears": len(stats), "tokens": int(windows.numel()), **stamp}
+    save_stats(out, stats, stamp, reserved=reserved)
+    summary = {"output": str(out), "linears": len(stats), "tokens": int(windows.numel()), **stamp}
+    if reserved.removed_leftovers:
+        summary["removed_leftovers"] = [str(p) for p in reserved.removed_leftovers]
+    return summary

@@ -51,14 +51,14 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
              include_paths: tuple[str, ...] = ()) -> dict:
     from pathlib import Path
 
-    from qtool.errors import QtoolError
+    from qtool.errors import UsageError
     from qtool.eval.zeroshot import PERPLEXITY_BATCH, TaskSuite, parse_batch_size
     from qtool.pipeline import resolve_device
     from qtool.recipe import resolve_text
 
     refs = [model_refs] if isinstance(model_refs, str) else list(model_refs)
     if not text and not tasks:
-        raise QtoolError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
+        raise UsageError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
                          "(zero-shot accuracy)")
     bs = parse_batch_size(batch_size)
     dev = resolve_device(device)
@@ -67,7 +67,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
         ppl_batch = bs if isinstance(bs, int) else PERPLEXITY_BATCH
         for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
             if value is not None and value < 1:
-                raise QtoolError(f"{name}: found {value}, expected a positive integer")
+                raise UsageError(f"{name}: found {value}, expected a positive integer")
         spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
                         stride=stride, separator=separator, text_field=text_field, split=split,
                         batch_size=ppl_batch)

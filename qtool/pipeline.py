@@ -14,8 +14,8 @@ from qtool.calibration.capture import StopForward, block_output, capture_block_i
 from qtool.calibration.data import TextSource, sample_windows
 from qtool.calibration.stats import LinearStats, load_stats
 from qtool.console import Reporter
-from qtool.errors import QtoolError, RecipeError
-from qtool.models.adapters import Adapter
+from qtool.errors import InputError, RecipeError, ResourceError
+from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.loading import config_dtype, load_config, load_model
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
@@ -42,7 +42,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QtoolError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
+        raise ResourceError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
     return torch.device(name)
 
 
@@ -55,8 +55,12 @@ def compute_dtype(setting: str, device: torch.device, original: torch.dtype) -> 
 
 def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[str, QuantizerStage]:
     """Map each targeted linear's full name to the one quantizer stage that claims it."""
+    return _assign(adapter, recipe, len(adapter.blocks(model)))
+
+
+def _assign(adapter: Adapter, recipe: Recipe, num_blocks: int) -> dict[str, QuantizerStage]:
     assignment: dict[str, QuantizerStage] = {}
-    for i in range(len(adapter.blocks(model))):
+    for i in range(num_blocks):
         for rel in adapter.linear_names():
             full = f"{adapter.block_prefix(i)}.{rel}"
             claims = [q for q in recipe.quantizers() if q.targets.matches(full)]
@@ -76,6 +80,10 @@ def check_stages(recipe: Recipe, config) -> None:
     """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
     for spec in recipe.stages:
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+    # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
+    adapter = adapter_for(getattr(config, "architectures", None))
+    if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):
+        _assign(adapter, recipe, config.num_hidden_layers)
 
 
 def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
@@ -205,5 +213,5 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
 def _check_stats(recipe: Recipe, fp_stats: dict[str, LinearStats], assignment: dict[str, QuantizerStage]) -> None:
     for full, stage in assignment.items():
         if stage.needs_calibration() and not stage.needs_hessian() and full not in fp_stats:
-            raise QtoolError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
+            raise InputError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
                              f"computed on this model")

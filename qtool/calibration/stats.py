@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qtool.errors import QtoolError
+from qtool.errors import InputError
+from qtool.output import Output, reserve_output
 
 STATS_KEY = "qtool_stats"
 
@@ -71,11 +72,15 @@ class LinearStats:
         return s
 
 
-def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict) -> None:
+def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict, reserved: Output | None = None) -> None:
+    """Write the stats file through a temporary sibling (`reserved`, or one made here), so `path` is whole or
+    untouched."""
+    if reserved is None:
+        with reserve_output(path, directory=False, overwrite=True) as reserved:
+            return save_stats(path, stats, stamp, reserved)
     tensors = {f"{name}.{field}": v.contiguous() for name, s in sorted(stats.items()) for field, v in s.tensors().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
-    tmp.replace(path)
+    save_file(tensors, str(reserved.tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
+    reserved.publish()
 
 
 def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
@@ -83,12 +88,12 @@ def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if STATS_KEY not in meta:
-                raise QtoolError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
+                raise InputError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
             stamp = json.loads(meta[STATS_KEY])
             grouped: dict[str, dict[str, torch.Tensor]] = {}
             for key in f.keys():
                 name, field = key.rsplit(".", 1)
                 grouped.setdefault(name, {})[field] = f.get_tensor(key)
     except (OSError, ValueError) as e:  # safetensors raises these for unreadable files
-        raise QtoolError(f"{path}: cannot read stats file: {e}") from None
+        raise InputError(f"{path}: cannot read stats file: {e}") from None
     return {name: LinearStats.from_tensors(t) for name, t in grouped.items()}, stamp
