@@ -239,7 +239,7 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
             Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(ab.format_attention(report))
 
-    _wrap(go)
+    go()
 
 
 if __name__ == "__main__":
