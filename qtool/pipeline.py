@@ -152,10 +152,14 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
                 continue
             need = [rel for rel in todo if wants_pass(mine[rel])]
             stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need)) if need else {}
+            objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
+            probe = _attention_probe(block, adapter, model.config, inputs, kwargs) if objective else None
             for rel in todo:
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
-                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or fp_stats.get(full))
+                extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
+                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or fp_stats.get(full),
+                                            **extra)
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
                 packed[full] = result.packed
         if i < last_needing:
@@ -178,6 +182,17 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         schemes.update(tr.model_scheme() or {})
     return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak,
                           records, schemes)
+
+
+def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tensor], kwargs: dict):
+    """The attention calls of `block` on its calibration inputs, for the q_proj/k_proj clipping objective."""
+    from qtool.quant.attention_objective import AttentionProbe  # noqa: PLC0415
+
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionProbe(block, block.get_submodule(adapter.attention_path),
+                          block.get_submodule(adapter.output_linears[0]), inputs, kwargs, heads, kv_heads, head_dim)
 
 
 def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,

@@ -47,10 +47,13 @@ def clipped_grid_params(
     spec: GridSpec,
     ratios: list[float],
     hessian: torch.Tensor | None = None,
+    score=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row scale and zero for `w` [rows, cols] minimising the output error over `ratios`.
 
-    `hessian` is the [cols, cols] block of H for these columns, or its diagonal [cols], or None.
+    `hessian` is the [cols, cols] block of H for these columns, or its diagonal [cols], or None. `score`, when
+    given, replaces that error: a function of the fake-quantized rows giving each row's error (e.g. the attention
+    objective of quant/attention_objective.py).
     """
     weight = error_weight(hessian, w.dtype)
     best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype, device=w.device)
@@ -58,7 +61,8 @@ def clipped_grid_params(
     best_zero = torch.empty_like(best_err)
     for r in ratios:
         scale, zero = grid_params(w, spec, r)
-        err = output_error(w - fake_quantize(w, scale, zero, spec), weight)
+        wq = fake_quantize(w, scale, zero, spec)
+        err = score(wq) if score is not None else output_error(w - wq, weight)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)

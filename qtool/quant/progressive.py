@@ -107,15 +107,17 @@ def _fake_progressive(group_size: int):
 
 
 def clipped_level0_scales(w: torch.Tensor, qmax: int, fake, ratios: list[float],
-                          hessian: torch.Tensor | None) -> torch.Tensor:
+                          hessian: torch.Tensor | None, score=None) -> torch.Tensor:
     """The level-0 scale per row whose ratio (of `ratios`) minimises the output error of `fake(w, s0)`, weighted
-    by `hessian` ([K, K] or its diagonal; None: plain squared error) as in quant/clip.py."""
+    by `hessian` ([K, K] or its diagonal; None: plain squared error) as in quant/clip.py, or scored by `score`
+    (a function of the fake-quantized rows giving each row's error)."""
     weight = error_weight(hessian, w.dtype)
     best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype, device=w.device)
     best = torch.empty_like(best_err)
     for r in ratios:
         s0 = level0_scales(w, qmax, r)
-        err = output_error(w - fake(w, s0), weight)
+        wq = fake(w, s0)
+        err = score(wq) if score is not None else output_error(w - wq, weight)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, s0, best)
@@ -166,11 +168,14 @@ def qoq_quantize(
     block_size: int = 128,
     act_order: bool = False,
     static_groups: bool = False,
+    score=None,
 ) -> QoQCodes:
     """Quantize `weight` [N, K] to one of the three QoQ rungs (bits 8 per channel; bits 4 per channel; bits 4 with
     groups of `group_size`). `solver` "gptq" needs the Hessian [K, K]; "rtn" uses `hessian` ([K, K] or its
     diagonal) only to score clip ratios; `act_order` / `static_groups` are GPTQ's (with groups, act_order needs
     static groups: every group's s1 and z are then chosen from the unquantized weights before the column loop).
+    `score` (with `clip_ratios`) replaces the clipping search's error by a per-row function of the fake-quantized
+    weight (QServe's attention objective for q_proj/k_proj); the per-channel W4 GPTQ path keeps GPTQ's own.
     Computes in weight's dtype."""
     n, k = weight.shape
     if bits == 8 and group_size is not None:
@@ -184,7 +189,8 @@ def qoq_quantize(
             codes, scales, zeros = gptq_quantize(weight, hessian, W4_CHANNEL, damp=damp, block_size=block_size,
                                                  act_order=act_order, clip_ratios=clip_ratios)
         else:
-            codes, scales, zeros = rtn_quantize(weight, W4_CHANNEL, clip_ratios=clip_ratios, hessian=hessian)
+            codes, scales, zeros = rtn_quantize(weight, W4_CHANNEL, clip_ratios=clip_ratios, hessian=hessian,
+                                                score=score)
         return QoQCodes(codes, scales[:, 0], None, zeros[:, 0])
 
     qmax = W8_MAX if bits == 8 else PROTECT
@@ -192,7 +198,7 @@ def qoq_quantize(
     if clip_ratios is None:
         s0 = level0_scales(weight, qmax)
     else:
-        s0 = clipped_level0_scales(weight, qmax, fake, clip_ratios, hessian)
+        s0 = clipped_level0_scales(weight, qmax, fake, clip_ratios, hessian, score)
     if solver == "gptq":
         grid = Level0Grid(s0, W8_MAX) if bits == 8 else ProgressiveGrid(s0)
         spec = GridSpec(bits=bits, symmetric=bits == 8, group_size=group_size)

@@ -101,6 +101,11 @@ class QuantizerStage(Stage):
         weight-only schemes)."""
         return x
 
+    def attention_objective(self, rel: str, adapter) -> str | None:
+        """"q"/"k" when the linear `rel` of a block should be quantized against the attention output's error (the
+        pipeline then passes `quantize` a per-row `score`), else None."""
+        return None
+
     @abstractmethod
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult: ...
 

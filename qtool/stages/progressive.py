@@ -42,6 +42,9 @@ class ProgressiveOptions:
     clip: bool = option(False, help="search the level-0 range shrink minimising the layer output error")
     clip_grid: int = option(20, min=2, max=200, help="number of shrink ratios tried by clip")
     clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
+    clip_qk: Literal["attention", "layer"] = option(
+        "attention", help="what clip minimises for q_proj/k_proj: the attention output's error per head (QServe "
+                          "Eq. 10), or their own output's, like every other linear")
     damp: float = option(0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean")
     block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
     act_order: bool = option(False, help="gptq: quantize columns in order of decreasing diag(H)")
@@ -103,7 +106,13 @@ class ProgressiveStage(QuantizerStage):
         act = quantize_activations(x.float())
         return act.codes.to(torch.float32) * act.scale[:, None]
 
-    def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
+    def attention_objective(self, rel: str, adapter) -> str | None:
+        """"q" or "k" when `rel` is the block's q_proj or k_proj and clip scores it by the attention output."""
+        if not self.options.clip or self.options.clip_qk != "attention":
+            return None
+        return {adapter.q_proj: "q", adapter.k_proj: "k"}.get(rel)
+
+    def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None, score=None) -> QuantResult:
         o: ProgressiveOptions = self.options
         hessian = None
         if o.solver == "gptq":
@@ -115,6 +124,6 @@ class ProgressiveStage(QuantizerStage):
         out = qoq_quantize(weight.float(), o.bits, o.group_size, solver=o.solver, hessian=hessian,
                            clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
                            damp=o.damp, block_size=o.block_size, act_order=o.act_order,
-                           static_groups=o.static_groups)
+                           static_groups=o.static_groups, score=score)
         packed = QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros)
         return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))
