@@ -19,10 +19,8 @@ from qtool.checkpoint.manifest import (
     package_versions,
 )
 from qtool.errors import QtoolError
+from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.packing.grouped_int import GroupedIntWeight
-
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
