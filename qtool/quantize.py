@@ -17,8 +17,8 @@ from qtool.recipe import load_recipe
 def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
     from qtool.eval.zeroshot import TaskSuite
     from qtool.evaluate import eval_record, evaluate_loaded
-    from qtool.models.loading import load_config, load_model
-    from qtool.pipeline import check_stages, compute_dtype, quantize_model, resolve_device
+    from qtool.models.loading import load_model
+    from qtool.pipeline import compute_dtype, preflight, quantize_model, resolve_device
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
@@ -27,8 +27,9 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     if out.exists() and not overwrite:
         raise QtoolError(f"output '{out}': already exists; expected a new path (or pass --overwrite)")
     device = resolve_device(recipe.settings.device)
-    # Before the original model's perplexity: a model the stages refuse must fail in seconds, not after an eval.
-    check_stages(recipe, load_config(recipe.model))
+    # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
+    # a broken weight file, undecodable text) must fail in seconds, not after an eval.
+    prepared = preflight(recipe)
 
     ev_result = None
     suite = None
@@ -45,7 +46,7 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
         del model
         gc.collect()
 
-    qm = quantize_model(recipe, reporter)
+    qm = quantize_model(recipe, reporter, prepared)
 
     if run_eval and recipe.eval is not None:
         reporter.log("evaluating the quantized model")

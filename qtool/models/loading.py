@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from qtool.errors import CheckpointError, InputError, QtoolError
+from qtool.errors import CheckpointError, InputError, QtoolError, RecipeError, UsageError
 from qtool.models.adapters import Adapter, adapter_for, supported_architectures
 from qtool.models.integrity import (
     FLOAT_DTYPES,
     TensorInfo,
     check_finite,
+    context_length,
     describe,
     read_config_json,
     tensor_index,
@@ -116,6 +117,19 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     if isinstance(dt, str):
         dt = getattr(torch, dt)
     return dt
+
+
+def check_context(seq_len: int, allow: bool, config: PretrainedConfig, ref: str, where: str, allow_hint: str) -> None:
+    """Refuse windows longer than the model's context (positions it was never trained on give meaningless numbers,
+    and a huge seq_len runs for minutes before anything fails), unless the user explicitly allowed it. `where` is
+    the recipe key or the flag the value came from; a flag makes it a usage error."""
+    found = context_length(config)
+    if found is None or allow or seq_len <= found[1]:
+        return
+    key, n = found
+    error = UsageError if where.startswith("--") else RecipeError
+    raise error(f"{where}: found {seq_len} tokens, beyond the context of '{ref}' ({key} {n} in its config.json); "
+                f"expected at most {n}, or {allow_hint} to run past it")
 
 
 def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
