@@ -7,21 +7,14 @@ from pathlib import Path
 import torch
 
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import RecipeError, UsageError
+from qtool.output import Output, reserve_output, stats_bytes
 
 
 def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessians: bool, device: str,
                   reporter: Reporter) -> dict:
-    from qtool.calibration.capture import block_output, capture_block_inputs
     from qtool.calibration.data import TextSource, check_token_ids, sample_windows
-    from qtool.calibration.stats import LinearStats, save_stats
-    from qtool.models.loading import (
-        check_architecture,
-        check_context,
-        load_config,
-        load_model,
-        load_tokenizer,
-    )
+    from qtool.models.loading import check_architecture, check_context, load_config, load_tokenizer
     from qtool.pipeline import resolve_device
     from qtool.recipe import CalibrationSpec, load_recipe, validate_recipe
 
@@ -30,15 +23,14 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         model_ref, cal = recipe.model, recipe.calibration
     else:
         if "model" not in overrides or "calibration.source" not in overrides:
-            raise QtoolError("calibrate: expected a RECIPE or both --model and --calibration")
+            raise UsageError("calibrate: expected a RECIPE or both --model and --calibration")
         raw = {"model": overrides["model"], "stages": [{"stage": "rtn"}]}
         recipe = validate_recipe(raw, "command line", Path.cwd(), overrides)
         model_ref, cal = recipe.model, recipe.calibration
     if cal is None:
-        raise QtoolError(f"{recipe_path}:calibration: missing; expected calibration data")
+        raise RecipeError(f"{recipe_path}:calibration: missing; expected calibration data")
     assert isinstance(cal, CalibrationSpec)
     dev = resolve_device(device)
-    dtype = torch.float32 if dev.type == "cpu" else torch.float16
     # Config, context length, tokenizer and text first: they fail in seconds, before any weight is read.
     config = load_config(model_ref)
     check_architecture(model_ref, config)
@@ -49,6 +41,19 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
     windows, digest = sample_windows(tokenizer, TextSource(cal.source, cal.text_field, cal.split, cal.config,
                                                            cal.encoding), cal.num_samples, cal.seq_len, cal.seed)
     check_token_ids(windows, config.vocab_size, cal.source, tokenizer)
+    # The stats file is checked (and its temporary created) before the model loads; it is replaced as before.
+    needs = stats_bytes(model_ref, config, hessians)
+    with reserve_output(out, directory=False, overwrite=True, needs_bytes=needs, log=reporter.log) as reserved:
+        return _calibrate(model_ref, cal, out, reserved, dev, windows, digest, hessians=hessians, reporter=reporter)
+
+
+def _calibrate(model_ref: str, cal, out: Path, reserved: Output, dev: torch.device, windows: torch.Tensor,
+               digest: str, *, hessians: bool, reporter: Reporter) -> dict:
+    from qtool.calibration.capture import block_output, capture_block_inputs
+    from qtool.calibration.stats import LinearStats, save_stats
+    from qtool.models.loading import load_model
+
+    dtype = torch.float32 if dev.type == "cpu" else torch.float16
     model, _, adapter, _ = load_model(model_ref, dtype)
     blocks = adapter.blocks(model)
     inputs, kwargs = capture_block_inputs(model, blocks, windows, dev)
@@ -66,6 +71,8 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         blocks[i] = block.to("cpu")
     stamp = {"model": model_ref, "source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
              "seed": cal.seed, "data_sha256": digest, "hessians": hessians}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_stats(out, stats, stamp)
-    return {"output": str(out), "linears": len(stats), "tokens": int(windows.numel()), **stamp}
+    save_stats(out, stats, stamp, reserved=reserved)
+    summary = {"output": str(out), "linears": len(stats), "tokens": int(windows.numel()), **stamp}
+    if reserved.removed_leftovers:
+        summary["removed_leftovers"] = [str(p) for p in reserved.removed_leftovers]
+    return summary

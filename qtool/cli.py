@@ -11,7 +11,8 @@ import click
 
 from qtool import __version__
 from qtool.console import Reporter
-from qtool.errors import NotImplementedYet, QtoolError
+from qtool.errors import NotImplementedYet
+from qtool.failure import JSON_KEY, QtoolGroup
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -25,9 +26,11 @@ def output_options(f):
     @click.option("-v", "--verbose", is_flag=True, help="Print more detail while working.")
     @functools.wraps(f)
     def wrapper(*args, json_mode: bool, quiet: bool, verbose: bool, **kwargs):
+        click.get_current_context().meta[JSON_KEY] = json_mode  # errors are then also JSON objects on stdout
         _quiet_libraries()
         return f(*args, reporter=Reporter(quiet=quiet, verbose=verbose, json_mode=json_mode), **kwargs)
 
+    wrapper.qtool_json_option = True
     return wrapper
 
 
@@ -57,17 +60,6 @@ def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: 
     for k, v in rows:
         table.add_row(k, v)
     reporter.out.print(table)
-
-
-class QtoolGroup(click.Group):
-    """Turns QtoolError into one line on stderr and its exit code, never a traceback."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except QtoolError as e:
-            click.echo(f"qtool: error: {e}", err=True)
-            ctx.exit(e.exit_code)
 
 
 @click.group(cls=QtoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

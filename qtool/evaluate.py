@@ -84,14 +84,14 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
     from pathlib import Path
 
     from qtool.calibration.data import TextSource, check_encoding, check_not_empty, read_documents
-    from qtool.errors import QtoolError, UsageError
+    from qtool.errors import UsageError
     from qtool.eval.zeroshot import PERPLEXITY_BATCH, TaskSuite, parse_batch_size
     from qtool.pipeline import resolve_device
     from qtool.recipe import resolve_text
 
     refs = [model_refs] if isinstance(model_refs, str) else list(model_refs)
     if not text and not tasks:
-        raise QtoolError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
+        raise UsageError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
                          "(zero-shot accuracy)")
     bs = parse_batch_size(batch_size)
     dev = resolve_device(device)
@@ -100,7 +100,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
         ppl_batch = bs if isinstance(bs, int) else PERPLEXITY_BATCH
         for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
             if value is not None and value < 1:
-                raise QtoolError(f"{name}: found {value}, expected a positive integer")
+                raise UsageError(f"{name}: found {value}, expected a positive integer")
         problem = check_encoding(encoding)
         if problem:
             raise UsageError(f"--encoding: {problem}")

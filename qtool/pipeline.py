@@ -22,7 +22,7 @@ from qtool.calibration.data import (
 from qtool.calibration.stats import LinearStats, load_stats
 from qtool.console import Reporter
 from qtool.errors import InputError, RecipeError, ResourceError
-from qtool.models.adapters import Adapter
+from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.integrity import read_header
 from qtool.models.loading import (
     check_architecture,
@@ -72,8 +72,12 @@ def compute_dtype(setting: str, device: torch.device, original: torch.dtype) -> 
 
 def assign_stages(model: nn.Module, adapter: Adapter, recipe: Recipe) -> dict[str, QuantizerStage]:
     """Map each targeted linear's full name to the one quantizer stage that claims it."""
+    return _assign(adapter, recipe, len(adapter.blocks(model)))
+
+
+def _assign(adapter: Adapter, recipe: Recipe, num_blocks: int) -> dict[str, QuantizerStage]:
     assignment: dict[str, QuantizerStage] = {}
-    for i in range(len(adapter.blocks(model))):
+    for i in range(num_blocks):
         for rel in adapter.linear_names():
             full = f"{adapter.block_prefix(i)}.{rel}"
             claims = [q for q in recipe.quantizers() if q.targets.matches(full)]
@@ -93,6 +97,10 @@ def check_stages(recipe: Recipe, config) -> None:
     """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
     for spec in recipe.stages:
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+    # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
+    adapter = adapter_for(getattr(config, "architectures", None))
+    if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):
+        _assign(adapter, recipe, config.num_hidden_layers)
 
 
 @dataclass

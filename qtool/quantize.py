@@ -10,26 +10,34 @@ import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import RecipeError
+from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
 
 
 def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
-    from qtool.eval.zeroshot import TaskSuite
-    from qtool.evaluate import eval_record, evaluate_loaded
-    from qtool.models.loading import load_model
-    from qtool.pipeline import compute_dtype, preflight, quantize_model, resolve_device
+    from qtool.pipeline import preflight, resolve_device
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
-        raise QtoolError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
+        raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     out = Path(recipe.output)
-    if out.exists() and not overwrite:
-        raise QtoolError(f"output '{out}': already exists; expected a new path (or pass --overwrite)")
     device = resolve_device(recipe.settings.device)
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
     prepared = preflight(recipe)
+    # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
+    with reserve_output(out, directory=True, overwrite=overwrite,
+                        needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
+        return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+
+
+def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
+              reporter: Reporter) -> dict:
+    from qtool.eval.zeroshot import TaskSuite
+    from qtool.evaluate import eval_record, evaluate_loaded
+    from qtool.models.loading import load_model
+    from qtool.pipeline import compute_dtype, quantize_model
 
     ev_result = None
     suite = None
@@ -75,10 +83,11 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     write_checkpoint(out, tensors=tensors, config=config, layers=layers, model_schemes=qm.model_schemes,
                      tokenizer=qm.tokenizer,
                      recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
-                     max_shard_bytes=recipe.max_shard_bytes(), overwrite=overwrite)
+                     max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
     reporter.log(f"wrote {out}")
     return {
         "output": str(out),
+        **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
         "model": recipe.model,
         "quantized_linears": len(qm.packed),
         "bits_per_weight": bpw,

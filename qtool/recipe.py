@@ -1,8 +1,8 @@
 """Recipes: YAML files naming a model, calibration data, an ordered chain of stages and an output.
 
 The whole recipe is validated before any model is loaded; every problem is one line `file:key: found X,
-expected Y` (exit code 2). Relative paths in a recipe are relative to the recipe's folder; paths given on
-the command line are relative to the working directory.
+expected Y` (exit code 3; 4 for a model, text or stats file that does not exist). Relative paths in a recipe are
+relative to the recipe's folder; paths given on the command line are relative to the working directory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from qtool.calibration.data import check_encoding
-from qtool.errors import RecipeError
+from qtool.errors import InputError, RecipeError
 from qtool.models.loading import is_hub_id
 from qtool.options import option, parse_options
 from qtool.stages import STAGES
@@ -125,6 +125,8 @@ def parse_size(text: str) -> int:
 
 
 TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings")
+# Overrides whose command-line flag is not named after the key.
+_FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--eval-windows"}
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
@@ -132,15 +134,28 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     `eval.max_windows` to CLI values."""
     path = Path(path)
     label = str(path)
+    if path.is_dir():
+        raise RecipeError(f"{label}: is a directory; expected a YAML recipe file")
     if not path.is_file():
         raise RecipeError(f"{label}: recipe file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{label}: found a byte that is not UTF-8 (0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"expected a YAML text file") from None
+    except OSError as e:
+        raise RecipeError(f"{label}: cannot be read ({e.strerror or e}); expected a readable YAML file") from None
+    if not text.strip():
+        raise RecipeError(f"{label}: is empty; expected a mapping with keys {', '.join(TOP_KEYS)}")
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise RecipeError(f"{label}: malformed YAML{where}: {problem}") from None
+    if raw is None:  # only comments
+        raise RecipeError(f"{label}: is empty; expected a mapping with keys {', '.join(TOP_KEYS)}")
     return validate_recipe(raw, label, path.resolve().parent, overrides or {}, path)
 
 
@@ -154,7 +169,9 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
 
     # Each value remembers where it came from, so errors name the flag or the recipe key.
     def where(key: str) -> str:
-        return f"--{key.split('.')[-1].replace('_', '-')}" if key in overrides else f"{label}:{key}"
+        if key not in overrides:
+            return f"{label}:{key}"
+        return _FLAGS.get(key) or f"--{key.split('.')[-1].replace('_', '-')}"
 
     model = overrides.get("model", raw.get("model"))
     if model is None:
@@ -206,7 +223,7 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
             stats_base = cwd if "calibration.stats" in overrides else base
             p = (stats_base / calibration.stats).resolve()
             if not p.is_file():
-                raise RecipeError(f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
+                raise InputError(f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
                                   f"written by `qtool calibrate`")
             calibration.stats = str(p)
             moved = next((s.stage for s in stages if isinstance(s.stage, TransformStage)), None)
@@ -260,9 +277,9 @@ def _resolve_model(ref: str, base: Path, where: str) -> str:
         return ref
     p = (base / Path(ref).expanduser()).resolve()
     if not p.exists():
-        raise RecipeError(f"{where}: path '{p}' does not exist; expected a model directory or a hub id")
+        raise InputError(f"{where}: path '{p}' does not exist; expected a model directory or a hub id")
     if not (p / "config.json").is_file():
-        raise RecipeError(f"{where}: '{p}' has no config.json; expected a Hugging Face model directory")
+        raise InputError(f"{where}: '{p}' has no config.json; expected a Hugging Face model directory")
     return str(p)
 
 
@@ -271,7 +288,7 @@ def resolve_text(ref: str, base: Path, where: str) -> str:
     if p.exists():
         return str(p)
     if _looks_like_path(ref):
-        raise RecipeError(f"{where}: file '{p}' does not exist; expected a text file, a datasets folder or a "
+        raise InputError(f"{where}: file '{p}' does not exist; expected a text file, a datasets folder or a "
                           f"datasets name")
     return ref  # a datasets name, resolved when loaded
 

@@ -7,13 +7,30 @@ from pathlib import Path
 import yaml
 
 from qtool.console import Reporter
+from qtool.output import Output
 
 
 def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter) -> dict:
+    from qtool.errors import UsageError
+    from qtool.output import folder_bytes, reserve_output
+    from qtool.recipe import parse_size
+
+    if output is None:
+        return _pack(checkpoint, None, None, None, reporter)
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError:
+        raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+    # The copy's folder is checked (and its temporary created) before the checkpoint is read.
+    needs = folder_bytes(checkpoint) if checkpoint.is_dir() else None
+    with reserve_output(output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log) as reserved:
+        return _pack(checkpoint, output, reserved, shard_bytes, reporter)
+
+
+def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_bytes: int | None,
+          reporter: Reporter) -> dict:
     from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
     from qtool.checkpoint.writer import write_checkpoint
-    from qtool.errors import QtoolError
-    from qtool.recipe import parse_size
 
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
@@ -36,18 +53,16 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
         layouts[key] = layouts.get(key, 0) + 1
     summary = {"checkpoint": str(checkpoint), "verified": True, "quantized_layers": len(layers),
                "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}
-    if output is not None:
-        try:
-            shard_bytes = parse_size(max_shard_size)
-        except ValueError:
-            raise QtoolError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+    if reserved is not None:
         tensors = read_tensors(checkpoint)
         config.pop("quantization_config")
         recipe_file = checkpoint / "recipe.yaml"
         recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
         extra = {k: v for k, v in manifest.items() if k not in ("files", "packages", "format_version")}
         write_checkpoint(output, tensors=tensors, config=config, layers=layers, tokenizer=tokenizer,
-                         recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, overwrite=overwrite)
+                         recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, reserved=reserved)
         summary["output"] = str(output)
+        if reserved.removed_leftovers:
+            summary["removed_leftovers"] = [str(p) for p in reserved.removed_leftovers]
         reporter.log(f"wrote {output}")
     return summary

@@ -80,11 +80,11 @@ def assert_one_line_error(result: Run, code: int, *words: str, output: Path | It
     assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\n{result.output}"
     assert "Traceback" not in result.output, result.output
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    if lines and lines[0].startswith("Usage: "):
-        # click's format: usage line, a hint to -h, then one `Error:` line.
+    if lines and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage: ")):
+        # click's format: the usage line and a hint to -h (when click knows the command), then one `Error:` line.
         assert code == 2, result.output
         errors = [ln for ln in lines if ln.startswith("Error: ")]
-        assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+        assert len(errors) == 1 and len(lines) in (1, 3), result.stderr
         line = errors[0]
     else:
         assert len(lines) == 1 and lines[0].startswith("qtool: error: "), result.stderr

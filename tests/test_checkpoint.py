@@ -109,7 +109,7 @@ def test_same_recipe_and_seed_give_byte_identical_checkpoint(cli, llama_ckpt, tm
 def test_existing_output_is_refused_without_overwrite(cli, llama_ckpt):
     ckpt, _, recipe = llama_ckpt
     res = cli("quantize", recipe, "--output", ckpt)
-    assert res.exit_code == 1 and "already exists" in res.output and "--overwrite" in res.output
+    assert res.exit_code == 2 and "already exists" in res.output and "--overwrite" in res.output
 
 
 def test_opt_quantizes_loads_and_keeps_biases(cli, tiny_opt, tmp_path):
@@ -168,7 +168,7 @@ def _rewrite_tensors(ckpt: Path, edit) -> None:
 
 def _eval_error(cli, ckpt: Path) -> str:
     res = cli("eval", ckpt, "--text", TINY_SAMPLE, "--seq-len", "32", "--windows", "1", "--quiet")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 5, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("qtool: error: "), res.output
     return lines[0]
@@ -218,7 +218,7 @@ def test_unknown_layer_format(cli, broken):
 def test_not_a_checkpoint(cli, tmp_path):
     (tmp_path / "x").mkdir()
     res = cli("pack", tmp_path / "x")
-    assert res.exit_code == 1 and "not a qtool checkpoint" in res.output
+    assert res.exit_code == 5 and "not a qtool checkpoint" in res.output
 
 
 def test_unsupported_architecture(cli, tmp_path):
@@ -227,6 +227,6 @@ def test_unsupported_architecture(cli, tmp_path):
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
     recipe = write_recipe(tmp_path / "r.yaml", f"model: {tmp_path / 'gpt2'}\nstages:\n  - stage: rtn\noutput: o\n")
     res = cli("quantize", recipe)
-    assert res.exit_code == 1
+    assert res.exit_code == 4
     assert "architecture GPT2LMHeadModel is not supported; expected one of LlamaForCausalLM" in res.output
     assert "OPTForCausalLM" in res.output and "Traceback" not in res.output

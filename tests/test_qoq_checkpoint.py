@@ -69,7 +69,7 @@ def _one_line_error(res, code: int) -> str:
 ])
 def test_recipe_errors_name_file_and_key(cli, tmp_path, kwargs, fragments):
     res = cli("quantize", write_recipe(tmp_path / "r.yaml", recipe_text(tmp_path / "o", **kwargs)))
-    line = _one_line_error(res, 2)
+    line = _one_line_error(res, 3)
     assert "r.yaml:" in line
     for f in fragments:
         assert f in line, (f, line)
@@ -85,7 +85,7 @@ def test_recipe_errors_name_file_and_key(cli, tmp_path, kwargs, fragments):
 ])
 def test_bad_option_values(cli, tmp_path, old, new, fragments):
     text = recipe_text(tmp_path / "o").replace(old, new, 1)
-    line = _one_line_error(cli("quantize", write_recipe(tmp_path / "r.yaml", text)), 2)
+    line = _one_line_error(cli("quantize", write_recipe(tmp_path / "r.yaml", text)), 3)
     for f in fragments:
         assert f in line, (f, line)
 
@@ -177,5 +177,5 @@ def test_broken_checkpoint_tensor_is_one_line(cli, stories, tmp_path):
     m["files"]["model.safetensors"] = file_sha256(ckpt / "model.safetensors")
     (ckpt / "qtool-manifest.json").write_text(json.dumps(m))
     res = cli("eval", ckpt, "--text", TINYSTORIES, "--seq-len", "32", "--windows", "1", "--quiet")
-    line = _one_line_error(res, 1)
+    line = _one_line_error(res, 5)
     assert f"tensor {layer}.group_scales: found values in [0, 0], expected integers in 1..16" in line

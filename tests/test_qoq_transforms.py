@@ -217,7 +217,7 @@ stages:{stages}
 output: {tmp_path / "out"}
 """)
     r = cli("quantize", path)
-    assert r.exit_code == 2
+    assert r.exit_code == 3
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -235,7 +235,7 @@ stages:
 output: {tmp_path / "out"}
 """)
     r = cli("quantize", path)
-    assert r.exit_code == 2 and "calibration.stats" in r.stderr and "smooth" in r.stderr
+    assert r.exit_code == 3 and "calibration.stats" in r.stderr and "smooth" in r.stderr
 
 
 def test_smooth_searches_under_the_claiming_quantizer(tmp_path):
@@ -270,6 +270,6 @@ def test_g128_recipe_refuses_smollm2_before_loading(cli, smollm2, tmp_path):
     from conftest import ROOT
 
     r = cli("quantize", ROOT / "recipes" / "qoq-w4a8kv4-g128.yaml", "--model", smollm2, "-o", tmp_path / "o")
-    assert r.exit_code == 2
+    assert r.exit_code == 3
     assert "group_size: found 128" in r.stderr and "in_features 576" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()

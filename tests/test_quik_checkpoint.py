@@ -162,7 +162,7 @@ def _edit(ckpt: Path, edit) -> None:
 
 def _error(cli, ckpt: Path) -> str:
     res = cli("eval", ckpt, "--text", TINY_SAMPLE, "--seq-len", "32", "--windows", "1", "--quiet")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 5, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("qtool: error: "), res.output
     return lines[0]
@@ -225,7 +225,7 @@ def test_recipe_errors_name_file_and_key(cli, tmp_path, old, new, fragments):
     assert old in text, old
     text = text.replace(old, new, 1)
     res = cli("quantize", write_recipe(tmp_path / "r.yaml", text))
-    assert res.exit_code == 2, res.output
+    assert res.exit_code == 3, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("qtool: error: ") and "r.yaml:" in lines[0], res.output
     for f in fragments:

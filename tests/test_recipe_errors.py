@@ -1,5 +1,5 @@
-"""Every recipe problem is one line naming file:key, what was found and what was expected, exit code 2,
-before any model is loaded."""
+"""Every recipe problem is one line naming file:key, what was found and what was expected, exit code 3 (4 for a
+file the recipe names that does not exist), before any model is loaded."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _run(cli, tmp_path: Path, text: str, *extra: str):
     return cli("quantize", recipe, *extra)
 
 
-def _one_line_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, result.output
+def _one_line_error(result, *fragments: str, code: int = 3) -> str:
+    assert result.exit_code == code, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("qtool: error: "), result.output
     assert "Traceback" not in result.output
@@ -71,17 +71,17 @@ def test_unknown_option_and_top_level_key(cli, tmp_path):
 
 def test_missing_model_path(cli, tmp_path):
     res = _run(cli, tmp_path, GOOD.replace(str(STORIES), "./no/such/model"))
-    _one_line_error(res, "r.yaml:model", "does not exist", "expected a model directory or a hub id")
+    _one_line_error(res, "r.yaml:model", "does not exist", "expected a model directory or a hub id", code=4)
 
 
 def test_missing_model_path_from_flag_names_the_flag(cli, tmp_path):
     res = _run(cli, tmp_path, GOOD, "--model", str(tmp_path / "nothing"))
-    _one_line_error(res, "--model", "does not exist")
+    _one_line_error(res, "--model", "does not exist", code=4)
 
 
 def test_missing_calibration_file(cli, tmp_path):
     res = _run(cli, tmp_path, GOOD.replace(str(TINY_SAMPLE), "./missing.txt"))
-    _one_line_error(res, "r.yaml:calibration.source", "does not exist")
+    _one_line_error(res, "r.yaml:calibration.source", "does not exist", code=4)
 
 
 def test_gptq_without_calibration(cli, tmp_path):
@@ -99,7 +99,7 @@ def test_overlapping_targets_are_refused(cli, tmp_path):
     text = GOOD + "  - stage: rtn\n    bits: 8\n    targets:\n      include: ['*.down_proj']\n"
     text = text.replace("output: out\n", "") + "output: out\n"
     res = _run(cli, tmp_path, text)
-    assert res.exit_code == 2
+    assert res.exit_code == 3
     assert "targeted by stages[0] (gptq) and stages[1] (rtn)" in res.output
 
 

@@ -216,8 +216,10 @@ def test_rotate_then_rtn_checkpoint_reloads_and_matches(cli, tmp_path):
 
 
 def _one_line_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert result.exit_code == 3, result.output
+    # stdout holds the same error as a JSON object (--json); the line is on stderr.
+    assert json.loads(result.stdout)["error"]["kind"] == "recipe", result.stdout
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("qtool: error: "), result.output
     for f in fragments:
         assert f in lines[0], (f, lines[0])

@@ -16,7 +16,7 @@ from conftest import ASSETS, STORIES, TINY_SAMPLE, write_recipe
 ZEROSHOT = ASSETS / "data" / "zeroshot"
 
 
-def _fail(res, code: int = 1) -> str:
+def _fail(res, code: int) -> str:
     assert res.exit_code == code, res.output
     assert "Traceback" not in res.output
     lines = res.stderr.strip().splitlines()
@@ -37,23 +37,23 @@ def _piqa_lines(n: int) -> list[str]:
 
 
 def test_unknown_task_lists_the_available_ones(cli):
-    line = _fail(cli("eval", STORIES, "--tasks", "piqa,no_such_task", "--device", "cpu"))
+    line = _fail(cli("eval", STORIES, "--tasks", "piqa,no_such_task", "--device", "cpu"), code=2)
     assert "'no_such_task'" in line
     for name in ("piqa", "arc_easy", "arc_challenge", "winogrande", "hellaswag", "lambada_openai"):
         assert name in line
 
 
 def test_missing_data_file_is_named(cli, tmp_path):
-    line = _fail(cli("eval", STORIES, "--tasks", "arc_easy", "--data-dir", tmp_path, "--device", "cpu"))
+    line = _fail(cli("eval", STORIES, "--tasks", "arc_easy", "--data-dir", tmp_path, "--device", "cpu"), code=4)
     assert str(tmp_path / "arc_easy.jsonl") in line and "not found" in line
 
 
 def test_malformed_jsonl_line_names_file_and_line(cli, tmp_path):
     d = _data_dir(tmp_path, [*_piqa_lines(3), '{"query": "Question: x\\n", "choices": ["a", "b"]\n'])
-    line = _fail(cli("eval", STORIES, "--tasks", "piqa", "--data-dir", d, "--device", "cpu"))
+    line = _fail(cli("eval", STORIES, "--tasks", "piqa", "--data-dir", d, "--device", "cpu"), code=4)
     assert f"{d / 'piqa.jsonl'}:4:" in line and "malformed JSON" in line
     (d / "piqa.jsonl").write_text("".join([*_piqa_lines(2), '{"query": "Question: x\\n", "gold": 0}\n']))
-    line = _fail(cli("eval", STORIES, "--tasks", "piqa", "--data-dir", d, "--device", "cpu"))
+    line = _fail(cli("eval", STORIES, "--tasks", "piqa", "--data-dir", d, "--device", "cpu"), code=4)
     assert f"{d / 'piqa.jsonl'}:3:" in line and "expected keys query, choices, gold" in line
 
 
@@ -64,7 +64,7 @@ def test_malformed_jsonl_line_names_file_and_line(cli, tmp_path):
     ([], "expected --text FILE (perplexity) and/or --tasks LIST"),
 ])
 def test_bad_options(cli, args, expected):
-    assert expected in _fail(cli("eval", STORIES, "--device", "cpu", *args))
+    assert expected in _fail(cli("eval", STORIES, "--device", "cpu", *args), code=2)
 
 
 def test_task_yaml_rejected_by_lm_eval_is_one_line(cli, tmp_path):
@@ -73,17 +73,17 @@ def test_task_yaml_rejected_by_lm_eval_is_one_line(cli, tmp_path):
     tasks.mkdir()
     (tasks / "bad.yaml").write_text(f"task: my_bad\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
                                     "output_type: ranking\ntest_split: test\ndoc_to_text: q\n")
-    line = _fail(cli("eval", STORIES, "--tasks", "my_bad", "--include-path", tasks, "--device", "cpu"))
+    line = _fail(cli("eval", STORIES, "--tasks", "my_bad", "--include-path", tasks, "--device", "cpu"), code=4)
     assert "lm-eval cannot load my_bad" in line and "output_type 'ranking'" in line
 
 
 def test_recipe_eval_needs_text_or_tasks(cli, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", f"model: {STORIES}\nstages: [{{stage: rtn, bits: 4}}]\n"
                                                f"eval: {{limit: 5}}\noutput: {tmp_path / 'out'}\n")
-    line = _fail(cli("quantize", recipe), code=2)
+    line = _fail(cli("quantize", recipe), code=3)
     assert "eval.text: missing" in line and "tasks" in line
     recipe.write_text(recipe.read_text().replace("{limit: 5}", "{tasks: piqa}"))
-    assert "eval.tasks: found 'piqa', expected a list of" in _fail(cli("quantize", recipe), code=2)
+    assert "eval.tasks: found 'piqa', expected a list of" in _fail(cli("quantize", recipe), code=3)
 
 
 @pytest.fixture(scope="module")

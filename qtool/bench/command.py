@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
-from qtool.errors import QtoolError
+from qtool.bench.stats import BenchError
+from qtool.errors import ResourceError
+from qtool.failure import QtoolGroup
 
-
-class BenchError(QtoolError):
-    """A bench option or environment problem, printed as one line."""
+__all__ = ["BenchError", "bench"]
 
 
 def _need_gpu() -> None:
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
-        raise BenchError("qtool bench: found no CUDA GPU, expected one (the bench times GPU kernels)")
+        raise ResourceError("bench: found no CUDA GPU, expected one (the bench times GPU kernels)")
 
 
 def _group_sizes(text: str, option: str = "--group-size") -> list[int | None]:
@@ -35,25 +34,16 @@ def _group_sizes(text: str, option: str = "--group-size") -> list[int | None]:
 
 
 def _validated_write(report: dict, problems: list[str], json_path: str | None) -> None:
-    """Refuse a report that breaks its own schema (a bug, said in one line), then write --json."""
+    """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write --json."""
     if problems:
-        raise BenchError(f"internal: report does not match its schema: {problems[0]}")
+        raise RuntimeError(f"report does not match its schema: {problems[0]}")
     if json_path:
         from qtool.bench.kernels import write_json  # noqa: PLC0415
 
         write_json(report, json_path)
 
 
-def _wrap(fn):
-    """Run `fn`, turning user-facing errors into one line and a non-zero exit."""
-    try:
-        return fn()
-    except (QtoolError, ValueError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(getattr(exc, "exit_code", 2))
-
-
-@click.group(name="bench")
+@click.group(name="bench", cls=QtoolGroup)
 def bench() -> None:
     """Measure the kernels (grouped_int, quik) and end-to-end decode/prefill against cuBLAS on this GPU."""
 
@@ -99,7 +89,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             kb.write_plot(report, plot_path)
         click.echo(kb.format_report(report))
 
-    _wrap(go)
+    go()
 
 
 @bench.command("e2e")
@@ -135,7 +125,7 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int, batches:
             Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(format_e2e(report))
 
-    _wrap(go)
+    go()
 
 
 @bench.command("quik")
@@ -171,7 +161,7 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
         _validated_write(report, qb.validate_report(report), json_path)
         click.echo(qb.format_report(report))
 
-    _wrap(go)
+    go()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qtool.bench.stats import BenchError
+
 
 @dataclass(frozen=True)
 class Dims:
@@ -48,7 +50,7 @@ MODEL_DIMS: dict[str, Dims] = {
 def dims_for(name: str) -> Dims:
     key = name.strip().lower()
     if key not in MODEL_DIMS:
-        raise ValueError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_DIMS)}")
+        raise BenchError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_DIMS)}")
     return MODEL_DIMS[key]
 
 

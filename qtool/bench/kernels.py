@@ -33,17 +33,20 @@ def shapes_for_model(name: str) -> list[tuple[int, int]]:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        cfg = json.loads(path.read_text())
         try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
             h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+            heads = int(cfg.get("num_attention_heads", 1))
+            kv = int(cfg.get("num_key_value_heads", heads))
+            hd = int(cfg.get("head_dim") or h // heads)
         except KeyError as exc:
-            raise ValueError(f"--model-config {name}: config lacks {exc.args[0]!r}") from None
-        heads = int(cfg.get("num_attention_heads", 1))
-        kv = int(cfg.get("num_key_value_heads", heads))
-        hd = int(cfg.get("head_dim") or h // heads)
+            raise stats.BenchError(f"--model-config {name}: config lacks {exc.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:
+            raise stats.BenchError(f"--model-config {name}: cannot read the model's sizes ({type(exc).__name__}: "
+                                   f"{exc}); expected a Hugging Face config.json") from None
         shapes = [(h, h), (h, kv * hd), (h, inter), (inter, h)]
         return list(dict.fromkeys(shapes))
-    raise ValueError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_SHAPES)} or a config.json path")
+    raise stats.BenchError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_SHAPES)} or a config.json path")
 
 
 class Cases(Protocol):
@@ -228,7 +231,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise ValueError("--plot: matplotlib is not installed; install it or drop --plot") from None
+        raise stats.BenchError("--plot: matplotlib is not installed; install it or drop --plot") from None
     rows = report["results"]
     labels = [f"{r['k']}x{r['n']}\nM={r['m']} w{r['bits']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))

@@ -7,6 +7,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from qtool.errors import UsageError
+
+
+class BenchError(UsageError, ValueError):
+    """A bench option the bench cannot take (exit code 2). Also a ValueError: the parsers were ValueError-raising
+    before the bench had its own class, and callers outside the CLI may still catch that."""
+
+
 KERNELS_SCHEMA = "qtool.bench.kernels/1"
 E2E_SCHEMA = "qtool.bench.e2e/1"
 
@@ -118,10 +126,10 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             continue
         bits = part.split("x")
         if len(bits) != 2 or not all(b.isdigit() and int(b) > 0 for b in bits):
-            raise ValueError(f"--shapes: found {part!r}, expected KxN with positive integers, e.g. 4096x11008")
+            raise BenchError(f"--shapes: found {part!r}, expected KxN with positive integers, e.g. 4096x11008")
         out.append((int(bits[0]), int(bits[1])))
     if not out:
-        raise ValueError(f"--shapes: found {text!r}, expected at least one KxN")
+        raise BenchError(f"--shapes: found {text!r}, expected at least one KxN")
     return out
 
 
@@ -132,10 +140,10 @@ def parse_ints(text: str, option: str, lo: int = 1) -> list[int]:
         if not part:
             continue
         if not part.isdigit() or int(part) < lo:
-            raise ValueError(f"{option}: found {part!r}, expected integers >= {lo}, comma-separated")
+            raise BenchError(f"{option}: found {part!r}, expected integers >= {lo}, comma-separated")
         vals.append(int(part))
     if not vals:
-        raise ValueError(f"{option}: found {text!r}, expected at least one integer")
+        raise BenchError(f"{option}: found {text!r}, expected at least one integer")
     return vals
 
 

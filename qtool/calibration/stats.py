@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qtool.errors import InputError
+from qtool.output import Output, reserve_output
 
 STATS_KEY = "qtool_stats"
 
@@ -71,11 +72,15 @@ class LinearStats:
         return s
 
 
-def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict) -> None:
+def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict, reserved: Output | None = None) -> None:
+    """Write the stats file through a temporary sibling (`reserved`, or one made here), so `path` is whole or
+    untouched."""
+    if reserved is None:
+        with reserve_output(path, directory=False, overwrite=True) as reserved:
+            return save_stats(path, stats, stamp, reserved)
     tensors = {f"{name}.{field}": v.contiguous() for name, s in sorted(stats.items()) for field, v in s.tensors().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
-    tmp.replace(path)
+    save_file(tensors, str(reserved.tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
+    reserved.publish()
 
 
 def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:

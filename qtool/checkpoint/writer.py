@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -18,8 +16,8 @@ from qtool.checkpoint.manifest import (
     hash_files,
     package_versions,
 )
-from qtool.errors import QtoolError
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
+from qtool.output import Output, reserve_output
 from qtool.packing.grouped_int import GroupedIntWeight
 
 
@@ -65,52 +63,44 @@ def write_checkpoint(
     recipe_as_run: dict | None,
     manifest_extra: dict,
     max_shard_bytes: int,
-    overwrite: bool,
+    overwrite: bool = False,
+    reserved: Output | None = None,
 ) -> dict:
-    """Write the checkpoint and return its manifest. Nothing appears at `out_dir` until it is complete."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise QtoolError(f"output '{out_dir}': already exists; expected a new path (or pass --overwrite)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({name: fname for name in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    """Write the checkpoint and return its manifest. Nothing appears at `out_dir` until it is complete.
 
-        config = dict(config)
-        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
-                                         **(model_schemes or {}), "layers": layers}
-        (tmp / "config.json").write_text(dumps(config))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if recipe_as_run is not None:
-            (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
-        manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
-                    **manifest_extra}
-        (tmp / MANIFEST_NAME).write_text(dumps(manifest))
+    `reserved` is the output as `reserve_output` checked and reserved it before the run's work (`overwrite` was
+    decided there); without it the output is checked and reserved here."""
+    if reserved is None:
+        with reserve_output(out_dir, directory=True, overwrite=overwrite) as reserved:
+            return write_checkpoint(out_dir, tensors=tensors, config=config, layers=layers,
+                                    model_schemes=model_schemes, tokenizer=tokenizer, recipe_as_run=recipe_as_run,
+                                    manifest_extra=manifest_extra, max_shard_bytes=max_shard_bytes,
+                                    overwrite=overwrite, reserved=reserved)
+    tmp = reserved.tmp
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
-        if out_dir.exists():
-            trash = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(trash)
-            tmp.rename(out_dir)
-            shutil.rmtree(trash)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    config = dict(config)
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+                                     **(model_schemes or {}), "layers": layers}
+    (tmp / "config.json").write_text(dumps(config))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    if recipe_as_run is not None:
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
+    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
+                **manifest_extra}
+    (tmp / MANIFEST_NAME).write_text(dumps(manifest))
+    reserved.publish()
     return manifest
 
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from qtool.errors import QtoolError
+from qtool.errors import ResourceError
 from qtool.resources import kernels_dir
 
 REFERENCE_HINT = "use the torch reference path instead (QTOOL_KERNELS=reference, or run on CPU)"
 
 
-class CudaUnavailableError(QtoolError):
+class CudaUnavailableError(ResourceError):
     """The CUDA kernel path was asked for but cannot run here."""
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from qtool.calibration.data import TextSource, check_token_ids, read_documents
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import InputError
 from qtool.recipe import EvalSpec
 
 # EvalSpec's zero-shot settings, which are not part of the perplexity protocol.
@@ -114,7 +114,7 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
     if spec.max_windows is not None:
         spans = spans[: spec.max_windows]
     if not spans:
-        raise QtoolError(f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}")
+        raise InputError(f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}")
     total_nll = 0.0
     total_tokens = 0
     batches = [spans[i:i + spec.batch_size] for i in range(0, len(spans), spec.batch_size)]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qtool.console import Reporter
-from qtool.errors import QtoolError
+from qtool.errors import InputError, QtoolError, UsageError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DATA_ENV = "QTOOL_ZEROSHOT_DATA"
@@ -62,7 +62,7 @@ def parse_batch_size(value: str | int | None, where: str = "--batch-size") -> in
             return "auto"
         if value.strip().isdigit() and int(value) >= 1:
             return int(value)
-    raise QtoolError(f"{where}: found {value!r}, expected a positive integer or auto")
+    raise UsageError(f"{where}: found {value!r}, expected a positive integer or auto")
 
 
 def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
@@ -70,9 +70,9 @@ def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise QtoolError(f"{path}: file not found; expected the task's JSONL (set --data-dir or {DATA_ENV})") from None
+        raise InputError(f"{path}: file not found; expected the task's JSONL (set --data-dir or {DATA_ENV})") from None
     except OSError as e:
-        raise QtoolError(f"{path}: cannot be read ({e.strerror or e}); expected a readable JSONL file") from None
+        raise InputError(f"{path}: cannot be read ({e.strerror or e}); expected a readable JSONL file") from None
     lines = 0
     for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -80,14 +80,14 @@ def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise QtoolError(f"{path}:{n}: found malformed JSON ({e.msg} at column {e.colno}), expected one JSON "
+            raise InputError(f"{path}:{n}: found malformed JSON ({e.msg} at column {e.colno}), expected one JSON "
                              f"object per line") from None
         if not isinstance(row, dict) or any(k not in row for k in keys):
             found = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise QtoolError(f"{path}:{n}: found {found or 'no keys'}, expected keys {', '.join(keys)}")
+            raise InputError(f"{path}:{n}: found {found or 'no keys'}, expected keys {', '.join(keys)}")
         lines += 1
     if not lines:
-        raise QtoolError(f"{path}: found no rows, expected one JSON object per line")
+        raise InputError(f"{path}: found no rows, expected one JSON object per line")
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
@@ -126,12 +126,12 @@ class TaskSuite:
                  batch_size: int | str | None = None, seed: int = 1234, data_dir: str | Path | None = None,
                  include_paths: list[str] | tuple[str, ...] = ()) -> None:
         if limit is not None and limit < 1:
-            raise QtoolError(f"--limit: found {limit}, expected a positive number of items per task")
+            raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
         if num_fewshot < 0:
-            raise QtoolError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+            raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
         names = [t.strip() for t in tasks if t.strip()]
         if not names:
-            raise QtoolError("--tasks: found no task names, expected a comma-separated list such as piqa,arc_easy")
+            raise UsageError("--tasks: found no task names, expected a comma-separated list such as piqa,arc_easy")
         self.names = list(dict.fromkeys(names))
         self.limit = limit
         self.num_fewshot = num_fewshot
@@ -141,7 +141,7 @@ class TaskSuite:
         self.include_paths = [Path(p).expanduser().resolve() for p in include_paths]
         for p in self.include_paths:
             if not p.is_dir():
-                raise QtoolError(f"--include-path: '{p}' is not a directory; expected a folder of lm-eval task YAMLs")
+                raise InputError(f"--include-path: '{p}' is not a directory; expected a folder of lm-eval task YAMLs")
         self._tmp = tempfile.TemporaryDirectory(prefix="qtool-tasks-")
         self.data: dict[str, dict] = {}
         try:
@@ -171,7 +171,7 @@ class TaskSuite:
         available = sorted(set(standard) | user_names)
         unknown = [n for n in self.names if n not in available]
         if unknown:
-            raise QtoolError(f"--tasks: unknown task {unknown[0]!r}; expected one of {', '.join(available)}")
+            raise UsageError(f"--tasks: unknown task {unknown[0]!r}; expected one of {', '.join(available)}")
         gen = Path(self._tmp.name)
         for name in self.names:
             if name not in standard:
@@ -193,7 +193,7 @@ class TaskSuite:
             except QtoolError:
                 raise
             except Exception as e:  # noqa: BLE001  lm-eval and datasets raise many types; the reason is the message
-                raise QtoolError(f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
+                raise InputError(f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
                                  f"{_first_line(e)})") from None
 
     def protocol(self) -> dict:

@@ -1,0 +1,275 @@
+"""Where a command writes (a checkpoint folder, a stats file): checked before any work, written into a hidden
+sibling (`.NAME.tmp-PID`) created up front, and published by rename, so the output appears only when complete.
+
+Checking by creating the temporary sibling is the one test of writability that cannot disagree with the write
+itself (permissions, read-only mounts, a parent that is a file). A run that fails or is interrupted removes its
+temporary and the parent folders it created; a run that is killed leaves the temporary, and the next run on the
+same output finds it by name and by its dead PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from qtool.checkpoint.manifest import MANIFEST_NAME
+from qtool.errors import ResourceError, UsageError
+
+_TMP, _OLD = ".tmp-", ".old-"
+
+
+def temp_sibling(path: Path, kind: str = _TMP) -> Path:
+    return path.with_name(f".{path.name}{kind}{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process has not started writing this output yet: a leftover of an earlier run in it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def find_leftovers(path: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """(stale, in use): the hidden siblings of earlier writes of `path`, split by whether their process lives."""
+    stale, live = [], []
+    if not path.parent.is_dir():
+        return stale, live
+    for p in sorted(path.parent.iterdir()):
+        for kind in (_TMP, _OLD):
+            prefix = f".{path.name}{kind}"
+            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit():
+                pid = int(p.name[len(prefix):])
+                if _pid_alive(pid):
+                    live.append((p, pid))
+                else:
+                    stale.append(p)
+    return stale, live
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Output:
+    """A reserved output: its temporary sibling exists. Use as a context manager; `publish()` moves the temporary
+    into place. Leaving the block any other way (error, Ctrl-C) removes the temporary and the created parents."""
+
+    def __init__(self, path: Path, tmp: Path, directory: bool, created: list[Path], removed: list[Path]) -> None:
+        self.path, self.tmp, self.directory = path, tmp, directory
+        self.created_parents = created
+        self.removed_leftovers = removed
+        self.published = False
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.published:
+            self.discard()
+
+    def discard(self) -> None:
+        if self.tmp.exists() or self.tmp.is_symlink():
+            _remove(self.tmp)
+        for d in reversed(self.created_parents):  # deepest first; only folders this run made and left empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+    def publish(self) -> None:
+        path = self.path
+        if not self.directory:
+            os.replace(self.tmp, path)
+        elif path.exists() or path.is_symlink():
+            # Checked again: the output may have changed during a long run, and a file is never replaced.
+            _check_existing(path, overwrite=True)
+            trash = temp_sibling(path, _OLD)
+            path.rename(trash)
+            self.tmp.rename(path)
+            _remove(trash)
+        else:
+            self.tmp.rename(path)
+        self.published = True
+
+
+def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> None:
+    if directory and path.is_symlink():
+        raise UsageError(f"output '{path}': is a symbolic link; expected a new directory path (a link is never "
+                         f"replaced, even with --overwrite)")
+    if directory and not path.is_dir():
+        raise UsageError(f"output '{path}': is an existing file; expected a directory path for the checkpoint (a "
+                         f"file is never replaced, even with --overwrite)")
+    if not directory and path.is_dir():
+        raise UsageError(f"output '{path}': is a directory; expected a file path")
+    if directory and not overwrite:
+        raise UsageError(f"output '{path}': already exists; expected a new path (or pass --overwrite)")
+    if directory and any(path.iterdir()) and not (path / MANIFEST_NAME).is_file():
+        # --overwrite replaces a checkpoint; a folder of other files (the working directory, a model) is the user's.
+        raise UsageError(f"output '{path}': is a directory that is not a qtool checkpoint (no {MANIFEST_NAME})"
+                         f"; expected a new path (--overwrite replaces only a checkpoint or an empty folder)")
+
+
+def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_bytes: int | None = None,
+                   log: Callable[[str], None] | None = None) -> Output:
+    """Check `path` as the output of a command and create its temporary sibling; refuse (one line) when it is a
+    file where a folder is expected or the reverse, exists without `overwrite`, lies under a file or in a folder
+    that cannot be written, another live run writes it, or the free space is below `needs_bytes`. Stale leftovers
+    of killed runs are refused without `overwrite` and removed with it."""
+    path = Path(os.path.abspath(path))
+    if path.exists() or path.is_symlink():
+        _check_existing(path, overwrite=overwrite, directory=directory)
+
+    stale, live = find_leftovers(path)
+    if live:
+        p, pid = live[0]
+        raise ResourceError(f"output '{path}': '{p.name}' is being written by process {pid}, which is running; "
+                            f"expected one run per output (wait for it or stop it)")
+    if stale and not overwrite:
+        raise UsageError(f"output '{path}': leftovers of an interrupted run beside it: "
+                         f"{', '.join(p.name for p in stale)}; --overwrite removes them")
+
+    created: list[Path] = []
+    parent = path.parent
+    missing = []
+    while not parent.exists() and not parent.is_symlink():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ResourceError(f"output '{path}': '{parent}' is a file; expected a directory to hold the output")
+    removed: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+        for p in stale:  # only reached with --overwrite
+            _remove(p)
+            removed.append(p)
+            if log is not None:
+                log(f"removed '{p}', left by an interrupted run (--overwrite)")
+        tmp = temp_sibling(path)
+        if directory:
+            tmp.mkdir()
+        else:
+            tmp.touch(exist_ok=False)
+    except OSError as e:
+        Output(path, temp_sibling(path), directory, created, removed).discard()
+        where = e.filename or parent
+        raise ResourceError(f"output '{path}': cannot write '{where}' ({e.strerror or e}); expected a writable "
+                            f"location") from None
+    out = Output(path, tmp, directory, created, removed)
+    if needs_bytes:
+        free = shutil.disk_usage(tmp.parent).free
+        if free < needs_bytes:
+            out.discard()
+            raise ResourceError(f"output '{path}': needs at least {_size(needs_bytes)}, but its file system "
+                                f"has {_size(free)} free")
+    return out
+
+
+# ---- size estimates: lower bounds, so a run that fits is never refused ------------------------------------------
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError("header too large")
+        return json.loads(f.read(n))
+
+
+def model_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
+    """{name: (dtype, shape)} of a local model's safetensors files, read from their headers only; None when the
+    model is not a local folder of readable safetensors files (the estimate is then skipped, not guessed)."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    if not files:
+        return None
+    out: dict[str, tuple[str, list[int]]] = {}
+    try:
+        for f in files:
+            for name, info in _safetensors_header(f).items():
+                if name != "__metadata__":
+                    out[name] = (info["dtype"], list(info["shape"]))
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # a broken model file is reported by the loader, with its own message
+    return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _block_linears(config) -> tuple[object, list[str]] | None:
+    from qtool.models.adapters import adapter_for
+
+    adapter = adapter_for(getattr(config, "architectures", None))
+    layers = getattr(config, "num_hidden_layers", None)
+    if adapter is None or not isinstance(layers, int):
+        return None
+    return adapter, [f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()]
+
+
+def checkpoint_bytes(recipe, config) -> int | None:
+    """At least how many bytes the checkpoint of `recipe` takes: the model's tensors as stored, with the linears
+    each quantizer claims at its bits per weight (scales and outlier columns left out)."""
+    shapes = model_tensor_shapes(recipe.model)
+    found = _block_linears(config)
+    if shapes is None or found is None:
+        return None
+    _, linears = found
+    bits: dict[str, int] = {}
+    for name in linears:
+        for q in recipe.quantizers():
+            if q.targets.matches(name):
+                b = getattr(q.options, "bits", None) or 2
+                bits[f"{name}.weight"] = min(b, 4) if getattr(q.options, "overrides", None) else b
+                break
+    total = 0
+    for name, (dtype, shape) in shapes.items():
+        n = _numel(shape)
+        total += n * bits[name] // 8 if name in bits else n * _DTYPE_BYTES.get(dtype, 1)
+    return total
+
+
+def stats_bytes(model: str, config, hessians: bool) -> int | None:
+    """At least how many bytes a stats file takes: per linear two float32 vectors, and the K x K Hessian."""
+    shapes = model_tensor_shapes(model)
+    found = _block_linears(config)
+    if shapes is None or found is None:
+        return None
+    total = 0
+    for name in found[1]:
+        if f"{name}.weight" in shapes:
+            k = shapes[f"{name}.weight"][1][-1]
+            total += 8 * k + (4 * k * k if hessians else 0)
+    return total
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
+
