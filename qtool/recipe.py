@@ -248,9 +248,21 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
 
     recipe = Recipe(path, model, output, calibration, stages, ev, settings)
     recipe.as_run = _as_run(recipe)
-    recipe.origins = {key: where(key) for key in ("model", "calibration.seq_len", "calibration.source",
-                                                  "eval.seq_len", "eval.text")}
+    recipe.origins = {key: _origin(key, raw, label, where(key), key in overrides)
+                      for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")}
     return recipe
+
+
+def _origin(key: str, raw: dict, label: str, where: str, overridden: bool) -> str:
+    """`where`, marked "(default)" when neither the recipe nor a flag set the value: an error about a value the user
+    never wrote says so (and, for a recipe made from flags, names the flag that sets it)."""
+    section, _, name = key.rpartition(".")
+    written = raw.get(section) if section else raw
+    if overridden or (isinstance(written, dict) and name in written):
+        return where
+    if label == "command line":
+        return f"--{name.replace('_', '-')} (default)"
+    return f"{where} (default)"
 
 
 def _parse_stage(entry: Any, i: int, label: str) -> StageSpec:
