@@ -80,7 +80,7 @@ def read_documents(src: TextSource) -> list[str]:
     try:
         if path.is_file():
             kind = {".json": "json"}.get(path.suffix, path.suffix.lstrip("."))
-            extra = {"encoding": src.encoding} if kind == "csv" else {}
+            extra = {"encoding": src.encoding} if kind in ("csv", "json") else {}
             ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
         elif path.is_dir() and (path / "dataset_info.json").exists():
             ds = datasets.load_from_disk(str(path))
