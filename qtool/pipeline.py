@@ -110,6 +110,7 @@ class Prepared:
     config: object
     windows: torch.Tensor | None = None
     digest: str | None = None
+    seconds: float = 0.0  # sampling the calibration windows is most of it
 
 
 def preflight(recipe: Recipe) -> Prepared:
@@ -117,6 +118,7 @@ def preflight(recipe: Recipe) -> Prepared:
     seconds instead of after an evaluation or a quantization: the config and its architecture, what the stages
     need of it, seq_len against the context length, the tokenizer, the weight files' headers (whole, indexed,
     shaped as the config says), the targets, a stats file's linears, the calibration windows and the eval text."""
+    t0 = time.perf_counter()
     config = load_config(recipe.model)
     adapter = check_architecture(recipe.model, config)
     check_stages(recipe, config)
@@ -145,14 +147,15 @@ def preflight(recipe: Recipe) -> Prepared:
     if ev is not None and ev.text is not None and Path(ev.text).is_file():
         src = TextSource(ev.text, ev.text_field, ev.split, ev.config, ev.encoding)
         check_not_empty(src, read_documents(src))
+    prepared.seconds = time.perf_counter() - t0
     return prepared
 
 
 def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None = None) -> QuantizedModel:
-    t0 = time.perf_counter()
-    device = resolve_device(recipe.settings.device)
     if prepared is None:
         prepared = preflight(recipe)
+    t0 = time.perf_counter()
+    device = resolve_device(recipe.settings.device)
     config = prepared.config
     dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(config))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
@@ -236,7 +239,8 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
         old: nn.Linear = getattr(parent, child)
         bias = None if old.bias is None else old.bias.data.clone()
         setattr(parent, child, module_for(layout, bias))
-    timings["total_s"] = time.perf_counter() - t0
+    timings["preflight_s"] = prepared.seconds
+    timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     schemes: dict = {}
     for tr in transforms:
