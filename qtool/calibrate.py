@@ -13,7 +13,8 @@ from qtool.output import Output, reserve_output, stats_bytes
 
 def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessians: bool, device: str,
                   reporter: Reporter) -> dict:
-    from qtool.models.loading import load_config
+    from qtool.calibration.data import TextSource, check_token_ids, sample_windows
+    from qtool.models.loading import check_architecture, check_context, load_config, load_tokenizer
     from qtool.pipeline import resolve_device
     from qtool.recipe import CalibrationSpec, load_recipe, validate_recipe
 
@@ -30,23 +31,30 @@ def run_calibrate(recipe_path: Path | None, overrides: dict, out: Path, *, hessi
         raise RecipeError(f"{recipe_path}:calibration: missing; expected calibration data")
     assert isinstance(cal, CalibrationSpec)
     dev = resolve_device(device)
+    # Config, context length, tokenizer and text first: they fail in seconds, before any weight is read.
+    config = load_config(model_ref)
+    check_architecture(model_ref, config)
+    check_context(cal.seq_len, cal.allow_long_context, config, model_ref,
+                  recipe.origins.get("calibration.seq_len", "calibration.seq_len"),
+                  "calibration.allow_long_context: true")
+    tokenizer = load_tokenizer(model_ref)
+    windows, digest = sample_windows(tokenizer, TextSource(cal.source, cal.text_field, cal.split, cal.config,
+                                                           cal.encoding), cal.num_samples, cal.seq_len, cal.seed)
+    check_token_ids(windows, config.vocab_size, cal.source, tokenizer)
     # The stats file is checked (and its temporary created) before the model loads; it is replaced as before.
-    needs = stats_bytes(model_ref, load_config(model_ref), hessians)
+    needs = stats_bytes(model_ref, config, hessians)
     with reserve_output(out, directory=False, overwrite=True, needs_bytes=needs, log=reporter.log) as reserved:
-        return _calibrate(model_ref, cal, out, reserved, dev, hessians=hessians, reporter=reporter)
+        return _calibrate(model_ref, cal, out, reserved, dev, windows, digest, hessians=hessians, reporter=reporter)
 
 
-def _calibrate(model_ref: str, cal, out: Path, reserved: Output, dev: torch.device, *, hessians: bool,
-               reporter: Reporter) -> dict:
+def _calibrate(model_ref: str, cal, out: Path, reserved: Output, dev: torch.device, windows: torch.Tensor,
+               digest: str, *, hessians: bool, reporter: Reporter) -> dict:
     from qtool.calibration.capture import block_output, capture_block_inputs
-    from qtool.calibration.data import TextSource, sample_windows
     from qtool.calibration.stats import LinearStats, save_stats
     from qtool.models.loading import load_model
 
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
-    model, tokenizer, adapter, _ = load_model(model_ref, dtype)
-    windows, digest = sample_windows(tokenizer, TextSource(cal.source, cal.text_field, cal.split, cal.config),
-                                     cal.num_samples, cal.seq_len, cal.seed)
+    model, _, adapter, _ = load_model(model_ref, dtype)
     blocks = adapter.blocks(model)
     inputs, kwargs = capture_block_inputs(model, blocks, windows, dev)
     stats: dict[str, LinearStats] = {}

@@ -180,6 +180,9 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 @click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding text in jsonl/datasets.")
 @click.option("--split", default="test", show_default=True, help="datasets split.")
+@click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of a .txt/.jsonl --text file.")
+@click.option("--allow-long-context", is_flag=True,
+              help="Allow --seq-len beyond the model's context length (refused otherwise).")
 @click.option("--tasks", help="Zero-shot tasks through lm-evaluation-harness, comma-separated: piqa, arc_easy, "
                               "arc_challenge, winogrande, hellaswag, lambada_openai, or tasks of --include-path.")
 @click.option("--limit", type=int, help="Score only the first N items of each task.")
@@ -194,8 +197,9 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 @click.option("--include-path", multiple=True, type=click.Path(file_okay=False),
               help="Folder of your own lm-eval task YAMLs over local data (repeatable).")
 @output_options
-def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, tasks, limit,
-             num_fewshot, batch_size, device, seed, data_dir, include_path, reporter: Reporter) -> None:
+def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, encoding,
+             allow_long_context, tasks, limit, num_fewshot, batch_size, device, seed, data_dir, include_path,
+             reporter: Reporter) -> None:
     """Perplexity and zero-shot accuracy of MODEL (a qtool checkpoint, a model directory or a hub id), or of MODEL
     and MODEL_B side by side with the difference.
 
@@ -211,7 +215,7 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
                        max_windows=max_windows, stride=stride, separator=separator, text_field=text_field,
                        split=split, batch_size=batch_size, device=device, reporter=reporter, tasks=tasks,
                        limit=limit, num_fewshot=num_fewshot, seed=seed, data_dir=data_dir,
-                       include_paths=include_path)
+                       include_paths=include_path, encoding=encoding, allow_long_context=allow_long_context)
     if reporter.json_mode:
         emit(reporter, summary, [], "qtool eval")
     elif model_b is None:

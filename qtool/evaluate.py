@@ -13,15 +13,47 @@ from qtool.console import Reporter
 from qtool.recipe import EvalSpec
 
 
-def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter):
-    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model."""
+def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
+    """What can be checked of a model to evaluate before any weight is read: a checkpoint's manifest, file hashes,
+    config.json and tokenizer, or an original model's config and tokenizer (a folder that looks like a checkpoint
+    but lacks its manifest is refused, never evaluated as an original model); and the window length against the
+    model's context."""
+    from pathlib import Path
+
+    from qtool.checkpoint.loader import (
+        checkpoint_config,
+        is_checkpoint,
+        load_tokenizer,
+        read_manifest,
+        verify_files,
+    )
+    from qtool.models.loading import check_architecture, check_context, load_config
+    from qtool.models.loading import load_tokenizer as load_model_tokenizer
+
+    if is_checkpoint(model_ref):
+        path = Path(model_ref)
+        verify_files(path, read_manifest(path))
+        config = checkpoint_config(path)
+        load_tokenizer(path)
+    else:
+        config = load_config(model_ref)
+        check_architecture(model_ref, config)
+        load_model_tokenizer(model_ref)
+    if spec is not None:
+        check_context(spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context")
+
+
+def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False):
+    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model. `verified`:
+    check_for_eval already hashed the checkpoint's files."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
     from qtool.models.loading import load_model
 
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
-        return load_checkpoint(model_ref, device=str(dev), dtype=dtype), load_tokenizer(model_ref), "qtool checkpoint"
+        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype, verify=not verified)
+        return model, load_tokenizer(model_ref), "qtool checkpoint"
     reporter.log(f"loading model {model_ref}")
     model, tokenizer, _, _ = load_model(model_ref, dtype)
     return model.to(dev), tokenizer, "original"
@@ -48,9 +80,10 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
              stride: int | None, separator: str | None, text_field: str, split: str, batch_size: int | str | None,
              device: str, reporter: Reporter, tasks: str | None = None, limit: int | None = None,
              num_fewshot: int = 0, seed: int = 1234, data_dir: str | None = None,
-             include_paths: tuple[str, ...] = ()) -> dict:
+             include_paths: tuple[str, ...] = (), encoding: str = "utf-8", allow_long_context: bool = False) -> dict:
     from pathlib import Path
 
+    from qtool.calibration.data import TextSource, check_encoding, check_not_empty, read_documents
     from qtool.errors import UsageError
     from qtool.eval.zeroshot import PERPLEXITY_BATCH, TaskSuite, parse_batch_size
     from qtool.pipeline import resolve_device
@@ -68,9 +101,18 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
         for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
             if value is not None and value < 1:
                 raise UsageError(f"{name}: found {value}, expected a positive integer")
+        problem = check_encoding(encoding)
+        if problem:
+            raise UsageError(f"--encoding: {problem}")
         spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
                         stride=stride, separator=separator, text_field=text_field, split=split,
-                        batch_size=ppl_batch)
+                        batch_size=ppl_batch, encoding=encoding, allow_long_context=allow_long_context)
+        if Path(spec.text).is_file():
+            # Decoded (and, for jsonl, parsed) before any model loads: a bad byte fails in seconds.
+            src = TextSource(spec.text, spec.text_field, spec.split, spec.config, spec.encoding)
+            check_not_empty(src, read_documents(src))
+    for ref in refs:
+        check_for_eval(ref, spec)
     suite = None
     if tasks:
         # Tasks and data are checked (and loaded once) before any model is.
@@ -79,7 +121,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
     summaries = []
     try:
         for ref in refs:
-            model, tokenizer, kind = load_for_eval(ref, dev, reporter)
+            model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True)
             result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
             summaries.append({"model": ref, "kind": kind, "device": str(dev),
                               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result})

@@ -6,17 +6,34 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from qtool.calibration.capture import StopForward, block_output, capture_block_inputs
-from qtool.calibration.data import TextSource, sample_windows
+from qtool.calibration.data import (
+    TextSource,
+    check_not_empty,
+    check_token_ids,
+    read_documents,
+    sample_windows,
+)
 from qtool.calibration.stats import LinearStats, load_stats
 from qtool.console import Reporter
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.models.adapters import Adapter, adapter_for
-from qtool.models.loading import config_dtype, load_config, load_model
+from qtool.models.integrity import read_header
+from qtool.models.loading import (
+    check_architecture,
+    check_context,
+    check_weight_files,
+    config_dtype,
+    load_config,
+    load_model,
+    load_tokenizer,
+    meta_model,
+)
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
 from qtool.runtime.layouts import module_for
@@ -86,11 +103,60 @@ def check_stages(recipe: Recipe, config) -> None:
         _assign(adapter, recipe, config.num_hidden_layers)
 
 
-def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
+@dataclass
+class Prepared:
+    """What the pre-flight read, reused by the run."""
+
+    config: object
+    windows: torch.Tensor | None = None
+    digest: str | None = None
+    seconds: float = 0.0  # sampling the calibration windows is most of it
+
+
+def preflight(recipe: Recipe) -> Prepared:
+    """Everything about a quantize run that can be checked without reading a weight, so that bad input fails in
+    seconds instead of after an evaluation or a quantization: the config and its architecture, what the stages
+    need of it, seq_len against the context length, the tokenizer, the weight files' headers (whole, indexed,
+    shaped as the config says), the targets, a stats file's linears, the calibration windows and the eval text."""
+    t0 = time.perf_counter()
+    config = load_config(recipe.model)
+    adapter = check_architecture(recipe.model, config)
+    check_stages(recipe, config)
+    cal, ev = recipe.calibration, recipe.eval
+    if cal is not None:
+        check_context(cal.seq_len, cal.allow_long_context, config, recipe.model,
+                      recipe.origins.get("calibration.seq_len", "calibration.seq_len"),
+                      "calibration.allow_long_context: true")
+    if ev is not None and ev.text is not None:
+        check_context(ev.seq_len, ev.allow_long_context, config, recipe.model,
+                      recipe.origins.get("eval.seq_len", "eval.seq_len"), "eval.allow_long_context: true")
+    tokenizer = load_tokenizer(recipe.model)
+    meta = meta_model(config, f"model '{recipe.model}' config", InputError)
+    check_weight_files(recipe.model, config, meta)
+    assignment = assign_stages(meta, adapter, recipe)
+    if cal is not None and cal.stats:
+        _check_stats_header(recipe, meta, adapter, assignment)
+    prepared = Prepared(config)
+    if cal is not None:
+        src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
+        if recipe.needs_calibration():
+            prepared.windows, prepared.digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
+            check_token_ids(prepared.windows, config.vocab_size, cal.source, tokenizer)
+        elif Path(cal.source).is_file():
+            check_not_empty(src, read_documents(src))
+    if ev is not None and ev.text is not None and Path(ev.text).is_file():
+        src = TextSource(ev.text, ev.text_field, ev.split, ev.config, ev.encoding)
+        check_not_empty(src, read_documents(src))
+    prepared.seconds = time.perf_counter() - t0
+    return prepared
+
+
+def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None = None) -> QuantizedModel:
+    if prepared is None:
+        prepared = preflight(recipe)
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
-    config = load_config(recipe.model)
-    check_stages(recipe, config)
+    config = prepared.config
     dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(config))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)
@@ -120,8 +186,10 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
     if any(wants_pass(s) for s in assignment.values()) or any(tr.needs_calibration() for tr in transforms):
         cal = recipe.calibration
         t = time.perf_counter()
-        src = TextSource(cal.source, cal.text_field, cal.split, cal.config)
-        windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
+        windows, digest = prepared.windows, prepared.digest
+        if windows is None:
+            src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
+            windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
         calibration_info = {"source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
                             "seed": cal.seed, "data_sha256": digest}
         reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
@@ -175,7 +243,8 @@ def quantize_model(recipe: Recipe, reporter: Reporter) -> QuantizedModel:
         old: nn.Linear = getattr(parent, child)
         bias = None if old.bias is None else old.bias.data.clone()
         setattr(parent, child, module_for(layout, bias))
-    timings["total_s"] = time.perf_counter() - t0
+    timings["preflight_s"] = prepared.seconds
+    timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     schemes: dict = {}
     for tr in transforms:
@@ -225,7 +294,28 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
     return stats
 
 
-def _check_stats(recipe: Recipe, fp_stats: dict[str, LinearStats], assignment: dict[str, QuantizerStage]) -> None:
+def _check_stats_header(recipe: Recipe, meta: nn.Module, adapter: Adapter,
+                        assignment: dict[str, QuantizerStage]) -> None:
+    """A stats file is of this model: its linears are this model's, with this model's input widths (read from the
+    file's header, so a stats file of another model fails before any weight or statistic is read)."""
+    path = Path(recipe.calibration.stats)
+    header = read_header(path, InputError)
+    widths = {f"{adapter.block_prefix(i)}.{rel}": meta.get_submodule(f"{adapter.block_prefix(i)}.{rel}").in_features
+              for i in range(len(adapter.blocks(meta))) for rel in adapter.linear_names()}
+    for key, info in sorted(header.items()):
+        name, _, field_name = key.rpartition(".")
+        if field_name != "absmax":
+            continue
+        if name not in widths:
+            raise InputError(f"{path}: statistics for {name}, which is not a linear of '{recipe.model}'; expected a "
+                             f"stats file computed on this model")
+        if info.shape != (widths[name],):
+            raise InputError(f"{path}: {name}.absmax has shape {list(info.shape)}, the model's linear has "
+                             f"{widths[name]} inputs; expected a stats file computed on this model")
+    _check_stats(recipe, {k.rpartition(".")[0]: None for k in header}, assignment)
+
+
+def _check_stats(recipe: Recipe, fp_stats: dict, assignment: dict[str, QuantizerStage]) -> None:
     for full, stage in assignment.items():
         if stage.needs_calibration() and not stage.needs_hessian() and full not in fp_stats:
             raise InputError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "

@@ -16,24 +16,23 @@ from qtool.recipe import load_recipe
 
 
 def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
-    from qtool.models.loading import load_config
-    from qtool.pipeline import check_stages, resolve_device
+    from qtool.pipeline import preflight, resolve_device
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     out = Path(recipe.output)
     device = resolve_device(recipe.settings.device)
-    # Before the original model's perplexity: a model the stages refuse must fail in seconds, not after an eval.
-    config = load_config(recipe.model)
-    check_stages(recipe, config)
+    # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
+    # a broken weight file, undecodable text) must fail in seconds, not after an eval.
+    prepared = preflight(recipe)
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
-    with reserve_output(out, directory=True, overwrite=overwrite, needs_bytes=checkpoint_bytes(recipe, config),
-                        log=reporter.log) as reserved:
-        return _quantize(recipe, out, reserved, device, run_eval=run_eval, reporter=reporter)
+    with reserve_output(out, directory=True, overwrite=overwrite,
+                        needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
+        return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
 
 
-def _quantize(recipe, out: Path, reserved: Output, device: torch.device, *, run_eval: bool,
+def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
               reporter: Reporter) -> dict:
     from qtool.eval.zeroshot import TaskSuite
     from qtool.evaluate import eval_record, evaluate_loaded
@@ -55,7 +54,7 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, *, run_
         del model
         gc.collect()
 
-    qm = quantize_model(recipe, reporter)
+    qm = quantize_model(recipe, reporter, prepared)
 
     if run_eval and recipe.eval is not None:
         reporter.log("evaluating the quantized model")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+from qtool.calibration.data import check_encoding
 from qtool.errors import InputError, RecipeError
 from qtool.models.loading import is_hub_id
 from qtool.options import option, parse_options
@@ -35,6 +36,13 @@ class CalibrationSpec:
     split: str = option("train", help="datasets split")
     config: str | None = option(None, help="datasets config name")
     stats: str | None = option(None, help="stats file from `qtool calibrate`, reused instead of FP statistics")
+    encoding: str = option("utf-8", help="text encoding of a .txt/.jsonl source (e.g. latin-1, cp1252)")
+    allow_long_context: bool = option(False, help="allow seq_len beyond the model's context length "
+                                                  "(max_position_embeddings); refused otherwise")
+
+    def validate(self) -> tuple[str, str] | None:
+        problem = check_encoding(self.encoding)
+        return ("encoding", problem) if problem else None
 
 
 @dataclass
@@ -55,11 +63,15 @@ class EvalSpec:
     task_batch_size: int | Literal["auto"] = option(32, min=1, max=4096, help="lm-eval requests per forward pass")
     data_dir: str | None = option(None, help="folder of the standard tasks' JSONL files (default: "
                                              "$QTOOL_ZEROSHOT_DATA, else ../shared/assets/data/zeroshot)")
+    encoding: str = option("utf-8", help="text encoding of a .txt/.jsonl text (e.g. latin-1, cp1252)")
+    allow_long_context: bool = option(False, help="allow seq_len beyond the model's context length "
+                                                  "(max_position_embeddings); refused otherwise")
 
     def validate(self) -> tuple[str, str] | None:
         if self.text is None and not self.tasks:
             return "text", "missing; expected a text (perplexity) and/or tasks (zero-shot accuracy)"
-        return None
+        problem = check_encoding(self.encoding)
+        return ("encoding", problem) if problem else None
 
 
 @dataclass
@@ -87,6 +99,9 @@ class Recipe:
     eval: EvalSpec | None
     settings: Settings
     as_run: dict = field(default_factory=dict)
+    # Where a value came from (`file:key` or the `--flag` that overrode it), for errors found after validation,
+    # e.g. a seq_len beyond the model's context once its config is read.
+    origins: dict[str, str] = field(default_factory=dict)
 
     def needs_calibration(self) -> bool:
         return any(s.stage.needs_calibration() for s in self.stages)
@@ -233,7 +248,21 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
 
     recipe = Recipe(path, model, output, calibration, stages, ev, settings)
     recipe.as_run = _as_run(recipe)
+    recipe.origins = {key: _origin(key, raw, label, where(key), key in overrides)
+                      for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")}
     return recipe
+
+
+def _origin(key: str, raw: dict, label: str, where: str, overridden: bool) -> str:
+    """`where`, marked "(default)" when neither the recipe nor a flag set the value: an error about a value the user
+    never wrote says so (and, for a recipe made from flags, names the flag that sets it)."""
+    section, _, name = key.rpartition(".")
+    written = raw.get(section) if section else raw
+    if overridden or (isinstance(written, dict) and name in written):
+        return where
+    if label == "command line":
+        return f"--{name.replace('_', '-')} (default)"
+    return f"{where} (default)"
 
 
 def _parse_stage(entry: Any, i: int, label: str) -> StageSpec:

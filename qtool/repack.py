@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -35,10 +34,12 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
 
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
-    from qtool.checkpoint.loader import load_checkpoint, load_tokenizer
+    from qtool.checkpoint.loader import load_checkpoint, load_tokenizer, read_config
 
-    load_checkpoint(checkpoint, verify=False)  # checks every layout and tensor shape
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = read_config(checkpoint)
+    # A checkpoint is verified only if it can be used: it must carry a tokenizer (quantize always writes one).
+    tokenizer = load_tokenizer(checkpoint)
+    load_checkpoint(checkpoint, verify=False)  # checks every layout, tensor shape and value (finite)
     layers = config["quantization_config"]["layers"]
     layouts: dict[str, int] = {}
     for cfg in layers.values():
@@ -58,7 +59,7 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         recipe_file = checkpoint / "recipe.yaml"
         recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
         extra = {k: v for k, v in manifest.items() if k not in ("files", "packages", "format_version")}
-        write_checkpoint(output, tensors=tensors, config=config, layers=layers, tokenizer=load_tokenizer(checkpoint),
+        write_checkpoint(output, tensors=tensors, config=config, layers=layers, tokenizer=tokenizer,
                          recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, reserved=reserved)
         summary["output"] = str(output)
         if reserved.removed_leftovers:

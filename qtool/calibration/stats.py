@@ -84,16 +84,32 @@ def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict, reserved:
 
 
 def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
+    """The statistics of a stats file, each linear with its absmax, mean_sq and tokens, all finite; anything else
+    is one InputError naming the file and the tensor."""
+    from safetensors import SafetensorError
+
+    from qtool.models.integrity import check_finite, read_header
+
+    header = read_header(Path(path), InputError)  # a truncated or garbled file is named before safetensors reads it
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if STATS_KEY not in meta:
                 raise InputError(f"{path}: not a qtool stats file (no '{STATS_KEY}' metadata)")
-            stamp = json.loads(meta[STATS_KEY])
+            try:
+                stamp = json.loads(meta[STATS_KEY])
+            except json.JSONDecodeError:
+                raise InputError(f"{path}: garbled '{STATS_KEY}' metadata (not JSON)") from None
             grouped: dict[str, dict[str, torch.Tensor]] = {}
             for key in f.keys():
-                name, field = key.rsplit(".", 1)
+                name, _, field = key.rpartition(".")
                 grouped.setdefault(name, {})[field] = f.get_tensor(key)
-    except (OSError, ValueError) as e:  # safetensors raises these for unreadable files
+    except (OSError, ValueError, SafetensorError) as e:  # safetensors raises these for unreadable files
         raise InputError(f"{path}: cannot read stats file: {e}") from None
+    for name, t in sorted(grouped.items()):
+        missing = [k for k in ("absmax", "mean_sq", "tokens") if k not in t]
+        if missing:
+            raise InputError(f"{path}: statistics of {name or '?'} lack {', '.join(missing)}; expected a stats file "
+                             f"written by qtool calibrate")
+        check_finite(((f"{name}.{k}", v) for k, v in sorted(t.items())), InputError, header)
     return {name: LinearStats.from_tensors(t) for name, t in grouped.items()}, stamp

@@ -9,12 +9,13 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, file_sha256
-from qtool.checkpoint.writer import INDEX_NAME, WEIGHTS_NAME
 from qtool.errors import CheckpointError
+from qtool.models.integrity import check_finite, describe, read_config_json, tensor_index
 from qtool.models.loading import check_architecture
+from qtool.models.loading import load_tokenizer as _load_tokenizer
 from qtool.runtime.layouts import LAYOUTS
 from qtool.runtime.schemes import apply_model_schemes
 
@@ -28,12 +29,18 @@ def read_manifest(path: Path) -> dict:
     if not mpath.is_file():
         raise CheckpointError(f"{path}: not a qtool checkpoint (no {MANIFEST_NAME})")
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{mpath}: invalid JSON ({e})") from None
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: invalid JSON ({describe(e)})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{mpath}: found a JSON {type(manifest).__name__}, expected an object")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: format_version {manifest.get('format_version')!r} is unknown; "
                               f"expected {FORMAT_VERSION}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise CheckpointError(f"{mpath}: files: found {type(files).__name__}, expected an object of file name to "
+                              f"sha256")
     return manifest
 
 
@@ -50,15 +57,52 @@ def verify_files(path: Path, manifest: dict) -> None:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    index = path / INDEX_NAME
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_NAME]
+    """Every stored tensor, after the files' headers and index were checked; a NaN or Inf anywhere (a norm, an
+    embedding, a scale) is refused here, naming the tensor and its file."""
+    found = tensor_index(path, CheckpointError)
+    if found is None:
+        raise CheckpointError(f"{path}: no model.safetensors (or shards with model.safetensors.index.json)")
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for f in sorted({info.file for info in found.values()}):
         try:
-            tensors.update(load_file(str(path / name)))
+            loaded = load_file(str(f))
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path / name}: cannot read safetensors ({e})") from None
+            raise CheckpointError(f"{f}: cannot read safetensors ({describe(e)})") from None
+        check_finite(loaded.items(), CheckpointError, found)
+        tensors.update(loaded)
     return tensors
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint, with its quantization_config checked."""
+    cfile = path / "config.json"
+    raw = read_config_json(cfile, CheckpointError)
+    qcfg = raw.get("quantization_config")
+    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
+        found = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
+        raise CheckpointError(f"{cfile}: quantization_config.quant_method is {found!r}; expected {QUANT_METHOD!r}")
+    if qcfg.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{cfile}: quantization_config.format_version {qcfg.get('format_version')!r} is "
+                              f"unknown; expected {FORMAT_VERSION}")
+    layers = qcfg.get("layers", {})
+    if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
+        raise CheckpointError(f"{cfile}: quantization_config.layers: expected an object of module name to layer "
+                              f"config")
+    return raw
+
+
+def checkpoint_config(path: Path):
+    """The transformers config of a checkpoint (its quantization_config, which is ours, removed)."""
+    read_config(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  transformers and huggingface_hub raise many types for one bad config
+        raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({describe(e)})") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # ours, not a transformers quantizer
+    return config
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, verify: bool = True):
@@ -70,24 +114,21 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
     manifest = read_manifest(path)
     if verify:
         verify_files(path, manifest)
-    raw_config = json.loads((path / "config.json").read_text())
-    qcfg = raw_config.get("quantization_config") or {}
-    if qcfg.get("quant_method") != QUANT_METHOD:
-        raise CheckpointError(f"{path / 'config.json'}: quantization_config.quant_method is "
-                              f"{qcfg.get('quant_method')!r}; expected {QUANT_METHOD!r}")
-    if qcfg.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path / 'config.json'}: quantization_config.format_version "
-                              f"{qcfg.get('format_version')!r} is unknown; expected {FORMAT_VERSION}")
+    qcfg = read_config(path)["quantization_config"]
     layers: dict[str, dict] = qcfg.get("layers", {})
     if dtype is None:
         dtype = torch.float16 if str(device).startswith("cuda") else torch.float32
 
-    config = AutoConfig.from_pretrained(str(path))
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # ours, not a transformers quantizer
+    config = checkpoint_config(path)
     check_architecture(str(path), config)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  a config that passed its own validation can still fail to build
+        raise CheckpointError(f"{path / 'config.json'}: cannot build {config.architectures[0]} from it "
+                              f"({describe(e)})") from None
 
     tensors = read_tensors(path)
     for name, lcfg in sorted(layers.items()):
@@ -109,7 +150,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
         prefix = f"{name}."
         fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
                   if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
-        layout = layout_cls.from_tensors(name, lcfg, fields)
+        try:
+            layout = layout_cls.from_tensors(name, lcfg, fields)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path / 'config.json'}: layer {name}: its {fmt} config is incomplete or of the "
+                                  f"wrong type ({type(e).__name__}: {describe(e)})") from None
         for field in sorted(set(fields) - set(layout.tensors())):
             raise CheckpointError(f"tensor {name}.{field}: not a field of layout {fmt}")
         bias = tensors.pop(f"{name}.bias", None)
@@ -124,6 +169,10 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
             raise CheckpointError(f"tensor {name}: not a parameter of {config.architectures[0]}")
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"tensor {name}: found shape {list(t.shape)}, expected {list(expected[name].shape)}")
+        if expected[name].is_floating_point() != t.is_floating_point():
+            raise CheckpointError(f"tensor {name}: found dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                                  f"{'a floating-point' if expected[name].is_floating_point() else 'an integer'} "
+                                  f"tensor")
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()},
                           strict=False, assign=True)
     model.tie_weights()
@@ -136,4 +185,5 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
 
 
 def load_tokenizer(path: str | Path):
-    return AutoTokenizer.from_pretrained(str(path))
+    """The tokenizer a checkpoint carries; a missing or garbled one is a CheckpointError naming the file."""
+    return _load_tokenizer(path, CheckpointError)

@@ -16,11 +16,9 @@ from qtool.checkpoint.manifest import (
     hash_files,
     package_versions,
 )
+from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
 from qtool.packing.grouped_int import GroupedIntWeight
-
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -21,17 +21,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qtool.calibration.data import TextSource, read_documents
+from qtool.calibration.data import TextSource, check_token_ids, read_documents
 from qtool.console import Reporter
 from qtool.errors import InputError
 from qtool.recipe import EvalSpec
 
 # EvalSpec's zero-shot settings, which are not part of the perplexity protocol.
 TASK_FIELDS = ("tasks", "limit", "num_fewshot", "task_batch_size", "data_dir")
+# Permissions, not part of the protocol either (the protocol records seq_len itself).
+PERMISSION_FIELDS = ("allow_long_context",)
 
 
 def tokenize_eval_text(tokenizer, spec: EvalSpec) -> torch.Tensor:
-    docs = read_documents(TextSource(spec.text, spec.text_field, spec.split, spec.config))
+    docs = read_documents(TextSource(spec.text, spec.text_field, spec.split, spec.config, spec.encoding))
     if spec.separator is None:
         return tokenizer("\n\n".join(docs), return_tensors="pt").input_ids[0]
     pieces = [p.strip() for d in docs for p in d.split(spec.separator)]
@@ -104,6 +106,9 @@ class WindowForward:
 def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None) -> dict:
     t0 = time.perf_counter()
     ids = tokenize_eval_text(tokenizer, spec)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        check_token_ids(ids, vocab, spec.text, tokenizer)
     stride = spec.stride or spec.seq_len
     spans = windows(ids.numel(), spec.seq_len, stride)
     if spec.max_windows is not None:
@@ -128,7 +133,7 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
                 total_tokens += scored
     nll = total_nll / total_tokens
     protocol = dataclasses.asdict(spec)
-    for key in ("batch_size", *TASK_FIELDS):
+    for key in ("batch_size", *TASK_FIELDS, *PERMISSION_FIELDS):
         protocol.pop(key)
     protocol["stride"] = stride
     protocol["tokenizer"] = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)

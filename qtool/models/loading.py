@@ -1,7 +1,14 @@
-"""Load a Hugging Face causal LM (local directory or hub id) and its adapter."""
+"""Load a Hugging Face causal LM (local directory or hub id) and its adapter, strictly.
+
+transformers initialises a missing weight randomly and says so only in a warning (which qtool's quiet logging
+hides), so a folder missing a tensor would quantize and evaluate "fine". Here every weight must be present,
+expected, of the config's shape and finite, or loading fails with one line naming the tensor; the files are
+checked (headers, shard index, config.json, tokenizer) before any weight is read.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -9,10 +16,22 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from qtool.errors import QtoolError
+from qtool.errors import CheckpointError, InputError, QtoolError, RecipeError, UsageError
 from qtool.models.adapters import Adapter, adapter_for, supported_architectures
+from qtool.models.integrity import (
+    FLOAT_DTYPES,
+    TensorInfo,
+    check_finite,
+    context_length,
+    describe,
+    read_config_json,
+    tensor_index,
+)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Files one of which a local tokenizer needs (fast tokenizers, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
 def is_hub_id(ref: str, base: Path | None = None) -> bool:
@@ -23,11 +42,64 @@ def is_hub_id(ref: str, base: Path | None = None) -> bool:
     return not os.path.exists(ref) and not (base is not None and (base / ref).exists())
 
 
+def checkpoint_mark(folder: Path) -> str | None:
+    """Why `folder` looks like a packed qtool checkpoint (its manifest, its quantization_config, a qtool recipe
+    beside it), or None."""
+    from qtool.checkpoint.manifest import MANIFEST_NAME, QUANT_METHOD
+
+    if (folder / MANIFEST_NAME).is_file():
+        return f"it has {MANIFEST_NAME}"
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = None
+    qcfg = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if isinstance(qcfg, dict) and qcfg.get("quant_method") == QUANT_METHOD:
+        return f"its config.json has quantization_config.quant_method {QUANT_METHOD!r}"
+    recipe = folder / "recipe.yaml"
+    if recipe.is_file():
+        import yaml
+
+        try:
+            as_run = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            as_run = None
+        # A recipe as qtool writes it beside a checkpoint; any other recipe.yaml in a model folder is not a mark.
+        if isinstance(as_run, dict) and "stages" in as_run and "model" in as_run:
+            return "it holds the recipe.yaml of a qtool run"
+    return None
+
+
+def refuse_checkpoint(folder: Path, packed_tensor: str | None = None) -> None:
+    """An original model was asked for: refuse a packed checkpoint, and a folder that looks like one without its
+    manifest (its packed tensors would be ignored and the quantized linears come up randomly initialised)."""
+    from qtool.checkpoint.manifest import MANIFEST_NAME
+
+    if (folder / MANIFEST_NAME).is_file():
+        raise InputError(f"model '{folder}': a packed qtool checkpoint; expected an original (float) model folder "
+                         f"or hub id")
+    mark = checkpoint_mark(folder) or (f"it stores packed tensor {packed_tensor}" if packed_tensor else None)
+    if mark:
+        raise CheckpointError(f"{folder}: looks like a qtool checkpoint ({mark}) but has no {MANIFEST_NAME}; "
+                              f"expected a complete checkpoint (write it again with qtool quantize or qtool pack)")
+
+
 def load_config(ref: str) -> PretrainedConfig:
+    """The config of an original model. A local folder's config.json is checked first (JSON, sizes are positive
+    integers), and a folder holding a qtool checkpoint is refused."""
+    folder = Path(ref)
+    local = folder.is_dir()
+    if local:
+        refuse_checkpoint(folder)
+        read_config_json(folder / "config.json", InputError)
     try:
         return AutoConfig.from_pretrained(ref)
-    except (OSError, ValueError) as e:
-        raise QtoolError(f"model '{ref}': cannot read its config ({_first_line(e)}); expected a model directory "
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  transformers and huggingface_hub raise many types for one bad config
+        if local:
+            raise InputError(f"{folder / 'config.json'}: not a usable model config ({describe(e)})") from None
+        raise InputError(f"model '{ref}': cannot read its config ({describe(e)}); expected a model directory "
                          f"with config.json or a reachable hub id") from None
 
 
@@ -47,23 +119,137 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     return dt
 
 
+def check_context(seq_len: int, allow: bool, config: PretrainedConfig, ref: str, where: str, allow_hint: str) -> None:
+    """Refuse windows longer than the model's context (positions it was never trained on give meaningless numbers,
+    and a huge seq_len runs for minutes before anything fails), unless the user explicitly allowed it. `where` is
+    the recipe key or the flag the value came from; a flag makes it a usage error."""
+    found = context_length(config)
+    if found is None or allow or seq_len <= found[1]:
+        return
+    key, n = found
+    error = UsageError if where.startswith("--") else RecipeError
+    raise error(f"{where}: found {seq_len} tokens, beyond the context of '{ref}' ({key} {n} in its config.json); "
+                f"expected at most {n}, or {allow_hint} to run past it")
+
+
+def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
+    """The tokenizer beside a model or checkpoint; a missing or garbled one is one line naming the folder or file."""
+    folder = Path(ref)
+    if folder.is_dir():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            f = folder / name
+            if f.is_file():
+                try:
+                    json.loads(f.read_text(encoding="utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise error(f"{f}: invalid JSON ({describe(e)}); expected a tokenizer file") from None
+        if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+            raise error(f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); expected the tokenizer "
+                        f"files beside config.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(ref))
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  tokenizers' Rust errors are plain Exceptions
+        raise error(f"{ref}: the tokenizer cannot be loaded ({describe(e)})") from None
+
+
+def meta_model(config: PretrainedConfig, where: str, error: type[QtoolError]):
+    """The model class built from `config` without memory for its weights (for names and shapes)."""
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  a config that passed its own validation can still fail to build
+        raise error(f"{where}: cannot build {', '.join(config.architectures or [config.model_type])} from it "
+                    f"({describe(e)})") from None
+
+
+def check_weight_files(ref: str, config: PretrainedConfig, meta=None) -> dict[str, TensorInfo] | None:
+    """Before any weight is read: the safetensors files are whole and consistent with their index, and every tensor
+    the model class knows has the shape config.json implies and a floating-point dtype. Returns tensor → file (None
+    for hub ids and folders without safetensors, which transformers checks while loading)."""
+    folder = Path(ref)
+    if not folder.is_dir():
+        return None
+    found = tensor_index(folder, InputError)
+    if found is None:
+        if not any(folder.glob("pytorch_model*.bin")):
+            raise InputError(f"{folder}: no weights; expected model.safetensors (or shards with "
+                             f"model.safetensors.index.json)")
+        return None
+    packed = sorted(n for n in found if n.endswith(".qweight"))
+    if packed:
+        refuse_checkpoint(folder, packed[0])
+    if meta is None:
+        meta = meta_model(config, str(folder / "config.json"), InputError)
+    expected = meta.state_dict()
+    prefix = getattr(config, "base_model_prefix", None) or "model"
+    # Checkpoints saved from the base model (facebook/opt-*) drop the prefix that the CausalLM's names carry;
+    # transformers adds it back, so do the same before comparing.
+    add_prefix = bool(found) and not any(n.startswith(f"{prefix}.") for n in found) and any(
+        k.startswith(f"{prefix}.") for k in expected)
+    for name, info in sorted(found.items()):
+        want = expected.get(f"{prefix}.{name}" if add_prefix else name)
+        if want is None:
+            continue  # unexpected names are judged after loading, by transformers' own ignore lists
+        if info.shape != tuple(want.shape):
+            raise InputError(f"tensor {name} ({info.file}): found shape {list(info.shape)}, expected "
+                             f"{list(want.shape)} from {folder / 'config.json'}")
+        if want.is_floating_point() and info.dtype not in FLOAT_DTYPES:
+            raise InputError(f"tensor {name} ({info.file}): found dtype {info.dtype}, expected a floating-point "
+                             f"tensor")
+    return found
+
+
+def check_loading_info(ref: str, info: dict, files: dict[str, TensorInfo] | None, config: PretrainedConfig) -> None:
+    arch = ", ".join(config.architectures or [config.model_type])
+    for name in sorted(info.get("missing_keys") or ()):
+        raise InputError(f"tensor {name}: missing from the weights of '{ref}'; expected every parameter of {arch} "
+                         f"(it would be initialised randomly)")
+    for name in sorted(info.get("unexpected_keys") or ()):
+        where = f" ({files[name].file})" if files and name in files else ""
+        raise InputError(f"tensor {name}{where}: not a parameter of {arch} as {ref}/config.json describes it; "
+                         f"expected weights of this model")
+    for item in sorted(info.get("mismatched_keys") or (), key=str):
+        name = item[0] if isinstance(item, (tuple, list)) else item
+        raise InputError(f"tensor {name}: its shape does not match {ref}/config.json")
+    for msg in info.get("error_msgs") or ():
+        raise InputError(f"model '{ref}': {describe(Exception(msg))}")
+
+
+def unique_tensors(model: torch.nn.Module):
+    """(name, tensor) of the state dict with tied weights once, under their first name."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
 def load_model(ref: str, dtype: torch.dtype = torch.float32):
     """Return (model on CPU in `dtype`, tokenizer, adapter, original parameter dtype)."""
     config = load_config(ref)
     adapter = check_architecture(ref, config)
     original = config_dtype(config)
+    tokenizer = load_tokenizer(ref, InputError)
+    files = check_weight_files(ref, config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, low_cpu_mem_usage=True)
-        tokenizer = AutoTokenizer.from_pretrained(ref)
-    except (OSError, ValueError) as e:
-        raise QtoolError(f"model '{ref}': cannot be loaded ({_first_line(e)})") from None
+        model, info = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, low_cpu_mem_usage=True,
+                                                           output_loading_info=True)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001  the files were checked above; what is left is transformers' to describe
+        raise InputError(f"model '{ref}': cannot be loaded ({describe(e)})") from None
+    check_loading_info(ref, info, files, config)
+    check_finite(unique_tensors(model), InputError, files)
     model.eval()
     return model, tokenizer, adapter, original
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def resolve_path(ref: str, base: Path) -> str:
