@@ -553,3 +553,20 @@ def test_latin1_eval_text_reads_with_encoding_flag(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["windows"] == 2 and out["protocol"]["encoding"] == "latin-1"
+
+
+# ---- what strict loading must still accept -------------------------------------------------------------------
+
+def _perplexity(model: Path) -> float:
+    res = run_cli([*eval_args(model), "--windows", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)["perplexity"]
+
+
+def test_sharded_model_and_legacy_rotary_buffers_load_as_the_original(tmp_path):
+    """Shards with their index, and the per-layer `rotary_emb.inv_freq` buffers that older Llama checkpoints
+    stored (transformers ignores them), are a valid model: same perplexity as the single file."""
+    model = copy_model(tmp_path)
+    edit_tensors(model, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}))
+    shard(model)
+    assert _perplexity(model) == pytest.approx(_perplexity(STORIES), rel=1e-6)
