@@ -174,7 +174,8 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 @click.argument("model")
 @click.argument("model_b", required=False)
 @click.option("--text", required=False, help="Text to score: .txt/.jsonl file, datasets folder or datasets name.")
-@click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per window.")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per window (default: 2048, or the model's context length when shorter).")
 @click.option("--windows", "max_windows", type=int, help="Score only the first N windows.")
 @click.option("--stride", type=int, help="Tokens between window starts (default: seq-len, no overlap).")
 @click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")

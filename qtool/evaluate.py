@@ -76,7 +76,31 @@ def evaluate_loaded(model, tokenizer, dev: torch.device, *, spec: EvalSpec | Non
     return out
 
 
-def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max_windows: int | None,
+DEFAULT_SEQ_LEN = 2048
+
+
+def default_seq_len(refs: list[str]) -> int:
+    """Windows of 2048 tokens, or of the shortest context among the models when that is shorter (a model whose
+    config cannot be read is left to the checks that name what is wrong with it)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from qtool.checkpoint.loader import checkpoint_config, is_checkpoint  # noqa: PLC0415
+    from qtool.errors import QtoolError  # noqa: PLC0415
+    from qtool.models.loading import load_config  # noqa: PLC0415
+
+    out = DEFAULT_SEQ_LEN
+    for ref in refs:
+        try:
+            config = checkpoint_config(Path(ref)) if is_checkpoint(ref) else load_config(ref)
+        except (QtoolError, OSError, ValueError):
+            continue
+        ctx = getattr(config, "max_position_embeddings", None)
+        if isinstance(ctx, int) and 0 < ctx < out:
+            out = ctx
+    return out
+
+
+def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | None, max_windows: int | None,
              stride: int | None, separator: str | None, text_field: str, split: str, batch_size: int | str | None,
              device: str, reporter: Reporter, tasks: str | None = None, limit: int | None = None,
              num_fewshot: int = 0, seed: int = 1234, data_dir: str | None = None,
@@ -97,6 +121,8 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int, max
     dev = resolve_device(device)
     spec = None
     if text:
+        if seq_len is None:
+            seq_len = default_seq_len(refs)
         ppl_batch = bs if isinstance(bs, int) else PERPLEXITY_BATCH
         for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
             if value is not None and value < 1:
