@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from bad_input import assert_one_line_error, run_cli
-from conftest import STORIES, TINY_SAMPLE, write_recipe
+from conftest import ROOT, SMOLLM2_CACHE, STORIES, TINY_SAMPLE, write_recipe
 
 RECIPE = f"""
 model: {STORIES}
@@ -105,7 +105,7 @@ def _mixed(text: str) -> str:
     (_mixed("    target_bits: 3.0\n"), ["stages[0].target_bits: found 3.0 with assign block4"]),
     (_mixed("    assign: global\n    fraction_4bit: 0.1\n"),
      ["stages[0].fraction_4bit: found 0.1", "only 4 stripes of 16", "too few"]),
-    (_mixed("    solver: gptq\n"), ["stages[0].solver: found 'gptq'", "not implemented", "expected 'rtn'"]),
+    (_mixed("    solver: awq\n"), ["stages[0].solver: found 'awq'", "one of 'rtn', 'gptq'"]),
     (_mixed("    outlier_fraction: 0.01\n").replace("    outlier_fraction: 0.005\n", ""),
      ["stages[0].outlier_fraction: found 0.01", "0.005"]),
     (_mixed("    bits: 3\n"), ["stages[0].bits: unknown option"]),
@@ -113,3 +113,19 @@ def _mixed(text: str) -> str:
 def test_bad_recipes(tmp_path, no_work, text, words):
     r = write_recipe(tmp_path / "r.yaml", text)
     assert_one_line_error(run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out")
+
+
+@pytest.mark.parametrize("name,assign", [("mixed-2-4-16", "block4"), ("mixed-2-4-16-budget", "global")])
+def test_shipped_recipes_validate_against_smollm2_config(name, assign):
+    """The shipped recipes parse and pass every stage's check of SmolLM2-135M's config (no weight is read)."""
+    from qtool.models.loading import load_config
+    from qtool.pipeline import check_stages
+    from qtool.recipe import load_recipe
+
+    if not (SMOLLM2_CACHE / "config.json").is_file():
+        pytest.skip("SmolLM2-135M is not converted in .cache/")
+
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", {"model": str(SMOLLM2_CACHE)})
+    stage = recipe.stages[0].stage
+    assert stage.name == "mixed" and stage.options.assign == assign
+    check_stages(recipe, load_config(str(SMOLLM2_CACHE)))

@@ -16,6 +16,7 @@ from qtool.quant.mixed import (
     assign_stripes,
     inverse_hessian_diag,
     mixed_quantize,
+    mixed_quantize_gptq,
     outlier_count,
     second_order,
     sensitivity,
@@ -182,3 +183,55 @@ def test_stored_bits_against_eq10():
     # k = 1024: the per-row streams of scale codes and zeros need no padding (48·4 and 48·2 bits).
     assert layout.stored_bits() == pytest.approx(eq10 + extra, abs=1e-6)
     assert layout.bits_report()["stored"] == pytest.approx(layout.stored_bits() / (n * k))
+
+
+def _correlated(k: int, tokens: int = 1024) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    mix = torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k ** 0.5
+    x = torch.randn(tokens, k, generator=g) @ mix
+    return 2.0 * x.T @ x / tokens
+
+
+@pytest.mark.parametrize("nout", [0, 40])
+def test_gptq_solver_lowers_the_output_error_and_keeps_the_layout_rules(nout):
+    n, k, g1 = 64, 128, 16
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(12)) * 0.02
+    h = _correlated(k)
+    is4 = assign_stripes(sensitivity(w, inverse_hessian_diag(h, 0.01), g1), "block4", 0)
+    rtn = _pack(mixed_quantize(w, is4, g1, 16, nout), g1, 16, "block4")
+    gptq = _pack(mixed_quantize_gptq(w, h, is4, g1, 16, nout), g1, 16, "block4")
+
+    def out_err(layout):
+        d = (layout.dequantize() - w).double()
+        return float(torch.trace(d @ h.double() @ d.T))
+
+    assert out_err(gptq) < 0.95 * out_err(rtn)
+    assert gptq.num_outliers == nout and torch.equal(gptq.is4, is4)
+    _, cols, _ = gptq.outliers()
+    assert not is4[cols // g1].any()
+    by = gptq.codes().reshape(n, -1, g1)
+    assert by[:, ~is4].max() <= 3
+    # Same tensors, same shapes as round to nearest: only the values differ.
+    for field, t in gptq.tensors().items():
+        assert t.shape == rtn.tensors()[field].shape and t.dtype == rtn.tensors()[field].dtype, field
+
+
+def test_stage_quantize_with_both_solvers():
+    from qtool.calibration.stats import LinearStats
+    from qtool.options import parse_options
+    from qtool.stages.base import Targets
+    from qtool.stages.mixed import MixedOptions, MixedStage
+
+    n, k = 32, 128
+    g = torch.Generator().manual_seed(13)
+    stats = LinearStats(k, hessian=True)
+    stats.update(torch.randn(256, k, generator=g))
+    w = torch.randn(n, k, generator=g) * 0.02
+    for solver in ("rtn", "gptq"):
+        opts = parse_options(MixedOptions, {"solver": solver, "assign": "global", "fraction_4bit": 0.5,
+                                            "outlier_fraction": 0.005}, "stages[0]")
+        stage = MixedStage(opts, Targets(), 0)
+        assert stage.sequential() == (solver == "gptq") and stage.needs_hessian()
+        res = stage.quantize("layer", w, stats)
+        assert res.packed.stripes_4bit == 4 and res.packed.num_outliers == math.floor(0.005 * n * k)
+        assert torch.equal(res.dequantized, res.packed.dequantize())

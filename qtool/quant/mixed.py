@@ -175,3 +175,98 @@ def mixed_quantize(weight: torch.Tensor, is4: torch.Tensor, group_size: int, sca
     codes[:, is4] = q4
     codes[:, ~is4] = q2
     return MixedCodes(codes.reshape(n, k), is4, c, z2, s2, u, scales4, zeros4, rows, cols, values)
+
+
+class _MixedGrid:
+    """The column grid of GPTQ (quant/gptq.py's ColumnGrid) for mixed stripes: GPTQ asks for each group's
+    parameters when it reaches the group (stripes in order, all rows at once, so the second-order step sees its
+    `g2` rows) and then rounds the group's columns one by one. A stripe's width decides the grid (2 or 4 bits);
+    outlier positions are left out of their group's range and keep their error-updated value exactly (up to the
+    float16 rounding of the residual), so GPTQ feeds back no error for them."""
+
+    def __init__(self, is4: torch.Tensor, group_size: int, scale_group_size: int, outliers: torch.Tensor | None):
+        self.is4 = is4.tolist()
+        self.g1, self.g2 = group_size, scale_group_size
+        self.outliers = outliers  # bool [N, K] or None
+        self.stripe = -1
+        self.col = -1
+        self.maxq = MAX2
+        self.params4: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scale, zero) [N] per 4-bit stripe
+        self.params2: list[tuple[torch.Tensor, ...]] = []  # (c, z, s2, u) per 2-bit stripe
+        self.residuals: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, col, value)
+
+    def group_params(self, w: torch.Tensor, h_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stripe += 1
+        j, g1 = self.stripe, self.g1
+        if self.is4[j]:
+            lo, hi = _range(w, None)
+            scale = _fp16((hi - lo) / MAX4)
+            zero = torch.clamp(torch.round(-lo / scale), 0, MAX4)
+            self.maxq = MAX4
+            self.params4.append((scale, zero))
+            return scale, zero
+        keep = None if self.outliers is None else ~self.outliers[:, j * g1:(j + 1) * g1].to(w.device)
+        lo, hi = _range(w, keep)
+        c, s2, u, shat = second_order(((hi - lo) / MAX2)[:, None], self.g2)
+        shat = shat[:, 0]
+        zero = torch.clamp(torch.round(-lo / shat), 0, MAX2)
+        self.maxq = MAX2
+        self.params2.append((c[:, 0], zero, s2[:, 0], u[:, 0]))
+        return shat, zero
+
+    def quantize_column(self, w: torch.Tensor, scale: torch.Tensor,
+                        zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.col += 1
+        q = torch.clamp(torch.round(w / scale) + zero, 0, self.maxq)
+        wq = (q - zero) * scale
+        if self.outliers is not None and self.maxq == MAX2:
+            rows = torch.nonzero(self.outliers[:, self.col]).reshape(-1).to(w.device)
+            if rows.numel():
+                value = (w[rows] - wq[rows]).to(torch.float16).to(w.dtype)
+                wq = wq.clone()
+                wq[rows] += value
+                self.residuals.append((rows.cpu(), torch.full_like(rows.cpu(), self.col), value.cpu()))
+        return q, wq
+
+
+def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.Tensor, group_size: int,
+                        scale_group_size: int, outliers: int, *, damp: float = 0.01,
+                        block_size: int = 128) -> MixedCodes:
+    """GPTQ over the mixed grid (a deviation from the paper, which rounds to nearest): columns in their original
+    order, each group's parameters chosen when GPTQ reaches it from the error-updated weights, every rounding
+    error fed back through the inverse Hessian. The outlier positions are those of the round-to-nearest first
+    pass (largest error in the 2-bit stripes)."""
+    from qtool.quant.gptq import gptq_run  # noqa: PLC0415
+    from qtool.quant.grid import GridSpec  # noqa: PLC0415
+
+    w = weight.detach().to(torch.float32).cpu()
+    n, k = w.shape
+    g1 = group_size
+    is4 = is4.cpu().bool()
+    mask = None
+    if outliers > 0:
+        w2 = w.reshape(n, k // g1, g1)[:, ~is4]
+        *_, deq2 = quantize_2bit(w2, scale_group_size)
+        flat = torch.topk((w2 - deq2).abs().reshape(-1), outliers).indices
+        s2n = w2.shape[1]
+        rows = flat // (s2n * g1)
+        cols = torch.nonzero(~is4).reshape(-1)[(flat // g1) % s2n] * g1 + flat % g1
+        mask = torch.zeros(n, k, dtype=torch.bool)
+        mask[rows, cols] = True
+    grid = _MixedGrid(is4, g1, scale_group_size, mask)
+    out = gptq_run(w, hessian.to(torch.float32).cpu(), GridSpec(bits=2, symmetric=False, group_size=g1),
+                   damp=damp, block_size=block_size, grid=grid)
+    stack = lambda items, i: (torch.stack([t[i] for t in items], dim=1) if items  # noqa: E731
+                              else torch.zeros(n, 0))
+    c, z2 = stack(grid.params2, 0), stack(grid.params2, 1)
+    s2 = stack([(p[2],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
+    u = stack([(p[3],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
+    if grid.residuals:
+        rows = torch.cat([r for r, _, _ in grid.residuals])
+        cols = torch.cat([c_ for _, c_, _ in grid.residuals])
+        values = torch.cat([v for _, _, v in grid.residuals]).to(torch.float32)
+    else:
+        rows = cols = torch.zeros(0, dtype=torch.int64)
+        values = torch.zeros(0)
+    return MixedCodes(out.codes.cpu(), is4, c.to(torch.int64), z2.to(torch.int64), s2, u.to(torch.int64),
+                      stack(grid.params4, 0), stack(grid.params4, 1).to(torch.int64), rows, cols, values)

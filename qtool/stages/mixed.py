@@ -8,7 +8,8 @@ bits (`assign: block4`, one in every four as the paper's packing assumes, or `gl
 matrix, or with `target_bits` the most 4-bit stripes whose stored bits stay within the budget). Groups are
 asymmetric min/max round to nearest (`solver: rtn`, the paper's); the 2-bit groups' scales are quantized to 4
 bits over `scale_group_size` output rows; up to `outlier_fraction` of the weights, those of the 2-bit stripes with
-the largest rounding error, are kept as float16 residuals in CSR form.
+the largest rounding error, are kept as float16 residuals in CSR form. `solver: gptq` (a deviation from the paper)
+runs GPTQ's error feedback over the same grids, each group at its stripe's width.
 
 Within the block-wise pipeline the next linears and blocks are calibrated on this layer's dequantized weights.
 The paper's QAT-like fine-tuning after the assignment is not part of this stage.
@@ -31,6 +32,7 @@ from qtool.quant.mixed import (
     assign_stripes,
     inverse_hessian_diag,
     mixed_quantize,
+    mixed_quantize_gptq,
     outlier_count,
     sensitivity,
     stripes_for_fraction,
@@ -69,13 +71,13 @@ class MixedOptions:
                                                                 "global: the most sensitive of the matrix")
     outlier_fraction: float = option(0.002, min=0.0, max=0.005, help="weights kept as float16 outliers (2-bit "
                                                                      "stripes only), as a fraction of all weights")
-    solver: Literal["rtn", "gptq"] = option("rtn", help="rtn: asymmetric min/max round to nearest (the paper's)")
+    solver: Literal["rtn", "gptq"] = option("rtn", help="rtn: asymmetric min/max round to nearest (the paper's); "
+                                                        "gptq: the same grids with GPTQ error feedback")
     damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H) before inverting, as a "
                                                       "fraction of its mean")
+    block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
 
     def validate(self) -> tuple[str, str] | None:
-        if self.solver == "gptq":
-            return ("solver", "found 'gptq', which is not implemented for the mixed stage yet; expected 'rtn'")
         if self.group_size % 8:
             return ("group_size", f"found {self.group_size}; expected a multiple of 8 (a 4-bit stripe is split in "
                                   f"two halves of whole 16-bit units)")
@@ -108,7 +110,9 @@ class MixedStage(QuantizerStage):
         return True
 
     def sequential(self) -> bool:
-        return False
+        # GPTQ, as the gptq stage does: q/k/v, then o, then gate/up, then down, each on the outputs of the
+        # already quantized linears. Round to nearest needs only the block's inputs.
+        return self.options.solver == "gptq"
 
     def layer_problem(self, n: int, k: int) -> tuple[str, str] | None:
         """(key, message) for a linear of `n` x `k` this stage cannot quantize, else None."""
@@ -167,7 +171,8 @@ class MixedStage(QuantizerStage):
         if problem is not None:
             key, msg = problem
             raise RecipeError(f"stages[{self.index}].{key}: " + msg.format(f"linear {name}"))
-        hinv = inverse_hessian_diag(stats.hessian().cpu(), o.damp)
+        hessian = stats.hessian().cpu()
+        hinv = inverse_hessian_diag(hessian, o.damp)
         sens = sensitivity(weight.cpu(), hinv, o.group_size)
         if o.target_bits is not None:
             count = _stripes_for_target(n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits)
@@ -175,7 +180,11 @@ class MixedStage(QuantizerStage):
             count = stripes_for_fraction(k, o.group_size, o.fraction_4bit)
         is4 = assign_stripes(sens, o.assign, count)
         nout = outlier_count(n, k, o.group_size, int(is4.sum()), o.outlier_fraction)
-        mc = mixed_quantize(weight, is4, o.group_size, o.scale_group_size, nout)
+        if o.solver == "gptq":
+            mc = mixed_quantize_gptq(weight, hessian, is4, o.group_size, o.scale_group_size, nout, damp=o.damp,
+                                     block_size=o.block_size)
+        else:
+            mc = mixed_quantize(weight, is4, o.group_size, o.scale_group_size, nout)
         packed = MixedWeight.from_codes(mc.codes, mc.is4, o.group_size, o.scale_group_size, o.assign,
                                         mc.scale_codes, mc.zeros2, mc.scales_2nd, mc.zeros_2nd, mc.scales4,
                                         mc.zeros4, mc.outlier_rows, mc.outlier_cols, mc.outlier_values)
