@@ -74,6 +74,10 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     # Eq. 10 with g2 = 4: 0.75·(2 + 6/16 + 20/64) + 0.25·4, plus 30 bits per outlier.
     assert bpw["reported_layers"]["eq10"] == pytest.approx(0.75 * (2 + 6 / 16 + 20 / 64) + 1 + 30 * 0.005, abs=2e-3)
 
+    pack = run_cli(["pack", out, "--json"])
+    assert pack.exit_code == 0, pack.output
+    assert json.loads(pack.stdout)["layouts"] == {"mixed-2-4-16 w2/4 g16 block4": 30}
+
     ev = run_cli(["eval", out, "--text", TINY_SAMPLE, "--seq-len", 64, "--windows", 4, "--json"])
     assert ev.exit_code == 0, ev.output
     ppl = json.loads(ev.stdout)["perplexity"]
