@@ -104,6 +104,19 @@ def test_target_bits_picks_the_fraction_and_hits_it_within_a_stripe(n, k, target
     assert target - (stored(s4 + 1) - stored(s4)) < got <= target
 
 
+@pytest.mark.parametrize("n,k,target,frac", [(576, 576, 2.6, 0.0), (576, 1536, 2.6, 0.0), (64, 1024, 2.91, 0.002)])
+def test_target_counted_as_eq10(n, k, target, frac):
+    """`target_counts: eq10`: the budget in the paper's accounting (Table 4: 2.60 bits is about 10% 4-bit)."""
+    g1 = g2 = 16
+    s4 = stripes_for_target(n, k, g1, g2, frac, target, "eq10")
+
+    def eq10(c: int) -> float:
+        return eq10_bits(k, g1, g2, c, outlier_count(n, k, g1, c, frac), n)
+
+    assert eq10(s4) <= target < eq10(s4 + 1)
+    assert 0.05 < s4 / (k // g1) < 0.3
+
+
 def test_target_below_the_two_bit_floor_is_none():
     assert stripes_for_target(64, 576, 16, 16, 0.002, 2.5) is None
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from qtool.packing.mixed import bits_for
+from qtool.packing.mixed import bits_for, eq10_bits
 
 MAX2 = 3  # 2-bit codes
 MAX4 = 15  # 4-bit codes, and the 4-bit scale codes and second-order zeros
@@ -59,14 +59,18 @@ def outlier_count(out_features: int, in_features: int, group_size: int, stripes_
 
 
 def stripes_for_target(out_features: int, in_features: int, group_size: int, scale_group_size: int,
-                       outlier_fraction: float, target_bits: float) -> int | None:
-    """The most 4-bit stripes whose stored bits per weight stay at or below `target_bits`; None when even no
-    4-bit stripe exceeds it."""
-    n, k, g1 = out_features, in_features, group_size
+                       outlier_fraction: float, target_bits: float, counts: str = "stored") -> int | None:
+    """The most 4-bit stripes whose bits per weight stay at or below `target_bits`, counted as stored (`counts`
+    "stored") or as the paper's Eq. 10 with 30 bits per outlier ("eq10"); None when even no 4-bit stripe exceeds
+    it."""
+    n, k, g1, g2 = out_features, in_features, group_size, scale_group_size
     budget = target_bits * n * k
 
-    def bits(s4: int) -> int:
-        return bits_for(n, k, g1, scale_group_size, s4, outlier_count(n, k, g1, s4, outlier_fraction))
+    def bits(s4: int) -> float:
+        nout = outlier_count(n, k, g1, s4, outlier_fraction)
+        if counts == "eq10":
+            return eq10_bits(k, g1, g2, s4, nout, n) * n * k
+        return bits_for(n, k, g1, g2, s4, nout)
 
     best = None
     for s4 in range(k // g1 + 1):

@@ -27,7 +27,7 @@ from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
 from qtool.models.adapters import adapter_for
 from qtool.options import option
-from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for
+from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
 from qtool.quant.mixed import (
     assign_stripes,
     inverse_hessian_diag,
@@ -52,9 +52,16 @@ def bits_floor(group_size: int, scale_group_size: int, outlier_fraction: float) 
     return 2 + (SCALE_BITS + 2) / g1 + (16 + 8) / (g1 * g2) + 32 * outlier_fraction
 
 
+def eq10_floor(group_size: int, scale_group_size: int, outlier_fraction: float) -> float:
+    """Eq. 10 of an all-2-bit layer, with the paper's 30 bits per outlier."""
+    g1, g2 = group_size, scale_group_size
+    return 2 + (SCALE_BITS + 2) / g1 + (SCALE_BITS + 16) / (g1 * g2) + 30 * outlier_fraction
+
+
 @lru_cache(maxsize=256)
-def _stripes_for_target(n: int, k: int, g1: int, g2: int, outlier_fraction: float, target: float) -> int | None:
-    return stripes_for_target(n, k, g1, g2, outlier_fraction, target)
+def _stripes_for_target(n: int, k: int, g1: int, g2: int, outlier_fraction: float, target: float,
+                        counts: str) -> int | None:
+    return stripes_for_target(n, k, g1, g2, outlier_fraction, target, counts)
 
 
 @dataclass
@@ -67,6 +74,9 @@ class MixedOptions:
     target_bits: float | None = option(None, min=2.0, max=4.0, help="assign global: stored bits per weight per "
                                                                     "layer, picks the 4-bit stripes instead of "
                                                                     "fraction_4bit")
+    target_counts: Literal["stored", "eq10"] = option("stored", help="what target_bits counts: the stored "
+                                                                      "tensors, or the paper's Eq. 10 (with 30 "
+                                                                      "bits per outlier)")
     assign: Literal["block4", "global"] = option("block4", help="block4: the most sensitive stripe of every four; "
                                                                 "global: the most sensitive of the matrix")
     outlier_fraction: float = option(0.002, min=0.0, max=0.005, help="weights kept as float16 outliers (2-bit "
@@ -88,10 +98,13 @@ class MixedOptions:
             return ("fraction_4bit", f"found {self.fraction_4bit} with assign block4; expected {BLOCK4_FRACTION} "
                                      f"(one 4-bit stripe in every four), or assign global")
         if self.target_bits is not None:
-            floor = bits_floor(self.group_size, self.scale_group_size, self.outlier_fraction)
+            stored = self.target_counts == "stored"
+            floor = (bits_floor if stored else eq10_floor)(self.group_size, self.scale_group_size,
+                                                             self.outlier_fraction)
             if self.target_bits < floor:
                 return ("target_bits", f"found {self.target_bits}, which cannot be met: with every stripe at 2 bits "
-                                       f"this scheme stores at least {floor:.4f} bits per weight (group_size "
+                                       f"this scheme {'stores' if stored else 'counts (Eq. 10)'} at least "
+                                       f"{floor:.4f} bits per weight (group_size "
                                        f"{self.group_size}, scale_group_size {self.scale_group_size}, "
                                        f"outlier_fraction {self.outlier_fraction}); expected at least that")
         return None
@@ -131,10 +144,14 @@ class MixedStage(QuantizerStage):
             return "outlier_fraction", (f"found {o.outlier_fraction}, but {{}} has in_features {k} > {MAX_COLUMNS} "
                                         f"(16-bit outlier columns); expected 0")
         if o.target_bits is not None:
-            if _stripes_for_target(n, k, g1, g2, o.outlier_fraction, o.target_bits) is None:
-                least = bits_for(n, k, g1, g2, 0, outlier_count(n, k, g1, 0, o.outlier_fraction)) / (n * k)
-                return "target_bits", (f"found {o.target_bits}, which cannot be met: {{}} stores {least:.4f} bits "
-                                       f"per weight with every stripe at 2 bits; expected at least that")
+            if _stripes_for_target(n, k, g1, g2, o.outlier_fraction, o.target_bits, o.target_counts) is None:
+                nout = outlier_count(n, k, g1, 0, o.outlier_fraction)
+                if o.target_counts == "eq10":
+                    least, verb = eq10_bits(k, g1, g2, 0, nout, n), "counts (Eq. 10)"
+                else:
+                    least, verb = bits_for(n, k, g1, g2, 0, nout) / (n * k), "stores"
+                return "target_bits", (f"found {o.target_bits}, which cannot be met: {{}} {verb} {least:.4f} "
+                                       f"bits per weight with every stripe at 2 bits; expected at least that")
         elif o.assign == "global" and o.fraction_4bit > 0 and stripes_for_fraction(k, g1, o.fraction_4bit) == 0:
             return "fraction_4bit", (f"found {o.fraction_4bit}, but {{}} has only {s} stripes of {g1} input "
                                      f"channels, too few for any 4-bit stripe; expected at least {0.5 / s:.4g}, "
@@ -175,7 +192,8 @@ class MixedStage(QuantizerStage):
         hinv = inverse_hessian_diag(hessian, o.damp)
         sens = sensitivity(weight.cpu(), hinv, o.group_size)
         if o.target_bits is not None:
-            count = _stripes_for_target(n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits)
+            count = _stripes_for_target(n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits,
+                                        o.target_counts)
         else:
             count = stripes_for_fraction(k, o.group_size, o.fraction_4bit)
         is4 = assign_stripes(sens, o.assign, count)
