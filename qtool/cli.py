@@ -123,6 +123,9 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
                                 f"{summary['bits_per_weight']['all_parameters']:.3f} (all)"),
             ("wall time", f"{summary['timings']['total_s']:.1f} s"),
             ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
+    reported = summary["bits_per_weight"].get("reported_layers")
+    if reported:  # layouts whose paper counts bits its own way (mixed-2-4-16: Eq. 10)
+        rows.insert(3, ("bits per weight (paper)", ", ".join(f"{v:.3f} ({k})" for k, v in reported.items())))
     ev = summary.get("eval")
     if ev and "protocol" in ev:
         rows.append(("perplexity (original)", f"{ev['original']['perplexity']:.4f}"))
@@ -298,7 +301,10 @@ def pack(checkpoint: Path, output, max_shard_size, overwrite, reporter: Reporter
     from qtool.repack import run_pack
 
     summary = run_pack(checkpoint, output, max_shard_size, overwrite, reporter)
-    emit(reporter, summary, [(k, str(v)) for k, v in summary.items() if k != "layouts"], "qtool pack")
+    def shown(k, v):  # per-layer bits (mixed-2-4-16) stay in the JSON only
+        return {b: x for b, x in v.items() if b != "layers"} if k == "bits_per_weight" and isinstance(v, dict) else v
+
+    emit(reporter, summary, [(k, str(shown(k, v))) for k, v in summary.items() if k != "layouts"], "qtool pack")
 
 
 def _bench_stub():

@@ -43,7 +43,10 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
     layers = config["quantization_config"]["layers"]
     layouts: dict[str, int] = {}
     for cfg in layers.values():
-        key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        if "bits" in cfg:
+            key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        else:  # mixed-2-4-16: the width varies per stripe
+            key = f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
         if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key
             key += " sym" if cfg["symmetric"] else " asym"
         if "act_bits" in cfg:

@@ -111,5 +111,15 @@ def bits_per_weight(packed: dict[str, GroupedIntWeight], tensors: dict[str, torc
     other = [t for name, t in tensors.items() if name not in packed_fields and t.is_floating_point()]
     all_bits = qbits + sum(t.numel() * t.element_size() * 8 for t in other)
     all_weights = qweights + sum(t.numel() for t in other)
-    return {"quantized_linears": round(qbits / max(qweights, 1), 4),
-            "all_parameters": round(all_bits / max(all_weights, 1), 4)}
+    out = {"quantized_linears": round(qbits / max(qweights, 1), 4),
+           "all_parameters": round(all_bits / max(all_weights, 1), 4)}
+    # Layouts whose paper counts bits differently from what is stored report both, per layer and for the model
+    # (weighted by the layer's weights): `stored` is what the tensor files hold.
+    reports = {name: p.bits_report() for name, p in sorted(packed.items()) if hasattr(p, "bits_report")}
+    if reports:
+        sizes = {name: packed[name].in_features * packed[name].out_features for name in reports}
+        total = sum(sizes.values())
+        out["layers"] = {n: {k: round(v, 4) for k, v in r.items()} for n, r in reports.items()}
+        out["reported_layers"] = {key: round(sum(r[key] * sizes[n] for n, r in reports.items()) / total, 4)
+                                  for key in next(iter(reports.values()))}
+    return out

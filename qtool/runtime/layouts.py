@@ -7,10 +7,13 @@ from torch import nn
 
 from qtool.packing.grouped_int import FORMAT as GROUPED_INT
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.mixed import FORMAT as MIXED
+from qtool.packing.mixed import MixedWeight
 from qtool.packing.qoq import FORMAT as QOQ
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import FORMAT as QUIK
 from qtool.packing.quik import QuikWeight
+from qtool.runtime.mixed_linear import MixedLinear
 from qtool.runtime.qlinear import GroupedIntLinear
 from qtool.runtime.qoq_linear import QoQLinear
 from qtool.runtime.quik_linear import QuikLinear
@@ -19,6 +22,7 @@ LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
     GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),
     QUIK: (QuikWeight, QuikLinear),
     QOQ: (QoQWeight, QoQLinear),
+    MIXED: (MixedWeight, MixedLinear),
 }
 
 

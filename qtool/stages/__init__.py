@@ -16,6 +16,7 @@ def _load_builtin() -> None:
     from qtool.stages import (  # noqa: F401  (importing registers them)
         gptq,
         kv_cache,
+        mixed,
         outliers,
         progressive,
         reorder,

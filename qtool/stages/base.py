@@ -14,6 +14,7 @@ from torch import nn
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
 from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.packing.mixed import MixedWeight
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import QuikWeight
 from qtool.quant.grid import GridSpec
@@ -46,7 +47,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight | QoQWeight
+    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
