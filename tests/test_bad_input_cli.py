@@ -473,7 +473,7 @@ import qtool.pipeline as p
 real = p._collect
 def held(*a, **k):
     pathlib.Path({str(marker)!r}).touch()
-    time.sleep(120)
+    time.sleep(900)
     return real(*a, **k)
 p._collect = held
 from qtool.cli import main
@@ -484,7 +484,8 @@ main()
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        # generous: on a loaded 2-core machine, importing torch and loading the model can take minutes
+        deadline = time.monotonic() + 600
         while not marker.exists():
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the run never reached the block loop"
