@@ -102,6 +102,25 @@ class QuantizerStage(Stage):
         weight-only schemes)."""
         return x
 
+    def targeted_linears(self, config):
+        """(full name, linear) of every linear this stage targets in a model of `config`, built on the meta device
+        (shapes only, no weight read): what `check_config` checks layer shapes against before loading. Nothing
+        for an architecture no adapter knows (that is refused when the model loads)."""
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
+
+        from qtool.models.adapters import adapter_for  # noqa: PLC0415
+
+        adapter = adapter_for(getattr(config, "architectures", None))
+        if adapter is None:
+            return
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        for i, block in enumerate(adapter.blocks(model)):
+            for rel in adapter.linear_names():
+                full = f"{adapter.block_prefix(i)}.{rel}"
+                if self.targets.matches(full):
+                    yield full, block.get_submodule(rel)
+
     def attention_objective(self, rel: str, adapter) -> str | None:
         """"q"/"k" when the linear `rel` of a block should be quantized against the attention output's error (the
         pipeline then passes `quantize` a per-row `score`), else None."""

@@ -25,7 +25,6 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
-from qtool.models.adapters import adapter_for
 from qtool.options import option
 from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
 from qtool.quant.mixed import (
@@ -159,25 +158,12 @@ class MixedStage(QuantizerStage):
         return None
 
     def check_config(self, config, where: str) -> None:
-        adapter = adapter_for(getattr(config, "architectures", None))
-        if adapter is None:  # an unsupported architecture is refused when the model loads
-            return
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
-
-        # The skeleton on the meta device gives every linear's shape without reading a weight.
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        for i, block in enumerate(adapter.blocks(model)):
-            for rel in adapter.linear_names():
-                full = f"{adapter.block_prefix(i)}.{rel}"
-                if not self.targets.matches(full):
-                    continue
-                lin = block.get_submodule(rel)
-                problem = self.layer_problem(lin.out_features, lin.in_features)
-                if problem is not None:
-                    key, msg = problem
-                    raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
-                                      " (or exclude the linear in targets)" * ("exclude" not in msg))
+        for full, lin in self.targeted_linears(config):
+            problem = self.layer_problem(lin.out_features, lin.in_features)
+            if problem is not None:
+                key, msg = problem
+                raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
+                                  " (or exclude the linear in targets)" * ("exclude" not in msg))
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: MixedOptions = self.options

@@ -22,7 +22,6 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
-from qtool.models.adapters import adapter_for
 from qtool.options import option
 from qtool.packing.qoq import QoQWeight
 from qtool.quant.clip import clip_ratios
@@ -79,22 +78,13 @@ class ProgressiveStage(QuantizerStage):
 
     def check_config(self, config, where: str) -> None:
         g = self.options.group_size
-        adapter = adapter_for(getattr(config, "architectures", None))
-        if g is None or adapter is None:  # an unsupported architecture is refused when the model loads
+        if g is None:
             return
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
-
-        # The skeleton on the meta device gives every linear's width without reading a weight.
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        for i, block in enumerate(adapter.blocks(model)):
-            for rel in adapter.linear_names():
-                full = f"{adapter.block_prefix(i)}.{rel}"
-                k = block.get_submodule(rel).in_features
-                if self.targets.matches(full) and k % g:
-                    raise RecipeError(f"{where}.group_size: found {g}, but targeted linear {full} has "
-                                      f"in_features {k}; expected a divisor of every targeted linear's in_features "
-                                      f"(or exclude it in targets)")
+        for full, lin in self.targeted_linears(config):
+            if lin.in_features % g:
+                raise RecipeError(f"{where}.group_size: found {g}, but targeted linear {full} has "
+                                  f"in_features {lin.in_features}; expected a divisor of every targeted linear's "
+                                  f"in_features (or exclude it in targets)")
 
     def preview(self, weight: torch.Tensor) -> torch.Tensor:
         o: ProgressiveOptions = self.options
