@@ -482,7 +482,9 @@ main()
     out = tmp_path / "a" / "ckpt"
     proc = subprocess.Popen([sys.executable, "-c", code, "quantize", str(recipe), "-o", str(out), "-q"], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # as a shell starts it: pytest-xdist workers ignore SIGINT, and a child would inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # generous: on a loaded 2-core machine, importing torch and loading the model can take minutes
         deadline = time.monotonic() + 600
