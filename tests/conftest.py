@@ -101,3 +101,16 @@ def tiny_opt(tmp_path_factory) -> Path:
 def write_recipe(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test (as an internal error, exit 70) if the pipeline starts or a model loads: the case must be
+    refused before any work."""
+    import qtool.pipeline
+
+    def refuse(*a, **k):
+        raise AssertionError("the pipeline started")
+
+    monkeypatch.setattr(qtool.pipeline, "quantize_model", refuse)
+    monkeypatch.setattr("qtool.models.loading.load_model", refuse)

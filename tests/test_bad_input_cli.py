@@ -45,18 +45,6 @@ def recipe(tmp_path) -> Path:
     return p
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fail the test (as an internal error, exit 70) if the pipeline starts: the case must be refused before."""
-    import qtool.pipeline
-
-    def refuse(*a, **k):
-        raise AssertionError("the pipeline started")
-
-    monkeypatch.setattr(qtool.pipeline, "quantize_model", refuse)
-    monkeypatch.setattr("qtool.models.loading.load_model", refuse)
-
-
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

@@ -32,18 +32,6 @@ output: out
 """
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fail the test (exit 70) if the pipeline starts: the case must be refused before any model loads."""
-    import qtool.pipeline
-
-    def refuse(*a, **k):
-        raise AssertionError("the pipeline started")
-
-    monkeypatch.setattr(qtool.pipeline, "quantize_model", refuse)
-    monkeypatch.setattr("qtool.models.loading.load_model", refuse)
-
-
 def test_stories260k_quantize_eval_and_bits(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", RECIPE)
     res = run_cli(["quantize", recipe, "--json"], cwd=tmp_path)
