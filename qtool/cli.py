@@ -307,6 +307,33 @@ def pack(checkpoint: Path, output, max_shard_size, overwrite, reporter: Reporter
     emit(reporter, summary, [(k, str(shown(k, v))) for k, v in summary.items() if k != "layouts"], "qtool pack")
 
 
+@cli.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors"]), required=True,
+              help="Target format: compressed-tensors (loaded natively by transformers and vLLM).")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder to write the exported model into.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file of the export.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@output_options
+def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, reporter: Reporter) -> None:
+    """Write a verified qtool CHECKPOINT in another library's format, for clients without qtool.
+
+    \b
+    Only schemes the format expresses exactly are exported (formats/compressed-tensors.md); the first layer it
+    cannot hold (outlier columns, mixed precision, two-level scales, a partial group, a quantized KV cache) is
+    refused before anything is written.
+      qtool export out/smollm2-gptq --format compressed-tensors -o out/smollm2-gptq-ct
+    """
+    from qtool.export.compressed_tensors import run_export
+
+    summary = run_export(checkpoint, output, fmt, max_shard_size, overwrite, reporter)
+    emit(reporter, summary, [("output", summary["output"]), ("format", f"{fmt} ({summary['compression_format']})"),
+                             ("quantized layers", str(summary["quantized_layers"])),
+                             *[(k, f"{v} layers") for k, v in summary["schemes"].items()],
+                             ("left in float", ", ".join(summary["ignored"]) or "-")], "qtool export")
+
+
 def _bench_stub():
     @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     def bench() -> None:

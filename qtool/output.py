@@ -19,6 +19,10 @@ from qtool.checkpoint.manifest import MANIFEST_NAME
 from qtool.errors import ResourceError, UsageError
 
 _TMP, _OLD = ".tmp-", ".old-"
+# Files that mark a folder as qtool's own output, which --overwrite may replace: a checkpoint's manifest, an
+# export's provenance record (qtool/export/).
+EXPORT_RECORD = "qtool-export.json"
+_MARKS = (MANIFEST_NAME, EXPORT_RECORD)
 
 
 def temp_sibling(path: Path, kind: str = _TMP) -> Path:
@@ -122,10 +126,12 @@ def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> N
         raise UsageError(f"output '{path}': is a directory; expected a file path")
     if directory and not overwrite:
         raise UsageError(f"output '{path}': already exists; expected a new path (or pass --overwrite)")
-    if directory and any(path.iterdir()) and not (path / MANIFEST_NAME).is_file():
-        # --overwrite replaces a checkpoint; a folder of other files (the working directory, a model) is the user's.
+    if directory and any(path.iterdir()) and not any((path / m).is_file() for m in _MARKS):
+        # --overwrite replaces a checkpoint or an export; a folder of other files (the working directory, a model)
+        # is the user's.
         raise UsageError(f"output '{path}': is a directory that is not a qtool checkpoint (no {MANIFEST_NAME})"
-                         f"; expected a new path (--overwrite replaces only a checkpoint or an empty folder)")
+                         f"; expected a new path (--overwrite replaces only a checkpoint, an export or an empty "
+                         f"folder)")
 
 
 def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_bytes: int | None = None,

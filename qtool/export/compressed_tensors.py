@@ -1,0 +1,286 @@
+"""`qtool export --format compressed-tensors` (formats/compressed-tensors.md): a checkpoint in the format that
+transformers and vLLM load natively, written through the `compressed-tensors` library itself.
+
+Every quantized layer is first mapped to a compressed-tensors scheme; the first layer (or model scheme) the format
+cannot hold is refused before anything is written. The library's own compressor then quantizes and packs each
+layer from qtool's exact dequantized weight and stored scales and zero points, and the library's decompressor
+must give that weight back bit for bit: an export is either exact or refused, never silently lossy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qtool.console import Reporter
+from qtool.errors import UsageError
+
+FORMAT = "compressed-tensors"
+
+# qtool layouts whose every instance some compressed-tensors scheme holds, and why the others cannot be exported.
+_CANNOT = {
+    "mixed": "2/4/16-bit mixed precision stripes with sparse float16 outliers",
+}
+
+
+@dataclass(frozen=True)
+class LayerScheme:
+    """The compressed-tensors scheme of one quantized layer: weight args and, for W8A8-style layers, the dynamic
+    per-token activation args."""
+
+    bits: int
+    symmetric: bool
+    group_size: int | None  # None: one scale per output channel
+    act_bits: int | None = None
+    act_symmetric: bool = True
+
+    def scheme(self, targets: list[str]):
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        weights = QuantizationArgs(num_bits=self.bits, type="int", symmetric=self.symmetric,
+                                   strategy="group" if self.group_size else "channel", group_size=self.group_size)
+        acts = None
+        if self.act_bits is not None:
+            acts = QuantizationArgs(num_bits=self.act_bits, type="int", symmetric=self.act_symmetric,
+                                    strategy="token", dynamic=True)
+        return QuantizationScheme(targets=targets, weights=weights, input_activations=acts)
+
+    def describe(self) -> str:
+        g = f"g{self.group_size}" if self.group_size else "per channel"
+        a = f"A{self.act_bits} per token" if self.act_bits else "A16"
+        return f"W{self.bits} {'sym' if self.symmetric else 'asym'} {g}, {a}"
+
+
+def _refuse(where: str, found: str) -> UsageError:
+    return UsageError(f"{where}: {found}; compressed-tensors cannot express it, expected grouped or per-channel "
+                      f"integer weights (W2..W8, whole groups) with at most per-token dynamic INT activations")
+
+
+def layer_scheme(name: str, cfg: dict, where: str) -> LayerScheme:
+    """The scheme of layer `name` (its qtool layer config), or a one-line refusal naming the layer."""
+    fmt = cfg.get("format")
+    at = f"{where}: layer {name}"
+    if fmt in _CANNOT:
+        raise _refuse(at, f"{fmt} layout ({_CANNOT[fmt]})")
+    k, g = cfg.get("in_features"), cfg.get("group_size")
+    if isinstance(g, int) and isinstance(k, int) and k % g:
+        raise UsageError(f"{at}: in_features {k} is not a multiple of group_size {g} (the last group of each row is "
+                         f"partial); compressed-tensors expects whole groups (quantize with `target: "
+                         f"compressed-tensors` in the recipe, or a group size dividing {k})")
+    if fmt == "grouped_int":
+        return LayerScheme(bits=cfg["bits"], symmetric=bool(cfg["symmetric"]), group_size=g)
+    if fmt == "qoq":
+        if g is not None:
+            raise _refuse(at, "qoq progressive groups (two-level scales: 8-bit levels times 4-bit groups)")
+        # W8: symmetric codes; W4 per channel: one zero point per row. Activations: per-token symmetric INT8.
+        return LayerScheme(bits=cfg["bits"], symmetric=cfg["bits"] == 8, group_size=None, act_bits=cfg["act_bits"])
+    if fmt == "quik":
+        if cfg.get("num_outliers"):
+            raise _refuse(at, f"quik layout with {cfg['num_outliers']} float16 outlier input columns")
+        if cfg.get("sparsity"):
+            raise _refuse(at, f"quik layout with {cfg['sparsity']} sparse weights")
+        # Per-token asymmetric activations (a float zero at the row minimum in qtool; an integer zero point in
+        # compressed-tensors' runtime: formats/compressed-tensors.md).
+        return LayerScheme(bits=cfg["bits"], symmetric=True, group_size=None, act_bits=cfg["act_bits"],
+                           act_symmetric=False)
+    raise _refuse(at, f"layout {fmt!r}")
+
+
+def _model_schemes(qcfg: dict, where: str) -> None:
+    from qtool.runtime.schemes import RESERVED
+
+    for key, value in sorted(qcfg.items()):
+        if key in RESERVED:
+            continue
+        if key == "kv_cache":
+            bits = value.get("bits") if isinstance(value, dict) else value
+            raise _refuse(f"{where}: quantization_config.kv_cache", f"a {bits}-bit KV cache quantized per token "
+                                                                      f"at run time")
+        raise _refuse(f"{where}: quantization_config.{key}", "a model scheme")
+
+
+def plan(checkpoint: Path, config: dict) -> dict[str, LayerScheme]:
+    """{layer: scheme} for every quantized layer, in module order; refuses the first that cannot be exported."""
+    where = str(checkpoint / "config.json")
+    qcfg = config["quantization_config"]
+    layers = qcfg.get("layers", {})
+    out = {name: layer_scheme(name, layers[name], where) for name in _module_order(layers)}
+    _model_schemes(qcfg, where)
+    return out
+
+
+def _module_order(names) -> list[str]:
+    """Names in model order (layer 2 before layer 10), so "the first layer" is the first a reader meets."""
+    def key(name: str):
+        return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+    return sorted(names, key=key)
+
+
+def _signed(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return (codes - (1 << (bits - 1))).to(torch.int8)
+
+
+def scale_dtype(config: dict) -> torch.dtype:
+    """The dtype of the exported scales: the model's own when it holds qtool's float16 scales exactly (float16,
+    float32), else float32. Clients dequantize in the scale's dtype (transformers with `dequantize=True` does), so a
+    bfloat16 scale would round every weight a second time."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return torch.float16 if name == "float16" else torch.float32
+
+
+def layer_state(name: str, cfg: dict, fields: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(qtool's dequantized weight in float32, its compressed-tensors qparams: weight_scale in `dtype` and, when
+    asymmetric, weight_zero_point in the library's signed convention) of one layer, validated by its layout."""
+    from qtool.runtime.layouts import LAYOUTS
+
+    layout = LAYOUTS[cfg["format"]][0].from_tensors(name, cfg, fields)
+    weight = layout.dequantize(torch.float32)
+    fmt, bits = cfg["format"], cfg["bits"]
+    if fmt == "grouped_int":
+        zeros = None if layout.zeros is None else _signed(layout.zeros.to(torch.int64), bits)
+        scales = layout.scales
+    elif fmt == "qoq":
+        zeros = None if layout.zeros is None else _signed(layout.zeros.to(torch.int64), bits)[:, None]
+        scales = layout.scales[:, None]
+    else:  # quik without outliers
+        zeros, scales = None, layout.scales[:, None]
+    qparams = {"weight_scale": scales.to(dtype).contiguous()}
+    if zeros is not None:
+        qparams["weight_zero_point"] = zeros.contiguous()
+    return weight, qparams
+
+
+def compress_layer(name: str, weight: torch.Tensor, qparams: dict[str, torch.Tensor], scheme) -> dict:
+    """The layer's tensors as the library's compressor for `scheme` writes them, checked by decompressing them
+    with the same library (float32 scales, so the product is rounded once, as qtool's dequantize rounds it)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+
+    from qtool.errors import CheckpointError
+
+    compressor = BaseCompressor.get_value_from_registry(infer_module_format(torch.nn.Linear, scheme).value)
+    out = compressor.compress({"weight": weight, **qparams}, scheme)
+    back = compressor.decompress({**out, "weight_scale": out["weight_scale"].to(torch.float32)}, scheme)["weight"]
+    if back.shape != weight.shape or not torch.equal(back.to(torch.float32), weight):
+        bad = (back.to(torch.float32) - weight).abs().max().item() if back.shape == weight.shape else back.shape
+        raise CheckpointError(f"layer {name}: the compressed-tensors round trip differs from the checkpoint's weight "
+                              f"({bad}); expected an exact copy")
+    return out
+
+
+def _ignored_linears(checkpoint: Path, quantized: set[str]) -> list[str]:
+    """Every nn.Linear the export leaves in floating point (e.g. lm_head), as compressed-tensors' ignore list."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from qtool.checkpoint.loader import checkpoint_config
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(checkpoint_config(checkpoint))
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
+
+
+def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
+    """compressed-tensors' QuantizationConfig: one config group per distinct scheme. A scheme shared by every
+    quantized linear targets `Linear` (what llm-compressor writes); otherwise each group lists its modules."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    groups: dict[LayerScheme, list[str]] = {}
+    for name, s in schemes.items():
+        groups.setdefault(s, []).append(name)
+    config_groups, formats = {}, set()
+    for i, (s, names) in enumerate(groups.items()):
+        scheme = s.scheme(["Linear"] if len(groups) == 1 else names)
+        scheme.format = infer_module_format(torch.nn.Linear, scheme)
+        formats.add(scheme.format.value)
+        config_groups[f"group_{i}"] = scheme
+    fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+    return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore,
+                              quantization_status=QuantizationStatus.COMPRESSED)
+
+
+def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
+    """The export's provenance (which checkpoint, which libraries, every file's hash): what lets `--overwrite`
+    recognise the folder as qtool's to replace, and a reader trace the model back to its recipe. The library
+    writes its shards owner-only (a temporary file renamed); they get the permissions any other file gets."""
+    import os
+
+    import compressed_tensors
+
+    from qtool.checkpoint.manifest import dumps, file_sha256, hash_files, package_versions
+    from qtool.checkpoint.manifest import MANIFEST_NAME as SOURCE_MANIFEST
+    from qtool.output import EXPORT_RECORD
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.glob("*.safetensors"):
+        f.chmod(0o666 & ~umask)
+    record = {"format": FORMAT, "source": {"checkpoint": checkpoint.name, "base_model": manifest.get("base_model"),
+                                           "manifest_sha256": file_sha256(checkpoint / SOURCE_MANIFEST),
+                                           "stages": manifest.get("stages"), "seed": manifest.get("seed"),
+                                           "bits_per_weight": manifest.get("bits_per_weight")},
+              "packages": {**package_versions(), "compressed-tensors": compressed_tensors.__version__},
+              "files": hash_files(folder)}
+    (folder / EXPORT_RECORD).write_text(dumps(record))
+
+
+def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool,
+               reporter: Reporter) -> dict:
+    from huggingface_hub import save_torch_state_dict
+
+    from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
+    from qtool.output import folder_bytes, reserve_output
+    from qtool.recipe import parse_size
+
+    if fmt != FORMAT:
+        raise UsageError(f"--format: found {fmt!r}, expected {FORMAT!r}")
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError:
+        raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+    checkpoint = Path(checkpoint)
+    manifest = read_manifest(checkpoint)
+    verify_files(checkpoint, manifest)
+    config = read_config(checkpoint)
+    schemes = plan(checkpoint, config)
+    tokenizer = load_tokenizer(checkpoint)
+    layers = config["quantization_config"]["layers"]
+
+    with reserve_output(output, directory=True, overwrite=overwrite, needs_bytes=folder_bytes(checkpoint),
+                        log=reporter.log) as reserved:
+        tensors = read_tensors(checkpoint)
+        built = {name: s.scheme(["Linear"]) for name, s in schemes.items()}
+        dtype = scale_dtype(config)
+        out: dict[str, torch.Tensor] = {}
+        for name in schemes:
+            prefix = f"{name}."
+            fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
+                      if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
+            weight, qparams = layer_state(name, layers[name], fields, dtype)
+            for field, t in compress_layer(name, weight, qparams, built[name]).items():
+                out[f"{prefix}{field}"] = t.contiguous()
+        out.update(tensors)  # biases and every tensor left in floating point, as stored
+
+        raw = {k: v for k, v in config.items() if k != "quantization_config"}
+        qconfig = quantization_config(schemes, _ignored_linears(checkpoint, set(schemes)))
+        save_torch_state_dict(out, str(reserved.tmp), max_shard_size=shard_bytes, metadata={"format": "pt"})
+        from compressed_tensors.compressors import ModelCompressor
+
+        from qtool.checkpoint.manifest import dumps
+
+        (reserved.tmp / "config.json").write_text(dumps(raw))
+        ModelCompressor(quantization_config=qconfig).update_config(str(reserved.tmp))
+        tokenizer.save_pretrained(str(reserved.tmp))
+        _write_record(reserved.tmp, checkpoint, manifest)
+        reserved.publish()
+    counts: dict[str, int] = {}
+    for s in schemes.values():
+        counts[s.describe()] = counts.get(s.describe(), 0) + 1
+    reporter.log(f"wrote {output}")
+    return {"checkpoint": str(checkpoint), "output": str(output), "format": FORMAT,
+            "compression_format": qconfig.format, "quantized_layers": len(schemes), "schemes": counts,
+            "ignored": qconfig.ignore}
