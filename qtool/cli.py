@@ -200,10 +200,15 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
                                                                    "../shared/assets/data/zeroshot).")
 @click.option("--include-path", multiple=True, type=click.Path(file_okay=False),
               help="Folder of your own lm-eval task YAMLs over local data (repeatable).")
+@click.option("--baseline", help="Evaluate this model too (the original) and compare MODEL against it.")
+@click.option("--max-ppl-increase", help="Quality gate: fail (exit 8) when MODEL's perplexity exceeds the "
+                                         "baseline's by more than this percentage, e.g. 5%.")
+@click.option("--max-acc-drop", help="Quality gate: fail (exit 8) when any task's acc or acc_norm is more than this "
+                                     "many percentage points below the baseline's, e.g. 1.5.")
 @output_options
 def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, encoding,
              allow_long_context, tasks, limit, num_fewshot, batch_size, device, seed, data_dir, include_path,
-             reporter: Reporter) -> None:
+             baseline, max_ppl_increase, max_acc_drop, reporter: Reporter) -> None:
     """Perplexity and zero-shot accuracy of MODEL (a qtool checkpoint, a model directory or a hub id), or of MODEL
     and MODEL_B side by side with the difference.
 
@@ -212,20 +217,47 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
     the packed layers ran their CUDA kernels or the torch reference) is printed and stored in the JSON result.
       qtool eval out/smollm2-gptq --tasks piqa,arc_easy --limit 200
       qtool eval .cache/models/smollm2-135m out/smollm2-gptq --tasks piqa --text wikitext2.txt --seq-len 512
-    """
-    from qtool.evaluate import run_eval
 
-    summary = run_eval([model] if model_b is None else [model, model_b], text=text, seq_len=seq_len,
+    \b
+    Quality gate (exit 8 when it fails, naming each metric; the results are printed first):
+      qtool eval out/smollm2-gptq --baseline .cache/models/smollm2-135m --text wikitext2.txt \\
+          --max-ppl-increase 5% --tasks piqa --max-acc-drop 1.5
+    """
+    from qtool.errors import GateFailed, UsageError
+    from qtool.evaluate import run_eval
+    from qtool.gate import Gate, describe_failure, parse_percent
+
+    gate = Gate(parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop"))
+    if baseline is not None and model_b is not None:
+        raise UsageError(f"--baseline {baseline}: given with a second model {model_b}; expected one or the other")
+    refs = [baseline, model] if baseline is not None else [model] if model_b is None else [model, model_b]
+    if gate.active:
+        if len(refs) == 1:
+            raise UsageError("--max-ppl-increase/--max-acc-drop: nothing to compare against; expected "
+                             "--baseline ORIGINAL")
+        gate.check_measurable(text, tasks)
+    summary = run_eval(refs, text=text, seq_len=seq_len,
                        max_windows=max_windows, stride=stride, separator=separator, text_field=text_field,
                        split=split, batch_size=batch_size, device=device, reporter=reporter, tasks=tasks,
                        limit=limit, num_fewshot=num_fewshot, seed=seed, data_dir=data_dir,
                        include_paths=include_path, encoding=encoding, allow_long_context=allow_long_context)
+    if gate.active:
+        summary["gate"] = gate.evaluate(summary["comparison"])
     if reporter.json_mode:
         emit(reporter, summary, [], "qtool eval")
-    elif model_b is None:
+    elif len(refs) == 1:
         _print_eval(reporter, summary)
     else:
         _print_comparison(reporter, summary)
+        if gate.active:
+            reporter.out.print("gate: " + "; ".join(
+                f"{c['task']} {c['metric']} {c['change']:+.2f}{'%' if c['unit'] == '%' else ' points'} "
+                f"({'ok' if c['passed'] else 'FAILED'})" for c in summary["gate"]["checks"]))
+    if gate.active and not summary["gate"]["passed"]:
+        if reporter.json_mode:  # stdout already holds the summary, with its gate object: no second JSON object
+            click.echo(f"qtool: error: {describe_failure(summary['gate'])}", err=True)
+            click.get_current_context().exit(GateFailed.exit_code)
+        raise GateFailed(describe_failure(summary["gate"]))
 
 
 def _protocol_rows(summary: dict) -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ EXIT_INPUT = 4
 EXIT_CHECKPOINT = 5
 EXIT_RESOURCE = 6
 EXIT_NOT_IMPLEMENTED = 7
+EXIT_GATE = 8  # `qtool eval --baseline` measured the model and it is worse than its gate allows (qtool/gate.py)
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug in qtool, not in the user's input
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
@@ -21,6 +22,7 @@ EXIT_CODES = {
     "checkpoint": EXIT_CHECKPOINT,
     "resource": EXIT_RESOURCE,
     "not_implemented": EXIT_NOT_IMPLEMENTED,
+    "gate": EXIT_GATE,
     "internal": EXIT_INTERNAL,
     "interrupted": EXIT_INTERRUPTED,
 }
@@ -74,3 +76,11 @@ class NotImplementedYet(QtoolError):
 
     exit_code = EXIT_NOT_IMPLEMENTED
     kind = "not_implemented"
+
+
+class GateFailed(QtoolError):
+    """The evaluation ran and the quantized model missed its quality gate; the message names every metric that
+    failed. Not a broken input: the measurement is complete (and printed) before this is raised."""
+
+    exit_code = EXIT_GATE
+    kind = "gate"

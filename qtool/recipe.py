@@ -17,6 +17,7 @@ import yaml
 
 from qtool.calibration.data import check_encoding
 from qtool.errors import InputError, RecipeError
+from qtool.export.targets import TARGETS
 from qtool.models.loading import is_hub_id
 from qtool.options import option, parse_options
 from qtool.stages import STAGES
@@ -102,6 +103,8 @@ class Recipe:
     # Where a value came from (`file:key` or the `--flag` that overrode it), for errors found after validation,
     # e.g. a seq_len beyond the model's context once its config is read.
     origins: dict[str, str] = field(default_factory=dict)
+    # The format the checkpoint must be exportable to (qtool/export/targets.py); "qtool" asks nothing more.
+    target: str = "qtool"
 
     def needs_calibration(self) -> bool:
         return any(s.stage.needs_calibration() for s in self.stages)
@@ -124,7 +127,7 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}[unit])
 
 
-TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings")
+TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings", "target")
 # Overrides whose command-line flag is not named after the key.
 _FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--eval-windows"}
 
@@ -246,7 +249,10 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
         if ev.data_dir is not None:
             ev.data_dir = str((base / Path(ev.data_dir).expanduser()).resolve())
 
-    recipe = Recipe(path, model, output, calibration, stages, ev, settings)
+    target = raw.get("target", "qtool")
+    if target not in TARGETS:
+        raise RecipeError(f"{label}:target: found {target!r}, expected one of {', '.join(TARGETS)}")
+    recipe = Recipe(path, model, output, calibration, stages, ev, settings, target=target)
     recipe.as_run = _as_run(recipe)
     recipe.origins = {key: _origin(key, raw, label, where(key), key in overrides)
                       for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")}
@@ -318,4 +324,6 @@ def _as_run(r: Recipe) -> dict:
     if r.eval is not None:
         out["eval"] = dataclasses.asdict(r.eval)
     out["settings"] = dataclasses.asdict(r.settings)
+    if r.target != "qtool":  # recipes without a target keep their recipe.yaml byte for byte
+        out["target"] = r.target
     return out

@@ -211,8 +211,8 @@ def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
 
     import compressed_tensors
 
-    from qtool.checkpoint.manifest import dumps, file_sha256, hash_files, package_versions
     from qtool.checkpoint.manifest import MANIFEST_NAME as SOURCE_MANIFEST
+    from qtool.checkpoint.manifest import dumps, file_sha256, hash_files, package_versions
     from qtool.output import EXPORT_RECORD
 
     umask = os.umask(0)
