@@ -214,3 +214,32 @@ def test_overwrite_replaces_an_earlier_export(stories, tmp_path):
 def test_recipe_target_refuses_before_loading(tmp_path, no_work, text, words):
     res = run_cli(["quantize", write_recipe(tmp_path / "r.yaml", text)])
     assert_one_line_error(res, 3, *words)
+
+
+def test_checkpoints_carry_a_model_card(stories):
+    card = (stories / "sym" / "README.md").read_text()
+    manifest = json.loads((stories / "sym" / "qtool-manifest.json").read_text())
+    assert "README.md" in manifest["files"]  # hashed like every other file
+    assert "base_model: stories260K" in card and "`rtn` (bits 4, group_size 4, symmetric True)" in card
+    assert "35 x grouped_int W4 g4 sym" in card
+    assert f"{manifest['bits_per_weight']['quantized_linears']} (quantized linears)" in card
+    assert "| calibration | none" in card and "Not measured" in card
+    assert 'qtool.load("sym")' in card and str(STORIES.parent) not in card  # no path of the machine
+
+
+def test_model_card_lists_the_measured_quality():
+    from qtool.checkpoint.card import model_card
+
+    ev = {"protocol": {"text": "/data/wiki.txt", "seq_len": 512}, "original": {"perplexity": 10.0, "tasks": {
+        "piqa": {"acc": {"value": 0.7, "stderr": 0.01}}}}, "quantized": {"perplexity": 10.5, "windows": 40, "tasks": {
+            "piqa": {"acc": {"value": 0.69, "stderr": 0.01}}}},
+          "tasks_protocol": {"limit": 200, "num_fewshot": 0, "lm_eval_version": "0.4.13", "runtime": "reference",
+                             "device": "cpu"}}
+    manifest = {"eval": ev, "stages": ["gptq"], "calibration": {"source": "/data/c4.jsonl", "num_samples": 128,
+                                                               "seq_len": 2048, "seed": 0, "data_sha256": "ab" * 32}}
+    card = model_card("ckpt", manifest, {"quantization_config": {"layers": {}}}, {"model": "meta-llama/Llama-2-7b-hf",
+                                                                                "stages": [{"stage": "gptq", "bits": 4}]})
+    assert "base_model: meta-llama/Llama-2-7b-hf" in card
+    assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card
+    assert "| piqa acc | 0.7000 | 0.6900 |" in card and "limit 200, 0-shot, lm-eval 0.4.13" in card
+    assert "c4.jsonl: 128 windows x 2048 tokens, seed 0" in card and "/data" not in card

@@ -97,6 +97,11 @@ def write_checkpoint(
         tokenizer.save_pretrained(str(tmp))
     if recipe_as_run is not None:
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
+    from qtool.checkpoint.card import model_card  # noqa: PLC0415
+
+    # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
+    (tmp / "README.md").write_text(model_card(Path(out_dir).name, {"packages": package_versions(), **manifest_extra},
+                                              config, recipe_as_run))
     manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
                 **manifest_extra}
     (tmp / MANIFEST_NAME).write_text(dumps(manifest))
