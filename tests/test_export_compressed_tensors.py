@@ -224,7 +224,9 @@ def test_checkpoints_carry_a_model_card(stories):
     assert "35 x grouped_int W4 g4 sym" in card
     assert f"{manifest['bits_per_weight']['quantized_linears']} (quantized linears)" in card
     assert "| calibration | none" in card and "Not measured" in card
-    assert 'qtool.load("sym")' in card and str(STORIES.parent) not in card  # no path of the machine
+    assert 'qtool.load("CHECKPOINT")' in card and str(STORIES.parent) not in card  # no path of the machine
+    assert "w8a8" not in (stories / "w8a8" / "README.md").read_text()  # nor the folder's name (copies are
+    # byte-identical wherever they are written)
 
 
 def test_model_card_lists_the_measured_quality():
@@ -237,7 +239,7 @@ def test_model_card_lists_the_measured_quality():
                              "device": "cpu"}}
     manifest = {"eval": ev, "stages": ["gptq"], "calibration": {"source": "/data/c4.jsonl", "num_samples": 128,
                                                                "seq_len": 2048, "seed": 0, "data_sha256": "ab" * 32}}
-    card = model_card("ckpt", manifest, {"quantization_config": {"layers": {}}}, {"model": "meta-llama/Llama-2-7b-hf",
+    card = model_card(manifest, {"quantization_config": {"layers": {}}}, {"model": "meta-llama/Llama-2-7b-hf",
                                                                                 "stages": [{"stage": "gptq", "bits": 4}]})
     assert "base_model: meta-llama/Llama-2-7b-hf" in card
     assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card

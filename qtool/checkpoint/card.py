@@ -54,15 +54,17 @@ def _eval_rows(ev: dict) -> list[str]:
     return rows
 
 
-def model_card(name: str, manifest: dict, config: dict, recipe: dict | None) -> str:
-    """The card's Markdown for the checkpoint folder `name`."""
+def model_card(manifest: dict, config: dict, recipe: dict | None) -> str:
+    """The card's Markdown. It names no folder: the same recipe and seed give the same card wherever the checkpoint
+    is written (CHECKPOINT stands for this folder)."""
+    name = "CHECKPOINT"
     base = _name((recipe or {}).get("model"))
     qcfg = config.get("quantization_config", {})
     stages = (recipe or {}).get("stages") or [{"stage": s} for s in manifest.get("stages", [])]
     bpw = manifest.get("bits_per_weight") or {}
     cal = manifest.get("calibration")
     lines = ["---", "library_name: qtool", f"base_model: {base}", "tags: [qtool, quantized"
-             + "".join(f", {s['stage']}" for s in stages) + "]", "---", "", f"# {name}", "",
+             + "".join(f", {s['stage']}" for s in stages) + "]", "---", "", f"# {base}, quantized by qtool", "",
              f"`{base}` quantized with qtool {manifest.get('packages', {}).get('qtool', '')} "
              f"(`recipe.yaml` holds the recipe as run; `qtool-manifest.json` the file hashes and provenance).", "",
              "| | |", "|---|---|", f"| base model | `{base}` |",
@@ -91,8 +93,9 @@ def model_card(name: str, manifest: dict, config: dict, recipe: dict | None) -> 
     else:
         lines.append(f"Not measured when it was written: `qtool eval {name} --baseline {base} --text FILE` "
                      f"measures it against the original.")
-    lines += ["", "## Load", "", "```python", "import qtool", "", f'model = qtool.load("{name}")  '
-              '# device="cuda" runs the packed layers\' CUDA kernels', f'tokenizer = qtool.load_tokenizer("{name}")',
+    lines += ["", "## Load", "", "```python", "import qtool", "",
+              f'model = qtool.load("{name}")  # this folder; device="cuda" runs the packed layers\' CUDA kernels',
+              f'tokenizer = qtool.load_tokenizer("{name}")',
               "```", "", "For clients without qtool (transformers, vLLM), schemes that compressed-tensors expresses "
               f"export losslessly: `qtool export {name} --format compressed-tensors -o {name}-ct` (the command "
               "refuses the others, naming the first layer; formats/compressed-tensors.md).", ""]

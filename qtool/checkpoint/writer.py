@@ -100,8 +100,8 @@ def write_checkpoint(
     from qtool.checkpoint.card import model_card  # noqa: PLC0415
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
-    (tmp / "README.md").write_text(model_card(Path(out_dir).name, {"packages": package_versions(), **manifest_extra},
-                                              config, recipe_as_run))
+    (tmp / "README.md").write_text(model_card({"packages": package_versions(), **manifest_extra}, config,
+                                              recipe_as_run))
     manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
                 **manifest_extra}
     (tmp / MANIFEST_NAME).write_text(dumps(manifest))
