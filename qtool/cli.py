@@ -363,7 +363,13 @@ def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, repor
     emit(reporter, summary, [("output", summary["output"]), ("format", f"{fmt} ({summary['compression_format']})"),
                              ("quantized layers", str(summary["quantized_layers"])),
                              *[(k, f"{v} layers") for k, v in summary["schemes"].items()],
-                             ("left in float", ", ".join(summary["ignored"]) or "-")], "qtool export")
+                             ("left in float", _names(summary["ignored"]))], "qtool export")
+
+
+def _names(names: list[str]) -> str:
+    if len(names) <= 4:
+        return ", ".join(names) or "-"
+    return f"{len(names)} linears: {', '.join(names[:2])}, ..., {names[-1]}"
 
 
 def _bench_stub():

@@ -100,34 +100,38 @@ def _model_schemes(qcfg: dict, where: str) -> None:
         raise _refuse(f"{where}: quantization_config.{key}", "a model scheme")
 
 
-def plan(checkpoint: Path, config: dict) -> dict[str, LayerScheme]:
-    """{layer: scheme} for every quantized layer, in module order; refuses the first that cannot be exported."""
+def plan(checkpoint: Path, config: dict, linears: list[str]) -> dict[str, LayerScheme]:
+    """{layer: scheme} for every quantized layer, in model order (`linears`: the model's nn.Linear names in
+    module order); refuses the first layer, then the first model scheme, that cannot be exported."""
     where = str(checkpoint / "config.json")
     qcfg = config["quantization_config"]
     layers = qcfg.get("layers", {})
-    out = {name: layer_scheme(name, layers[name], where) for name in _module_order(layers)}
+    order = [n for n in linears if n in layers] + sorted(set(layers) - set(linears))
+    out = {name: layer_scheme(name, layers[name], where) for name in order}
     _model_schemes(qcfg, where)
     return out
 
 
-def _module_order(names) -> list[str]:
-    """Names in model order (layer 2 before layer 10), so "the first layer" is the first a reader meets."""
-    def key(name: str):
-        return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+def model_linears(checkpoint: Path) -> list[str]:
+    """The names of the checkpoint's model's nn.Linear modules in module order (a meta-device model: no weight)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
 
-    return sorted(names, key=key)
+    from qtool.checkpoint.loader import checkpoint_config
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(checkpoint_config(checkpoint))
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def _signed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (codes - (1 << (bits - 1))).to(torch.int8)
 
 
-def scale_dtype(config: dict) -> torch.dtype:
-    """The dtype of the exported scales: the model's own when it holds qtool's float16 scales exactly (float16,
-    float32), else float32. Clients dequantize in the scale's dtype (transformers with `dequantize=True` does), so a
-    bfloat16 scale would round every weight a second time."""
-    name = config.get("dtype") or config.get("torch_dtype")
-    return torch.float16 if name == "float16" else torch.float32
+# The exported scales' dtype. Clients dequantize in the scale's dtype (transformers' `dequantize=True` does, then
+# casts to the model's dtype), so float32 scales (qtool's float16 ones, exactly) give qtool's weight rounded once,
+# as qtool's reference forward rounds it; float16 scales would round every weight to float16 first.
+SCALE_DTYPE = torch.float32
 
 
 def layer_state(name: str, cfg: dict, fields: dict[str, torch.Tensor],
@@ -169,18 +173,6 @@ def compress_layer(name: str, weight: torch.Tensor, qparams: dict[str, torch.Ten
         raise CheckpointError(f"layer {name}: the compressed-tensors round trip differs from the checkpoint's weight "
                               f"({bad}); expected an exact copy")
     return out
-
-
-def _ignored_linears(checkpoint: Path, quantized: set[str]) -> list[str]:
-    """Every nn.Linear the export leaves in floating point (e.g. lm_head), as compressed-tensors' ignore list."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from qtool.checkpoint.loader import checkpoint_config
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(checkpoint_config(checkpoint))
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
 
 
 def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
@@ -246,7 +238,8 @@ def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, ov
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
     config = read_config(checkpoint)
-    schemes = plan(checkpoint, config)
+    linears = model_linears(checkpoint)
+    schemes = plan(checkpoint, config, linears)
     tokenizer = load_tokenizer(checkpoint)
     layers = config["quantization_config"]["layers"]
 
@@ -254,19 +247,18 @@ def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, ov
                         log=reporter.log) as reserved:
         tensors = read_tensors(checkpoint)
         built = {name: s.scheme(["Linear"]) for name, s in schemes.items()}
-        dtype = scale_dtype(config)
         out: dict[str, torch.Tensor] = {}
         for name in schemes:
             prefix = f"{name}."
             fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
                       if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
-            weight, qparams = layer_state(name, layers[name], fields, dtype)
+            weight, qparams = layer_state(name, layers[name], fields, SCALE_DTYPE)
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
                 out[f"{prefix}{field}"] = t.contiguous()
         out.update(tensors)  # biases and every tensor left in floating point, as stored
 
         raw = {k: v for k, v in config.items() if k != "quantization_config"}
-        qconfig = quantization_config(schemes, _ignored_linears(checkpoint, set(schemes)))
+        qconfig = quantization_config(schemes, [n for n in linears if n not in schemes])
         save_torch_state_dict(out, str(reserved.tmp), max_shard_size=shard_bytes, metadata={"format": "pt"})
         from compressed_tensors.compressors import ModelCompressor
 
