@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The exit code of each failure class (qtool/errors.py); the tests spell the numbers out, so a renumbering is
 # noticed here rather than followed silently.
-KINDS = {2: "usage", 3: "recipe", 4: "input", 5: "checkpoint", 6: "resource", 7: "not_implemented", 70: "internal",
-         130: "interrupted"}
+KINDS = {2: "usage", 3: "recipe", 4: "input", 5: "checkpoint", 6: "resource", 7: "not_implemented", 8: "gate",
+         70: "internal", 130: "interrupted"}
 
 
 @dataclass
