@@ -1964,19 +1964,28 @@ __device__ __forceinline__ void qoq_gemv_body(const u16* __restrict__ x, int ldx
     const int chunks = kp >> 5;  // 16-byte chunks of a code row (32 codes each)
     const uint4* wrow = reinterpret_cast<const uint4*>(W + (size_t)(valid ? f : 0) * ldw);
     const int* grow = G + (size_t)(valid ? f : 0) * ldg;
+    // Group words: the 32 * QG_U * 32 codes of one pass span GW group words of the row; the warp loads them
+    // coalesced (GW / 32 per lane) and each piece takes its word by a shuffle, instead of a 4-byte load per piece.
+    constexpr int GQ = QOQ != QOQ_PC ? QOQ : 128;
+    constexpr int GW = QOQ != QOQ_PC ? 32 * QG_U * 32 / GQ : 32;
+    const int groups = kp / GQ;
+    u32 gwl[GW / 32];
+    auto load_groups = [&](int c0) {
+#pragma unroll
+        for (int v = 0; v < GW / 32; ++v) {
+            const int i = 32 * c0 / GQ + 32 * v + lane;
+            gwl[v] = QOQ != QOQ_PC && valid && i < groups ? (u32)__ldg(grow + i) : 0u;
+        }
+    };
     // the weight side first: it does not come from the kernel ahead
     uint4 w[QG_U];
-    u32 gw[QG_U];
 #pragma unroll
     for (int u = 0; u < QG_U; ++u) {
         const int c = lane + 32 * u;
         w[u] = make_uint4(0u, 0u, 0u, 0u);
-        gw[u] = 0u;
-        if (valid && c < chunks) {
-            w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
-            if (QOQ != QOQ_PC) gw[u] = (u32)__ldg(grow + (32 * c) / (QOQ != QOQ_PC ? QOQ : 1));
-        }
+        if (valid && c < chunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
     }
+    load_groups(0);
     float s0 = 0.f, bf = 0.f;
     int zc = 128;
     if (valid && lane < MT) {
@@ -2048,16 +2057,18 @@ __device__ __forceinline__ void qoq_gemv_body(const u16* __restrict__ x, int ldx
 #pragma unroll
                 for (int u = 0; u < QG_U; ++u) {
                     const int c = c0 + lane + 32 * u;
-                    if (c < chunks) {
-                        w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
-                        if (QOQ != QOQ_PC) gw[u] = (u32)__ldg(grow + (32 * c) / (QOQ != QOQ_PC ? QOQ : 1));
-                    }
+                    if (c < chunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
                 }
+                load_groups(c0);
             }
 #pragma unroll
             for (int u = 0; u < QG_U; ++u) {
                 const int c = c0 + lane + 32 * u;
-                if (c < chunks) qoq_gemv_chunk<QOQ, MT>(acc, w[u], gw[u], qs, kp, c);
+                // piece c's group, (c - c0)·32 / g of this pass: register u·32 / g, lane ((lane + 32u)·32 / g) % 32
+                const u32 gw = QOQ != QOQ_PC
+                                   ? __shfl_sync(0xffffffffu, gwl[(32 * u) / GQ], ((lane + 32 * u) * 32 / GQ) & 31)
+                                   : 0u;
+                if (c < chunks) qoq_gemv_chunk<QOQ, MT>(acc, w[u], gw, qs, kp, c);
             }
         }
     }
