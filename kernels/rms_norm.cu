@@ -10,6 +10,7 @@
 // Launched as a programmatic dependent (qtool/cuda/dependent_launch.py): h and y come from the kernels ahead, so
 // they are read after the wait, through coherent loads; w is a weight and never written by a kernel.
 #include "ptx_common.cuh"
+#include "qoq_act.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -73,4 +74,67 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm_f16(const u16* __
         }
         op[p] = make_uint4(o[0], o[1], o[2], o[3]);
     }
+}
+
+// The same normalization, with the normalized row also turned into QoQ's INT8 activation codes (qoq_act.cuh) for
+// the W4A8 projection that follows, in one pass over the row: the float16 row is staged in shared memory (D
+// halves, then kp code bytes) and written out only where `out` is given.
+extern "C" __global__ void __launch_bounds__(256) add_rms_norm_q8(const u16* __restrict__ h, const u16* __restrict__ y,
+                                                                 const u16* __restrict__ w, u16* __restrict__ hs,
+                                                                 u16* __restrict__ out, int D, float eps,
+                                                                 const int* __restrict__ dest, int kp,
+                                                                 char* __restrict__ codes, float* __restrict__ sx,
+                                                                 int* __restrict__ rsum) {
+    extern __shared__ __align__(16) char qsm[];
+    __shared__ float part[8];
+    __shared__ int ipart[8];
+    u16* row = reinterpret_cast<u16*>(qsm);
+    char* cs = qsm + ((2 * D + 15) & ~15);
+    launch_dependents();
+    grid_dependency_wait();
+    const size_t base = (size_t)blockIdx.x * D;
+    const uint4* hp = reinterpret_cast<const uint4*>(h + base);
+    const uint4* yp = reinterpret_cast<const uint4*>(y + (y ? base : 0));
+    uint4* sp = reinterpret_cast<uint4*>(hs + (y ? base : 0));
+    const int pieces = D >> 3;
+    float ss = 0.f;
+    for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
+        uint4 v = ld_dep_v4(hp + p);
+        if (y) {
+            const uint4 b = ld_dep_v4(yp + p);
+            v = make_uint4(add_h2(v.x, b.x), add_h2(v.y, b.y), add_h2(v.z, b.z), add_h2(v.w, b.w));
+            sp[p] = v;
+        }
+        reinterpret_cast<uint4*>(row)[p] = v;
+        const u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float lo = h2f((u16)(a[j] & 0xFFFFu)), hi = h2f((u16)(a[j] >> 16));
+            ss += lo * lo + hi * hi;
+        }
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) tot += part[i];
+    const float r = rsqrtf(tot / (float)D + eps);
+    const uint4* wp = reinterpret_cast<const uint4*>(w);
+    uint4* op = reinterpret_cast<uint4*>(out + (out ? base : 0));
+    for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
+        const uint4 v = reinterpret_cast<const uint4*>(row)[p], g = wp[p];
+        const u32 a[4] = {v.x, v.y, v.z, v.w}, b[4] = {g.x, g.y, g.z, g.w};
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float lo = h2f((u16)(a[j] & 0xFFFFu)) * r * h2f((u16)(b[j] & 0xFFFFu));
+            const float hi = h2f((u16)(a[j] >> 16)) * r * h2f((u16)(b[j] >> 16));
+            o[j] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+        }
+        const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
+        reinterpret_cast<uint4*>(row)[p] = ov;  // this thread's own piece: no other thread read it
+        if (out) op[p] = ov;
+    }
+    __syncthreads();
+    qoq_codes_of_row<256>(row, D, dest, kp, cs, part, ipart, codes, sx, rsum, blockIdx.x);
 }
