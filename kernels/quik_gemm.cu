@@ -20,6 +20,7 @@
 //   * Outlier activations Xo [M, kop] float16, zero beyond ko. Row strides are in bytes, multiples of 16.
 
 #include "ptx_common.cuh"
+#include "qoq_act.cuh"
 
 // Measurement builds only (qtool.cuda.compile extra options): QUIK_TUNING adds variants, QUIK_ABLATE removes a
 // part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue, 4: the A-fragment loads and
@@ -179,13 +180,7 @@ __device__ __forceinline__ void load_row(uint4 (&v)[PPT], u32 (&fl)[PPT], const 
 // product (then rint: the fma trick of code_of would round the exact product instead, which differs at ties).
 constexpr int SYM_A8 = 0;
 
-__device__ __forceinline__ int sym_code(float x, float r) {
-    float p;
-    int q;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(x), "f"(r));
-    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(p));
-    return max(-127, min(127, q));
-}
+__device__ __forceinline__ int sym_code(float x, float r) { return qa_code(x, r); }
 
 __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll

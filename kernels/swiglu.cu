@@ -12,6 +12,17 @@ __device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
     return f2h(h2f(s) * h2f(u));
 }
 
+// Eight activations from eight gate and eight up values (16-byte pieces).
+__device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
+    const u32 a[4] = {g.x, g.y, g.z, g.w}, b[4] = {u.x, u.y, u.z, u.w};
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        o[j] = (u32)swiglu1((u16)(a[j] & 0xFFFFu), (u16)(b[j] & 0xFFFFu)) |
+               ((u32)swiglu1((u16)(a[j] >> 16), (u16)(b[j] >> 16)) << 16);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 extern "C" __global__ void __launch_bounds__(256) swiglu_f16(const u16* __restrict__ gu, u16* __restrict__ out,
                                                             int R, int I) {
     launch_dependents();  // the down projection after it loads its weights before its own wait
@@ -24,13 +35,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_f16(const u16* __restri
         const int p = (int)(e % pieces);
         const uint4 g = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I) + p);
         const uint4 u = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I + I) + p);
-        const u32 a[4] = {g.x, g.y, g.z, g.w}, b[4] = {u.x, u.y, u.z, u.w};
-        u32 o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            o[j] = (u32)swiglu1((u16)(a[j] & 0xFFFFu), (u16)(b[j] & 0xFFFFu)) |
-                   ((u32)swiglu1((u16)(a[j] >> 16), (u16)(b[j] >> 16)) << 16);
-        reinterpret_cast<uint4*>(out + r * I)[p] = make_uint4(o[0], o[1], o[2], o[3]);
+        reinterpret_cast<uint4*>(out + r * I)[p] = swiglu8(g, u);
     }
 }
 
@@ -52,13 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_q8(const u16* __restric
     for (int p = threadIdx.x; p < pieces; p += blockDim.x) {
         const uint4 g = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I) + p);
         const uint4 u = ld_dep_v4(reinterpret_cast<const uint4*>(gu + r * 2 * I + I) + p);
-        const u32 a[4] = {g.x, g.y, g.z, g.w}, b[4] = {u.x, u.y, u.z, u.w};
-        u32 o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            o[j] = (u32)swiglu1((u16)(a[j] & 0xFFFFu), (u16)(b[j] & 0xFFFFu)) |
-                   ((u32)swiglu1((u16)(a[j] >> 16), (u16)(b[j] >> 16)) << 16);
-        const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
+        const uint4 ov = swiglu8(g, u);
         reinterpret_cast<uint4*>(row)[p] = ov;
         if (out) reinterpret_cast<uint4*>(out + r * I)[p] = ov;
     }

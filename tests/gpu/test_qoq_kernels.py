@@ -85,6 +85,21 @@ def _quantized(x: torch.Tensor, p):
     return a
 
 
+def _check_gemm(a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw) -> None:
+    """qoq.gemm with the dispatch overrides `kw`: the exact int32 products (unless `raw` is False), then the layout's
+    float16 output, each into a poisoned buffer."""
+    from qtool.cuda import qoq
+
+    m, n = acc_ref.shape
+    if raw:
+        out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(qoq.gemm(a, p, out=out, raw=True, **kw))
+        assert torch.equal(out, acc_ref), f"int32 products differ in {(out != acc_ref).sum().item()} places"
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    synced(qoq.gemm(a, p, out=y, **kw))
+    _check_y(y, acc_ref, sx, layer)
+
+
 SCHEMES = [(8, None), (4, None), (4, 32), (4, 64), (4, 128)]
 SCHEME_IDS = ["w8", "w4pc", "w4g32", "w4g64", "w4g128"]
 
@@ -159,13 +174,9 @@ def test_gemm_tiles_and_splits(bits, group_size, tokens, m):
     a = _quantized(x, p)
     codes, sx, _ = qoq.quantize_torch(x)
     acc_ref = _acc_ref(codes, layer)
-    raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-    synced(qoq.gemm(a, p, out=raw, raw=True, tokens=tokens))
-    assert torch.equal(raw, acc_ref)
-    for split in (1, 3, 16) if tokens <= 128 else (1,):
-        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(qoq.gemm(a, p, out=y, tokens=tokens, split=split))
-        _check_y(y, acc_ref, sx, layer)
+    _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel="sync")
+    for split in (3, 16) if tokens <= 128 else ():
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel="sync", split=split, raw=False)
 
 
 @needs_hopper
@@ -211,12 +222,7 @@ def test_gemm_forms_exact(bits, group_size, kernel, tokens, n, k, m):
     codes, sx, _ = qoq.quantize_torch(x)
     acc_ref = _acc_ref(codes, layer)
     for blocks in (None, 2) if kernel == "wsp" else (None,):
-        raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(qoq.gemm(a, p, out=raw, raw=True, tokens=tokens, kernel=kernel, blocks=blocks))
-        assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
-        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(qoq.gemm(a, p, out=y, tokens=tokens, kernel=kernel, blocks=blocks))
-        _check_y(y, acc_ref, sx, layer)
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel=kernel, blocks=blocks)
 
 
 @needs_hopper
