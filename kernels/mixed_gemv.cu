@@ -8,7 +8,8 @@
 //   * binfo[b] describes block b for every row: bits 0-15 the 4-bit rank of its first 4-bit stripe (r4), bits 16-18
 //     its number of 4-bit stripes (n4), bits 24-31 the positions (0..3) of its stripes, 2 bits each, the 2-bit
 //     stripes first (increasing), then the 4-bit ones; its 2-bit stripes have the 2-bit ranks 4b - r4, ...;
-//   * s2u[g, r] = fp16 bits of scales_2nd | zeros_2nd << 16 (one 32-bit load per second-order group);
+//   * s2f[g, r] = (64·s2, 64·u·s2) in fp32 for second-order group g of 2-bit rank r (one 8-byte load), so the
+//     first-order scale times 64 is one exact fma: c·(64·s2) + 64·u·s2 = 64·(c + u)·s2;
 //   * x is fp16 [M, K] with 16-byte aligned rows; y is fp16 [M, N].
 //
 // Value of a weight: 2-bit group (n, r): (q - z) * (c + u) * s2; 4-bit group: (q - z) * s4. Codes become the exact
@@ -35,6 +36,12 @@ __device__ __forceinline__ u32 ld_meta(const u32* p) {
     return r;
 }
 
+__device__ __forceinline__ float2 ld_meta64(const float2* p) {
+    float2 r;
+    asm("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    return r;
+}
+
 __device__ __forceinline__ u16 ld_meta16(const u16* p) {
     u16 r;
     asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
@@ -54,7 +61,12 @@ __device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
     return r;
 }
 
-__device__ __forceinline__ float h2sum(u32 h) { return h2f((u16)(h & 0xFFFFu)) + h2f((u16)(h >> 16)); }
+// The two halves of a chain added in fp16 (one more rounding of the group's partial sum), widened once.
+__device__ __forceinline__ float h2sum(u32 h) {
+    u16 r;
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; add.rn.f16 %0, lo, hi;}" : "=h"(r) : "r"(h));
+    return h2f(r);
+}
 
 __device__ __forceinline__ u32 pick(const uint4& v, int p) {
     return p == 0 ? v.x : (p == 1 ? v.y : (p == 2 ? v.z : v.w));
@@ -63,8 +75,9 @@ __device__ __forceinline__ u32 pick(const uint4& v, int p) {
 constexpr u32 MAG0 = 0x4C004C00u;  // 16.0 twice: a code at bits 0-3 of a half reads 16 + c/64
 constexpr u32 MAG4 = 0x3C003C00u;  // 1.0 twice: a code at bits 4-7 of a half reads 1 + c/64
 
-__device__ __forceinline__ u32 zero0(u32 z) { return (0x4C00u | z) * 0x10001u; }
-__device__ __forceinline__ u32 zero4(u32 z) { return (0x3C00u | (z << 4)) * 0x10001u; }
+// The halves 16 + z/64 and 1 + z/64, twice (z < 16, so adding is or-ing: one integer multiply-add each).
+__device__ __forceinline__ u32 zero0(u32 z) { return z * 0x10001u + MAG0; }
+__device__ __forceinline__ u32 zero4(u32 z) { return z * 0x100010u + MAG4; }
 
 // A 2-bit stripe (one word, code i at bits 2i) -> v[j] = ((c_j - z)/64, (c_{j+8} - z)/64), j = 0..7, exact.
 // Only bits 0-1 and 4-5 of each half are taken, so three shifts serve all 16 codes.
@@ -112,7 +125,7 @@ struct Layer {
     const u32* qb;     // [N, S4]
     const u32* sc;     // [N, wsc]: 4-bit scale codes by 2-bit rank
     const u32* z2;     // [N, wz2]: 2-bit zeros by 2-bit rank
-    const u32* s2u;    // [N/g2, S2]
+    const float2* s2f; // [N/g2, S2]
     const u16* s4;     // [N, S4]
     const u32* z4;     // [N, wz4]: 4-bit zeros by 4-bit rank
     const u32* binfo;  // [K/64]
@@ -127,7 +140,7 @@ template <bool B4>
 struct RowBlock {
     uint4 a;
     u32 sc, z2;
-    u32 su[3];
+    float2 s2[3];
     u32 b, z4;
     u16 s4;
 };
@@ -143,9 +156,9 @@ __device__ __forceinline__ void load_row(const Layer& L, int row, int b, int r2,
         rb.z2 = shr64(ld_meta(pz + zw), ld_meta(pz + min(zw + 1, L.wz2 - 1)), 2 * (r2 & 15));
     }
     if (B4) {
-        const u32* pu = L.s2u + (long long)(row / L.g2) * L.S2 + r2;
+        const float2* pu = L.s2f + (long long)(row / L.g2) * L.S2 + r2;
 #pragma unroll
-        for (int i = 0; i < 3; ++i) rb.su[i] = ld_meta(pu + i);
+        for (int i = 0; i < 3; ++i) rb.s2[i] = ld_meta64(pu + i);
         const long long base = (long long)row * L.S4 + r4;
         rb.b = ld_meta(L.qb + base);
         rb.s4 = ld_meta16(L.s4 + base);
@@ -158,9 +171,9 @@ template <bool B4>
 __device__ __forceinline__ void decode_stripe(const Layer& L, const RowBlock<B4>& rb, int row, int i, int p, int n2,
                                               int r2, int r4, u32 (&v)[8], float& f) {
     if (i < n2) {
-        const u32 su = B4 ? rb.su[i < 3 ? i : 0] : ld_meta(L.s2u + (long long)(row / L.g2) * L.S2 + r2 + i);
+        const float2 s2 = B4 ? rb.s2[i < 3 ? i : 0] : ld_meta64(L.s2f + (long long)(row / L.g2) * L.S2 + r2 + i);
         const u32 c = (rb.sc >> (4 * i)) & 15u, z = (rb.z2 >> (2 * i)) & 3u;
-        f = (float)(c + (su >> 16)) * h2f((u16)(su & 0xFFFFu)) * 64.f;  // exact: (c + u) <= 30 times an fp16
+        f = fmaf((float)c, s2.x, s2.y);  // exact: 64·(c + u)·s2 with c + u <= 30 and s2 an fp16
         unpack2(pick(rb.a, p), zero0(z), zero4(z), v);
     } else {
         const int q = r4 + (i - n2);
@@ -182,13 +195,80 @@ __device__ __forceinline__ void decode_stripe(const Layer& L, const RowBlock<B4>
 
 constexpr int MAX_WARPS = 8;
 
+template <int ROWS, bool B4>
+__device__ __forceinline__ void load_block(const Layer& L, const int (&rows)[ROWS], int b, u32 info,
+                                           RowBlock<B4> (&rb)[ROWS]) {
+    const int r4 = (int)(info & 0xFFFFu);
+    const int n2 = B4 ? 3 : 4 - (int)((info >> 16) & 7u);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) load_row<B4>(L, rows[r], b, 4 * b - r4, r4, n2, rb[r]);
+}
+
+// One 64-channel block of ROWS rows: each stripe decoded for every row, then multiplied by each token's 16
+// activations (permuted once into the weights' pair order).
+template <int ROWS, int MT, bool B4>
+__device__ __forceinline__ void compute_block(const Layer& L, const int (&rows)[ROWS], int b, u32 info,
+                                              const RowBlock<B4> (&rb)[ROWS], const u16* __restrict__ x, int M,
+                                              float (&acc)[ROWS][MT]) {
+    const int r4 = (int)(info & 0xFFFFu);
+    const int n2 = B4 ? 3 : 4 - (int)((info >> 16) & 7u);
+    const int r2 = 4 * b - r4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int p = (int)((info >> (24 + 2 * i)) & 3u);
+        if constexpr (MT <= 2) {
+            // few tokens: the activations first, then one row at a time (8 weight registers live, not 8 per row)
+            u32 X[MT][8];
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const u16* xp = x + (long long)min(t, M - 1) * L.K + 64 * b + 16 * p;
+                xpairs(ld_dep_v4(xp), ld_dep_v4(xp + 8), X[t]);
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                u32 v[8];
+                float f;
+                decode_stripe<B4>(L, rb[r], rows[r], i, p, n2, r2, r4, v, f);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    u32 h = f16x2_mul(v[0], X[t][0]);
+#pragma unroll
+                    for (int j = 1; j < 8; ++j) h = h2fma(v[j], X[t][j], h);
+                    acc[r][t] += h2sum(h) * f;
+                }
+            }
+            continue;
+        }
+        u32 v[ROWS][8];
+        float f[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) decode_stripe<B4>(L, rb[r], rows[r], i, p, n2, r2, r4, v[r], f[r]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            const u16* xp = x + (long long)min(t, M - 1) * L.K + 64 * b + 16 * p;
+            u32 X[8];
+            xpairs(ld_dep_v4(xp), ld_dep_v4(xp + 8), X);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                u32 h = f16x2_mul(v[r][0], X[0]);
+#pragma unroll
+                for (int j = 1; j < 8; ++j) h = h2fma(v[r][j], X[j], h);
+                acc[r][t] += h2sum(h) * f[r];
+            }
+        }
+    }
+}
+
 // y[M, N] = x[M, K] . W^T (+ bias) for M <= MT tokens on CUDA cores. A block owns ROWS output rows; its threads
 // split K in 64-channel blocks (thread t takes blocks t, t + blockDim.x, ...) and reduce through shared memory.
-// A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a. FUSE adds the row's CSR outliers
-// before the reduction (else a second kernel, mixed_spmv, adds them to y).
-// Dependent launch: the weights of a thread's first block are requested before the wait for the kernel ahead,
-// whose output (x) is read after it, through coherent loads.
-template <int ROWS, int MT, bool B4, bool FUSE>
+// A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a.
+// PIPE: the next block's loads are issued before the current block's arithmetic (register double buffering), so
+// a thread with several blocks always has weights in flight.
+// FUSE adds the rows' CSR outliers before the reduction (else mixed_spmv adds them to y): each thread's first
+// outlier of each row (column and value) is loaded before the main loop, so only its activation is read after.
+// Dependent launch: the weights of a thread's first block and its outliers are requested before the wait for the
+// kernel ahead, whose output (x) is read after it, through coherent loads.
+template <int ROWS, int MT, bool B4, bool FUSE, bool PIPE>
 __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict__ rowptr,
                                           const u16* __restrict__ ocols, const u16* __restrict__ ovals,
                                           const u16* __restrict__ x, const u16* __restrict__ bias,
@@ -207,52 +287,81 @@ __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict_
         for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
 
     launch_dependents();
-    bool waited = false;
-    for (int b = threadIdx.x; b < nblk; b += blockDim.x) {
-        const u32 info = ld_meta(L.binfo + b);
-        const int r4 = (int)(info & 0xFFFFu);
-        const int n2 = B4 ? 3 : 4 - (int)((info >> 16) & 7u);
-        const int r2 = 4 * b - r4;
-        RowBlock<B4> rb[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) load_row<B4>(L, rows[r], b, r2, r4, n2, rb[r]);
-        if (!waited) {
-            grid_dependency_wait();
-            waited = true;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int p = (int)((info >> (24 + 2 * i)) & 3u);
-            u32 v[ROWS][8];
-            float f[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) decode_stripe<B4>(L, rb[r], rows[r], i, p, n2, r2, r4, v[r], f[r]);
-#pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                const u16* xp = x + (long long)min(t, M - 1) * K + 64 * b + 16 * p;
-                u32 X[8];
-                xpairs(ld_dep_v4(xp), ld_dep_v4(xp + 8), X);
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    u32 h = f16x2_mul(v[r][0], X[0]);
-#pragma unroll
-                    for (int j = 1; j < 8; ++j) h = h2fma(v[r][j], X[j], h);
-                    acc[r][t] += h2sum(h) * f[r];
-                }
-            }
-        }
-    }
-    if (!waited) grid_dependency_wait();
+    u32 ocv[ROWS];  // column | value << 16 of this thread's first outlier of each row
+    u32 omask = 0, omore = 0;
     if (FUSE) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            if (row0 + r >= N) continue;
-            const int e1 = rowptr[row0 + r + 1];
-            for (int e = rowptr[row0 + r] + threadIdx.x; e < e1; e += blockDim.x) {
-                const int col = ocols[e];
-                const float val = h2f(ovals[e]);
+            ocv[r] = 0;
+            if (row0 + r < N) {
+                const int e0 = rowptr[row0 + r], e1 = rowptr[row0 + r + 1];
+                const int e = e0 + threadIdx.x;
+                if (e < e1) {
+                    ocv[r] = (u32)ocols[e] | ((u32)ovals[e] << 16);
+                    omask |= 1u << r;
+                }
+                if (e1 - e0 > (int)blockDim.x) omore |= 1u << r;
+            }
+        }
+    }
+
+    int b = threadIdx.x;
+    if (PIPE) {
+        u32 info = 0;
+        RowBlock<B4> rb[ROWS];
+        if (b < nblk) {
+            info = ld_meta(L.binfo + b);
+            load_block<ROWS, B4>(L, rows, b, info, rb);
+        }
+        grid_dependency_wait();
+        for (; b < nblk; b += blockDim.x) {
+            const int bn = b + blockDim.x;
+            u32 ninfo = 0;
+            RowBlock<B4> nb[ROWS];
+            if (bn < nblk) {
+                ninfo = ld_meta(L.binfo + bn);
+                load_block<ROWS, B4>(L, rows, bn, ninfo, nb);
+            }
+            compute_block<ROWS, MT, B4>(L, rows, b, info, rb, x, M, acc);
+            info = ninfo;
 #pragma unroll
-                for (int t = 0; t < MT; ++t) acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
+            for (int r = 0; r < ROWS; ++r) rb[r] = nb[r];
+        }
+    } else {
+        bool waited = false;
+        for (; b < nblk; b += blockDim.x) {
+            const u32 info = ld_meta(L.binfo + b);
+            RowBlock<B4> rb[ROWS];
+            load_block<ROWS, B4>(L, rows, b, info, rb);
+            if (!waited) {
+                grid_dependency_wait();
+                waited = true;
+            }
+            compute_block<ROWS, MT, B4>(L, rows, b, info, rb, x, M, acc);
+        }
+        if (!waited) grid_dependency_wait();
+    }
+    if (FUSE) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (!((omask >> r) & 1u)) continue;
+            const int col = (int)(ocv[r] & 0xFFFFu);
+            const float val = h2f((u16)(ocv[r] >> 16));
+#pragma unroll
+            for (int t = 0; t < MT; ++t) acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
+        }
+        if (omore) {  // rows with more outliers than threads
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (!((omore >> r) & 1u)) continue;
+                const int e1 = rowptr[row0 + r + 1];
+                for (int e = rowptr[row0 + r] + threadIdx.x + blockDim.x; e < e1; e += blockDim.x) {
+                    const int col = ocols[e];
+                    const float val = h2f(ovals[e]);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t)
+                        acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
+                }
             }
         }
     }
@@ -280,31 +389,32 @@ __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict_
     }
 }
 
-// Entry points: mixed_gemv_r{rows per block}_m{token slots}_b{1: one 4-bit stripe per block}_f{fused outliers}.
-#define MIXED_GEMV_ENTRY(ROWS, MT, B4, FUSE)                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS) mixed_gemv_r##ROWS##_m##MT##_b##B4##_f##FUSE(   \
-        const u32* qa, const u32* qb, const u32* sc, const u32* z2, const u32* s2u, const u16* s4, const u32* z4,  \
-        const u32* binfo, const int* rowptr, const u16* ocols, const u16* ovals, const u16* x, const u16* bias,   \
-        u16* y, int M, int N, int K, int S2, int S4, int wsc, int wz2, int wz4, int g2) {                          \
-        const Layer L{qa, qb, sc, z2, s2u, s4, z4, binfo, N, K, S2, S4, wsc, wz2, wz4, g2};                      \
-        gemv_body<ROWS, MT, (B4 != 0), (FUSE != 0)>(L, rowptr, ocols, ovals, x, bias, y, M);                      \
+// Entry points: mixed_gemv_r{rows per block}_m{token slots}_b{1: one 4-bit stripe per block}_f{fused outliers}
+// _p{next block's loads ahead of the arithmetic}.
+#define MIXED_GEMV_ENTRY(ROWS, MT, B4, FUSE, PIPE)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS)                                                 \
+        mixed_gemv_r##ROWS##_m##MT##_b##B4##_f##FUSE##_p##PIPE(                                                  \
+            const u32* qa, const u32* qb, const u32* sc, const u32* z2, const float2* s2f, const u16* s4,        \
+            const u32* z4, const u32* binfo, const int* rowptr, const u16* ocols, const u16* ovals, const u16* x, \
+            const u16* bias, u16* y, int M, int N, int K, int S2, int S4, int wsc, int wz2, int wz4, int g2) {    \
+        const Layer L{qa, qb, sc, z2, s2f, s4, z4, binfo, N, K, S2, S4, wsc, wz2, wz4, g2};                      \
+        gemv_body<ROWS, MT, (B4 != 0), (FUSE != 0), (PIPE != 0)>(L, rowptr, ocols, ovals, x, bias, y, M);         \
     }
 
-#define MIXED_GEMV_FOUR(ROWS, MT)       \
-    MIXED_GEMV_ENTRY(ROWS, MT, 1, 1)    \
-    MIXED_GEMV_ENTRY(ROWS, MT, 1, 0)    \
-    MIXED_GEMV_ENTRY(ROWS, MT, 0, 1)    \
-    MIXED_GEMV_ENTRY(ROWS, MT, 0, 0)
+#define MIXED_GEMV_FOUR(MT, PIPE)             \
+    MIXED_GEMV_ENTRY(4, MT, 1, 1, PIPE)       \
+    MIXED_GEMV_ENTRY(4, MT, 1, 0, PIPE)       \
+    MIXED_GEMV_ENTRY(4, MT, 0, 1, PIPE)       \
+    MIXED_GEMV_ENTRY(4, MT, 0, 0, PIPE)
 
-MIXED_GEMV_FOUR(4, 1)
-MIXED_GEMV_FOUR(4, 2)
-MIXED_GEMV_FOUR(4, 4)
-MIXED_GEMV_FOUR(4, 8)
-MIXED_GEMV_FOUR(4, 16)
-MIXED_GEMV_ENTRY(2, 1, 1, 1)
-MIXED_GEMV_ENTRY(2, 1, 1, 0)
-MIXED_GEMV_ENTRY(8, 1, 1, 1)
-MIXED_GEMV_ENTRY(8, 1, 1, 0)
+MIXED_GEMV_FOUR(1, 0)
+MIXED_GEMV_FOUR(1, 1)
+
+
+MIXED_GEMV_FOUR(2, 0)
+MIXED_GEMV_FOUR(4, 0)
+MIXED_GEMV_FOUR(8, 0)
+MIXED_GEMV_FOUR(16, 0)
 
 // y[t, n] += Σ outliers of row n · x[t, col], for the unfused GEMV (and the paper's separate SpMV): one warp per
 // row. It reads y, written by the kernel ahead, after the dependency wait, through coherent loads.
@@ -371,9 +481,9 @@ __device__ __forceinline__ void dequant_body(const Layer& L, u16* __restrict__ o
 
 #define MIXED_DEQUANT_ENTRY(B4)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) mixed_dequant_b##B4(                                       \
-        const u32* qa, const u32* qb, const u32* sc, const u32* z2, const u32* s2u, const u16* s4, const u32* z4,  \
+        const u32* qa, const u32* qb, const u32* sc, const u32* z2, const float2* s2f, const u16* s4, const u32* z4,  \
         const u32* binfo, u16* out, int N, int K, int S2, int S4, int wsc, int wz2, int wz4, int g2) {             \
-        const Layer L{qa, qb, sc, z2, s2u, s4, z4, binfo, N, K, S2, S4, wsc, wz2, wz4, g2};                      \
+        const Layer L{qa, qb, sc, z2, s2f, s4, z4, binfo, N, K, S2, S4, wsc, wz2, wz4, g2};                      \
         dequant_body<(B4 != 0)>(L, out);                                                                           \
     }
 

@@ -1,6 +1,6 @@
-"""Times the mixed-2-4-16 GEMV's variants at one token on random block4 layers (needs a CUDA GPU and cupy): rows per
-block x warps per block without outliers, fused vs separate outliers, dependent launches on and off, beside cuBLAS
-FP16 and the measured copy bandwidth, same process. Graph replays over rotated layers (qtool.bench.timing).
+"""Times the mixed-2-4-16 GEMV's variants on random block4 layers (needs a CUDA GPU and cupy): warps per block x
+the next block's loads ahead or not without outliers, fused vs separate outliers, dependent launches on and off,
+beside cuBLAS FP16 and the measured copy bandwidth, same process. Graph replays over rotated layers (qtool.bench.timing).
 
     python scripts/mixed_variants.py [--shapes 4096x4096,...] [--m 1]
 """
@@ -43,37 +43,35 @@ def main() -> None:
         outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in layers[0.0]]
         nbytes = layers[0.0][0].nbytes() + 2 * m * k + 2 * m * n
 
-        def run(frac, **kw):
+        def run(frac, layers=layers, xs=xs, outs=outs, **kw):
             return t([lambda p=p, x=x, o=o: mixed.gemv(x, p, out=o, **kw)
                       for p, x, o in zip(layers[frac], xs, outs, strict=True)])
 
         cells = []
         best = None
-        for rows in mixed.ROW_CHOICES.get(mixed.token_slots(m), (4,)):
-            for warps in (1, 2, 4, 8):
-                if warps > 1 and mixed.gemv_warps(k, warps) < warps:
-                    continue
-                us = run(0.0, rows=rows, warps=warps)
-                cells.append(f"r{rows}w{warps}={us:.2f}")
+        for warps in (1, 2, 4):
+            if warps > 1 and mixed.gemv_warps(k, warps) < warps:
+                continue
+            for pipe in ((False, True) if m == 1 else (False,)):
+                us = run(0.0, warps=warps, pipe=pipe)
+                cells.append(f"w{warps}{'p' if pipe else ''}={us:.2f}")
                 if best is None or us < best[0]:
-                    best = (us, rows, warps)
-        us, rows, warps = best
-        print(f"{k}x{n} M={m}: cuBLAS FP16 {fp16:.2f} us; best r{rows} w{warps} {us:.2f} us = {fp16 / us:.2f}x, "
-              f"{nbytes / us / 1e6:.2f} TB/s ({100 * nbytes / us / 1e6 / copy:.0f}% of copy)")
+                    best = (us, warps, pipe)
+        us, warps, pipe = best
+        print(f"{k}x{n} M={m}: cuBLAS FP16 {fp16:.2f} us; best w{warps}{'p' if pipe else ''} {us:.2f} us = "
+              f"{fp16 / us:.2f}x, {nbytes / us / 1e6:.2f} TB/s ({100 * nbytes / us / 1e6 / copy:.0f}% of copy)")
         print("   ", " ".join(cells))
         dflt = run(0.0)
         fused = run(0.002, outliers="fused")
         sep = run(0.002, outliers="spmv")
-        fused_best = run(0.002, outliers="fused", rows=rows, warps=warps)
         dependent_launch.ENABLED = False
         plain = run(0.0)
-        plain_out = run(0.002, outliers="spmv")
+        plain_fused = run(0.002, outliers="fused")
         dependent_launch.ENABLED = True
         nb2 = layers[0.002][0].nbytes() + 2 * m * k + 2 * m * n
         print(f"    default {dflt:.2f} us ({fp16 / dflt:.2f}x); 0.2% outliers fused {fused:.2f} ({fp16 / fused:.2f}x, "
-              f"{nb2 / fused / 1e6:.2f} TB/s) / at best rows+warps {fused_best:.2f} ({fp16 / fused_best:.2f}x) / "
-              f"separate spmv {sep:.2f} ({fp16 / sep:.2f}x); without dependent launch: {plain:.2f}, "
-              f"spmv {plain_out:.2f}")
+              f"{nb2 / fused / 1e6:.2f} TB/s) / separate spmv {sep:.2f} ({fp16 / sep:.2f}x); without dependent "
+              f"launch: {plain:.2f}, fused {plain_fused:.2f}")
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ class CudaCases:
         return mixed.Prepared(
             qweight_a=rint(n, k // 16), qweight_b=rint(n, s4), scale_codes=rint(n, -(-s2 // 8)),
             zeros2=rint(n, -(-s2 // 16)),
-            s2u=(s2nd.view(torch.int16).to(torch.int32) & 0xFFFF) | (u.to(torch.int32) << 16),
+            s2f=mixed.second_order_table(s2nd, u),
             scales4=(torch.rand(n, s4, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
             zeros4=rint(n, -(-s4 // 8)), binfo=binfo.to(self.dev), rowptr=rowptr,
             ocols=cols2[c2].to(torch.int16), ovals=self._randn(len(flat)) * 0.05,
@@ -190,7 +190,8 @@ class CudaCases:
         if m > mixed.GEMV_MAX_M:
             dispatched = "mixed-dq+cublas"
         else:
-            dispatched = "mixed-gemv" if mixed.OUTLIERS == "fused" or outlier_fraction == 0 else "mixed-gemv+spmv"
+            fused = mixed.outlier_mode() == "fused"
+            dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"
         nbytes = self._mixed_layer(k, n, outlier_fraction).nbytes() + 2 * m * k + 2 * m * n
         return cands, dispatched, nbytes
 

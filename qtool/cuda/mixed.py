@@ -11,7 +11,8 @@ Paths, chosen per call from the token count M and the activation dtype:
 
 The checkpoint tensors are used in place; preparation adds two small tables: `binfo` (per 64-channel block: the
 rank of its first 4-bit stripe, its number of 4-bit stripes and the positions of its stripes, 4 bytes per 64
-input channels) and `s2u` (each second-order group's fp16 scale and 4-bit zero in one 32-bit word, one load).
+input channels) and `s2f` (per second-order group, 64·s2 and 64·u·s2 in float32, so a first-order scale is one
+exact fma: 8 bytes per 16 rows of a 2-bit stripe).
 """
 
 from __future__ import annotations
@@ -28,12 +29,21 @@ SOURCE = "mixed_gemv.cu"
 LAYOUT = "mixed-2-4-16"
 GEMV_MAX_M = 16
 TOKEN_SLOTS = (1, 2, 4, 8, 16)  # the GEMV's builds: M is rounded up to one of these
-ROW_CHOICES = {1: (2, 4, 8)}  # rows per block built per token-slot count (others: 4)
+ROWS = 4  # output rows per block: must match the entries of kernels/mixed_gemv.cu
 MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed_gemv.cu
-# Tuning defaults; the bench's variant sweep overrides them.
-GEMV_ROWS = cc.env_int("QTOOL_MIXED_ROWS", 4)
-GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 4)  # at most; fewer where K has fewer 64-channel blocks
-OUTLIERS = "fused"  # or "spmv"
+# Warps per block (at most; fewer where K has fewer 64-channel blocks). At one token, 2 warps of 4-row blocks beat 1
+# and 4 warps and 2- and 8-row blocks at 4096x4096, 4096x11008, 11008x4096 and 8192x28672 on an H100, and 1 and 4
+# warps on an H200 (tied with 1 at 8192x28672; kernels/NOTES.md).
+GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
+# 1: at one token, the next block's loads go ahead of the current block's arithmetic where a thread has several
+# blocks; 0 (default): never; -1: where a thread has PIPE_MIN_BLOCKS_PER_THREAD blocks or more. On an H200 it
+# helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
+GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
+PIPE_MIN_BLOCKS_PER_THREAD = 2
+# "fused" or "spmv". On an H200 at one token with 0.2% outliers, fused 6.32 / 15.22 / 14.48 / 59.54 us at
+# 4096x4096 / 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.97 / 17.48 / 16.97 / 60.99 as a second kernel
+# (kernels/NOTES.md).
+OUTLIERS = "fused"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
 
 
@@ -45,7 +55,7 @@ class Prepared:
     qweight_b: torch.Tensor
     scale_codes: torch.Tensor
     zeros2: torch.Tensor
-    s2u: torch.Tensor  # int32 [N/g2, S2]
+    s2f: torch.Tensor  # float32 [N/g2, S2, 2]: 64·s2, 64·u·s2
     scales4: torch.Tensor
     zeros4: torch.Tensor
     binfo: torch.Tensor  # int32 [K/64]
@@ -63,7 +73,7 @@ class Prepared:
 
     def layer_args(self) -> tuple:
         p = self
-        return (cc.ptr(p.qweight_a), cc.ptr(p.qweight_b), cc.ptr(p.scale_codes), cc.ptr(p.zeros2), cc.ptr(p.s2u),
+        return (cc.ptr(p.qweight_a), cc.ptr(p.qweight_b), cc.ptr(p.scale_codes), cc.ptr(p.zeros2), cc.ptr(p.s2f),
                 cc.ptr(p.scales4), cc.ptr(p.zeros4), cc.ptr(p.binfo))
 
     def shape_args(self) -> tuple:
@@ -74,7 +84,7 @@ class Prepared:
 
     def nbytes(self) -> int:
         """Bytes a GEMV reads of the layer (what it streams and what it looks up)."""
-        ts = (self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2u, self.scales4, self.zeros4,
+        ts = (self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2f, self.scales4, self.zeros4,
               self.binfo, self.rowptr, self.ocols, self.ovals)
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -123,16 +133,21 @@ def prepare(layout) -> Prepared:
         qa = qa.clone()
     binfo, block4 = block_info(layout.stripe_bits)
     s2 = int(layout.scales_2nd.shape[1])
-    s2u = ((layout.scales_2nd.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF)
-           | (layout.zeros_2nd.to(torch.int32) << 16))
+    s2f = second_order_table(layout.scales_2nd, layout.zeros_2nd)
     s4 = int(layout.scales4.shape[1])
     return Prepared(
         qweight_a=qa, qweight_b=on(layout.qweight_b), scale_codes=on(layout.scale_codes), zeros2=on(layout.zeros2),
-        s2u=on(s2u), scales4=on(layout.scales4), zeros4=on(layout.zeros4), binfo=on(binfo),
+        s2f=on(s2f), scales4=on(layout.scales4), zeros4=on(layout.zeros4), binfo=on(binfo),
         rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols), ovals=on(layout.outlier_values),
         in_features=k, out_features=n, scale_group_size=layout.scale_group_size, s2=s2, s4=s4, block4=block4,
         nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr(),
     )
+
+
+def second_order_table(scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> torch.Tensor:
+    """(64·s2, 64·u·s2) in float32 [N/g2, S2, 2]: both exact (u <= 15 times an fp16 times a power of two)."""
+    s2 = scales_2nd.to(torch.float32) * 64
+    return torch.stack([s2, zeros_2nd.to(torch.float32) * s2], dim=-1).contiguous()
 
 
 def _x2(x: torch.Tensor, p: Prepared) -> torch.Tensor:
@@ -180,28 +195,45 @@ def spmv(x2: torch.Tensor, p: Prepared, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def use_pipe(k: int, mt: int, warps: int, pipe: bool | None = None) -> bool:
+    """Whether the GEMV keeps the next block's loads ahead of the arithmetic (built for one token only)."""
+    if pipe is not None:
+        if pipe and mt != 1:
+            raise ValueError(f"pipe: found True for {mt} token slots, expected it only for one token")
+        return pipe
+    if mt != 1:
+        return False
+    if GEMV_PIPE >= 0:
+        return bool(GEMV_PIPE)
+    return k // 64 >= PIPE_MIN_BLOCKS_PER_THREAD * 32 * warps
+
+
+def outlier_mode(outliers: str | None = None) -> str:
+    """How the GEMV adds the outliers: "fused" or "spmv" (`outliers`, by default OUTLIERS)."""
+    mode = OUTLIERS if outliers is None else outliers
+    if mode not in ("fused", "spmv"):
+        raise ValueError(f"outliers: found {mode!r}, expected fused or spmv")
+    return mode
+
+
 def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         outliers: str | None = None, rows: int | None = None, warps: int | None = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel)."""
+         outliers: str | None = None, warps: int | None = None, pipe: bool | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
+    `warps` and `pipe` override the tuned choices."""
     lead = x.shape[:-1]
     x2 = _x2(x, p)
     m = x2.shape[0]
     mt = token_slots(m)
-    outliers = OUTLIERS if outliers is None else outliers
-    if outliers not in ("fused", "spmv"):
-        raise ValueError(f"outliers: found {outliers!r}, expected fused or spmv")
-    rows = (GEMV_ROWS if mt == 1 else 4) if rows is None else rows
-    if rows not in ROW_CHOICES.get(mt, (4,)):
-        raise ValueError(f"rows: found {rows} for {mt} token slots, expected one of {ROW_CHOICES.get(mt, (4,))}")
-    if not p.block4 and rows != 4:
-        rows = 4  # the general-assignment entries are built with 4 rows only
+    outliers = outlier_mode(outliers)
     w = gemv_warps(p.in_features, warps)
+    piped = use_pipe(p.in_features, mt, w, pipe)
     out = cc.f16_out(out, (m, p.out_features), x.device)
     dev = cc.device_index(x.device)
     fuse = outliers == "fused" and p.nnz > 0
-    fn = cc.load_module(SOURCE, device=dev).fn(f"mixed_gemv_r{rows}_m{mt}_b{int(p.block4)}_f{int(fuse)}")
+    name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+    fn = cc.load_module(SOURCE, device=dev).fn(name)
     dependent_launch.launch(
-        fn, (-(-p.out_features // rows),), (32 * w,),
+        fn, (-(-p.out_features // ROWS),), (32 * w,),
         (*p.layer_args(), cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(_bias(bias, p)),
          cc.ptr(out), cc.i32(m), *p.shape_args()),
         device=dev,

@@ -115,6 +115,9 @@ def test_gemv_odd_shapes(assign, fraction, nkg):
     for m in MS:
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers=outliers)
+    for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them), with and without the prefetch
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=True)
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=False)
 
 
 @pytest.mark.parametrize("nkg", REAL)
@@ -126,9 +129,10 @@ def test_gemv_real_shapes(nkg):
     for m in (1, 2, 4, 8, 16):
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, outliers=outliers)
-    for rows in (2, 4, 8):
-        for warps in (1, 2, 4, 8):
-            _check(layer, p, 1, seed, rows=rows, warps=warps)
+    for warps in (1, 2, 4, 8):
+        for pipe in (False, True):
+            for outliers in ("fused", "spmv"):
+                _check(layer, p, 1, seed, warps=warps, pipe=pipe, outliers=outliers)
 
 
 def test_dequantize_matches_the_reference_cast_bit_for_bit():
@@ -138,7 +142,7 @@ def test_dequantize_matches_the_reference_cast_bit_for_bit():
         layer = random_mixed(48, 1088, 16, assign, 0.01, 7)
         p = _prep(layer)
         dense = synced(mixed.dequantize(p, outliers=False)).cpu()
-        assert torch.equal(dense, layer.layout.dense().half()), assign
+        assert torch.equal(dense, layer.cpu_layout().dense().half()), assign
         full = synced(mixed.dequantize(p)).double().cpu()
         err = rel_err(full, layer.dequantize(torch.float32).double())
         assert err < 1e-3, f"{assign}: {err:.2e}"
