@@ -48,6 +48,13 @@ def test_mixed_rows_beside_the_grouped_int_rows():
     assert report["config"]["mixed_outliers"] == [0.0, 0.002]
 
 
+def test_no_mixed_rows_where_the_shape_has_no_whole_blocks():
+    cfg = kb.KernelBenchConfig(shapes=[(4096, 1000), (4100, 4096)], ms=[1], bits=[4], group_sizes=[128], warmup=3,
+                               iters=50, mixed_outliers=[0.0])
+    report = kb.run_kernel_bench(cfg, MixedCases(), MixedTimer())
+    assert [r.get("layout") for r in report["results"]] == [None, None]
+
+
 def test_mixed_fraction_option():
     assert _fractions("0,0.002") == [0.0, 0.002]
     assert _fractions("none-rows") == []

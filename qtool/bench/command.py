@@ -76,8 +76,8 @@ def bench() -> None:
 @click.option("--w4a8", "w4a8", default="ch,128", show_default=True,
               help="Group sizes of the qoq W4A8 rows ('ch': per-channel; 'none-rows' or empty: no W4A8 rows).")
 @click.option("--mixed", "mixed", default="0,0.002", show_default=True,
-              help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16), comma-separated; "
-                   "'none-rows' or empty: no mixed rows.")
+              help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
+                   "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")

@@ -169,7 +169,8 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 # weight bytes as an asymmetric 4-bit layer's (the group words stand in for scales and zeros)
                 rows.append(measure(4, gs, False, list(W4A8_PATHS), W4A8_PATHS[0],
                                     lambda p, gs=gs: cases.w4a8(k, n, m, gs, p)))  # noqa: B023
-            for frac in cfg.mixed_outliers:
+            # the bench's mixed layers: 64-channel blocks with one 4-bit stripe each, second-order groups of 16 rows
+            for frac in cfg.mixed_outliers if k % 64 == 0 and n % 16 == 0 else []:
                 # bits 2, group size 16: the layout's 2-bit groups (its 4-bit stripes and outliers are in `layout`)
                 paths, dispatched, nbytes = cases.mixed_paths(k, n, m, frac)
                 row = measure(2, 16, False, paths, dispatched,
