@@ -49,7 +49,7 @@ MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
 
 @dataclass
 class Prepared:
-    """Device-side view of one layer, ready for the kernels (the checkpoint tensors plus binfo and s2u)."""
+    """Device-side view of one layer, ready for the kernels (the checkpoint tensors plus binfo and s2f)."""
 
     qweight_a: torch.Tensor
     qweight_b: torch.Tensor
