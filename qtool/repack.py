@@ -45,6 +45,10 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
     for cfg in layers.values():
         if "bits" in cfg:
             key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        elif cfg.get("format") == "vq":  # VQ-LLM's notation, y written as index bits
+            scope = ("tensor" if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
+                     else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}")
+            key = f"vq VQ<{cfg['vector_size']},{cfg['index_bits']},{cfg['residuals']}> {scope}"
         else:  # mixed-2-4-16: the width varies per stripe
             key = f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
         if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key

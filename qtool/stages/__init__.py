@@ -24,6 +24,7 @@ def _load_builtin() -> None:
         rtn,
         smooth,
         smooth_attention,
+        vq,
     )
 
 

@@ -17,6 +17,7 @@ from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.packing.mixed import MixedWeight
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import QuikWeight
+from qtool.packing.vq import VQWeight
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
 
@@ -47,7 +48,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight
+    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight | VQWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
