@@ -97,6 +97,8 @@ def check_stages(recipe: Recipe, config) -> None:
     """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
     for spec in recipe.stages:
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+        if recipe.calibration is not None:
+            spec.stage.check_calibration(recipe.calibration, f"{recipe.path}:stages[{spec.stage.index}]")
     # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
     adapter = adapter_for(getattr(config, "architectures", None))
     if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):

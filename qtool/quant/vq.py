@@ -204,3 +204,46 @@ def vq_gptq(weight: torch.Tensor, hessian: torch.Tensor, vector_size: int, entri
                     err1[:, j] = e
             w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     return VQOutput(codes, books, q)
+
+
+def kmeans_batched(x: torch.Tensor, entries: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """Unweighted k-means of `P` independent sets of vectors `x` [P, n, d] at once (CQ's codebooks: one per KV
+    head and channel group), with the initialisation, empty-entry and stopping rules of `kmeans`. Returns
+    [P, E, d]."""
+    p, n, d = x.shape
+    if n < entries:
+        raise ValueError(f"k-means of {n} vectors into {entries} entries")
+    perm = torch.stack([torch.randperm(n, generator=generator)[:entries] for _ in range(p)]).to(x.device)
+    c = torch.gather(x, 1, perm[..., None].expand(-1, -1, d))
+    base = (torch.arange(p, device=x.device) * entries)[:, None]
+    prev = None
+    for _ in range(iters):
+        idx, err = nearest_batched(x, c)
+        if prev is not None and torch.equal(idx, prev):
+            break
+        prev = idx
+        flat = (idx + base).reshape(-1)
+        num = torch.zeros(p * entries, d, dtype=x.dtype, device=x.device).index_add_(0, flat, x.reshape(-1, d))
+        cnt = torch.bincount(flat, minlength=p * entries).to(x.dtype)[:, None]
+        new = (num / cnt.clamp_min(1)).reshape(p, entries, d)
+        filled = (cnt > 0).reshape(p, entries, 1)
+        c = torch.where(filled, new, c)
+        for i in (~filled[..., 0]).any(dim=1).nonzero().flatten().tolist():
+            empty = (~filled[i, :, 0]).nonzero().flatten()
+            worst = torch.argsort(err[i], descending=True, stable=True)[:empty.numel()]
+            c[i, empty] = x[i, worst]
+    return c
+
+
+def nearest_batched(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [P, n], squared error [P, n]) of the nearest entry of c [P, E, d] to each vector of x [P, n, d]."""
+    p, n, _ = x.shape
+    idx = torch.empty(p, n, dtype=torch.int64, device=x.device)
+    err = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    step = max(1, _CHUNK_ELEMENTS // max(p * c.shape[1], 1))
+    c2 = c.pow(2).sum(-1)[:, None, :]
+    for s in range(0, n, step):
+        xs = x[:, s:s + step]
+        dist = xs.pow(2).sum(-1, keepdim=True) - 2 * torch.bmm(xs, c.transpose(1, 2)) + c2
+        err[:, s:s + step], idx[:, s:s + step] = dist.min(dim=-1)
+    return idx, err

@@ -25,6 +25,7 @@ def _load_builtin() -> None:
         smooth,
         smooth_attention,
         vq,
+        vq_kv,
     )
 
 

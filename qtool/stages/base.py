@@ -78,6 +78,11 @@ class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses 
         RecipeError naming `where`."""
         return None
 
+    def check_calibration(self, calibration, where: str) -> None:
+        """Refuse calibration settings (the recipe's CalibrationSpec) too small for what this stage fits from them;
+        raise RecipeError naming `where`. Runs before any weight is loaded."""
+        return None
+
 
 class QuantizerStage(Stage):
     """Chooses the representation of each targeted linear and produces its packed layer."""
