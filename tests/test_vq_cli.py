@@ -128,6 +128,8 @@ def _kv(text: str) -> str:
                                                                  "    entries: 128\n  - stage: vq\n"),
      ["stages[0].entries: found 128", "calibration holds 64 tokens", "num_samples 1 x seq_len 64", "at least 128"]),
     (_kv("    preset: cq-8\n").replace("    preset: cq-2\n", ""), ["stages[0].preset: found 'cq-8'"]),
+    (RECIPE.replace("stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n"),
+     ["stages[1]: vq_kv sets the model's kv_cache scheme, as stages[0] (kv_cache) does"]),
 ])
 def test_bad_recipes(tmp_path, no_work, text, words):
     r = write_recipe(tmp_path / "r.yaml", text)
