@@ -78,13 +78,18 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
             t = tensors[f"model.layers.{i}.self_attn.kv_codebooks.{f}"]
             assert t.dtype == torch.float16 and t.shape == (4, 2, 16, 4)
 
-    pack = run_cli(["pack", out, "--json"])
+    # Re-packed (sharded), the checkpoint keeps its KV cache scheme and computes the same.
+    pack = run_cli(["pack", out, "-o", tmp_path / "repacked", "--max-shard-size", "100KB", "--json"])
     assert pack.exit_code == 0, pack.output
     assert json.loads(pack.stdout)["layouts"] == {"vq VQ<2,4,1> tile 32x64": 35}
+    again = json.loads((tmp_path / "repacked" / "config.json").read_text())["quantization_config"]
+    assert again["kv_cache"] == qcfg["kv_cache"]
 
-    ev = run_cli(["eval", out, "--text", TINY_SAMPLE, "--seq-len", 64, "--windows", 4, "--json"])
+    ev = run_cli(["eval", out, tmp_path / "repacked", "--text", TINY_SAMPLE, "--seq-len", 64, "--windows", 4,
+                  "--json"])
     assert ev.exit_code == 0, ev.output
-    ppl = json.loads(ev.stdout)["perplexity"]
+    ppl, ppl_repacked = (m["perplexity"] for m in json.loads(ev.stdout)["models"])
+    assert ppl_repacked == ppl
     assert math.isfinite(ppl) and 1 < ppl < 512
     # The loaded checkpoint (codes, codebooks, the KV cache's codebooks) computes what the pipeline's model did.
     assert ppl == pytest.approx(summary["eval"]["quantized"]["perplexity"], rel=1e-4)
