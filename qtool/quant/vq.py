@@ -26,18 +26,20 @@ def _chunks(n: int, entries: int) -> range:
     return range(0, n, step)
 
 
-def distances(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor) -> torch.Tensor:
+def distances(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """Weighted squared distances [n, E] of vectors `x` [n, d] (per-dimension weights `w` [n, d] or [d], or None
-    for 1) to the entries `codebook` [E, d]."""
+    for 1) to the entries `codebook` [E, d]. Without `exact` the per-vector constant Σ w x² is left out (the
+    argmin over entries is the same)."""
     if w is None:
         w = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     wx = w * x
-    # Σ w(x - c)² = Σ w x² - 2 Σ (w x) c + Σ w c²; the first term does not change the argmin but is kept so the
-    # values are the errors themselves (beam search compares them across candidates).
-    d = (wx * x).sum(-1, keepdim=True) - 2 * wx @ codebook.T
-    if w.dim() == 1:
-        return d + (codebook.pow(2) @ w)[None, :]
-    return d + w @ codebook.pow(2).T
+    # Σ w(x - c)² = Σ w x² - 2 Σ (w x) c + Σ w c²: the two terms that depend on the entry are one matmul with
+    # inner dimension 2d (a matmul of inner dimension d, then an add over [n, E], costs twice the memory passes).
+    wn = w.expand_as(x)
+    d = torch.cat([wx, wn], dim=1) @ torch.cat([-2 * codebook, codebook.pow(2)], dim=1).T
+    if exact:
+        d += (wx * x).sum(-1, keepdim=True)
+    return d
 
 
 def nearest(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +51,9 @@ def nearest(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor) -> 
     for s in _chunks(n, codebook.shape[0]):
         e = min(s + max(1, _CHUNK_ELEMENTS // codebook.shape[0]), n)
         wi = None if w is None else (w if w.dim() == 1 else w[s:e])
-        err[s:e], idx[s:e] = distances(x[s:e], wi, codebook).min(dim=1)
+        err[s:e], idx[s:e] = distances(x[s:e], wi, codebook, exact=False).min(dim=1)
+    ww = torch.ones_like(x) if w is None else w.expand_as(x)
+    err += (ww * x * x).sum(-1)
     return idx, err
 
 
