@@ -245,9 +245,11 @@ def nearest_batched(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, tor
     idx = torch.empty(p, n, dtype=torch.int64, device=x.device)
     err = torch.empty(p, n, dtype=x.dtype, device=x.device)
     step = max(1, _CHUNK_ELEMENTS // max(p * c.shape[1], 1))
-    c2 = c.pow(2).sum(-1)[:, None, :]
+    # As in `distances`: the entry-dependent terms -2 x·c + |c|² as one batched matmul of inner dimension d + 1.
+    rhs = torch.cat([-2 * c, c.pow(2).sum(-1, keepdim=True)], dim=-1).transpose(1, 2)
     for s in range(0, n, step):
         xs = x[:, s:s + step]
-        dist = xs.pow(2).sum(-1, keepdim=True) - 2 * torch.bmm(xs, c.transpose(1, 2)) + c2
-        err[:, s:s + step], idx[:, s:s + step] = dist.min(dim=-1)
+        lhs = torch.cat([xs, torch.ones_like(xs[..., :1])], dim=-1)
+        err[:, s:s + step], idx[:, s:s + step] = torch.bmm(lhs, rhs).min(dim=-1)
+    err += x.pow(2).sum(-1)
     return idx, err
