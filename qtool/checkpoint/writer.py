@@ -24,6 +24,9 @@ from qtool.packing.grouped_int import GroupedIntWeight
 def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor to store: packed fields as they are, other floating tensors in `dtype`; tied weights once."""
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
+    # Modules that mark themselves `stored_as_is` (the KV cache's float16 codebooks) keep their buffers' dtype.
+    packed_fields |= {f"{mname}.{b}" for mname, mod in model.named_modules() if getattr(mod, "stored_as_is", False)
+                      for b, _ in mod.named_buffers(recurse=False)}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
