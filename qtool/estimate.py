@@ -83,6 +83,8 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     blocks = adapter.blocks(meta)
     block_params = _numel(blocks[0].parameters())
     all_params = _numel(meta.parameters())
+    if getattr(config, "tie_word_embeddings", False):  # the head is the embedding
+        all_params -= _numel(meta.get_output_embeddings().parameters())
     outer_params = all_params - block_params * len(blocks)
     hidden = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) or 4 * hidden
@@ -110,12 +112,12 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     if mode == "whole":
         model_c = all_params * dsize
         loop_host = model_c + (0 if on_gpu else acts + hessian + forward + block)
-        write_host = model_c + (out_bytes or 0) + 2 * shard
+        write_host = model_c + (out_bytes or 0) + shard
     else:
         loop_host = outer_c + block + (0 if on_gpu else block + acts + hessian + forward)
-        write_host = outer_c + outer_o + 2 * shard
+        write_host = outer_o + shard  # the float modules are dropped once the checkpoint's copies are made
     terms = {"process": base, "outside_blocks": outer_c, "one_block": block, "activations": acts,
-             "hessians_and_solver": hessian, "forward": forward, "write_shard": 2 * shard}
+             "hessians_and_solver": hessian, "forward": forward, "write_shard": shard}
     host = base + max(loop_host, write_host)
     gpu = block * 2 + acts + hessian + forward if on_gpu else None
     seconds = _seconds(device, dtype, len(blocks), block_params, widths, samples, seq, hidden) if timing else None

@@ -132,15 +132,19 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             block.to(device)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
+            linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
             install_packed(block, packed, prefix)
             tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
-            linears = {full: layer_summary(layout, getattr(block.get_submodule(full.removeprefix(prefix + ".")),
-                                                           "bias", None) is not None)
-                       for full, layout in packed.items()}
-            work.commit(i, tensors, {"records": mine, "linears": linears}, inputs if i < run.last_needing else None)
+            summaries = {full: layer_summary(layout, linears[full].bias is not None) for full, layout in packed.items()}
+            work.commit(i, tensors, {"records": mine, "linears": summaries}, inputs if i < run.last_needing else None)
             records.extend(mine)
+            # The packed modules hold their layouts outside their parameters: put the linears back, so that
+            # dropping the block to the meta device frees everything it held.
+            for full, linear in linears.items():
+                parent, _, child = full.removeprefix(prefix + ".").rpartition(".")
+                setattr(block.get_submodule(parent), child, linear)
             release(block)
-            del tensors, packed
+            del tensors, packed, linears
             progress.advance(i + 1)
         timings["quantize_s"] = time.perf_counter() - t
     except KeyboardInterrupt:
@@ -157,6 +161,8 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     load_outer(skeleton, adapter, reader, dtype)
     reader.close()
     outer = collect_tensors(skeleton, {}, original_dtype, skip=adapter.blocks_path)
+    config = skeleton.config.to_dict()
+    release(skeleton)  # the writer takes `outer`, in the checkpoint's dtype
     summaries = {name: s for done in work.blocks for name, s in done["linears"].items()}
     packed = {name: LayerSummary(s) for name, s in sorted(summaries.items())}
     layers = {name: p.layer_config(False) for name, p in packed.items()}
@@ -166,5 +172,5 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, skeleton.config.to_dict(),
+    return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, config,
                     prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start)

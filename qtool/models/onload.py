@@ -8,6 +8,7 @@ them, so a run from the skeleton computes bit for bit what a run on the whole lo
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from pathlib import Path
@@ -135,8 +136,27 @@ def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torc
 
 
 def release(module: nn.Module) -> None:
-    """Drop the parameters and buffers of `module` back to the meta device (its memory is freed)."""
+    """Drop the parameters and buffers of `module` back to the meta device, and hand the freed memory back."""
     module.to("meta")
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the system. glibc keeps freed blocks of a few MB in its heap (its mmap
+    threshold grows with the sizes freed), so without this a loop over blocks grows the resident set by about a
+    block per iteration (measured on SmolLM2: 400 MB to 720 MB over 30 blocks, back to 400 MB when trimmed)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim  # noqa: B018  (not glibc: no malloc_trim)
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
 
 
 def outer_modules(model: nn.Module, blocks_path: str) -> list[tuple[str, nn.Module, bool]]:
