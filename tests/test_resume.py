@@ -60,6 +60,14 @@ def reference(tmp_path_factory) -> dict[str, str]:
     return sha256s(recipe.parent / "out")
 
 
+def test_whole_model_run_writes_the_same_checkpoint(tmp_path, reference):
+    recipe = write_recipe(tmp_path)
+    res = run_cli(["quantize", recipe, "--whole-model", "-q", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["mode"] == "whole"
+    assert sha256s(tmp_path / "out") == reference
+
+
 def partial_of(folder: Path) -> Path:
     return folder / ".out.partial"
 
