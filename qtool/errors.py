@@ -74,3 +74,10 @@ class NotImplementedYet(QtoolError):
 
     exit_code = EXIT_NOT_IMPLEMENTED
     kind = "not_implemented"
+
+
+class Interrupted(QtoolError):
+    """Ctrl-C after some work was kept for a later `--resume` (the message says where and how to go on)."""
+
+    exit_code = EXIT_INTERRUPTED
+    kind = "interrupted"

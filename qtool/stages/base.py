@@ -177,12 +177,28 @@ class BlockContext:
 
 class TransformStage(Stage):
     """Rewrites the float model without changing what it computes (up to float error), before the quantizers see
-    it: `apply_model` once on the whole model (weights only), then `apply_block` on each decoder block with its
-    calibration inputs, in recipe order, before that block's linears are quantized. `needs_calibration`: whether
+    it: `apply_outer` once before the block loop, on what lies outside the decoder blocks; then, as each block is
+    loaded, `apply_block_weights` (weights only) and `apply_block` (with the block's calibration inputs), in recipe
+    order, before that block's linears are quantized. The split lets a run that reads one block at a time from the
+    weight files (the others stay on the meta device) transform the model as it goes. `needs_calibration`: whether
     `apply_block` needs the block's calibration inputs."""
 
     def apply_model(self, model: nn.Module, adapter) -> dict | None:
-        """Transform the whole model before the block loop; return what to record in the manifest."""
+        """Transform the weights of a whole loaded model (what `apply_outer` and every block's
+        `apply_block_weights` do); return what to record in the manifest."""
+        info = self.apply_outer(model, adapter)
+        for i, block in enumerate(adapter.blocks(model)):
+            self.apply_block_weights(block, i, adapter)
+        return info
+
+    def apply_outer(self, model: nn.Module, adapter) -> dict | None:
+        """Before the block loop: transform the modules outside the decoder blocks (embeddings, final norm, head)
+        and set what the blocks need (module attributes, this stage's own state). The blocks' weights may be on
+        the meta device: never read them here. Return what to record in the manifest."""
+        return None
+
+    def apply_block_weights(self, block: nn.Module, index: int, adapter) -> None:
+        """Transform one loaded block's weights, without calibration data, as `apply_model` would."""
         return None
 
     def apply_block(self, ctx: BlockContext) -> dict | None:
