@@ -102,21 +102,48 @@ def recipe_override_options(f):
 @click.option("--eval/--no-eval", "run_eval", default=True, show_default=True,
               help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.")
 @click.option("--eval-windows", type=int, help="Evaluate only the first N windows (overrides `eval.max_windows`).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (and discard the work "
+                                                "folder of an interrupted run).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted or killed run from its last finished block "
+                                             "(same recipe, model and calibration data).")
+@click.option("--dry-run", is_flag=True, help="Check the recipe, model files and calibration data and print the "
+                                              "estimated peak memory, output size and time, without loading "
+                                              "weights.")
+@click.option("--whole-model", is_flag=True, help="Load the whole model into host memory (default: one block at a "
+                                                  "time from the weight files, unless the recipe evaluates).")
 @output_options
 def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, output, stats, run_eval, eval_windows,
-             overwrite, reporter: Reporter) -> None:
-    """Run RECIPE: load the model, run its stages block by block, write a packed checkpoint.
+             overwrite, resume, dry_run, whole_model, reporter: Reporter) -> None:
+    """Run RECIPE: read the model block by block, run its stages, write a packed checkpoint.
 
     The recipe is validated completely before any model is loaded. The checkpoint directory appears only when
-    it is complete, with recipe.yaml (as run) and a manifest of file hashes beside the tensors.
+    it is complete, with recipe.yaml (as run) and a manifest of file hashes beside the tensors. While it runs,
+    finished blocks are kept in a `.NAME.partial` folder beside the output, from which --resume continues.
     """
     from qtool.quantize import run_quantize
 
     overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
     if eval_windows is not None:
         overrides["eval.max_windows"] = eval_windows
-    summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter)
+    summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
+                           resume=resume, dry_run=dry_run, whole_model=whole_model)
+    if dry_run:
+        from qtool.output import _size
+
+        est = summary["estimate"]
+
+        def gb(v) -> str:
+            return "-" if v is None else _size(v)
+
+        rows = [("model", summary["model"]), ("mode", "block by block" if summary["mode"] == "blocks" else
+                                              "whole model in memory"),
+                ("device", summary["device"]), ("blocks", str(est["num_blocks"])),
+                ("peak host memory", f"about {gb(est['peak_host_bytes'])}"),
+                ("peak GPU memory", f"about {gb(est['peak_gpu_bytes'])}" if est["peak_gpu_bytes"] else "-"),
+                ("output size", f"at least {gb(est['output_bytes'])}"),
+                ("time", "-" if est["seconds"] is None else f"about {est['seconds']:.0f} s (rough)")]
+        emit(reporter, summary, rows, "qtool quantize --dry-run")
+        return
     rows = [("checkpoint", summary["output"]),
             ("quantized linears", str(summary["quantized_linears"])),
             ("bits per weight", f"{summary['bits_per_weight']['quantized_linears']:.3f} (linears), "

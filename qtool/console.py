@@ -5,13 +5,21 @@ Logs and progress go to stderr so that stdout carries only results (a table, or 
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 T = TypeVar("T")
 
@@ -51,3 +59,51 @@ class Reporter:
             yield item
             if n % step == 0 or n == total:
                 self.log(f"{description}: {n}/{total}")
+
+    def blocks(self, total: int, start: int, description: str, device=None) -> BlockProgress:
+        """Progress over decoder blocks `start`..`total`: a bar with elapsed and remaining time and the peak
+        memory so far on a terminal, one plain line per block otherwise."""
+        return BlockProgress(self, total, start, description, device)
+
+
+def peak_memory(device=None) -> str:
+    """Peak host memory of this process so far, and of the GPU when the compute device is one."""
+    text = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        text += f", GPU {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB"
+    return text
+
+
+class BlockProgress:
+    def __init__(self, reporter: Reporter, total: int, start: int, description: str, device) -> None:
+        self.reporter, self.total, self.start, self.description, self.device = (reporter, total, start,
+                                                                                description, device)
+        self.t0 = time.perf_counter()
+        self.progress = None
+        if reporter.quiet:
+            return
+        if sys.stderr.isatty():
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[memory]}"), console=reporter.err, transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task(description, total=total, completed=start, memory="")
+
+    def advance(self, done: int) -> None:
+        if self.reporter.quiet:
+            return
+        memory = peak_memory(self.device)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, memory=memory)
+            return
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / (done - self.start) * (self.total - done)
+        self.reporter.log(f"{self.description}: {done}/{self.total}, {elapsed:.1f} s elapsed, ~{left:.0f} s left, "
+                          f"{memory}")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

@@ -78,6 +78,13 @@ class NotImplementedYet(QtoolError):
     kind = "not_implemented"
 
 
+class Interrupted(QtoolError):
+    """Ctrl-C after some work was kept for a later `--resume` (the message says where and how to go on)."""
+
+    exit_code = EXIT_INTERRUPTED
+    kind = "interrupted"
+
+
 class GateFailed(QtoolError):
     """The evaluation ran and the quantized model missed its quality gate; the message names every metric that
     failed. Not a broken input: the measurement is complete (and printed) before this is raised."""

@@ -135,11 +135,12 @@ def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> N
 
 
 def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_bytes: int | None = None,
-                   log: Callable[[str], None] | None = None) -> Output:
+                   log: Callable[[str], None] | None = None, resume: bool = False) -> Output:
     """Check `path` as the output of a command and create its temporary sibling; refuse (one line) when it is a
     file where a folder is expected or the reverse, exists without `overwrite`, lies under a file or in a folder
     that cannot be written, another live run writes it, or the free space is below `needs_bytes`. Stale leftovers
-    of killed runs are refused without `overwrite` and removed with it."""
+    of killed runs are refused without `overwrite` and removed with it (or with `resume`: a resumed run goes on
+    from the killed run's work folder, and its half-written output is of no use)."""
     path = Path(os.path.abspath(path))
     if path.exists() or path.is_symlink():
         _check_existing(path, overwrite=overwrite, directory=directory)
@@ -149,7 +150,7 @@ def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_
         p, pid = live[0]
         raise ResourceError(f"output '{path}': '{p.name}' is being written by process {pid}, which is running; "
                             f"expected one run per output (wait for it or stop it)")
-    if stale and not overwrite:
+    if stale and not (overwrite or resume):
         raise UsageError(f"output '{path}': leftovers of an interrupted run beside it: "
                          f"{', '.join(p.name for p in stale)}; --overwrite removes them")
 
@@ -166,11 +167,11 @@ def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_
         for d in reversed(missing):
             d.mkdir()
             created.append(d)
-        for p in stale:  # only reached with --overwrite
+        for p in stale:  # only reached with --overwrite or --resume
             _remove(p)
             removed.append(p)
             if log is not None:
-                log(f"removed '{p}', left by an interrupted run (--overwrite)")
+                log(f"removed '{p}', left by an interrupted run ({'--resume' if resume else '--overwrite'})")
         tmp = temp_sibling(path)
         if directory:
             tmp.mkdir()

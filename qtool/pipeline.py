@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,8 +96,18 @@ def _assign(adapter: Adapter, recipe: Recipe, num_blocks: int) -> dict[str, Quan
 
 def check_stages(recipe: Recipe, config) -> None:
     """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
+    setters: dict[str, object] = {}
     for spec in recipe.stages:
+        # Two stages setting one run-time scheme of the model (kv_cache and vq_kv) would quantize the cache twice.
+        scheme = spec.stage.model_scheme() if hasattr(spec.stage, "model_scheme") else None
+        for key in scheme or {}:
+            if key in setters:
+                raise RecipeError(f"{recipe.path}:stages[{spec.stage.index}]: {spec.stage.name} sets the model's "
+                                  f"{key} scheme, as {setters[key].label} does; expected one stage per scheme")
+            setters[key] = spec.stage
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+        if recipe.calibration is not None:
+            spec.stage.check_calibration(recipe.calibration, f"{recipe.path}:stages[{spec.stage.index}]")
     from qtool.export.targets import check_target
 
     check_target(recipe, config)
@@ -114,13 +125,17 @@ class Prepared:
     windows: torch.Tensor | None = None
     digest: str | None = None
     seconds: float = 0.0  # sampling the calibration windows is most of it
+    tokenizer: object = None
+    meta: nn.Module | None = None  # the model on the meta device: names and shapes, the onloaded run's skeleton
+    files: dict | None = None  # tensor name -> TensorInfo of a local safetensors model
 
 
-def preflight(recipe: Recipe) -> Prepared:
+def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = None) -> Prepared:
     """Everything about a quantize run that can be checked without reading a weight, so that bad input fails in
     seconds instead of after an evaluation or a quantization: the config and its architecture, what the stages
     need of it, seq_len against the context length, the tokenizer, the weight files' headers (whole, indexed,
-    shaped as the config says), the targets, a stats file's linears, the calibration windows and the eval text."""
+    shaped as the config says), the targets, a stats file's linears, the calibration windows and the eval text.
+    `before_data` sees what was read before the calibration text is (the memory pre-flight)."""
     t0 = time.perf_counter()
     config = load_config(recipe.model)
     adapter = check_architecture(recipe.model, config)
@@ -135,11 +150,13 @@ def preflight(recipe: Recipe) -> Prepared:
                       recipe.origins.get("eval.seq_len", "eval.seq_len"), "eval.allow_long_context: true")
     tokenizer = load_tokenizer(recipe.model)
     meta = meta_model(config, f"model '{recipe.model}' config", InputError)
-    check_weight_files(recipe.model, config, meta)
+    files = check_weight_files(recipe.model, config, meta)
     assignment = assign_stages(meta, adapter, recipe)
     if cal is not None and cal.stats:
         _check_stats_header(recipe, meta, adapter, assignment)
-    prepared = Prepared(config)
+    prepared = Prepared(config, tokenizer=tokenizer, meta=meta, files=files)
+    if before_data is not None:
+        before_data(prepared)
     if cal is not None:
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
         if recipe.needs_calibration():
@@ -154,7 +171,135 @@ def preflight(recipe: Recipe) -> Prepared:
     return prepared
 
 
+class _Blocks:
+    """What quantizing one decoder block takes, shared by the whole-model and the onloaded run so that both compute
+    the same numbers: the stage of each linear, the transforms, the FP statistics, the compute device."""
+
+    def __init__(self, recipe: Recipe, adapter: Adapter, config, num_blocks: int, device: torch.device) -> None:
+        self.recipe, self.adapter, self.config, self.device = recipe, adapter, config, device
+        self.assignment = _assign(adapter, recipe, num_blocks)
+        self.transforms = recipe.transforms()
+        self.fp_stats: dict[str, LinearStats] = {}
+        if recipe.calibration is not None and recipe.calibration.stats:
+            self.fp_stats, _ = load_stats(recipe.calibration.stats)
+            _check_stats(recipe, self.fp_stats, self.assignment)
+        self.num_blocks = num_blocks
+        self.last_needing = max((i for i in range(num_blocks) for rel in adapter.linear_names()
+                                 if (s := self.assignment.get(f"{adapter.block_prefix(i)}.{rel}"))
+                                 and self.wants_pass(s)), default=-1)
+        if any(tr.needs_calibration() for tr in self.transforms):
+            self.last_needing = num_blocks - 1
+
+    def wants_pass(self, stage: QuantizerStage) -> bool:
+        # Stages that need statistics from the block-wise pass (GPTQ's Hessians of quantized inputs) get them
+        # propagated; the others use the FP stats file when one is given.
+        return stage.needs_calibration() and (stage.needs_hessian() or not self.fp_stats)
+
+    def needs_calibration(self) -> bool:
+        return (any(self.wants_pass(s) for s in self.assignment.values())
+                or any(tr.needs_calibration() for tr in self.transforms))
+
+    def calibrate(self, model: nn.Module, prepared: Prepared, tokenizer, reporter: Reporter,
+                  first_only: bool = False) -> tuple[list[torch.Tensor], dict, dict]:
+        """(inputs of the first block per window, the blocks' keyword arguments, the manifest's calibration
+        record). `first_only` runs one window, for the keyword arguments alone (a resumed run has its inputs)."""
+        cal = self.recipe.calibration
+        windows, digest = prepared.windows, prepared.digest
+        if windows is None:
+            src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
+            windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
+            prepared.windows, prepared.digest = windows, digest
+        info = {"source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len, "seed": cal.seed,
+                "data_sha256": digest}
+        if not first_only:
+            reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
+        inputs, kwargs = capture_block_inputs(model, self.adapter.blocks(model), windows[:1] if first_only else windows,
+                                              self.device)
+        return inputs, kwargs, info
+
+    def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
+                 ) -> tuple[dict[str, object], list[torch.Tensor]]:
+        """Transform (with calibration) and quantize block `i` (on the compute device, its weights already through
+        the transforms' `apply_block_weights`); return its packed layouts by full name and the inputs of the next
+        block (the quantized block's outputs, or `inputs` when no later block needs them)."""
+        adapter = self.adapter
+        prefix = adapter.block_prefix(i)
+        mine = {rel: self.assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names()
+                if f"{prefix}.{rel}" in self.assignment}
+        if self.transforms:
+            ctx = BlockContext(block, i, prefix, adapter, self.config, inputs, kwargs, mine)
+            for tr in self.transforms:
+                info = tr.apply_block(ctx)
+                if info:
+                    records.append({"stage": tr.name, "block": i, **info})
+        packed: dict[str, object] = {}
+        sequential = any(s.sequential() for s in mine.values())
+        groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
+        for group in groups:
+            todo = [rel for rel in group if rel in mine]
+            if not todo:
+                continue
+            need = [rel for rel in todo if self.wants_pass(mine[rel])]
+            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need)) if need else {}
+            objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
+            probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
+            for rel in todo:
+                full = f"{prefix}.{rel}"
+                linear: nn.Linear = block.get_submodule(rel)
+                extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
+                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or self.fp_stats.get(full),
+                                            **extra)
+                linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
+                packed[full] = result.packed
+        if i < self.last_needing:
+            with torch.no_grad():
+                inputs = [block_output(block(x, **kwargs)) for x in inputs]
+        return packed, inputs
+
+
+def install_packed(model: nn.Module, packed: dict[str, object], prefix: str = "") -> None:
+    """Replace each quantized linear of `model` (named inside the whole model, `model` itself named `prefix`) by
+    the module that runs its packed layout."""
+    for full, layout in packed.items():
+        parent_name, _, child = full.removeprefix(f"{prefix}." if prefix else "").rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old: nn.Linear = getattr(parent, child)
+        bias = None if old.bias is None else old.bias.data.clone()
+        setattr(parent, child, module_for(layout, bias))
+
+
+def layer_summary(layout, has_bias: bool) -> dict:
+    """What the manifest and config need of a packed layer once its tensors are on disk (JSON)."""
+    out = {"layer": layout.layer_config(has_bias), "stored_bits": layout.stored_bits(),
+           "in_features": layout.in_features, "out_features": layout.out_features,
+           "fields": sorted(layout.tensors())}
+    if hasattr(layout, "bits_report"):
+        out["bits_report"] = layout.bits_report()
+    return out
+
+
+class LayerSummary:
+    """A packed layer as `bits_per_weight` sees it, rebuilt from `layer_summary` (the tensors stay on disk)."""
+
+    def __init__(self, summary: dict) -> None:
+        self.summary = summary
+        self.in_features = summary["in_features"]
+        self.out_features = summary["out_features"]
+        if "bits_report" in summary:
+            self.bits_report = lambda: summary["bits_report"]
+
+    def stored_bits(self) -> int:
+        return self.summary["stored_bits"]
+
+    def tensors(self) -> dict[str, None]:
+        return dict.fromkeys(self.summary["fields"])
+
+    def layer_config(self, has_bias: bool) -> dict:
+        return self.summary["layer"]
+
+
 def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None = None) -> QuantizedModel:
+    """Quantize with the whole model loaded in host memory (one block at a time on the compute device)."""
     if prepared is None:
         prepared = preflight(recipe)
     t0 = time.perf_counter()
@@ -163,94 +308,41 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(config))
     reporter.log(f"loading {recipe.model} ({dtype}, blocks on {device})")
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)
-    assignment = assign_stages(model, adapter, recipe)
-    transforms = recipe.transforms()
+    blocks = adapter.blocks(model)
+    work = _Blocks(recipe, adapter, model.config, len(blocks), device)
     records: list[dict] = []
-    for tr in transforms:
-        info = tr.apply_model(model, adapter)
+    for tr in work.transforms:
+        info = tr.apply_outer(model, adapter)
         if info:
             records.append({"stage": tr.name, **info})
-    blocks = adapter.blocks(model)
     timings = {"load_s": time.perf_counter() - t0}
-
-    fp_stats: dict[str, LinearStats] = {}
-    if recipe.calibration is not None and recipe.calibration.stats:
-        fp_stats, _ = load_stats(recipe.calibration.stats)
-        _check_stats(recipe, fp_stats, assignment)
-
-    # Stages that need statistics from the block-wise pass (GPTQ's Hessians of quantized inputs) get them
-    # propagated; the others use the FP stats file when one is given.
-    def wants_pass(stage: QuantizerStage) -> bool:
-        return stage.needs_calibration() and (stage.needs_hessian() or not fp_stats)
 
     calibration_info = None
     inputs: list[torch.Tensor] = []
     kwargs: dict = {}
-    if any(wants_pass(s) for s in assignment.values()) or any(tr.needs_calibration() for tr in transforms):
-        cal = recipe.calibration
+    if work.needs_calibration():
         t = time.perf_counter()
-        windows, digest = prepared.windows, prepared.digest
-        if windows is None:
-            src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
-            windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
-        calibration_info = {"source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len,
-                            "seed": cal.seed, "data_sha256": digest}
-        reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
-        inputs, kwargs = capture_block_inputs(model, blocks, windows, device)
+        inputs, kwargs, calibration_info = work.calibrate(model, prepared, tokenizer, reporter)
         timings["calibration_s"] = time.perf_counter() - t
 
     packed: dict[str, GroupedIntWeight] = {}
     t = time.perf_counter()
-    last_needing = max((i for i in range(len(blocks)) for rel in adapter.linear_names()
-                        if (s := assignment.get(f"{adapter.block_prefix(i)}.{rel}")) and wants_pass(s)), default=-1)
-    if any(tr.needs_calibration() for tr in transforms):
-        last_needing = len(blocks) - 1
     for i in reporter.track(range(len(blocks)), total=len(blocks), description="quantizing blocks"):
+        for tr in work.transforms:
+            tr.apply_block_weights(blocks[i], i, adapter)
         block = blocks[i].to(device)
-        prefix = adapter.block_prefix(i)
-        mine = {rel: assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names() if f"{prefix}.{rel}" in assignment}
-        if transforms:
-            ctx = BlockContext(block, i, prefix, adapter, model.config, inputs, kwargs, mine)
-            for tr in transforms:
-                info = tr.apply_block(ctx)
-                if info:
-                    records.append({"stage": tr.name, "block": i, **info})
-        sequential = any(s.sequential() for s in mine.values())
-        groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
-        for group in groups:
-            todo = [rel for rel in group if rel in mine]
-            if not todo:
-                continue
-            need = [rel for rel in todo if wants_pass(mine[rel])]
-            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need)) if need else {}
-            objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
-            probe = _attention_probe(block, adapter, model.config, inputs, kwargs) if objective else None
-            for rel in todo:
-                full = f"{prefix}.{rel}"
-                linear: nn.Linear = block.get_submodule(rel)
-                extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or fp_stats.get(full),
-                                            **extra)
-                linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
-                packed[full] = result.packed
-        if i < last_needing:
-            with torch.no_grad():
-                inputs = [block_output(block(x, **kwargs)) for x in inputs]
+        done, inputs = work.quantize(block, i, inputs, kwargs, records)
+        packed.update(done)
         blocks[i] = block.to("cpu")
     timings["quantize_s"] = time.perf_counter() - t
     del inputs
 
-    for full, layout in packed.items():
-        parent_name, _, child = full.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old: nn.Linear = getattr(parent, child)
-        bias = None if old.bias is None else old.bias.data.clone()
-        setattr(parent, child, module_for(layout, bias))
+    install_packed(model, packed)
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     schemes: dict = {}
-    for tr in transforms:
+    for tr in work.transforms:
         schemes.update(tr.model_scheme() or {})
     return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak,
                           records, schemes)

@@ -4,32 +4,126 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter
-from qtool.errors import RecipeError
+from qtool.errors import RecipeError, UsageError
 from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
 
 
-def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter) -> dict:
+def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter,
+                 resume: bool = False, dry_run: bool = False, whole_model: bool = False) -> dict:
+    """`resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
+    everything and estimate the run's memory, size and time without reading a weight. `whole_model`: load the
+    whole model into host memory instead of reading one block at a time from the weight files."""
+    from qtool.checkpoint.partial import Work, partial_path
+    from qtool.estimate import check_fits, estimate
+    from qtool.onloaded import can_onload
     from qtool.pipeline import preflight, resolve_device
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     out = Path(recipe.output)
+    partial = partial_path(Path(os.path.abspath(out)))
+    evaluates = run_eval and recipe.eval is not None
+    if resume and not dry_run:
+        if whole_model or evaluates:
+            why = "--whole-model" if whole_model else "the recipe's eval (pass --no-eval)"
+            raise UsageError(f"--resume: a run with {why} keeps no work folder; expected a block-by-block run")
+        if not partial.is_dir():
+            raise UsageError(f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
+                             f"expected the output of an interrupted run (run without --resume to start one)")
+    elif partial.is_dir() and not overwrite and not dry_run:
+        state = Work.read_state(partial)
+        done = (f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
+                if state else "no finished block")
+        raise UsageError(f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
+                         f"--resume to continue it, or --overwrite to discard it and start over")
     device = resolve_device(recipe.settings.device)
+    plan: dict = {}
+
+    def check_memory(prepared) -> None:
+        # Before the calibration text is read: what the run needs against what this machine has.
+        plan["mode"] = "whole" if whole_model or evaluates or not can_onload(recipe, prepared) else "blocks"
+        plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run)
+        check_fits(plan["estimate"], recipe, out)
+
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
-    prepared = preflight(recipe)
+    prepared = preflight(recipe, before_data=check_memory)
+    if dry_run:
+        return {"output": str(out), "model": recipe.model, "dry_run": True, "mode": plan["mode"],
+                "device": str(device), **plan["estimate"].summary()}
+    if partial.is_dir() and not resume:
+        shutil.rmtree(partial)  # --overwrite: a stale work folder is discarded, never reused
+    if resume:  # refused before anything beside the output is touched
+        from qtool.models.loading import config_dtype
+        from qtool.onloaded import identity
+        from qtool.pipeline import compute_dtype
+
+        dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(prepared.config))
+        Work.check(partial, identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers))
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
-    with reserve_output(out, directory=True, overwrite=overwrite,
+    with reserve_output(out, directory=True, overwrite=overwrite, resume=resume,
                         needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
+        if plan["mode"] == "blocks":
+            return _quantize_onloaded(recipe, out, reserved, device, prepared, partial, resume=resume,
+                                      reporter=reporter)
         return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+
+
+def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
+                       resume: bool, reporter: Reporter) -> dict:
+    from qtool.checkpoint.partial import Work
+    from qtool.onloaded import quantize_onloaded
+
+    try:
+        run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume)
+    except BaseException:
+        state = Work.read_state(partial)
+        if state is None or state["next_block"] == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming
+        raise
+    config = dict(run.config)
+    config["dtype"] = str(run.original_dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    bpw = bits_per_weight(run.packed, run.tensors.meta)
+    manifest_extra = {
+        "bits_per_weight": bpw,
+        "calibration": run.calibration,
+        "seed": recipe.calibration.seed if recipe.calibration else None,
+        "stages": [s.stage.name for s in recipe.stages],
+        "transforms": run.transforms,
+        "eval": None,
+    }
+    write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
+                     tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
+                     max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+    run.work.remove()
+    reporter.log(f"wrote {out}")
+    return {
+        "output": str(out),
+        **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
+        "model": recipe.model,
+        "mode": "blocks",
+        **({"resumed_at_block": run.resumed_at} if run.resumed_at else {}),
+        "quantized_linears": len(run.packed),
+        "bits_per_weight": bpw,
+        "calibration": run.calibration,
+        "eval": None,
+        "timings": {k: round(v, 3) for k, v in run.timings.items()},
+        "peak_rss_mb": round(run.peak_rss_mb, 1),
+        "device": str(device),
+        "recipe": recipe.as_run,
+        "settings": dataclasses.asdict(recipe.settings),
+    }
 
 
 def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
@@ -89,6 +183,7 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "output": str(out),
         **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
         "model": recipe.model,
+        "mode": "whole",
         "quantized_linears": len(qm.packed),
         "bits_per_weight": bpw,
         "calibration": qm.calibration,

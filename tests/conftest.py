@@ -105,12 +105,13 @@ def write_recipe(path: Path, text: str) -> Path:
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Fail the test (as an internal error, exit 70) if the pipeline starts or a model loads: the case must be
-    refused before any work."""
+    """Fail the test (as an internal error, exit 70) if the pipeline (whole-model or block by block) starts or a
+    model loads: the case must be refused before any work."""
     import qtool.pipeline
 
     def refuse(*a, **k):
         raise AssertionError("the pipeline started")
 
     monkeypatch.setattr(qtool.pipeline, "quantize_model", refuse)
+    monkeypatch.setattr("qtool.onloaded.quantize_onloaded", refuse)
     monkeypatch.setattr("qtool.models.loading.load_model", refuse)

@@ -392,6 +392,7 @@ def _raise_in_pipeline(monkeypatch, exc: BaseException) -> None:
         raise exc
 
     monkeypatch.setattr(qtool.pipeline, "quantize_model", boom)
+    monkeypatch.setattr("qtool.onloaded.quantize_onloaded", boom)
 
 
 @pytest.mark.parametrize("json_mode", [False, True])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,12 +22,20 @@ from qtool.output import Output, reserve_output
 from qtool.packing.grouped_int import GroupedIntWeight
 
 
-def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor to store: packed fields as they are, other floating tensors in `dtype`; tied weights once."""
+def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype, *,
+                    prefix: str = "", skip: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor to store: packed fields as they are, other floating tensors in `dtype`; tied weights once.
+    `prefix` names `model` inside the whole model (one decoder block); names under `skip.` are left out (the
+    blocks, when they are stored block by block)."""
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
+    # Modules that mark themselves `stored_as_is` (the KV cache's float16 codebooks) keep their buffers' dtype.
+    packed_fields |= {f"{mname}.{b}" for mname, mod in model.named_modules() if getattr(mod, "stored_as_is", False)
+                      for b, _ in mod.named_buffers(recurse=False)}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict(prefix=f"{prefix}." if prefix else "").items():
+        if skip is not None and name.startswith(f"{skip}."):
+            continue
         key = (t.data_ptr(), tuple(t.shape))
         # A tied weight (lm_head ↔ embed_tokens) is stored once: the config's tie flag restores it. Empty tensors
         # (e.g. `outlier_idx` of a layer without outliers) all share one address and are never ties.
@@ -39,15 +48,22 @@ def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight],
     return out
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def _nbytes(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    sized = getattr(tensors, "nbytes", None)  # a lazy mapping knows sizes without reading the data
+    if sized is not None:
+        return sized(name)
+    return tensors[name].numel() * tensors[name].element_size()
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+        nbytes = _nbytes(tensors, name)
         if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = tensors[name]
+        shards[-1].append(name)
         size += nbytes
     return shards
 
@@ -55,7 +71,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 def write_checkpoint(
     out_dir: Path,
     *,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     config: dict,
     layers: dict[str, dict],
     model_schemes: dict | None = None,
@@ -78,15 +94,16 @@ def write_checkpoint(
                                     overwrite=overwrite, reserved=reserved)
     tmp = reserved.tmp
     shards = _shards(tensors, max_shard_bytes)
+    # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
     if len(shards) == 1:
-        save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file({n: tensors[n] for n in shards[0]}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     else:
         weight_map = {}
-        for i, shard in enumerate(shards, 1):
+        for i, names in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file({n: tensors[n] for n in names}, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, fname))
+        total = sum(_nbytes(tensors, n) for n in tensors)
         (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
     config = dict(config)

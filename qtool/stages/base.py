@@ -17,6 +17,7 @@ from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.packing.mixed import MixedWeight
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import QuikWeight
+from qtool.packing.vq import VQWeight
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
 
@@ -47,7 +48,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight
+    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight | VQWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
@@ -75,6 +76,11 @@ class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses 
     def check_config(self, config, where: str) -> None:
         """Refuse a model this stage cannot handle, from its config alone (before any weight is loaded); raise
         RecipeError naming `where`."""
+        return None
+
+    def check_calibration(self, calibration, where: str) -> None:
+        """Refuse calibration settings (the recipe's CalibrationSpec) too small for what this stage fits from them;
+        raise RecipeError naming `where`. Runs before any weight is loaded."""
         return None
 
 
@@ -171,12 +177,28 @@ class BlockContext:
 
 class TransformStage(Stage):
     """Rewrites the float model without changing what it computes (up to float error), before the quantizers see
-    it: `apply_model` once on the whole model (weights only), then `apply_block` on each decoder block with its
-    calibration inputs, in recipe order, before that block's linears are quantized. `needs_calibration`: whether
+    it: `apply_outer` once before the block loop, on what lies outside the decoder blocks; then, as each block is
+    loaded, `apply_block_weights` (weights only) and `apply_block` (with the block's calibration inputs), in recipe
+    order, before that block's linears are quantized. The split lets a run that reads one block at a time from the
+    weight files (the others stay on the meta device) transform the model as it goes. `needs_calibration`: whether
     `apply_block` needs the block's calibration inputs."""
 
     def apply_model(self, model: nn.Module, adapter) -> dict | None:
-        """Transform the whole model before the block loop; return what to record in the manifest."""
+        """Transform the weights of a whole loaded model (what `apply_outer` and every block's
+        `apply_block_weights` do); return what to record in the manifest."""
+        info = self.apply_outer(model, adapter)
+        for i, block in enumerate(adapter.blocks(model)):
+            self.apply_block_weights(block, i, adapter)
+        return info
+
+    def apply_outer(self, model: nn.Module, adapter) -> dict | None:
+        """Before the block loop: transform the modules outside the decoder blocks (embeddings, final norm, head)
+        and set what the blocks need (module attributes, this stage's own state). The blocks' weights may be on
+        the meta device: never read them here. Return what to record in the manifest."""
+        return None
+
+    def apply_block_weights(self, block: nn.Module, index: int, adapter) -> None:
+        """Transform one loaded block's weights, without calibration data, as `apply_model` would."""
         return None
 
     def apply_block(self, ctx: BlockContext) -> dict | None:

@@ -32,7 +32,7 @@ class KVCacheStage(TransformStage):
             raise RecipeError(f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
                               f"here; expected llama, mistral or qwen2")
 
-    def apply_model(self, model: nn.Module, adapter) -> dict | None:
+    def apply_outer(self, model: nn.Module, adapter) -> dict | None:
         install_kv_cache(model, kv_scheme(self.options.bits), self.label)
         return None
 

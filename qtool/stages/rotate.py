@@ -69,25 +69,22 @@ class RotateStage(TransformStage):
                               f"Paley order q+1, 2(q+1) for a prime q); expected such a size, or fallback: random "
                               f"for a seeded random orthogonal matrix")
 
-    def apply_model(self, model: nn.Module, adapter: Adapter) -> dict:
+    def apply_outer(self, model: nn.Module, adapter: Adapter) -> dict:
         o: RotateOptions = self.options
         n = _hidden_size(model.config)
-        q, what = rotation(n, fallback=o.fallback, seed=o.seed, signs=o.random_signs)
+        self._q, what = rotation(n, fallback=o.fallback, seed=o.seed, signs=o.random_signs)
         untied = untie_head(model, adapter.embed_path, adapter.head_path)
         head = model.get_submodule(adapter.head_path)
-        blocks = adapter.blocks(model)
-
-        for block in blocks:
-            for norm, feeds in adapter.norm_feeds.items():
-                fold_norm_scale(block.get_submodule(norm), [block.get_submodule(f) for f in feeds])
         fold_norm_scale(model.get_submodule(adapter.final_norm_path), [head])
-
-        rotate_embedding(model.get_submodule(adapter.embed_path), q)
-        readers = [f for feeds in adapter.norm_feeds.values() for f in feeds]
-        for block in blocks:
-            for name in readers:
-                rotate_input(block.get_submodule(name), q)
-            for name in adapter.output_linears:
-                rotate_output(block.get_submodule(name), q)
-        rotate_input(head, q)
+        rotate_embedding(model.get_submodule(adapter.embed_path), self._q)
+        rotate_input(head, self._q)
         return {"hidden_size": n, "matrix": what, "untied_head": untied}
+
+    def apply_block_weights(self, block: nn.Module, index: int, adapter: Adapter) -> None:
+        # Each edit touches one module's own weights, so the blocks can be done in any order after apply_outer.
+        for norm, feeds in adapter.norm_feeds.items():
+            fold_norm_scale(block.get_submodule(norm), [block.get_submodule(f) for f in feeds])
+        for name in (f for feeds in adapter.norm_feeds.values() for f in feeds):
+            rotate_input(block.get_submodule(name), self._q)
+        for name in adapter.output_linears:
+            rotate_output(block.get_submodule(name), self._q)

@@ -1,0 +1,234 @@
+"""The work folder of a quantize run (`.NAME.partial` beside the output): what a later `--resume` needs to go on
+from the last finished block after the run was killed or interrupted.
+
+It holds each finished block's tensors as they go into the checkpoint (`block-NNNNN.safetensors`), the
+activations entering the next block (`inputs-NNNNN.bin`, raw, so writing them takes no second copy in memory)
+and `state.json`: what the run is (recipe, model files, calibration data, seed, compute dtype and device), the
+next block and what each finished block recorded. Every file is written under a temporary name and renamed, and
+state.json is renamed last: it is the commit point, so a kill at any moment leaves the state of one block boundary
+(files the state does not name are leftovers of the block that was cut short, and are removed on resume).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qtool.errors import CheckpointError, UsageError
+from qtool.models.integrity import INDEX_NAME, read_header
+from qtool.models.onload import SAFETENSORS_DTYPES
+
+STATE = "state.json"
+
+# What must match for a resumed run to write the checkpoint the uninterrupted run would have written; the most
+# specific first (the recipe as run covers the seed and the data source too).
+IDENTITY = {"model": "model files", "data": "calibration data", "seed": "calibration seed",
+            "dtype": "compute dtype", "device": "compute device", "versions": "qtool/torch version",
+            "num_blocks": "number of blocks", "recipe": "recipe"}
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.partial")
+
+
+def model_fingerprint(folder: str | Path) -> str:
+    """sha256 over the model's config.json, shard index and, per weight file, its name, size, modification time
+    and safetensors header: a rewritten or replaced file changes it, without reading the weights (hashing the
+    data of a 140 GB model would take minutes on every start)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    if not folder.is_dir():
+        h.update(str(folder).encode())  # a hub id: its name and revision are all there is to compare
+        return h.hexdigest()
+    for name in ("config.json", INDEX_NAME):
+        p = folder / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    for p in sorted(folder.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(n, 100_000_000)))
+    return h.hexdigest()
+
+
+def recipe_hash(as_run: dict) -> str:
+    return hashlib.sha256(json.dumps(as_run, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class Work:
+    """An open work folder. `next_block` blocks are finished; `blocks[i]` is what block i recorded."""
+
+    def __init__(self, folder: Path, state: dict) -> None:
+        self.folder = folder
+        self.state = state
+
+    # ---- opening --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def read_state(folder: Path) -> dict | None:
+        try:
+            state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) and isinstance(state.get("next_block"), int) else None
+
+    @classmethod
+    def start(cls, folder: Path, identity: dict) -> Work:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir()
+        work = cls(folder, {"identity": identity, "next_block": 0, "blocks": [], "inputs": None})
+        work._write_state()
+        return work
+
+    @classmethod
+    def check(cls, folder: Path, identity: dict) -> None:
+        """Refuse (one line naming what differs) to resume the run that left `folder` as another run."""
+        state = cls.read_state(folder)
+        found = (state or {}).get("identity") or {}
+        if state is None:
+            return  # killed before its first state was written: nothing was done, so nothing can disagree
+        for key, what in IDENTITY.items():
+            if found.get(key) != identity.get(key):
+                old, new = (str(v)[:16] for v in (found.get(key), identity.get(key)))
+                raise UsageError(f"--resume: '{folder}' was left by a run with another {what} ({old} there, {new} "
+                                 f"now); expected the same recipe, model, calibration data and settings (or "
+                                 f"--overwrite to start over)")
+
+    @classmethod
+    def resume(cls, folder: Path, identity: dict) -> Work:
+        cls.check(folder, identity)
+        state = cls.read_state(folder)
+        if state is None:
+            return cls.start(folder, identity)
+        work = cls(folder, state)
+        work._check_files()
+        return work
+
+    def _check_files(self) -> None:
+        k = self.next_block
+        keep = {self.block_file(i).name for i in range(k)} | {STATE}
+        if self.state.get("inputs"):
+            keep.add(self.inputs_file(k).name)
+        for name in sorted(keep - {STATE}):
+            if not (self.folder / name).is_file():
+                raise CheckpointError(f"--resume: '{self.folder}' has lost {name}, which its {STATE} names; "
+                                      f"expected the work folder as the interrupted run left it (or --overwrite "
+                                      f"to start over)")
+        for p in self.folder.iterdir():
+            if p.name not in keep:  # a block that was cut short
+                p.unlink()
+
+    # ---- what it holds --------------------------------------------------------------------------------------
+
+    @property
+    def next_block(self) -> int:
+        return self.state["next_block"]
+
+    @property
+    def blocks(self) -> list[dict]:
+        return self.state["blocks"]
+
+    def block_file(self, i: int) -> Path:
+        return self.folder / f"block-{i:05d}.safetensors"
+
+    def inputs_file(self, i: int) -> Path:
+        return self.folder / f"inputs-{i:05d}.bin"
+
+    def inputs(self, device: torch.device) -> list[torch.Tensor] | None:
+        """The activations entering block `next_block`, as the interrupted run held them."""
+        spec = self.state.get("inputs")
+        if not spec:
+            return None
+        dtype = getattr(torch, spec["dtype"])
+        shapes = [tuple(s) for s in spec["shapes"]]
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        path = self.inputs_file(self.next_block)
+        expected = sum(sizes) * torch.empty((), dtype=dtype).element_size()
+        if path.stat().st_size != expected:
+            raise CheckpointError(f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
+                                  f"expected the work folder as the interrupted run left it (or --overwrite)")
+        flat = torch.from_file(str(path), shared=False, size=sum(sizes), dtype=dtype)
+        return [x.view(s).to(device) for x, s in zip(flat.split(sizes), shapes, strict=True)]
+
+    def tensor_files(self) -> list[Path]:
+        return [self.block_file(i) for i in range(self.next_block)]
+
+    # ---- a finished block -----------------------------------------------------------------------------------
+
+    def commit(self, i: int, tensors: dict[str, torch.Tensor], record: dict,
+               inputs: list[torch.Tensor] | None) -> None:
+        """Block `i` is finished: its checkpoint tensors, what it recorded and the activations entering block
+        i + 1 (None when no later block needs them)."""
+        assert i == self.next_block, (i, self.next_block)
+        _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        spec = None
+        if inputs is not None:
+            spec = {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shapes": [list(x.shape) for x in inputs]}
+
+            def write(p: Path) -> None:
+                with open(p, "wb") as f:
+                    for x in inputs:
+                        f.write(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+
+            _atomic_write(self.inputs_file(i + 1), write)
+        state = {**self.state, "next_block": i + 1, "blocks": [*self.blocks, record], "inputs": spec}
+        self.state = state
+        self._write_state()
+        self.inputs_file(i).unlink(missing_ok=True)
+
+    def _write_state(self) -> None:
+        text = json.dumps(self.state, indent=1, sort_keys=True, default=str)
+        _atomic_write(self.folder / STATE, lambda p: p.write_text(text, encoding="utf-8"))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class LazyTensors:
+    """The finished blocks' tensors by name, each read from its block file when asked for (the writer takes one
+    shard's worth at a time), and the `resident` ones (outside the blocks) held in memory."""
+
+    def __init__(self, files: list[Path], resident: dict[str, torch.Tensor]) -> None:
+        self._resident = resident
+        self._where: dict[str, Path | None] = dict.fromkeys(resident)
+        self.meta: dict[str, torch.Tensor] = {n: t.to("meta") for n, t in resident.items()}
+        for f in files:
+            for name, info in read_header(f, CheckpointError).items():
+                self._where[name] = f
+                self.meta[name] = torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def nbytes(self, name: str) -> int:
+        t = self.meta[name]
+        return t.numel() * t.element_size()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name in self._resident:
+            return self._resident[name]
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)

@@ -1,0 +1,171 @@
+"""Pre-flight of a quantize run: what it will need (peak host memory, peak GPU memory, output size on disk, time)
+from the model's config and shapes alone, and a refusal when this machine cannot do it.
+
+Memory is counted term by term from what the pipeline holds at its two peaks: inside the block loop (the modules
+outside the blocks, one block, the calibration activations and the block's next outputs, one group's Hessians
+and the solver's copies, one sample's forward) and while writing (one shard and its serialized copy). The host
+figure starts from this process's own resident memory at the time of the check (libraries and tokenizer loaded),
+so the estimate is calibrated on this machine. Time uses a matrix-multiply rate measured here on the compute
+device, applied to each block's multiply count (forwards, Hessian updates, the GPTQ solve): a rough figure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qtool.errors import ResourceError
+from qtool.models.loading import config_dtype
+from qtool.output import _size, checkpoint_bytes
+
+_GB = 1e9
+
+
+@dataclass
+class Estimate:
+    host_bytes: int
+    gpu_bytes: int | None
+    output_bytes: int | None
+    seconds: float | None
+    terms: dict[str, int]
+    num_blocks: int
+    activation_bytes: int
+    block_bytes: int
+    hessian_bytes: int
+
+    def summary(self) -> dict:
+        return {"estimate": {"peak_host_bytes": self.host_bytes, "peak_gpu_bytes": self.gpu_bytes,
+                             "output_bytes": self.output_bytes, "seconds": None if self.seconds is None else
+                             round(self.seconds, 1), "num_blocks": self.num_blocks,
+                             "terms": self.terms}}
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _numel(params) -> int:
+    seen: set[int] = set()
+    n = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = False) -> Estimate:
+    """`timing`: also estimate the time (measures the device's multiply rate for about 0.2 s)."""
+    from qtool.models.adapters import adapter_for
+    from qtool.pipeline import compute_dtype
+
+    config = prepared.config
+    meta = prepared.meta
+    adapter = adapter_for(config.architectures)
+    original = config_dtype(config)
+    dtype = compute_dtype(recipe.settings.dtype, device, original)
+    dsize = torch.empty((), dtype=dtype).element_size()
+    osize = torch.empty((), dtype=original).element_size()
+    blocks = adapter.blocks(meta)
+    block_params = _numel(blocks[0].parameters())
+    all_params = _numel(meta.parameters())
+    if getattr(config, "tie_word_embeddings", False):  # the head is the embedding
+        all_params -= _numel(meta.get_output_embeddings().parameters())
+    outer_params = all_params - block_params * len(blocks)
+    hidden = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) or 4 * hidden
+    heads = config.num_attention_heads
+    cal = recipe.calibration
+    samples, seq = (cal.num_samples, cal.seq_len) if cal is not None and recipe.needs_calibration() else (0, 0)
+
+    # Hessians: one K x K float32 per linear of a group, the largest group (sequential GPTQ); the solver holds
+    # about three more K x K and two N x K float32 copies of the linear it solves.
+    widths = {rel: blocks[0].get_submodule(rel) for rel in adapter.linear_names()}
+    hessian = 0
+    if recipe.needs_calibration():
+        groups = adapter.linear_groups
+        hessian = max(sum(4 * widths[r].in_features ** 2 for r in g) for g in groups)
+        hessian += max(3 * 4 * m.in_features ** 2 + 2 * 4 * m.in_features * m.out_features for m in widths.values())
+    acts = 2 * samples * seq * hidden * dsize  # the inputs and the block's outputs while they are computed
+    forward = seq * (3 * inter + 4 * hidden) * dsize + heads * seq * seq * 4
+    block = block_params * dsize
+    out_bytes = checkpoint_bytes(recipe, config)
+    shard = min(recipe.max_shard_bytes(), out_bytes or recipe.max_shard_bytes())
+    outer_c, outer_o = outer_params * dsize, outer_params * osize
+    base = current_rss()
+
+    on_gpu = device.type == "cuda"
+    if mode == "whole":
+        model_c = all_params * dsize
+        loop_host = model_c + (0 if on_gpu else acts + hessian + forward + block)
+        write_host = model_c + (out_bytes or 0) + shard
+    else:
+        loop_host = outer_c + block + (0 if on_gpu else block + acts + hessian + forward)
+        write_host = outer_o + shard  # the float modules are dropped once the checkpoint's copies are made
+    terms = {"process": base, "outside_blocks": outer_c, "one_block": block, "activations": acts,
+             "hessians_and_solver": hessian, "forward": forward, "write_shard": shard}
+    host = base + max(loop_host, write_host)
+    gpu = block * 2 + acts + hessian + forward if on_gpu else None
+    seconds = _seconds(device, dtype, len(blocks), block_params, widths, samples, seq, hidden) if timing else None
+    return Estimate(host, gpu, out_bytes, seconds, terms, len(blocks), acts, block, hessian)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Multiply-adds per second of a [512, 1024] x [1024, 1024] product on `device`, timed for about 0.2 s."""
+    a = torch.randn(512, 1024, device=device, dtype=dtype)
+    b = torch.randn(1024, 1024, device=device, dtype=dtype)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        a @ b
+        n += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return n * 512 * 1024 * 1024 / (time.perf_counter() - t0)
+
+
+def _seconds(device, dtype, num_blocks, block_params, widths, samples, seq, hidden) -> float | None:
+    tokens = samples * seq
+    # About 3.5 forwards of each block per sample (the sequential groups stop early, then the outputs), the
+    # Hessian updates (tokens x K^2 per linear) and the solve (about 3 K^3 + 2 N K^2 per linear).
+    macs = 3.5 * tokens * block_params + 3.5 * samples * seq * seq * hidden
+    for m in widths.values():
+        k, n = m.in_features, m.out_features
+        macs += (tokens * k * k if tokens else 0) + 3 * k ** 3 + 2 * n * k * k
+    try:
+        rate = _matmul_rate(device, dtype if dtype != torch.float64 else torch.float32)
+    except RuntimeError:
+        return None
+    return num_blocks * macs / rate
+
+
+def check_fits(est: Estimate, recipe, out: Path) -> None:
+    """Refuse, in one line with the reason and what to change, a run this machine cannot hold."""
+    cal = recipe.calibration
+    shape = f"{cal.num_samples} x {cal.seq_len} calibration tokens" if cal is not None else "no calibration"
+    have = host_memory()
+    if est.host_bytes > have:
+        raise ResourceError(f"needs about {_size(est.host_bytes)} host memory ({_size(est.activation_bytes)} of "
+                            f"activations for {shape}, {_size(est.block_bytes)} per block, "
+                            f"{_size(est.hessian_bytes)} of Hessians); this machine has {_size(have)}; lower "
+                            f"--num-samples or --seq-len")
+    if est.gpu_bytes is not None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if est.gpu_bytes > total:
+            raise ResourceError(f"needs about {_size(est.gpu_bytes)} GPU memory for one block's weights, Hessians "
+                                f"and the activations of {shape}; this GPU has {_size(total)}; lower "
+                                f"--num-samples or --seq-len")

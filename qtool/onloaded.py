@@ -1,0 +1,176 @@
+"""The block-wise pipeline on a model that is never whole in memory: the model is a skeleton on the meta device,
+each decoder block is read from the weight files when the loop reaches it, quantized, stored in the run's work
+folder (`.NAME.partial`, see qtool/checkpoint/partial.py) and dropped. The checkpoint is then written from the
+work folder one shard at a time.
+
+It runs the same per-block code as the whole-model pipeline (qtool/pipeline.py `_Blocks`) on tensors cast the same
+way, so the two write byte-identical checkpoints; a run resumed from the work folder writes the same bytes too,
+because the folder keeps the exact activations entering the next block.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qtool import __version__
+from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
+from qtool.checkpoint.writer import collect_tensors
+from qtool.console import Reporter
+from qtool.errors import Interrupted
+from qtool.models.adapters import adapter_for
+from qtool.models.loading import config_dtype
+from qtool.models.onload import ShardReader, check_names, load_outer, materialize, release
+from qtool.pipeline import (
+    LayerSummary,
+    Prepared,
+    _Blocks,
+    compute_dtype,
+    install_packed,
+    layer_summary,
+    resolve_device,
+)
+from qtool.recipe import Recipe
+
+
+@dataclass
+class Onloaded:
+    """What the writer needs of an onloaded run (the model itself was never whole)."""
+
+    tensors: LazyTensors
+    packed: dict[str, LayerSummary]
+    layers: dict[str, dict]
+    config: dict
+    tokenizer: object
+    original_dtype: torch.dtype
+    calibration: dict | None
+    work: Work
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+    transforms: list[dict] = field(default_factory=list)
+    model_schemes: dict = field(default_factory=dict)
+    resumed_at: int = 0
+
+
+def can_onload(recipe: Recipe, prepared: Prepared) -> bool:
+    """A local folder of safetensors weights: what block onloading reads."""
+    return prepared.files is not None and prepared.meta is not None
+
+
+def identity(recipe: Recipe, prepared: Prepared, dtype: torch.dtype, device: torch.device, num_blocks: int) -> dict:
+    cal = recipe.calibration
+    dev = device.type
+    if dev == "cuda":
+        dev = f"cuda ({torch.cuda.get_device_name(device)})"
+    return {"recipe": recipe_hash(recipe.as_run), "model": model_fingerprint(recipe.model),
+            "data": prepared.digest, "seed": cal.seed if cal is not None else None,
+            "dtype": str(dtype).removeprefix("torch."), "device": dev,
+            "versions": f"qtool {__version__}, torch {torch.__version__}", "num_blocks": num_blocks}
+
+
+def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, partial: Path, *,
+                      resume: bool) -> Onloaded:
+    t0 = time.perf_counter()
+    device = resolve_device(recipe.settings.device)
+    config = prepared.config
+    original_dtype = config_dtype(config)
+    dtype = compute_dtype(recipe.settings.dtype, device, original_dtype)
+    skeleton = prepared.meta
+    skeleton.eval()
+    adapter = adapter_for(config.architectures)
+    reader = ShardReader(recipe.model, prepared.files, config)
+    check_names(reader, skeleton, recipe.model)
+    blocks = adapter.blocks(skeleton)
+    n = len(blocks)
+    run = _Blocks(recipe, adapter, skeleton.config, n, device)
+    # The final norm and the head are read when something needs them: a transform now, else the writer.
+    later = () if run.transforms else (adapter.final_norm_path, adapter.head_path)
+    reporter.log(f"onloading {recipe.model} block by block ({dtype}, blocks on {device})")
+    load_outer(skeleton, adapter, reader, dtype, skip=later)
+    records: list[dict] = []
+    for tr in run.transforms:
+        info = tr.apply_outer(skeleton, adapter)
+        if info:
+            records.append({"stage": tr.name, **info})
+    timings = {"load_s": time.perf_counter() - t0}
+
+    inputs: list[torch.Tensor] = []
+    kwargs: dict = {}
+    calibration = None
+    if run.needs_calibration() and prepared.windows is None:
+        run.calibrate(skeleton, prepared, prepared.tokenizer, reporter, first_only=True)  # samples the windows
+    ident = identity(recipe, prepared, dtype, device, n)
+    work = Work.resume(partial, ident) if resume else Work.start(partial, ident)
+    start = work.next_block
+    progress = None
+    try:
+        if run.needs_calibration():
+            t = time.perf_counter()
+            if start > 0:
+                _, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter,
+                                                       first_only=True)
+                inputs = work.inputs(device) or []
+            else:
+                inputs, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter)
+            timings["calibration_s"] = time.perf_counter() - t
+        for done in work.blocks:
+            records.extend(done["records"])
+        if start:
+            reporter.log(f"resuming at block {start} of {n} from '{work.folder}'")
+
+        t = time.perf_counter()
+        progress = reporter.blocks(n, start, "quantizing blocks", device)
+        for i in range(start, n):
+            block, prefix = blocks[i], adapter.block_prefix(i)
+            materialize(block, prefix, reader, dtype)
+            for tr in run.transforms:
+                tr.apply_block_weights(block, i, adapter)
+            block.to(device)
+            mine: list[dict] = []
+            packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
+            linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
+            install_packed(block, packed, prefix)
+            tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
+            summaries = {full: layer_summary(layout, linears[full].bias is not None) for full, layout in packed.items()}
+            work.commit(i, tensors, {"records": mine, "linears": summaries}, inputs if i < run.last_needing else None)
+            records.extend(mine)
+            # The packed modules hold their layouts outside their parameters: put the linears back, so that
+            # dropping the block to the meta device frees everything it held.
+            for full, linear in linears.items():
+                parent, _, child = full.removeprefix(prefix + ".").rpartition(".")
+                setattr(block.get_submodule(parent), child, linear)
+            release(block)
+            del tensors, packed, linears
+            progress.advance(i + 1)
+        timings["quantize_s"] = time.perf_counter() - t
+    except KeyboardInterrupt:
+        if work.next_block == 0:
+            raise
+        raise Interrupted(f"interrupted; blocks 0-{work.next_block - 1} of {n} are done and kept in "
+                          f"'{work.folder}'; run the same command with --resume to continue from block "
+                          f"{work.next_block}") from None
+    finally:
+        if progress is not None:
+            progress.close()
+        del inputs
+
+    load_outer(skeleton, adapter, reader, dtype)
+    reader.close()
+    outer = collect_tensors(skeleton, {}, original_dtype, skip=adapter.blocks_path)
+    config = skeleton.config.to_dict()
+    release(skeleton)  # the writer takes `outer`, in the checkpoint's dtype
+    summaries = {name: s for done in work.blocks for name, s in done["linears"].items()}
+    packed = {name: LayerSummary(s) for name, s in sorted(summaries.items())}
+    layers = {name: p.layer_config(False) for name, p in packed.items()}
+    schemes: dict = {}
+    for tr in run.transforms:
+        schemes.update(tr.model_scheme() or {})
+    timings["preflight_s"] = prepared.seconds
+    timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, config,
+                    prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start)

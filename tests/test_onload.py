@@ -1,0 +1,78 @@
+"""Block onloading on SmolLM2: the block-by-block run (one block read from the weight file at a time) writes the
+byte-identical checkpoint of the whole-model run with clearly less peak memory, and `--dry-run` estimates that
+peak within 30% without reading a weight; a run the machine cannot hold is refused before any work.
+
+The two runs are child processes, each measured by its own rusage (peak resident set, the whole run including
+the checkpoint write). RTN keeps them to seconds: GPTQ's path through the block loop, the calibration activations
+and resume are tested on stories260K (tests/test_resume.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bad_input import ROOT, assert_one_line_error, run_cli
+from conftest import STORIES
+
+pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="assets not found")
+
+# The MLP linears only: every block is still read, quantized, stored and dropped, at half the quantizing time.
+RECIPE = """
+model: {model}
+stages:
+  - stage: rtn
+    bits: 4
+    group_size: 64
+    targets: {{include: ["*.mlp.*"]}}
+output: {out}
+"""
+
+
+def run_measured(args: list, tmp: Path, name: str) -> tuple[int, str, int]:
+    """Run `qtool ARGS` in a child; return (exit code, stdout, peak RSS in bytes of that child alone)."""
+    with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", "from qtool.cli import main; main()", *map(str, args)],
+                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                                stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, (tmp / f"{name}.err").read_text()
+    return proc.returncode, (tmp / f"{name}.out").read_text(), usage.ru_maxrss * 1024
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_onloaded_run_is_byte_identical_with_less_memory_and_dry_run_estimates_it(smollm2, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(model=smollm2, out=tmp_path / "blocks"))
+    _, dry, _ = run_measured(["quantize", recipe, "--dry-run", "--json"], tmp_path, "dry")
+    _, summary, onloaded = run_measured(["quantize", recipe, "--json"], tmp_path, "blocks")
+    _, _, whole = run_measured(["quantize", recipe, "-o", tmp_path / "whole", "--whole-model", "-q"], tmp_path,
+                               "whole")
+    assert json.loads(summary)["mode"] == "blocks"
+    blocks, full = folder_bytes(tmp_path / "blocks"), folder_bytes(tmp_path / "whole")
+    assert blocks.keys() == full.keys() and all(blocks[k] == full[k] for k in full), \
+        [k for k in full if blocks.get(k) != full[k]]
+    # The whole model in float32 is 538 MB; onloading holds one 14 MB block of it (plus the embedding).
+    assert onloaded < whole - 250e6, (onloaded / 1e6, whole / 1e6)
+    est = json.loads(dry)["estimate"]["peak_host_bytes"]
+    assert abs(est - onloaded) <= 0.3 * onloaded, (est / 1e6, onloaded / 1e6)
+    assert not list(tmp_path.glob(".*partial"))  # the work folder goes once the checkpoint is written
+
+
+def test_dry_run_refuses_a_run_this_machine_cannot_hold(smollm2, tmp_path, no_work):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(model=smollm2, out=tmp_path / "out").replace(
+        "stages:", f"calibration: {{source: {ROOT / 'README.md'}, num_samples: 100000, seq_len: 8192}}\nstages:"
+    ).replace("rtn", "gptq"))
+    for extra in (["--dry-run"], []):  # a real run checks the same before starting
+        res = run_cli(["quantize", recipe, *extra])
+        assert_one_line_error(res, 6, "host memory", "activations", "100000 x 8192", "lower --num-samples",
+                              output=tmp_path / "out")
