@@ -35,7 +35,7 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
 
     from qtool.console import Reporter
     from qtool.errors import UsageError
-    from qtool.quantize import run_quantize
+    from qtool.run import run_quantize
 
     unknown = sorted(set(overrides) - set(_OVERRIDES))
     if unknown:
@@ -45,21 +45,3 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
     report = run_quantize(Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet))
     return Path(report["output"]), report
 
-
-def _keep_quantize_function() -> None:
-    """`qtool.quantize` is this function, and also the name of the submodule that implements `qtool quantize`.
-    Importing a submodule sets it as an attribute of its package, which would replace the function the first time
-    anything imports `qtool.quantize` (the module stays reachable through sys.modules and `from ... import`)."""
-    import sys
-    import types
-
-    class Package(types.ModuleType):
-        def __setattr__(self, name, value):
-            if name == "quantize" and isinstance(value, types.ModuleType):
-                return
-            super().__setattr__(name, value)
-
-    sys.modules[__name__].__class__ = Package
-
-
-_keep_quantize_function()

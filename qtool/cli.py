@@ -120,7 +120,7 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
     it is complete, with recipe.yaml (as run) and a manifest of file hashes beside the tensors. While it runs,
     finished blocks are kept in a `.NAME.partial` folder beside the output, from which --resume continues.
     """
-    from qtool.quantize import run_quantize
+    from qtool.run import run_quantize
 
     overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
     if eval_windows is not None:
