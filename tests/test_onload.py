@@ -76,3 +76,31 @@ def test_dry_run_refuses_a_run_this_machine_cannot_hold(smollm2, tmp_path, no_wo
         res = run_cli(["quantize", recipe, *extra])
         assert_one_line_error(res, 6, "host memory", "activations", "100000 x 8192", "lower --num-samples",
                               output=tmp_path / "out")
+
+
+def _make_test_model():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_test_model", ROOT / "scripts" / "make_test_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_test_model_shapes_and_a_sharded_model_that_passes_the_pre_flight(tmp_path):
+    import torch
+
+    mk = _make_test_model()
+    # Llama-2-7B and Llama-2-70B, parameter for parameter
+    counts = {k: sum(torch.Size(s).numel() for s in mk.tensor_shapes(mk.SHAPES[k]).values()) for k in ("7b", "70b")}
+    assert counts == {"7b": 6_738_415_616, "70b": 68_976_648_192}
+    info = mk.make(tmp_path / "m", "tiny", 3, 200_000, seed=0)
+    assert info["layers"] == 3 and info["shards"] > 1
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tmp_path / 'm'}\ncalibration: {{source: {ROOT / 'README.md'}, num_samples: 2, "
+                      f"seq_len: 32}}\nstages:\n  - stage: gptq\n    bits: 4\noutput: {tmp_path / 'out'}\n")
+    res = run_cli(["quantize", recipe, "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    est = json.loads(res.stdout)
+    assert est["mode"] == "blocks" and est["estimate"]["num_blocks"] == 3 and est["estimate"]["seconds"] is not None
+    assert not (tmp_path / "out").exists()
