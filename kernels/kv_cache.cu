@@ -467,3 +467,225 @@ __device__ __forceinline__ void kv_write(const u16* __restrict__ qkv, const u16*
 KV_WRITE(kv_write_int4, KV_INT4)
 KV_WRITE(kv_write_int8, KV_INT8)
 KV_WRITE(kv_write_fp8, KV_FP8)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode attention over a KV4 cache on the tensor cores (kv_attention_tc_int4_d*), for G = 2..8 query heads per KV
+// head: the CUDA-core kernel above spends 2G float32 FMAs per code, more than the FMA pipe delivers at DRAM rate
+// once G >= 4 (Llama-3-8B: 0.41x SDPA at batch 64). Here `mma.sync.m16n8k16` (float16 in, float32 accumulate) does
+// both products, the G heads being rows 0..G-1 of its 16-row A operand (rows G..15 zero), so a code costs a
+// fraction of an instruction whatever G is, and the kernel stays bound by the cache's bytes.
+//   Scores (per warp, 16 tokens a step, two 8-token tiles): S = Q·Cᵀ with B = the key codes as exact float16
+//   (0x6400 | nibble, minus 1024, four nibbles of a word per LOP3), then s = qscale · s_n (S - z_n Σq) per token n.
+//   A thread (group g = lane / 4, t = lane % 4) loads its token g's row words t·D/32 .. (one 16-byte load at
+//   D = 128); the channels a conversion puts in a register pair are not the MMA's consecutive k, so the query's A
+//   fragments are gathered in the same order (channels 8w, 8w+4 | 8w+1, 8w+5 for word w's first k-step, 8w+2,
+//   8w+6 | 8w+3, 8w+7 for its second).
+//   Output: O = (P·diag(s))·C - Σ_n p_n s_n z_n with P·diag(s) rounded to float16 as the A operand (the scores'
+//   C fragments are already in its layout: tokens 2t, 2t+1 and 8 + 2t, 9 + 2t of row g) and B the value codes: a
+//   thread loads words g·D/64 .. of tokens 2t, 2t+1, 2t+8, 2t+9 and pairs tokens per register by PRMT, so n-tile m
+//   of the output holds channel 8 (g·D/64 + m / 8) + m % 8 of column g.
+// One block of TC_WARPS warps per (sequence, KV head); warps take 16-token steps in turn and merge through shared
+// memory as above.
+constexpr int TC_WARPS = 4;
+
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a2, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// nibbles at bits 0-3 and 16-19 of w as two exact float16 values
+__device__ __forceinline__ u32 nib2h(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(r) : "r"(w));
+    return f16x2_sub(r, 0x64006400u);
+}
+
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+// N (1, 2 or 4) consecutive words written by the kernel ahead, in one coherent load (N-word aligned), or zeros
+template <int N>
+__device__ __forceinline__ void ld_words(u32 (&w)[N], const u32* p, bool ok) {
+    if (!ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = 0u;
+    } else if constexpr (N == 4) {
+        const uint4 v = ld_dep_v4(p);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (N == 2) {
+        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    } else {
+        w[0] = ld_dep_u32(p);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
+                                                const u32* __restrict__ vc, const u32* __restrict__ kp,
+                                                const u32* __restrict__ vp, const long long* __restrict__ pos,
+                                                u16* __restrict__ out, int H, int KVH, int L, int G, float qscale) {
+    constexpr int W = D / 8;          // 32-bit words per cached row
+    constexpr int KW = D / 32;        // key words per thread and token: k-steps 2i, 2i + 1 per word
+    constexpr int VW = D / 64;        // value words per thread and token
+    constexpr int NT = D / 8;         // output n-tiles
+    extern __shared__ float sm[];
+    launch_dependents();
+    grid_dependency_wait();
+    const int bk = blockIdx.x, b = bk / KVH, kvh = bk % KVH;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const long long p = ld_dep_s64(pos);
+    const int n = p + 1 < (long long)L ? (int)(p + 1) : L;
+    // the query rows (float16, as written) staged, and Σq per head
+    u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
+    float* qsum_s = sm + 4 * D;           // [8]
+    for (int i = tid; i < 8 * D; i += blockDim.x) {
+        const int r = i / D;
+        qs[i] = r < G ? ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G + r) * D + (i % D)) : (u16)0;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        for (int r = 0; r < 8; ++r) {
+            float s = 0.f;
+            for (int d = lane; d < D; d += 32) s += h2f(qs[r * D + d]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) qsum_s[r] = s;
+        }
+    }
+    // A fragments of the scores: k-step 2i (word w = KW t + i) and 2i + 1
+    u32 qa[2 * KW][2];
+#pragma unroll
+    for (int i = 0; i < KW; ++i) {
+        const u16* qr = qs + g * D + 8 * (KW * t + i);
+        qa[2 * i][0] = (u32)qr[0] | ((u32)qr[4] << 16);
+        qa[2 * i][1] = (u32)qr[1] | ((u32)qr[5] << 16);
+        qa[2 * i + 1][0] = (u32)qr[2] | ((u32)qr[6] << 16);
+        qa[2 * i + 1][1] = (u32)qr[3] | ((u32)qr[7] << 16);
+    }
+    __syncthreads();
+    const float qsum = qsum_s[g];
+    float mrun = -1.0e30f, lrun = 0.f, wz = 0.f;
+    float o[NT][4];
+#pragma unroll
+    for (int m = 0; m < NT; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
+    const size_t row0 = ((size_t)b * KVH + kvh) * L;
+    for (int t0 = 16 * warp; t0 < n; t0 += 16 * TC_WARPS) {
+        // keys: token t0 + g (tile 0) and t0 + 8 + g (tile 1), words KW t ..
+        u32 kw[2][KW];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = t0 + 8 * h + g;
+            ld_words<KW>(kw[h], kc + (row0 + (r < L ? r : 0)) * W + KW * t, r < L);
+        }
+        // values: tokens t0 + 2t, +1, +8, +9, words VW g ..
+        u32 vw[4][VW], kpr[4], vpr[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
+            const bool ok = r < L;
+            ld_words<VW>(vw[j], vc + (row0 + (ok ? r : 0)) * W + VW * g, ok);
+            kpr[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
+            vpr[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
+        }
+        float s[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+#pragma unroll
+            for (int i = 0; i < KW; ++i) {
+                const u32 w = kw[h][i];
+                mma16816(s[h], qa[2 * i][0], qa[2 * i][1], nib2h(w), nib2h(w >> 4));
+                mma16816(s[h], qa[2 * i + 1][0], qa[2 * i + 1][1], nib2h(w >> 8), nib2h(w >> 12));
+            }
+        }
+        // this thread's four tokens: j = 0, 1 (tile 0: 2t, 2t + 1), 2, 3 (tile 1)
+        float sc[4];
+        float mx = mrun;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
+            const float ks = h2f((u16)(kpr[j] & 0xFFFFu)), kz = h2f((u16)(kpr[j] >> 16));
+            const float a = s[j >> 1][j & 1];
+            sc[j] = r < n ? qscale * (ks * (a - kz * qsum)) : __uint_as_float(0xFF800000u);
+            mx = fmaxf(mx, sc[j]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float alpha = fast_exp2(mrun - mx);
+        mrun = mx;
+        lrun *= alpha;
+        wz *= alpha;
+#pragma unroll
+        for (int m = 0; m < NT; ++m) o[m][0] *= alpha, o[m][1] *= alpha;
+        float pw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float pr = fast_exp2(sc[j] - mx);
+            lrun += pr;
+            pw[j] = pr * h2f((u16)(vpr[j] & 0xFFFFu));
+            wz = fmaf(pw[j], h2f((u16)(vpr[j] >> 16)), wz);
+        }
+        const u32 pa0 = pack_h2(pw[0], pw[1]), pa2 = pack_h2(pw[2], pw[3]);
+#pragma unroll
+        for (int i = 0; i < VW; ++i) {
+#pragma unroll
+            for (int bi = 0; bi < 4; ++bi) {
+                const u32 sel = (u32)bi | ((u32)(4 + bi) << 8);
+                u32 y01, y23;
+                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(vw[0][i]), "r"(vw[1][i]), "r"(sel));
+                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(vw[2][i]), "r"(vw[3][i]), "r"(sel));
+                mma16816(o[8 * i + 2 * bi], pa0, pa2, nib2h(y01), nib2h(y23));
+                mma16816(o[8 * i + 2 * bi + 1], pa0, pa2, nib2h(y01 >> 4), nib2h(y23 >> 4));
+            }
+        }
+    }
+    // the row's sums over its four threads
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+        lrun += __shfl_xor_sync(0xffffffffu, lrun, x);
+        wz += __shfl_xor_sync(0xffffffffu, wz, x);
+    }
+    __syncthreads();  // the query staging is free
+    float* ys = sm;                     // [TC_WARPS][8][D]
+    float* ml = sm + TC_WARPS * 8 * D;  // [TC_WARPS][8][2]
+    if (g < G) {
+#pragma unroll
+        for (int m = 0; m < NT; ++m) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 2 * t + e;  // the B column, i.e. the value thread group whose channels it holds
+                const int ch = 8 * (VW * col + m / 8) + m % 8;
+                ys[(warp * 8 + g) * D + ch] = o[m][e] - wz;
+            }
+        }
+        if (t == 0) {
+            ml[(warp * 8 + g) * 2] = mrun;
+            ml[(warp * 8 + g) * 2 + 1] = lrun;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        float mxx = -1.0e30f;
+        for (int w = 0; w < TC_WARPS; ++w) mxx = fmaxf(mxx, ml[(w * 8 + r) * 2]);
+        float y = 0.f, ls = 0.f;
+        for (int w = 0; w < TC_WARPS; ++w) {
+            const float c = fast_exp2(ml[(w * 8 + r) * 2] - mxx);
+            y += c * ys[(w * 8 + r) * D + d];
+            ls += c * ml[(w * 8 + r) * 2 + 1];
+        }
+        out[((size_t)b * H + (size_t)kvh * G + r) * D + d] = f2h(y / ls);
+    }
+}
+
+#define KV_ATTENTION_TC(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) kv_attention_tc_int4_d##D(                          \
+        const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
+        const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
+        u16* __restrict__ out, int H, int KVH, int L, int G, float qscale) {                                      \
+        kv_attention_tc<D>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale);                                     \
+    }
+KV_ATTENTION_TC(64)
+KV_ATTENTION_TC(128)

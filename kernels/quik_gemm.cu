@@ -20,6 +20,7 @@
 //   * Outlier activations Xo [M, kop] float16, zero beyond ko. Row strides are in bytes, multiples of 16.
 
 #include "ptx_common.cuh"
+#include "qoq_act.cuh"
 
 // Measurement builds only (qtool.cuda.compile extra options): QUIK_TUNING adds variants, QUIK_ABLATE removes a
 // part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue, 4: the A-fragment loads and
@@ -179,13 +180,7 @@ __device__ __forceinline__ void load_row(uint4 (&v)[PPT], u32 (&fl)[PPT], const 
 // product (then rint: the fma trick of code_of would round the exact product instead, which differs at ties).
 constexpr int SYM_A8 = 0;
 
-__device__ __forceinline__ int sym_code(float x, float r) {
-    float p;
-    int q;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(x), "f"(r));
-    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(p));
-    return max(-127, min(127, q));
-}
+__device__ __forceinline__ int sym_code(float x, float r) { return qa_code(x, r); }
 
 __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll
@@ -998,14 +993,21 @@ __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, i
 
 // The persistent kernel's epilogue: Eq. 1 if still pending, bias, then out through the copy engine (tma_store_tile,
 // ptx_common.cuh; `mo`: the float16 output as bytes, boxes of 128 bytes x 32 tokens, 128-byte swizzle).
-template <int BITS, int TN, int EB>
+template <int BITS, int TN, int EB, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
                                                int r0, int t, int tid, u32 ebuf, int& eb, const float* tsx,
                                                const float* tax, const u16* __restrict__ sw,
                                                const float* __restrict__ wred, const u16* __restrict__ bias,
                                                const TmaMap* mo) {
     const int f0 = n0 + r0;
-    if (QUIK_EPI < 3 && eq1_pending) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    if constexpr (QOQ != QOQ_NONE) {
+        if (eq1_pending) {
+            qoq_correct<QOQ, TN>(acc, f0, N, t, tax, reinterpret_cast<const int*>(wred));
+            qoq_scale<TN>(acc, f0, N, t, tsx, sw);
+        }
+    } else if (QUIK_EPI < 3 && eq1_pending) {
+        eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
+    }
     if (QUIK_EPI == 2 || QUIK_EPI == 3) {
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i) asm volatile("" ::"r"(acc[i]));  // keep the accumulators' producers
@@ -1198,15 +1200,20 @@ QOQ_GEMM_ENTRIES(256, 3, 1)
 // the persistent kernel's epilogue stores through it where `tmo` is set (else, and for raw sums, 16-byte stores
 // from the threads).
 // ---------------------------------------------------------------------------------------------------------------
-template <int TN, int BITS>
+template <int TN, int BITS, int QOQ = QOQ_NONE>
 struct WsTile {
     static constexpr int XT = TN * 128;               // activation tile of an integer stage
     static constexpr int WB = 128 * 16 * BITS;        // weight tile of an integer stage
+    // QoQ's progressive groups: the stage's group words (128 rows x 128 / g words, what qoq_frags reads at
+    // QOQ_GW_OFFSET = WB) arrive by a 1-D bulk copy from the stage-major copy (qtool/cuda/qoq.py stage_words),
+    // padded so the stage stays a multiple of 1024 bytes
+    static constexpr int GWS = QOQ > QOQ_PC ? 128 * (128 / (QOQ > QOQ_PC ? QOQ : 128)) * 4 : 0;
+    static constexpr int GWB = (GWS + 1023) / 1024 * 1024;
     // float16 outlier bytes per row and stage: 4-bit stages take 32 columns (64-byte rows, 64-byte swizzle), so
     // that their weight tile fits the integer stages' 8 KB and a stage stays at XT + 8 KB: the ring then leaves
     // room for a fifth stage. 8-bit stages take 64 columns (128-byte rows) as the block-synchronous kernel does.
     static constexpr int OB = BITS == 4 ? 64 : 128;
-    static constexpr int SB = XT + WB;                // a stage; a multiple of 1024: the swizzle atoms stay aligned
+    static constexpr int SB = XT + WB + GWB;          // a stage; a multiple of 1024: the swizzle atoms stay aligned
     enum : int { EPI_TOKENS = 32 };  // the persistent kernel's epilogue chunk (thread stores: 32 x 136 halves)
     // store_tile_tma's 8 KB buffers beside a ring of ST stages: what fits in the 227 KB a block may have, less
     // the alignment slack and the static arrays (s_x, z_x + h s_x, barriers), at most 8
@@ -1379,19 +1386,22 @@ __device__ __forceinline__ void publish_rows(int* ready, int row0, int row_end, 
 // FUSED (quik_gemm_wsq_*): the activation rows are quantized by this kernel's own warps. Before the first
 // activation copy the block's math warps must have released the ring slots they staged rows in (`staged`); before
 // each tile's copies, every row of its tokens must be counted in `ready` (rows_wait).
-template <int BITS, int TN, int ST, bool FUSED = false>
+template <int BITS, int TN, int ST, bool FUSED = false, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                           u32 base, u32 bars, int M, int N, int kt, int steps,
-                                          const int* ready = nullptr, u32 staged = 0) {
-    using T = WsTile<TN, BITS>;
+                                          const int* ready = nullptr, u32 staged = 0, const char* gst = nullptr) {
+    using T = WsTile<TN, BITS, QOQ>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
     // A stage's byte count on its full barrier, then its weight copy (the activation copy is issued separately).
     auto weights = [&](int gs, int slot, int n0) {
         const bool outl = gs >= kt;
         const int s = outl ? gs - kt : gs;
         const u32 full = bars + 8 * slot;
-        mbar_arrive_expect_tx(full, outl ? (TN + 128) * T::OB : T::XT + T::WB);
+        mbar_arrive_expect_tx(full, outl ? (TN + 128) * T::OB : T::XT + T::WB + T::GWS);
         tma_load_2d(base + (u32)slot * T::SB + T::XT, outl ? mwo : mw, full, outl ? T::OB * s : 16 * BITS * s, n0);
+        if constexpr (T::GWS > 0)
+            bulk_load(base + (u32)slot * T::SB + T::XT + T::WB,
+                      gst + ((size_t)(n0 >> 7) * (size_t)kt + (size_t)s) * T::GWS, T::GWS, full);
     };
     // The weights do not come from the kernel ahead: the first tile's first ST stages get their weight copies
     // before the wait for that kernel (a dependent launch starts during its tail), their activations after it.
@@ -1441,9 +1451,11 @@ __device__ __forceinline__ void load_frags_o64(u32 (&af)[4][4], u32 wt, int r0, 
 }
 
 // The A fragments of a warp-specialized stage: integer (`intg`) or outlier, in the stage layout of WsTile.
-template <int BITS, int TN>
+template <int BITS, int TN, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_frags(u32 (&af)[4][4], u32 wt, int r0, int t, bool intg) {
-    if (intg)
+    if constexpr (QOQ != QOQ_NONE)
+        qoq_frags<QOQ>(af, wt, r0, t);
+    else if (intg)
         load_frags<BITS, false>(af, wt, r0, t);
     else if (WsTile<TN, BITS>::OB == 64)
         load_frags_o64(af, wt, r0, t);
@@ -1453,18 +1465,18 @@ __device__ __forceinline__ void ws_frags(u32 (&af)[4][4], u32 wt, int r0, int t,
 
 // One stage of a math warpgroup: the wgmmas of the tile's stage gs (ring position g) on fragments `cur`, then
 // (while they run) the release of the previous stage and the fragments of the next one into `nxt`.
-template <int BITS, int TN, int ST>
+template <int BITS, int TN, int ST, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u32 (&nxt)[4][4], u32 base, u32 bars,
                                         int gs, int g, int kt, int steps, int N, int f0, int r0, int t, int lane,
                                         const float* tsx, const float* tax, const u16* __restrict__ sw,
                                         const float* __restrict__ wred) {
-    using T = WsTile<TN, BITS>;
+    using T = WsTile<TN, BITS, QOQ>;
     const u32 st = base + (u32)(g % ST) * T::SB;
     if (gs < kt) {
         wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_s8(acc, cur[j], desc_sw128(st + 32 * j));
-    } else {
+        for (int j = 0; j < 4; ++j) wgmma_s8<QOQ != QOQ_NONE>(acc, cur[j], desc_sw128(st + 32 * j));
+    } else if constexpr (QOQ == QOQ_NONE) {
         if (gs == kt && kt > 0) {
             wgmma_wait0();
             if (QUIK_EPI < 3) eq1_in_place<BITS, TN>(acc, f0, N, t, tsx, tax, sw, wred);
@@ -1484,7 +1496,7 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
     if (gs + 1 < steps) {
         mbar_wait(bars + 8 * ((g + 1) % ST), (u32)((g + 1) / ST) & 1);
         const u32 wt = base + (u32)((g + 1) % ST) * T::SB + T::XT;
-        ws_frags<BITS, TN>(nxt, wt, r0, t, gs + 1 < kt);
+        ws_frags<BITS, TN, QOQ>(nxt, wt, r0, t, gs + 1 < kt);
     }
 }
 
@@ -1495,14 +1507,16 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
 // transposes through the ring in one pass.
 // FUSED: the fused form (FusedQuant above; PERSIST and the copy-engine epilogue only) with EBF epilogue buffers,
 // then the column maps and the copy warps' row buffers: s_x and z_x are written here, not by a kernel ahead.
-template <int BITS, int TN, int ST, bool PERSIST, bool FUSED = false, int EBF = 0>
+// QOQ != QOQ_NONE: QoQ's W4A8 (as in gemm_body): zx is the int32 row sums, wred the int32 zeros (per channel), gst
+// the stage-major group words (progressive groups); no outlier stages.
+template <int BITS, int TN, int ST, bool PERSIST, bool FUSED = false, int EBF = 0, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                         const TmaMap* mo, int M, int N, int kt, int steps,
                                         const float* __restrict__ sx, const float* __restrict__ zx,
                                         const u16* __restrict__ sw, const float* __restrict__ wred,
                                         const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw,
-                                        int tmo, const FusedQuant* fq = nullptr) {
-    using T = WsTile<TN, BITS>;
+                                        int tmo, const FusedQuant* fq = nullptr, const char* gst = nullptr) {
+    using T = WsTile<TN, BITS, QOQ>;
     extern __shared__ char smem_raw[];
     __shared__ float tsx[2][TN], tax[2][TN];
     __shared__ __align__(8) u64 bar_mem[2 * ST];
@@ -1545,8 +1559,8 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (tid == 0) {
             tma_prefetch_map(ma);
             tma_prefetch_map(mw);
-            ws_copies<BITS, TN, ST, FUSED>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps, FUSED ? fq->ready : nullptr,
-                                           staged);
+            ws_copies<BITS, TN, ST, FUSED, QOQ>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps,
+                                                FUSED ? fq->ready : nullptr, staged, gst);
         }
         if (!FUSED) return;
         const int cw = (tid >> 5) - 1;  // the copy warps after the first quantize rows r1.. while the tiles run
@@ -1598,7 +1612,10 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         const bool ok = tl < tiles && ctid < TN && m < M;
         if (FUSED && ok) rows_wait(fq->ready + m0_ / TN, min(TN, M - m0_));
         nsx = ok ? ld_dep_f32(sx + m) : 0.f;
-        nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
+        if constexpr (QOQ != QOQ_NONE)  // the row sum, as int bits
+            nax = bits2f(ok ? (int)ld_dep_u32(reinterpret_cast<const u32*>(zx) + m) : 0);
+        else
+            nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
     };
     fetch(blockIdx.x);
     int g = 0, j = 0, eb = 0;  // eb: the next epilogue buffer (store_tile_tma)
@@ -1624,18 +1641,18 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (steps > 0) {
             mbar_wait(bars + 8 * (g % ST), (u32)(g / ST) & 1);
             const u32 wt = base + (u32)(g % ST) * T::SB + T::XT;
-            ws_frags<BITS, TN>(af0, wt, r0, t, kt > 0);
+            ws_frags<BITS, TN, QOQ>(af0, wt, r0, t, kt > 0);
         }
         int gs = 0;
         for (; gs + 1 < steps; gs += 2) {
-            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane, csx,
-                                  cax, sw, wred);
-            ws_step<BITS, TN, ST>(acc, af1, af0, base, bars, gs + 1, g + gs + 1, kt, steps, N, n0 + r0, r0, t, lane,
-                                  csx, cax, sw, wred);
+            ws_step<BITS, TN, ST, QOQ>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane,
+                                       csx, cax, sw, wred);
+            ws_step<BITS, TN, ST, QOQ>(acc, af1, af0, base, bars, gs + 1, g + gs + 1, kt, steps, N, n0 + r0, r0, t,
+                                       lane, csx, cax, sw, wred);
         }
         if (gs < steps)
-            ws_step<BITS, TN, ST>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane, csx,
-                                  cax, sw, wred);
+            ws_step<BITS, TN, ST, QOQ>(acc, af0, af1, base, bars, gs, g + gs, kt, steps, N, n0 + r0, r0, t, lane,
+                                       csx, cax, sw, wred);
         wgmma_wait0();
         if (steps > 0 && lane == 0) mbar_arrive(bars + 8 * (ST + (g + steps - 1) % ST));  // the tile's last stage
         // FUSED: the next tile's rows may be quantized by now (they are during the first tiles): waited for here,
@@ -1645,17 +1662,18 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         if (PERSIST && tmo && !raw) {
             constexpr int EB = FUSED ? EBF : T::template epi_buffers<ST>();
             static_assert(EB >= 2, "the ring leaves room for two epilogue buffers");
-            store_tile_tma<BITS, TN, EB>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB), eb,
-                                         csx, cax, sw, wred, bias, mo);
+            store_tile_tma<BITS, TN, EB, QOQ>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, base + (u32)(ST * T::SB),
+                                              eb, csx, cax, sw, wred, bias, mo);
             if (QUIK_TRACE && FUSED && ctid == 0 && j < 8) trace_at(fq->ready, 41 + j);
         } else if (PERSIST) {
             // the buffer's last reads (previous tile) finished before this tile's first barrier
-            store_tile<BITS, TN, 1, T::EPI_TOKENS>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
-                                        base + (u32)(ST * T::SB), csx, cax, sw, wred, bias, out, ldc, raw);
+            store_tile<BITS, TN, 1, T::EPI_TOKENS, QOQ>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw,
+                                                        base + (u32)(ST * T::SB), csx, cax, sw, wred, bias, out,
+                                                        ldc, raw);
         } else {
             bar_sync<1, 256>();  // every math warp is done with the ring: it becomes the transpose tile
-            store_tile<BITS, TN, 1, TN>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw, base, csx, cax, sw,
-                                        wred, bias, out, ldc, raw);
+            store_tile<BITS, TN, 1, TN, QOQ>(acc, m0, n0, M, N, eq1_pending, r0, t, ctid, smem_raw, base, csx, cax,
+                                             sw, wred, bias, out, ldc, raw);
         }
     }
     if (PERSIST && tmo && ctid == 0) bulk_wait_all();  // the output is written before the block exits
@@ -1708,6 +1726,29 @@ WS_ENTRY(4, 256, 5, true, quik_gemm_wsp_w4_n256_s5)
                                              out, ldc, 0, 1, &fq);                                                \
     }
 WSQ_ENTRY(4, 256, 4)
+
+// QoQ W4A8 in the warp-specialized forms (the `ws` tile per block, and the persistent `wsp`): ma / mw / mo as
+// above (the weight codes as 4-bit rows), G the stage-major group words (progressive; unused per channel), rsum the
+// activation code sums, zeros z[n] as int32 (per channel). raw: the exact int32 products.
+#define QOQ_WS_ENTRY(KIND, PERSIST, NAME, QOQ, TN, ST)                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1) qoq_gemm_##KIND##_##NAME##_n##TN##_s##ST(              \
+        const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mo, \
+        const char* G, int M, int N, int kt, const float* sx, const int* rsum, const u16* sw, const int* zeros,  \
+        const u16* bias, void* out, int ldc, int raw, int tmo) {                                                 \
+        ws_body<4, TN, ST, PERSIST, false, 0, QOQ>(&ma, &mw, &ma, &mw, &mo, M, N, kt, kt, sx,                      \
+                                                   reinterpret_cast<const float*>(rsum), sw,                     \
+                                                   reinterpret_cast<const float*>(zeros), bias, out, ldc, raw,   \
+                                                   tmo, nullptr, G);                                             \
+    }
+#define QOQ_WS_ENTRIES(KIND, PERSIST, TN, ST)              \
+    QOQ_WS_ENTRY(KIND, PERSIST, pc, QOQ_PC, TN, ST)        \
+    QOQ_WS_ENTRY(KIND, PERSIST, g32, 32, TN, ST)           \
+    QOQ_WS_ENTRY(KIND, PERSIST, g64, 64, TN, ST)           \
+    QOQ_WS_ENTRY(KIND, PERSIST, g128, 128, TN, ST)
+QOQ_WS_ENTRIES(ws, false, 64, 8)
+QOQ_WS_ENTRIES(ws, false, 128, 6)
+QOQ_WS_ENTRIES(ws, false, 256, 4)
+QOQ_WS_ENTRIES(wsp, true, 256, 4)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode GEMV (MT = 1 or 2 tokens, fused output or raw sums): one warp per weight row on the CUDA cores. The lanes
@@ -1860,3 +1901,211 @@ GEMV_ENTRY(4, 1)
 GEMV_ENTRY(4, 2)
 GEMV_ENTRY(8, 1)
 GEMV_ENTRY(8, 2)
+
+// ---------------------------------------------------------------------------------------------------------------
+// QoQ decode GEMV with the activation quantization fused (qoq_gemv_<scheme>_m<MT>, MT = 1..4 tokens): a separate
+// quantize kernel costs 2-4 us at one token (its launch and a row's round trip), about as much as streaming a
+// 4096 x 4096 layer's 8 MB of codes. Each block quantizes the MT float16 rows itself into shared memory (two passes
+// over x, which stays in L1/L2: max|x|, then the codes and their sum, exactly as the quantize kernel does), while its
+// weight loads are already in flight; then one warp per weight row multiplies as the quik GEMV does, with
+// `dp4a.u32.s32` on unsigned weight bytes: per channel the codes q themselves (z·rowsum comes off at the end), per
+// group Q8hat + 128 = q·s1 + (128 - z·s1) by one IMAD per 4 codes (128·rowsum comes off). The codes sit in shared
+// memory in the order a word's nibbles unpack in: for code k, byte 8 (k / 8) + 4 (k % 2) + (k % 8) / 2.
+// Contract (qtool/cuda/qoq.py gemv_reason): K % 8 == 0, x rows 16-byte aligned, kp = K rounded up to 128.
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int QG_WARPS = 8;  // weight rows per block
+constexpr int QG_U = 4;      // 16-byte weight chunks per lane in flight
+
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+template <int QOQ, int MT>
+__device__ __forceinline__ void qoq_gemv_chunk(int (&acc)[MT], const uint4& w, u32 gw, const char* qs, int kp,
+                                               int c) {
+    const u32 wv[4] = {w.x, w.y, w.z, w.w};
+    u32 cw = 0, s1 = 0;
+    if constexpr (QOQ != QOQ_PC) cw = prmt(gw, 0u, 0x0000u), s1 = (gw >> 8) & 0xFFu;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const uint4 a0 = *reinterpret_cast<const uint4*>(qs + (size_t)m * kp + 32 * c);
+        const uint4 a1 = *reinterpret_cast<const uint4*>(qs + (size_t)m * kp + 32 * c + 16);
+        const u32 av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 lo = wv[j] & 0x0F0F0F0Fu, hi = (wv[j] >> 4) & 0x0F0F0F0Fu;
+            if constexpr (QOQ != QOQ_PC) lo = imad(lo, s1, cw), hi = imad(hi, s1, cw);
+            acc[m] = dp4a_us(lo, av[2 * j], acc[m]);
+            acc[m] = dp4a_us(hi, av[2 * j + 1], acc[m]);
+        }
+    }
+}
+
+template <int QOQ, int MT>
+__device__ __forceinline__ void qoq_gemv_body(const u16* __restrict__ x, int ldx, int M, int K, int kp,
+                                              const u32* __restrict__ W, int ldw, const int* __restrict__ G, int ldg,
+                                              int N, const u16* __restrict__ sw, const int* __restrict__ zeros,
+                                              const u16* __restrict__ bias, void* __restrict__ out, int ldc,
+                                              int raw) {
+    extern __shared__ __align__(16) char qs[];  // MT rows of kp code bytes
+    __shared__ float fred[MT][QG_WARPS];
+    __shared__ int ired[MT][QG_WARPS];
+    launch_dependents();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int f = (int)blockIdx.x * QG_WARPS + warp;
+    const bool valid = f < N;
+    const int chunks = kp >> 5;  // 16-byte chunks of a code row (32 codes each)
+    const uint4* wrow = reinterpret_cast<const uint4*>(W + (size_t)(valid ? f : 0) * ldw);
+    const int* grow = G + (size_t)(valid ? f : 0) * ldg;
+    // Group words: the 32 * QG_U * 32 codes of one pass span GW group words of the row; the warp loads them
+    // coalesced (GW / 32 per lane) and each piece takes its word by a shuffle, instead of a 4-byte load per piece.
+    constexpr int GQ = QOQ != QOQ_PC ? QOQ : 128;
+    constexpr int GW = QOQ != QOQ_PC ? 32 * QG_U * 32 / GQ : 32;
+    const int groups = kp / GQ;
+    u32 gwl[GW / 32];
+    auto load_groups = [&](int c0) {
+#pragma unroll
+        for (int v = 0; v < GW / 32; ++v) {
+            const int i = 32 * c0 / GQ + 32 * v + lane;
+            gwl[v] = QOQ != QOQ_PC && valid && i < groups ? (u32)__ldg(grow + i) : 0u;
+        }
+    };
+    // the weight side first: it does not come from the kernel ahead
+    uint4 w[QG_U];
+#pragma unroll
+    for (int u = 0; u < QG_U; ++u) {
+        const int c = lane + 32 * u;
+        w[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid && c < chunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
+    }
+    load_groups(0);
+    float s0 = 0.f, bf = 0.f;
+    int zc = 128;
+    if (valid && lane < MT) {
+        s0 = h2f(sw[f]);
+        bf = bias != nullptr ? h2f(bias[f]) : 0.f;
+        if (QOQ == QOQ_PC) zc = zeros[f];
+    }
+    grid_dependency_wait();  // x comes from the kernel ahead
+    // pass 1: max|x| per token
+    const int pieces = K >> 3;
+    float am[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        am[m] = 0.f;
+        if (m < M) {
+            for (int p = tid; p < pieces; p += 32 * QG_WARPS) {
+                const uint4 v = ld_dep_v4(x + (size_t)m * ldx + 8 * p);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) am[m] = fmax_(am[m], bits2f(f2bits(h2f(half_of(v, i))) & 0x7FFFFFFF));
+            }
+        }
+        am[m] = warp_max(am[m]);
+        if (lane == 0) fred[m][warp] = am[m];
+    }
+    // the padding codes (K..kp) multiply padding weights of any value: zeros here
+    for (int i = K + 8 * tid; i < kp; i += 8 * 32 * QG_WARPS)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) *reinterpret_cast<uint2*>(qs + (size_t)m * kp + i) = make_uint2(0u, 0u);
+    __syncthreads();
+    float r[MT], sxv[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        float a = fred[m][0];
+#pragma unroll
+        for (int i = 1; i < QG_WARPS; ++i) a = fmax_(a, fred[m][i]);
+        r[m] = a > 0.f ? div_rn(127.f, a) : 1.0f;
+        sxv[m] = a > 0.f ? div_rn(a, 127.f) : 1.0f;
+    }
+    // pass 2: the codes, at their unpack order, and their sums
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        int cs = 0;
+        if (m < M) {
+            for (int p = tid; p < pieces; p += 32 * QG_WARPS) {
+                const uint4 v = ld_dep_v4(x + (size_t)m * ldx + 8 * p);
+                int q[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    q[i] = sym_code(h2f(half_of(v, i)), r[m]);
+                    cs += q[i];
+                }
+                const u32 ev = (u32)(q[0] & 0xFF) | (u32)(q[2] & 0xFF) << 8 | (u32)(q[4] & 0xFF) << 16 |
+                               (u32)(q[6] & 0xFF) << 24;
+                const u32 od = (u32)(q[1] & 0xFF) | (u32)(q[3] & 0xFF) << 8 | (u32)(q[5] & 0xFF) << 16 |
+                               (u32)(q[7] & 0xFF) << 24;
+                *reinterpret_cast<uint2*>(qs + (size_t)m * kp + 8 * p) = make_uint2(ev, od);
+            }
+        }
+        cs = warp_sum(cs);
+        if (lane == 0) ired[m][warp] = cs;
+    }
+    __syncthreads();
+    int acc[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m] = 0;
+    if (valid) {
+        for (int c0 = 0; c0 < chunks; c0 += 32 * QG_U) {
+            if (c0 > 0) {
+#pragma unroll
+                for (int u = 0; u < QG_U; ++u) {
+                    const int c = c0 + lane + 32 * u;
+                    if (c < chunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + c));
+                }
+                load_groups(c0);
+            }
+#pragma unroll
+            for (int u = 0; u < QG_U; ++u) {
+                const int c = c0 + lane + 32 * u;
+                // piece c's group, (c - c0)·32 / g of this pass: register u·32 / g, lane ((lane + 32u)·32 / g) % 32
+                const u32 gw = QOQ != QOQ_PC
+                                   ? __shfl_sync(0xffffffffu, gwl[(32 * u) / GQ], ((lane + 32 * u) * 32 / GQ) & 31)
+                                   : 0u;
+                if (c < chunks) qoq_gemv_chunk<QOQ, MT>(acc, w[u], gw, qs, kp, c);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m] = warp_sum(acc[m]);
+    if (!valid || lane >= MT || lane >= M) return;
+    const int m = lane;  // lane m writes token m (values picked with constant indices)
+    int a = acc[0], rs = 0;
+    float sx1 = sxv[0];
+#pragma unroll
+    for (int i = 1; i < MT; ++i)
+        if (m == i) a = acc[i], sx1 = sxv[i];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+        if (m == i) {
+#pragma unroll
+            for (int k = 0; k < QG_WARPS; ++k) rs += ired[i][k];
+        }
+    a -= zc * rs;
+    if (raw) {
+        reinterpret_cast<int*>(out)[(size_t)m * ldc + f] = a;
+        return;
+    }
+    // the layout's order with one rounding per operation (no contraction into an fma)
+    float sc, y;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(sc) : "f"(sx1), "f"(s0));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"((float)a), "f"(sc));
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(y), "f"(bf));
+    reinterpret_cast<u16*>(out)[(size_t)m * ldc + f] = f2h(y);
+}
+
+#define QOQ_GEMV_ENTRY(NAME, QOQ, MT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * QG_WARPS) qoq_gemv_##NAME##_m##MT(                          \
+        const u16* x, int ldx, int M, int K, int kp, const u32* W, int ldw, const int* G, int ldg, int N,         \
+        const u16* sw, const int* zeros, const u16* bias, void* out, int ldc, int raw) {                          \
+        qoq_gemv_body<QOQ, MT>(x, ldx, M, K, kp, W, ldw, G, ldg, N, sw, zeros, bias, out, ldc, raw);              \
+    }
+#define QOQ_GEMV_ENTRIES(MT)             \
+    QOQ_GEMV_ENTRY(pc, QOQ_PC, MT)       \
+    QOQ_GEMV_ENTRY(g32, 32, MT)          \
+    QOQ_GEMV_ENTRY(g64, 64, MT)          \
+    QOQ_GEMV_ENTRY(g128, 128, MT)
+QOQ_GEMV_ENTRIES(1)
+QOQ_GEMV_ENTRIES(2)
+QOQ_GEMV_ENTRIES(4)

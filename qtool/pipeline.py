@@ -96,8 +96,18 @@ def _assign(adapter: Adapter, recipe: Recipe, num_blocks: int) -> dict[str, Quan
 
 def check_stages(recipe: Recipe, config) -> None:
     """Every stage's check of the model config (no weight is read): a model a stage cannot handle fails here."""
+    setters: dict[str, object] = {}
     for spec in recipe.stages:
+        # Two stages setting one run-time scheme of the model (kv_cache and vq_kv) would quantize the cache twice.
+        scheme = spec.stage.model_scheme() if hasattr(spec.stage, "model_scheme") else None
+        for key in scheme or {}:
+            if key in setters:
+                raise RecipeError(f"{recipe.path}:stages[{spec.stage.index}]: {spec.stage.name} sets the model's "
+                                  f"{key} scheme, as {setters[key].label} does; expected one stage per scheme")
+            setters[key] = spec.stage
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
+        if recipe.calibration is not None:
+            spec.stage.check_calibration(recipe.calibration, f"{recipe.path}:stages[{spec.stage.index}]")
     # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
     adapter = adapter_for(getattr(config, "architectures", None))
     if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):

@@ -45,6 +45,10 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
     for cfg in layers.values():
         if "bits" in cfg:
             key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        elif cfg.get("format") == "vq":  # VQ-LLM's notation, y written as index bits
+            scope = ("tensor" if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
+                     else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}")
+            key = f"vq VQ<{cfg['vector_size']},{cfg['index_bits']},{cfg['residuals']}> {scope}"
         else:  # mixed-2-4-16: the width varies per stripe
             key = f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
         if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key
@@ -58,11 +62,14 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
                "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}
     if reserved is not None:
         tensors = read_tensors(checkpoint)
-        config.pop("quantization_config")
+        qcfg = config.pop("quantization_config")
+        # The model's run-time schemes (the KV cache's) travel with the layers.
+        schemes = {k: v for k, v in qcfg.items() if k not in ("quant_method", "format_version", "layers")}
         recipe_file = checkpoint / "recipe.yaml"
         recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
         extra = {k: v for k, v in manifest.items() if k not in ("files", "packages", "format_version")}
-        write_checkpoint(output, tensors=tensors, config=config, layers=layers, tokenizer=tokenizer,
+        write_checkpoint(output, tensors=tensors, config=config, layers=layers, model_schemes=schemes,
+                         tokenizer=tokenizer,
                          recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, reserved=reserved)
         summary["output"] = str(output)
         if reserved.removed_leftovers:

@@ -72,6 +72,29 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     assert math.isfinite(ppl) and 1 < ppl < 512
 
 
+def test_stories260k_gptq_solver_end_to_end(tmp_path):
+    """`solver: gptq` through the CLI: the same layout (bits recomputed from the files), a checkpoint the loader
+    takes and `qtool eval` runs."""
+    recipe = write_recipe(tmp_path / "r.yaml", RECIPE.replace("    scale_group_size: 4\n",
+                                                              "    scale_group_size: 4\n    solver: gptq\n"))
+    res = run_cli(["quantize", recipe, "--json"], cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    bpw = json.loads((out / "qtool-manifest.json").read_text())["bits_per_weight"]
+    layers = json.loads((out / "config.json").read_text())["quantization_config"]["layers"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert len(layers) == 30
+    for name, cfg in layers.items():
+        bits = sum(t.numel() * t.element_size() * 8 for key, t in tensors.items() if key.startswith(name + "."))
+        assert bpw["layers"][name]["stored"] == pytest.approx(bits / (cfg["in_features"] * cfg["out_features"]),
+                                                             abs=1e-4)
+        assert cfg["outliers"] == math.floor(0.005 * cfg["in_features"] * cfg["out_features"])
+    ev = run_cli(["eval", out, "--text", TINY_SAMPLE, "--seq-len", 64, "--windows", 4, "--json"])
+    assert ev.exit_code == 0, ev.output
+    ppl = json.loads(ev.stdout)["perplexity"]
+    assert math.isfinite(ppl) and 1 < ppl < 512
+
+
 def _mixed(text: str) -> str:
     return RECIPE.replace("    scale_group_size: 4\n", "    scale_group_size: 4\n" + text)
 

@@ -6,6 +6,8 @@ products. The GPU tests check the kernel itself; this pins the contract between 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -88,3 +90,37 @@ def test_unsupported_reasons_are_one_line():
         reason = qoq.unsupported_reason(*args, torch.device("cuda"))
         assert reason and "\n" not in reason
     assert "multiple of group_size" in qoq.unsupported_reason(4, 128, 576, 64, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("n,k,g", [(328, 2048, 128), (128, 256, 32), (13, 640, 64)])
+def test_stage_words_are_the_group_words_stage_major(n, k, g):
+    """The warp-specialized GEMM copies one (row tile, stage) of group words at a time: stage_words must hold word
+    (f, s·128/g + w) at [f // 128, s, f % 128, w], and zeros for the rows past N."""
+    from qtool.cuda import qoq
+
+    words = torch.randint(0, 2**15, (n, k // g), dtype=torch.int32)
+    st = qoq.stage_words(words, g)
+    gps = 128 // g
+    assert st.shape == ((n + 127) // 128, k // 128, 128, gps) and st.is_contiguous()
+    f = torch.arange(n)
+    for s in range(k // 128):
+        assert torch.equal(st[f // 128, s, f % 128], words[:, s * gps:(s + 1) * gps])
+    assert not st.permute(0, 2, 1, 3).reshape(-1, k // 128, gps)[n:].any()
+
+
+def test_gemm_form_dispatch(monkeypatch):
+    """The 4-bit GEMM forms by token count and width (qtool/cuda/qoq.py gemm_kernel, from the H200 sweep): split-K
+    `sync` at decode sizes and whenever a split is asked for, the tile with the most tiles in one wave of 132
+    blocks from 65 tokens, the persistent 256-token form where no tile fits one wave."""
+    from qtool.cuda import qoq
+
+    monkeypatch.setattr(qoq.tma, "usable", lambda t: True)
+    a = qoq.QoQActivations(codes=torch.zeros(1, 1), scale=torch.zeros(1), rowsum=torch.zeros(1))
+    p = types.SimpleNamespace(wq=torch.zeros(1, 1))
+    pick = {n: [qoq.gemm_kernel(m, n, a, p)[:2] for m in (16, 64, 128, 256, 512, 2048)] for n in (4096, 11008)}
+    assert pick[4096] == [("sync", 64), ("sync", 64), ("ws", 64), ("ws", 64), ("ws", 128), ("wsp", 256)]
+    assert pick[11008] == [("sync", 64), ("sync", 64), ("ws", 128), ("wsp", 256), ("wsp", 256), ("wsp", 256)]
+    assert qoq.gemm_kernel(512, 4096, a, p, split=1) == ("sync", 256)
+    assert qoq.gemm_kernel(512, 4096, a, p, tokens=128) == ("ws", 128)
+    monkeypatch.setattr(qoq.tma, "usable", lambda t: False)  # unaligned operands: the cp.async form
+    assert qoq.gemm_kernel(2048, 4096, a, p) == ("sync", 256)

@@ -20,7 +20,7 @@ from qtool.bench.e2e import dims_for
 from qtool.bench.timing import Timer
 
 ATTENTION_SCHEMA = "qtool.bench.attention/1"
-ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4")
+ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4", "int4-fma")
 L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds the cache it reads there
 
 
@@ -56,7 +56,9 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
         else:
             from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
 
-            cache = kvc.allocate(row, b, kvh, length, d, dev, k_scale=0.05, v_scale=0.05)
+            # int4-fma: the KV4 cache through the CUDA-core kernel, whatever the dispatch picks for int4
+            mode, kernel = ("int4", "fma") if row == "int4-fma" else (row, None)
+            cache = kvc.allocate(mode, b, kvh, length, d, dev, k_scale=0.05, v_scale=0.05)
             for t in (cache.k, cache.v):
                 if row == "fp8":
                     t.copy_((torch.randn(t.shape, device=dev, generator=gen) * 4).to(torch.float8_e4m3fn)
@@ -70,7 +72,8 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
                     t[..., 1] = 7.5
             nbytes = cache.nbytes()
             out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
-            fns.append(lambda q=q, cache=cache, out=out: kvc.attention(q, cache, pos, out=out))
+            fns.append(lambda q=q, cache=cache, out=out, kernel=kernel: kvc.attention(q, cache, pos, out=out,
+                                                                                     kernel=kernel))
     return fns, nbytes
 
 
@@ -79,7 +82,7 @@ def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
         return 2 * b * kvh * length * d * 2
     from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
 
-    return b * length * bytes_per_token(row, kvh, d)
+    return b * length * bytes_per_token("int4" if row == "int4-fma" else row, kvh, d)
 
 
 def run_attention_bench(model: str, batches: list[int], contexts: list[int], rows: list[str], warmup: int,

@@ -33,6 +33,22 @@ def _group_sizes(text: str, option: str = "--group-size") -> list[int | None]:
     return out
 
 
+def _fractions(text: str) -> list[float]:
+    """--mixed: outlier fractions in [0, 0.005] (the layout's cap), or none."""
+    if text.strip().lower() in ("", "none-rows"):
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            v = -1.0
+        if not 0.0 <= v <= 0.005:
+            raise BenchError(f"--mixed: found {part.strip()!r}, expected fractions in [0, 0.005], comma-separated")
+        out.append(v)
+    return out
+
+
 def _validated_write(report: dict, problems: list[str], json_path: str | None) -> None:
     """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write --json."""
     if problems:
@@ -59,13 +75,16 @@ def bench() -> None:
 @click.option("--asym", is_flag=True, help="Asymmetric (with zero points) instead of symmetric.")
 @click.option("--w4a8", "w4a8", default="ch,128", show_default=True,
               help="Group sizes of the qoq W4A8 rows ('ch': per-channel; 'none-rows' or empty: no W4A8 rows).")
+@click.option("--mixed", "mixed", default="0,0.002", show_default=True,
+              help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
+                   "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
 @click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of the speedups here.")
 def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
+                mixed: str, warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
     """Time the quantized matmuls and the cuBLAS FP16/INT8/FP8 baselines, with the card's measured ceilings."""
 
     def go() -> None:
@@ -77,6 +96,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             shapes=shape_list, ms=stats.parse_ints(ms, "--m"), bits=stats.parse_ints(bits, "--bits", 2),
             group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
             w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
+            mixed_outliers=_fractions(mixed),
         )
         _need_gpu()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415
@@ -207,8 +227,9 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
               help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).")
 @click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
 @click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
-@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4", show_default=True,
-              help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4.")
+@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma", show_default=True,
+              help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
+                   "int4-fma (KV4 through the CUDA-core form).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option("--json", "json_path", default=None, help="Write the report as JSON here.")

@@ -146,6 +146,74 @@ class CudaCases:
         return fns, m_eff
 
 
+    def _mixed_layer(self, k: int, n: int, outlier_fraction: float):
+        """A random mixed-2-4-16 layer built on the GPU (block4, g1 = g2 = 16): every code word is valid; the
+        outliers sit at random positions of the 2-bit stripes."""
+        from qtool.cuda import mixed  # noqa: PLC0415
+
+        s = k // 16
+        s4, s2 = s // 4, s - s // 4
+        bits = torch.full((s // 4, 4), 2, dtype=torch.uint8)
+        bits[torch.arange(s // 4), torch.randint(0, 4, (s // 4,))] = 4
+        binfo, _ = mixed.block_info(bits.reshape(-1))
+        rint = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=self.dev,  # noqa: E731
+                                            generator=self.gen)
+        nnz = int(outlier_fraction * n * k)
+        flat = torch.unique(torch.randint(0, n * s2 * 16, (nnz,), device=self.dev, generator=self.gen))
+        rows, c2 = flat // (s2 * 16), flat % (s2 * 16)
+        cols2 = torch.nonzero((bits.reshape(-1) == 2).repeat_interleave(16))[:, 0].to(self.dev)
+        rowptr = torch.zeros(n + 1, dtype=torch.int32, device=self.dev)
+        rowptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
+        s2nd = (torch.rand(n // 16, s2, device=self.dev, generator=self.gen) * 0.004 + 0.0002).half()
+        u = torch.randint(0, 16, (n // 16, s2), device=self.dev, generator=self.gen)
+        return mixed.Prepared(
+            qweight_a=rint(n, k // 16), qweight_b=rint(n, s4), scale_codes=rint(n, -(-s2 // 8)),
+            zeros2=rint(n, -(-s2 // 16)),
+            s2f=mixed.second_order_table(s2nd, u),
+            scales4=(torch.rand(n, s4, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
+            zeros4=rint(n, -(-s4 // 8)), binfo=binfo.to(self.dev), rowptr=rowptr,
+            ocols=cols2[c2].to(torch.int16), ovals=self._randn(len(flat)) * 0.05,
+            in_features=k, out_features=n, scale_group_size=16, s2=s2, s4=s4, block4=True, nnz=len(flat),
+            source_ptr=0)
+
+    def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]:
+        """(candidate paths, the dispatched one, bytes a call must move) of a mixed-2-4-16 row."""
+        from qtool.cuda import mixed  # noqa: PLC0415
+
+        cands = []
+        if m <= mixed.GEMV_MAX_M:
+            cands.append("mixed-gemv")
+            if outlier_fraction > 0:
+                cands.append("mixed-gemv+spmv")
+        if m >= mixed.GEMV_MAX_M:
+            cands.append("mixed-dq+cublas")
+        if m > mixed.GEMV_MAX_M:
+            dispatched = "mixed-dq+cublas"
+        else:
+            fused = mixed.outlier_mode() == "fused"
+            dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"
+        nbytes = self._mixed_layer(k, n, outlier_fraction).nbytes() + 2 * m * k + 2 * m * n
+        return cands, dispatched, nbytes
+
+    def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns:
+        from qtool.cuda import mixed  # noqa: PLC0415
+
+        first = self._mixed_layer(k, n, outlier_fraction)
+        fns = []
+        for i in range(rotations(first.nbytes() + 2 * m * k + 2 * m * n, self.l2)):
+            p = first if i == 0 else self._mixed_layer(k, n, outlier_fraction)
+            x = self._randn(m, k)
+            out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+            if path == "mixed-gemv":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused"))
+            elif path == "mixed-gemv+spmv":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="spmv"))
+            elif path == "mixed-dq+cublas":
+                fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
+            else:
+                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
+        return fns
+
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
         """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" quantizes
         the float16 activations and runs the GEMM, "w4a8-gemm" runs the GEMM on codes quantized beforehand."""

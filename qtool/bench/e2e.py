@@ -77,6 +77,9 @@ FUSED_ROPE = True
 FUSED_NORM = True
 FUSED_SWIGLU = True
 FUSED_ATTENTION = True
+# W4A8 projections (layers with `takes_codes`) get their INT8 activation codes from the normalization or SwiGLU
+# kernel that produces their input, instead of a quantize kernel reading the float16 rows back
+FUSED_QUANT = True
 
 
 def _fusable(flag: bool, device: torch.device, width: int, multiple: int) -> bool:
@@ -116,6 +119,23 @@ class Block(nn.Module):
             h = h + y
         return h, norm(h)
 
+    def _codes_for(self, lin: nn.Module, rows: int) -> bool:
+        """Whether `lin` takes its input as INT8 codes from the kernel that produces it (a W4A8 layer at more
+        tokens than its decode GEMV, which quantizes float16 rows itself, takes)."""
+        return FUSED_QUANT and getattr(lin, "takes_codes", False) and rows >= lin.codes_min_tokens
+
+    def _norm_linear(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm,
+                     lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + y, lin(norm(h + y))), the codes of the normalized rows made by the normalization kernel where
+        `lin` takes them."""
+        if self.fused_norm and self._codes_for(lin, h.numel() // h.shape[-1]):
+            from qtool.cuda.rms_norm import add_rms_norm_codes  # noqa: PLC0415
+
+            h, _, a = add_rms_norm_codes(h, y, norm.weight, norm.eps, lin.prepared)
+            return h, lin.forward_codes(a, h.shape[:-1])
+        h, x = self._add_norm(h, y, norm)
+        return h, lin(x)
+
     def forward(self, h: torch.Tensor, y: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor],
                 cache, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
@@ -124,8 +144,8 @@ class Block(nn.Module):
         output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
-        h, x = self._add_norm(h, y, self.n1)
-        qkv = self.qkv(x).view(b, t, d.heads + 2 * d.kv_heads, hd)
+        h, qkv = self._norm_linear(h, y, self.n1, self.qkv)
+        qkv = qkv.view(b, t, d.heads + 2 * d.kv_heads, hd)
         if not isinstance(cache, tuple):
             a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=mask is not None)
             return self._mlp(h, a, b, t)
@@ -170,8 +190,12 @@ class Block(nn.Module):
     def _mlp(self, h: torch.Tensor, a: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The output projection of attention `a` [B, H, T, D], then the MLP."""
         d, hd = self.d, self.d.head_dim
-        h, x = self._add_norm(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2)
-        gu = self.gate_up(x)
+        h, gu = self._norm_linear(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2, self.gate_up)
+        if self.fused_swiglu and self._codes_for(self.down, b * t):
+            from qtool.cuda.swiglu import swiglu_codes  # noqa: PLC0415
+
+            _, codes = swiglu_codes(gu, self.down.prepared)
+            return h, self.down.forward_codes(codes, gu.shape[:-1])
         if self.fused_swiglu:
             from qtool.cuda.swiglu import swiglu  # noqa: PLC0415
 

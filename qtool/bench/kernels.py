@@ -1,5 +1,5 @@
-"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16) and the qoq W4A8 kernels against cuBLAS FP16, INT8 and
-FP8 on the same card, same run."""
+"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels and the mixed-2-4-16 (2/4/16-bit)
+kernels against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ class Cases(Protocol):
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]: ...
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns: ...
+    def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]: ...
+    def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns: ...
 
 
 # The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
@@ -79,6 +81,7 @@ class KernelBenchConfig:
     warmup: int = 10
     iters: int = 100
     w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
+    mixed_outliers: list[float] = field(default_factory=list)  # mixed-2-4-16 rows, one per outlier fraction
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -140,12 +143,14 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             rows = []
 
             def measure(bits: int, gs: int | None, symmetric: bool, paths: list[str], dispatched: str,
-                        make: Callable[[str], Fns]) -> dict[str, Any]:
+                        make: Callable[[str], Fns], nbytes: int | None = None) -> dict[str, Any]:
                 cands = {p: _time(timer, lambda p=p: make(p), cfg.warmup, cfg.iters).to_dict() for p in paths}
                 again = _time(timer, lambda: make(dispatched), cfg.warmup, cfg.iters)
                 q = cands[dispatched]
                 us = q["median_us"]
-                roof = stats.roofline(us, stats.quant_bytes(m, n, k, bits, gs, symmetric),  # noqa: B023
+                if nbytes is None:
+                    nbytes = stats.quant_bytes(m, n, k, bits, gs, symmetric)  # noqa: B023
+                roof = stats.roofline(us, nbytes,  # noqa: B023
                                       stats.gemm_flops(m, n, k), ceilings["copy_tbps"],  # noqa: B023
                                       ceilings["fp16_tflops"])
                 return {
@@ -164,6 +169,13 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 # weight bytes as an asymmetric 4-bit layer's (the group words stand in for scales and zeros)
                 rows.append(measure(4, gs, False, list(W4A8_PATHS), W4A8_PATHS[0],
                                     lambda p, gs=gs: cases.w4a8(k, n, m, gs, p)))  # noqa: B023
+            # the bench's mixed layers: 64-channel blocks with one 4-bit stripe each, second-order groups of 16 rows
+            for frac in cfg.mixed_outliers if k % 64 == 0 and n % 16 == 0 else []:
+                # bits 2, group size 16: the layout's 2-bit groups (its 4-bit stripes and outliers are in `layout`)
+                paths, dispatched, nbytes = cases.mixed_paths(k, n, m, frac)
+                row = measure(2, 16, False, paths, dispatched,
+                              lambda p, frac=frac: cases.mixed(k, n, m, frac, p), nbytes)  # noqa: B023
+                rows.append({**row, "layout": "mixed-2-4-16", "outlier_fraction": frac})
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
@@ -181,7 +193,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "shapes": [f"{k}x{n}" for k, n in cfg.shapes], "m": cfg.ms, "bits": cfg.bits,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
-            "w4a8_group_sizes": cfg.w4a8_group_sizes,
+            "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
@@ -201,7 +213,10 @@ def format_row(r: dict[str, Any]) -> str:
     alts = [f"{p}={v['median_us']:.1f}" for p, v in r["candidates"].items() if p != r["path"]]
     flag = "" if r.get("best_path", r["path"]) == r["path"] else " (best: " + r["best_path"] + ")"
     fp16 = r["baselines"].get("fp16")
-    return (f"{r['k']:>5}x{r['n']:<6} {r['m']:>5} {r['bits']:>2} {str(r['group_size'] or 'ch'):>4}  "
+    if r.get("layout") == "mixed-2-4-16":
+        alts.append(f"outliers {100 * r['outlier_fraction']:g}%")
+    w = "mx" if r.get("layout") == "mixed-2-4-16" else r["bits"]
+    return (f"{r['k']:>5}x{r['n']:<6} {r['m']:>5} {w:>2} {str(r['group_size'] or 'ch'):>4}  "
             f"{r['path']:<15} {r['quant']['median_us']:>8.2f} {roof['tbps']:>5.2f} {roof['pct_copy_bw']:>4.0f} "
             f"{roof['tflops']:>7.1f} {roof['pct_fp16_peak']:>4.0f} {_fmt(fp16 and fp16['median_us'], '8.2f'):>8} "
             f"{_fmt(sp.get('fp16'), '5.2f'):>5} {_fmt(sp.get('int8'), '5.2f'):>5} {_fmt(sp.get('fp8'), '5.2f'):>5} "

@@ -65,6 +65,8 @@ class W4A8Linear(nn.Module):
                               generator=gen)
         s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=device, generator=gen) if group_size else None
         self.prepared = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
+        self.takes_codes = True
+        self.codes_min_tokens = qoq.GEMV_MAX_TOKENS + 1
         # the packed tensors as buffers, so that weight_bytes counts them
         for name, t in self.prepared.__dict__.items():
             if isinstance(t, torch.Tensor):
@@ -74,6 +76,12 @@ class W4A8Linear(nn.Module):
         from qtool.cuda import qoq  # noqa: PLC0415
 
         return qoq.linear(x, self.prepared)
+
+    def forward_codes(self, a, lead: tuple[int, ...]) -> torch.Tensor:
+        """y from activation codes made by the kernel that produced the input (qtool/bench/e2e.py FUSED_QUANT)."""
+        from qtool.cuda import qoq  # noqa: PLC0415
+
+        return qoq.gemm(a, self.prepared).reshape(*lead, self.prepared.out_features)
 
 
 def make_linear(variant: str, device: torch.device, group_size: int | None, gen: torch.Generator):

@@ -17,7 +17,7 @@ from qtool.models.integrity import check_finite, describe, read_config_json, ten
 from qtool.models.loading import check_architecture
 from qtool.models.loading import load_tokenizer as _load_tokenizer
 from qtool.runtime.layouts import LAYOUTS
-from qtool.runtime.schemes import apply_model_schemes
+from qtool.runtime.schemes import apply_model_schemes, attach_scheme_tensors
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -163,6 +163,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
         setattr(model.get_submodule(parent_name), child,
                 module_cls(layout, None if bias is None else bias.to(dtype)))
 
+    attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())
     for name, t in tensors.items():
         if name not in expected:

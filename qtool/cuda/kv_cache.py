@@ -21,6 +21,13 @@ THREADS = 256
 MODES = ("int4", "int8", "fp8")
 BITS = {"int4": 4, "int8": 8, "fp8": 8}
 MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
+# Decode attention forms (kernels/kv_cache.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the tensor
+# cores (KV4, head dims TC_HEAD_DIMS, from TC_MIN_GROUP query heads per KV head, where `fma`'s 2G FMAs per code
+# outrun the FMA pipe; kernels/NOTES.md, KV4 section)
+ATTENTION_KERNELS = ("fma", "tc")
+TC_HEAD_DIMS = (64, 128)
+TC_MIN_GROUP = 2
+TC_WARPS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -129,11 +136,18 @@ def words_per_lane(mode: str, group: int, head_dim: int) -> int:
     return 2 if group <= 2 and (head_dim // (32 // BITS[mode])) % 2 == 0 else 1
 
 
+def attention_kernel(mode: str, group: int, head_dim: int) -> str:
+    """The decode attention form the dispatch picks (ATTENTION_KERNELS)."""
+    if mode == "int4" and group >= TC_MIN_GROUP and head_dim in TC_HEAD_DIMS:
+        return "tc"
+    return "fma"
+
+
 def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None,
-              wpl: int | None = None) -> torch.Tensor:
+              wpl: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
-    fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the kernel's words
-    per lane (1, or 2 where `words_per_lane` allows it)."""
+    fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
+    kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
@@ -147,6 +161,24 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
     g = h // kvh
     out = cc.f16_out(out, (b, 1, h, d), q.device)
     dev = cc.device_index(q.device)
+    if kernel is None:
+        kernel = "fma" if wpl is not None else attention_kernel(cache.mode, g, d)
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel: found {kernel!r}, expected one of {ATTENTION_KERNELS}")
+    if kernel == "tc":
+        if cache.mode != "int4" or d not in TC_HEAD_DIMS or wpl is not None:
+            raise ValueError(f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
+                             f"expected int4 and a head dim in {TC_HEAD_DIMS}")
+        fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_tc_int4_d{d}")
+        smem = 4 * TC_WARPS * 8 * (d + 2)
+        cc.allow_shared_memory(fn, smem)
+        dependent_launch.launch(
+            fn, (b * kvh,), (32 * TC_WARPS,),
+            (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_params), cc.ptr(cache.v_params),
+             cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(g),
+             cc.f32(LOG2E / math.sqrt(d))),
+            shared_mem=smem, device=dev)
+        return out
     warps = THREADS // 32
     smem = 4 * max(g * d + g, warps * g * (d + 2))
     best = words_per_lane(cache.mode, g, d)

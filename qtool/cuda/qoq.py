@@ -23,13 +23,25 @@ from dataclasses import dataclass
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import quik, split_k
+from qtool.cuda import quik, split_k, tma
 from qtool.packing.bitpack import packed_words, unpack_codes
 
 GROUP_SIZES = (32, 64, 128)  # progressive group sizes with a GEMM entry (a k-step of 32 codes lies in one group)
 KP_MULTIPLE = quik.KP_MULTIPLE  # activation rows and weight rows padded to whole stages of 128 codes
 ROWS = quik.ROWS
 INT_MM_MIN_ROWS = 32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
+# The 4-bit GEMM's forms (kernels/quik_gemm.cu): `gemv` quantizes its own activation rows and runs a warp per weight
+# row on dp4a (decode, up to GEMV_MAX_TOKENS tokens); `sync` is the block-synchronous cp.async GEMM with split-K
+# for tiles of up to 128 tokens; `ws` / `wsp` are quik's warp-specialized copy-engine GEMMs (a tile per block /
+# persistent), with the ring depths below (the stage: TN x 128 activation bytes, 8 KB of codes and, for
+# progressive groups, the stage's group words).
+GEMM_KERNELS = ("gemv", "sync", "ws", "wsp")
+GEMV_TOKENS = (1, 2, 4)  # token slots of the gemv entries
+GEMV_MAX_TOKENS = 4
+GEMV_WARPS = 8  # weight rows per gemv block
+WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 256): 4}
+# From this many tokens the warp-specialized kernels take over from `sync` (gemm_kernel)
+WS_MIN_TOKENS = 65
 
 
 def _round_up(v: int, m: int) -> int:
@@ -72,10 +84,12 @@ class QoQPrepared:
     scales: torch.Tensor  # fp16 [N]: s0 (s per-channel)
     zeros: torch.Tensor | None  # int32 [N]: z (W4 per-channel only)
     gwords: torch.Tensor | None  # int32 [N, kp / g]: (128 - z·s1) | s1 << 8 (W4 progressive only)
+    gstage: torch.Tensor | None  # the same words stage-major for the copy engine: [ceil(N / 128), kt, 128, 128 / g]
     dest: torch.Tensor  # int32 [K]: byte position of column b's code in an activation row
     oflag: torch.Tensor  # uint8 [ceil(K / 8)], zero: the quantize kernel's outlier bits (QoQ has none)
     bias: torch.Tensor | None  # fp16 [N]
     source_ptr: int
+    maps: tma.MapCache | None = None  # the weight codes' tensor map (warp-specialized kernels)
 
 
 def group_words(group_scales: torch.Tensor, zeros: torch.Tensor, qmax: torch.Tensor) -> torch.Tensor:
@@ -116,7 +130,7 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
             wq = torch.zeros(n, words, dtype=torch.int32, device=dev)
             wq[:, : min(words, qweight.shape[1])] = qweight[:, :words]
         positions = quik.act_positions(k, 4, dev)
-    zc = gw = None
+    zc = gw = gs = None
     if bits == 4 and group_size is None:
         zc = zeros.to(device=dev, dtype=torch.int32).reshape(n).contiguous()
     elif bits == 4:
@@ -125,14 +139,28 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
         words = group_words(group_scales.to(dev), zeros.to(dev), codes.amax(dim=2))
         gw = torch.zeros(n, kp // group_size, dtype=torch.int32, device=dev)
         gw[:, : words.shape[1]] = words
+        gs = stage_words(gw, group_size)
     dest = positions.to(torch.int32).contiguous()
     return QoQPrepared(
         bits=bits, group_size=group_size, in_features=k, out_features=n, kp=kp, wq=wq,
-        scales=scales.to(device=dev, dtype=torch.float16).reshape(n).contiguous(), zeros=zc, gwords=gw,
+        scales=scales.to(device=dev, dtype=torch.float16).reshape(n).contiguous(), zeros=zc, gwords=gw, gstage=gs,
         dest=dest, oflag=torch.zeros((k + 7) // 8, dtype=torch.uint8, device=dev),
         bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
-        source_ptr=source_ptr,
+        source_ptr=source_ptr, maps=tma.MapCache(limit=4),
     )
+
+
+def stage_words(gwords: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The group words [N, kp / g] rearranged so that one stage (128 codes) of one 128-row tile is 128 x 128 / g
+    contiguous words: [ceil(N / 128), kt, 128, 128 / g]; the warp-specialized GEMM copies a stage's words with one
+    1-D bulk copy (rows past N are zero and never stored)."""
+    n, words = gwords.shape
+    gps = KP_MULTIPLE // group_size
+    kt = words // gps
+    nt = (n + ROWS - 1) // ROWS
+    padded = torch.zeros(nt * ROWS, words, dtype=torch.int32, device=gwords.device)
+    padded[:n] = gwords
+    return padded.view(nt, ROWS, kt, gps).permute(0, 2, 1, 3).contiguous()
 
 
 def prepare(layer: torch.nn.Module) -> QoQPrepared:
@@ -216,11 +244,35 @@ def scheme(p: QoQPrepared) -> str:
     return "pc" if p.group_size is None else f"g{p.group_size}"
 
 
+def gemm_kernel(m: int, n: int, a: QoQActivations, p: QoQPrepared, tokens: int | None = None,
+                split: int | None = None, sms: int = 132) -> tuple[str, int]:
+    """The 4-bit GEMM form and token tile for M tokens of quantized activations. `sync` up to WS_MIN_TOKENS - 1
+    (its split-K fills the GPU at decode sizes), and wherever a K split is asked for. From there the
+    warp-specialized forms where the copy engine can address the operands, with the token tile that gives the
+    most tiles within one wave of `sms` blocks (the persistent form for 256-token tiles); when no tile fits one
+    wave, the persistent form. Measured on an H200 (kernels/NOTES.md, qoq section): at 128 tokens the 64-token
+    tile won at 4096 outputs and the 128-token tile at 11008; from 1024 tokens the persistent form won."""
+    if split is not None or not (tma.usable(a.codes) and tma.usable(p.wq)):
+        return "sync", tokens or quik.gemm_tokens(m)
+    if tokens is not None:
+        return ("wsp" if tokens == 256 else "ws"), tokens
+    if m < WS_MIN_TOKENS:
+        return "sync", quik.gemm_tokens(m)
+    rows = (n + ROWS - 1) // ROWS
+    fits = [tn for tn in (64, 128, 256) if rows * ((m + tn - 1) // tn) <= sms]
+    if not fits:
+        return "wsp", 256
+    tn = min(fits, key=lambda t: (-(rows * ((m + t - 1) // t)), t))
+    return ("wsp" if tn == 256 else "ws"), tn
+
+
 def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
-         tokens: int | None = None, split: int | None = None) -> torch.Tensor:
+         tokens: int | None = None, split: int | None = None, kernel: str | None = None,
+         blocks: int | None = None) -> torch.Tensor:
     """fp16 [M, N] = the layout's y from quantized activations; `raw`: the exact int32 products acc [M, N] instead.
-    `tokens` (tile: 64, 128, 256) and `split` (blocks per tile along K, fp16 output at tiles of at most 128 tokens)
-    override the dispatch (tests, bench)."""
+    `tokens` (tile: 64, 128, 256), `split` (blocks per tile along K of `sync`, fp16 output at tiles of at most 128
+    tokens) and `kernel` (sync, ws, wsp) override the dispatch (tests, bench); `blocks` caps the persistent
+    kernel's grid (tests: several tiles per block on small problems)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -230,15 +282,27 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
         return out
     if p.bits == 8:
         return _gemm_w8(a, p, out, raw)
-    tn = tokens or quik.gemm_tokens(m)
-    if tn not in quik.GEMM_TILES:
-        raise ValueError(f"tokens: found {tn}, expected one of {sorted(quik.GEMM_TILES)}")
+    if tokens is not None and tokens not in quik.GEMM_TILES:
+        raise ValueError(f"tokens: found {tokens}, expected one of {sorted(quik.GEMM_TILES)}")
+    idx = cc.device_index(dev)
+    if kernel is None:
+        kernel, tn = gemm_kernel(m, n, a, p, tokens, split, cc.sm_count(idx))
+    else:
+        tn = tokens or (quik.gemm_tokens(m) if kernel == "sync" else 256 if kernel == "wsp" else 128)
+    if kernel not in ("sync", "ws", "wsp"):
+        raise ValueError(f"kernel: found {kernel!r}, expected one of sync, ws, wsp (gemv takes float16 rows: gemv())")
+    kt = p.kp // KP_MULTIPLE
+    if kernel in ("ws", "wsp"):
+        if split not in (None, 1):
+            raise ValueError(f"split: found {split} for kernel {kernel}, which does not split K (only sync does)")
+        if (kernel, tn) not in WS_RINGS:
+            raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of "
+                             f"{sorted(t for k, t in WS_RINGS if k == kernel)}")
+        return _gemm_ws(a, p, out, raw, kernel, tn, kt, idx, blocks)
     stages = quik.GEMM_TILES[tn]
     fn = _module(dev).fn(f"qoq_gemm_{scheme(p)}_n{tn}_s{stages}")
     smem = stages * (tn * 128 + ROWS * 128) + 1024
     cc.allow_shared_memory(fn, smem)
-    idx = cc.device_index(dev)
-    kt = p.kp // KP_MULTIPLE
     grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
     tiles = grid[0] * grid[1]
     splittable = not raw and tn <= quik.SPLIT_MAX_TOKENS
@@ -269,6 +333,79 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
     return out
 
 
+def ws_stage_bytes(tn: int, group_size: int | None) -> int:
+    """A ring stage of the warp-specialized QoQ kernels (kernels/quik_gemm.cu WsTile<TN, 4, QOQ>::SB)."""
+    gwb = 0 if group_size is None else _round_up(ROWS * (KP_MULTIPLE // group_size) * 4, 1024)
+    return tn * 128 + ROWS * 64 + gwb
+
+
+def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, kernel: str, tn: int, kt: int,
+             idx: int, blocks: int | None) -> torch.Tensor:
+    m, n = a.codes.shape[0], p.out_features
+    stages = WS_RINGS[(kernel, tn)]
+    sb = ws_stage_bytes(tn, p.group_size)
+    smem = stages * sb + 1024
+    tiles = ((n + ROWS - 1) // ROWS) * ((m + tn - 1) // tn)
+    if kernel == "wsp":
+        buffers = min(8, (quik.SMEM_BLOCK_MAX - stages * sb - 1024 - 5 * 1024) // 8192)
+        smem += buffers * 8192
+        tiles = min(tiles, blocks or cc.sm_count(idx))
+    fn = _module(a.codes.device).fn(f"qoq_gemm_{kernel}_{scheme(p)}_n{tn}_s{stages}")
+    ma = quik._ACT_MAPS.get(a.codes, 128, tn, 128)
+    mw = p.maps.get(p.wq, 64, ROWS, 64)
+    tmo = kernel == "wsp" and not raw and quik.TMA_STORE and tma.usable(out)
+    mo = quik._OUT_MAPS.get(out, 128, 32, 128) if tmo else ma
+    cc.allow_shared_memory(fn, smem)
+    quik._dependent_launch(
+        fn, (tiles,), (384,),
+        (ma, mw, mo, cc.ptr(p.gstage), cc.i32(m), cc.i32(n), cc.i32(kt), cc.ptr(a.scale), cc.ptr(a.rowsum),
+         cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n),
+         cc.i32(int(raw)), cc.i32(int(tmo))),
+        shared_mem=smem, device=idx,
+    )
+    return out
+
+
+def gemv_reason(x2: torch.Tensor, p: QoQPrepared) -> str | None:
+    """Why the fused-quantization GEMV cannot take these float16 rows (None when it can)."""
+    m, k = x2.shape
+    if p.bits != 4:
+        return "8-bit weights (they run torch._int_mm)"
+    if m > GEMV_MAX_TOKENS:
+        return f"{m} tokens (the gemv takes at most {GEMV_MAX_TOKENS})"
+    if k % 8 or x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        return "activation rows not in whole 16-byte pieces"
+    return None
+
+
+def gemv(x2: torch.Tensor, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False) -> torch.Tensor:
+    """fp16 [M, N] (or `raw` int32 products) from float16 rows x2 [M, K], M <= GEMV_MAX_TOKENS, quantizing them
+    inside the GEMV (the codes, s_x and sums are the quantize kernel's, bit for bit)."""
+    reason = gemv_reason(x2, p)
+    if reason is not None:
+        raise ValueError(f"qoq gemv: {reason}")
+    m = x2.shape[0]
+    n = p.out_features
+    dev = x2.device
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.int32 if raw else torch.float16, device=dev)
+    if m == 0:
+        return out
+    mt = next(t for t in GEMV_TOKENS if m <= t)
+    fn = _module(dev).fn(f"qoq_gemv_{scheme(p)}_m{mt}")
+    smem = mt * p.kp
+    cc.allow_shared_memory(fn, smem)
+    gw = p.gwords
+    quik._dependent_launch(
+        fn, ((n + GEMV_WARPS - 1) // GEMV_WARPS,), (32 * GEMV_WARPS,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(p.in_features), cc.i32(p.kp), cc.ptr(p.wq),
+         cc.i32(p.wq.stride(0)), cc.ptr(gw), cc.i32(0 if gw is None else gw.stride(0)), cc.i32(n), cc.ptr(p.scales),
+         cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n), cc.i32(int(raw))),
+        shared_mem=smem, device=cc.device_index(dev),
+    )
+    return out
+
+
 def epilogue_torch(acc: torch.Tensor, scale: torch.Tensor, p: QoQPrepared) -> torch.Tensor:
     """y = float32(acc) · (s_x · s0) + bias as float16, in the layout's order (torch ops)."""
     y = acc.to(torch.float32) * (scale[:, None] * p.scales.to(torch.float32)[None, :])
@@ -293,7 +430,12 @@ def linear(x: torch.Tensor, p: QoQPrepared, bias: torch.Tensor | None = None) ->
     x2 = x.reshape(-1, p.in_features)
     if bias is not None:
         p = QoQPrepared(**{**p.__dict__, "bias": bias.detach().to(device=x.device, dtype=torch.float16).contiguous()})
-    y = gemm(quantize_activations(x2, p), p)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if gemv_reason(x2, p) is None:
+        y = gemv(x2, p)
+    else:
+        y = gemm(quantize_activations(x2, p), p)
     return y.reshape(*x.shape[:-1], p.out_features)
 
 

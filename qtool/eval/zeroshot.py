@@ -209,9 +209,9 @@ def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
     packed = tuple(m for _, m in LAYOUTS.values())
     if not any(isinstance(m, packed) for m in model.modules()):
         return "float (no packed layers)"
-    from qtool.runtime.mixed_linear import MixedLinear  # no CUDA kernel yet
+    from qtool.runtime.vq_linear import VQLinear  # no CUDA kernel yet
 
-    if device.type != "cuda" or all(isinstance(m, MixedLinear) for m in model.modules() if isinstance(m, packed)):
+    if device.type != "cuda" or all(isinstance(m, VQLinear) for m in model.modules() if isinstance(m, packed)):
         return "torch reference"
     from qtool.cuda.compile import cupy_available, kernel_mode
 

@@ -17,8 +17,8 @@ def _positions(num_codes: int, bits: int, device: torch.device) -> tuple[torch.T
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack `codes` [rows, K] (values in [0, 2^bits)) along the last dim into int32 [rows, ceil(K*bits/32)]."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits must be in 1..16, got {bits}")
     rows, k = codes.shape
     c = codes.to(torch.int64)
     if c.numel() and (int(c.min()) < 0 or int(c.max()) >= (1 << bits)):

@@ -61,6 +61,9 @@ def _attention(base: str):
         bits = getattr(module, "qtool_kv_bits", None)
         if bits is not None:
             key, value = fake_quantize_kv(key, bits), fake_quantize_kv(value, bits)
+        codebooks = getattr(module, "kv_codebooks", None)  # the vector-quantized cache (runtime/vq_kv_cache.py)
+        if codebooks is not None:
+            key, value = codebooks(key, value)
         if base == "eager":
             from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: PLC0415
 
@@ -106,9 +109,14 @@ def install_kv_cache(model: nn.Module, cfg: dict, where: str) -> None:
     if not modules:
         raise CheckpointError(f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
                               f"apply to; expected Llama-style self_attn modules")
-    _register()
     for m in modules:
         m.qtool_kv_bits = bits
+    use_qtool_attention(model)
+
+
+def use_qtool_attention(model: nn.Module) -> None:
+    """Route `model`'s attention through the quantizing wrapper of its current implementation (sdpa or eager)."""
+    _register()
     current = model.config._attn_implementation
     if not str(current).startswith("qtool_kv_"):
         model.set_attn_implementation(implementation_name(current if current in _BASES else "sdpa"))

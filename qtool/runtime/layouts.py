@@ -13,16 +13,20 @@ from qtool.packing.qoq import FORMAT as QOQ
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import FORMAT as QUIK
 from qtool.packing.quik import QuikWeight
+from qtool.packing.vq import FORMAT as VQ
+from qtool.packing.vq import VQWeight
 from qtool.runtime.mixed_linear import MixedLinear
 from qtool.runtime.qlinear import GroupedIntLinear
 from qtool.runtime.qoq_linear import QoQLinear
 from qtool.runtime.quik_linear import QuikLinear
+from qtool.runtime.vq_linear import VQLinear
 
 LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
     GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),
     QUIK: (QuikWeight, QuikLinear),
     QOQ: (QoQWeight, QoQLinear),
     MIXED: (MixedWeight, MixedLinear),
+    VQ: (VQWeight, VQLinear),
 }
 
 

@@ -1,6 +1,7 @@
-"""Executes the `mixed-2-4-16` layout (formats/mixed-2-4-16.md) in torch: the dense part `(q - z)·ŝ` as one
-matmul, then the CSR outliers as a separate sparse product added to its output, the two steps a GPU runs as a GEMV
-and an SpMV. This is the reference a future CUDA kernel is checked against."""
+"""Executes the `mixed-2-4-16` layout (formats/mixed-2-4-16.md). On CUDA the kernels of qtool/cuda/mixed.py run
+it (QTOOL_KERNELS picks, as for every layout); elsewhere, and where they do not apply, the torch reference: the
+dense part `(q - z)·ŝ` as one matmul, then the CSR outliers as a separate sparse product added to its output. The
+reference is what the kernels are checked against."""
 
 from __future__ import annotations
 
@@ -33,17 +34,29 @@ class MixedLinear(nn.Module):
         return MixedWeight(self.group_size, self.scale_group_size, self.assign, self.in_features,
                            self.out_features, *(getattr(self, f) for f in FIELDS))
 
+    def cpu_layout(self) -> MixedWeight:
+        """The layout on the CPU, where its unpacking runs (it builds CPU index tensors)."""
+        return MixedWeight(self.group_size, self.scale_group_size, self.assign, self.in_features,
+                           self.out_features, *(getattr(self, f).cpu() for f in FIELDS))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.layout.dequantize(dtype)
+        return self.cpu_layout().dequantize(dtype)
 
     def dense_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         w = self._dense.get(key)
         if w is None:
-            w = self._dense[key] = self.layout.dense().to(device=device, dtype=dtype)
+            w = self._dense[key] = self.cpu_layout().dense().to(device=device, dtype=dtype)
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Imported here so CPU-only use never loads the GPU runtime.
+            from qtool.cuda.mixed import module_forward
+
+            y = module_forward(self, x)
+            if y is not None:
+                return y
         return self.reference_forward(x)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +79,7 @@ class MixedLinear(nn.Module):
             if getattr(self, f).dtype != torch.float16:
                 setattr(self, f, getattr(self, f).to(torch.float16))
         self._dense = {}
+        self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
         return self
 
     def extra_repr(self) -> str:

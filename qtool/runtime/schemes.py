@@ -16,10 +16,24 @@ def apply_model_schemes(model: nn.Module, qcfg: dict, where: str) -> None:
     for key, value in qcfg.items():
         if key in RESERVED:
             continue
-        if key == "kv_cache":
+        if key == "kv_cache" and isinstance(value, dict) and "format" in value:
+            from qtool.runtime.vq_kv_cache import install_vq_kv_cache  # noqa: PLC0415
+
+            install_vq_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
+        elif key == "kv_cache":
             from qtool.runtime.kv_cache import install_kv_cache  # noqa: PLC0415
 
             install_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
         else:
             raise CheckpointError(f"{where}: quantization_config.{key} is not a scheme this qtool knows; expected "
                                   f"one of {', '.join(RESERVED)}, kv_cache")
+
+
+def attach_scheme_tensors(model: nn.Module, qcfg: dict, tensors: dict, where: str) -> None:
+    """Move the tensors a model scheme stores (the vector-quantized KV cache's codebooks) from the checkpoint's
+    `tensors` into the model, before the remaining tensors are matched against the model's parameters."""
+    value = qcfg.get("kv_cache")
+    if isinstance(value, dict) and "format" in value:
+        from qtool.runtime.vq_kv_cache import attach_codebooks  # noqa: PLC0415
+
+        attach_codebooks(model, value, tensors, f"{where}: quantization_config.kv_cache")

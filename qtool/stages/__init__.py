@@ -24,6 +24,8 @@ def _load_builtin() -> None:
         rtn,
         smooth,
         smooth_attention,
+        vq,
+        vq_kv,
     )
 
 

@@ -17,6 +17,7 @@ from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.packing.mixed import MixedWeight
 from qtool.packing.qoq import QoQWeight
 from qtool.packing.quik import QuikWeight
+from qtool.packing.vq import VQWeight
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
 
@@ -47,7 +48,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight
+    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight | VQWeight
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
@@ -75,6 +76,11 @@ class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses 
     def check_config(self, config, where: str) -> None:
         """Refuse a model this stage cannot handle, from its config alone (before any weight is loaded); raise
         RecipeError naming `where`."""
+        return None
+
+    def check_calibration(self, calibration, where: str) -> None:
+        """Refuse calibration settings (the recipe's CalibrationSpec) too small for what this stage fits from them;
+        raise RecipeError naming `where`. Runs before any weight is loaded."""
         return None
 
 

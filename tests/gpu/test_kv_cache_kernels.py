@@ -127,6 +127,35 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
             assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}, {wpl} words a lane: excess {worst:.3e}"
 
 
+@pytest.mark.parametrize("b,h,kvh,length,d", [
+    (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
+    (2, 9, 3, 77, 64),       # SmolLM2: 3
+    (1, 8, 1, 1024, 64),     # 8 per KV head
+    (3, 4, 2, 129, 64),      # 2 per KV head
+    (2, 16, 2, 1, 128),      # a one-position cache
+    (2, 56, 8, 333, 128),    # 7 per KV head, a partial last step of every warp
+])
+def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
+    """The KV4 tensor-core form (float16 products of the exact codes with the query, P·s rounded to float16) stays
+    within the CUDA-core form's bound against float64, at every position of the cache, and it is what the dispatch
+    takes for these caches."""
+    from qtool.cuda import kv_cache as kvc
+
+    assert kvc.attention_kernel("int4", h // kvh, d) == "tc"
+    gen = torch.Generator(device="cuda").manual_seed(b * 100 + h + length + d + 7)
+    cache = _random_cache("int4", b, kvh, length, d, gen)
+    q = (torch.randn(b, h, 1, d, device="cuda", generator=gen) * 0.5).half()
+    for p in sorted({0, 15, 16, length // 2, length - 1, length + 5}):
+        pos = torch.tensor([p], device="cuda")
+        ref = kvc.reference_attention(q, cache, p)
+        tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
+        out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
+        got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc"))
+        assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p})"
+        worst = float(((got.double() - ref).abs() - tol).max())
+        assert worst <= 0, f"tc: beyond float16 rounding at pos {p}: excess {worst:.3e}"
+
+
 def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
     from qtool.cuda import kv_cache as kvc

@@ -85,6 +85,21 @@ def _quantized(x: torch.Tensor, p):
     return a
 
 
+def _check_gemm(a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw) -> None:
+    """qoq.gemm with the dispatch overrides `kw`: the exact int32 products (unless `raw` is False), then the layout's
+    float16 output, each into a poisoned buffer."""
+    from qtool.cuda import qoq
+
+    m, n = acc_ref.shape
+    if raw:
+        out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(qoq.gemm(a, p, out=out, raw=True, **kw))
+        assert torch.equal(out, acc_ref), f"int32 products differ in {(out != acc_ref).sum().item()} places"
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    synced(qoq.gemm(a, p, out=y, **kw))
+    _check_y(y, acc_ref, sx, layer)
+
+
 SCHEMES = [(8, None), (4, None), (4, 32), (4, 64), (4, 128)]
 SCHEME_IDS = ["w8", "w4pc", "w4g32", "w4g64", "w4g128"]
 
@@ -159,13 +174,9 @@ def test_gemm_tiles_and_splits(bits, group_size, tokens, m):
     a = _quantized(x, p)
     codes, sx, _ = qoq.quantize_torch(x)
     acc_ref = _acc_ref(codes, layer)
-    raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-    synced(qoq.gemm(a, p, out=raw, raw=True, tokens=tokens))
-    assert torch.equal(raw, acc_ref)
-    for split in (1, 3, 16) if tokens <= 128 else (1,):
-        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(qoq.gemm(a, p, out=y, tokens=tokens, split=split))
-        _check_y(y, acc_ref, sx, layer)
+    _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel="sync")
+    for split in (3, 16) if tokens <= 128 else ():
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel="sync", split=split, raw=False)
 
 
 @needs_hopper
@@ -188,3 +199,69 @@ def test_module_forward(bits, group_size, monkeypatch):
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     with pytest.raises(Exception, match="qoq layer"):
         qoq.module_forward(layer, x.float())
+
+
+WS_CASES = [("sync", 64), ("sync", 128), ("ws", 64), ("ws", 128), ("ws", 256), ("wsp", 256)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
+@pytest.mark.parametrize("kernel,tokens", WS_CASES, ids=[f"{k}{t}" for k, t in WS_CASES])
+@pytest.mark.parametrize("n,k,m", [(328, 2048, 1), (328, 2048, 300), (200, 576, 700), (136, 4096, 129)])
+def test_gemm_forms_exact(bits, group_size, kernel, tokens, n, k, m):
+    """Every 4-bit form (block-synchronous, warp-specialized, persistent) gives the exact int32 products and the
+    layout's float16 output; the persistent one also with fewer blocks than tiles (each block walks several)."""
+    from qtool.cuda import qoq
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    a = _quantized(x, p)
+    codes, sx, _ = qoq.quantize_torch(x)
+    acc_ref = _acc_ref(codes, layer)
+    for blocks in (None, 2) if kernel == "wsp" else (None,):
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel=kernel, blocks=blocks)
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
+@pytest.mark.parametrize("n,k", [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008, 4096),
+                                 (4096, 11008)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_fused_quantization_exact(bits, group_size, n, k, m):
+    """The decode GEMV quantizes its own rows: its int32 products and float16 outputs equal those of the quantize
+    kernel + the layout's arithmetic, on contiguous rows and on rows with a longer stride."""
+    from qtool.cuda import qoq
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=m % 2 == 1).cuda()
+    p = qoq.prepare(layer)
+    base = _x(m, k + 24)
+    for x in (base[:, :k].contiguous(), base[:, :k]):
+        assert qoq.gemv_reason(x, p) is None
+        codes, sx, _ = qoq.quantize_torch(x)
+        acc_ref = _acc_ref(codes, layer)
+        raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(qoq.gemv(x, p, out=raw, raw=True))
+        assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(qoq.gemv(x, p, out=y))
+        _check_y(y, acc_ref, sx, layer)
+
+
+@needs_hopper
+def test_gemv_declines_what_it_cannot_take():
+    from qtool.cuda import qoq
+
+    layer = FieldLayer(64, 100, 4, None, False).cuda()
+    p = qoq.prepare(layer)
+    assert "16-byte" in qoq.gemv_reason(_x(1, 100), p)
+    layer = FieldLayer(64, 256, 4, None, False).cuda()
+    p = qoq.prepare(layer)
+    assert "tokens" in qoq.gemv_reason(_x(5, 256), p)
+    y = qoq.linear(_x(1, 100), qoq.prepare(FieldLayer(64, 100, 4, None, False).cuda()))  # falls back to the GEMM
+    synced(y)
+    assert y.shape == (1, 64)

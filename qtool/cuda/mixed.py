@@ -1,0 +1,304 @@
+"""CUDA execution of the `mixed-2-4-16` layout (kernels/mixed_gemv.cu): load-time preparation, the kernels, the
+dispatch rule.
+
+Paths, chosen per call from the token count M and the activation dtype:
+
+* ``gemv``: the CUDA-core GEMV for 1..GEMV_MAX_M tokens (fp16), the outliers added inside it (``fused``) or by a
+  second kernel in the same stream (``spmv``, the paper's separate sparse product; OUTLIERS picks);
+* ``dequant+cublas``: a kernel writes the dense fp16 weight (outliers added into it), then cuBLAS multiplies;
+  more tokens, fp16;
+* ``reference``: the torch reference (other dtypes, group sizes other than 16, K not a multiple of 64).
+
+The checkpoint tensors are used in place; preparation adds two small tables: `binfo` (per 64-channel block: the
+rank of its first 4-bit stripe, its number of 4-bit stripes and the positions of its stripes, 4 bytes per 64
+input channels) and `s2f` (per second-order group, 64·s2 and 64·u·s2 in float32, so a first-order scale is one
+exact fma: 8 bytes per 16 rows of a 2-bit stripe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qtool.cuda import compile as cc
+from qtool.cuda import dependent_launch
+
+SOURCE = "mixed_gemv.cu"
+LAYOUT = "mixed-2-4-16"
+GEMV_MAX_M = 16
+TOKEN_SLOTS = (1, 2, 4, 8, 16)  # the GEMV's builds: M is rounded up to one of these
+ROWS = 4  # output rows per block: must match the entries of kernels/mixed_gemv.cu
+MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed_gemv.cu
+# Warps per block (at most; fewer where K has fewer 64-channel blocks). At one token, 2 warps of 4-row blocks beat 1
+# and 4 warps and 2- and 8-row blocks at 4096x4096, 4096x11008, 11008x4096 and 8192x28672 on an H100, and 1 and 4
+# warps on an H200 (tied with 1 at 8192x28672; kernels/NOTES.md).
+GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
+# 1: at one token, the next block's loads go ahead of the current block's arithmetic where a thread has several
+# blocks; 0 (default): never; -1: where a thread has PIPE_MIN_BLOCKS_PER_THREAD blocks or more. On an H200 it
+# helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
+GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
+PIPE_MIN_BLOCKS_PER_THREAD = 2
+# "fused" or "spmv". On an H200 at one token with 0.2% outliers, fused 6.32 / 15.22 / 14.48 / 59.54 us at
+# 4096x4096 / 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.97 / 17.48 / 16.97 / 60.99 as a second kernel
+# (kernels/NOTES.md).
+OUTLIERS = "fused"
+MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
+
+
+@dataclass
+class Prepared:
+    """Device-side view of one layer, ready for the kernels (the checkpoint tensors plus binfo and s2f)."""
+
+    qweight_a: torch.Tensor
+    qweight_b: torch.Tensor
+    scale_codes: torch.Tensor
+    zeros2: torch.Tensor
+    s2f: torch.Tensor  # float32 [N/g2, S2, 2]: 64·s2, 64·u·s2
+    scales4: torch.Tensor
+    zeros4: torch.Tensor
+    binfo: torch.Tensor  # int32 [K/64]
+    rowptr: torch.Tensor
+    ocols: torch.Tensor
+    ovals: torch.Tensor
+    in_features: int
+    out_features: int
+    scale_group_size: int
+    s2: int
+    s4: int
+    block4: bool  # every 64-channel block holds exactly one 4-bit stripe
+    nnz: int
+    source_ptr: int
+
+    def layer_args(self) -> tuple:
+        p = self
+        return (cc.ptr(p.qweight_a), cc.ptr(p.qweight_b), cc.ptr(p.scale_codes), cc.ptr(p.zeros2), cc.ptr(p.s2f),
+                cc.ptr(p.scales4), cc.ptr(p.zeros4), cc.ptr(p.binfo))
+
+    def shape_args(self) -> tuple:
+        p = self
+        return (cc.i32(p.out_features), cc.i32(p.in_features), cc.i32(p.s2), cc.i32(p.s4),
+                cc.i32(p.scale_codes.shape[1]), cc.i32(p.zeros2.shape[1]), cc.i32(p.zeros4.shape[1]),
+                cc.i32(p.scale_group_size))
+
+    def nbytes(self) -> int:
+        """Bytes a GEMV reads of the layer (what it streams and what it looks up)."""
+        ts = (self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2f, self.scales4, self.zeros4,
+              self.binfo, self.rowptr, self.ocols, self.ovals)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def unsupported_reason(group_size: int, in_features: int) -> str | None:
+    """Why the kernels cannot run a layer of these parameters (None when they can)."""
+    if group_size != 16:
+        return f"group_size={group_size} (the kernels cover 16)"
+    if in_features % 64:
+        return f"in_features={in_features} (the kernels need a multiple of 64)"
+    if in_features >= MAX_K:
+        return f"in_features={in_features} (the kernels take fewer than {MAX_K})"
+    return None
+
+
+def block_info(stripe_bits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """binfo (int32 [S/4], see kernels/mixed_gemv.cu) from the stripe widths, and whether every block holds
+    exactly one 4-bit stripe."""
+    is4 = (stripe_bits.to(torch.int64).cpu() == 4).reshape(-1, 4)
+    n4 = is4.sum(1)
+    r4 = torch.cumsum(n4, 0) - n4
+    # positions of the 2-bit stripes (increasing), then the 4-bit ones: a stable sort on the width
+    order = torch.sort(is4.to(torch.int64), dim=1, stable=True).indices
+    packed = (order << torch.tensor([0, 2, 4, 6])).sum(1)
+    info = r4 | (n4 << 16) | (packed << 24)
+    info = torch.where(info >= 1 << 31, info - (1 << 32), info)
+    return info.to(torch.int32), bool((n4 == 1).all())
+
+
+def prepare(layout) -> Prepared:
+    """The kernel view of a `MixedWeight` (or a `MixedLinear`: anything with the layout's fields) on CUDA."""
+    k, n = layout.in_features, layout.out_features
+    reason = unsupported_reason(layout.group_size, k)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} layer: {reason}; use the reference path")
+    qa = layout.qweight_a
+    if not qa.is_cuda:
+        raise ValueError(f"qweight_a: found device {qa.device}, expected a CUDA tensor")
+    dev = qa.device
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev).contiguous()
+
+    qa = on(qa)
+    if qa.data_ptr() % 16:
+        qa = qa.clone()
+    binfo, block4 = block_info(layout.stripe_bits)
+    s2 = int(layout.scales_2nd.shape[1])
+    s2f = second_order_table(layout.scales_2nd, layout.zeros_2nd)
+    s4 = int(layout.scales4.shape[1])
+    return Prepared(
+        qweight_a=qa, qweight_b=on(layout.qweight_b), scale_codes=on(layout.scale_codes), zeros2=on(layout.zeros2),
+        s2f=on(s2f), scales4=on(layout.scales4), zeros4=on(layout.zeros4), binfo=on(binfo),
+        rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols), ovals=on(layout.outlier_values),
+        in_features=k, out_features=n, scale_group_size=layout.scale_group_size, s2=s2, s4=s4, block4=block4,
+        nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr(),
+    )
+
+
+def second_order_table(scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> torch.Tensor:
+    """(64·s2, 64·u·s2) in float32 [N/g2, S2, 2]: both exact (u <= 15 times an fp16 times a power of two)."""
+    s2 = scales_2nd.to(torch.float32) * 64
+    return torch.stack([s2, zeros_2nd.to(torch.float32) * s2], dim=-1).contiguous()
+
+
+def _x2(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the {LAYOUT} kernels")
+    if x.shape[-1] != p.in_features:
+        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={p.in_features}")
+    x2 = x.reshape(-1, p.in_features).contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2
+
+
+def _bias(bias: torch.Tensor | None, p: Prepared) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.numel() != p.out_features:
+        raise ValueError(f"bias: found {list(bias.shape)}, expected [{p.out_features}]")
+    return bias.to(torch.float16).contiguous()
+
+
+def token_slots(m: int) -> int:
+    for s in TOKEN_SLOTS:
+        if m <= s:
+            return s
+    raise ValueError(f"x: found M={m} tokens, expected 1..{GEMV_MAX_M} for the {LAYOUT} GEMV")
+
+
+def gemv_warps(k: int, warps: int | None = None) -> int:
+    """Warps per block: no more than the row's 64-channel blocks need, at most `warps` (default GEMV_WARPS)."""
+    want = GEMV_WARPS if warps is None else warps
+    return max(1, min(want, MAX_WARPS, -(-(k // 64) // 32)))
+
+
+def spmv(x2: torch.Tensor, p: Prepared, out: torch.Tensor) -> torch.Tensor:
+    """out[M, N] += the outliers' product with x2 (fp16, in place), one warp per row."""
+    if p.nnz == 0:
+        return out
+    dev = cc.device_index(x2.device)
+    fn = cc.load_module(SOURCE, device=dev).fn("mixed_spmv")
+    m = x2.shape[0]
+    dependent_launch.launch(fn, (-(-p.out_features // 8),), (256,),
+                            (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(out), cc.i32(m),
+                             cc.i32(p.out_features), cc.i32(p.in_features)), device=dev)
+    return out
+
+
+def use_pipe(k: int, mt: int, warps: int, pipe: bool | None = None) -> bool:
+    """Whether the GEMV keeps the next block's loads ahead of the arithmetic (built for one token only)."""
+    if pipe is not None:
+        if pipe and mt != 1:
+            raise ValueError(f"pipe: found True for {mt} token slots, expected it only for one token")
+        return pipe
+    if mt != 1:
+        return False
+    if GEMV_PIPE >= 0:
+        return bool(GEMV_PIPE)
+    return k // 64 >= PIPE_MIN_BLOCKS_PER_THREAD * 32 * warps
+
+
+def outlier_mode(outliers: str | None = None) -> str:
+    """How the GEMV adds the outliers: "fused" or "spmv" (`outliers`, by default OUTLIERS)."""
+    mode = OUTLIERS if outliers is None else outliers
+    if mode not in ("fused", "spmv"):
+        raise ValueError(f"outliers: found {mode!r}, expected fused or spmv")
+    return mode
+
+
+def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         outliers: str | None = None, warps: int | None = None, pipe: bool | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
+    `warps` and `pipe` override the tuned choices."""
+    lead = x.shape[:-1]
+    x2 = _x2(x, p)
+    m = x2.shape[0]
+    mt = token_slots(m)
+    outliers = outlier_mode(outliers)
+    w = gemv_warps(p.in_features, warps)
+    piped = use_pipe(p.in_features, mt, w, pipe)
+    out = cc.f16_out(out, (m, p.out_features), x.device)
+    dev = cc.device_index(x.device)
+    fuse = outliers == "fused" and p.nnz > 0
+    name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+    fn = cc.load_module(SOURCE, device=dev).fn(name)
+    dependent_launch.launch(
+        fn, (-(-p.out_features // ROWS),), (32 * w,),
+        (*p.layer_args(), cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(_bias(bias, p)),
+         cc.ptr(out), cc.i32(m), *p.shape_args()),
+        device=dev,
+    )
+    if not fuse:
+        spmv(x2, p, out)
+    return out.reshape(*lead, p.out_features)
+
+
+def dequantize(p: Prepared, outliers: bool = True) -> torch.Tensor:
+    """The weight as fp16 [N, K]: the dense part rounded once as the reference casts it, plus the outliers."""
+    n, k = p.out_features, p.in_features
+    out = torch.empty(n, k, dtype=torch.float16, device=p.qweight_a.device)
+    dev = cc.device_index(out.device)
+    mod = cc.load_module(SOURCE, device=dev)
+    threads = n * (k // 64)
+    cc.launch(mod.fn(f"mixed_dequant_b{int(p.block4)}"), (-(-threads // 256),), (256,),
+              (*p.layer_args(), cc.ptr(out), *p.shape_args()), device=dev)
+    if outliers and p.nnz:
+        cc.launch(mod.fn("mixed_outliers_into_dense"), (-(-n // 8),), (256,),
+                  (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(out), cc.i32(n), cc.i32(k)),
+                  device=dev)
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
+    b = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, dequantize(p), b)
+
+
+PATHS = ("gemv", "dequant+cublas", "reference")
+
+
+def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int) -> str:
+    """The path a layer takes for M tokens: gemv, dequant+cublas or reference."""
+    if unsupported_reason(group_size, in_features) is not None or dtype != torch.float16:
+        return "reference"
+    return "gemv" if 1 <= m <= GEMV_MAX_M else "dequant+cublas"
+
+
+def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    m = x.numel() // max(1, x.shape[-1])
+    if path is None:
+        path = choose_path(m, x.dtype, 16, p.in_features)
+    if path == "gemv":
+        return gemv(x, p, bias)
+    if path == "dequant+cublas":
+        return dequant_matmul(x, p, bias)
+    raise cc.CudaUnavailableError(f"{LAYOUT}: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")
+
+
+def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CUDA forward of a MixedLinear, or None when the caller should run the reference path (QTOOL_KERNELS=cuda
+    turns every fallback into a one-line error instead)."""
+    if cc.kernel_mode() == "reference":
+        return None
+    m = x.numel() // max(1, x.shape[-1])
+    path = choose_path(m, x.dtype, layer.group_size, layer.in_features)
+    reason = None
+    if path == "reference":
+        reason = unsupported_reason(layer.group_size, layer.in_features) or f"dtype {x.dtype}"
+    if not cc.use_kernels(LAYOUT, reason):
+        return None
+    p = getattr(layer, "_qtool_prepared", None)
+    if p is None or p.source_ptr != layer.qweight_a.data_ptr() or p.qweight_a.device != x.device:
+        p = prepare(layer)
+        layer._qtool_prepared = p
+    return linear(x, p, layer.bias, path)

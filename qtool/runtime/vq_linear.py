@@ -1,0 +1,104 @@
+"""Executes the `vq` layout (formats/vq.md) in torch. Two reference paths, mirroring the two kernels the layout is
+built for: with few input rows (decode, at most `LOOKUP_ROWS`), the codebook-centric GEMV, which multiplies each
+input vector by every entry of its codebook once and then sums the products the indices select (no weight is
+dequantized); with more rows (prefill), the dequantized weight in a dense matmul, as a GEMM that decodes codes into
+its tiles computes. The tests check the first against `dequantize()`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qtool.packing.vq import FIELDS, VQWeight
+
+LOOKUP_ROWS = 16
+
+
+class VQLinear(nn.Module):
+    def __init__(self, weight: VQWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.vector_size = weight.vector_size
+        self.entries = weight.entries
+        self.residuals = weight.residuals
+        self.tile_rows = weight.tile_rows
+        self.tile_cols = weight.tile_cols
+        self.reindexed = weight.reindexed
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        for f in FIELDS:
+            self.register_buffer(f, getattr(weight, f))
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+        else:
+            self.bias = None
+        # Unpacked indices and the dense weight, built on first use per device (and dtype); a kernel needs neither.
+        self._codes: dict[torch.device, torch.Tensor] = {}
+        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def layout(self) -> VQWeight:
+        return VQWeight(self.vector_size, self.entries, self.residuals, self.tile_rows, self.tile_cols,
+                        self.reindexed, self.in_features, self.out_features, *(getattr(self, f) for f in FIELDS))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.layout.dequantize(dtype)
+
+    def dense_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        w = self._dense.get(key)
+        if w is None:
+            w = self._dense[key] = self.layout.dequantize(torch.float32).to(device=device, dtype=dtype)
+        return w
+
+    def codes(self, device: torch.device) -> torch.Tensor:
+        c = self._codes.get(device)
+        if c is None:
+            c = self._codes[device] = self.layout.codes().to(device)
+        return c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= LOOKUP_ROWS:
+            y = self.lookup_forward(x2)
+        else:
+            y = F.linear(x2, self.dense_weight(x.device, x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def lookup_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y [T, N] = x [T, K] Wᵀ without dequantizing W: products of every input vector with every entry of its
+        codebooks, P[rt, r, v, e, t] = x[t, v]·C[rt, ct(v), r, e], then y[t, n] = Σ_r Σ_v P[rt(n), r, v, code, t]
+        (float32)."""
+        lay = self.layout
+        t, d = x.shape[0], self.vector_size
+        v = self.in_features // d
+        rt, ct = lay.scope_of(x.device)
+        books = self.codebooks.to(device=x.device, dtype=torch.float32)  # [R, C, z, E, d]
+        xv = x.to(torch.float32).reshape(t, v, d)
+        codes = self.codes(x.device)
+        y = torch.zeros(self.out_features, t, dtype=torch.float32, device=x.device)
+        for ci in range(books.shape[1]):  # one codebook switch per column tile
+            vs = (ct == ci).nonzero().flatten()
+            prod = torch.einsum("azed,tvd->azvet", books[:, ci], xv[:, vs])  # [R, z, Vc, E, T]
+            vi = torch.arange(vs.numel(), device=x.device)[None, :]
+            for r in range(self.residuals):
+                y += prod[rt[:, None], r, vi, codes[r][:, vs]].sum(dim=1)
+        return y.T.to(x.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `model.to(dtype)` casts floating buffers; the stored float16 codebooks must stay float16.
+        super()._apply(fn, recurse)
+        if self.codebooks.dtype != torch.float16:
+            self.codebooks = self.codebooks.to(torch.float16)
+        self._codes = {}
+        self._dense = {}
+        return self
+
+    def extra_repr(self) -> str:
+        scope = "tensor" if self.tile_rows is None and self.tile_cols is None else \
+            f"tiles {self.tile_rows or self.out_features}x{self.tile_cols or self.in_features}"
+        return (f"in={self.in_features}, out={self.out_features}, {self.layout.notation()} per {scope}"
+                f"{', re-indexed' if self.reindexed else ''}")

@@ -1,0 +1,62 @@
+"""The kernel bench's mixed-2-4-16 rows, with fake cases and a fake timer (no GPU): one row per outlier fraction
+beside the grouped_int rows, the GEMV with fused or separate outliers below 17 tokens, the bytes the cases count."""
+
+from __future__ import annotations
+
+import pytest
+
+from qtool.bench import kernels as kb
+from qtool.bench import stats
+from qtool.bench.command import _fractions
+from tests.test_bench_stats import FakeCases, FakeTimer
+
+PATH_US = {"mixed-gemv": 2.0, "mixed-gemv+spmv": 2.5, "mixed-dq+cublas": 8.0}
+
+
+class MixedTimer(FakeTimer):
+    def __call__(self, fns, warmup, iters):
+        if fns[0]() in PATH_US:
+            return [PATH_US[fns[0]()]] * iters
+        return super().__call__(fns, warmup, iters)
+
+
+class MixedCases(FakeCases):
+    def mixed_paths(self, k, n, m, outlier_fraction):
+        cands = (["mixed-gemv"] + (["mixed-gemv+spmv"] if outlier_fraction else [])) if m <= 16 else []
+        return cands + (["mixed-dq+cublas"] if m >= 16 else []), "mixed-gemv" if m <= 16 else "mixed-dq+cublas", \
+            3_000_000
+
+    def mixed(self, k, n, m, outlier_fraction, path):
+        return [lambda: path]
+
+
+def test_mixed_rows_beside_the_grouped_int_rows():
+    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 64], bits=[4], group_sizes=[128], warmup=3, iters=50,
+                               mixed_outliers=[0.0, 0.002])
+    report = kb.run_kernel_bench(cfg, MixedCases(), MixedTimer())
+    assert stats.validate_kernels_report(report) == []
+    rows = report["results"]
+    mixed = [r for r in rows if r.get("layout") == "mixed-2-4-16"]
+    assert [(r["m"], r["outlier_fraction"], r["path"]) for r in mixed] == [
+        (1, 0.0, "mixed-gemv"), (1, 0.002, "mixed-gemv"), (64, 0.0, "mixed-dq+cublas"),
+        (64, 0.002, "mixed-dq+cublas")]
+    one = mixed[1]
+    assert set(one["candidates"]) == {"mixed-gemv", "mixed-gemv+spmv"}
+    assert one["quant"]["median_us"] == 2.0 and one["roofline"]["bytes"] == 3_000_000
+    line = kb.format_row(one)
+    assert " mx " in line and "mixed-gemv+spmv=2.5" in line and "outliers 0.2%" in line
+    assert report["config"]["mixed_outliers"] == [0.0, 0.002]
+
+
+def test_no_mixed_rows_where_the_shape_has_no_whole_blocks():
+    cfg = kb.KernelBenchConfig(shapes=[(4096, 1000), (4100, 4096)], ms=[1], bits=[4], group_sizes=[128], warmup=3,
+                               iters=50, mixed_outliers=[0.0])
+    report = kb.run_kernel_bench(cfg, MixedCases(), MixedTimer())
+    assert [r.get("layout") for r in report["results"]] == [None, None]
+
+
+def test_mixed_fraction_option():
+    assert _fractions("0,0.002") == [0.0, 0.002]
+    assert _fractions("none-rows") == []
+    with pytest.raises(stats.BenchError, match="--mixed: found '0.01'"):
+        _fractions("0.01")
