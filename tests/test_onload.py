@@ -2,8 +2,8 @@
 byte-identical checkpoint of the whole-model run with clearly less peak memory, and `--dry-run` estimates that
 peak within 30% without reading a weight; a run the machine cannot hold is refused before any work.
 
-The two runs are child processes, each measured by its own rusage (peak resident set, the whole run including
-the checkpoint write). RTN keeps them to seconds: GPTQ's path through the block loop, the calibration activations
+The two runs are child processes, each reporting its own peak resident set (the whole run including the
+checkpoint write). RTN keeps them to seconds: GPTQ's path through the block loop, the calibration activations
 and resume are tested on stories260K (tests/test_resume.py)."""
 
 from __future__ import annotations
@@ -33,16 +33,29 @@ output: {out}
 """
 
 
+# The child writes its own peak resident set (VmHWM of its address space) when it exits. The rusage a parent reads
+# with wait4 is no use here: Linux carries the forking process's high-water mark over the exec, so a child of a
+# large test worker would report the worker's size.
+CHILD = """
+import atexit, os, re
+def peak():
+    status = open("/proc/self/status").read()
+    with open(os.environ["QTOOL_TEST_PEAK"], "w") as f:
+        f.write(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
+atexit.register(peak)
+from qtool.cli import main
+main()
+"""
+
+
 def run_measured(args: list, tmp: Path, name: str) -> tuple[int, str, int]:
     """Run `qtool ARGS` in a child; return (exit code, stdout, peak RSS in bytes of that child alone)."""
-    with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", "from qtool.cli import main; main()", *map(str, args)],
-                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                                stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, (tmp / f"{name}.err").read_text()
-    return proc.returncode, (tmp / f"{name}.out").read_text(), usage.ru_maxrss * 1024
+    peak = tmp / f"{name}.peak"
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                               "QTOOL_TEST_PEAK": str(peak)})
+    assert proc.returncode == 0, proc.stderr
+    return proc.returncode, proc.stdout, int(peak.read_text()) * 1024
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
