@@ -66,9 +66,22 @@ class Reporter:
         return BlockProgress(self, total, start, description, device)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MB. VmHWM, not getrusage: Linux carries the high-water mark of the
+    process that forked this one over the exec into ru_maxrss (a child of a large process reports its size)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_memory(device=None) -> str:
     """Peak host memory of this process so far, and of the GPU when the compute device is one."""
-    text = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    text = f"peak RSS {peak_rss_mb():.0f} MB"
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
 

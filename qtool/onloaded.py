@@ -10,7 +10,6 @@ because the folder keeps the exact activations entering the next block.
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from qtool import __version__
 from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
 from qtool.checkpoint.writer import collect_tensors
-from qtool.console import Reporter
+from qtool.console import Reporter, peak_rss_mb
 from qtool.errors import Interrupted
 from qtool.models.adapters import adapter_for
 from qtool.models.loading import config_dtype
@@ -171,6 +170,6 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
         schemes.update(tr.model_scheme() or {})
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mb()
     return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, config,
                     prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start)

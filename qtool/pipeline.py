@@ -3,7 +3,6 @@ quantized outputs feeding the next (as GPTQ does), so peak memory is one block p
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from qtool.calibration.data import (
     sample_windows,
 )
 from qtool.calibration.stats import LinearStats, load_stats
-from qtool.console import Reporter
+from qtool.console import Reporter, peak_rss_mb
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.integrity import read_header
@@ -340,7 +339,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     install_packed(model, packed)
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mb()
     schemes: dict = {}
     for tr in work.transforms:
         schemes.update(tr.model_scheme() or {})

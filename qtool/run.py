@@ -12,7 +12,7 @@ import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter
-from qtool.errors import RecipeError, UsageError
+from qtool.errors import Interrupted, RecipeError, UsageError
 from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
 
@@ -103,9 +103,13 @@ def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device
         "transforms": run.transforms,
         "eval": None,
     }
-    write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
-                     tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
-                     max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+    try:
+        write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers,
+                         model_schemes=run.model_schemes, tokenizer=run.tokenizer, recipe_as_run=recipe.as_run,
+                         manifest_extra=manifest_extra, max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
+                          f"'{run.work.folder}'; run the same command with --resume to write it") from None
     run.work.remove()
     reporter.log(f"wrote {out}")
     return {

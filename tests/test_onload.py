@@ -2,8 +2,8 @@
 byte-identical checkpoint of the whole-model run with clearly less peak memory, and `--dry-run` estimates that
 peak within 30% without reading a weight; a run the machine cannot hold is refused before any work.
 
-The two runs are child processes, each measured by its own rusage (peak resident set, the whole run including
-the checkpoint write). RTN keeps them to seconds: GPTQ's path through the block loop, the calibration activations
+The two runs are child processes, each reporting its own peak resident set (the whole run including the
+checkpoint write). RTN keeps them to seconds: GPTQ's path through the block loop, the calibration activations
 and resume are tested on stories260K (tests/test_resume.py)."""
 
 from __future__ import annotations
@@ -33,16 +33,29 @@ output: {out}
 """
 
 
+# The child writes its own peak resident set (VmHWM of its address space) when it exits. The rusage a parent reads
+# with wait4 is no use here: Linux carries the forking process's high-water mark over the exec, so a child of a
+# large test worker would report the worker's size.
+CHILD = """
+import atexit, os, re
+def peak():
+    status = open("/proc/self/status").read()
+    with open(os.environ["QTOOL_TEST_PEAK"], "w") as f:
+        f.write(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
+atexit.register(peak)
+from qtool.cli import main
+main()
+"""
+
+
 def run_measured(args: list, tmp: Path, name: str) -> tuple[int, str, int]:
     """Run `qtool ARGS` in a child; return (exit code, stdout, peak RSS in bytes of that child alone)."""
-    with open(tmp / f"{name}.out", "w") as out, open(tmp / f"{name}.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", "from qtool.cli import main; main()", *map(str, args)],
-                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                                stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, (tmp / f"{name}.err").read_text()
-    return proc.returncode, (tmp / f"{name}.out").read_text(), usage.ru_maxrss * 1024
+    peak = tmp / f"{name}.peak"
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                               "QTOOL_TEST_PEAK": str(peak)})
+    assert proc.returncode == 0, proc.stderr
+    return proc.returncode, proc.stdout, int(peak.read_text()) * 1024
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -76,3 +89,31 @@ def test_dry_run_refuses_a_run_this_machine_cannot_hold(smollm2, tmp_path, no_wo
         res = run_cli(["quantize", recipe, *extra])
         assert_one_line_error(res, 6, "host memory", "activations", "100000 x 8192", "lower --num-samples",
                               output=tmp_path / "out")
+
+
+def _make_test_model():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_test_model", ROOT / "scripts" / "make_test_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_test_model_shapes_and_a_sharded_model_that_passes_the_pre_flight(tmp_path):
+    import torch
+
+    mk = _make_test_model()
+    # Llama-2-7B and Llama-2-70B, parameter for parameter
+    counts = {k: sum(torch.Size(s).numel() for s in mk.tensor_shapes(mk.SHAPES[k]).values()) for k in ("7b", "70b")}
+    assert counts == {"7b": 6_738_415_616, "70b": 68_976_648_192}
+    info = mk.make(tmp_path / "m", "tiny", 3, 200_000, seed=0)
+    assert info["layers"] == 3 and info["shards"] > 1
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tmp_path / 'm'}\ncalibration: {{source: {ROOT / 'README.md'}, num_samples: 2, "
+                      f"seq_len: 32}}\nstages:\n  - stage: gptq\n    bits: 4\noutput: {tmp_path / 'out'}\n")
+    res = run_cli(["quantize", recipe, "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    est = json.loads(res.stdout)
+    assert est["mode"] == "blocks" and est["estimate"]["num_blocks"] == 3 and est["estimate"]["seconds"] is not None
+    assert not (tmp_path / "out").exists()

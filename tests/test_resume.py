@@ -160,9 +160,10 @@ def test_resume_with_nothing_to_resume(tmp_path, no_work):
                           ".out.partial", output=tmp_path / "out")
 
 
-def test_ctrl_c_then_a_full_disk_then_resume(tmp_path, reference, monkeypatch):
+def test_ctrl_c_a_full_disk_and_ctrl_c_while_writing_then_resume(tmp_path, reference, monkeypatch):
     """Ctrl-C stops at a block boundary and says how to go on; the resumed run meets a full disk at block 3 and
-    stops in one line; the work folder is consistent after each, and the last resume writes the reference."""
+    stops in one line; the next is interrupted while writing the checkpoint; the work folder is consistent after
+    each, and the last resume writes the reference."""
     import qtool.checkpoint.partial as partial
 
     real_commit, real_save = partial.Work.commit, partial.save_file
@@ -189,9 +190,20 @@ def test_ctrl_c_then_a_full_disk_then_resume(tmp_path, reference, monkeypatch):
                           "block-00003", output=tmp_path / "out")
     assert state(tmp_path)["next_block"] == 3
     monkeypatch.setattr(partial, "save_file", real_save)
+    # Ctrl-C while the checkpoint is written: every block is kept, and the line says how to write it.
+    import qtool.checkpoint.writer as writer
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "save_file", ctrl_c)
+        assert_one_line_error(run_cli(["quantize", recipe, "--resume", "-q"]), 130, "while writing",
+                              "all 5 blocks", "--resume", output=tmp_path / "out")
+    assert state(tmp_path)["next_block"] == 5
     res = run_cli(["quantize", recipe, "--resume", "-q", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["resumed_at_block"] == 3
+    assert json.loads(res.stdout)["resumed_at_block"] == 5
     assert sha256s(tmp_path / "out") == reference
 
 

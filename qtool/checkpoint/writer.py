@@ -29,8 +29,8 @@ def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight],
     blocks, when they are stored block by block)."""
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
     # Modules that mark themselves `stored_as_is` (the KV cache's float16 codebooks) keep their buffers' dtype.
-    packed_fields |= {f"{mname}.{b}" for mname, mod in model.named_modules() if getattr(mod, "stored_as_is", False)
-                      for b, _ in mod.named_buffers(recurse=False)}
+    packed_fields |= {f"{prefix}.{mname}.{b}" if prefix else f"{mname}.{b}" for mname, mod in model.named_modules()
+                      if getattr(mod, "stored_as_is", False) for b, _ in mod.named_buffers(recurse=False)}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(prefix=f"{prefix}." if prefix else "").items():

@@ -78,7 +78,7 @@ class VQKVStage(TransformStage):
                               f"{calibration.seq_len}), one vector per codebook each, too few to fit it; expected "
                               f"at least {self.options.entries} calibration tokens")
 
-    def apply_model(self, model: nn.Module, adapter) -> dict | None:
+    def apply_outer(self, model: nn.Module, adapter) -> dict | None:
         if not attention_modules(model):
             raise RecipeError(f"{self.label}: {type(model).__name__} has no attention module whose KV cache can be "
                               f"quantized; expected Llama-style self_attn modules")
