@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from qtool.calibration.stats import LinearStats
+from qtool.errors import RecipeError
 from qtool.options import option
 from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.packing.mixed import MixedWeight
@@ -126,6 +127,28 @@ class QuantizerStage(Stage):
                 full = f"{adapter.block_prefix(i)}.{rel}"
                 if self.targets.matches(full):
                     yield full, block.get_submodule(rel)
+
+    def layer_problem(self, n: int, k: int) -> tuple[str, str] | None:
+        """(recipe key, message with `{}` where the linear's name goes) for an `n` x `k` linear this stage cannot
+        quantize, else None: checked per targeted linear before loading (`check_layers`) and again as each is
+        quantized (`refuse_layer`)."""
+        return None
+
+    def check_layers(self, config, where: str) -> None:
+        """Refuse the first targeted linear of `config` that `layer_problem` names, before any weight is loaded."""
+        for full, lin in self.targeted_linears(config):
+            problem = self.layer_problem(lin.out_features, lin.in_features)
+            if problem is not None:
+                key, msg = problem
+                raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
+                                  " (or exclude the linear in targets)" * ("exclude" not in msg))
+
+    def refuse_layer(self, name: str, n: int, k: int) -> None:
+        """Refuse linear `name` of `n` x `k` if `layer_problem` names it (models whose config did not show it)."""
+        problem = self.layer_problem(n, k)
+        if problem is not None:
+            key, msg = problem
+            raise RecipeError(f"stages[{self.index}].{key}: " + msg.format(f"linear {name}"))
 
     def attention_objective(self, rel: str, adapter) -> str | None:
         """"q"/"k" when the linear `rel` of a block should be quantized against the attention output's error (the

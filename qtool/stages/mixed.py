@@ -24,7 +24,6 @@ from typing import Literal
 import torch
 
 from qtool.calibration.stats import LinearStats
-from qtool.errors import RecipeError
 from qtool.options import option
 from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
 from qtool.quant.mixed import (
@@ -38,7 +37,7 @@ from qtool.quant.mixed import (
     stripes_for_target,
 )
 from qtool.stages import register
-from qtool.stages.base import QuantizerStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult
 
 BLOCK4_FRACTION = 0.25
 
@@ -110,16 +109,10 @@ class MixedOptions:
 
 
 @register
-class MixedStage(QuantizerStage):
+class MixedStage(HessianStage):
     name = "mixed"
     options_cls = MixedOptions
     help = "2/4-bit mixed stripes by Eq. 9 sensitivity, second-order 4-bit scales, sparse float16 outliers"
-
-    def needs_calibration(self) -> bool:
-        return True
-
-    def needs_hessian(self) -> bool:
-        return True
 
     def sequential(self) -> bool:
         # GPTQ, as the gptq stage does: q/k/v, then o, then gate/up, then down, each on the outputs of the
@@ -158,22 +151,14 @@ class MixedStage(QuantizerStage):
         return None
 
     def check_config(self, config, where: str) -> None:
-        for full, lin in self.targeted_linears(config):
-            problem = self.layer_problem(lin.out_features, lin.in_features)
-            if problem is not None:
-                key, msg = problem
-                raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
-                                  " (or exclude the linear in targets)" * ("exclude" not in msg))
+        self.check_layers(config, where)
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: MixedOptions = self.options
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"mixed needs the Hessian of {name}")
         n, k = weight.shape
-        problem = self.layer_problem(n, k)
-        if problem is not None:
-            key, msg = problem
-            raise RecipeError(f"stages[{self.index}].{key}: " + msg.format(f"linear {name}"))
+        self.refuse_layer(name, n, k)
         hessian = stats.hessian().cpu()
         hinv = inverse_hessian_diag(hessian, o.damp)
         sens = sensitivity(weight.cpu(), hinv, o.group_size)

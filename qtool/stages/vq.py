@@ -20,12 +20,11 @@ from typing import Literal
 import torch
 
 from qtool.calibration.stats import LinearStats
-from qtool.errors import RecipeError
 from qtool.options import option
 from qtool.packing.vq import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWeight, is_power_of_two
 from qtool.quant.vq import vq_gptq
 from qtool.stages import register
-from qtool.stages.base import QuantizerStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult
 
 PRESETS: dict[str, dict] = {
     "gptvq-2": {"vector_size": 4, "entries": 256, "residuals": 1, "scope": "tile", "tile_rows": 256,
@@ -89,19 +88,10 @@ class VQOptions:
 
 
 @register
-class VQStage(QuantizerStage):
+class VQStage(HessianStage):
     name = "vq"
     options_cls = VQOptions
     help = "vector quantization: Hessian-weighted (residual) k-means codebooks with GPTQ error feedback"
-
-    def needs_calibration(self) -> bool:
-        return True
-
-    def needs_hessian(self) -> bool:
-        return True
-
-    def sequential(self) -> bool:
-        return self.options.sequential
 
     def layer_problem(self, n: int, k: int) -> tuple[str, str] | None:
         """(key, message) for a linear of `n` x `k` this stage cannot quantize, else None."""
@@ -119,22 +109,13 @@ class VQStage(QuantizerStage):
         return None
 
     def check_config(self, config, where: str) -> None:
-        for full, lin in self.targeted_linears(config):
-            problem = self.layer_problem(lin.out_features, lin.in_features)
-            if problem is not None:
-                key, msg = problem
-                raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
-                                  " (or exclude the linear in targets)")
+        self.check_layers(config, where)
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: VQOptions = self.options
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"vq needs the Hessian of {name}")
-        n, k = weight.shape
-        problem = self.layer_problem(n, k)
-        if problem is not None:
-            key, msg = problem
-            raise RecipeError(f"stages[{self.index}].{key}: " + msg.format(f"linear {name}"))
+        self.refuse_layer(name, *weight.shape)
         seed = (o.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
         out = vq_gptq(weight.float().cpu(), stats.hessian().cpu(), o.vector_size, o.entries, o.residuals,
                       tile_rows=o.tile_rows, tile_cols=o.tile_cols, iters=o.kmeans_iters, beam=o.beam,
