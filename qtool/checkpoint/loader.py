@@ -7,13 +7,19 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, file_sha256
 from qtool.errors import CheckpointError
-from qtool.models.integrity import check_finite, describe, read_config_json, tensor_index
+from qtool.models.integrity import (
+    FLOAT_DTYPES,
+    SAFETENSORS_DTYPES,
+    StoredTensors,
+    describe,
+    read_config_json,
+    tensor_index,
+)
 from qtool.models.loading import check_architecture
 from qtool.models.loading import load_tokenizer as _load_tokenizer
 from qtool.runtime.layouts import LAYOUTS
@@ -56,21 +62,14 @@ def verify_files(path: Path, manifest: dict) -> None:
             raise CheckpointError(f"{f}: not listed in the manifest")
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor, after the files' headers and index were checked; a NaN or Inf anywhere (a norm, an
-    embedding, a scale) is refused here, naming the tensor and its file."""
+def read_tensors(path: Path, device: str | torch.device = "cpu") -> StoredTensors:
+    """Every stored tensor by name, after the files' headers and index were checked; each is read when asked for
+    (onto `device`), and a NaN or Inf in it (a norm, an embedding, a scale) is refused then, naming the tensor and
+    its file."""
     found = tensor_index(path, CheckpointError)
     if found is None:
         raise CheckpointError(f"{path}: no model.safetensors (or shards with model.safetensors.index.json)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted({info.file for info in found.values()}):
-        try:
-            loaded = load_file(str(f))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{f}: cannot read safetensors ({describe(e)})") from None
-        check_finite(loaded.items(), CheckpointError, found)
-        tensors.update(loaded)
-    return tensors
+    return StoredTensors(found, CheckpointError, device)
 
 
 def read_config(path: Path) -> dict:
@@ -130,7 +129,8 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
         raise CheckpointError(f"{path / 'config.json'}: cannot build {config.architectures[0]} from it "
                               f"({describe(e)})") from None
 
-    tensors = read_tensors(path)
+    # Tensors are read one at a time, onto `device`: host memory holds one tensor beyond what is on the CPU.
+    tensors = read_tensors(path, device)
     for name, lcfg in sorted(layers.items()):
         fmt = lcfg.get("format")
         if fmt not in LAYOUTS:
@@ -165,17 +165,28 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
 
     attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())
-    for name, t in tensors.items():
+    # Names, shapes and kinds from the headers, before the first of these tensors is read.
+    for name, info in tensors.files.items():
         if name not in expected:
             raise CheckpointError(f"tensor {name}: not a parameter of {config.architectures[0]}")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"tensor {name}: found shape {list(t.shape)}, expected {list(expected[name].shape)}")
-        if expected[name].is_floating_point() != t.is_floating_point():
-            raise CheckpointError(f"tensor {name}: found dtype {str(t.dtype).removeprefix('torch.')}, expected "
-                                  f"{'a floating-point' if expected[name].is_floating_point() else 'an integer'} "
-                                  f"tensor")
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()},
-                          strict=False, assign=True)
+        if info.shape != tuple(expected[name].shape):
+            raise CheckpointError(f"tensor {name}: found shape {list(info.shape)}, expected "
+                                  f"{list(expected[name].shape)}")
+        if expected[name].is_floating_point() != (info.dtype in FLOAT_DTYPES):
+            raise CheckpointError(f"tensor {name}: found dtype "
+                                  f"{str(SAFETENSORS_DTYPES[info.dtype]).removeprefix('torch.')}, "
+                                  f"expected {'a floating-point' if expected[name].is_floating_point() else 'an integer'}"
+                                  f" tensor")
+    for name in list(tensors):
+        t = tensors.pop(name)
+        mod_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        t = t.to(dtype) if t.is_floating_point() else t
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[leaf] = t
+        del t
     model.tie_weights()
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.device.type == "meta":

@@ -21,8 +21,14 @@ import torch
 from safetensors.torch import save_file
 
 from qtool.errors import CheckpointError, UsageError
-from qtool.models.integrity import INDEX_NAME, read_header
-from qtool.models.onload import SAFETENSORS_DTYPES
+from qtool.models.integrity import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    TensorInfo,
+    describe,
+    read_header,
+    read_tensor,
+)
 
 STATE = "state.json"
 
@@ -205,11 +211,11 @@ class LazyTensors:
 
     def __init__(self, files: list[Path], resident: dict[str, torch.Tensor]) -> None:
         self._resident = resident
-        self._where: dict[str, Path | None] = dict.fromkeys(resident)
+        self._where: dict[str, TensorInfo | None] = dict.fromkeys(resident)
         self.meta: dict[str, torch.Tensor] = {n: t.to("meta") for n, t in resident.items()}
         for f in files:
             for name, info in read_header(f, CheckpointError).items():
-                self._where[name] = f
+                self._where[name] = info
                 self.meta[name] = torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
 
     def __iter__(self):
@@ -226,9 +232,11 @@ class LazyTensors:
         return t.numel() * t.element_size()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name in self._resident:
             return self._resident[name]
-        with safe_open(str(self._where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        info = self._where[name]
+        try:
+            return read_tensor(info)
+        except OSError as e:
+            raise CheckpointError(f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the work "
+                                  f"folder as this run wrote it") from None

@@ -4,14 +4,17 @@ tensor finite.
 
 One set of checks serves both an original Hugging Face folder and a packed qtool checkpoint; the caller passes the
 error class (InputError for the first, CheckpointError for the second), so each problem is one line naming the file,
-key or tensor under the right exit code. Nothing here reads tensor data except `check_finite`.
+key or tensor under the right exit code. This is the one place that parses safetensors headers; `StoredTensors`
+then reads one tensor at a time at the offsets the checked header gave (a plain read into a fresh buffer, not a
+memory map: a map kept open counts every page read so far in the process's resident memory, so loading a model
+larger than the RAM would look, and be accounted, as if it were all in memory).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +49,8 @@ class TensorInfo:
     file: Path
     dtype: str  # safetensors' name: F32, BF16, I32, ...
     shape: tuple[int, ...]
+    offset: int = 0  # of the tensor's first byte in the file
+    nbytes: int = 0
 
 
 def read_header(path: Path, error: type[QtoolError]) -> dict[str, TensorInfo]:
@@ -92,7 +97,7 @@ def read_header(path: Path, error: type[QtoolError]) -> dict[str, TensorInfo]:
                         f"needs {need}")
         if end > data:
             raise error(f"{path}: truncated: tensor {name} ends at byte {end} of the data, the file holds {data}")
-        out[name] = TensorInfo(path, dtype, shape)
+        out[name] = TensorInfo(path, dtype, shape, 8 + length + begin, need)
     return out
 
 
@@ -146,6 +151,73 @@ def tensor_index(folder: Path, error: type[QtoolError]) -> dict[str, TensorInfo]
         raise error(f"{folder}: {shards[0]} without {INDEX_NAME} or {WEIGHTS_NAME}; expected the shard index beside "
                     f"the shards")
     return None
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+                     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """The tensor `info` describes, read from its file into memory of its own (OSError when the file changed
+    since its header was checked and is now shorter)."""
+    dtype = SAFETENSORS_DTYPES[info.dtype]
+    if not info.nbytes:
+        return torch.empty(info.shape, dtype=dtype)
+    buf = bytearray(info.nbytes)
+    with open(info.file, "rb") as f:
+        f.seek(info.offset)
+        got = f.readinto(buf)
+    if got != info.nbytes:
+        raise OSError(f"truncated: {got} of {info.nbytes} bytes of its data are in the file")
+    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+
+class StoredTensors(Mapping):
+    """The tensors of a folder's safetensors files by name, each read when asked for (and checked finite then),
+    so a caller holds one tensor beyond what it keeps. `pop` hands a tensor over and forgets its name; `device`
+    moves each tensor there as it is read (the host copy is then freed)."""
+
+    def __init__(self, found: dict[str, TensorInfo], error: type[QtoolError], device: str | torch.device = "cpu"):
+        self.files = dict(found)
+        self.error = error
+        self.device = torch.device(device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def nbytes(self, name: str) -> int:
+        return self.files[name].nbytes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        info = self.files[name]
+        try:
+            t = read_tensor(info)
+        except MemoryError:
+            raise
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self.error(f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the file as "
+                             f"its header was checked (was it truncated or replaced meanwhile?)") from None
+        check_finite([(name, t)], self.error, self.files)
+        return t.to(self.device) if self.device.type != "cpu" else t
+
+    _MISSING = object()
+
+    def pop(self, name: str, default=_MISSING):
+        if name not in self.files:
+            if default is StoredTensors._MISSING:
+                raise KeyError(name)
+            return default
+        t = self[name]
+        del self.files[name]
+        return t
 
 
 def nonfinite_count(t: torch.Tensor) -> int:

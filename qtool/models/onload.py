@@ -9,7 +9,6 @@ them, so a run from the skeleton computes bit for bit what a run on the whole lo
 from __future__ import annotations
 
 import ctypes
-import json
 import re
 from pathlib import Path
 
@@ -17,11 +16,7 @@ import torch
 from torch import nn
 
 from qtool.errors import InputError
-from qtool.models.integrity import TensorInfo, check_finite, describe
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+from qtool.models.integrity import TensorInfo, check_finite, describe, read_tensor
 
 
 class ShardReader:
@@ -33,7 +28,6 @@ class ShardReader:
         prefix = getattr(config, "base_model_prefix", None) or "model"
         # Checkpoints saved from the base model (facebook/opt-*) drop the prefix the CausalLM's names carry.
         self._strip = (f"{prefix}." if files and not any(n.startswith(f"{prefix}.") for n in files) else "")
-        self._headers: dict[Path, tuple[int, dict]] = {}
 
     def stored_name(self, name: str) -> str:
         return name.removeprefix(self._strip) if self._strip else name
@@ -48,7 +42,7 @@ class ShardReader:
             raise InputError(f"tensor {name}: missing from the weights of '{self.folder}'; expected every parameter "
                              f"of the model (it would be initialised randomly)")
         try:
-            t = self._read(info.file, stored)
+            t = read_tensor(info)
         except MemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -58,30 +52,8 @@ class ShardReader:
             t = t.to(dtype)
         return t
 
-    def _read(self, path: Path, name: str) -> torch.Tensor:
-        # Plain reads into a fresh buffer, not a memory map: a map kept open would count every page of the weight
-        # files read so far in the process's resident memory.
-        header = self._headers.get(path)
-        if header is None:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = self._headers[path] = (8 + n, json.loads(f.read(n)))
-        start, entries = header
-        entry = entries[name]
-        begin, end = entry["data_offsets"]
-        buf = bytearray(end - begin)
-        with open(path, "rb") as f:
-            f.seek(start + begin)
-            got = f.readinto(buf)
-        if got != end - begin:
-            raise ValueError(f"truncated: {got} of {end - begin} bytes of its data are in the file")
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        if not buf:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
-
     def close(self) -> None:
-        self._headers.clear()
+        pass
 
 
 def check_names(reader: ShardReader, meta: nn.Module, ref: str) -> None:
