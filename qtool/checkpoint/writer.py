@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from qtool.checkpoint.manifest import (
@@ -44,7 +45,13 @@ def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight],
         seen.add(key)
         if name not in packed_fields and t.is_floating_point():
             t = t.to(dtype)
-        out[name] = t.detach().to("cpu").contiguous().clone()
+        t = t.detach()
+        # A contiguous CPU tensor that is its whole storage is written as it is (the writer reads it, nothing
+        # changes it before). Others are copied: GPU tensors, and views of a larger storage, which safetensors
+        # would write as shared memory.
+        if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+            t = t.to("cpu").contiguous().clone()
+        out[name] = t
     return out
 
 
@@ -55,17 +62,17 @@ def _nbytes(tensors: Mapping[str, torch.Tensor], name: str) -> int:
     return tensors[name].numel() * tensors[name].element_size()
 
 
-def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = _nbytes(tensors, name)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
+def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> dict[str, list[str]]:
+    """File name → tensor names, in name order, a new shard when the next tensor would pass `max_bytes` (a larger
+    tensor gets a shard of its own), as huggingface_hub splits a state dict. It is given shapes and dtypes only, so
+    a lazy mapping is never read here and every tensor counts its own bytes."""
+    meta = getattr(tensors, "meta", None) or tensors
+    shapes = {n: torch.empty(meta[n].shape, dtype=meta[n].dtype, device="meta") for n in sorted(tensors)}
+    split = split_torch_state_dict_into_shards(shapes, filename_pattern=_PATTERN, max_shard_size=max_bytes)
+    return split.filename_to_tensors
+
+
+_PATTERN = WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
 
 def write_checkpoint(
@@ -95,14 +102,10 @@ def write_checkpoint(
     tmp = reserved.tmp
     shards = _shards(tensors, max_shard_bytes)
     # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
-    if len(shards) == 1:
-        save_file({n: tensors[n] for n in shards[0]}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, names in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: tensors[n] for n in names}, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, fname))
+    for fname, names in shards.items():
+        save_file({n: tensors[n] for n in names}, str(tmp / fname), metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {n: fname for fname, names in shards.items() for n in names}
         total = sum(_nbytes(tensors, n) for n in tensors)
         (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 

@@ -196,6 +196,11 @@ class StoredTensors(Mapping):
     def nbytes(self, name: str) -> int:
         return self.files[name].nbytes
 
+    @property
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Each tensor's shape and dtype, without its data."""
+        return {n: torch.empty(i.shape, dtype=SAFETENSORS_DTYPES[i.dtype], device="meta") for n, i in self.files.items()}
+
     def __getitem__(self, name: str) -> torch.Tensor:
         info = self.files[name]
         try:
