@@ -227,6 +227,9 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
                                                                    "../shared/assets/data/zeroshot).")
 @click.option("--include-path", multiple=True, type=click.Path(file_okay=False),
               help="Folder of your own lm-eval task YAMLs over local data (repeatable).")
+@click.option("--max-memory", help="Memory an evaluated model may take on the device (host memory on the CPU), e.g. "
+                                   "20GB (default: what is free). A larger original model's perplexity is computed "
+                                   "block by block; for tasks it is spread over host memory and disk.")
 @click.option("--baseline", help="Evaluate this model too (the original) and compare MODEL against it.")
 @click.option("--max-ppl-increase", help="Quality gate: fail (exit 8) when MODEL's perplexity exceeds the "
                                          "baseline's by more than this percentage, e.g. 5%.")
@@ -235,7 +238,7 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 @output_options
 def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, encoding,
              allow_long_context, tasks, limit, num_fewshot, batch_size, device, seed, data_dir, include_path,
-             baseline, max_ppl_increase, max_acc_drop, reporter: Reporter) -> None:
+             max_memory, baseline, max_ppl_increase, max_acc_drop, reporter: Reporter) -> None:
     """Perplexity and zero-shot accuracy of MODEL (a qtool checkpoint, a model directory or a hub id), or of MODEL
     and MODEL_B side by side with the difference.
 
@@ -253,8 +256,15 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
     from qtool.errors import GateFailed, UsageError
     from qtool.evaluate import run_eval
     from qtool.gate import Gate, describe_failure, parse_percent
+    from qtool.recipe import parse_size
 
     gate = Gate(parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop"))
+    memory = None
+    if max_memory is not None:
+        try:
+            memory = parse_size(max_memory)
+        except ValueError:
+            raise UsageError(f"--max-memory: found {max_memory!r}, expected a size such as 20GB") from None
     if baseline is not None and model_b is not None:
         raise UsageError(f"--baseline {baseline}: given with a second model {model_b}; expected one or the other")
     refs = [baseline, model] if baseline is not None else [model] if model_b is None else [model, model_b]
@@ -267,7 +277,8 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
                        max_windows=max_windows, stride=stride, separator=separator, text_field=text_field,
                        split=split, batch_size=batch_size, device=device, reporter=reporter, tasks=tasks,
                        limit=limit, num_fewshot=num_fewshot, seed=seed, data_dir=data_dir,
-                       include_paths=include_path, encoding=encoding, allow_long_context=allow_long_context)
+                       include_paths=include_path, encoding=encoding, allow_long_context=allow_long_context,
+                       max_memory=memory)
     if gate.active:
         summary["gate"] = gate.evaluate(summary["comparison"])
     if reporter.json_mode:

@@ -43,20 +43,45 @@ def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
         check_context(spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context")
 
 
-def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False):
-    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model. `verified`:
-    check_for_eval already hashed the checkpoint's files."""
+def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False,
+                  max_memory: int | None = None):
+    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model (float32 on
+    the CPU, its stored dtype on a GPU). `verified`: check_for_eval already hashed the checkpoint's files. An
+    original model larger than `max_memory` is spread by accelerate over the device, host memory and disk."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
-    from qtool.models.loading import load_model
+    from qtool.eval.streamed import eval_dtype
+    from qtool.models.loading import load_config, load_model
 
-    dtype = torch.float32 if dev.type == "cpu" else torch.float16
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
+        dtype = torch.float32 if dev.type == "cpu" else torch.float16
         model = load_checkpoint(model_ref, device=str(dev), dtype=dtype, verify=not verified)
         return model, load_tokenizer(model_ref), "qtool checkpoint"
     reporter.log(f"loading model {model_ref}")
-    model, tokenizer, _, _ = load_model(model_ref, dtype)
-    return model.to(dev), tokenizer, "original"
+    dtype = eval_dtype(load_config(model_ref), dev)
+    model, tokenizer, _, _ = load_model(model_ref, dtype, device=dev, max_memory=max_memory)
+    return model, tokenizer, "original"
+
+
+def memory_for_model(dev: torch.device, max_memory: int | None) -> int:
+    """What an evaluated model may take: `max_memory`, else the device's free memory (the host's on the CPU)."""
+    from qtool.calibration.store import available_host
+
+    if max_memory is not None:
+        return max_memory
+    return torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host()
+
+
+def streams(model_ref: str, dev: torch.device, max_memory: int | None) -> bool:
+    """Whether an original model is too large for `memory_for_model`, so its perplexity is computed block by
+    block (a local safetensors folder; other models load whole)."""
+    from qtool.checkpoint.loader import is_checkpoint
+    from qtool.eval.streamed import model_bytes
+
+    if is_checkpoint(model_ref):
+        return False
+    size = model_bytes(model_ref, dev)
+    return size is not None and size > memory_for_model(dev, max_memory)
 
 
 def evaluate_loaded(model, tokenizer, dev: torch.device, *, spec: EvalSpec | None, suite,
@@ -104,7 +129,10 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
              stride: int | None, separator: str | None, text_field: str, split: str, batch_size: int | str | None,
              device: str, reporter: Reporter, tasks: str | None = None, limit: int | None = None,
              num_fewshot: int = 0, seed: int = 1234, data_dir: str | None = None,
-             include_paths: tuple[str, ...] = (), encoding: str = "utf-8", allow_long_context: bool = False) -> dict:
+             include_paths: tuple[str, ...] = (), encoding: str = "utf-8", allow_long_context: bool = False,
+             max_memory: int | None = None) -> dict:
+    """`max_memory`: bytes an evaluated model may take (default: the device's free memory, the host's on the CPU);
+    a larger original model is evaluated block by block (perplexity) or spread over host memory and disk."""
     from pathlib import Path
 
     from qtool.calibration.data import TextSource, check_encoding, check_not_empty, read_documents
@@ -147,11 +175,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
     summaries = []
     try:
         for ref in refs:
-            model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True)
-            result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
-            summaries.append({"model": ref, "kind": kind, "device": str(dev),
-                              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result})
-            del model
+            summaries.append(evaluate_one(ref, dev, spec, suite, reporter, max_memory))
             gc.collect()
     finally:
         if suite is not None:
@@ -159,6 +183,29 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
     if len(summaries) == 1:
         return summaries[0]
     return {"models": summaries, "comparison": compare(summaries[0], summaries[1])}
+
+
+def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, reporter: Reporter,
+                 max_memory: int | None = None) -> dict:
+    """One model's summary. An original model larger than the memory it may take has its perplexity computed block
+    by block (qtool/eval/streamed.py) and, for zero-shot tasks, is spread over device, host memory and disk."""
+    if spec is not None and streams(ref, dev, max_memory):
+        from qtool.eval.streamed import eval_dtype, streamed_perplexity
+        from qtool.models.loading import load_config
+
+        reporter.log(f"evaluating {ref} block by block (larger than the memory it may take)")
+        result, _ = streamed_perplexity(ref, spec, dev, reporter)
+        if suite is not None:
+            model, tokenizer, _ = load_for_eval(ref, dev, reporter, verified=True, max_memory=max_memory)
+            result.update(evaluate_loaded(model, tokenizer, dev, spec=None, suite=suite, reporter=reporter))
+            del model
+        dtype = eval_dtype(load_config(ref), dev)
+        return {"model": ref, "kind": "original", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
+                **result}
+    model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True, max_memory=max_memory)
+    result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
+    return {"model": ref, "kind": kind, "device": str(dev),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result}
 
 
 def compare(a: dict, b: dict) -> list[dict]:

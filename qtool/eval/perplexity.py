@@ -102,27 +102,45 @@ class WindowForward:
                 "graph_error": self.error}
 
 
-@torch.no_grad()
-def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None) -> dict:
-    t0 = time.perf_counter()
-    ids = tokenize_eval_text(tokenizer, spec)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int):
-        check_token_ids(ids, vocab, spec.text, tokenizer)
-    stride = spec.stride or spec.seq_len
-    spans = windows(ids.numel(), spec.seq_len, stride)
+def window_groups(ids: torch.Tensor, spec: EvalSpec) -> tuple[list[tuple[int, int, int]], list[list]]:
+    """(the windows, the groups of windows run in one forward each, in order): batches of `spec.batch_size`
+    windows, a batch of unequal lengths run window by window."""
+    spans = windows(ids.numel(), spec.seq_len, spec.stride or spec.seq_len)
     if spec.max_windows is not None:
         spans = spans[: spec.max_windows]
     if not spans:
         raise InputError(f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}")
+    groups = []
+    for i in range(0, len(spans), spec.batch_size):
+        batch = spans[i:i + spec.batch_size]
+        groups.append([batch] if len({e - b for b, e, _ in batch}) == 1 else [[s] for s in batch])
+    return spans, groups
+
+
+def eval_tokens(model_config, tokenizer, spec: EvalSpec) -> torch.Tensor:
+    ids = tokenize_eval_text(tokenizer, spec)
+    vocab = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab, int):
+        check_token_ids(ids, vocab, spec.text, tokenizer)
+    return ids
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None,
+               ids: torch.Tensor | None = None, graphs: bool = True) -> dict:
+    """`ids`: the text's tokens when the caller has them (`eval_tokens`). `graphs`: CUDA graphs allowed (not
+    for a forward that returns something else at each call)."""
+    t0 = time.perf_counter()
+    if ids is None:
+        ids = eval_tokens(getattr(model, "config", None), tokenizer, spec)
+    stride = spec.stride or spec.seq_len
+    spans, batches = window_groups(ids, spec)
     total_nll = 0.0
     total_tokens = 0
-    batches = [spans[i:i + spec.batch_size] for i in range(0, len(spans), spec.batch_size)]
     items = reporter.track(batches, len(batches), "perplexity") if reporter else batches
     forward = WindowForward(model, device)
-    for batch in items:
-        same_len = len({e - b for b, e, _ in batch}) == 1
-        groups = [batch] if same_len else [[s] for s in batch]
+    forward.use_graphs &= graphs
+    for groups in items:
         for group in groups:
             x = torch.stack([ids[b:e] for b, e, _ in group]).to(device)
             logits = forward(x).float()

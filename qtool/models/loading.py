@@ -232,16 +232,33 @@ def unique_tensors(model: torch.nn.Module):
         yield name, t
 
 
-def load_model(ref: str, dtype: torch.dtype = torch.float32):
-    """Return (model on CPU in `dtype`, tokenizer, adapter, original parameter dtype)."""
+def load_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+               max_memory: int | None = None):
+    """Return (model in `dtype`, tokenizer, adapter, original parameter dtype): on the CPU, or read straight onto
+    `device`. With `max_memory` (bytes on `device`), accelerate places what does not fit in host memory, then on
+    disk (its hooks bring each module's weights to `device` for its forward)."""
     config = load_config(ref)
     adapter = check_architecture(ref, config)
     original = config_dtype(config)
     tokenizer = load_tokenizer(ref, InputError)
     files = check_weight_files(ref, config)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    placement: dict = {}
+    if max_memory is not None:
+        import tempfile
+
+        from qtool.calibration.store import available_host
+
+        budget = {dev.index or 0: max_memory, "cpu": available_host()} if dev.type == "cuda" else \
+            {"cpu": max_memory}
+        placement = {"device_map": "auto", "max_memory": budget,
+                     "offload_folder": tempfile.mkdtemp(prefix="qtool-offload-", dir=os.environ.get(
+                         "QTOOL_OFFLOAD_DIR"))}
+    elif dev.type != "cpu":
+        placement = {"device_map": {"": str(dev)}}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, low_cpu_mem_usage=True,
-                                                           output_loading_info=True)
+                                                           output_loading_info=True, **placement)
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001  the files were checked above; what is left is transformers' to describe
