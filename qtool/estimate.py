@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qtool.calibration.store import choose_place
 from qtool.errors import ResourceError
 from qtool.models.loading import config_dtype
 from qtool.output import _size, checkpoint_bytes
@@ -36,12 +37,13 @@ class Estimate:
     activation_bytes: int
     block_bytes: int
     hessian_bytes: int
+    activations: str = "device"  # where the activations between blocks are kept (qtool/calibration/store.py)
 
     def summary(self) -> dict:
         return {"estimate": {"peak_host_bytes": self.host_bytes, "peak_gpu_bytes": self.gpu_bytes,
                              "output_bytes": self.output_bytes, "seconds": None if self.seconds is None else
                              round(self.seconds, 1), "num_blocks": self.num_blocks,
-                             "terms": self.terms}}
+                             "activations": self.activations, "terms": self.terms}}
 
 
 def current_rss() -> int:
@@ -116,12 +118,26 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     else:
         loop_host = outer_c + block + (0 if on_gpu else block + acts + hessian + forward)
         write_host = outer_o + shard  # the float modules are dropped once the checkpoint's copies are made
+    # The activations stay on the compute device while the device holds them beside the block's other terms,
+    # else in host memory, else on disk; away from the device, one sample's input and output are there at a time.
+    gpu_rest = block * 2 + hessian + forward
+    one = 2 * seq * hidden * dsize
+    host_rest = base + max(loop_host - (0 if on_gpu else acts), write_host)
+    if on_gpu:
+        room = torch.cuda.get_device_properties(device).total_memory - gpu_rest
+    else:
+        room = host_memory() - host_rest
+    place = choose_place(acts, device, room, host_memory() - host_rest) if acts else "device"
+    if place == "host":
+        loop_host += acts
+    elif place == "disk" and not on_gpu:
+        loop_host += one - acts
     terms = {"process": base, "outside_blocks": outer_c, "one_block": block, "activations": acts,
              "hessians_and_solver": hessian, "forward": forward, "write_shard": shard}
     host = base + max(loop_host, write_host)
-    gpu = block * 2 + acts + hessian + forward if on_gpu else None
+    gpu = gpu_rest + (acts if place == "device" else one) if on_gpu else None
     seconds = _seconds(device, dtype, len(blocks), block_params, widths, samples, seq, hidden) if timing else None
-    return Estimate(host, gpu, out_bytes, seconds, terms, len(blocks), acts, block, hessian)
+    return Estimate(host, gpu, out_bytes, seconds, terms, len(blocks), acts, block, hessian, place)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:

@@ -44,21 +44,22 @@ def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
 
 
 def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False,
-                  max_memory: int | None = None):
+                  max_memory: int | None = None, dtype: torch.dtype | None = None):
     """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model (float32 on
-    the CPU, its stored dtype on a GPU). `verified`: check_for_eval already hashed the checkpoint's files. An
-    original model larger than `max_memory` is spread by accelerate over the device, host memory and disk."""
+    the CPU, its stored dtype on a GPU, unless `dtype` says). `verified`: check_for_eval already hashed the
+    checkpoint's files. An original model larger than `max_memory` is spread by accelerate over the device, host
+    memory and disk."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
     from qtool.eval.streamed import eval_dtype
     from qtool.models.loading import load_config, load_model
 
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
-        dtype = torch.float32 if dev.type == "cpu" else torch.float16
+        dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.float16)
         model = load_checkpoint(model_ref, device=str(dev), dtype=dtype, verify=not verified)
         return model, load_tokenizer(model_ref), "qtool checkpoint"
     reporter.log(f"loading model {model_ref}")
-    dtype = eval_dtype(load_config(model_ref), dev)
+    dtype = dtype or eval_dtype(load_config(model_ref), dev)
     model, tokenizer, _, _ = load_model(model_ref, dtype, device=dev, max_memory=max_memory)
     return model, tokenizer, "original"
 
@@ -186,7 +187,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
 
 
 def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, reporter: Reporter,
-                 max_memory: int | None = None) -> dict:
+                 max_memory: int | None = None, dtype: torch.dtype | None = None) -> dict:
     """One model's summary. An original model larger than the memory it may take has its perplexity computed block
     by block (qtool/eval/streamed.py) and, for zero-shot tasks, is spread over device, host memory and disk."""
     if spec is not None and streams(ref, dev, max_memory):
@@ -194,15 +195,16 @@ def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, repo
         from qtool.models.loading import load_config
 
         reporter.log(f"evaluating {ref} block by block (larger than the memory it may take)")
-        result, _ = streamed_perplexity(ref, spec, dev, reporter)
+        result, _ = streamed_perplexity(ref, spec, dev, reporter, dtype)
         if suite is not None:
-            model, tokenizer, _ = load_for_eval(ref, dev, reporter, verified=True, max_memory=max_memory)
+            model, tokenizer, _ = load_for_eval(ref, dev, reporter, verified=True,
+                                                max_memory=memory_for_model(dev, max_memory), dtype=dtype)
             result.update(evaluate_loaded(model, tokenizer, dev, spec=None, suite=suite, reporter=reporter))
             del model
-        dtype = eval_dtype(load_config(ref), dev)
+        dtype = dtype or eval_dtype(load_config(ref), dev)
         return {"model": ref, "kind": "original", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
                 **result}
-    model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True, max_memory=max_memory)
+    model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True, dtype=dtype)
     result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
     return {"model": ref, "kind": kind, "device": str(dev),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result}

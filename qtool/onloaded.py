@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from qtool import __version__
+from qtool.calibration.store import ActivationStore
 from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
 from qtool.checkpoint.writer import collect_tensors
 from qtool.console import Reporter, peak_rss_mb
@@ -112,7 +113,9 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             if start > 0:
                 _, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter,
                                                        first_only=True)
-                inputs = work.inputs(device) or []
+                inputs = run.store(prepared)
+                for x in work.inputs(torch.device("cpu")) or []:
+                    inputs.append(x)
             else:
                 inputs, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter)
             timings["calibration_s"] = time.perf_counter() - t
@@ -155,6 +158,8 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     finally:
         if progress is not None:
             progress.close()
+        if isinstance(inputs, ActivationStore):
+            inputs.close()
         del inputs
 
     load_outer(skeleton, adapter, reader, dtype)

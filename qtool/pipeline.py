@@ -3,6 +3,8 @@ quantized outputs feeding the next (as GPTQ does), so peak memory is one block p
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from qtool.calibration.data import (
     sample_windows,
 )
 from qtool.calibration.stats import LinearStats, load_stats
+from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter, peak_rss_mb
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.models.adapters import Adapter, adapter_for
@@ -127,6 +130,10 @@ class Prepared:
     tokenizer: object = None
     meta: nn.Module | None = None  # the model on the meta device: names and shapes, the onloaded run's skeleton
     files: dict | None = None  # tensor name -> TensorInfo of a local safetensors model
+    # Where the calibration activations between blocks are kept (qtool/calibration/store.py), as the memory
+    # pre-flight decided, and the folder under which they go when that is disk.
+    activations: str = "device"
+    offload_dir: Path | None = None
 
 
 def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = None) -> Prepared:
@@ -213,8 +220,17 @@ class _Blocks:
         if not first_only:
             reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
         inputs, kwargs = capture_block_inputs(model, self.adapter.blocks(model), windows[:1] if first_only else windows,
-                                              self.device)
+                                              self.device, self.store(prepared))
         return inputs, kwargs, info
+
+    def store(self, prepared: Prepared) -> ActivationStore:
+        """An empty store for the activations, where the pre-flight put them (on disk: `prepared.offload_dir`,
+        emptied first, since what a killed run left there is of no use to anyone)."""
+        folder = None
+        if prepared.activations == "disk":
+            folder = prepared.offload_dir or Path(tempfile.mkdtemp(prefix="qtool-activations-"))
+            shutil.rmtree(folder, ignore_errors=True)
+        return ActivationStore(self.device, prepared.activations, folder, owned=True)
 
     def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
                  ) -> tuple[dict[str, object], list[torch.Tensor]]:
@@ -252,7 +268,10 @@ class _Blocks:
                 packed[full] = result.packed
         if i < self.last_needing:
             with torch.no_grad():
-                inputs = [block_output(block(x, **kwargs)) for x in inputs]
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    return block_output(block(x, **kwargs))
+
+                inputs = inputs.map(run) if isinstance(inputs, ActivationStore) else [run(x) for x in inputs]
         return packed, inputs
 
 
@@ -334,6 +353,8 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
         packed.update(done)
         blocks[i] = block.to("cpu")
     timings["quantize_s"] = time.perf_counter() - t
+    if isinstance(inputs, ActivationStore):
+        inputs.close()
     del inputs
 
     install_packed(model, packed)

@@ -32,11 +32,10 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     out = Path(recipe.output)
     partial = partial_path(Path(os.path.abspath(out)))
-    evaluates = run_eval and recipe.eval is not None
     if resume and not dry_run:
-        if whole_model or evaluates:
-            why = "--whole-model" if whole_model else "the recipe's eval (pass --no-eval)"
-            raise UsageError(f"--resume: a run with {why} keeps no work folder; expected a block-by-block run")
+        if whole_model:
+            raise UsageError("--resume: a run with --whole-model keeps no work folder; expected a block-by-block "
+                             "run")
         if not partial.is_dir():
             raise UsageError(f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
                              f"expected the output of an interrupted run (run without --resume to start one)")
@@ -51,9 +50,11 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
 
     def check_memory(prepared) -> None:
         # Before the calibration text is read: what the run needs against what this machine has.
-        plan["mode"] = "whole" if whole_model or evaluates or not can_onload(recipe, prepared) else "blocks"
+        plan["mode"] = "whole" if whole_model or not can_onload(recipe, prepared) else "blocks"
         plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run)
         check_fits(plan["estimate"], recipe, out)
+        prepared.activations = plan["estimate"].activations
+        prepared.offload_dir = partial.with_name(f".{out.name}.activations")  # beside the output, on its disk
 
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
@@ -75,15 +76,53 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
                         needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
         if plan["mode"] == "blocks":
             return _quantize_onloaded(recipe, out, reserved, device, prepared, partial, resume=resume,
-                                      reporter=reporter)
+                                      run_eval=run_eval, reporter=reporter)
         return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
 
 
+def _eval_suite(recipe, run_eval: bool):
+    from qtool.eval.zeroshot import TaskSuite
+
+    if run_eval and recipe.eval is not None and recipe.eval.tasks:
+        return TaskSuite(recipe.eval.tasks, limit=recipe.eval.limit, num_fewshot=recipe.eval.num_fewshot,
+                         batch_size=recipe.eval.task_batch_size, data_dir=recipe.eval.data_dir)
+    return None
+
+
+def _evaluate_original(recipe, device: torch.device, suite, reporter: Reporter) -> dict:
+    """The original model's evaluation under the recipe's protocol, in the run's compute dtype: whole when it fits
+    the device, block by block (perplexity) when it does not (qtool/eval/streamed.py)."""
+    from qtool.evaluate import evaluate_one
+    from qtool.models.loading import config_dtype, load_config
+    from qtool.pipeline import compute_dtype
+
+    spec = recipe.eval if recipe.eval.text is not None else None
+    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(load_config(recipe.model)))
+    reporter.log("evaluating the original model")
+    return evaluate_one(recipe.model, device, spec, suite, reporter, dtype=dtype)
+
+
 def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
-                       resume: bool, reporter: Reporter) -> dict:
+                       resume: bool, run_eval: bool, reporter: Reporter) -> dict:
+    suite = _eval_suite(recipe, run_eval)
+    try:
+        return _onloaded(recipe, out, reserved, device, prepared, partial, resume=resume, run_eval=run_eval,
+                         suite=suite, reporter=reporter)
+    finally:
+        if suite is not None:
+            suite.close()
+
+
+def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
+              resume: bool, run_eval: bool, suite, reporter: Reporter) -> dict:
     from qtool.checkpoint.partial import Work
     from qtool.onloaded import quantize_onloaded
 
+    evaluate = None
+    if run_eval and recipe.eval is not None:
+        fp = _evaluate_original(recipe, device, suite, reporter)
+        evaluate = _checkpoint_evaluator(recipe, device, fp, suite, prepared.tokenizer, reporter)
+        gc.collect()
     try:
         run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume)
     except BaseException:
@@ -104,9 +143,10 @@ def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device
         "eval": None,
     }
     try:
-        write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers,
-                         model_schemes=run.model_schemes, tokenizer=run.tokenizer, recipe_as_run=recipe.as_run,
-                         manifest_extra=manifest_extra, max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+        manifest = write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers,
+                                    model_schemes=run.model_schemes, tokenizer=run.tokenizer,
+                                    recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
+                                    max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved, evaluate=evaluate)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
                           f"'{run.work.folder}'; run the same command with --resume to write it") from None
@@ -117,11 +157,12 @@ def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device
         **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
         "model": recipe.model,
         "mode": "blocks",
+        "activations": prepared.activations,
         **({"resumed_at_block": run.resumed_at} if run.resumed_at else {}),
         "quantized_linears": len(run.packed),
         "bits_per_weight": bpw,
         "calibration": run.calibration,
-        "eval": None,
+        "eval": manifest["eval"],
         "timings": {k: round(v, 3) for k, v in run.timings.items()},
         "peak_rss_mb": round(run.peak_rss_mb, 1),
         "device": str(device),
@@ -130,26 +171,39 @@ def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device
     }
 
 
+def _checkpoint_evaluator(recipe, device: torch.device, fp: dict, suite, tokenizer, reporter: Reporter):
+    """What evaluates the written checkpoint (loaded from the writer's folder one tensor at a time) and returns
+    the manifest's record of both evaluations. `tokenizer`: the original model's, so the protocol names it (the
+    checkpoint's is a copy, in a temporary folder)."""
+    from qtool.checkpoint.loader import load_checkpoint
+    from qtool.evaluate import eval_record, evaluate_loaded
+    from qtool.models.loading import config_dtype, load_config
+    from qtool.pipeline import compute_dtype
+
+    spec = recipe.eval if recipe.eval.text is not None else None
+    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(load_config(recipe.model)))
+
+    def evaluate(folder: Path) -> dict:
+        reporter.log("evaluating the quantized model")
+        model = load_checkpoint(folder, device=str(device), dtype=dtype, verify=False)
+        q = evaluate_loaded(model, tokenizer, device, spec=spec, suite=suite, reporter=reporter)
+        del model
+        gc.collect()
+        return eval_record(fp, q)
+
+    return evaluate
+
+
 def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
               reporter: Reporter) -> dict:
-    from qtool.eval.zeroshot import TaskSuite
     from qtool.evaluate import eval_record, evaluate_loaded
-    from qtool.models.loading import load_model
-    from qtool.pipeline import compute_dtype, quantize_model
+    from qtool.pipeline import quantize_model
 
     ev_result = None
-    suite = None
-    if run_eval and recipe.eval is not None and recipe.eval.tasks:
-        # The tasks' data is checked before any model loads.
-        suite = TaskSuite(recipe.eval.tasks, limit=recipe.eval.limit, num_fewshot=recipe.eval.num_fewshot,
-                          batch_size=recipe.eval.task_batch_size, data_dir=recipe.eval.data_dir)
+    suite = _eval_suite(recipe, run_eval)  # the tasks' data is checked before any model loads
     ppl_spec = recipe.eval if recipe.eval is not None and recipe.eval.text is not None else None
     if run_eval and recipe.eval is not None:
-        model, tokenizer, _, original = load_model(recipe.model, torch.float32)
-        model.to(compute_dtype(recipe.settings.dtype, device, original)).to(device)
-        reporter.log("evaluating the original model")
-        fp = evaluate_loaded(model, tokenizer, device, spec=ppl_spec, suite=suite, reporter=reporter)
-        del model
+        fp = _evaluate_original(recipe, device, suite, reporter)
         gc.collect()
 
     qm = quantize_model(recipe, reporter, prepared)
@@ -188,6 +242,7 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
         **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
         "model": recipe.model,
         "mode": "whole",
+        "activations": prepared.activations,
         "quantized_linears": len(qm.packed),
         "bits_per_weight": bpw,
         "calibration": qm.calibration,

@@ -68,6 +68,28 @@ def test_whole_model_run_writes_the_same_checkpoint(tmp_path, reference):
     assert sha256s(tmp_path / "out") == reference
 
 
+def test_activations_kept_on_disk_write_the_same_checkpoint(tmp_path, reference, monkeypatch):
+    from qtool.calibration import store
+
+    folders: list[Path] = []
+    real_keep = store.ActivationStore._keep
+
+    def keep(self, i, t):
+        if self.place == "disk":
+            folders.append(self.folder)
+        return real_keep(self, i, t)
+
+    monkeypatch.setattr(store.ActivationStore, "_keep", keep)
+    monkeypatch.setenv("QTOOL_ACTIVATION_BUDGET", "0")  # no memory for them: the estimate sends them to disk
+    recipe = write_recipe(tmp_path)
+    res = run_cli(["quantize", recipe, "-q", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["activations"] == "disk"
+    assert folders and {f.parent for f in folders} == {tmp_path}  # beside the output
+    assert sha256s(tmp_path / "out") == reference
+    assert folders[0] == tmp_path / ".out.activations" and not folders[0].exists()
+
+
 def partial_of(folder: Path) -> Path:
     return folder / ".out.partial"
 

@@ -24,14 +24,14 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
 
 
 def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, windows: torch.Tensor,
-                         device: torch.device) -> tuple[list[torch.Tensor], dict]:
+                         device: torch.device, store=None) -> tuple[list[torch.Tensor], dict]:
     """Run the model up to its first block for each window; return ([1, T, H] hidden states per window on
-    `device`, the block's keyword arguments on `device`)."""
-    captured: dict[str, Any] = {}
+    `device`, or appended to `store` (an ActivationStore), the block's keyword arguments on `device`)."""
+    captured: dict[str, Any] = {"inputs": [] if store is None else store}
 
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        captured.setdefault("inputs", []).append(hidden.detach().to(device))
+        captured["inputs"].append(hidden.detach() if store is not None else hidden.detach().to(device))
         if "kwargs" not in captured:
             rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
             captured["kwargs"] = to_device(rest, device)

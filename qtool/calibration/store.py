@@ -66,11 +66,13 @@ class ActivationStore(Sequence):
     `place` is where they are kept between uses: "device", "host" (CPU memory) or "disk" (one raw file per
     tensor in `folder`, removed by `close`)."""
 
-    def __init__(self, device: torch.device, place: str = "device", folder: Path | None = None) -> None:
+    def __init__(self, device: torch.device, place: str = "device", folder: Path | None = None,
+                 owned: bool = False) -> None:
+        """`owned`: `folder` is this store's own, removed by `close`."""
         assert place in PLACES, place
         self.device, self.place = torch.device(device), place
         self._items: list = []
-        self._tmp = None
+        self._tmp = folder if owned else None
         if place == "disk":
             if folder is None:
                 self._tmp = folder = Path(tempfile.mkdtemp(prefix="qtool-activations-",
@@ -142,6 +144,7 @@ class ActivationStore(Sequence):
         self._items.clear()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
         elif self.folder is not None:
             for p in self.folder.glob("*.bin"):
                 p.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -88,17 +88,19 @@ def write_checkpoint(
     max_shard_bytes: int,
     overwrite: bool = False,
     reserved: Output | None = None,
+    evaluate: Callable[[Path], dict] | None = None,
 ) -> dict:
     """Write the checkpoint and return its manifest. Nothing appears at `out_dir` until it is complete.
 
     `reserved` is the output as `reserve_output` checked and reserved it before the run's work (`overwrite` was
-    decided there); without it the output is checked and reserved here."""
+    decided there); without it the output is checked and reserved here. `evaluate` gets the folder once its
+    tensors, config and tokenizer are written (a model loads from it) and returns the manifest's `eval` record."""
     if reserved is None:
         with reserve_output(out_dir, directory=True, overwrite=overwrite) as reserved:
             return write_checkpoint(out_dir, tensors=tensors, config=config, layers=layers,
                                     model_schemes=model_schemes, tokenizer=tokenizer, recipe_as_run=recipe_as_run,
                                     manifest_extra=manifest_extra, max_shard_bytes=max_shard_bytes,
-                                    overwrite=overwrite, reserved=reserved)
+                                    overwrite=overwrite, reserved=reserved, evaluate=evaluate)
     tmp = reserved.tmp
     shards = _shards(tensors, max_shard_bytes)
     # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
@@ -117,6 +119,10 @@ def write_checkpoint(
         tokenizer.save_pretrained(str(tmp))
     if recipe_as_run is not None:
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
+    if evaluate is not None:
+        # The loader reads a folder with a manifest; the final one replaces this one.
+        (tmp / MANIFEST_NAME).write_text(dumps({"format_version": FORMAT_VERSION, "files": {}}))
+        manifest_extra = {**manifest_extra, "eval": evaluate(tmp)}
     from qtool.checkpoint.card import model_card  # noqa: PLC0415
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.

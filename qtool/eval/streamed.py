@@ -75,8 +75,10 @@ class _Replay(nn.Module):
 
 
 @torch.no_grad()
-def streamed_perplexity(ref: str, spec: EvalSpec, device: torch.device, reporter: Reporter) -> tuple[dict, object]:
-    """(the perplexity result, the tokenizer) of the original model at `ref` (a local safetensors folder)."""
+def streamed_perplexity(ref: str, spec: EvalSpec, device: torch.device, reporter: Reporter,
+                        dtype: torch.dtype | None = None) -> tuple[dict, object]:
+    """(the perplexity result, the tokenizer) of the original model at `ref` (a local safetensors folder), its
+    weights in `dtype` (default `eval_dtype`)."""
     t0 = time.perf_counter()
     config = load_config(ref)
     check_architecture(ref, config)
@@ -90,7 +92,7 @@ def streamed_perplexity(ref: str, spec: EvalSpec, device: torch.device, reporter
     reader = ShardReader(ref, files, config)
     check_names(reader, skeleton, ref)
     skeleton.eval()
-    dtype = eval_dtype(config, device)
+    dtype = dtype or eval_dtype(config, device)
     ids = eval_tokens(config, tokenizer, spec)
     _, batches = window_groups(ids, spec)
     groups = [g for groups in batches for g in groups]

@@ -245,15 +245,17 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.devic
     dev = torch.device(device) if device is not None else torch.device("cpu")
     placement: dict = {}
     if max_memory is not None:
+        import atexit
+        import shutil
         import tempfile
 
         from qtool.calibration.store import available_host
 
         budget = {dev.index or 0: max_memory, "cpu": available_host()} if dev.type == "cuda" else \
             {"cpu": max_memory}
-        placement = {"device_map": "auto", "max_memory": budget,
-                     "offload_folder": tempfile.mkdtemp(prefix="qtool-offload-", dir=os.environ.get(
-                         "QTOOL_OFFLOAD_DIR"))}
+        folder = tempfile.mkdtemp(prefix="qtool-offload-", dir=os.environ.get("QTOOL_OFFLOAD_DIR"))
+        atexit.register(shutil.rmtree, folder, True)
+        placement = {"device_map": "auto", "max_memory": budget, "offload_folder": folder}
     elif dev.type != "cpu":
         placement = {"device_map": {"": str(dev)}}
     try:
