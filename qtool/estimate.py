@@ -5,8 +5,10 @@ Memory is counted term by term from what the pipeline holds at its two peaks: in
 outside the blocks, one block, the calibration activations and the block's next outputs, one group's Hessians
 and the solver's copies, one sample's forward) and while writing (one shard and its serialized copy). The host
 figure starts from this process's own resident memory at the time of the check (libraries and tokenizer loaded),
-so the estimate is calibrated on this machine. Time uses a matrix-multiply rate measured here on the compute
-device, applied to each block's multiply count (forwards, Hessian updates, the GPTQ solve): a rough figure.
+so the estimate is calibrated on this machine. The activations go where they fit (the compute device, else host
+memory, else disk: `choose_place`), and only that place counts them. Time uses a matrix-multiply rate measured
+here on the compute device, applied to each block's multiply count (forwards, Hessian updates, the GPTQ solve): a
+rough figure.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     else:
         loop_host = outer_c + block + (0 if on_gpu else block + acts + hessian + forward)
         write_host = outer_o + shard  # the float modules are dropped once the checkpoint's copies are made
-    # The activations stay on the compute device while the device holds them beside the block's other terms,
+    # The activations stay on the compute device while it holds them beside the block's other terms,
     # else in host memory, else on disk; away from the device, one sample's input and output are there at a time.
     gpu_rest = block * 2 + hessian + forward
     one = 2 * seq * hidden * dsize

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bad_input import ROOT
-from conftest import WIKITEXT
+from conftest import STORIES, WIKITEXT
 
 # One child evaluates the whole model, then (its peak reset) the same model block by block, and reports each
 # phase's peak resident set. Any memory the first phase leaves behind counts against the second, never for it.
@@ -95,3 +95,20 @@ def test_writer_keeps_contiguous_cpu_tensors_and_shards_as_huggingface_hub(tmp_p
     assert list(shards.values()) == [["c"], ["a", "b"], ["d", "e"]]
     assert list(shards) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert list(_shards(tensors, 10_000)) == ["model.safetensors"]
+
+
+@pytest.mark.skipif(not (STORIES.is_dir() and WIKITEXT.is_file()), reason="assets not found")
+def test_a_model_over_max_memory_is_spread_to_disk_for_whole_forwards(tmp_path):
+    """What `--tasks` runs on a model larger than --max-memory: the whole model through accelerate's hooks."""
+    from qtool.eval.perplexity import perplexity
+    from qtool.models.loading import load_model
+    from qtool.recipe import EvalSpec
+
+    text = tmp_path / "wiki.txt"
+    text.write_text(WIKITEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    spec = EvalSpec(text=str(text), seq_len=64, max_windows=2, batch_size=2)
+    whole, tokenizer, _, _ = load_model(str(STORIES))
+    spread, _, _, _ = load_model(str(STORIES), device="cpu", max_memory=100_000)  # less than the embedding
+    assert "disk" in set(spread.hf_device_map.values())
+    assert perplexity(spread, tokenizer, spec, "cpu")["perplexity"] == pytest.approx(
+        perplexity(whole, tokenizer, spec, "cpu")["perplexity"], rel=1e-6)

@@ -2,7 +2,7 @@
 else on disk, in the dtype they were computed in (the bytes are the same in every place, so a run's numbers do
 not depend on where its activations were kept).
 
-The pipeline's estimate (qtool/estimate.py `activation_place`) decides the place before the first block; a
+The pipeline's estimate (qtool/estimate.py, with `choose_place`) decides the place before the first block; a
 perplexity evaluation block by block decides it the same way from the size of its windows.
 `QTOOL_ACTIVATION_BUDGET` (a size such as 2GB, or 0) caps the memory the activations may take, on the device and
 in host memory: above it they go to the next place.

@@ -235,6 +235,10 @@ def evaluate_tasks(model, tokenizer, suite: TaskSuite, device: torch.device, rep
 
     t0 = time.perf_counter()
     lm = wrap_model(model, tokenizer, suite.batch_size)
+    if getattr(model, "hf_device_map", None):
+        # Spread by accelerate over device, host and disk: lm-eval takes the device of the first parameter,
+        # which may be on meta (offloaded); the hooks move each module's weights to `device` for its forward.
+        lm._device = torch.device(device)
     if reporter:
         reporter.log(f"zero-shot tasks {', '.join(suite.names)} (limit {suite.limit}, {suite.num_fewshot}-shot)")
     quiet = reporter is None or reporter.quiet
