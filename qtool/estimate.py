@@ -14,6 +14,7 @@ rough figure.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,15 @@ def check_fits(est: Estimate, recipe, out: Path) -> None:
     cal = recipe.calibration
     shape = f"{cal.num_samples} x {cal.seq_len} calibration tokens" if cal is not None else "no calibration"
     have = host_memory()
+    if est.activations == "disk":
+        where = Path(os.path.abspath(out)).parent
+        while not where.exists():
+            where = where.parent
+        free = shutil.disk_usage(where).free
+        if est.activation_bytes > free:
+            raise ResourceError(f"needs about {_size(est.activation_bytes)} for the activations of {shape}, more "
+                                f"than the host memory ({_size(have)}) and the free disk beside the output "
+                                f"({_size(free)} in {where}) hold; lower --num-samples or --seq-len")
     if est.host_bytes > have:
         raise ResourceError(f"needs about {_size(est.host_bytes)} host memory ({_size(est.activation_bytes)} of "
                             f"activations for {shape}, {_size(est.block_bytes)} per block, "
