@@ -150,6 +150,8 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
                                 f"{summary['bits_per_weight']['all_parameters']:.3f} (all)"),
             ("wall time", f"{summary['timings']['total_s']:.1f} s"),
             ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
+    if "peak_gpu_mb" in summary:
+        rows.append(("peak GPU memory", f"{summary['peak_gpu_mb']:.0f} MB"))
     reported = summary["bits_per_weight"].get("reported_layers")
     if reported:  # layouts whose paper counts bits its own way (mixed-2-4-16: Eq. 10)
         rows.insert(3, ("bits per weight (paper)", ", ".join(f"{v:.3f} ({k})" for k, v in reported.items())))
