@@ -148,16 +148,33 @@ def test_subcommand_plot_and_table(tmp_path, monkeypatch, no_gpu_needed, name, a
     assert res.exit_code == 0 and json.loads(res.stdout) == report
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--plot", "{tmp}"], ["--plot: found a folder"]),
-    (["--json-out", "{tmp}/file/r.json"], ["--json-out", "is not a folder"]),
-    (["--torchao", "100"], ["--torchao: found '100'", "32, 64, 128, 256"]),
+@pytest.mark.parametrize("args, code, words", [
+    (["--plot", "{tmp}"], 2, ["is a directory; expected a file path"]),
+    (["--json-out", "{tmp}/r.json", "--plot", "{tmp}/file/k.png"], 6, ["file' is a file; expected a directory"]),
+    (["--torchao", "100"], 2, ["--torchao: found '100'", "32, 64, 128, 256"]),
 ])
-def test_bench_output_paths_refused_before_the_run(tmp_path, no_gpu_needed, args, words):
+def test_bench_output_paths_refused_before_the_run(tmp_path, monkeypatch, no_gpu_needed, args, code, words):
+    def never(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(kb, "run_kernel_bench", never)
     (tmp_path / "file").write_text("x")
     args = [a.format(tmp=tmp_path) for a in args]
     res = run_cli(["bench", "kernels", "--shapes", "256x256", "--m", "1", *args])
-    assert_one_line_error(res, 2, *words, output=tmp_path / "file" / "r.json")
+    # nothing written, and the report reserved before the picture was refused is gone again
+    assert_one_line_error(res, code, *words, output=[tmp_path / "r.json", tmp_path / "file" / "k.png"])
+
+
+def test_bench_that_fails_mid_run_leaves_no_report(tmp_path, monkeypatch, no_gpu_needed):
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kb, "run_kernel_bench", boom)
+    monkeypatch.setattr("qtool.bench.cuda_cases.CudaCases", FakeCases)
+    res = run_cli(["bench", "kernels", "--shapes", "256x256", "--json-out", tmp_path / "a" / "r.json",
+                   "--plot", tmp_path / "k.png"])
+    assert_one_line_error(res, 130, "interrupted", output=[tmp_path / "a" / "r.json", tmp_path / "k.png"])
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.skipif(tg.available(torch.device("cpu")) is not None, reason="this torch has no CPU int4 kernel")

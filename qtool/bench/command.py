@@ -71,31 +71,48 @@ def report_options(f):
 
 
 class ReportOutput:
+    """The files a bench ends with. As a context manager it reserves them before the run (qtool/output.py: a
+    folder at the path, a parent that is a file, an unwritable folder are refused before minutes of timing) and
+    removes what it reserved unless the run got to write them."""
+
     def __init__(self, json_mode: bool, json_out: str | None, plot_path: str | None) -> None:
         self.json_mode, self.json_out, self.plot_path = json_mode, json_out, plot_path
+        self.reserved: dict[str, Any] = {}
 
-    def check(self) -> None:
-        """Before a run of minutes: the files it ends with can be written."""
+    def __enter__(self) -> ReportOutput:
         from qtool.bench import plot  # noqa: PLC0415
+        from qtool.output import reserve_output  # noqa: PLC0415
 
-        plot.check_writable(self.json_out, "--json-out")
-        plot.check_writable(self.plot_path, "--plot")
         if self.plot_path:
             plot.pyplot()
+        try:
+            for key, path in (("json", self.json_out), ("plot", self.plot_path)):
+                if path:
+                    # a report or picture left by an earlier run is replaced, as the run's own output
+                    self.reserved[key] = reserve_output(path, directory=False, overwrite=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for o in self.reserved.values():
+            o.__exit__()
 
     def finish(self, report: dict[str, Any], problems: list[str], parts: Callable[[dict], list],
                figure: Callable[[dict], Any]) -> None:
         """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write the JSON file
         and the PNG, then print the tables (or the JSON)."""
         from qtool.bench import plot, tables  # noqa: PLC0415
-        from qtool.bench.kernels import write_json  # noqa: PLC0415
 
         if problems:
             raise RuntimeError(f"report does not match its schema: {problems[0]}")
-        if self.json_out:
-            write_json(report, self.json_out)
-        if self.plot_path:
-            plot.write(figure(report), self.plot_path)
+        if "json" in self.reserved:
+            self.reserved["json"].tmp.write_text(json.dumps(report, indent=2) + "\n")
+        if "plot" in self.reserved:
+            plot.write(figure(report), str(self.reserved["plot"].tmp))
+        for o in self.reserved.values():
+            o.publish()
         if self.json_mode:
             click.echo(json.dumps(report, indent=2))
         else:
@@ -156,12 +173,12 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             mixed_outliers=_fractions(mixed), tinygemm_group_size=_torchao_group(torchao),
         )
         _need_gpu()
-        out.check()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        out.finish(report, stats.validate_kernels_report(report), kb.report_parts, kb.figure)
+        with out:
+            report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+            out.finish(report, stats.validate_kernels_report(report), kb.report_parts, kb.figure)
 
     go()
 
@@ -207,10 +224,10 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
         _need_gpu()
-        out.check()
-        report = e2e.run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
-                             log=lambda s: click.echo(s, err=True), torchao=torchao)
-        out.finish(report, [], e2e.report_parts, e2e.figure)
+        with out:
+            report = e2e.run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
+                                 log=lambda s: click.echo(s, err=True), torchao=torchao)
+            out.finish(report, [], e2e.report_parts, e2e.figure)
 
     go()
 
@@ -228,10 +245,10 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
     nums = ",".join(str(b) for b in sizes if b != "max")
     sizes = [*stats.parse_ints(nums, "--batches"), *(["max"] if "max" in sizes else [])] if nums else ["max"]
     _need_gpu()
-    out.check()
-    report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
-                               log=lambda s: click.echo(s, err=True))
-    out.finish(report, [], tp.report_parts, tp.figure)
+    with out:
+        report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
+                                   log=lambda s: click.echo(s, err=True))
+        out.finish(report, [], tp.report_parts, tp.figure)
 
 
 @bench.command("quik")
@@ -263,12 +280,12 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
         cfg = qb.QuikBenchConfig(shapes=shape_list, m=m, outlier_counts=counts, ladder_outliers=ladder_outliers,
                                  warmup=warmup, iters=iters, tinygemm_group_size=_torchao_group(torchao))
         _need_gpu()
-        out.check()
         from qtool.bench.cuda_cases import QuikCudaCases  # noqa: PLC0415
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        out.finish(report, qb.validate_report(report), qb.report_parts, qb.figure)
+        with out:
+            report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+            out.finish(report, qb.validate_report(report), qb.report_parts, qb.figure)
 
     go()
 
@@ -300,12 +317,12 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
             raise BenchError(f"--rows: found {rows!r}, expected some of {', '.join(ab.ROWS)}")
         bl, cl = stats.parse_ints(batches, "--batches"), stats.parse_ints(contexts, "--contexts")
         _need_gpu()
-        out.check()
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
-                                        log=lambda s: click.echo(s, err=True))
-        out.finish(report, [], ab.report_parts, ab.figure)
+        with out:
+            report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
+                                            log=lambda s: click.echo(s, err=True))
+            out.finish(report, [], ab.report_parts, ab.figure)
 
     go()
 

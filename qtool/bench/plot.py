@@ -61,22 +61,6 @@ def _draw(ax, p: Panel, reference: str) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def check_writable(path: str | None, option: str = "--plot") -> None:
-    """Refuse before a run of minutes a PATH the report could not be written to at its end."""
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise BenchError(f"{option}: found a folder at '{p}', expected a file path")
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise BenchError(f"{option}: '{parent}' is not a folder, expected one to write '{p.name}' in")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise BenchError(f"{option}: cannot write in '{parent}' (permission denied)")
-
-
 def pyplot():
     """matplotlib's pyplot on the file-only backend (no display needed)."""
     try:
