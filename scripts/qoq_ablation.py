@@ -88,7 +88,7 @@ def main() -> None:
     if only is None or 0 in only:
         model, tok, _, _ = load_model(args.model, torch.float32)
         t = time.time()
-        rows.append({"rung": "FP32", "perplexity": perplexity(model, tok, spec, dev, reporter)["perplexity"],
+        rows.append({"rung": "FP32", "perplexity": perplexity(model.to(dev), tok, spec, dev, reporter)["perplexity"],
                      "seconds": round(time.time() - t, 1)})
         print(rows[-1], flush=True)
         del model
@@ -99,7 +99,7 @@ def main() -> None:
         recipe = validate_recipe({"model": args.model, "calibration": cal, "stages": stages,
                                   "settings": {"device": args.device}}, f"rung {i}", ROOT, {})
         qm = quantize_model(recipe, reporter)
-        ppl = perplexity(qm.model, qm.tokenizer, spec, dev, reporter)["perplexity"]
+        ppl = perplexity(qm.model.to(dev), qm.tokenizer, spec, dev, reporter)["perplexity"]
         rows.append({"rung": name, "perplexity": ppl, "seconds": round(time.time() - t, 1),
                      "stages": [s["stage"] for s in stages]})
         print(rows[-1], flush=True)
