@@ -22,7 +22,7 @@ cd "$ROOT" || exit 2
 tests_rc=$?
 
 "$PY" -m qtool.bench.command kernels --model-config llama-2-7b --m 1,16,32,64,128,256,2048 --bits 4,8 --group-size 128 \
-    --json "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
+    --json-out "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
 kernels_rc=$?
 
 "$PY" -m qtool.bench.fma_variants --json "$OUT_DIR/fma-variants.json" >"$OUT_DIR/fma-variants.txt" \
@@ -30,10 +30,10 @@ kernels_rc=$?
 fma_rc=$?
 
 "$PY" -m qtool.bench.command e2e --model-config llama-2-7b --bits 4 --group-size 128 \
-    --json "$OUT_DIR/e2e.json" >"$OUT_DIR/e2e.txt" 2>"$OUT_DIR/e2e.log"
+    --json-out "$OUT_DIR/e2e.json" >"$OUT_DIR/e2e.txt" 2>"$OUT_DIR/e2e.log"
 e2e_rc=$?
 
-"$PY" -m qtool.bench.command quik --model-config llama-2-7b --m 2048 --json "$OUT_DIR/quik.json" \
+"$PY" -m qtool.bench.command quik --model-config llama-2-7b --m 2048 --json-out "$OUT_DIR/quik.json" \
     >"$OUT_DIR/quik.txt" 2>"$OUT_DIR/quik.log"
 quik_rc=$?
 

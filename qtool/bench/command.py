@@ -49,14 +49,29 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
-def _validated_write(report: dict, problems: list[str], json_path: str | None) -> None:
-    """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write --json."""
+def json_options(f):
+    """`--json` (the report as JSON on stdout, the table on stderr), as on every qtool command, and `--json-out` /
+    `-o PATH` (the report as JSON in a file, the table on stdout)."""
+    f = click.option("-o", "--json-out", "json_out", default=None, type=click.Path(dir_okay=False),
+                     help="Write the report as JSON to this file.")(f)
+    f = click.option("--json", "json_flag", is_flag=True,
+                     help="Print the report as JSON on stdout (the table goes to stderr).")(f)
+    f.qtool_json_option = True  # errors are then also JSON objects on stdout (qtool/failure.py)
+    return f
+
+
+def _deliver(report: dict, text: str, json_flag: bool, json_out: str | None,
+             problems: list[str] | None = None) -> None:
+    """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write and print it."""
     if problems:
         raise RuntimeError(f"report does not match its schema: {problems[0]}")
-    if json_path:
+    if json_out:
         from qtool.bench.kernels import write_json  # noqa: PLC0415
 
-        write_json(report, json_path)
+        write_json(report, json_out)
+    if json_flag:
+        click.echo(json.dumps(report, indent=2))
+    click.echo(text, err=json_flag)
 
 
 @click.group(name="bench", cls=QtoolGroup)
@@ -81,10 +96,10 @@ def bench() -> None:
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
-@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
+@json_options
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of the speedups here.")
 def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                mixed: str, warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
+                mixed: str, warmup: int, iters: int, json_flag: bool, json_out: str | None, plot_path: str | None) -> None:
     """Time the quantized matmuls and the cuBLAS FP16/INT8/FP8 baselines, with the card's measured ceilings."""
 
     def go() -> None:
@@ -104,10 +119,9 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 
         click.echo(kb.HEADER, err=True)
         report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        _validated_write(report, stats.validate_kernels_report(report), json_path)
+        _deliver(report, kb.format_report(report), json_flag, json_out, stats.validate_kernels_report(report))
         if plot_path:
             kb.write_plot(report, plot_path)
-        click.echo(kb.format_report(report))
 
     go()
 
@@ -130,9 +144,9 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 @click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
               help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4).")
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
-@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@json_options
 def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, batches: str | None, context: int,
-            throughput: bool, new_tokens: int, variants: str, iters: int, json_path: str | None) -> None:
+            throughput: bool, new_tokens: int, variants: str, iters: int, json_flag: bool, json_out: str | None) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int, same decoder, CUDA graphs, peak GPU memory; with
     --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that fits."""
 
@@ -146,25 +160,20 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
             raise BenchError(f"--group-size: found {group_size!r}, expected one value for e2e")
         if throughput:
             _throughput(model_config, gs[0], prompt or 1024, new_tokens, batches or "16,64,256,max", variants,
-                        iters, json_path)
+                        iters, json_flag, json_out)
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
         _need_gpu()
         report = run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
                          log=lambda s: click.echo(s, err=True))
-        if json_path:
-            from pathlib import Path  # noqa: PLC0415
-
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(format_e2e(report))
+        _deliver(report, format_e2e(report), json_flag, json_out)
 
     go()
 
 
 def _throughput(model_config: str, group_size: int | None, prompt: int, new_tokens: int, batches: str,
-                variants: str, iters: int, json_path: str | None) -> None:
+                variants: str, iters: int, json_flag: bool, json_out: str | None) -> None:
     from qtool.bench import stats  # noqa: PLC0415
     from qtool.bench import throughput as tp  # noqa: PLC0415
 
@@ -178,12 +187,7 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
     _need_gpu()
     report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
                                log=lambda s: click.echo(s, err=True))
-    if json_path:
-        from pathlib import Path  # noqa: PLC0415
-
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(tp.format_throughput(report))
+    _deliver(report, tp.format_throughput(report), json_flag, json_out)
 
 
 @bench.command("quik")
@@ -197,9 +201,9 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
               help="Outlier count of the fusion ladder (Fig. 5) and of the W8A8 row.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None))
-@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
+@json_options
 def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladder_outliers: int, warmup: int,
-             iters: int, json_path: str | None) -> None:
+             iters: int, json_flag: bool, json_out: str | None) -> None:
     """Time the QUIK W4A4/W8A8 kernels (fusion ladder, outlier sweep) against cuBLAS FP16/INT8/FP8."""
 
     def go() -> None:
@@ -216,8 +220,7 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
         report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        _validated_write(report, qb.validate_report(report), json_path)
-        click.echo(qb.format_report(report))
+        _deliver(report, qb.format_report(report), json_flag, json_out, qb.validate_report(report))
 
     go()
 
@@ -232,9 +235,9 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
                    "int4-fma (KV4 through the CUDA-core form).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
-@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@json_options
 def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
-                  json_path: str | None) -> None:
+                  json_flag: bool, json_out: str | None) -> None:
     """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8 and INT4 (KV4) caches."""
 
     def go() -> None:
@@ -253,12 +256,7 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
 
         report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
                                         log=lambda s: click.echo(s, err=True))
-        if json_path:
-            from pathlib import Path  # noqa: PLC0415
-
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(ab.format_attention(report))
+        _deliver(report, ab.format_attention(report), json_flag, json_out)
 
     go()
 

@@ -1,0 +1,43 @@
+"""`--json` means one thing on every command: a flag that prints JSON on stdout (bench writes a file with
+`--json-out`/`-o`)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from qtool.cli import cli as group
+
+
+def _commands(g: click.Group, prefix: str = ""):
+    for name, cmd in g.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, f"{prefix}{name} ")
+        else:
+            yield f"{prefix}{name}", cmd
+
+
+def test_every_command_has_a_json_flag():
+    found = dict(_commands(group))
+    assert {"quantize", "eval", "pack", "export", "bench kernels", "bench e2e", "bench quik"} <= set(found)
+    for name, cmd in found.items():
+        opts = [p for p in cmd.params if "--json" in p.opts]
+        assert len(opts) == 1 and opts[0].is_flag, name
+
+
+def test_bench_json_is_a_flag_and_json_out_a_file(cli, tmp_path, monkeypatch, capsys):
+    # Without a GPU the bench stops at once; with --json its error is a JSON object on stdout.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    res = cli("bench", "kernels", "--json")
+    assert res.exit_code == 6 and json.loads(res.stdout)["error"]["kind"] == "resource", res.output
+    assert cli("bench", "e2e", "--json", str(tmp_path / "r.json")).exit_code == 2  # a path is no longer its value
+
+    from qtool.bench.command import _deliver
+
+    _deliver({"rows": [1]}, "the table", True, str(tmp_path / "r.json"))
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"rows": [1]} == json.loads((tmp_path / "r.json").read_text())
+    assert out.err.strip() == "the table"
+    _deliver({"rows": [2]}, "the table", False, None)
+    assert capsys.readouterr().out.strip() == "the table"
