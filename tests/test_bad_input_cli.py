@@ -379,7 +379,7 @@ def test_bench_without_gpu(monkeypatch, tmp_path, args):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    res = run_cli(["bench", *args, "--json", tmp_path / "report.json"])
+    res = run_cli(["bench", *args, "--json-out", tmp_path / "report.json"])
     assert_one_line_error(res, 6, "bench: found no CUDA GPU", output=tmp_path / "report.json")
 
 
