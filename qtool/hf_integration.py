@@ -83,7 +83,8 @@ class QtoolHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QtoolConfig, **kwargs) -> None:
         super().__init__(quantization_config, **kwargs)
         self.folder: Path | None = None
-        self.stored: dict = {}
+        self.stored: dict = {}  # tensor name → TensorInfo (file, dtype, shape) from the safetensors headers
+        self.qcfg: dict = {}
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
         if not _single_device(device_map):
@@ -111,7 +112,7 @@ class QtoolHfQuantizer(HfQuantizer):
             from qtool.runtime.kv_cache import attention_modules
 
             attention = set(attention_modules(model))
-            for name, m in model.named_modules():
+            for name, m in list(model.named_modules()):
                 if m in attention:
                     self._hold(model, f"{name}.kv_codebooks", folder / "config.json", new=True)
         return model
