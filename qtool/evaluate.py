@@ -14,25 +14,25 @@ from qtool.recipe import EvalSpec
 
 
 def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
-    """What can be checked of a model to evaluate before any weight is read: a checkpoint's manifest, file hashes,
-    config.json and tokenizer, or an original model's config and tokenizer (a folder that looks like a checkpoint
-    but lacks its manifest is refused, never evaluated as an original model); and the window length against the
-    model's context."""
+    """What can be checked of a model to evaluate before any weight is read: a checkpoint's manifest, file sizes,
+    config.json and tokenizer (hashing every file is `qtool pack --verify`'s), or an original model's config and
+    tokenizer (a folder that looks like a checkpoint but lacks its manifest is refused, never evaluated as an
+    original model); and the window length against the model's context."""
     from pathlib import Path
 
     from qtool.checkpoint.loader import (
+        check_files,
         checkpoint_config,
         is_checkpoint,
         load_tokenizer,
         read_manifest,
-        verify_files,
     )
     from qtool.models.loading import check_architecture, check_context, load_config
     from qtool.models.loading import load_tokenizer as load_model_tokenizer
 
     if is_checkpoint(model_ref):
         path = Path(model_ref)
-        verify_files(path, read_manifest(path))
+        check_files(path, read_manifest(path))
         config = checkpoint_config(path)
         load_tokenizer(path)
     else:
@@ -43,16 +43,15 @@ def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
         check_context(spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context")
 
 
-def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False):
-    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model. `verified`:
-    check_for_eval already hashed the checkpoint's files."""
+def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter):
+    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
     from qtool.models.loading import load_model
 
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
-        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype, verify=not verified)
+        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype)
         return model, load_tokenizer(model_ref), "qtool checkpoint"
     reporter.log(f"loading model {model_ref}")
     model, tokenizer, _, _ = load_model(model_ref, dtype)
@@ -147,7 +146,7 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
     summaries = []
     try:
         for ref in refs:
-            model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True)
+            model, tokenizer, kind = load_for_eval(ref, dev, reporter)
             result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
             summaries.append({"model": ref, "kind": kind, "device": str(dev),
                               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result})

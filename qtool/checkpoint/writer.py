@@ -14,8 +14,10 @@ from qtool.checkpoint.manifest import (
     MANIFEST_NAME,
     QUANT_METHOD,
     dumps,
+    file_sizes,
     hash_files,
     package_versions,
+    portable,
 )
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
@@ -93,6 +95,7 @@ def write_checkpoint(
                                     manifest_extra=manifest_extra, max_shard_bytes=max_shard_bytes,
                                     overwrite=overwrite, reserved=reserved)
     tmp = reserved.tmp
+    config, recipe_as_run, manifest_extra = portable(config), portable(recipe_as_run), portable(manifest_extra)
     shards = _shards(tensors, max_shard_bytes)
     # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
     if len(shards) == 1:
@@ -119,7 +122,8 @@ def write_checkpoint(
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
     (tmp / "README.md").write_text(model_card({"packages": package_versions(), **manifest_extra}, config,
                                               recipe_as_run))
-    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
+    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "sizes": file_sizes(tmp),
+                "packages": package_versions(),
                 **manifest_extra}
     (tmp / MANIFEST_NAME).write_text(dumps(manifest))
     reserved.publish()
