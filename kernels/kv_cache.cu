@@ -485,7 +485,9 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 //   thread loads words g·D/64 .. of tokens 2t, 2t+1, 2t+8, 2t+9 and pairs tokens per register by PRMT, so n-tile m
 //   of the output holds channel 8 (g·D/64 + m / 8) + m % 8 of column g.
 // One block of TC_WARPS warps per (sequence, KV head); warps take 16-token steps in turn and merge through shared
-// memory as above.
+// memory as above. Where those blocks are too few to fill the GPU (batch 1: Llama-3-8B has 8 KV heads), a grid of
+// S blocks per pair splits the cache along L; each writes its unnormalized output with its max and sum, and
+// kv_attention_tc_combine merges the S parts the same way.
 constexpr int TC_WARPS = 4;
 
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a2, u32 b0, u32 b1) {
@@ -525,7 +527,8 @@ template <int D>
 __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
                                                 const u32* __restrict__ vc, const u32* __restrict__ kp,
                                                 const u32* __restrict__ vp, const long long* __restrict__ pos,
-                                                u16* __restrict__ out, int H, int KVH, int L, int G, float qscale) {
+                                                u16* __restrict__ out, int H, int KVH, int L, int G, float qscale,
+                                                int S, float* __restrict__ part) {
     constexpr int W = D / 8;          // 32-bit words per cached row
     constexpr int KW = D / 32;        // key words per thread and token: k-steps 2i, 2i + 1 per word
     constexpr int VW = D / 64;        // value words per thread and token
@@ -537,6 +540,14 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const long long p = ld_dep_s64(pos);
     const int n = p + 1 < (long long)L ? (int)(p + 1) : L;
+    // this block's tokens lo .. hi - 1: all of them, or split S of the cache in 16-token multiples (the split is
+    // known at graph capture, the length only on the device; trailing splits may be empty)
+    int lo = 0, hi = n;
+    if (S > 1) {
+        const int chunk = ((n + S - 1) / S + 15) & ~15;
+        lo = min(n, (int)blockIdx.y * chunk);
+        hi = min(n, lo + chunk);
+    }
     // the query rows (float16, as written) staged, and Σq per head
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
     float* qsum_s = sm + 4 * D;           // [8]
@@ -571,7 +582,7 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
 #pragma unroll
     for (int m = 0; m < NT; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
     const size_t row0 = ((size_t)b * KVH + kvh) * L;
-    for (int t0 = 16 * warp; t0 < n; t0 += 16 * TC_WARPS) {
+    for (int t0 = lo + 16 * warp; t0 < hi; t0 += 16 * TC_WARPS) {
         // keys: token t0 + g (tile 0) and t0 + 8 + g (tile 1), words KW t ..
         u32 kw[2][KW];
 #pragma unroll
@@ -608,7 +619,7 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
             const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
             const float ks = h2f((u16)(kpr[j] & 0xFFFFu)), kz = h2f((u16)(kpr[j] >> 16));
             const float a = s[j >> 1][j & 1];
-            sc[j] = r < n ? qscale * (ks * (a - kz * qsum)) : __uint_as_float(0xFF800000u);
+            sc[j] = r < hi ? qscale * (ks * (a - kz * qsum)) : __uint_as_float(0xFF800000u);
             mx = fmaxf(mx, sc[j]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -676,6 +687,35 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
             y += c * ys[(w * 8 + r) * D + d];
             ls += c * ml[(w * 8 + r) * 2 + 1];
         }
+        if (S == 1) {
+            out[((size_t)b * H + (size_t)kvh * G + r) * D + d] = f2h(y / ls);
+        } else {  // unnormalized, with its max and sum, for kv_attention_tc_combine
+            float* pr = part + (((size_t)bk * S + blockIdx.y) * 8 + r) * (D + 2);
+            pr[d] = y;
+            if (d == 0) pr[D] = mxx, pr[D + 1] = ls;
+        }
+    }
+}
+
+// The S splits of one (sequence, KV head) merged as the warps of one block are: rescaled to the largest max.
+template <int D>
+__device__ __forceinline__ void kv_attention_tc_combine(const float* __restrict__ part, u16* __restrict__ out,
+                                                        int H, int KVH, int G, int S) {
+    launch_dependents();
+    grid_dependency_wait();
+    const int bk = blockIdx.x, b = bk / KVH, kvh = bk % KVH;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        const u32* pr = reinterpret_cast<const u32*>(part) + ((size_t)bk * S * 8 + r) * (D + 2);
+        const size_t step = 8 * (size_t)(D + 2);
+        float mxx = -1.0e30f;
+        for (int s = 0; s < S; ++s) mxx = fmaxf(mxx, __uint_as_float(ld_dep_u32(pr + s * step + D)));
+        float y = 0.f, ls = 0.f;
+        for (int s = 0; s < S; ++s) {
+            const float c = fast_exp2(__uint_as_float(ld_dep_u32(pr + s * step + D)) - mxx);
+            y += c * __uint_as_float(ld_dep_u32(pr + s * step + d));
+            ls += c * __uint_as_float(ld_dep_u32(pr + s * step + D + 1));
+        }
         out[((size_t)b * H + (size_t)kvh * G + r) * D + d] = f2h(y / ls);
     }
 }
@@ -684,8 +724,12 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) kv_attention_tc_int4_d##D(                          \
         const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
         const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
-        u16* __restrict__ out, int H, int KVH, int L, int G, float qscale) {                                      \
-        kv_attention_tc<D>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale);                                     \
+        u16* __restrict__ out, int H, int KVH, int L, int G, float qscale, int S, float* __restrict__ part) {    \
+        kv_attention_tc<D>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                            \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) kv_attention_tc_combine_d##D(                                \
+        const float* __restrict__ part, u16* __restrict__ out, int H, int KVH, int G, int S) {                     \
+        kv_attention_tc_combine<D>(part, out, H, KVH, G, S);                                                       \
     }
 KV_ATTENTION_TC(64)
 KV_ATTENTION_TC(128)

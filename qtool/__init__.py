@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "load", "load_tokenizer", "quantize"]
@@ -12,9 +15,10 @@ _OVERRIDES = {"model": "model", "output": "output", "calibration": "calibration.
               "stats": "calibration.stats", "eval_windows": "eval.max_windows"}
 
 
-def load(path, device: str = "cpu", dtype=None, verify: bool = True):
+def load(path, device: str = "cpu", dtype=None, verify: bool = False):
     """Load a packed qtool checkpoint; quantized linears execute the packed layout (see qtool.checkpoint.loader).
-    The model is a transformers model: `generate` and `transformers.pipeline` take it as it is."""
+    The model is a transformers model: `generate` and `transformers.pipeline` take it as it is. Files are checked
+    by size and safetensors header; `verify=True` also hashes every file (as `qtool pack --verify` does)."""
     from qtool.checkpoint.loader import load_checkpoint
 
     return load_checkpoint(path, device=device, dtype=dtype, verify=verify)
@@ -45,3 +49,43 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
     report = run_quantize(Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet))
     return Path(report["output"]), report
 
+
+
+# `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py),
+# so from_pretrained, pipeline and lm-eval's hf model load qtool checkpoints through qtool's runtime. Importing
+# transformers' quantizer registry costs seconds, which the command line and `import qtool` alone should not pay:
+# the registration runs right after transformers imports that registry, or now if it already has.
+_REGISTRY = "transformers.quantizers.auto"
+
+
+def _register_with_transformers(registry=None) -> None:
+    from qtool.hf_integration import register
+
+    register(registry)
+
+
+class _AfterRegistryImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _REGISTRY:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            _register_with_transformers(module)
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+if _REGISTRY in sys.modules:
+    _register_with_transformers()
+elif not any(isinstance(f, _AfterRegistryImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterRegistryImport())

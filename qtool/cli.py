@@ -150,6 +150,8 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
                                 f"{summary['bits_per_weight']['all_parameters']:.3f} (all)"),
             ("wall time", f"{summary['timings']['total_s']:.1f} s"),
             ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
+    if "peak_gpu_mb" in summary:
+        rows.append(("peak GPU memory", f"{summary['peak_gpu_mb']:.0f} MB"))
     reported = summary["bits_per_weight"].get("reported_layers")
     if reported:  # layouts whose paper counts bits its own way (mixed-2-4-16: Eq. 10)
         rows.insert(3, ("bits per weight (paper)", ", ".join(f"{v:.3f} ({k})" for k, v in reported.items())))
@@ -362,15 +364,19 @@ def _print_comparison(reporter: Reporter, summary: dict) -> None:
               help="Write a re-packed copy here (default: only verify).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file in the copy.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--verify/--quick", default=True, show_default=True,
+              help="--verify: hash every file against the manifest and read every tensor. --quick: only what "
+                   "every load checks (file sizes, safetensors headers, configs, tokenizer); no tensor is read.")
 @output_options
-def pack(checkpoint: Path, output, max_shard_size, overwrite, reporter: Reporter) -> None:
+def pack(checkpoint: Path, output, max_shard_size, overwrite, verify: bool, reporter: Reporter) -> None:
     """Verify a packed CHECKPOINT (hashes, layouts, tensor shapes) and optionally re-pack it (e.g. re-shard).
 
-    Prints the quantized layers, their layouts and the bits per weight.
+    Prints the quantized layers, their layouts and the bits per weight. Loading a checkpoint (qtool eval,
+    qtool.load, from_pretrained) checks file sizes and headers only; the full hashes are checked here.
     """
     from qtool.repack import run_pack
 
-    summary = run_pack(checkpoint, output, max_shard_size, overwrite, reporter)
+    summary = run_pack(checkpoint, output, max_shard_size, overwrite, reporter, verify=verify)
     def shown(k, v):  # per-layer bits (mixed-2-4-16) stay in the JSON only
         return {b: x for b, x in v.items() if b != "layers"} if k == "bits_per_weight" and isinstance(v, dict) else v
 

@@ -14,25 +14,25 @@ from qtool.recipe import EvalSpec
 
 
 def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
-    """What can be checked of a model to evaluate before any weight is read: a checkpoint's manifest, file hashes,
-    config.json and tokenizer, or an original model's config and tokenizer (a folder that looks like a checkpoint
-    but lacks its manifest is refused, never evaluated as an original model); and the window length against the
-    model's context."""
+    """What can be checked of a model to evaluate before any weight is read: a checkpoint's manifest, file sizes,
+    config.json and tokenizer (hashing every file is `qtool pack --verify`'s), or an original model's config and
+    tokenizer (a folder that looks like a checkpoint but lacks its manifest is refused, never evaluated as an
+    original model); and the window length against the model's context."""
     from pathlib import Path
 
     from qtool.checkpoint.loader import (
+        check_files,
         checkpoint_config,
         is_checkpoint,
         load_tokenizer,
         read_manifest,
-        verify_files,
     )
     from qtool.models.loading import check_architecture, check_context, load_config
     from qtool.models.loading import load_tokenizer as load_model_tokenizer
 
     if is_checkpoint(model_ref):
         path = Path(model_ref)
-        verify_files(path, read_manifest(path))
+        check_files(path, read_manifest(path))
         config = checkpoint_config(path)
         load_tokenizer(path)
     else:
@@ -43,12 +43,11 @@ def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
         check_context(spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context")
 
 
-def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verified: bool = False,
-                  max_memory: int | None = None, dtype: torch.dtype | None = None):
+def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, max_memory: int | None = None,
+                  dtype: torch.dtype | None = None):
     """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model (float32 on
-    the CPU, its stored dtype on a GPU, unless `dtype` says). `verified`: check_for_eval already hashed the
-    checkpoint's files. An original model larger than `max_memory` is spread by accelerate over the device, host
-    memory and disk."""
+    the CPU, its stored dtype on a GPU, unless `dtype` says). An original model larger than `max_memory` is spread
+    by accelerate over the device, host memory and disk."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
     from qtool.eval.streamed import eval_dtype
     from qtool.models.loading import load_config, load_model
@@ -56,7 +55,7 @@ def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, verifie
     if is_checkpoint(model_ref):
         reporter.log(f"loading checkpoint {model_ref}")
         dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.float16)
-        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype, verify=not verified)
+        model = load_checkpoint(model_ref, device=str(dev), dtype=dtype)
         return model, load_tokenizer(model_ref), "qtool checkpoint"
     reporter.log(f"loading model {model_ref}")
     dtype = dtype or eval_dtype(load_config(model_ref), dev)
@@ -197,14 +196,14 @@ def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, repo
         reporter.log(f"evaluating {ref} block by block (larger than the memory it may take)")
         result, _ = streamed_perplexity(ref, spec, dev, reporter, dtype)
         if suite is not None:
-            model, tokenizer, _ = load_for_eval(ref, dev, reporter, verified=True,
-                                                max_memory=memory_for_model(dev, max_memory), dtype=dtype)
+            model, tokenizer, _ = load_for_eval(ref, dev, reporter, max_memory=memory_for_model(dev, max_memory),
+                                                dtype=dtype)
             result.update(evaluate_loaded(model, tokenizer, dev, spec=None, suite=suite, reporter=reporter))
             del model
         dtype = dtype or eval_dtype(load_config(ref), dev)
         return {"model": ref, "kind": "original", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
                 **result}
-    model, tokenizer, kind = load_for_eval(ref, dev, reporter, verified=True, dtype=dtype)
+    model, tokenizer, kind = load_for_eval(ref, dev, reporter, dtype=dtype)
     result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
     return {"model": ref, "kind": kind, "device": str(dev),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result}

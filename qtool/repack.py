@@ -10,11 +10,18 @@ from qtool.console import Reporter
 from qtool.output import Output
 
 
-def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter) -> dict:
+def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter,
+             verify: bool = True) -> dict:
+    """`verify`: hash every file and read every tensor; otherwise (`--quick`) only what every load checks."""
     from qtool.errors import UsageError
     from qtool.output import folder_bytes, reserve_output
     from qtool.recipe import parse_size
 
+    if not verify:
+        if output is not None:
+            raise UsageError("--quick with -o: a re-pack reads every tensor and verifies the checkpoint; drop "
+                             "--quick")
+        return _quick(checkpoint)
     if output is None:
         return _pack(checkpoint, None, None, None, reporter)
     try:
@@ -25,6 +32,32 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
     needs = folder_bytes(checkpoint) if checkpoint.is_dir() else None
     with reserve_output(output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log) as reserved:
         return _pack(checkpoint, output, reserved, shard_bytes, reporter)
+
+
+def _quick(checkpoint: Path) -> dict:
+    """What every load checks, without reading a tensor: manifest, file sizes, safetensors headers and index,
+    config.json (the model's and quantization_config) and the tokenizer."""
+    from qtool.checkpoint.loader import (
+        check_files,
+        checkpoint_config,
+        load_tokenizer,
+        read_config,
+        read_manifest,
+    )
+    from qtool.errors import CheckpointError
+    from qtool.models.integrity import tensor_index
+
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"{checkpoint}: not a directory; expected a qtool checkpoint")
+    manifest = read_manifest(checkpoint)
+    check_files(checkpoint, manifest)
+    if tensor_index(checkpoint, CheckpointError) is None:
+        raise CheckpointError(f"{checkpoint}: no model.safetensors (or shards with model.safetensors.index.json)")
+    layers = read_config(checkpoint)["quantization_config"]["layers"]
+    checkpoint_config(checkpoint)
+    load_tokenizer(checkpoint)
+    return {"checkpoint": str(checkpoint), "verified": False, "checked": "sizes, headers, configs, tokenizer",
+            "quantized_layers": len(layers), "bits_per_weight": manifest.get("bits_per_weight")}
 
 
 def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_bytes: int | None,
@@ -58,7 +91,9 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         if "num_outliers" in cfg:  # quik: the outlier count varies per layer
             key += f" outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
         layouts[key] = layouts.get(key, 0) + 1
-    summary = {"checkpoint": str(checkpoint), "verified": True, "quantized_layers": len(layers),
+    summary = {"checkpoint": str(checkpoint), "verified": True,
+               "checked": "hashes, tensors (layouts, shapes, finite values), configs, tokenizer",
+               "quantized_layers": len(layers),
                "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}
     if reserved is not None:
         tensors = read_tensors(checkpoint)
@@ -67,7 +102,7 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         schemes = {k: v for k, v in qcfg.items() if k not in ("quant_method", "format_version", "layers")}
         recipe_file = checkpoint / "recipe.yaml"
         recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
-        extra = {k: v for k, v in manifest.items() if k not in ("files", "packages", "format_version")}
+        extra = {k: v for k, v in manifest.items() if k not in ("files", "sizes", "format_version")}
         write_checkpoint(output, tensors=tensors, config=config, layers=layers, model_schemes=schemes,
                          tokenizer=tokenizer,
                          recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, reserved=reserved)

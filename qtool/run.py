@@ -165,6 +165,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "eval": manifest["eval"],
         "timings": {k: round(v, 3) for k, v in run.timings.items()},
         "peak_rss_mb": round(run.peak_rss_mb, 1),
+        **_peak_gpu(device),
         "device": str(device),
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),
@@ -192,6 +193,12 @@ def _checkpoint_evaluator(recipe, device: torch.device, fp: dict, suite, tokeniz
         return eval_record(fp, q)
 
     return evaluate
+
+
+def _peak_gpu(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
 
 
 def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
@@ -249,6 +256,7 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "eval": ev_result,
         "timings": {k: round(v, 3) for k, v in qm.timings.items()},
         "peak_rss_mb": round(qm.peak_rss_mb, 1),
+        **_peak_gpu(device),
         "device": str(device),
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),

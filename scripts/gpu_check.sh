@@ -2,8 +2,8 @@
 # One command for the GPU check: every GPU test (the stories260K checkpoint perplexity test included: it needs the
 # assets under $QTOOL_ASSETS, default ../shared/assets beside the checkout), the standard kernel bench (Llama-2-7B
 # shapes, W4 and W8 g128, M = 1, 16, 32, 64, 128, 256, 2048), the A/B bench of the CUDA-core decode kernel's variants, the
-# end-to-end bench and the QUIK bench (fusion ladder, outlier sweep, W8A8, at M = 2048); full logs go to the
-# output folder, a short summary is printed last.
+# end-to-end bench and the QUIK bench (fusion ladder, outlier sweep, W8A8, at M = 2048), each with its PNG; full
+# logs, JSON reports and pictures go to the output folder, a short summary is printed last.
 #
 #   scripts/gpu_check.sh [OUTPUT_DIR]        (default: $TMPDIR/qtool-gpu-check; PYTHON=... picks the interpreter)
 set -u -o pipefail
@@ -22,7 +22,7 @@ cd "$ROOT" || exit 2
 tests_rc=$?
 
 "$PY" -m qtool.bench.command kernels --model-config llama-2-7b --m 1,16,32,64,128,256,2048 --bits 4,8 --group-size 128 \
-    --json "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
+    --json-out "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
 kernels_rc=$?
 
 "$PY" -m qtool.bench.fma_variants --json "$OUT_DIR/fma-variants.json" >"$OUT_DIR/fma-variants.txt" \
@@ -30,11 +30,11 @@ kernels_rc=$?
 fma_rc=$?
 
 "$PY" -m qtool.bench.command e2e --model-config llama-2-7b --bits 4 --group-size 128 \
-    --json "$OUT_DIR/e2e.json" >"$OUT_DIR/e2e.txt" 2>"$OUT_DIR/e2e.log"
+    --json-out "$OUT_DIR/e2e.json" --plot "$OUT_DIR/e2e.png" >"$OUT_DIR/e2e.txt" 2>"$OUT_DIR/e2e.log"
 e2e_rc=$?
 
-"$PY" -m qtool.bench.command quik --model-config llama-2-7b --m 2048 --json "$OUT_DIR/quik.json" \
-    >"$OUT_DIR/quik.txt" 2>"$OUT_DIR/quik.log"
+"$PY" -m qtool.bench.command quik --model-config llama-2-7b --m 2048 --json-out "$OUT_DIR/quik.json" \
+    --plot "$OUT_DIR/quik.png" >"$OUT_DIR/quik.txt" 2>"$OUT_DIR/quik.log"
 quik_rc=$?
 
 echo

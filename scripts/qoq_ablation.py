@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = ROOT.parent / "shared" / "assets"
+ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets"))
 
 
 def rungs(g: int, solver: str) -> list[tuple[str, list[dict]]]:
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--device", default="cpu", help="compute device for quantization and evaluation (cpu, cuda)")
     ap.add_argument("--only", help="comma-separated rung numbers to run (0 = float model)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -80,13 +82,13 @@ def main() -> None:
                     max_windows=args.windows, batch_size=4)
     cal = {"source": str(ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"),
            "num_samples": args.num_samples, "seq_len": args.seq_len, "seed": 0}
-    cpu = torch.device("cpu")
+    dev = torch.device(args.device)
     only = None if args.only is None else {int(x) for x in args.only.split(",")}
     rows = []
     if only is None or 0 in only:
         model, tok, _, _ = load_model(args.model, torch.float32)
         t = time.time()
-        rows.append({"rung": "FP32", "perplexity": perplexity(model, tok, spec, cpu, reporter)["perplexity"],
+        rows.append({"rung": "FP32", "perplexity": perplexity(model.to(dev), tok, spec, dev, reporter)["perplexity"],
                      "seconds": round(time.time() - t, 1)})
         print(rows[-1], flush=True)
         del model
@@ -95,15 +97,15 @@ def main() -> None:
             continue
         t = time.time()
         recipe = validate_recipe({"model": args.model, "calibration": cal, "stages": stages,
-                                  "settings": {"device": "cpu"}}, f"rung {i}", ROOT, {})
+                                  "settings": {"device": args.device}}, f"rung {i}", ROOT, {})
         qm = quantize_model(recipe, reporter)
-        ppl = perplexity(qm.model, qm.tokenizer, spec, cpu, reporter)["perplexity"]
+        ppl = perplexity(qm.model.to(dev), qm.tokenizer, spec, dev, reporter)["perplexity"]
         rows.append({"rung": name, "perplexity": ppl, "seconds": round(time.time() - t, 1),
                      "stages": [s["stage"] for s in stages]})
         print(rows[-1], flush=True)
     protocol = {"calibration": cal, "eval": {"text": "wikitext-2 test joined", "seq_len": 512,
                                              "windows": args.windows}, "group_size": args.group_size,
-                "solver": args.solver, "model": args.model}
+                "solver": args.solver, "model": args.model, "device": args.device}
     print(f"\nprotocol: {json.dumps(protocol)}\n\n| rung | WikiText-2 ppl |\n|---|---|")
     for r in rows:
         print(f"| {r['rung']} | {r['perplexity']:.3f} |")

@@ -24,8 +24,8 @@ qoq_rc=$?
 quik_rc=$?
 
 "$PY" -m qtool.bench.command kernels --model-config llama-2-7b --m 1,16,32,64,128,256,512,1024,2048,4096,8192 \
-    --bits 4 --group-size 128 --w4a8 ch,128 --json "$OUT_DIR/kernels.json" >"$OUT_DIR/kernels.txt" \
-    2>"$OUT_DIR/kernels.log"
+    --bits 4 --group-size 128 --w4a8 ch,128 --json-out "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" \
+    >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
 bench_rc=$?
 
 echo

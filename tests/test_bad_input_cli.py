@@ -379,8 +379,10 @@ def test_bench_without_gpu(monkeypatch, tmp_path, args):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    res = run_cli(["bench", *args, "--json", tmp_path / "report.json"])
-    assert_one_line_error(res, 6, "bench: found no CUDA GPU", output=tmp_path / "report.json")
+    outputs = [tmp_path / "report.json", tmp_path / "report.png"]
+    res = run_cli(["bench", *args, "--json-out", outputs[0], "--plot", outputs[1]])
+    assert_one_line_error(res, 6, "bench: found no CUDA GPU", output=outputs)
+    assert_one_line_error(run_cli(["bench", *args, "--json"]), 6, "bench: found no CUDA GPU", json_error=True)
 
 
 # ---- failures mid-run: Ctrl-C, a bug, a full disk ---------------------------------------------------------------

@@ -110,8 +110,10 @@ def rehash(ckpt: Path, *names: str) -> None:
     for name in names:
         if (ckpt / name).exists():
             m["files"][name] = file_sha256(ckpt / name)
+            m["sizes"][name] = (ckpt / name).stat().st_size
         else:
             m["files"].pop(name, None)
+            m["sizes"].pop(name, None)
     (ckpt / MANIFEST).write_text(json.dumps(m))
 
 

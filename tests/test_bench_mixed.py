@@ -44,7 +44,7 @@ def test_mixed_rows_beside_the_grouped_int_rows():
     assert set(one["candidates"]) == {"mixed-gemv", "mixed-gemv+spmv"}
     assert one["quant"]["median_us"] == 2.0 and one["roofline"]["bytes"] == 3_000_000
     line = kb.format_row(one)
-    assert " mx " in line and "mixed-gemv+spmv=2.5" in line and "outliers 0.2%" in line
+    assert "mixed-2-4-16 0.2% mixed-gemv:" in line and "mixed-gemv+spmv=2.5" in line
     assert report["config"]["mixed_outliers"] == [0.0, 0.002]
 
 

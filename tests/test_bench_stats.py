@@ -72,7 +72,7 @@ class FakeTimer:
         label = fns[0]()
         self.calls.append((label, warmup, iters))
         base = {"floor": 2.0, "copy": 1000.0, "peak": 1600.0, "fp16": 12.0, "int8": 10.0, "fp8": 8.0, "gemv": 4.0,
-                "dequant+cublas": 20.0}[label]
+                "dequant+cublas": 20.0, "tinygemm": 6.0}[label]
         return [base * (1 + 0.01 * ((i % 5) - 2)) for i in range(iters)]
 
 
@@ -106,6 +106,9 @@ class FakeCases:
         if m == 2048:
             raise RuntimeError("no fp8 here\nsecond line")
         return [lambda: "fp8"], (m + 15) // 16 * 16
+
+    def tinygemm(self, k, n, m, group_size):
+        return [lambda: "tinygemm"], m
 
 
 def _report():

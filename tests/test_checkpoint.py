@@ -156,6 +156,7 @@ def _rehash(ckpt: Path, name: str) -> None:
     mpath = ckpt / "qtool-manifest.json"
     m = json.loads(mpath.read_text())
     m["files"][name] = file_sha256(ckpt / name)
+    m["sizes"][name] = (ckpt / name).stat().st_size
     mpath.write_text(json.dumps(m))
 
 
@@ -174,11 +175,29 @@ def _eval_error(cli, ckpt: Path) -> str:
     return lines[0]
 
 
-def test_corrupted_file_fails_hash_check(cli, broken):
+def test_load_checks_sizes_and_pack_verify_hashes(cli, broken, monkeypatch):
+    import qtool
+    import qtool.checkpoint.loader as loader
+
+    # Loading and `pack --quick` check sizes and headers only: no file is hashed.
+    with monkeypatch.context() as m:
+        def no_hash(path):
+            raise AssertionError(f"{path} hashed")
+
+        m.setattr(loader, "file_sha256", no_hash)
+        qtool.load(broken)
+        res = cli("pack", broken, "--quick", "--json")
+        assert res.exit_code == 0 and json.loads(res.stdout)["verified"] is False, res.output
     data = bytearray((broken / "model.safetensors").read_bytes())
     data[-10] ^= 0xFF
     (broken / "model.safetensors").write_bytes(bytes(data))
-    assert "model.safetensors: sha256 does not match" in _eval_error(cli, broken)
+    res = cli("pack", broken, "--verify", "--json")
+    assert res.exit_code == 5 and "model.safetensors: sha256 does not match" in res.output, res.output
+    with open(broken / "tokenizer.json", "a") as f:
+        f.write(" ")
+    res = cli("pack", broken, "--quick")
+    assert res.exit_code == 5 and "tokenizer.json: " in res.output and "the manifest records" in res.output
+    assert cli("pack", broken, "--quick", "-o", broken.parent / "copy").exit_code == 2
 
 
 def test_missing_tensor(cli, broken):

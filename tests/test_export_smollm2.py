@@ -101,3 +101,20 @@ def test_gptq_w4_g64_and_w8a8_export_matches_qtool_in_transformers(exported):
     assert round(_ppl(emulated, ids), 3) == round(_ppl(client, ids), 3)
     # qtool's own activation rounding (max|x|/127, ±127) against the client's: one scheme, two rounding rules.
     assert abs(_ppl(own, ids) - _ppl(client, ids)) / _ppl(own, ids) < 0.01
+
+
+def test_smollm2_checkpoint_generates_and_loads_in_transformers(exported):
+    """`qtool.load` + `generate` on SmolLM2, and (qtool imported) transformers' `from_pretrained` of the same
+    checkpoint: qtool's modules, the same logits and the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import qtool
+
+    tokenizer = qtool.load_tokenizer(exported / "q")
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    ref = qtool.load(exported / "q")
+    hf = AutoModelForCausalLM.from_pretrained(exported / "q", dtype=torch.float32)
+    assert [type(m) for m in ref.modules()] == [type(m) for m in hf.modules()]
+    assert torch.equal(_logits(hf, ids), _logits(ref, ids))
+    out = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4 and torch.equal(hf.generate(ids, max_new_tokens=4, do_sample=False), out)

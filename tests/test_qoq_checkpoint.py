@@ -175,6 +175,7 @@ def test_broken_checkpoint_tensor_is_one_line(cli, stories, tmp_path):
     save_file(t, str(ckpt / "model.safetensors"))
     m = json.loads((ckpt / "qtool-manifest.json").read_text())
     m["files"]["model.safetensors"] = file_sha256(ckpt / "model.safetensors")
+    m["sizes"]["model.safetensors"] = (ckpt / "model.safetensors").stat().st_size
     (ckpt / "qtool-manifest.json").write_text(json.dumps(m))
     res = cli("eval", ckpt, "--text", TINYSTORIES, "--seq-len", "32", "--windows", "1", "--quiet")
     line = _one_line_error(res, 5)

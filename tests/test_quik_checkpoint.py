@@ -157,6 +157,7 @@ def _edit(ckpt: Path, edit) -> None:
     save_file(t, str(ckpt / "model.safetensors"))
     m = json.loads((ckpt / "qtool-manifest.json").read_text())
     m["files"]["model.safetensors"] = file_sha256(ckpt / "model.safetensors")
+    m["sizes"]["model.safetensors"] = (ckpt / "model.safetensors").stat().st_size
     (ckpt / "qtool-manifest.json").write_text(json.dumps(m))
 
 
@@ -196,11 +197,13 @@ def test_broken_layer_config_and_24_pattern(cli, broken):
     cfg_path.write_text(json.dumps(cfg))
     m = json.loads((broken / "qtool-manifest.json").read_text())
     m["files"]["config.json"] = file_sha256(cfg_path)
+    m["sizes"]["config.json"] = cfg_path.stat().st_size
     (broken / "qtool-manifest.json").write_text(json.dumps(m))
     assert "expected at most 2 (sparsity 2:4)" in _error(cli, broken)
     cfg["quantization_config"]["layers"][LAYER]["act_bits"] = 6
     cfg_path.write_text(json.dumps(cfg))
     m["files"]["config.json"] = file_sha256(cfg_path)
+    m["sizes"]["config.json"] = cfg_path.stat().st_size
     (broken / "qtool-manifest.json").write_text(json.dumps(m))
     msg = _error(cli, broken)
     assert f"layer {LAYER}" in msg and "'act_bits' found 6, expected 4 or 8" in msg

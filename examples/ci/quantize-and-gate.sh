@@ -33,7 +33,7 @@ fi
 mkdir -p "$ARTIFACT"
 
 qtool quantize "$RECIPE" -o "$ARTIFACT/checkpoint" --no-eval --json > "$ARTIFACT/quantize.json"
-qtool pack "$ARTIFACT/checkpoint" --json > "$ARTIFACT/pack.json"
+qtool pack "$ARTIFACT/checkpoint" --verify --json > "$ARTIFACT/pack.json"
 
 # The baseline is the model the recipe ran on, as the report names it.
 baseline=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"])' "$ARTIFACT/quantize.json")

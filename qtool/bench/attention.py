@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qtool.bench import stats
+from qtool.bench import plot, stats, tables
 from qtool.bench.e2e import dims_for
 from qtool.bench.timing import Timer
 
@@ -116,16 +116,31 @@ def run_attention_bench(model: str, batches: list[int], contexts: list[int], row
             "torch": torch.__version__, "results": results}
 
 
-def format_attention(r: dict[str, Any]) -> str:
+def report_parts(r: dict[str, Any]) -> list[Any]:
     rows = list(r["results"][0]["rows"]) if r["results"] else []
-    lines = [f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
-             f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
-             f"{'batch':>5} {'context':>7} " + " ".join(f"{x:>24}" for x in rows)]
+    body = []
     for e in r["results"]:
         cells = []
         for x in rows:
             v = e["rows"][x]
             sp = v.get("speedup_vs_sdpa")
-            cells.append(f"{v['median_us']:>8.1f} ({v['tbps']:.2f}) {'' if sp is None else f'{sp:.2f}x':>6}")
-        lines.append(f"{e['batch']:>5} {e['context']:>7} " + " ".join(f"{c:>24}" for c in cells))
-    return "\n".join(lines)
+            cells.append(f"{v['median_us']:.1f} ({v['tbps']:.2f}){'' if sp is None else f' {sp:.2f}x'}")
+        body.append([str(e["batch"]), str(e["context"]), *cells])
+    return [tables.table(
+        f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
+        f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
+        ["batch", "context", *rows], body, left=0)]
+
+
+def format_attention(r: dict[str, Any]) -> str:
+    return tables.render(report_parts(r))
+
+
+def figure(r: dict[str, Any]) -> plot.Figure:
+    """Time of torch SDPA on an FP16 cache / time of each cache's kernel, per batch and context."""
+    x = [f"b{e['batch']} L{e['context']}" for e in r["results"]]
+    names = [n for n in (list(r["results"][0]["rows"]) if r["results"] else []) if n != "fp16-sdpa"]
+    series = {n: [e["rows"][n].get("speedup_vs_sdpa") for e in r["results"]] for n in names}
+    return plot.Figure(f"qtool bench attention {r['model']} on {r['device']}", "SDPA time / time",
+                       f"torch SDPA ({r.get('sdpa_backend')}) on an FP16 cache",
+                       [plot.Panel("decode attention, one step", x, series, kind="bar", xlabel="batch, context")])

@@ -1,14 +1,19 @@
-"""The `qtool bench` click group: `kernels` and `e2e`. Importing this module needs neither a GPU nor cupy."""
+"""The `qtool bench` click group: `kernels`, `quik`, `e2e` (and `e2e --throughput`), `attention`. Each prints its
+report as rich tables (or JSON with `--json`), writes it with `--json-out PATH` and draws it with `--plot PATH`.
+Importing this module needs neither a GPU nor cupy."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from qtool.bench.stats import BenchError
 from qtool.errors import ResourceError
-from qtool.failure import QtoolGroup
+from qtool.failure import JSON_KEY, QtoolGroup
 
 __all__ = ["BenchError", "bench"]
 
@@ -49,14 +54,81 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
-def _validated_write(report: dict, problems: list[str], json_path: str | None) -> None:
-    """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write --json."""
-    if problems:
-        raise RuntimeError(f"report does not match its schema: {problems[0]}")
-    if json_path:
-        from qtool.bench.kernels import write_json  # noqa: PLC0415
+def report_options(f):
+    """--json, --json-out and --plot on every bench subcommand, passed on as `out`."""
 
-        write_json(report, json_path)
+    @click.option("--json", "json_mode", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
+    @click.option("--json-out", "json_out", default=None, metavar="PATH", help="Also write the report as JSON here.")
+    @click.option("--plot", "plot_path", default=None, metavar="PATH",
+                  help="Write a PNG of the ratios to cuBLAS FP16 (and the peers) here.")
+    @functools.wraps(f)
+    def wrapper(*args, json_mode: bool, json_out: str | None, plot_path: str | None, **kwargs):
+        click.get_current_context().meta[JSON_KEY] = json_mode  # errors are then also JSON objects on stdout
+        return f(*args, out=ReportOutput(json_mode, json_out, plot_path), **kwargs)
+
+    wrapper.qtool_json_option = True
+    return wrapper
+
+
+class ReportOutput:
+    """The files a bench ends with. As a context manager it reserves them before the run (qtool/output.py: a
+    folder at the path, a parent that is a file, an unwritable folder are refused before minutes of timing) and
+    removes what it reserved unless the run got to write them."""
+
+    def __init__(self, json_mode: bool, json_out: str | None, plot_path: str | None) -> None:
+        self.json_mode, self.json_out, self.plot_path = json_mode, json_out, plot_path
+        self.reserved: dict[str, Any] = {}
+
+    def __enter__(self) -> ReportOutput:
+        from qtool.bench import plot  # noqa: PLC0415
+        from qtool.output import reserve_output  # noqa: PLC0415
+
+        if self.plot_path:
+            plot.pyplot()
+        try:
+            for key, path in (("json", self.json_out), ("plot", self.plot_path)):
+                if path:
+                    # a report or picture left by an earlier run is replaced, as the run's own output
+                    self.reserved[key] = reserve_output(path, directory=False, overwrite=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for o in self.reserved.values():
+            o.__exit__()
+
+    def finish(self, report: dict[str, Any], problems: list[str], parts: Callable[[dict], list],
+               figure: Callable[[dict], Any]) -> None:
+        """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write the JSON file
+        and the PNG, then print the tables (or the JSON)."""
+        from qtool.bench import plot, tables  # noqa: PLC0415
+
+        if problems:
+            raise RuntimeError(f"report does not match its schema: {problems[0]}")
+        if "json" in self.reserved:
+            self.reserved["json"].tmp.write_text(json.dumps(report, indent=2) + "\n")
+        if "plot" in self.reserved:
+            plot.write(figure(report), str(self.reserved["plot"].tmp))
+        for o in self.reserved.values():
+            o.publish()
+        if self.json_mode:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            tables.echo(parts(report))
+
+
+def _torchao_group(text: str) -> int | None:
+    from qtool.bench.tinygemm import GROUP_SIZES  # noqa: PLC0415
+
+    t = text.strip().lower()
+    if t in ("", "none-rows"):
+        return None
+    if not t.isdigit() or int(t) not in GROUP_SIZES:
+        raise BenchError(f"--torchao: found {text!r}, expected one of {', '.join(map(str, GROUP_SIZES))} or "
+                         "'none-rows'")
+    return int(t)
 
 
 @click.group(name="bench", cls=QtoolGroup)
@@ -81,11 +153,13 @@ def bench() -> None:
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
-@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
-@click.option("--plot", "plot_path", default=None, help="Write a PNG of the speedups here.")
+@click.option("--torchao", "torchao", default="128", show_default=True,
+              help="Group size of the torchao int4 peer (torch._weight_int4pack_mm, tinygemm; bfloat16 activations), "
+                   "timed beside cuBLAS for every shape and M; 'none-rows' or empty: not timed.")
+@report_options
 def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                mixed: str, warmup: int, iters: int, json_path: str | None, plot_path: str | None) -> None:
-    """Time the quantized matmuls and the cuBLAS FP16/INT8/FP8 baselines, with the card's measured ceilings."""
+                mixed: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
+    """Time the quantized matmuls against cuBLAS FP16/INT8/FP8 and torchao int4, with the card's measured ceilings."""
 
     def go() -> None:
         from qtool.bench import kernels as kb  # noqa: PLC0415
@@ -96,18 +170,15 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             shapes=shape_list, ms=stats.parse_ints(ms, "--m"), bits=stats.parse_ints(bits, "--bits", 2),
             group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
             w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
-            mixed_outliers=_fractions(mixed),
+            mixed_outliers=_fractions(mixed), tinygemm_group_size=_torchao_group(torchao),
         )
         _need_gpu()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        click.echo(kb.HEADER, err=True)
-        report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        _validated_write(report, stats.validate_kernels_report(report), json_path)
-        if plot_path:
-            kb.write_plot(report, plot_path)
-        click.echo(kb.format_report(report))
+        with out:
+            report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+            out.finish(report, stats.validate_kernels_report(report), kb.report_parts, kb.figure)
 
     go()
 
@@ -130,41 +201,39 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 @click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
               help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4).")
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
-@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@click.option("--torchao/--no-torchao", "torchao", default=True, show_default=True,
+              help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).")
+@report_options
 def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, batches: str | None, context: int,
-            throughput: bool, new_tokens: int, variants: str, iters: int, json_path: str | None) -> None:
-    """Prefill and decode tokens/s, FP16 vs grouped_int, same decoder, CUDA graphs, peak GPU memory; with
-    --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that fits."""
+            throughput: bool, new_tokens: int, variants: str, iters: int, torchao: bool, out: ReportOutput) -> None:
+    """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs, peak GPU
+    memory; with --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that
+    fits."""
 
     def go() -> None:
-        from qtool.bench import stats  # noqa: PLC0415
-        from qtool.bench.e2e import dims_for, format_e2e, run_e2e  # noqa: PLC0415
+        from qtool.bench import e2e, stats  # noqa: PLC0415
 
-        dims_for(model_config)
+        e2e.dims_for(model_config)
         gs = _group_sizes(group_size)
         if len(gs) != 1:
             raise BenchError(f"--group-size: found {group_size!r}, expected one value for e2e")
         if throughput:
             _throughput(model_config, gs[0], prompt or 1024, new_tokens, batches or "16,64,256,max", variants,
-                        iters, json_path)
+                        iters, out)
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
         _need_gpu()
-        report = run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
-                         log=lambda s: click.echo(s, err=True))
-        if json_path:
-            from pathlib import Path  # noqa: PLC0415
-
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(format_e2e(report))
+        with out:
+            report = e2e.run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
+                                 log=lambda s: click.echo(s, err=True), torchao=torchao)
+            out.finish(report, [], e2e.report_parts, e2e.figure)
 
     go()
 
 
 def _throughput(model_config: str, group_size: int | None, prompt: int, new_tokens: int, batches: str,
-                variants: str, iters: int, json_path: str | None) -> None:
+                variants: str, iters: int, out: ReportOutput) -> None:
     from qtool.bench import stats  # noqa: PLC0415
     from qtool.bench import throughput as tp  # noqa: PLC0415
 
@@ -176,14 +245,10 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
     nums = ",".join(str(b) for b in sizes if b != "max")
     sizes = [*stats.parse_ints(nums, "--batches"), *(["max"] if "max" in sizes else [])] if nums else ["max"]
     _need_gpu()
-    report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
-                               log=lambda s: click.echo(s, err=True))
-    if json_path:
-        from pathlib import Path  # noqa: PLC0415
-
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(tp.format_throughput(report))
+    with out:
+        report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
+                                   log=lambda s: click.echo(s, err=True))
+        out.finish(report, [], tp.report_parts, tp.figure)
 
 
 @bench.command("quik")
@@ -197,10 +262,13 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
               help="Outlier count of the fusion ladder (Fig. 5) and of the W8A8 row.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None))
-@click.option("--json", "json_path", default=None, help="Write the full report as JSON here.")
+@click.option("--torchao", "torchao", default="128", show_default=True,
+              help="Group size of the torchao int4 (W4A16) peer; 'none-rows' or empty: not timed.")
+@report_options
 def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladder_outliers: int, warmup: int,
-             iters: int, json_path: str | None) -> None:
-    """Time the QUIK W4A4/W8A8 kernels (fusion ladder, outlier sweep) against cuBLAS FP16/INT8/FP8."""
+             iters: int, torchao: str, out: ReportOutput) -> None:
+    """Time the QUIK W4A4/W8A8 kernels (fusion ladder, outlier sweep) against cuBLAS FP16/INT8/FP8 and torchao
+    int4."""
 
     def go() -> None:
         from qtool.bench import kernels as kb  # noqa: PLC0415
@@ -210,14 +278,14 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
         shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
         counts = tuple(stats.parse_ints(outliers, "--outliers", 0))
         cfg = qb.QuikBenchConfig(shapes=shape_list, m=m, outlier_counts=counts, ladder_outliers=ladder_outliers,
-                                 warmup=warmup, iters=iters)
+                                 warmup=warmup, iters=iters, tinygemm_group_size=_torchao_group(torchao))
         _need_gpu()
         from qtool.bench.cuda_cases import QuikCudaCases  # noqa: PLC0415
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
-        _validated_write(report, qb.validate_report(report), json_path)
-        click.echo(qb.format_report(report))
+        with out:
+            report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+            out.finish(report, qb.validate_report(report), qb.report_parts, qb.figure)
 
     go()
 
@@ -232,9 +300,9 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
                    "int4-fma (KV4 through the CUDA-core form).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
-@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@report_options
 def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
-                  json_path: str | None) -> None:
+                  out: ReportOutput) -> None:
     """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8 and INT4 (KV4) caches."""
 
     def go() -> None:
@@ -251,14 +319,10 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
         _need_gpu()
         from qtool.bench.timing import CudaTimer  # noqa: PLC0415
 
-        report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
-                                        log=lambda s: click.echo(s, err=True))
-        if json_path:
-            from pathlib import Path  # noqa: PLC0415
-
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(ab.format_attention(report))
+        with out:
+            report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
+                                            log=lambda s: click.echo(s, err=True))
+            out.finish(report, [], ab.report_parts, ab.figure)
 
     go()
 

@@ -145,6 +145,24 @@ class CudaCases:
         fns[0]()
         return fns, m_eff
 
+    def tinygemm(self, k: int, n: int, m: int, group_size: int) -> tuple[Fns, int]:
+        """torchao's int4 kernel on random layers (bfloat16 activations), each layer checked against its
+        dequantized weight before any is timed."""
+        from qtool.bench import tinygemm as tg  # noqa: PLC0415
+
+        reason = tg.available(self.dev) or tg.unsupported_reason(k, n, group_size)
+        if reason is not None:
+            raise RuntimeError(reason)
+        r = rotations(n * k // 2 + 4 * n * (k // group_size) + 2 * m * k + 2 * m * n, self.l2)
+        fns = []
+        for _ in range(r):
+            codes, scales, zeros = tg.random_layer(k, n, group_size, self.dev, self.gen)
+            p = tg.pack(codes, scales, zeros, group_size)
+            x = self._randn(m, k, dtype=torch.bfloat16)
+            tg.check(p, codes, scales, zeros, x)
+            del codes
+            fns.append(lambda x=x, p=p: tg.matmul(x, p))
+        return fns, m
 
     def _mixed_layer(self, k: int, n: int, outlier_fraction: float):
         """A random mixed-2-4-16 layer built on the GPU (block4, g1 = g2 = 16): every code word is valid; the

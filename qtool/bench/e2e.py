@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qtool.bench import plot, tables
 from qtool.bench.stats import BenchError
 
 
@@ -263,6 +264,37 @@ def quant_linear(device: torch.device, bits: int, group_size: int | None, gen: t
     return make
 
 
+class TorchaoInt4Linear(nn.Module):
+    """torchao's int4 kernel (qtool/bench/tinygemm.py) as the decoder's linear: it takes bfloat16 only, so the
+    float16 rows are cast on the way in and out (two small kernels per linear, timed with it)."""
+
+    def __init__(self, k: int, n: int, group_size: int, device: torch.device, gen: torch.Generator) -> None:
+        super().__init__()
+        from qtool.bench import tinygemm as tg  # noqa: PLC0415
+
+        codes, scales, zeros = tg.random_layer(k, n, group_size, device, gen)
+        self.packed = tg.pack(codes, scales, zeros, group_size)
+        tg.check(self.packed, codes, scales, zeros,
+                 torch.randn(4, k, device=device, generator=gen).to(torch.bfloat16))
+        # as buffers, so that weight_bytes counts them
+        self.register_buffer("weight", self.packed.weight, persistent=False)
+        self.register_buffer("scales_and_zeros", self.packed.scales_and_zeros, persistent=False)
+        self.out_features = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from qtool.bench import tinygemm as tg  # noqa: PLC0415
+
+        y = tg.matmul(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.packed)
+        return y.to(torch.float16).reshape(*x.shape[:-1], self.out_features)
+
+
+def torchao_linear(device: torch.device, group_size: int, gen: torch.Generator):
+    return lambda k, n: TorchaoInt4Linear(k, n, group_size, device, gen)
+
+
+TORCHAO = "torchao-int4"
+
+
 def _time_graph(step, iters: int) -> float:
     """Median microseconds of one replay."""
     for _ in range(3):
@@ -328,8 +360,22 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.device) -> str | None:
+    """Why the torchao int4 model cannot run beside this e2e run (None: it can)."""
+    from qtool.bench import tinygemm as tg  # noqa: PLC0415
+
+    if bits != 4:
+        return f"torchao int4 is a 4-bit format, found --bits {bits}"
+    reason = tg.available(dev)
+    shapes = [(d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim), (d.heads * d.head_dim, d.hidden),
+              (d.hidden, 2 * d.intermediate), (d.intermediate, d.hidden)]
+    for k, n in shapes:
+        reason = reason or tg.unsupported_reason(k, n, group_size)
+    return reason
+
+
 def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, batches: list[int], context: int,
-            iters: int, log=lambda s: None) -> dict[str, Any]:
+            iters: int, log=lambda s: None, torchao: bool = True) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA  # noqa: PLC0415
 
     d = dims_for(model_name)
@@ -340,10 +386,19 @@ def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, bat
         "device": torch.cuda.get_device_name(dev), "runs": {},
     }
     gen = torch.Generator(device=dev).manual_seed(0)
-    for label in ("fp16", f"w{bits}a16"):
+    labels = ["fp16", f"w{bits}a16"]
+    if torchao:
+        reason = torchao_skip_reason(bits, group_size, d, dev)
+        if reason is None:
+            labels.append(TORCHAO)
+        else:
+            report["torchao_skipped"] = reason
+            log(f"{TORCHAO}: not run ({reason})")
+    for label in labels:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        make = fp16_linear(dev) if label == "fp16" else quant_linear(dev, bits, group_size, gen)
+        make = (fp16_linear(dev) if label == "fp16" else torchao_linear(dev, group_size, gen) if label == TORCHAO
+                else quant_linear(dev, bits, group_size, gen))
         model = Decoder(d, make, dev).eval()
         res = measure_model(model, prompt, batches, context, iters)
         res["weight_bytes"] = weight_bytes(model)
@@ -353,25 +408,50 @@ def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, bat
             + ", ".join(f"b{b} {v['tokens_per_s']:.0f} tok/s" for b, v in res["decode"].items())
             + f"; peak {res['peak_memory_bytes'] / 2**30:.1f} GiB")
         del model
-    q, f = report["runs"][f"w{bits}a16"], report["runs"]["fp16"]
-    report["speedup"] = {
-        "prefill": q["prefill"]["tokens_per_s"] / f["prefill"]["tokens_per_s"],
-        **{f"decode_b{b}": q["decode"][str(b)]["tokens_per_s"] / f["decode"][str(b)]["tokens_per_s"] for b in batches},
-    }
+    f = report["runs"]["fp16"]
+    report["speedups"] = {
+        label: {"prefill": q["prefill"]["tokens_per_s"] / f["prefill"]["tokens_per_s"],
+                **{f"decode_b{b}": q["decode"][str(b)]["tokens_per_s"] / f["decode"][str(b)]["tokens_per_s"]
+                   for b in batches}}
+        for label, q in report["runs"].items() if label != "fp16"}
+    report["speedup"] = report["speedups"][f"w{bits}a16"]
     return report
 
 
+def _speedups(r: dict[str, Any]) -> dict[str, dict[str, float]]:
+    # reports written before the torchao run existed have `speedup` (the quantized run's) only
+    return r.get("speedups") or {f"w{r['bits']}a16": r["speedup"]}
+
+
+def report_parts(r: dict[str, Any]) -> list[Any]:
+    b = r["batches"]
+    cols = ["run", "prefill tok/s", *[f"dec b{x} tok/s" for x in b], "weights GiB", "peak GiB"]
+    rows = []
+    for label, run in r["runs"].items():
+        rows.append([label, f"{run['prefill']['tokens_per_s']:.0f}",
+                     *[f"{run['decode'][str(x)]['tokens_per_s']:.1f}" for x in b],
+                     f"{run['weight_bytes'] / 2**30:.2f}", f"{run['peak_memory_bytes'] / 2**30:.2f}"])
+    for label, sp in _speedups(r).items():
+        rows.append([f"{label} / fp16", f"{sp['prefill']:.2f}", *[f"{sp[f'decode_b{x}']:.2f}" for x in b], "", ""])
+    notes = []
+    if TORCHAO in r["runs"]:
+        notes.append(f"{TORCHAO}: torch._weight_int4pack_mm g{r['group_size']}, bfloat16 activations cast from and "
+                     "to float16 around each linear (the decoder's other kernels are float16)")
+    if r.get("torchao_skipped"):
+        notes.append(f"{TORCHAO} not run: {r['torchao_skipped']}")
+    return [tables.table(f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
+                         f"{r['decode_context']} (static cache), CUDA graphs, random weights", cols, rows), *notes]
+
+
 def format_e2e(r: dict[str, Any]) -> str:
-    q_label = f"w{r['bits']}a16"
-    lines = [f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
-             f"{r['decode_context']} (static cache), CUDA graphs, random weights",
-             f"{'':>10} {'prefill tok/s':>14} " + " ".join(f"{'dec b' + str(b) + ' tok/s':>14}" for b in r["batches"])
-             + f" {'weights GiB':>11} {'peak GiB':>8}"]
-    for label in ("fp16", q_label):
-        run = r["runs"][label]
-        lines.append(f"{label:>10} {run['prefill']['tokens_per_s']:>14.0f} "
-                     + " ".join(f"{run['decode'][str(b)]['tokens_per_s']:>14.1f}" for b in r["batches"])
-                     + f" {run['weight_bytes'] / 2**30:>11.2f} {run['peak_memory_bytes'] / 2**30:>8.2f}")
-    sp = r["speedup"]
-    lines.append(f"{'speedup':>10} {sp['prefill']:>14.2f} " + " ".join(f"{sp[f'decode_b{b}']:>14.2f}" for b in r["batches"]))
-    return "\n".join(lines)
+    return tables.render(report_parts(r))
+
+
+def figure(r: dict[str, Any]) -> plot.Figure:
+    """Tokens/s of each run over FP16's (cuBLAS linears), for the prefill and each decode batch."""
+    x = [f"prefill {r['prompt_tokens']}", *[f"decode b{b}" for b in r["batches"]]]
+    keys = ["prefill", *[f"decode_b{b}" for b in r["batches"]]]
+    series = {label: [sp.get(k) for k in keys] for label, sp in _speedups(r).items()}
+    return plot.Figure(f"qtool bench e2e {r['model']} on {r['device']}", "tokens/s / FP16 tokens/s",
+                       "FP16 (cuBLAS)", [plot.Panel(f"W{r['bits']} g{r['group_size'] or 'ch'}, random weights", x,
+                                                   series, kind="bar", peers=(TORCHAO,))])

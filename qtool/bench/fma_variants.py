@@ -14,8 +14,10 @@ import statistics
 import sys
 
 import torch
+from rich import box
+from rich.table import Table
 
-from qtool.bench import stats
+from qtool.bench import stats, tables
 from qtool.bench.kernels import MODEL_SHAPES
 
 
@@ -94,16 +96,21 @@ def main(argv: list[str] | None = None) -> int:
                           "x_fp16": fp16_1 / med, "pct_copy_bw": 100 * nbytes / (med * 1e-6) / 1e12 / copy}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| KxN | w | M=1 fp16 us | fma s0 us (x, %BW) | fma s1 us (x, %BW) | s1/s0 | spread s0/s1 | err s0/s1 "
-          "| gemv M=1 us | M=16 gemv us (x fp16) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # a markdown table (rich's MARKDOWN box), pasted as is into kernels/NOTES.md
+    table = Table(box=box.MARKDOWN)
+    for col in ("KxN", "w", "M=1 fp16 us", "fma s0 us (x, %BW)", "fma s1 us (x, %BW)", "s1/s0", "spread s0/s1",
+                "err s0/s1", "gemv M=1 us", "M=16 gemv us (x fp16)"):
+        table.add_column(col)
     for r in rows:
         a, b = r["s0"], r["s1"]
-        print(f"| {r['KxN']} | {r['bits']} | {r['fp16_m1_us']:.2f} | {a['median_us']:.2f} ({a['x_fp16']:.2f}x, "
-              f"{a['pct_copy_bw']:.0f}%) | {b['median_us']:.2f} ({b['x_fp16']:.2f}x, {b['pct_copy_bw']:.0f}%) | "
-              f"{b['median_us'] / a['median_us']:.3f} | {a['spread_us']:.2f}/{b['spread_us']:.2f} | "
-              f"{r['err']['s0']:.1e}/{r['err']['s1']:.1e} | {r['gemv_m1_us']:.2f} | "
-              f"{r['gemv_m16_us']:.2f} ({r['fp16_m16_us'] / r['gemv_m16_us']:.2f}x) |")
+        table.add_row(r["KxN"], str(r["bits"]), f"{r['fp16_m1_us']:.2f}",
+                      f"{a['median_us']:.2f} ({a['x_fp16']:.2f}x, {a['pct_copy_bw']:.0f}%)",
+                      f"{b['median_us']:.2f} ({b['x_fp16']:.2f}x, {b['pct_copy_bw']:.0f}%)",
+                      f"{b['median_us'] / a['median_us']:.3f}", f"{a['spread_us']:.2f}/{b['spread_us']:.2f}",
+                      f"{r['err']['s0']:.1e}/{r['err']['s1']:.1e}", f"{r['gemv_m1_us']:.2f}",
+                      f"{r['gemv_m16_us']:.2f} ({r['fp16_m16_us'] / r['gemv_m16_us']:.2f}x)")
+    print()
+    tables.echo([table])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "copy_tbps": copy, "rows": rows}, f, indent=1)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from qtool.bench import stats
+from qtool.bench import plot, stats, tables
 from qtool.bench.timing import Fns, Timer
 
 # (in_features K, out_features N) of the distinct linear shapes of each model.
@@ -60,6 +61,7 @@ class Cases(Protocol):
     def fp16(self, k: int, n: int, m: int) -> Fns: ...
     def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
+    def tinygemm(self, k: int, n: int, m: int, group_size: int) -> tuple[Fns, int]: ...
     def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]: ...
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns: ...
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]: ...
@@ -82,6 +84,7 @@ class KernelBenchConfig:
     iters: int = 100
     w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
     mixed_outliers: list[float] = field(default_factory=list)  # mixed-2-4-16 rows, one per outlier fraction
+    tinygemm_group_size: int | None = None  # torchao int4 (W4A16) peer at this group size; None: not timed
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -118,6 +121,35 @@ def _time(timer: Timer, make: Callable[[], Fns], warmup: int, iters: int) -> sta
         del fns
 
 
+# Peers timed beside cuBLAS FP16 for every shape and M: name -> the Cases method making them.
+PEERS = ("int8", "fp8", "tinygemm")
+PEER_LABELS = {"fp16": "cuBLAS FP16", "int8": "cuBLAS INT8", "fp8": "cuBLAS FP8", "tinygemm": "torchao int4"}
+
+
+def time_peers(cases: Cases, timer: Timer, k: int, n: int, m: int, warmup: int, iters: int,
+               tinygemm_group_size: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """({peer: timing with m_eff, or None}, {peer: why it has no timing}): a peer the card or library lacks, or
+    that fails its own check, is reported, not fatal."""
+    base: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    makers: dict[str, Callable[[], tuple[Fns, int]]] = {"int8": lambda: cases.int8(k, n, m),
+                                                         "fp8": lambda: cases.fp8(k, n, m)}
+    if tinygemm_group_size is not None:
+        makers["tinygemm"] = lambda: cases.tinygemm(k, n, m, tinygemm_group_size)
+    for name, make in makers.items():
+        try:
+            fns, m_eff = make()
+            s = stats.summarize(timer(fns, warmup, iters))
+            del fns
+            base[name] = {**s.to_dict(), "m_eff": m_eff}
+            if name == "tinygemm":
+                base[name]["group_size"] = tinygemm_group_size
+        except Exception as exc:  # noqa: BLE001
+            base[name] = None
+            errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return base, errors
+
+
 def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                      log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure every (shape, M, bits, group size) and return the report (schema stats.KERNELS_SCHEMA)."""
@@ -126,20 +158,10 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
     results = []
     for k, n in cfg.shapes:
         for m in cfg.ms:
-            base: dict[str, Any] = {}
-            base_err: dict[str, str] = {}
             # The lambdas below run immediately inside _time (never later), so late binding is harmless.
             first = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
-            base["fp16"] = first
-            for name, maker in (("int8", cases.int8), ("fp8", cases.fp8)):
-                try:
-                    fns, m_eff = maker(k, n, m)
-                    s = stats.summarize(timer(fns, cfg.warmup, cfg.iters))
-                    del fns
-                    base[name] = {**s.to_dict(), "m_eff": m_eff}
-                except Exception as exc:  # noqa: BLE001  a baseline the card/library lacks is reported, not fatal
-                    base[name] = None
-                    base_err[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            peers, base_err = time_peers(cases, timer, k, n, m, cfg.warmup, cfg.iters, cfg.tinygemm_group_size)
+            base: dict[str, Any] = {"fp16": first, **peers}
             rows = []
 
             def measure(bits: int, gs: int | None, symmetric: bool, paths: list[str], dispatched: str,
@@ -194,80 +216,128 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
             "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
+            "tinygemm_group_size": cfg.tinygemm_group_size,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
     }
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+def row_label(r: dict[str, Any]) -> str:
+    """What a result row measures, without its shape and M: `W4 g128`, `W4A8 g128`, `mixed 0.2%`."""
+    g = "ch" if r["group_size"] is None else f"g{r['group_size']}"
+    if r.get("layout") == "mixed-2-4-16":
+        return f"mixed-2-4-16 {100 * r['outlier_fraction']:g}%"
+    if r["path"] in W4A8_PATHS:
+        return f"W4A8 {g}"
+    return f"W{r['bits']} {g}{'' if r['symmetric'] else ' asym'}"
 
 
-HEADER = (f"{'KxN':>12} {'M':>5} {'w':>2} {'g':>4}  {'path':<15} {'us':>8} {'TB/s':>5} {'%BW':>4} "
-          f"{'TFLOP/s':>7} {'%pk':>4} {'fp16us':>8} {'xFP16':>5} {'xINT8':>5} {'xFP8':>5} {'noise':>5}  alt")
+def _alternatives(r: dict[str, Any]) -> list[str]:
+    alts = [f"{p}={v['median_us']:.1f}" for p, v in r["candidates"].items() if p != r["path"]]
+    if r.get("best_path", r["path"]) != r["path"]:
+        alts.append(f"(best: {r['best_path']})")
+    return alts
 
 
 def format_row(r: dict[str, Any]) -> str:
-    roof, sp = r["roofline"], r["speedup"]
-    alts = [f"{p}={v['median_us']:.1f}" for p, v in r["candidates"].items() if p != r["path"]]
-    flag = "" if r.get("best_path", r["path"]) == r["path"] else " (best: " + r["best_path"] + ")"
+    """One progress line per measured row (stderr while the bench runs)."""
+    sp, roof = r["speedup"], r["roofline"]
+    ratios = ", ".join(f"x{PEER_LABELS.get(b, b).split()[-1]} {v:.2f}" for b, v in sp.items() if v is not None)
+    alts = _alternatives(r)
+    return (f"{r['k']}x{r['n']} M={r['m']} {row_label(r)} {r['path']}: {r['quant']['median_us']:.2f} us, "
+            f"{roof['tbps']:.2f} TB/s ({roof['pct_copy_bw']:.0f}% BW); {ratios}"
+            + (f"; other paths {' '.join(alts)}" if alts else ""))
+
+
+COLUMNS = ("KxN", "M", "weights", "path", "us", "TB/s", "%BW", "TFLOP/s", "%pk", "fp16 us", "xFP16", "xINT8",
+           "xFP8", "xtorchao", "noise", "alt")
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    roof, sp, num = r["roofline"], r["speedup"], tables.num
+    alts = _alternatives(r)
     fp16 = r["baselines"].get("fp16")
-    if r.get("layout") == "mixed-2-4-16":
-        alts.append(f"outliers {100 * r['outlier_fraction']:g}%")
-    w = "mx" if r.get("layout") == "mixed-2-4-16" else r["bits"]
-    return (f"{r['k']:>5}x{r['n']:<6} {r['m']:>5} {w:>2} {str(r['group_size'] or 'ch'):>4}  "
-            f"{r['path']:<15} {r['quant']['median_us']:>8.2f} {roof['tbps']:>5.2f} {roof['pct_copy_bw']:>4.0f} "
-            f"{roof['tflops']:>7.1f} {roof['pct_fp16_peak']:>4.0f} {_fmt(fp16 and fp16['median_us'], '8.2f'):>8} "
-            f"{_fmt(sp.get('fp16'), '5.2f'):>5} {_fmt(sp.get('int8'), '5.2f'):>5} {_fmt(sp.get('fp8'), '5.2f'):>5} "
-            f"{_fmt(100 * r['noise'] if r['noise'] is not None else None, '4.1f'):>4}%  {' '.join(alts)}{flag}")
+    return [f"{r['k']}x{r['n']}", str(r["m"]), row_label(r), r["path"], f"{r['quant']['median_us']:.2f}",
+            f"{roof['tbps']:.2f}", f"{roof['pct_copy_bw']:.0f}", f"{roof['tflops']:.1f}",
+            f"{roof['pct_fp16_peak']:.0f}", num(fp16 and fp16["median_us"], ".2f"), num(sp.get("fp16"), ".2f"),
+            num(sp.get("int8"), ".2f"), num(sp.get("fp8"), ".2f"), num(sp.get("tinygemm"), ".2f"),
+            num(r["noise"] if r["noise"] is None else 100 * r["noise"], ".1f", "%"), " ".join(alts)]
+
+
+def _peer_errors(report: dict[str, Any]) -> list[str]:
+    seen: dict[str, str] = {}
+    for r in report["results"]:
+        for name, why in r.get("baseline_errors", {}).items():
+            seen.setdefault(f"{PEER_LABELS.get(name, name)}: {why}", f"{r['k']}x{r['n']} M={r['m']}")
+    return [f"not timed, {msg} (first at {where})" for msg, where in seen.items()]
+
+
+def report_parts(report: dict[str, Any]) -> list[Any]:
+    d, c = report["device"], report["ceilings"]
+    tg = report["config"].get("tinygemm_group_size")
+    return [
+        f"device: {d.get('name')}  SMs {d.get('sms')}  L2 {d.get('l2_mb')} MB  torch {d.get('torch')}  "
+        f"cupy {d.get('cupy')}",
+        f"ceilings (measured): copy {c['copy_tbps']:.2f} TB/s (read+write), cuBLAS FP16 {c['fp16_tflops']:.0f} "
+        f"TFLOP/s, launch floor {c.get('launch_floor_us', float('nan')):.2f} us per kernel (tiny kernel, graph "
+        "replay)",
+        tables.table(
+            "quantized matmuls against cuBLAS FP16/INT8/FP8" + (f" and torchao int4 g{tg} (bfloat16)" if tg else ""),
+            COLUMNS, (_cells(r) for r in report["results"]), left=4, left_last=1,
+            caption="%BW: bytes the kernel must read+write / time vs copy bandwidth; xBASE: baseline time / our "
+                    "time (INT8/FP8 run at M padded to their minimum; cuBLAS FP16 timed before and after ours, the "
+                    "faster counts); noise: same path timed twice"),
+        *_peer_errors(report),
+    ]
 
 
 def format_report(report: dict[str, Any]) -> str:
-    d, c = report["device"], report["ceilings"]
-    lines = [
-        f"device: {d.get('name')}  SMs {d.get('sms')}  L2 {d.get('l2_mb')} MB  torch {d.get('torch')}  "
-        f"cupy {d.get('cupy')}",
-        f"ceilings (measured): copy {c['copy_tbps']:.2f} TB/s (read+write), cuBLAS FP16 {c['fp16_tflops']:.0f} TFLOP/s, "
-        f"launch floor {c.get('launch_floor_us', float('nan')):.2f} us per kernel (tiny kernel, graph replay)",
-        "%BW: bytes the kernel must read+write / time vs copy bandwidth; xBASE: baseline time / our time "
-        "(INT8/FP8 run at M padded to their minimum; cuBLAS FP16 timed before and after ours, the faster counts); "
-        "noise: same path timed twice",
-        HEADER,
-    ]
-    lines += [format_row(r) for r in report["results"]]
-    return "\n".join(lines)
+    return tables.render(report_parts(report))
+
+
+def figure(report: dict[str, Any]) -> plot.Figure:
+    """Per shape, time of cuBLAS FP16 / time of each kernel against M: ours and the peers."""
+    panels = []
+    shapes = list(dict.fromkeys((r["k"], r["n"]) for r in report["results"]))
+    for k, n in shapes:
+        rows = [r for r in report["results"] if (r["k"], r["n"]) == (k, n)]
+        ms = sorted({r["m"] for r in rows})
+        series: dict[str, list[float | None]] = {}
+        for r in rows:
+            series.setdefault(row_label(r), [None] * len(ms))[ms.index(r["m"])] = r["speedup"].get("fp16")
+        peers = []
+        for name in PEERS:
+            label = PEER_LABELS[name]
+            if name == "tinygemm" and report["config"].get("tinygemm_group_size"):
+                label += f" g{report['config']['tinygemm_group_size']}"
+            ys: list[float | None] = [None] * len(ms)
+            for r in rows:
+                b, f = r["baselines"].get(name), r["baselines"].get("fp16")
+                if isinstance(b, dict) and isinstance(f, dict):
+                    ys[ms.index(r["m"])] = stats.speedup(f["median_us"], b["median_us"])
+            if any(y is not None for y in ys):
+                series[label] = ys
+                peers.append(label)
+        panels.append(plot.Panel(f"KxN {k}x{n}", ms, series, xlabel="tokens M", peers=tuple(peers)))
+    return plot.Figure(f"qtool bench kernels on {report['device'].get('name')}",
+                       "cuBLAS FP16 time / time", "cuBLAS FP16", panels)
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        raise stats.BenchError("--plot: matplotlib is not installed; install it or drop --plot") from None
-    rows = report["results"]
-    labels = [f"{r['k']}x{r['n']}\nM={r['m']} w{r['bits']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
-    width = 0.27
-    for i, base in enumerate(("fp16", "int8", "fp8")):
-        vals = [r["speedup"].get(base) or 0.0 for r in rows]
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=f"vs cuBLAS {base.upper()}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=6)
-    ax.set_ylabel("speedup (baseline time / grouped_int time)")
-    ax.set_title(f"grouped_int kernels on {report['device'].get('name')}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot.write(figure(report), path)
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    """`--json-out`: the report at `path`, through a temporary sibling (a file appears only whole)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def rotations(set_bytes: int, l2_bytes: int, cap: int = 64) -> int:

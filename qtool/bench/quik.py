@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qtool.bench import stats
-from qtool.bench.kernels import measure_ceilings
+from qtool.bench import plot, stats, tables
+from qtool.bench.kernels import PEER_LABELS, measure_ceilings, time_peers
 from qtool.bench.timing import Fns, Timer
 
 QUIK_SCHEMA = "qtool.bench.quik/1"
@@ -31,6 +31,7 @@ class QuikCases(Protocol):
     def fp16(self, k: int, n: int, m: int) -> Fns: ...
     def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
+    def tinygemm(self, k: int, n: int, m: int, group_size: int) -> tuple[Fns, int]: ...
     def quik(self, k: int, n: int, m: int, bits: int, outliers: int, rung: str) -> Fns: ...
 
 
@@ -43,6 +44,7 @@ class QuikBenchConfig:
     w8a8: bool = True
     warmup: int = 10
     iters: int = 100
+    tinygemm_group_size: int | None = None  # torchao int4 (W4A16) peer at this group size; None: not timed
 
 
 def _summ(timer: Timer, make: Callable[[], Fns], warmup: int, iters: int) -> dict[str, float]:
@@ -65,16 +67,8 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
     m = cfg.m
     for k, n in cfg.shapes:
         first = _summ(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters)  # noqa: B023
-        base: dict[str, Any] = {"fp16": first}
-        errors: dict[str, str] = {}
-        for name, maker in (("int8", cases.int8), ("fp8", cases.fp8)):
-            try:
-                fns, m_eff = maker(k, n, m)
-                base[name] = {**stats.summarize(timer(fns, cfg.warmup, cfg.iters)).to_dict(), "m_eff": m_eff}
-                del fns
-            except Exception as exc:  # noqa: BLE001  a baseline the card/library lacks is reported, not fatal
-                base[name] = None
-                errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        peers, errors = time_peers(cases, timer, k, n, m, cfg.warmup, cfg.iters, cfg.tinygemm_group_size)
+        base: dict[str, Any] = {"fp16": first, **peers}
 
         timed: list[dict[str, Any]] = []
 
@@ -112,58 +106,91 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
             "noise": stats.noise(ladder["fused"]["median_us"], again["median_us"]),
         }
         rows.append(row)
-        for line in format_row(row):
-            log(line)
+        log(tables.render([_table(row)]))
     return {
         "schema": QUIK_SCHEMA,
         "device": cases.device_info(),
         "ceilings": ceilings,
         "config": {"shapes": [f"{k}x{n}" for k, n in cfg.shapes], "m": m, "outliers": list(cfg.outlier_counts),
                    "ladder_outliers": cfg.ladder_outliers, "warmup": cfg.warmup, "iters": cfg.iters,
+                   "tinygemm_group_size": cfg.tinygemm_group_size,
                    "shape_convention": "KxN = in_features x out_features; TOPS counts 2*M*N*K"},
         "results": rows,
     }
 
 
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
+def _cells(label: str, v: dict[str, Any], overhead: float | None = None) -> list[str]:
+    sp, num = v["speedup"], tables.num
+    return [label, f"{v['median_us']:.1f}", f"{v['tops']:.0f}", num(sp.get("fp16"), ".2f"), num(sp.get("int8"), ".2f"),
+            num(sp.get("fp8"), ".2f"), num(sp.get("tinygemm"), ".2f"),
+            "" if overhead is None else f"{100 * overhead:+.1f}%"]
 
 
-def format_row(r: dict[str, Any]) -> list[str]:
-    fp16 = r["baselines"]["fp16"]["median_us"]
-    runs = r["baselines"]["fp16"].get("runs_us")
+def _table(r: dict[str, Any]) -> Any:
+    fp16 = r["baselines"]["fp16"]
+    runs = fp16.get("runs_us")
     both = f" (faster of {runs[0]:.1f} before / {runs[1]:.1f} after ours)" if runs else ""
-    out = [f"{r['k']}x{r['n']} M={r['m']}: cuBLAS fp16 {fp16:.1f} us{both}"
-           + "".join(f", {b} {_x(v and v['median_us'])} us" for b, v in r["baselines"].items() if b != "fp16")]
-
-    def line(label: str, v: dict[str, Any]) -> str:
-        sp = v["speedup"]
-        return (f"  {label:<24} {v['median_us']:>8.1f} us {v['tops']:>6.0f} TOPS  xFP16 {_x(sp.get('fp16'))}  "
-                f"xINT8 {_x(sp.get('int8'))}  xFP8 {_x(sp.get('fp8'))}")
-
-    for rung, v in r["w4a4_ladder"].items():
-        out.append(line(f"w4a4 {rung} k={r['ladder_outliers']}", v))
+    title = (f"{r['k']}x{r['n']} M={r['m']}: cuBLAS FP16 {fp16['median_us']:.1f} us{both}"
+             + "".join(f", {PEER_LABELS.get(b, b)} {tables.num(v and v['median_us'], '.1f')} us"
+                       for b, v in r["baselines"].items() if b != "fp16"))
+    ko = r["ladder_outliers"]
+    rows = [_cells(f"w4a4 {rung} k={ko}", v) for rung, v in r["w4a4_ladder"].items()]
     for form, v in r.get("w4a4_forms", {}).items():
-        if v is None:
-            out.append(f"  w4a4 {form:<19} -  ({r['baseline_errors'].get(form, 'not run')})")
-        else:
-            out.append(line(f"w4a4 {form} k={r['ladder_outliers']}", v))
-    for ko, v in r["w4a4_outliers"].items():
-        ov = r["outlier_overhead"].get(ko)
-        out.append(line(f"w4a4 fused k={ko}", v) + (f"  outliers +{100 * ov:.1f}%" if ov is not None else ""))
+        rows.append(_cells(f"w4a4 {form} k={ko}", v) if v is not None else
+                    [f"w4a4 {form}", "-", "-", "-", "-", "-", "-", r["baseline_errors"].get(form, "not run")])
+    rows += [_cells(f"w4a4 fused k={k}", v, r["outlier_overhead"].get(k)) for k, v in r["w4a4_outliers"].items()]
     if r.get("w8a8"):
-        out.append(line(f"w8a8 fused k={r['ladder_outliers']}", r["w8a8"]))
-    return out
+        rows.append(_cells(f"w8a8 fused k={ko}", r["w8a8"]))
+    return tables.table(title, ("kernel", "us", "TOPS", "xFP16", "xINT8", "xFP8", "xtorchao", "outliers"), rows,
+                        left_last=1)
+
+
+def report_parts(report: dict[str, Any]) -> list[Any]:
+    d, c = report["device"], report["ceilings"]
+    parts: list[Any] = [
+        f"device: {d.get('name')}  SMs {d.get('sms')}  torch {d.get('torch')}  cupy {d.get('cupy')}",
+        f"ceilings (measured): copy {c['copy_tbps']:.2f} TB/s, cuBLAS FP16 {c['fp16_tflops']:.0f} TFLOP/s",
+        "xBASE: baseline time / our time, same shape, same run; TOPS: 2*M*N*K / time; outliers: time over the "
+        "fused W4A4 layer without outlier columns",
+    ]
+    for r in report["results"]:
+        parts.append(_table(r))
+        parts += [f"  {PEER_LABELS.get(b, b)} not timed: {why}" for b, why in r["baseline_errors"].items()
+                  if b in PEER_LABELS]
+    return parts
 
 
 def format_report(report: dict[str, Any]) -> str:
-    d, c = report["device"], report["ceilings"]
-    lines = [f"device: {d.get('name')}  SMs {d.get('sms')}  torch {d.get('torch')}  cupy {d.get('cupy')}",
-             f"ceilings (measured): copy {c['copy_tbps']:.2f} TB/s, cuBLAS FP16 {c['fp16_tflops']:.0f} TFLOP/s",
-             "xBASE: baseline time / our time, same shape, same run; TOPS: 2*M*N*K / time"]
-    for r in report["results"]:
-        lines += format_row(r)
-    return "\n".join(lines)
+    return tables.render(report_parts(report))
+
+
+def figure(report: dict[str, Any]) -> plot.Figure:
+    """FP16 time / time of each QUIK layer per shape at the ladder's outlier count, beside the peers; and of the
+    fused W4A4 layer against the outlier count."""
+    rs = report["results"]
+    shapes = [f"{r['k']}x{r['n']}" for r in rs]
+    ko = report["config"]["ladder_outliers"]
+    series: dict[str, list[float | None]] = {
+        f"W4A4 {rung}": [r["w4a4_ladder"][rung]["speedup"].get("fp16") for r in rs] for rung in RUNGS}
+    series["W8A8 fused"] = [(r.get("w8a8") or {}).get("speedup", {}).get("fp16") for r in rs]
+    peers = []
+    for name in ("int8", "fp8", "tinygemm"):
+        ys = [stats.speedup(r["baselines"]["fp16"]["median_us"], r["baselines"][name]["median_us"])
+              if isinstance(r["baselines"].get(name), dict) else None for r in rs]
+        if any(y is not None for y in ys):
+            label = PEER_LABELS[name] + (f" g{report['config']['tinygemm_group_size']}" if name == "tinygemm" else "")
+            series[label] = ys
+            peers.append(label)
+    counts = sorted({int(k) for r in rs for k in r["w4a4_outliers"]})
+    sweep = {f"W4A4 fused {s}": [r["w4a4_outliers"].get(str(c), {}).get("speedup", {}).get("fp16") for c in counts]
+             for s, r in zip(shapes, rs, strict=True)}
+    m = report["config"]["m"]
+    return plot.Figure(f"qtool bench quik on {report['device'].get('name')}, M={m}", "cuBLAS FP16 time / time",
+                       "cuBLAS FP16", [
+                           plot.Panel(f"QUIK layers, {ko} outlier columns", shapes, series, kind="bar",
+                                      xlabel="KxN", peers=tuple(peers)),
+                           plot.Panel("W4A4 fused against outlier columns", counts, sweep, xlabel="outlier columns"),
+                       ])
 
 
 def validate_report(report: dict[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qtool.bench import plot, tables
 from qtool.bench.e2e import Decoder, _time_graph, dims_for, fp16_linear, quant_linear, weight_bytes
 
 THROUGHPUT_SCHEMA = "qtool.bench.throughput/1"
@@ -192,20 +193,47 @@ def run_throughput(model_name: str, variants: list[str], group_size: int | None,
     return report
 
 
-def format_throughput(r: dict[str, Any]) -> str:
+def report_parts(r: dict[str, Any]) -> list[Any]:
     sizes = sorted({int(b) for run in r["runs"].values() for b in run["decode"]})
-    lines = [f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
-             f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
-             f"{'':>8} " + " ".join(f"{'b' + str(b):>10}" for b in sizes) + f" {'largest':>8} {'best tok/s':>11} "
-             f"{'vs fp16':>8} {'weights GiB':>11}"]
+    rows = []
     for v, run in r["runs"].items():
         cells = []
         for b in sizes:
             e = run["decode"].get(str(b))
-            cells.append(f"{'':>10}" if e is None else f"{'-':>10}" if not e["fits"]
-                         else f"{e['tokens_per_s']:>9.0f}{'*' if e['largest'] else ' '}")
+            cells.append("" if e is None else "-" if not e["fits"]
+                         else f"{e['tokens_per_s']:.0f}{'*' if e['largest'] else ''}")
         best = r["best"].get(v, {})
         sp = r.get("speedup_vs_fp16_at_best", {}).get(v)
-        lines.append(f"{v:>8} " + " ".join(cells) + f" {run['largest_batch']:>8} {best.get('tokens_per_s', 0):>11.0f} "
-                     f"{'' if sp is None else f'{sp:.2f}x':>8} {run['weight_bytes'] / 2**30:>11.2f}")
-    return "\n".join(lines)
+        rows.append([v, *cells, str(run["largest_batch"]), f"{best.get('tokens_per_s', 0):.0f}",
+                     tables.num(sp, ".2f", "x"), f"{run['weight_bytes'] / 2**30:.2f}"])
+    return [tables.table(
+        f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
+        f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
+        ["format", *[f"b{b}" for b in sizes], "largest", "best tok/s", "vs fp16", "weights GiB"], rows)]
+
+
+def format_throughput(r: dict[str, Any]) -> str:
+    return tables.render(report_parts(r))
+
+
+def figure(r: dict[str, Any]) -> plot.Figure:
+    """Generated tokens/s of each format over FP16's at the same batch (where both fit), and at each one's best
+    batch."""
+    sizes = sorted({int(b) for run in r["runs"].values() for b in run["decode"]})
+    fp16 = r["runs"].get("fp16", {}).get("decode", {})
+
+    def ratio(e: dict[str, Any] | None, b: int) -> float | None:
+        f = fp16.get(str(b))
+        if not e or not e.get("fits") or not f or not f.get("fits"):
+            return None
+        return e["tokens_per_s"] / f["tokens_per_s"]
+
+    series = {v: [ratio(run["decode"].get(str(b)), b) for b in sizes] for v, run in r["runs"].items() if v != "fp16"}
+    best = r.get("speedup_vs_fp16_at_best", {})
+    names = [v for v in r["runs"] if v != "fp16" and v in best]
+    return plot.Figure(f"qtool bench e2e --throughput {r['model']} on {r['device']}", "tokens/s / FP16 tokens/s",
+                       "FP16 (cuBLAS, FP16 cache)", [
+                           plot.Panel("same batch", sizes, series, xlabel="batch (sequences)"),
+                           plot.Panel("each at its best batch", names, {"best / FP16 best": [best[v] for v in names]},
+                                      kind="bar"),
+                       ])

@@ -96,7 +96,9 @@ def model_card(manifest: dict, config: dict, recipe: dict | None) -> str:
     lines += ["", "## Load", "", "```python", "import qtool", "",
               f'model = qtool.load("{name}")  # this folder; device="cuda" runs the packed layers\' CUDA kernels',
               f'tokenizer = qtool.load_tokenizer("{name}")',
-              "```", "", "For clients without qtool (transformers, vLLM), schemes that compressed-tensors expresses "
+              "```", "", "With qtool imported, transformers loads it through qtool's runtime as well "
+              f'(`import qtool` then `AutoModelForCausalLM.from_pretrained("{name}")`, `pipeline("text-generation", '
+              f'model="{name}")`, lm-eval\'s `hf` model).', "", "For clients without qtool (transformers, vLLM), schemes that compressed-tensors expresses "
               f"export losslessly: `qtool export {name} --format compressed-tensors -o {name}-ct` (the command "
               "refuses the others, naming the first layer; formats/compressed-tensors.md).", ""]
     return "\n".join(lines)

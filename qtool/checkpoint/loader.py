@@ -47,19 +47,37 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise CheckpointError(f"{mpath}: files: found {type(files).__name__}, expected an object of file name to "
                               f"sha256")
+    sizes = manifest.get("sizes", {})
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
+        raise CheckpointError(f"{mpath}: sizes: found {type(sizes).__name__}, expected an object of file name to "
+                              f"bytes")
     return manifest
 
 
-def verify_files(path: Path, manifest: dict) -> None:
-    for name, digest in sorted(manifest.get("files", {}).items()):
+def check_files(path: Path, manifest: dict) -> None:
+    """What every load checks without reading the files' content: each file the manifest lists exists with the
+    size it records (manifests written before sizes were recorded: exists), and every safetensors file is listed.
+    The tensors' headers are checked when they are read. `verify_files` adds the full hashes."""
+    sizes = manifest.get("sizes") or {}
+    for name in sorted(manifest.get("files", {})):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing; the manifest lists it")
-        if file_sha256(f) != digest:
-            raise CheckpointError(f"{f}: sha256 does not match the manifest; the file is corrupt or was modified")
+        if name in sizes and f.stat().st_size != sizes[name]:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest records {sizes[name]}; the file is "
+                                  f"truncated or was modified")
     for f in path.glob("*.safetensors"):
         if f.name not in manifest.get("files", {}):
             raise CheckpointError(f"{f}: not listed in the manifest")
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    """`check_files` and every file's sha256 against the manifest (reads every byte: `qtool pack --verify`)."""
+    check_files(path, manifest)
+    for name, digest in sorted(manifest.get("files", {}).items()):
+        f = path / name
+        if file_sha256(f) != digest:
+            raise CheckpointError(f"{f}: sha256 does not match the manifest; the file is corrupt or was modified")
 
 
 def read_tensors(path: Path, device: str | torch.device = "cpu") -> StoredTensors:
@@ -104,15 +122,45 @@ def checkpoint_config(path: Path):
     return config
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, verify: bool = True):
+def replace_layer(model, where: Path, name: str, lcfg: dict, fields: dict[str, torch.Tensor],
+                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Put the quantized module of layer `name` (its config `lcfg`, its stored `fields`) in place of the model's
+    linear; the layout validates the tensors. Shared by `load_checkpoint` and transformers' loading
+    (qtool/hf_integration.py), so both build the same modules."""
+    fmt = lcfg.get("format")
+    if fmt not in LAYOUTS:
+        raise CheckpointError(f"{where}: layer {name} has format {fmt!r}; expected one of {', '.join(LAYOUTS)}")
+    layout_cls, module_cls = LAYOUTS[fmt]
+    parent_name, _, child = name.rpartition(".")
+    try:
+        old = model.get_submodule(name)
+    except AttributeError:
+        raise CheckpointError(f"{where}: layer {name} is not a module of this model") from None
+    if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (lcfg.get("in_features"),
+                                                                                   lcfg.get("out_features")):
+        raise CheckpointError(f"{where}: layer {name} is {lcfg.get('out_features')}x{lcfg.get('in_features')}; the "
+                              f"model's module is {getattr(old, 'out_features', '?')}x{getattr(old, 'in_features', '?')}")
+    try:
+        layout = layout_cls.from_tensors(name, lcfg, fields)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: layer {name}: its {fmt} config is incomplete or of the wrong type "
+                              f"({type(e).__name__}: {describe(e)})") from None
+    for field in sorted(set(fields) - set(layout.tensors())):
+        raise CheckpointError(f"tensor {name}.{field}: not a field of layout {fmt}")
+    if lcfg.get("bias") and bias is None:
+        raise CheckpointError(f"tensor {name}.bias: missing; the layer config says it has a bias")
+    setattr(model.get_submodule(parent_name), child, module_cls(layout, None if bias is None else bias.to(dtype)))
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, verify: bool = False):
     """Return the model (eval mode) on `device`; unquantized parameters in `dtype` (float32 on CPU, float16 on
-    CUDA by default). Corrupt or mismatched checkpoints raise CheckpointError naming the file or tensor."""
+    CUDA by default). Corrupt or mismatched checkpoints raise CheckpointError naming the file or tensor. Files are
+    checked by size and safetensors header; `verify` also hashes every file against the manifest."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; expected a qtool checkpoint")
     manifest = read_manifest(path)
-    if verify:
-        verify_files(path, manifest)
+    (verify_files if verify else check_files)(path, manifest)
     qcfg = read_config(path)["quantization_config"]
     layers: dict[str, dict] = qcfg.get("layers", {})
     if dtype is None:
@@ -132,36 +180,10 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
     # Tensors are read one at a time, onto `device`: host memory holds one tensor beyond what is on the CPU.
     tensors = read_tensors(path, device)
     for name, lcfg in sorted(layers.items()):
-        fmt = lcfg.get("format")
-        if fmt not in LAYOUTS:
-            raise CheckpointError(f"{path / 'config.json'}: layer {name} has format {fmt!r}; expected one of "
-                                  f"{', '.join(LAYOUTS)}")
-        layout_cls, module_cls = LAYOUTS[fmt]
-        parent_name, _, child = name.rpartition(".")
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            raise CheckpointError(f"{path / 'config.json'}: layer {name} is not a module of this model") from None
-        if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (lcfg.get("in_features"),
-                                                                                       lcfg.get("out_features")):
-            raise CheckpointError(f"{path / 'config.json'}: layer {name} is {lcfg.get('out_features')}x"
-                                  f"{lcfg.get('in_features')}; the model's module is "
-                                  f"{getattr(old, 'out_features', '?')}x{getattr(old, 'in_features', '?')}")
         prefix = f"{name}."
         fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
                   if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
-        try:
-            layout = layout_cls.from_tensors(name, lcfg, fields)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path / 'config.json'}: layer {name}: its {fmt} config is incomplete or of the "
-                                  f"wrong type ({type(e).__name__}: {describe(e)})") from None
-        for field in sorted(set(fields) - set(layout.tensors())):
-            raise CheckpointError(f"tensor {name}.{field}: not a field of layout {fmt}")
-        bias = tensors.pop(f"{name}.bias", None)
-        if lcfg.get("bias") and bias is None:
-            raise CheckpointError(f"tensor {name}.bias: missing; the layer config says it has a bias")
-        setattr(model.get_submodule(parent_name), child,
-                module_cls(layout, None if bias is None else bias.to(dtype)))
+        replace_layer(model, path / "config.json", name, lcfg, fields, tensors.pop(f"{name}.bias", None), dtype)
 
     attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())

@@ -15,8 +15,10 @@ from qtool.checkpoint.manifest import (
     MANIFEST_NAME,
     QUANT_METHOD,
     dumps,
+    file_sizes,
     hash_files,
     package_versions,
+    portable,
 )
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
@@ -102,6 +104,7 @@ def write_checkpoint(
                                     manifest_extra=manifest_extra, max_shard_bytes=max_shard_bytes,
                                     overwrite=overwrite, reserved=reserved, evaluate=evaluate)
     tmp = reserved.tmp
+    config, recipe_as_run, manifest_extra = portable(config), portable(recipe_as_run), portable(manifest_extra)
     shards = _shards(tensors, max_shard_bytes)
     # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
     for fname, names in shards.items():
@@ -121,14 +124,17 @@ def write_checkpoint(
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
     if evaluate is not None:
         # The loader reads a folder with a manifest; the final one replaces this one.
-        (tmp / MANIFEST_NAME).write_text(dumps({"format_version": FORMAT_VERSION, "files": {}}))
-        manifest_extra = {**manifest_extra, "eval": evaluate(tmp)}
+        sizes = file_sizes(tmp)
+        (tmp / MANIFEST_NAME).write_text(dumps({"format_version": FORMAT_VERSION, "files": dict.fromkeys(sizes, ""),
+                                                "sizes": sizes}))
+        manifest_extra = {**manifest_extra, "eval": portable(evaluate(tmp))}
     from qtool.checkpoint.card import model_card  # noqa: PLC0415
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
     (tmp / "README.md").write_text(model_card({"packages": package_versions(), **manifest_extra}, config,
                                               recipe_as_run))
-    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "packages": package_versions(),
+    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "sizes": file_sizes(tmp),
+                "packages": package_versions(),
                 **manifest_extra}
     (tmp / MANIFEST_NAME).write_text(dumps(manifest))
     reserved.publish()

@@ -8,6 +8,7 @@ against."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ ATTENTION_KERNELS = ("fma", "tc")
 TC_HEAD_DIMS = (64, 128)
 TC_MIN_GROUP = 2
 TC_WARPS = 4
+TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
+TC_MAX_SPLITS = 32
 LOG2E = 1.4426950408889634
 
 
@@ -143,11 +146,25 @@ def attention_kernel(mode: str, group: int, head_dim: int) -> str:
     return "fma"
 
 
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_splits(pairs: int, length: int, sms: int) -> int:
+    """Parts along the cache for the tensor-core form: enough blocks for every SM when the (sequence, KV head)
+    pairs alone are fewer, each part at least TC_MIN_SPLIT_TOKENS of the cache's capacity, at most TC_MAX_SPLITS."""
+    if pairs >= sms:
+        return 1
+    return max(1, min(-(-sms // pairs), length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
+
+
 def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None,
-              wpl: int | None = None, kernel: str | None = None) -> torch.Tensor:
+              wpl: int | None = None, kernel: str | None = None, splits: int | None = None) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
-    kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc)."""
+    kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc); `splits`
+    the tensor-core form's parts along the cache (default: `attention_splits`)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
@@ -169,15 +186,25 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
         if cache.mode != "int4" or d not in TC_HEAD_DIMS or wpl is not None:
             raise ValueError(f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
                              f"expected int4 and a head dim in {TC_HEAD_DIMS}")
-        fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_tc_int4_d{d}")
+        if splits is None:
+            splits = attention_splits(b * kvh, length, _sm_count(dev))
+        if not 1 <= splits <= TC_MAX_SPLITS:
+            raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
+        module = cc.load_module(SOURCE, device=dev)
+        fn = module.fn(f"kv_attention_tc_int4_d{d}")
         smem = 4 * TC_WARPS * 8 * (d + 2)
         cc.allow_shared_memory(fn, smem)
+        part = torch.empty(b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
         dependent_launch.launch(
-            fn, (b * kvh,), (32 * TC_WARPS,),
+            fn, (b * kvh, splits), (32 * TC_WARPS,),
             (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_params), cc.ptr(cache.v_params),
              cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(g),
-             cc.f32(LOG2E / math.sqrt(d))),
+             cc.f32(LOG2E / math.sqrt(d)), cc.i32(splits), cc.ptr(part)),
             shared_mem=smem, device=dev)
+        if splits > 1:
+            dependent_launch.launch(
+                module.fn(f"kv_attention_tc_combine_d{d}"), (b * kvh,), (256,),
+                (cc.ptr(part), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(g), cc.i32(splits)), device=dev)
         return out
     warps = THREADS // 32
     smem = 4 * max(g * d + g, warps * g * (d + 2))

@@ -196,3 +196,27 @@ def test_decode_gpu_matches_cpu(checkpoint, cpu_reference, batch, kernel, monkey
     print(f"\ndecode batch {batch}: ppl cpu fp32 {math.exp(ref[batch]):.6f} cuda fp16 {math.exp(got):.6f} "
           f"rel {rel:.2e} (kernel calls {dict(calls)})")
     assert math.isfinite(got) and rel < REL_TOL
+
+
+@torch.no_grad()
+def test_clients_generate_through_the_kernels(checkpoint, monkeypatch):
+    """What a user runs (README "Python"): `qtool.load(device="cuda")` + `generate`, `transformers.pipeline`, and
+    transformers' own `from_pretrained` with qtool imported, decode through the CUDA kernels (no dequantize
+    fallback), and the two loaders give the same logits and text."""
+    from transformers import AutoModelForCausalLM, pipeline
+
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")
+    calls = _count_paths(monkeypatch)
+    model, tok = _load(checkpoint, "cuda", torch.float16)
+    ids = tok("Once upon a time", return_tensors="pt").input_ids.cuda()
+    out = model.generate(ids, max_new_tokens=16, do_sample=False)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    assert out.shape[1] == ids.shape[1] + 16 and text.startswith("Once upon a time")
+    assert calls["gemv_fma"] > 0 and calls["dequant_matmul"] == 0, f"paths taken: {dict(calls)}"
+    piped = pipeline("text-generation", model=model, tokenizer=tok)
+    assert piped("Once upon a time", max_new_tokens=16, do_sample=False)[0]["generated_text"] == text
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float16, device_map="cuda")
+    assert next(hf.parameters()).device.type == "cuda"
+    torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert tok.decode(hf.generate(ids, max_new_tokens=16, do_sample=False)[0], skip_special_tokens=True) == text

@@ -149,11 +149,25 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
         pos = torch.tensor([p], device="cuda")
         ref = kvc.reference_attention(q, cache, p)
         tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
-        out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-        got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc"))
-        assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p})"
-        worst = float(((got.double() - ref).abs() - tol).max())
-        assert worst <= 0, f"tc: beyond float16 rounding at pos {p}: excess {worst:.3e}"
+        # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges
+        for splits in (None, 1, 5, kvc.TC_MAX_SPLITS):
+            out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
+            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits))
+            assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {splits} splits)"
+            worst = float(((got.double() - ref).abs() - tol).max())
+            assert worst <= 0, f"tc: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+
+
+def test_tensor_core_attention_splits_the_cache_when_pairs_are_few():
+    from qtool.cuda import kv_cache as kvc
+
+    assert kvc.attention_splits(8, 1024, 132) == 16      # Llama-3-8B, batch 1: 128 blocks
+    assert kvc.attention_splits(8, 100, 132) == 1        # a short cache stays one block per pair
+    assert kvc.attention_splits(64 * 8, 1024, 132) == 1  # batch 64 fills the GPU already
+    with pytest.raises(ValueError, match="splits: found 0"):
+        cache = kvc.allocate("int4", 1, 2, 64, 64, torch.device("cuda"))
+        q = torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda")
+        kvc.attention(q, cache, torch.tensor([3], device="cuda"), kernel="tc", splits=0)
 
 
 def test_write_then_attention_under_dependent_launches_and_a_graph():

@@ -1,0 +1,57 @@
+"""Every `qtool bench` subcommand on the GPU at its smallest config, with `--plot`, `--json-out` and `--json`; and
+torchao's int4 kernel (the bench's peer) against its dequantized reference through the CUDA operators."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.gpu.helpers import gpu_ready
+from tests.test_bench_plot import assert_png
+
+from bad_input import run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+
+@pytest.mark.parametrize("name, args, check", [
+    ("kernels", ["kernels", "--shapes", "4096x4096", "--m", "1,16", "--w4a8", "none-rows", "--iters", "50"],
+     lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0),
+    ("quik", ["quik", "--shapes", "1024x1024", "--m", "64", "--outliers", "0,128", "--ladder-outliers", "128",
+              "--iters", "50"], lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0),
+    ("e2e", ["e2e", "--model-config", "tiny", "--prompt", "64", "--batches", "1,4", "--iters", "10"],
+     lambda r: r["speedups"]["torchao-int4"]["decode_b1"] > 0),
+    ("throughput", ["e2e", "--throughput", "--model-config", "tiny", "--prompt", "32", "--new-tokens", "8",
+                    "--batches", "4", "--iters", "10"], lambda r: r["best"]),
+    ("attention", ["attention", "--model-config", "tiny", "--batches", "1", "--contexts", "256", "--iters", "10"],
+     lambda r: r["results"][0]["rows"]["fp16-sdpa"]["median_us"] > 0),
+])
+def test_bench_subcommand_writes_plot_and_json(tmp_path, monkeypatch, name, args, check):
+    from qtool.bench import e2e
+
+    # the tiny decoder with an MLP width torchao's int4 kernel takes (a multiple of 128)
+    monkeypatch.setitem(e2e.MODEL_DIMS, "tiny", e2e.Dims(256, 768, 2, 4, 2, 1000))
+    png, out = tmp_path / f"{name}.png", tmp_path / f"{name}.json"
+    res = run_cli(["bench", *args, "--plot", png, "--json-out", out, "--json"])
+    assert res.exit_code == 0, res.output
+    assert_png(png)
+    report = json.loads(out.read_text())
+    assert json.loads(res.stdout)["schema"] == report["schema"]
+    assert check(report), report
+
+
+@pytest.mark.parametrize("k, n, m, group_size", [(4096, 4096, 1, 128), (1024, 512, 64, 32), (256, 8, 3, 256)])
+def test_torchao_int4_matches_its_dequantized_reference_on_cuda(k, n, m, group_size):
+    from qtool.bench import tinygemm as tg
+
+    dev = torch.device("cuda")
+    assert tg.available(dev) is None
+    gen = torch.Generator(device=dev).manual_seed(k + n + m)
+    codes, scales, zeros = tg.random_layer(k, n, group_size, dev, gen)
+    p = tg.pack(codes, scales, zeros, group_size)
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    assert tg.check(p, codes, scales, zeros, x) < 5e-3
+    with pytest.raises(ValueError, match="differs from the dequantized reference"):
+        tg.check(tg.pack(codes ^ 1, scales, zeros, group_size), codes, scales, zeros, x)
