@@ -118,10 +118,15 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
     from qtool.checkpoint.partial import Work
     from qtool.onloaded import quantize_onloaded
 
-    evaluate = None
+    evaluate, record = None, {"eval": None}
     if run_eval and recipe.eval is not None:
         fp = _evaluate_original(recipe, device, suite, reporter)
-        evaluate = _checkpoint_evaluator(recipe, device, fp, suite, prepared.tokenizer, reporter)
+        evaluator = _checkpoint_evaluator(recipe, device, fp, suite, prepared.tokenizer, reporter)
+
+        def evaluate(folder: Path) -> dict:
+            record["eval"] = evaluator(folder)  # the report keeps the full paths the manifest shortens
+            return record["eval"]
+
         gc.collect()
     try:
         run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume)
@@ -143,10 +148,9 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "eval": None,
     }
     try:
-        manifest = write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers,
-                                    model_schemes=run.model_schemes, tokenizer=run.tokenizer,
-                                    recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
-                                    max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved, evaluate=evaluate)
+        write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
+                         tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
+                         max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved, evaluate=evaluate)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
                           f"'{run.work.folder}'; run the same command with --resume to write it") from None
@@ -162,7 +166,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "quantized_linears": len(run.packed),
         "bits_per_weight": bpw,
         "calibration": run.calibration,
-        "eval": manifest["eval"],
+        "eval": record["eval"],
         "timings": {k: round(v, 3) for k, v in run.timings.items()},
         "peak_rss_mb": round(run.peak_rss_mb, 1),
         **_peak_gpu(device),
