@@ -1,5 +1,6 @@
 """Models larger than memory beyond `quantize`'s block loop: perplexity of an original model block by block equals
-the whole-model evaluation with clearly less peak memory; where the calibration activations go; the writer stores
+the whole-model evaluation with clearly less peak memory; a model spread to disk by accelerate (what `--tasks` runs
+over --max-memory) computes what the whole one does; where the calibration activations go; the writer stores
 contiguous CPU tensors without copying them and shards as huggingface_hub does. (Activations kept on disk write
 the byte-identical checkpoint: tests/test_resume.py.)"""
 
