@@ -17,7 +17,9 @@ from qtool.quant.mixed import (
     inverse_hessian_diag,
     mixed_quantize,
     mixed_quantize_gptq,
+    obs_sensitivity,
     outlier_count,
+    random_sensitivity,
     second_order,
     sensitivity,
     stripes_for_target,
@@ -58,6 +60,20 @@ def test_eq9_sensitivity_matches_float64_loops():
     got = sensitivity(w, inverse_hessian_diag(h, damp), g1)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-9)
     np.testing.assert_allclose(inverse_hessian_diag(h, damp).numpy(), np.diag(hinv), rtol=1e-9)
+
+
+def test_obs_and_random_sensitivities():
+    """The ablation's alternatives to Eq. 9: the OBS saliency Σ w²/[H⁻¹]_qq (denominator not squared), and a
+    random score that is reproducible per layer name and differs between layers."""
+    n, k, g1 = 6, 32, 16
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+    hinv = inverse_hessian_diag(_hessian(k), 0.01)
+    expected = [sum(float(w[j, q]) ** 2 / float(hinv[q]) for j in range(n) for q in range(i * g1, (i + 1) * g1))
+                for i in range(k // g1)]
+    np.testing.assert_allclose(obs_sensitivity(w, hinv, g1).numpy(), expected, rtol=1e-9)
+    a = random_sensitivity("model.layers.0.mlp.up_proj", 36)
+    assert torch.equal(a, random_sensitivity("model.layers.0.mlp.up_proj", 36))
+    assert not torch.equal(a, random_sensitivity("model.layers.1.mlp.up_proj", 36))
 
 
 def test_block4_takes_the_most_sensitive_of_every_four():
