@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--finetune-steps", type=int, default=32, help="steps per block of the fine-tuning rows (one "
                                                                    "calibration window per step)")
-    ap.add_argument("--only", help="comma-separated row numbers (0 = the float model)")
+    ap.add_argument("--only", help="comma-separated row numbers, run in that order (0 = the float model)")
     ap.add_argument("--work", default=str(ROOT / "out" / "mixed-ablation"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--json")
@@ -121,16 +121,15 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     cal = {"source": str(C4), "num_samples": args.num_samples, "seq_len": args.seq_len, "seed": 0}
-    only = None if args.only is None else {int(x) for x in args.only.split(",")}
+    only = None if args.only is None else [int(x) for x in args.only.split(",")]
     results = []
     if only is None or 0 in only:
         t = time.time()
         results.append({"row": 0, "name": "float", "ppl": evaluate(args.model, args.windows),
                         "seconds": round(time.time() - t, 1)})
         print(json.dumps(results[-1]), flush=True)
-    for i, (name, stages) in enumerate(rows(num_blocks, args.finetune_steps), 1):
-        if only is not None and i not in only:
-            continue
+    table = list(enumerate(rows(num_blocks, args.finetune_steps), 1))
+    for i, (name, stages) in table if only is None else [table[i - 1] for i in only if i > 0]:
         recipe = {"model": str(Path(args.model).resolve()), "calibration": cal, "stages": stages,
                   "settings": {"device": "cpu"}, "output": str((work / f"row{i}").resolve())}
         path = work / f"row{i}.yaml"

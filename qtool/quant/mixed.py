@@ -345,5 +345,5 @@ class TunableScales(nn.Module):
             s2, s4 = (_fp16(t.cpu()) for t in self.scales())
         tuned = replace(self.source, scales_2nd=s2.to(torch.float16), scales4=s4.to(torch.float16))
         rows, cols, _ = tuned.outliers()
-        values = self.original[rows, cols] - tuned.dense()[rows, cols]
+        values = self.original.cpu()[rows, cols] - tuned.dense()[rows, cols]
         return replace(tuned, outlier_values=values.to(torch.float16).contiguous())
