@@ -15,7 +15,7 @@ RECIPE = f"""
 model: {STORIES}
 calibration:
   source: {TINY_SAMPLE}
-  num_samples: 4
+  num_samples: 2
   seq_len: 64
   seed: 0
 stages:
@@ -48,11 +48,11 @@ def test_finetuned_block_is_closer_to_float_and_checkpoint_matches(cli, tmp_path
 
     plain = quantize_model(load_recipe(write_recipe(tmp_path / "plain.yaml", RECIPE.format(steps=0))),
                            Reporter(quiet=True))
-    tuned_recipe = write_recipe(tmp_path / "tuned.yaml", RECIPE.format(steps=12))
+    tuned_recipe = write_recipe(tmp_path / "tuned.yaml", RECIPE.format(steps=8))
     tuned = quantize_model(load_recipe(tuned_recipe), Reporter(quiet=True))
 
     fp, tok, _, _ = load_model(str(STORIES), torch.float32)
-    windows, _ = sample_windows(tok, TextSource(str(TINY_SAMPLE)), 4, 64, 0)
+    windows, _ = sample_windows(tok, TextSource(str(TINY_SAMPLE)), 2, 64, 0)
     with torch.no_grad():
         reference = [fp(row[None], output_hidden_states=True).hidden_states[1] for row in windows]
     err_plain = _block0_error(plain.model, windows, reference)
