@@ -248,6 +248,12 @@ class _Blocks:
                 if info:
                     records.append({"stage": tr.name, "block": i, **info})
         packed: dict[str, object] = {}
+        tuners = sorted({s for s in mine.values() if s.finetunes()}, key=lambda s: s.index)
+        targets: list[torch.Tensor] = []
+        originals: dict[str, torch.Tensor] = {}
+        if tuners:
+            with torch.no_grad():
+                targets = [block_output(block(x, **kwargs)) for x in inputs]
         sequential = any(s.sequential() for s in mine.values())
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
@@ -264,8 +270,22 @@ class _Blocks:
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
                 result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or self.fp_stats.get(full),
                                             **extra)
+                if mine[rel] in tuners:
+                    originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
                 packed[full] = result.packed
+        for stage in tuners:
+            rels = [rel for rel in mine if mine[rel] is stage]
+            tuned, info = stage.finetune_block(block, {rel: packed[f"{prefix}.{rel}"] for rel in rels},
+                                               {rel: originals[rel] for rel in rels}, inputs, kwargs, targets)
+            for rel, layout in tuned.items():
+                linear = block.get_submodule(rel)
+                linear.weight.data.copy_(layout.dequantize(torch.float32).to(linear.weight.device,
+                                                                             linear.weight.dtype))
+                packed[f"{prefix}.{rel}"] = layout
+            if info:
+                records.append({"stage": stage.name, "block": i, **info})
+        del targets, originals
         if i < self.last_needing:
             with torch.no_grad():
                 def run(x: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,9 @@ def _mixed(text: str) -> str:
     (_mixed("    outlier_fraction: 0.01\n").replace("    outlier_fraction: 0.005\n", ""),
      ["stages[0].outlier_fraction: found 0.01", "0.005"]),
     (_mixed("    bits: 3\n"), ["stages[0].bits: unknown option"]),
+    (_mixed("    sensitivity: hessian\n"), ["stages[0].sensitivity: found 'hessian'", "'eq9', 'obs', 'random'"]),
+    (_mixed("    finetune_steps: -1\n"), ["stages[0].finetune_steps: found -1"]),
+    (_mixed("    finetune_steps: 8\n    finetune_lr: 0\n"), ["stages[0].finetune_lr: found 0"]),
 ])
 def test_bad_recipes(tmp_path, no_work, text, words):
     r = write_recipe(tmp_path / "r.yaml", text)

@@ -17,7 +17,9 @@ from qtool.quant.mixed import (
     inverse_hessian_diag,
     mixed_quantize,
     mixed_quantize_gptq,
+    obs_sensitivity,
     outlier_count,
+    random_sensitivity,
     second_order,
     sensitivity,
     stripes_for_target,
@@ -58,6 +60,20 @@ def test_eq9_sensitivity_matches_float64_loops():
     got = sensitivity(w, inverse_hessian_diag(h, damp), g1)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-9)
     np.testing.assert_allclose(inverse_hessian_diag(h, damp).numpy(), np.diag(hinv), rtol=1e-9)
+
+
+def test_obs_and_random_sensitivities():
+    """The ablation's alternatives to Eq. 9: the OBS saliency Σ w²/[H⁻¹]_qq (denominator not squared), and a
+    random score that is reproducible per layer name and differs between layers."""
+    n, k, g1 = 6, 32, 16
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+    hinv = inverse_hessian_diag(_hessian(k), 0.01)
+    expected = [sum(float(w[j, q]) ** 2 / float(hinv[q]) for j in range(n) for q in range(i * g1, (i + 1) * g1))
+                for i in range(k // g1)]
+    np.testing.assert_allclose(obs_sensitivity(w, hinv, g1).numpy(), expected, rtol=1e-9)
+    a = random_sensitivity("model.layers.0.mlp.up_proj", 36)
+    assert torch.equal(a, random_sensitivity("model.layers.0.mlp.up_proj", 36))
+    assert not torch.equal(a, random_sensitivity("model.layers.1.mlp.up_proj", 36))
 
 
 def test_block4_takes_the_most_sensitive_of_every_four():
@@ -248,3 +264,42 @@ def test_stage_quantize_with_both_solvers():
         res = stage.quantize("layer", w, stats)
         assert res.packed.stripes_4bit == 4 and res.packed.num_outliers == math.floor(0.005 * n * k)
         assert torch.equal(res.dequantized, res.packed.dequantize())
+
+
+def test_tuned_scales_lower_the_output_error_or_are_restored():
+    """`TunableScales` + `tune_block` on a one-linear "block": the tuned layout is the quantized one with other
+    scales (same codes), its output error is lower and is what the layout computes (outliers exact); a step
+    that raises the error (learning rate 1: every scale times e or 1/e) leaves the quantized scales in place."""
+    from torch import nn
+
+    from qtool.quant.blockwise import tune_block
+    from qtool.quant.mixed import TunableScales
+
+    n, k, g1 = 32, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    xs = [torch.randn(1, 48, k, generator=gen) * torch.linspace(0.2, 3.0, k) for _ in range(2)]
+    is4 = assign_stripes(sensitivity(w, inverse_hessian_diag(_hessian(k), 0.01), g1), "block4", 0)
+    layout = _pack(mixed_quantize(w, is4, g1, 8, 6), g1, 8, "block4")
+    block = nn.Sequential(nn.Linear(k, n, bias=False))
+    block[0].weight.data.copy_(w)
+    targets = [block(x).detach() for x in xs]
+
+    def err(lay):
+        return sum(float((x @ lay.dequantize().T - t).pow(2).sum()) for x, t in zip(xs, targets, strict=True))
+
+    t = TunableScales(layout, w, torch.device("cpu"))
+    assert torch.allclose(t(), layout.dequantize(), atol=1e-3)  # outliers exact here, float16 residuals there
+    res = tune_block(block, {"0.weight": t}, list(t.parameters()), xs, {}, targets, steps=30, lr=0.01, samples=2)
+    tuned = t.layout()
+    assert res.kept and res.error_after < res.error_before
+    assert err(tuned) < 0.95 * err(layout)
+    assert torch.equal(tuned.qweight_a, layout.qweight_a) and torch.equal(tuned.zeros_2nd, layout.zeros_2nd)
+    rows, cols, _ = tuned.outliers()
+    assert torch.allclose(tuned.dequantize()[rows, cols], w[rows, cols], atol=1e-3)
+
+    bad = TunableScales(layout, w, torch.device("cpu"))
+    res = tune_block(block, {"0.weight": bad}, list(bad.parameters()), xs, {}, targets, steps=1, lr=1.0, samples=1)
+    assert not res.kept and res.error_after > res.error_before
+    assert torch.equal(bad.layout().scales_2nd, layout.scales_2nd) and torch.equal(bad.layout().scales4,
+                                                                                  layout.scales4)

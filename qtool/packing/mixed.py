@@ -16,7 +16,7 @@ import torch
 
 from qtool.errors import CheckpointError
 from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.checks import check_tensors, stored_bits
+from qtool.packing.checks import StoredLayout, check_positive, posint
 
 FORMAT = "mixed-2-4-16"
 ASSIGN_RULES = ("block4", "global")
@@ -79,9 +79,6 @@ def eq10_bits(in_features: int, group_size: int, scale_group_size: int, stripes_
 
 def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
     """(key, found, expected) for layer parameters outside the layout's domain, else None."""
-    def posint(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
     for key in ("in_features", "out_features"):
         if not posint(cfg.get(key)):
             return key, cfg.get(key), "a positive integer"
@@ -111,7 +108,10 @@ def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
 
 
 @dataclass
-class MixedWeight:
+class MixedWeight(StoredLayout):
+    FIELDS = FIELDS
+    scheme_problem = staticmethod(scheme_problem)
+
     group_size: int  # g1: input channels per stripe (and per first-order group)
     scale_group_size: int  # g2: output rows per second-order group
     assign: str  # "block4" or "global": how the stripes were chosen (block4 is checked at load)
@@ -245,9 +245,6 @@ class MixedWeight:
 
     # ---- storage ------------------------------------------------------------------------------------------
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f: getattr(self, f) for f in FIELDS}
-
     def config(self) -> dict:
         return {
             "format": FORMAT,
@@ -261,12 +258,6 @@ class MixedWeight:
             "out_features": self.out_features,
         }
 
-    def layer_config(self, has_bias: bool) -> dict:
-        return {**self.config(), "bias": has_bias}
-
-    def stored_bits(self) -> int:
-        return stored_bits(self.tensors())
-
     def bits_report(self) -> dict[str, float]:
         """Bits per weight of this layer: as stored, and as the paper's Eq. 10 counts it."""
         nk = self.in_features * self.out_features
@@ -279,20 +270,11 @@ class MixedWeight:
         return shapes_for(cfg["out_features"], cfg["in_features"], cfg["group_size"], cfg["scale_group_size"],
                           cfg["stripes_4bit"], cfg["outliers"])
 
-    @staticmethod
-    def check_config(name: str, cfg: dict) -> None:
-        problem = scheme_problem(cfg)
-        if problem is not None:
-            key, found, expected = problem
-            raise CheckpointError(f"layer {name}: quantization_config key {key!r} found {found!r}, "
-                                  f"expected {expected}")
-
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> MixedWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        cls.check_config(name, cfg)
-        check_tensors(name, cls.expected_shapes(cfg), tensors)
-        n, k, g1 = cfg["out_features"], cfg["in_features"], cfg["group_size"]
+        layout = cls.checked(name, cfg, tensors)
+        k, g1 = cfg["in_features"], cfg["group_size"]
         bits = tensors["stripe_bits"]
         if bool(((bits != 2) & (bits != 4)).any()):
             raise CheckpointError(f"tensor {name}.stripe_bits: found values {sorted(set(bits.tolist()))}, "
@@ -304,10 +286,7 @@ class MixedWeight:
         if cfg["assign"] == "block4" and not bool(((bits == 4).reshape(-1, 4).sum(1) == 1).all()):
             raise CheckpointError(f"tensor {name}.stripe_bits: expected one 4-bit stripe in every four (block4)")
         for field in ("scales_2nd", "scales4"):
-            t = tensors[field]
-            if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
-                raise CheckpointError(f"tensor {name}.{field}: found non-positive or non-finite scales, "
-                                      f"expected > 0")
+            check_positive(name, field, tensors[field])
         if tensors["zeros_2nd"].numel() and int(tensors["zeros_2nd"].max()) > 15:
             raise CheckpointError(f"tensor {name}.zeros_2nd: found {int(tensors['zeros_2nd'].max())}, expected "
                                   f"at most 15")
@@ -317,7 +296,6 @@ class MixedWeight:
         if int(rp[0]) != 0 or int(rp[-1]) != cfg["outliers"] or bool((rp[1:] < rp[:-1]).any()):
             raise CheckpointError(f"tensor {name}.outlier_rowptr: expected non-decreasing offsets from 0 to "
                                   f"{cfg['outliers']}")
-        layout = cls(g1, cfg["scale_group_size"], cfg["assign"], k, n, *(tensors[f] for f in FIELDS))
         _, cols, _ = layout.outliers()
         if cols.numel():
             if int(cols.max()) >= k:

@@ -15,7 +15,7 @@ import torch
 
 from qtool.errors import CheckpointError
 from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.checks import check_tensors, stored_bits
+from qtool.packing.checks import StoredLayout, posint
 
 FORMAT = "vq"
 FIELDS = ("indices", "codebooks", "entry_tiers")
@@ -80,9 +80,6 @@ def _tile_index(size: int, tile: int | None, device=None) -> torch.Tensor:
 
 def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
     """(key, found, expected) for layer parameters outside the layout's domain, else None."""
-    def posint(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
     for key in ("in_features", "out_features", "vector_size", "residuals"):
         if not posint(cfg.get(key)):
             return key, cfg.get(key), "a positive integer"
@@ -106,7 +103,10 @@ def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
 
 
 @dataclass
-class VQWeight:
+class VQWeight(StoredLayout):
+    FIELDS = FIELDS
+    scheme_problem = staticmethod(scheme_problem)
+
     vector_size: int  # d: input columns per vector
     entries: int  # E = 2^b entries per codebook
     residuals: int  # z: additive codebooks per scope
@@ -179,24 +179,15 @@ class VQWeight:
 
     # ---- storage ------------------------------------------------------------------------------------------
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f: getattr(self, f) for f in FIELDS}
-
     def config(self) -> dict:
         return {"format": FORMAT, "vector_size": self.vector_size, "entries": self.entries,
                 "index_bits": self.index_bits, "residuals": self.residuals, "tile_rows": self.tile_rows,
                 "tile_cols": self.tile_cols, "reindexed": self.reindexed, "in_features": self.in_features,
                 "out_features": self.out_features}
 
-    def layer_config(self, has_bias: bool) -> dict:
-        return {**self.config(), "bias": has_bias}
-
     def notation(self) -> str:
         """VQ-LLM's VQ<x, y, z>, with y written as index bits as the paper's examples do."""
         return f"VQ<{self.vector_size},{self.index_bits},{self.residuals}>"
-
-    def stored_bits(self) -> int:
-        return stored_bits(self.tensors())
 
     def bits_report(self) -> dict[str, float]:
         """Bits per weight of this layer: as stored (indices, codebooks and tiers), and the indices alone (the
@@ -209,22 +200,10 @@ class VQWeight:
         return shapes_for(cfg["out_features"], cfg["in_features"], cfg["vector_size"], cfg["entries"],
                           cfg["residuals"], cfg.get("tile_rows"), cfg.get("tile_cols"))
 
-    @staticmethod
-    def check_config(name: str, cfg: dict) -> None:
-        problem = scheme_problem(cfg)
-        if problem is not None:
-            key, found, expected = problem
-            raise CheckpointError(f"layer {name}: quantization_config key {key!r} found {found!r}, "
-                                  f"expected {expected}")
-
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> VQWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        cls.check_config(name, cfg)
-        check_tensors(name, cls.expected_shapes(cfg), tensors)
-        layout = cls(cfg["vector_size"], cfg["entries"], cfg["residuals"], cfg.get("tile_rows"),
-                     cfg.get("tile_cols"), cfg["reindexed"], cfg["in_features"], cfg["out_features"],
-                     *(tensors[f] for f in FIELDS))
+        layout = cls.checked(name, cfg, tensors)
         if not bool(torch.isfinite(layout.codebooks).all()):
             raise CheckpointError(f"tensor {name}.codebooks: found non-finite entries, expected finite float16")
         v = layout.in_features // layout.vector_size

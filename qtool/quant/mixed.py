@@ -6,11 +6,15 @@ stripes. The layout and every rounding convention are in formats/mixed-2-4-16.md
 from __future__ import annotations
 
 import math
+import zlib
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from qtool.packing.mixed import bits_for, eq10_bits
+from qtool.packing.bitpack import unpack_codes
+from qtool.packing.mixed import SCALE_BITS, MixedWeight, bits_for, eq10_bits
 
 MAX2 = 3  # 2-bit codes
 MAX4 = 15  # 4-bit codes, and the 4-bit scale codes and second-order zeros
@@ -36,6 +40,19 @@ def sensitivity(weight: torch.Tensor, hinv_diag: torch.Tensor, group_size: int) 
     """Eq. 9 as printed: `S_i = Σ_{m<g1} Σ_j W[j, g1·i+m]² / ([H⁻¹]_{g1·i+m})²` for every stripe i, float64 [S]."""
     w2 = weight.to(torch.float64).pow(2).sum(dim=0)
     return (w2 / hinv_diag.to(torch.float64).pow(2)).reshape(-1, group_size).sum(dim=1)
+
+
+def obs_sensitivity(weight: torch.Tensor, hinv_diag: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The OBS saliency summed per stripe, `Σ w² / [H⁻¹]_qq` (the denominator not squared): the reading of Eq. 9
+    that its Eq. 8 motivation suggests, kept to measure against the printed one. float64 [S]."""
+    w2 = weight.to(torch.float64).pow(2).sum(dim=0)
+    return (w2 / hinv_diag.to(torch.float64)).reshape(-1, group_size).sum(dim=1)
+
+
+def random_sensitivity(name: str, stripes: int) -> torch.Tensor:
+    """A reproducible random score per stripe (seeded by the layer's name): the control for the Eq. 9 choice."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.rand(stripes, generator=gen, dtype=torch.float64)
 
 
 def assign_stripes(sens: torch.Tensor, rule: str, count: int) -> torch.Tensor:
@@ -274,3 +291,59 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
         values = torch.zeros(0)
     return MixedCodes(out.codes.cpu(), is4, c.to(torch.int64), z2.to(torch.int64), s2, u.to(torch.int64),
                       stack(grid.params4, 0), stack(grid.params4, 1).to(torch.int64), rows, cols, values)
+
+
+class TunableScales(nn.Module):
+    """A `mixed-2-4-16` layer as a function of its continuous parameters, for block-wise fine-tuning: the
+    second-order scales `s2` of the 2-bit stripes and the float16 scales `s4` of the 4-bit stripes, each times
+    `exp(θ)` (θ starts at 0, so a step changes a scale by a ratio, whatever its size). Codes, zeros and scale
+    codes stay as quantized; at the outliers the weight is the float original, so their stored residuals are
+    recomputed against the tuned dense part (`layout()`)."""
+
+    def __init__(self, layout: MixedWeight, original: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        self.source = layout
+        n, k, g1 = layout.out_features, layout.in_features, layout.group_size
+        s = k // g1
+        self.is4 = layout.is4.cpu()
+        _, zero = layout.group_params()
+        self.register_buffer("steps", (layout.codes().to(torch.float32).reshape(n, s, g1) - zero[:, :, None]))
+        # ŝ = (c + u)·s2 for 2-bit groups: the integer factor (c + u) stays.
+        c = unpack_codes(layout.scale_codes, SCALE_BITS, s - int(self.is4.sum())).to(torch.float32)
+        u = layout.zeros_2nd.to(torch.float32).repeat_interleave(layout.scale_group_size, dim=0)
+        self.register_buffer("c_u", c + u)
+        self.register_buffer("s2", layout.scales_2nd.to(torch.float32))
+        self.register_buffer("s4", layout.scales4.to(torch.float32))
+        rows, cols, _ = layout.outliers()
+        mask = torch.zeros(n, k, dtype=torch.bool)
+        mask[rows, cols] = True
+        self.register_buffer("mask", mask)
+        self.register_buffer("original", original.detach().to(torch.float32).cpu())
+        self.theta2 = nn.Parameter(torch.zeros_like(self.s2))
+        self.theta4 = nn.Parameter(torch.zeros_like(self.s4))
+        self.to(device)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.s2 * torch.exp(self.theta2), self.s4 * torch.exp(self.theta4)
+
+    def forward(self) -> torch.Tensor:
+        """The dequantized weight [N, K] float32 (differentiable in θ)."""
+        n, s, g1 = self.steps.shape
+        s2, s4 = self.scales()
+        g2 = self.source.scale_group_size
+        is4 = self.is4.to(self.steps.device)
+        scale = torch.zeros(n, s, dtype=torch.float32, device=self.steps.device)
+        scale = scale.masked_scatter(~is4[None, :].expand(n, s), (self.c_u * s2.repeat_interleave(g2, 0)))
+        scale = scale.masked_scatter(is4[None, :].expand(n, s), s4)
+        w = (self.steps * scale[:, :, None]).reshape(n, s * g1)
+        return torch.where(self.mask, self.original, w)
+
+    def layout(self) -> MixedWeight:
+        """The layer with the tuned scales rounded to float16 (at least 2^-14, as quantizing stores them) and
+        each outlier's residual `fp16(w - dense)` against the new dense part."""
+        with torch.no_grad():
+            s2, s4 = (_fp16(t.cpu()) for t in self.scales())
+        tuned = replace(self.source, scales_2nd=s2.to(torch.float16), scales4=s4.to(torch.float16))
+        rows, cols, _ = tuned.outliers()
+        values = self.original.cpu()[rows, cols] - tuned.dense()[rows, cols]
+        return replace(tuned, outlier_values=values.to(torch.float16).contiguous())

@@ -7,47 +7,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from qtool.packing.mixed import FIELDS, MixedWeight
+from qtool.packing.mixed import MixedWeight
+from qtool.runtime.packed_linear import PackedLinear
 
 
-class MixedLinear(nn.Module):
-    def __init__(self, weight: MixedWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.group_size = weight.group_size
-        self.scale_group_size = weight.scale_group_size
-        self.assign = weight.assign
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        for f in FIELDS:
-            self.register_buffer(f, getattr(weight, f))
-        if bias is not None:
-            self.bias = nn.Parameter(bias, requires_grad=False)
-        else:
-            self.bias = None
-        # The dense weight, dequantized on first use per (device, dtype); a kernel never needs it.
-        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    @property
-    def layout(self) -> MixedWeight:
-        return MixedWeight(self.group_size, self.scale_group_size, self.assign, self.in_features,
-                           self.out_features, *(getattr(self, f) for f in FIELDS))
+class MixedLinear(PackedLinear):
+    layout_cls = MixedWeight
+    float16_fields = ("scales_2nd", "scales4", "outlier_values")
 
     def cpu_layout(self) -> MixedWeight:
         """The layout on the CPU, where its unpacking runs (it builds CPU index tensors)."""
-        return MixedWeight(self.group_size, self.scale_group_size, self.assign, self.in_features,
-                           self.out_features, *(getattr(self, f).cpu() for f in FIELDS))
+        return self.layout_with(lambda t: t.cpu())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.cpu_layout().dequantize(dtype)
 
-    def dense_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
-        w = self._dense.get(key)
-        if w is None:
-            w = self._dense[key] = self.cpu_layout().dense().to(device=device, dtype=dtype)
-        return w
+    def dense_float32(self) -> torch.Tensor:
+        # Without the outliers: the reference adds them as a separate sparse product.
+        return self.cpu_layout().dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -72,15 +50,9 @@ class MixedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _apply(self, fn, recurse: bool = True):
-        # `model.to(dtype)` casts floating buffers; the packed float16 fields must stay float16.
-        super()._apply(fn, recurse)
-        for f in ("scales_2nd", "scales4", "outlier_values"):
-            if getattr(self, f).dtype != torch.float16:
-                setattr(self, f, getattr(self, f).to(torch.float16))
-        self._dense = {}
+    def drop_caches(self) -> None:
+        super().drop_caches()
         self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
-        return self
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, 2/4-bit stripes of {self.group_size} "

@@ -8,48 +8,24 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from qtool.packing.vq import FIELDS, VQWeight
+from qtool.packing.vq import VQWeight
+from qtool.runtime.packed_linear import PackedLinear
 
 LOOKUP_ROWS = 16
 
 
-class VQLinear(nn.Module):
-    def __init__(self, weight: VQWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.vector_size = weight.vector_size
-        self.entries = weight.entries
-        self.residuals = weight.residuals
-        self.tile_rows = weight.tile_rows
-        self.tile_cols = weight.tile_cols
-        self.reindexed = weight.reindexed
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        for f in FIELDS:
-            self.register_buffer(f, getattr(weight, f))
-        if bias is not None:
-            self.bias = nn.Parameter(bias, requires_grad=False)
-        else:
-            self.bias = None
-        # Unpacked indices and the dense weight, built on first use per device (and dtype); a kernel needs neither.
-        self._codes: dict[torch.device, torch.Tensor] = {}
-        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+class VQLinear(PackedLinear):
+    layout_cls = VQWeight
+    float16_fields = ("codebooks",)
 
-    @property
-    def layout(self) -> VQWeight:
-        return VQWeight(self.vector_size, self.entries, self.residuals, self.tile_rows, self.tile_cols,
-                        self.reindexed, self.in_features, self.out_features, *(getattr(self, f) for f in FIELDS))
+    def __init__(self, weight: VQWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        # Unpacked indices, built on first use per device; a kernel never needs them.
+        self._codes: dict[torch.device, torch.Tensor] = {}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.layout.dequantize(dtype)
-
-    def dense_weight(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
-        w = self._dense.get(key)
-        if w is None:
-            w = self._dense[key] = self.layout.dequantize(torch.float32).to(device=device, dtype=dtype)
-        return w
 
     def codes(self, device: torch.device) -> torch.Tensor:
         c = self._codes.get(device)
@@ -88,14 +64,9 @@ class VQLinear(nn.Module):
                 y += prod[rt[:, None], r, vi, codes[r][:, vs]].sum(dim=1)
         return y.T.to(x.dtype)
 
-    def _apply(self, fn, recurse: bool = True):
-        # `model.to(dtype)` casts floating buffers; the stored float16 codebooks must stay float16.
-        super()._apply(fn, recurse)
-        if self.codebooks.dtype != torch.float16:
-            self.codebooks = self.codebooks.to(torch.float16)
+    def drop_caches(self) -> None:
+        super().drop_caches()
         self._codes = {}
-        self._dense = {}
-        return self
 
     def extra_repr(self) -> str:
         scope = "tensor" if self.tile_rows is None and self.tile_cols is None else \

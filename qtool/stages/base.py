@@ -155,6 +155,19 @@ class QuantizerStage(Stage):
         pipeline then passes `quantize` a per-row `score`), else None."""
         return None
 
+    def finetunes(self) -> bool:
+        """Whether `finetune_block` runs once a block's linears are quantized (the pipeline then keeps the float
+        block's outputs on the calibration inputs)."""
+        return False
+
+    def finetune_block(self, block: nn.Module, layouts: dict[str, object], originals: dict[str, torch.Tensor],
+                       inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor]
+                       ) -> tuple[dict[str, object], dict | None]:
+        """Refine the packed layers of this stage's linears in `block` (by name relative to it; `originals`: their
+        float weights before quantization) so that the block's outputs on `inputs` come closer to `targets`,
+        the float block's. Return the new layouts by the same names and what to record in the manifest."""
+        return layouts, None
+
     @abstractmethod
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult: ...
 

@@ -12,7 +12,10 @@ the largest rounding error, are kept as float16 residuals in CSR form. `solver: 
 runs GPTQ's error feedback over the same grids, each group at its stripe's width.
 
 Within the block-wise pipeline the next linears and blocks are calibrated on this layer's dequantized weights.
-The paper's QAT-like fine-tuning after the assignment is not part of this stage.
+`finetune_steps` (off by default) stands in for the paper's QAT-like fine-tuning after the assignment: once a
+block's linears are quantized, their scales (the 2-bit groups' second-order scales, the 4-bit groups' scales) are
+trained, codes fixed, so that the block's output matches the float block's on the calibration inputs
+(qtool/quant/blockwise.py), one block at a time.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ import torch
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
 from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
+from qtool.quant.blockwise import tune_block
 from qtool.quant.mixed import (
+    TunableScales,
     assign_stripes,
     inverse_hessian_diag,
     mixed_quantize,
     mixed_quantize_gptq,
+    obs_sensitivity,
     outlier_count,
+    random_sensitivity,
     sensitivity,
     stripes_for_fraction,
     stripes_for_target,
@@ -77,6 +84,10 @@ class MixedOptions:
                                                                       "bits per outlier)")
     assign: Literal["block4", "global"] = option("block4", help="block4: the most sensitive stripe of every four; "
                                                                 "global: the most sensitive of the matrix")
+    sensitivity: Literal["eq9", "obs", "random"] = option("eq9", help="score that picks the 4-bit stripes: "
+                                                                       "eq9 (Eq. 9 as printed, H⁻¹ diagonal "
+                                                                       "squared), obs (w²/[H⁻¹]_qq), random "
+                                                                       "(a control, seeded by layer name)")
     outlier_fraction: float = option(0.002, min=0.0, max=0.005, help="weights kept as float16 outliers (2-bit "
                                                                      "stripes only), as a fraction of all weights")
     solver: Literal["rtn", "gptq"] = option("rtn", help="rtn: asymmetric min/max round to nearest (the paper's); "
@@ -84,6 +95,12 @@ class MixedOptions:
     damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H) before inverting, as a "
                                                       "fraction of its mean")
     block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
+    finetune_steps: int = option(0, min=0, max=100000, help="block-wise fine-tuning: Adam steps per block on the "
+                                                            "scales (codes fixed) against the float block's "
+                                                            "output; 0 is off")
+    finetune_lr: float = option(0.005, min=1e-6, max=1.0, help="fine-tuning: Adam learning rate on the log of "
+                                                               "each scale")
+    finetune_samples: int = option(1, min=1, max=4096, help="fine-tuning: calibration windows per step")
 
     def validate(self) -> tuple[str, str] | None:
         if self.group_size % 8:
@@ -153,6 +170,22 @@ class MixedStage(HessianStage):
     def check_config(self, config, where: str) -> None:
         self.check_layers(config, where)
 
+    def finetunes(self) -> bool:
+        return self.options.finetune_steps > 0
+
+    def finetune_block(self, block, layouts: dict[str, MixedWeight], originals: dict[str, torch.Tensor],
+                       inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor]
+                       ) -> tuple[dict[str, MixedWeight], dict]:
+        o: MixedOptions = self.options
+        device = inputs[0].device
+        tunables = {rel: TunableScales(layout, originals[rel], device) for rel, layout in layouts.items()}
+        params = [p for t in tunables.values() for p in t.parameters()]
+        res = tune_block(block, {f"{rel}.weight": t for rel, t in tunables.items()}, params, inputs, kwargs,
+                         targets, steps=o.finetune_steps, lr=o.finetune_lr, samples=o.finetune_samples)
+        tuned = {rel: t.layout() for rel, t in tunables.items()} if res.kept else layouts
+        return tuned, {"finetune": {"error_before": round(res.error_before, 8),
+                                    "error_after": round(res.error_after, 8), "kept": res.kept}}
+
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: MixedOptions = self.options
         if stats is None or not stats.has_hessian:
@@ -161,7 +194,10 @@ class MixedStage(HessianStage):
         self.refuse_layer(name, n, k)
         hessian = stats.hessian().cpu()
         hinv = inverse_hessian_diag(hessian, o.damp)
-        sens = sensitivity(weight.cpu(), hinv, o.group_size)
+        if o.sensitivity == "random":
+            sens = random_sensitivity(name, k // o.group_size)
+        else:
+            sens = (sensitivity if o.sensitivity == "eq9" else obs_sensitivity)(weight.cpu(), hinv, o.group_size)
         if o.target_bits is not None:
             count = _stripes_for_target(n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits,
                                         o.target_counts)
