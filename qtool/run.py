@@ -135,18 +135,8 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         if state is None or state["next_block"] == 0:
             shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming
         raise
-    config = dict(run.config)
-    config["dtype"] = str(run.original_dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    bpw = bits_per_weight(run.packed, run.tensors.meta)
-    manifest_extra = {
-        "bits_per_weight": bpw,
-        "calibration": run.calibration,
-        "seed": recipe.calibration.seed if recipe.calibration else None,
-        "stages": [s.stage.name for s in recipe.stages],
-        "transforms": run.transforms,
-        "eval": None,
-    }
+    config, bpw, manifest_extra = _checkpoint_fields(recipe, dict(run.config), run.original_dtype, run.packed,
+                                                     run.tensors.meta, run.calibration, run.transforms, None)
     try:
         write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
                          tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
@@ -199,6 +189,23 @@ def _checkpoint_evaluator(recipe, device: torch.device, fp: dict, suite, tokeniz
     return evaluate
 
 
+def _checkpoint_fields(recipe, config: dict, original_dtype, packed, tensors, calibration, transforms,
+                       ev_result) -> tuple[dict, dict, dict]:
+    """config.json (with the original dtype), bits per weight and the manifest's run fields, the same for the
+    block-by-block and the whole-model run."""
+    config["dtype"] = str(original_dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    bpw = bits_per_weight(packed, tensors)
+    return config, bpw, {
+        "bits_per_weight": bpw,
+        "calibration": calibration,
+        "seed": recipe.calibration.seed if recipe.calibration else None,
+        "stages": [s.stage.name for s in recipe.stages],
+        "transforms": transforms,
+        "eval": ev_result,
+    }
+
+
 def _peak_gpu(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
@@ -231,18 +238,8 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
     tensors = collect_tensors(qm.model, qm.packed, qm.original_dtype)
     layers = {name: p.layer_config(getattr(qm.model.get_submodule(name), "bias", None) is not None)
               for name, p in sorted(qm.packed.items())}
-    config = qm.model.config.to_dict()
-    config["dtype"] = str(qm.original_dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    bpw = bits_per_weight(qm.packed, tensors)
-    manifest_extra = {
-        "bits_per_weight": bpw,
-        "calibration": qm.calibration,
-        "seed": recipe.calibration.seed if recipe.calibration else None,
-        "stages": [s.stage.name for s in recipe.stages],
-        "transforms": qm.transforms,
-        "eval": ev_result,
-    }
+    config, bpw, manifest_extra = _checkpoint_fields(recipe, qm.model.config.to_dict(), qm.original_dtype,
+                                                     qm.packed, tensors, qm.calibration, qm.transforms, ev_result)
     write_checkpoint(out, tensors=tensors, config=config, layers=layers, model_schemes=qm.model_schemes,
                      tokenizer=qm.tokenizer,
                      recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
