@@ -21,7 +21,8 @@
 // shfl_xor: d/2 - 1 rounds (1 for d = 4, 3 for d = 8; within the paper's 5). F = 1 builds that. F = 0 has every
 // lane read from the shared codebook only the 4-byte pairs it consumes (no shuffles or selects, d/2 times the
 // lookup instructions, the same bytes): the codebook already sits in shared memory, so nothing is re-read through
-// it, and on an H100 F = 0 was the faster (qtool/cuda/vq_gemm.py dispatches it; kernels/NOTES.md).
+// it, and on an H100 F = 0 was the faster (qtool/cuda/vq_gemm.py dispatches it; kernels/NOTES.md). F = 2 (VqRep)
+// removes F = 0's bank conflicts with a replicated codebook and was slower still.
 //
 // Residual entries are added in f16x2 (one rounding of their exact sum: the reference's float32 sum cast to fp16).
 // The GEMM accumulates in float32; the output is fp16.
@@ -171,11 +172,22 @@ struct VqCfg {
     static_assert(D == 4 || D == 8, "vector sizes 4 and 8");
 };
 
-template <class Cfg, int TN>
+// F = 2 (d = 4, one residual): the scope's codebook is held in 32-lane replicas, each entry a 128-byte line of 16
+// copies, so lane l reads word l % 2 of an entry at bank l and no lookup of a warp conflicts (F = 0's random
+// entries meet in a bank several times per instruction). 32 KiB per 256-entry scope: two buffers beside the ring,
+// switched per column tile, filled by the first stage of each tile.
+template <class Cfg, int F>
+struct VqRep {
+    static constexpr bool ON = F == 2;
+    static_assert(!ON || (Cfg::D_ == 4 && Cfg::Z_ == 1 && !Cfg::RESIDENT), "replicas: d = 4, one residual");
+    static constexpr int BYTES = ON ? Cfg::E * 128 : 0;  // one buffer
+};
+
+template <class Cfg, int TN, int F>
 struct VqTile {
-    static constexpr int XT = TN * 128;                     // activations: TN rows of 64 halves
-    static constexpr int IT = 128 * Cfg::IROW;              // indices of the block's 128 rows
-    static constexpr int CT = Cfg::RESIDENT ? 0 : Cfg::CBB;  // the stage's codebooks (ring mode)
+    static constexpr int XT = TN * 128;                                          // activations: TN rows of 64 halves
+    static constexpr int IT = 128 * Cfg::IROW;                                   // indices of the block's 128 rows
+    static constexpr int CT = Cfg::RESIDENT || VqRep<Cfg, F>::ON ? 0 : Cfg::CBB;  // the stage's codebooks (ring mode)
     static constexpr int SB = (XT + IT + CT + 1023) / 1024 * 1024;
 };
 
@@ -190,11 +202,16 @@ struct VqArgs {
     int m0, n0;
 };
 
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
 // Issue the copies of global stage gs into the shared-memory stage at `st`; rows past M or N are zero-filled (a
-// zero index is a valid entry; those outputs are never stored).
-template <class Cfg, int TN>
-__device__ __forceinline__ void vq_load_stage(const VqArgs& a, u32 st, int gs, int tid) {
-    using T = VqTile<Cfg, TN>;
+// zero index is a valid entry; those outputs are never stored). With replicas (F = 2), the first stage of a column
+// tile (or of this block's share) also fills the tile's replica buffer at rep.
+template <class Cfg, int TN, int F>
+__device__ __forceinline__ void vq_load_stage(const VqArgs& a, u32 st, int gs, int tid, int s0, u32 rep) {
+    using T = VqTile<Cfg, TN, F>;
     constexpr int Z = Cfg::Z_, IW = Cfg::IW, NW = Cfg::NW;
 #pragma unroll
     for (int c0 = 0; c0 < TN * 8; c0 += 256) {
@@ -223,7 +240,15 @@ __device__ __forceinline__ void vq_load_stage(const VqArgs& a, u32 st, int gs, i
                 cp_async4(dst, src, ok ? 4 : 0);
         }
     }
-    if constexpr (!Cfg::RESIDENT) {
+    if constexpr (VqRep<Cfg, F>::ON) {
+        if (gs % a.cst == 0 || gs == s0) {
+            const int ct = gs / a.cst;
+            const char* src = reinterpret_cast<const char*>(a.cb) + (size_t)(a.rt * a.C + ct) * Cfg::CBB;
+            const u32 dst = rep + (u32)(ct & 1) * VqRep<Cfg, F>::BYTES;
+#pragma unroll 4
+            for (int c = tid; c < Cfg::E * 16; c += 256) cp_async8(dst + (c >> 4) * 128 + (c & 15) * 8, src + (c >> 4) * 8);
+        }
+    } else if constexpr (!Cfg::RESIDENT) {
         // the codebook switch: this stage's column tile picks the scope
         const char* src = reinterpret_cast<const char*>(a.cb) + (size_t)(a.rt * a.C + gs / a.cst) * Cfg::CBB;
 #pragma unroll
@@ -330,6 +355,20 @@ __device__ __forceinline__ void vq_dequant(u32 (&af)[4][4], u32 it, u32 cbs, int
                 af[j][k] = sel4(R[0], R[1], R[2], R[3], t ^ src);
             }
         }
+    } else if constexpr (F == 2) {
+        // As F = 0 with d = 4, each lane reading from its own bank of the replicated entries.
+        const u32 extra = (u32)((t >> 1) * B);
+        const u32 lane4 = (threadIdx.x & 31) * 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 w[Z][NW];
+            load_idx<Cfg>(w, it + (u32)(r0 + 8 * h) * Cfg::IROW);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                af[j][h] = lds32(cbs + code_at<B>(w[0], 4 * j * B, extra) * 128 + lane4);
+                af[j][2 + h] = lds32(cbs + code_at<B>(w[0], (4 * j + 2) * B, extra) * 128 + lane4);
+            }
+        }
     } else {
         // No fusion: each lane reads the two pairs it consumes per row and step from the shared codebook.
         constexpr int VPK = 16 / D;  // vectors per k16 step
@@ -362,14 +401,18 @@ __device__ __forceinline__ void vq_dequant(u32 (&af)[4][4], u32 it, u32 cbs, int
 template <class Cfg, int TN, int ST, int F>
 __device__ __forceinline__ void vq_stage_step(float (&acc)[TN / 2], u32 (&af)[4][4], const VqArgs& a, u32 base,
                                               u32 cbres, int s, int s0, int ns, int r0, int t, int tid) {
-    using T = VqTile<Cfg, TN>;
+    using T = VqTile<Cfg, TN, F>;
     cp_async_wait<ST - 3>();  // this thread's copies of stage s are done
     fence_async_smem();       // the activations are read next by the tensor cores
     __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
-    if (s + ST - 2 < ns) vq_load_stage<Cfg, TN>(a, base + (u32)((s + ST - 2) % ST) * T::SB, s0 + s + ST - 2, tid);
+    if (s + ST - 2 < ns)
+        vq_load_stage<Cfg, TN, F>(a, base + (u32)((s + ST - 2) % ST) * T::SB, s0 + s + ST - 2, tid, s0, cbres);
     cp_async_commit();
     const u32 st = base + (u32)(s % ST) * T::SB;
-    vq_dequant<Cfg, F>(af, st + T::XT, Cfg::RESIDENT ? cbres : st + T::XT + T::IT, r0, t);
+    const u32 cbs = Cfg::RESIDENT ? cbres
+                    : VqRep<Cfg, F>::ON ? cbres + (u32)(((s0 + s) / a.cst) & 1) * VqRep<Cfg, F>::BYTES
+                                        : st + T::XT + T::IT;
+    vq_dequant<Cfg, F>(af, st + T::XT, cbs, r0, t);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) wgmma_acc(acc, af[j], desc_sw128(st + 32 * j));
@@ -383,7 +426,7 @@ __device__ __forceinline__ void vq_body(const u16* __restrict__ x, int ldx, cons
                                         const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
                                         float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
     using Cfg = VqCfg<D, B, Z>;
-    using T = VqTile<Cfg, TN>;
+    using T = VqTile<Cfg, TN, F>;
     static_assert(ST >= 3, "two stages in flight behind the one being decoded");
     extern __shared__ char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -406,7 +449,7 @@ __device__ __forceinline__ void vq_body(const u16* __restrict__ x, int ldx, cons
     }
 #pragma unroll
     for (int p = 0; p < ST - 2; ++p) {
-        if (p < ns) vq_load_stage<Cfg, TN>(a, base + (u32)p * T::SB, s0 + p, tid);
+        if (p < ns) vq_load_stage<Cfg, TN, F>(a, base + (u32)p * T::SB, s0 + p, tid, s0, cbres);
         cp_async_commit();
     }
     // Two sets of A fragments: a stage's wgmmas may still read one set while the next stage fills the other.
@@ -436,11 +479,15 @@ __device__ __forceinline__ void vq_body(const u16* __restrict__ x, int ldx, cons
         vq_body<D, B, Z, TN, ST, F>(x, ldx, idx, ldi, cb, C, trows, cst, bias, out, ldc, ws, cnt, M, N, nst);      \
     }
 #define VQ_ENTRIES(D, B, Z, TN, ST, MINB) VQ_ENTRY(D, B, Z, TN, ST, 1, MINB) VQ_ENTRY(D, B, Z, TN, ST, 0, MINB)
-// GPTVQ-2: 2 KiB scopes carried in the ring
+// GPTVQ-2: 2 KiB scopes carried in the ring, or replicated beside it (F = 2)
 VQ_ENTRIES(4, 8, 1, 32, 6, 1)
 VQ_ENTRIES(4, 8, 1, 64, 6, 1)
 VQ_ENTRIES(4, 8, 1, 128, 4, 1)
 VQ_ENTRIES(4, 8, 1, 256, 4, 1)
+VQ_ENTRY(4, 8, 1, 32, 6, 2, 1)
+VQ_ENTRY(4, 8, 1, 64, 6, 2, 1)
+VQ_ENTRY(4, 8, 1, 128, 4, 2, 1)
+VQ_ENTRY(4, 8, 1, 256, 4, 2, 1)
 // AQLM-3: 128 KiB of resident codebooks beside the ring
 VQ_ENTRIES(8, 12, 2, 32, 6, 1)
 VQ_ENTRIES(8, 12, 2, 64, 4, 1)

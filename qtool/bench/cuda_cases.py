@@ -248,18 +248,25 @@ class CudaCases:
                                c["tile_rows"], c["tile_cols"])
 
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
-        """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row:
-        the GEMM as dispatched (every lane reads its own pairs) and with register-level fusion (shuffles)."""
+        """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
+        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
+        from qtool.cuda import vq_gemm  # noqa: PLC0415
+
         p = self._vq_layer(k, n, preset)
         nbytes = p.indices.numel() * 4 + p.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
-        return ["vq-gemm", "vq-gemm-shfl"], "vq-gemm", nbytes, p.residuals * p.index_bits // p.vector_size
+        tn = vq_gemm.tokens_for(p.config, m)
+        fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
+        default = vq_gemm.DEFAULT_FUSION[p.config]
+        default = default if default in fusions else "direct"
+        return ([f"vq-gemm-{f}" for f in fusions], f"vq-gemm-{default}", nbytes,
+                p.residuals * p.index_bits // p.vector_size)
 
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
         from qtool.cuda import vq_gemm  # noqa: PLC0415
 
-        if path not in ("vq-gemm", "vq-gemm-shfl"):
-            raise ValueError(f"path: found {path!r}, expected vq-gemm or vq-gemm-shfl")
-        fusion = "shfl" if path == "vq-gemm-shfl" else None
+        fusion = path.removeprefix("vq-gemm-")
+        if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
+            raise ValueError(f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>")
         first = self._vq_layer(k, n, preset)
         set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         fns = []

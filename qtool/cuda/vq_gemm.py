@@ -30,12 +30,14 @@ BUILT: dict[tuple[int, int, int], dict[int, int]] = {
 }
 # Codebooks larger than this are resident (kernels/vq_gemm.cu VqCfg::RESIDENT); smaller ones ride in the ring.
 RESIDENT_BYTES = 16384
-# How decoded entries reach the A fragments: "shfl", VQ-LLM's register-level fusion (Sec. VI-B: a lane looks up
-# whole entries and the quad swaps pairs with shfl_xor), or "direct", every lane reading from the shared codebook
-# only the 4-byte pairs it consumes. "direct" is the default: on an H100 it was faster at every Llama-2-7B shape and
-# M measured (kernels/NOTES.md), the shuffles and selects costing more than the narrower lookups they save.
-FUSIONS = {"shfl": 1, "direct": 0}
-DEFAULT_FUSION = "direct"
+# How decoded entries reach the A fragments (kernels/vq_gemm.cu F): "shfl", VQ-LLM's register-level fusion (Sec.
+# VI-B: a lane looks up whole entries and the quad swaps pairs with shfl_xor); "direct", every lane reading from the
+# shared codebook only the 4-byte pairs it consumes; "replica" (d = 4, one residual), "direct" from a codebook
+# replicated so that every lane reads its own bank. "direct" is the default: on an H100 (`qtool bench kernels`,
+# kernels/NOTES.md) it beat "shfl" by 3-12% with d = 8 and matched or beat it with d = 4, and "replica" was 1.2-2.6x
+# slower than "direct" (filling 32 KiB of replicas per column tile costs more than the bank conflicts it removes).
+FUSIONS = {"shfl": 1, "direct": 0, "replica": 2}
+DEFAULT_FUSION = {(4, 8, 1): "direct", (8, 12, 2): "direct"}
 
 
 @dataclass
@@ -122,15 +124,34 @@ def prepare_layer(layer: torch.nn.Module) -> Prepared:
                    layer.in_features, layer.out_features, layer.tile_rows, layer.tile_cols)
 
 
-def smem_bytes(p: Prepared | tuple[int, int, int], tokens: int, stages: int) -> int:
-    """Dynamic shared memory of one block: the ring (activations, 128 rows' indices and, for small scopes, the
-    stage's codebooks), resident codebooks, and slack to align the 1024-byte swizzle atoms."""
+def smem_bytes(p: Prepared | tuple[int, int, int], tokens: int, stages: int, fusion: str = "direct") -> int:
+    """Dynamic shared memory of one block: the ring (activations, 128 rows' indices and, for small scopes without
+    replicas, the stage's codebooks), resident codebooks or two replica buffers (128 bytes per entry), and slack to
+    align the 1024-byte swizzle atoms."""
     d, b, z = p.config if isinstance(p, Prepared) else p
     cbytes = z * (1 << b) * d * 2
     iw = STAGE_COLS // d * b // 32
-    slot = tokens * 128 + ROWS * z * (-(-iw // 4) * 16) + (0 if cbytes > RESIDENT_BYTES else cbytes)
+    resident, replica = cbytes > RESIDENT_BYTES, fusion == "replica"
+    slot = tokens * 128 + ROWS * z * (-(-iw // 4) * 16) + (0 if resident or replica else cbytes)
     slot = -(-slot // 1024) * 1024
-    return stages * slot + (cbytes if cbytes > RESIDENT_BYTES else 0) + 1024
+    extra = cbytes if resident else 2 * (1 << b) * 128 if replica else 0
+    return stages * slot + extra + 1024
+
+
+def fusion_reason(p: Prepared, fusion: str, tokens: int) -> str | None:
+    """Why `fusion` cannot run this layer at this token tile (None when it can)."""
+    if fusion not in FUSIONS:
+        return f"fusion {fusion!r} (expected one of {', '.join(FUSIONS)})"
+    if fusion != "replica":
+        return None
+    if p.config != (4, 8, 1):
+        return f"fusion replica for VQ<{p.vector_size},{p.index_bits},{p.residuals}> (built for VQ<4,8,1>)"
+    cst = p.in_features // STAGE_COLS if p.tile_cols is None else p.tile_cols // STAGE_COLS
+    stages = BUILT[p.config][tokens]
+    if cst < stages - 2:
+        # a tile's replica buffer is refilled ST - 2 stages ahead: the tile before the last must be done by then
+        return f"fusion replica with {STAGE_COLS * cst}-column tiles at {tokens} tokens (needs {stages - 2} stages)"
+    return None
 
 
 def tokens_for(config: tuple[int, int, int], m: int) -> int:
@@ -172,13 +193,17 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     tn = tokens_for(p.config, m) if tokens is None else tokens
     if tn not in built:
         raise ValueError(f"tokens: found {tn}, expected one of {tuple(built)} for {p.config}")
-    fusion = DEFAULT_FUSION if fusion is None else fusion
-    if fusion not in FUSIONS:
-        raise ValueError(f"fusion: found {fusion!r}, expected one of {', '.join(FUSIONS)}")
+    if fusion is None:
+        fusion = DEFAULT_FUSION[p.config]
+        if fusion_reason(p, fusion, tn) is not None:
+            fusion = "direct"
+    reason = fusion_reason(p, fusion, tn)
+    if reason is not None:
+        raise ValueError(f"fusion: {reason}")
     st = built[tn]
     d, b, z = p.config
     fn = cc.load_module(SOURCE, device=dev).fn(f"vq_gemm_d{d}_b{b}_z{z}_n{tn}_s{st}_f{FUSIONS[fusion]}")
-    smem = smem_bytes(p, tn, st)
+    smem = smem_bytes(p, tn, st, fusion)
     cc.allow_shared_memory(fn, smem)
     nst = k // STAGE_COLS
     if split is None:

@@ -2,7 +2,8 @@
 
 Both presets (GPTVQ-2: d 4, 256 entries, 256x256 tiles; AQLM-3: d 8, 4096 entries, two residuals per tensor), odd
 shapes (ragged row and column tiles, K = 576, M not a multiple of the token tile, N an odd multiple of the block),
-every token tile, split-K, both fusions, with and without re-indexing; fresh random inputs, outputs poisoned with
+every token tile, split-K, every fusion (shuffles, direct lookups, replicated codebooks), with and without
+re-indexing; fresh random inputs, outputs poisoned with
 NaN before each launch and a sync after it. Skips without a Hopper GPU.
 """
 
@@ -76,8 +77,10 @@ def check(layer, m: int, **kw) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-@pytest.mark.parametrize("fusion", ["shfl", "direct"])
+FUSIONS = {"gptvq-2": ("shfl", "direct", "replica"), "aqlm-3": ("shfl", "direct")}
+
+
+@pytest.mark.parametrize("preset,fusion", [(p, f) for p, fs in FUSIONS.items() for f in fs])
 @pytest.mark.parametrize("n,k", ODD)
 def test_odd_shapes(preset, fusion, n, k):
     layer = vq_layer(n, k, preset, reindex=True)
@@ -94,7 +97,7 @@ def test_every_token_tile_and_split(preset):
     layer = vq_layer(384, 1024, preset, reindex=True)
     for tn in BUILT[cfg]:
         for split in (1, 3, 16):
-            for fusion in ("shfl", "direct"):
+            for fusion in FUSIONS[preset]:
                 check(layer, tn + 5, tokens=tn, split=split, fusion=fusion)
     ctr = split_k.counters(torch.cuda.current_device())
     assert ctr is not None and not bool(ctr.any()), "split-K tile counters left non-zero"
@@ -131,6 +134,20 @@ def test_llama_shapes(preset, n, k):
 def test_per_tensor_gptvq_codebook():
     """One 256-entry codebook for the whole tensor (tile_rows = tile_cols = null) runs the same kernel."""
     check(vq_layer(384, 576, "gptvq-2", reindex=True, tiles=(None, None)), 77)
+
+
+def test_replica_buffers_with_short_column_tiles():
+    """128-column tiles at the 4-stage ring: a tile's replica buffer is refilled two stages ahead, right after the
+    tile before the last is decoded (the shortest tiles the replicas allow); with split-K the shares start inside
+    tiles. Where a ring is deeper than the tiles allow, the default falls back to direct lookups."""
+    from qtool.cuda.vq_gemm import fusion_reason, prepare_layer
+
+    layer = vq_layer(384, 1024, "gptvq-2", reindex=True, tiles=(256, 128))
+    for tn in (128, 256):
+        for split in (1, 3):
+            check(layer, tn - 3, tokens=tn, split=split, fusion="replica")
+    assert fusion_reason(prepare_layer(layer), "replica", 32) is not None
+    check(layer, 20)  # 32-token tile: the default's fallback
 
 
 def test_layer_forward_dispatches_the_gemm(monkeypatch):
