@@ -232,6 +232,51 @@ class CudaCases:
                 raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
         return fns
 
+    def _vq_layer(self, k: int, n: int, preset: str):
+        """A random `vq` layer of the preset's shapes built on the GPU: every index bit pattern is a valid code (K a
+        multiple of 64 leaves no padding bits), entries sized for O(1) outputs."""
+        from qtool.cuda import vq_gemm  # noqa: PLC0415
+        from qtool.packing.vq import shapes_for  # noqa: PLC0415
+        from qtool.stages.vq import PRESETS  # noqa: PLC0415
+
+        c = PRESETS[preset]
+        shapes = shapes_for(n, k, c["vector_size"], c["entries"], c["residuals"], c["tile_rows"], c["tile_cols"])
+        (ishape, _), (cshape, _) = shapes["indices"], shapes["codebooks"]
+        idx = torch.randint(-(2**31), 2**31, ishape, dtype=torch.int32, device=self.dev, generator=self.gen)
+        books = self._randn(*cshape, dtype=torch.float32) / (k * c["residuals"]) ** 0.5
+        return vq_gemm.prepare(idx, books.half(), c["vector_size"], c["entries"], c["residuals"], k, n,
+                               c["tile_rows"], c["tile_cols"])
+
+    def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
+        """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
+        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
+        from qtool.cuda import vq_gemm  # noqa: PLC0415
+
+        p = self._vq_layer(k, n, preset)
+        nbytes = p.indices.numel() * 4 + p.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
+        tn = vq_gemm.tokens_for(p.config, m)
+        fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
+        default = vq_gemm.DEFAULT_FUSION[p.config]
+        default = default if default in fusions else "direct"
+        return ([f"vq-gemm-{f}" for f in fusions], f"vq-gemm-{default}", nbytes,
+                p.residuals * p.index_bits // p.vector_size)
+
+    def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
+        from qtool.cuda import vq_gemm  # noqa: PLC0415
+
+        fusion = path.removeprefix("vq-gemm-")
+        if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
+            raise ValueError(f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>")
+        first = self._vq_layer(k, n, preset)
+        set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
+        fns = []
+        for i in range(rotations(set_bytes, self.l2)):
+            p = first if i == 0 else self._vq_layer(k, n, preset)
+            x = self._randn(m, k)
+            out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+            fns.append(lambda x=x, p=p, out=out: vq_gemm.gemm(x, p, out=out, fusion=fusion))
+        return fns
+
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
         """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" quantizes
         the float16 activations and runs the GEMM, "w4a8-gemm" runs the GEMM on codes quantized beforehand."""

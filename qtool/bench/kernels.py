@@ -1,5 +1,5 @@
 """`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels and the mixed-2-4-16 (2/4/16-bit)
-kernels against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
+kernels and the fused VQ GEMM (gptvq-2, aqlm-3) against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ class Cases(Protocol):
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns: ...
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]: ...
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns: ...
+    def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]: ...
+    def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns: ...
 
 
 # The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
@@ -85,6 +87,7 @@ class KernelBenchConfig:
     w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
     mixed_outliers: list[float] = field(default_factory=list)  # mixed-2-4-16 rows, one per outlier fraction
     tinygemm_group_size: int | None = None  # torchao int4 (W4A16) peer at this group size; None: not timed
+    vq_gemm_presets: list[str] = field(default_factory=list)  # fused VQ GEMM rows (gptvq-2, aqlm-3)
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -198,6 +201,12 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 row = measure(2, 16, False, paths, dispatched,
                               lambda p, frac=frac: cases.mixed(k, n, m, frac, p), nbytes)  # noqa: B023
                 rows.append({**row, "layout": "mixed-2-4-16", "outlier_fraction": frac})
+            # the fused VQ GEMM on random codes and codebooks of the preset's shapes (stages of 64 columns)
+            for preset in cfg.vq_gemm_presets if k % 64 == 0 else []:
+                paths, dispatched, nbytes, bits = cases.vq_gemm_paths(k, n, m, preset)
+                row = measure(bits, None, True, paths, dispatched,
+                              lambda p, preset=preset: cases.vq_gemm(k, n, m, preset, p), nbytes)  # noqa: B023
+                rows.append({**row, "layout": "vq", "vq_preset": preset})
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
@@ -216,7 +225,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
             "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
-            "tinygemm_group_size": cfg.tinygemm_group_size,
+            "tinygemm_group_size": cfg.tinygemm_group_size, "vq_gemm_presets": cfg.vq_gemm_presets,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
@@ -228,6 +237,8 @@ def row_label(r: dict[str, Any]) -> str:
     g = "ch" if r["group_size"] is None else f"g{r['group_size']}"
     if r.get("layout") == "mixed-2-4-16":
         return f"mixed-2-4-16 {100 * r['outlier_fraction']:g}%"
+    if r.get("layout") == "vq":
+        return str(r["vq_preset"])
     if r["path"] in W4A8_PATHS:
         return f"W4A8 {g}"
     return f"W{r['bits']} {g}{'' if r['symmetric'] else ' asym'}"

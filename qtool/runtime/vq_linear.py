@@ -2,7 +2,8 @@
 built for: with few input rows (decode, at most `LOOKUP_ROWS`), the codebook-centric GEMV, which multiplies each
 input vector by every entry of its codebook once and then sums the products the indices select (no weight is
 dequantized); with more rows (prefill), the dequantized weight in a dense matmul, as a GEMM that decodes codes into
-its tiles computes. The tests check the first against `dequantize()`."""
+its tiles computes. On CUDA the prefill runs the fused VQ GEMM of qtool/cuda/vq_gemm.py where it applies
+(QTOOL_KERNELS picks, as for every layout). The tests check the lookup path against `dequantize()`."""
 
 from __future__ import annotations
 
@@ -39,10 +40,22 @@ class VQLinear(PackedLinear):
         if x2.shape[0] <= LOOKUP_ROWS:
             y = self.lookup_forward(x2)
         else:
-            y = F.linear(x2, self.dense_weight(x.device, x.dtype))
+            y = self.gemm_forward(x2)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y [T, N] for more than LOOKUP_ROWS rows: the fused VQ GEMM on CUDA where it applies, else the dequantized
+        weight in a dense matmul."""
+        if x.is_cuda:
+            # Imported here so CPU-only use never loads the GPU runtime.
+            from qtool.cuda.vq_gemm import module_forward
+
+            y = module_forward(self, x)
+            if y is not None:
+                return y
+        return F.linear(x, self.dense_weight(x.device, x.dtype))
 
     def lookup_forward(self, x: torch.Tensor) -> torch.Tensor:
         """y [T, N] = x [T, K] Wᵀ without dequantizing W: products of every input vector with every entry of its

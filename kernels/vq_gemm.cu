@@ -1,0 +1,494 @@
+// Tensor-core GEMM for the `vq` layout (formats/vq.md) on Hopper: y = x · Ŵᵀ (+ bias) for prefill, where
+// Ŵ[n, j·d + i] = Σ_r C[rt(n), ct(j), r, idx[r, n, j], i] (VQ-LLM's VQ<d, b, z>; GPTVQ-2 = <4, 8, 1> per 256x256
+// tile, AQLM-3 = <8, 12, 2> per tensor).
+//
+// Fused, as VQ-LLM's GeMM (Sec. VI-B): codes are decoded straight into the tensor cores' A operand and no
+// dequantized weight exists anywhere in memory. Hopper's wgmma takes only A from registers, so the operands are
+// swapped (Yᵀ = Ŵ·Xᵀ): weight rows are wgmma's M dimension (64 per warpgroup, 128 per block), tokens its N
+// dimension (TN per block). Per 64-column stage, cp.async brings the activation tile (128-byte swizzle, read by
+// wgmma through a descriptor), the 128 rows' packed indices and, for small scopes, the stage's codebooks into a
+// ring of ST shared-memory stages.
+//
+// Codebooks (the paper's codebook-centric dataflow, Sec. VI-A): the switch axes of GPTVQ are N and K, so a block
+// (128 rows inside one 256-row tile) switches codebook every tile_cols/64 stages: each stage carries its scope's
+// 2 KiB codebook in the ring (the switch is the copy's source pointer). AQLM's 2 x 4096 x 8 entries (128 KiB) are
+// one scope per tensor: they are copied once into shared memory and held for the block's life (an H100 block holds
+// 227 KiB). Whole scopes sit in shared memory, so the codebook cache's register and global tiers are not used here.
+//
+// Register-level fusion (Alg. 1, Fig. 12): a lane that looks up one entry holds d consecutive weights of a row,
+// while an m64k16 A fragment wants pairs (row g / g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9; g = lane / 4,
+// t = lane % 4). The four lanes of a quad are the mini-warp that shares consumers, so they swap pairs with
+// shfl_xor: d/2 - 1 rounds (1 for d = 4, 3 for d = 8; within the paper's 5). F = 1 builds that. F = 0 has every
+// lane read from the shared codebook only the 4-byte pairs it consumes (no shuffles or selects, d/2 times the
+// lookup instructions, the same bytes): the codebook already sits in shared memory, so nothing is re-read through
+// it, and on an H100 F = 0 was the faster (qtool/cuda/vq_gemm.py dispatches it; kernels/NOTES.md). F = 2 (VqRep)
+// removes F = 0's bank conflicts with a replicated codebook and was slower still.
+//
+// Residual entries are added in f16x2 (one rounding of their exact sum: the reference's float32 sum cast to fp16).
+// The GEMM accumulates in float32; the output is fp16.
+//
+// Runtime contract (qtool/cuda/vq_gemm.py checks it before launching):
+//   * x fp16 [M, K], row stride ldx halves (a multiple of 8), K = 64 * nst; 16-byte aligned.
+//   * idx int32 [Z, N, ldi] (ldi = nst * 64 / D * B / 32 words per row: the layout's bit streams, unchanged),
+//     cb fp16 [R, C, Z, 2^B, D], both 16-byte aligned.
+//   * every 128-row block lies in one row tile (trows a multiple of 128, or >= N) and every stage in one column
+//     tile (cst = tile_cols / 64 stages per column tile); resident codebooks need C == 1.
+//   * split-K (gridDim.z > 1): ws holds gridDim.z * gridDim.x * gridDim.y * 128 * TN floats and cnt
+//     gridDim.x * gridDim.y zeros; the last block of each tile resets its counter.
+
+#include "ptx_common.cuh"
+
+// m64nTNk16, A (16 rows x 16 columns per warp) from registers, B (TN tokens x 16) from shared memory; one
+// overload per TN (the accumulator array's size picks it).
+__device__ __forceinline__ void wgmma_acc(float (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// fp16 output tile + bias, transposed through shared memory at `tbase` (tokens x ROWS features) for 16-byte
+// row-contiguous stores. The 256 threads holding the accumulators call it (`tid` among them); BAR is the barrier
+// that spans exactly them.
+template <int TN, int RB, int BAR>
+__device__ __forceinline__ void store_out(const float (&acc)[RB][TN / 2], int m0, int n0, int M, int N, int r0, int t,
+                                          int tid, char* smem_raw, u32 tbase, const u16* __restrict__ bias,
+                                          u16* __restrict__ out, int ldc) {
+    constexpr int ROWS = 128 * RB;
+    const int mt = min(TN, M - m0);  // valid tokens in this tile
+    constexpr int PITCH = ROWS + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (tbase - smem_addr(smem_raw)));
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int f = r0 + 64 * b + 8 * h;
+            const float bv = (bias != nullptr && n0 + f < N) ? h2f(bias[n0 + f]) : 0.f;
+#pragma unroll
+            for (int i = 0; i < TN / 8; ++i) {
+                tile[(8 * i + 2 * t) * PITCH + f] = f2h(acc[b][4 * i + 2 * h] + bv);
+                tile[(8 * i + 2 * t + 1) * PITCH + f] = f2h(acc[b][4 * i + 2 * h + 1] + bv);
+            }
+        }
+    }
+    bar_sync<BAR, 256>();
+    constexpr int CH = ROWS / 8;  // 16-byte chunks per token row
+    const bool vec = n0 + ROWS <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * CH; c += 256) {
+            const int row = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * ldc + n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
+    } else {
+        for (int c = tid; c < mt * ROWS; c += 256) {
+            const int row = c / ROWS, f = c % ROWS;
+            if (n0 + f < N) out[(size_t)(m0 + row) * ldc + n0 + f] = tile[row * PITCH + f];
+        }
+    }
+}
+
+// Split-K across the S blocks of a tile (this one is share z): each writes its float32 partial in the accumulator
+// layout (one float4 per thread and step, coalesced); the last to arrive adds the partials in split order
+// (deterministic), leaves the sum in `acc`, resets the tile's counter and returns true; the others return false.
+// The THREADS threads of barrier BAR hold the tile (tid among them; BAR 0: the whole block).
+template <int TN, int RB, int BAR, int THREADS>
+__device__ __forceinline__ bool split_k_sum(float (&acc)[RB][TN / 2], float* __restrict__ ws, int* __restrict__ cnt,
+                                            int tid, int z, int S, int tiles, int tile_id) {
+    float4* w4 = reinterpret_cast<float4*>(ws);
+    constexpr int F4 = RB * TN / 8;  // float4s per thread
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int q = 0; q < TN / 8; ++q)
+            w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
+                make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
+    }
+    if (!split_k_last<BAR, THREADS>(cnt, tile_id, S, tid)) return false;
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
+    }
+    for (int q2 = 0; q2 < S; ++q2) {
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+#pragma unroll
+            for (int q = 0; q < TN / 8; ++q) {
+                const float4 v = __ldcg(w4 + ((size_t)(q2 * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid);
+                acc[b][4 * q] += v.x;
+                acc[b][4 * q + 1] += v.y;
+                acc[b][4 * q + 2] += v.z;
+                acc[b][4 * q + 3] += v.w;
+            }
+        }
+    }
+    if (tid == 0) cnt[tile_id] = 0;
+    return true;
+}
+
+
+template <int D, int B, int Z>
+struct VqCfg {
+    static constexpr int D_ = D, B_ = B, Z_ = Z;
+    static constexpr int E = 1 << B;
+    static constexpr int VPS = 64 / D;             // vectors per row in a 64-column stage
+    static constexpr int IW = VPS * B / 32;        // index words per row, residual and stage
+    static constexpr int NW = (IW + 3) / 4 * 4;    // the same, padded to 16-byte loads
+    static constexpr int IROW = Z * NW * 4;        // bytes of one row's indices in a stage
+    static constexpr int CBB = Z * E * D * 2;      // one scope's codebooks, bytes
+    static constexpr int RSTRIDE = E * D * 2;      // one residual's codebook, bytes
+    static constexpr bool RESIDENT = CBB > 16384;  // held for the block's life instead of carried per stage
+    static_assert(VPS * B % 32 == 0, "a stage's indices must start on a word");
+    static_assert(D == 4 || D == 8, "vector sizes 4 and 8");
+};
+
+// F = 2 (d = 4, one residual): the scope's codebook is held in 32-lane replicas, each entry a 128-byte line of 16
+// copies, so lane l reads word l % 2 of an entry at bank l and no lookup of a warp conflicts (F = 0's random
+// entries meet in a bank several times per instruction). 32 KiB per 256-entry scope: two buffers beside the ring,
+// switched per column tile, filled by the first stage of each tile.
+template <class Cfg, int F>
+struct VqRep {
+    static constexpr bool ON = F == 2;
+    static_assert(!ON || (Cfg::D_ == 4 && Cfg::Z_ == 1 && !Cfg::RESIDENT), "replicas: d = 4, one residual");
+    static constexpr int BYTES = ON ? Cfg::E * 128 : 0;  // one buffer
+};
+
+template <class Cfg, int TN, int F>
+struct VqTile {
+    static constexpr int XT = TN * 128;                                          // activations: TN rows of 64 halves
+    static constexpr int IT = 128 * Cfg::IROW;                                   // indices of the block's 128 rows
+    static constexpr int CT = Cfg::RESIDENT || VqRep<Cfg, F>::ON ? 0 : Cfg::CBB;  // the stage's codebooks (ring mode)
+    static constexpr int SB = (XT + IT + CT + 1023) / 1024 * 1024;
+};
+
+struct VqArgs {
+    const u16* x;
+    int ldx;
+    const u32* idx;
+    int ldi;
+    const u16* cb;
+    int C, cst, rt;
+    int M, N;
+    int m0, n0;
+};
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Issue the copies of global stage gs into the shared-memory stage at `st`; rows past M or N are zero-filled (a
+// zero index is a valid entry; those outputs are never stored). With replicas (F = 2), the first stage of a column
+// tile (or of this block's share) also fills the tile's replica buffer at rep.
+template <class Cfg, int TN, int F>
+__device__ __forceinline__ void vq_load_stage(const VqArgs& a, u32 st, int gs, int tid, int s0, u32 rep) {
+    using T = VqTile<Cfg, TN, F>;
+    constexpr int Z = Cfg::Z_, IW = Cfg::IW, NW = Cfg::NW;
+#pragma unroll
+    for (int c0 = 0; c0 < TN * 8; c0 += 256) {
+        const int c = c0 + tid;
+        if (TN * 8 % 256 == 0 || c < TN * 8) {
+            const int r = c >> 3, ch = c & 7;
+            const bool ok = a.m0 + r < a.M;
+            const u16* src = a.x + (ok ? (size_t)(a.m0 + r) * a.ldx + gs * 64 + ch * 8 : 0);
+            cp_async16(st + r * 128 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
+        }
+    }
+    constexpr int UNIT = IW % 4 == 0 ? 4 : 1;  // words per copy: 16-byte copies where the stage's words allow
+    constexpr int CPR = IW / UNIT;            // copies per row and residual
+    constexpr int NCP = 128 * Z * CPR;
+#pragma unroll
+    for (int c0 = 0; c0 < NCP; c0 += 256) {
+        const int c = c0 + tid;
+        if (NCP % 256 == 0 || c < NCP) {
+            const int row = c / (Z * CPR), rem = c % (Z * CPR), res = rem / CPR, cw = rem % CPR;
+            const bool ok = a.n0 + row < a.N;
+            const u32* src = a.idx + (ok ? ((size_t)res * a.N + a.n0 + row) * a.ldi + gs * IW + cw * UNIT : 0);
+            const u32 dst = st + T::XT + row * Cfg::IROW + res * NW * 4 + cw * UNIT * 4;
+            if (UNIT == 4)
+                cp_async16(dst, src, ok ? 16 : 0);
+            else
+                cp_async4(dst, src, ok ? 4 : 0);
+        }
+    }
+    if constexpr (VqRep<Cfg, F>::ON) {
+        if (gs % a.cst == 0 || gs == s0) {
+            const int ct = gs / a.cst;
+            const char* src = reinterpret_cast<const char*>(a.cb) + (size_t)(a.rt * a.C + ct) * Cfg::CBB;
+            const u32 dst = rep + (u32)(ct & 1) * VqRep<Cfg, F>::BYTES;
+#pragma unroll 4
+            for (int c = tid; c < Cfg::E * 16; c += 256) cp_async8(dst + (c >> 4) * 128 + (c & 15) * 8, src + (c >> 4) * 8);
+        }
+    } else if constexpr (!Cfg::RESIDENT) {
+        // the codebook switch: this stage's column tile picks the scope
+        const char* src = reinterpret_cast<const char*>(a.cb) + (size_t)(a.rt * a.C + gs / a.cst) * Cfg::CBB;
+#pragma unroll
+        for (int c0 = 0; c0 < Cfg::CBB / 16; c0 += 256) {
+            const int c = c0 + tid;
+            if (Cfg::CBB / 16 % 256 == 0 || c < Cfg::CBB / 16) cp_async16(st + T::XT + T::IT + c * 16, src + c * 16, 16);
+        }
+    }
+}
+
+__device__ __forceinline__ u32 hadd2(u32 a, u32 b) {
+    u32 r;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// a[i] for a run-time i in 0..3 without indexing a register array (which would move it to local memory)
+__device__ __forceinline__ u32 sel4(u32 a0, u32 a1, u32 a2, u32 a3, int i) {
+    return (i & 2) ? ((i & 1) ? a3 : a2) : ((i & 1) ? a1 : a0);
+}
+
+// The B-bit code at bit bit0 + extra of a row's stage words: bit0 is a compile-time constant once unrolled (so w
+// stays in registers), extra a per-lane offset with (bit0 % 32) + extra + B <= 64.
+template <int B, int NW>
+__device__ __forceinline__ u32 code_at(const u32 (&w)[NW], int bit0, u32 extra) {
+    const int wi = bit0 >> 5;
+    const u32 lo = w[wi], hi = wi + 1 < NW ? w[wi + 1] : 0u;
+    const u64 win = ((u64)hi << 32) | lo;
+    return (u32)(win >> ((u32)(bit0 & 31) + extra)) & ((1u << B) - 1u);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void load_idx(u32 (&w)[Cfg::Z_][Cfg::NW], u32 row) {
+#pragma unroll
+    for (int r = 0; r < Cfg::Z_; ++r) {
+#pragma unroll
+        for (int q = 0; q < Cfg::NW / 4; ++q) {
+            const uint4 v = lds128(row + r * Cfg::NW * 4 + 16 * q);
+            w[r][4 * q] = v.x;
+            w[r][4 * q + 1] = v.y;
+            w[r][4 * q + 2] = v.z;
+            w[r][4 * q + 3] = v.w;
+        }
+    }
+}
+
+// Decode one stage (4 k16 steps) of this lane's A fragments: af[j] = rows r0, r0 + 8 of step j. `it`: the stage's
+// index tile; `cbs`: the scope's codebooks.
+template <class Cfg, int F>
+__device__ __forceinline__ void vq_dequant(u32 (&af)[4][4], u32 it, u32 cbs, int r0, int t) {
+    constexpr int D = Cfg::D_, B = Cfg::B_, Z = Cfg::Z_, NW = Cfg::NW, RS = Cfg::RSTRIDE;
+    if constexpr (D == 4 && F == 1) {
+        // Lane t looks up vector p of each step (quad lanes 0, 1, 2, 3: vectors 0, 2, 1, 3), i.e. columns
+        // 4p..4p+3; lanes t and t^1 then swap one pair: an even lane keeps its first pair (columns 2t, 2t + 1)
+        // and gets its partner's first (2t + 8, 2t + 9), an odd lane the other way round.
+        const u32 p = (u32)(((t & 1) << 1) | (t >> 1));
+        const bool odd = t & 1;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 w[Z][NW];
+            load_idx<Cfg>(w, it + (u32)(r0 + 8 * h) * Cfg::IROW);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 q0 = 0, q1 = 0;
+#pragma unroll
+                for (int r = 0; r < Z; ++r) {
+                    const u32 code = code_at<B>(w[r], 4 * j * B, p * B);
+                    const uint2 e = lds64(cbs + r * RS + code * 8);
+                    q0 = r == 0 ? e.x : hadd2(q0, e.x);
+                    q1 = r == 0 ? e.y : hadd2(q1, e.y);
+                }
+                const u32 recv = __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 1);
+                af[j][h] = odd ? recv : q0;
+                af[j][2 + h] = odd ? q1 : recv;
+            }
+        }
+    } else if constexpr (D == 8 && F == 1) {
+        // Lane t looks up vector c = t % 2 of row r0 + 8h (h = t / 2) in each step: pair i of it (columns 2i,
+        // 2i + 1) belongs to lane i, in A register h + 2c. Three shfl_xor rounds (Fig. 12): in round o a lane
+        // sends the pair its partner t^o needs and receives its own pair of the partner's vector.
+        const int h = t >> 1, c = t & 1;
+        u32 w[Z][NW];
+        load_idx<Cfg>(w, it + (u32)(r0 + 8 * h) * Cfg::IROW);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 q[4];
+#pragma unroll
+            for (int r = 0; r < Z; ++r) {
+                const u32 code = code_at<B>(w[r], 2 * j * B, (u32)(c * B));
+                const uint4 e = lds128(cbs + r * RS + code * 16);
+                q[0] = r == 0 ? e.x : hadd2(q[0], e.x);
+                q[1] = r == 0 ? e.y : hadd2(q[1], e.y);
+                q[2] = r == 0 ? e.z : hadd2(q[2], e.z);
+                q[3] = r == 0 ? e.w : hadd2(q[3], e.w);
+            }
+            u32 R[4];
+            R[0] = sel4(q[0], q[1], q[2], q[3], t);
+#pragma unroll
+            for (int o = 1; o < 4; ++o)
+                R[o] = __shfl_xor_sync(0xffffffffu, sel4(q[0], q[1], q[2], q[3], t ^ o), o);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int src = ((k & 1) << 1) | (k >> 1);  // the lane whose vector fills A register k
+                af[j][k] = sel4(R[0], R[1], R[2], R[3], t ^ src);
+            }
+        }
+    } else if constexpr (F == 2) {
+        // As F = 0 with d = 4, each lane reading from its own bank of the replicated entries.
+        const u32 extra = (u32)((t >> 1) * B);
+        const u32 lane4 = (threadIdx.x & 31) * 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 w[Z][NW];
+            load_idx<Cfg>(w, it + (u32)(r0 + 8 * h) * Cfg::IROW);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                af[j][h] = lds32(cbs + code_at<B>(w[0], 4 * j * B, extra) * 128 + lane4);
+                af[j][2 + h] = lds32(cbs + code_at<B>(w[0], (4 * j + 2) * B, extra) * 128 + lane4);
+            }
+        }
+    } else {
+        // No fusion: each lane reads the two pairs it consumes per row and step from the shared codebook.
+        constexpr int VPK = 16 / D;  // vectors per k16 step
+        const u32 extra = D == 4 ? (u32)((t >> 1) * B) : 0u;
+        const u32 off = D == 4 ? (u32)(4 * (t & 1)) : (u32)(4 * t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 w[Z][NW];
+            load_idx<Cfg>(w, it + (u32)(r0 + 8 * h) * Cfg::IROW);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 lo = 0, hi = 0;
+#pragma unroll
+                for (int r = 0; r < Z; ++r) {
+                    // columns 2t.. of the step: vector t/2 (d = 4) or 0 (d = 8); 2t + 8..: the one 8 columns on
+                    const u32 ca = code_at<B>(w[r], VPK * j * B, extra);
+                    const u32 cb2 = code_at<B>(w[r], (VPK * j + VPK / 2) * B, extra);
+                    const u32 a = lds32(cbs + r * RS + ca * (2 * D) + off);
+                    const u32 b = lds32(cbs + r * RS + cb2 * (2 * D) + off);
+                    lo = r == 0 ? a : hadd2(lo, a);
+                    hi = r == 0 ? b : hadd2(hi, b);
+                }
+                af[j][h] = lo;
+                af[j][2 + h] = hi;
+            }
+        }
+    }
+}
+
+template <class Cfg, int TN, int ST, int F>
+__device__ __forceinline__ void vq_stage_step(float (&acc)[TN / 2], u32 (&af)[4][4], const VqArgs& a, u32 base,
+                                              u32 cbres, int s, int s0, int ns, int r0, int t, int tid) {
+    using T = VqTile<Cfg, TN, F>;
+    cp_async_wait<ST - 3>();  // this thread's copies of stage s are done
+    fence_async_smem();       // the activations are read next by the tensor cores
+    __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
+    if (s + ST - 2 < ns)
+        vq_load_stage<Cfg, TN, F>(a, base + (u32)((s + ST - 2) % ST) * T::SB, s0 + s + ST - 2, tid, s0, cbres);
+    cp_async_commit();
+    const u32 st = base + (u32)(s % ST) * T::SB;
+    const u32 cbs = Cfg::RESIDENT ? cbres
+                    : VqRep<Cfg, F>::ON ? cbres + (u32)(((s0 + s) / a.cst) & 1) * VqRep<Cfg, F>::BYTES
+                                        : st + T::XT + T::IT;
+    vq_dequant<Cfg, F>(af, st + T::XT, cbs, r0, t);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_acc(acc, af[j], desc_sw128(st + 32 * j));
+    wgmma_commit();
+    wgmma_wait1();
+}
+
+template <int D, int B, int Z, int TN, int ST, int F>
+__device__ __forceinline__ void vq_body(const u16* __restrict__ x, int ldx, const u32* __restrict__ idx, int ldi,
+                                        const u16* __restrict__ cb, int C, int trows, int cst,
+                                        const u16* __restrict__ bias, u16* __restrict__ out, int ldc,
+                                        float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int nst) {
+    using Cfg = VqCfg<D, B, Z>;
+    using T = VqTile<Cfg, TN, F>;
+    static_assert(ST >= 3, "two stages in flight behind the one being decoded");
+    extern __shared__ char smem_raw[];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 cbres = base + (u32)ST * T::SB;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (int)blockIdx.x * 128;
+    const VqArgs a{x, ldx, idx, ldi, cb, C, cst, n0 / trows, M, N, (int)blockIdx.y * TN, n0};
+    const int S = gridDim.z, z = blockIdx.z;
+    const int s0 = (int)((long long)z * nst / S), ns = (int)((long long)(z + 1) * nst / S) - s0;
+    const int r0 = 64 * wg + 16 * warp + g;
+
+    float acc[TN / 2];
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
+
+    if constexpr (Cfg::RESIDENT) {
+        // the row tile's codebooks, once; they complete with stage 0's copies
+        const char* src = reinterpret_cast<const char*>(cb) + (size_t)a.rt * C * Cfg::CBB;
+        for (int c = tid; c < Cfg::CBB / 16; c += 256) cp_async16(cbres + c * 16, src + c * 16, 16);
+    }
+#pragma unroll
+    for (int p = 0; p < ST - 2; ++p) {
+        if (p < ns) vq_load_stage<Cfg, TN, F>(a, base + (u32)p * T::SB, s0 + p, tid, s0, cbres);
+        cp_async_commit();
+    }
+    // Two sets of A fragments: a stage's wgmmas may still read one set while the next stage fills the other.
+    u32 af0[4][4], af1[4][4];
+    int s = 0;
+    for (; s + 1 < ns; s += 2) {
+        vq_stage_step<Cfg, TN, ST, F>(acc, af0, a, base, cbres, s, s0, ns, r0, t, tid);
+        vq_stage_step<Cfg, TN, ST, F>(acc, af1, a, base, cbres, s + 1, s0, ns, r0, t, tid);
+    }
+    if (s < ns) vq_stage_step<Cfg, TN, ST, F>(acc, af0, a, base, cbres, s, s0, ns, r0, t, tid);
+    wgmma_wait0();
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory is free from here on
+
+    float (&acc1)[1][TN / 2] = *reinterpret_cast<float (*)[1][TN / 2]>(&acc);
+    if (S > 1 && !split_k_sum<TN, 1, 0, 256>(acc1, ws, cnt, tid, z, S, gridDim.x * gridDim.y,
+                                               blockIdx.x + gridDim.x * blockIdx.y))
+        return;
+    store_out<TN, 1, 0>(acc1, a.m0, a.n0, M, N, r0, t, tid, smem_raw, base, bias, out, ldc);
+}
+
+// MINB: blocks per SM the registers must allow.
+#define VQ_ENTRY(D, B, Z, TN, ST, F, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, MINB) vq_gemm_d##D##_b##B##_z##Z##_n##TN##_s##ST##_f##F(     \
+        const u16* x, int ldx, const u32* idx, int ldi, const u16* cb, int C, int trows, int cst, const u16* bias, \
+        u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                                           \
+        vq_body<D, B, Z, TN, ST, F>(x, ldx, idx, ldi, cb, C, trows, cst, bias, out, ldc, ws, cnt, M, N, nst);      \
+    }
+#define VQ_ENTRIES(D, B, Z, TN, ST, MINB) VQ_ENTRY(D, B, Z, TN, ST, 1, MINB) VQ_ENTRY(D, B, Z, TN, ST, 0, MINB)
+// GPTVQ-2: 2 KiB scopes carried in the ring, or replicated beside it (F = 2)
+VQ_ENTRIES(4, 8, 1, 32, 6, 1)
+VQ_ENTRIES(4, 8, 1, 64, 6, 1)
+VQ_ENTRIES(4, 8, 1, 128, 4, 1)
+VQ_ENTRIES(4, 8, 1, 256, 4, 1)
+VQ_ENTRY(4, 8, 1, 32, 6, 2, 1)
+VQ_ENTRY(4, 8, 1, 64, 6, 2, 1)
+VQ_ENTRY(4, 8, 1, 128, 4, 2, 1)
+VQ_ENTRY(4, 8, 1, 256, 4, 2, 1)
+// AQLM-3: 128 KiB of resident codebooks beside the ring
+VQ_ENTRIES(8, 12, 2, 32, 6, 1)
+VQ_ENTRIES(8, 12, 2, 64, 4, 1)
+VQ_ENTRIES(8, 12, 2, 128, 3, 1)

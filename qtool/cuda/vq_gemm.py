@@ -1,0 +1,249 @@
+"""CUDA execution of the `vq` layout for prefill (kernels/vq_gemm.cu): the fused VQ GEMM, its launch plan and the
+dispatch rule for more than MIN_M - 1 rows (the decode GEMV serves fewer).
+
+The kernel decodes codes straight into the A operand of Hopper's wgmma (y^T = W . x^T, weight rows as the MMA's M
+dimension, tokens as its N); no dequantized weight is written anywhere. It is built per VQ configuration
+(vector size d, index bits b, residuals z) from one template; BUILT lists the configurations, their token tiles
+and ring depths. The checkpoint's tensors are used in place (16-byte aligned copies only where they are not).
+Anything the kernel does not cover runs the torch reference (or is a one-line error under QTOOL_KERNELS=cuda).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtool.cuda import compile as cc
+from qtool.cuda import split_k
+
+SOURCE = "vq_gemm.cu"
+LAYOUT = "vq"
+MIN_M = 17  # the reference path's lookup GEMV (and the decode kernel) take up to 16 rows
+ROWS = 128  # weight rows per block (two warpgroups of 64): must match kernels/vq_gemm.cu
+STAGE_COLS = 64  # input columns per pipeline stage
+# (d, index bits, z) -> {token tile: ring depth}, as kernels/vq_gemm.cu instantiates them. GPTVQ-2's 2 KiB scopes
+# ride in the ring; AQLM-3's 128 KiB stay resident beside it, which leaves room for 128-token tiles at most.
+BUILT: dict[tuple[int, int, int], dict[int, int]] = {
+    (4, 8, 1): {32: 6, 64: 6, 128: 4, 256: 4},
+    (8, 12, 2): {32: 6, 64: 4, 128: 3},
+}
+# Codebooks larger than this are resident (kernels/vq_gemm.cu VqCfg::RESIDENT); smaller ones ride in the ring.
+RESIDENT_BYTES = 16384
+# How decoded entries reach the A fragments (kernels/vq_gemm.cu F): "shfl", VQ-LLM's register-level fusion (Sec.
+# VI-B: a lane looks up whole entries and the quad swaps pairs with shfl_xor); "direct", every lane reading from the
+# shared codebook only the 4-byte pairs it consumes; "replica" (d = 4, one residual), "direct" from a codebook
+# replicated so that every lane reads its own bank. "direct" is the default: on an H100 (`qtool bench kernels`,
+# kernels/NOTES.md) it beat "shfl" by 3-12% with d = 8 and matched or beat it with d = 4, and "replica" was 1.2-2.6x
+# slower than "direct" (filling 32 KiB of replicas per column tile costs more than the bank conflicts it removes).
+FUSIONS = {"shfl": 1, "direct": 0, "replica": 2}
+DEFAULT_FUSION = {(4, 8, 1): "direct", (8, 12, 2): "direct"}
+
+
+@dataclass
+class Prepared:
+    """Device-side view of one `vq` layer for the GEMM."""
+
+    indices: torch.Tensor  # int32 [z, N, words]
+    codebooks: torch.Tensor  # float16 [R, C, z, E, d]
+    vector_size: int
+    index_bits: int
+    residuals: int
+    in_features: int
+    out_features: int
+    tile_rows: int | None
+    tile_cols: int | None
+
+    @property
+    def config(self) -> tuple[int, int, int]:
+        return self.vector_size, self.index_bits, self.residuals
+
+    @property
+    def codebook_bytes(self) -> int:
+        """One scope's codebooks."""
+        return self.residuals * (1 << self.index_bits) * self.vector_size * 2
+
+
+def unsupported_reason(vector_size: int, entries: int, residuals: int, in_features: int, tile_rows: int | None,
+                       tile_cols: int | None) -> str | None:
+    """Why the GEMM cannot run a layer of these parameters (None when it can); the device is checked apart."""
+    bits = entries.bit_length() - 1
+    if (vector_size, bits, residuals) not in BUILT:
+        built = ", ".join(f"VQ<{d},{b},{z}>" for d, b, z in BUILT)
+        return f"VQ<{vector_size},{bits},{residuals}> (the GEMM is built for {built})"
+    if in_features % STAGE_COLS:
+        return f"in_features {in_features} (the GEMM needs a multiple of {STAGE_COLS})"
+    if tile_cols is not None and tile_cols % STAGE_COLS:
+        return f"tile_cols {tile_cols} (the GEMM switches codebooks at {STAGE_COLS}-column stages: needs a multiple)"
+    if tile_rows is not None and tile_rows % ROWS:
+        return f"tile_rows {tile_rows} (the GEMM's {ROWS}-row blocks need a multiple)"
+    cbytes = residuals * entries * vector_size * 2
+    if cbytes > RESIDENT_BYTES and tile_cols is not None and tile_cols < in_features:
+        return (f"{cbytes // 1024} KiB codebooks switched along K (resident codebooks need one column tile, "
+                "tile_cols null)")
+    return None
+
+
+def device_reason(device: int | None = None) -> str | None:
+    arch = cc.target_arch(device)
+    return None if arch == "sm_90a" else f"the VQ GEMM needs a Hopper GPU (wgmma; found {arch})"
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def prepare(indices: torch.Tensor, codebooks: torch.Tensor, vector_size: int, entries: int, residuals: int,
+            in_features: int, out_features: int, tile_rows: int | None, tile_cols: int | None) -> Prepared:
+    """Check the layout's tensors against its parameters and build the kernel view."""
+    reason = unsupported_reason(vector_size, entries, residuals, in_features, tile_rows, tile_cols)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
+    bits = entries.bit_length() - 1
+    words = -(-(in_features // vector_size) * bits // 32)
+    if indices.dtype != torch.int32 or tuple(indices.shape) != (residuals, out_features, words):
+        raise ValueError(f"indices: found {indices.dtype} {list(indices.shape)}, expected torch.int32 "
+                         f"{[residuals, out_features, words]}")
+    r_tiles = 1 if tile_rows is None else -(-out_features // tile_rows)
+    c_tiles = 1 if tile_cols is None else -(-in_features // tile_cols)
+    want = (r_tiles, c_tiles, residuals, entries, vector_size)
+    if codebooks.dtype != torch.float16 or tuple(codebooks.shape) != want:
+        raise ValueError(f"codebooks: found {codebooks.dtype} {list(codebooks.shape)}, expected torch.float16 "
+                         f"{list(want)}")
+    for name, t in (("indices", indices), ("codebooks", codebooks)):
+        if not t.is_cuda:
+            raise ValueError(f"{name}: found device {t.device}, expected a CUDA tensor")
+    return Prepared(_aligned(indices), _aligned(codebooks), vector_size, bits, residuals, in_features, out_features,
+                    tile_rows, tile_cols)
+
+
+def prepare_layer(layer: torch.nn.Module) -> Prepared:
+    """The kernel view of a VQLinear (its buffers, used in place)."""
+    return prepare(layer.indices, layer.codebooks, layer.vector_size, layer.entries, layer.residuals,
+                   layer.in_features, layer.out_features, layer.tile_rows, layer.tile_cols)
+
+
+def smem_bytes(p: Prepared | tuple[int, int, int], tokens: int, stages: int, fusion: str = "direct") -> int:
+    """Dynamic shared memory of one block: the ring (activations, 128 rows' indices and, for small scopes without
+    replicas, the stage's codebooks), resident codebooks or two replica buffers (128 bytes per entry), and slack to
+    align the 1024-byte swizzle atoms."""
+    d, b, z = p.config if isinstance(p, Prepared) else p
+    cbytes = z * (1 << b) * d * 2
+    iw = STAGE_COLS // d * b // 32
+    resident, replica = cbytes > RESIDENT_BYTES, fusion == "replica"
+    slot = tokens * 128 + ROWS * z * (-(-iw // 4) * 16) + (0 if resident or replica else cbytes)
+    slot = -(-slot // 1024) * 1024
+    extra = cbytes if resident else 2 * (1 << b) * 128 if replica else 0
+    return stages * slot + extra + 1024
+
+
+def fusion_reason(p: Prepared, fusion: str, tokens: int) -> str | None:
+    """Why `fusion` cannot run this layer at this token tile (None when it can)."""
+    if fusion not in FUSIONS:
+        return f"fusion {fusion!r} (expected one of {', '.join(FUSIONS)})"
+    if fusion != "replica":
+        return None
+    if p.config != (4, 8, 1):
+        return f"fusion replica for VQ<{p.vector_size},{p.index_bits},{p.residuals}> (built for VQ<4,8,1>)"
+    cst = p.in_features // STAGE_COLS if p.tile_cols is None else p.tile_cols // STAGE_COLS
+    stages = BUILT[p.config][tokens]
+    if cst < stages - 2:
+        # a tile's replica buffer is refilled ST - 2 stages ahead: the tile before the last must be done by then
+        return f"fusion replica with {STAGE_COLS * cst}-column tiles at {tokens} tokens (needs {stages - 2} stages)"
+    return None
+
+
+def tokens_for(config: tuple[int, int, int], m: int) -> int:
+    """Token tile for M rows: the smallest built tile holding them all, else the largest."""
+    tiles = sorted(BUILT[config])
+    return next((tn for tn in tiles if m <= tn), tiles[-1])
+
+
+def plan_split(n: int, m: int, k: int, tokens: int, blocks_per_sm: int, sms: int) -> int:
+    """Blocks splitting K per output tile: as many as keep every block in one wave, at most 16, at least 4 stages
+    each (grouped_int's rule for its wgmma kernel)."""
+    tiles = -(-n // ROWS) * -(-m // tokens)
+    return max(1, min(blocks_per_sm * sms // tiles, k // STAGE_COLS // 4, 16))
+
+
+def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         tokens: int | None = None, split: int | None = None, fusion: str | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the fused VQ GEMM; x fp16 [..., K], any number of rows. `tokens` (token tile),
+    `split` (blocks per output tile along K) and `fusion` ("shfl" or "direct") override the defaults."""
+    if x.dtype != torch.float16 or not x.is_cuda:
+        raise ValueError(f"x: found {x.dtype} on {x.device}, expected torch.float16 on CUDA")
+    k, n = p.in_features, p.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    x2 = _aligned(x2)
+    dev = cc.device_index(x.device)
+    reason = device_reason(dev)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
+    if bias is not None and (bias.dtype != torch.float16 or bias.numel() != n or not bias.is_cuda):
+        raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{n}] on CUDA")
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    built = BUILT[p.config]
+    tn = tokens_for(p.config, m) if tokens is None else tokens
+    if tn not in built:
+        raise ValueError(f"tokens: found {tn}, expected one of {tuple(built)} for {p.config}")
+    if fusion is None:
+        fusion = DEFAULT_FUSION[p.config]
+        if fusion_reason(p, fusion, tn) is not None:
+            fusion = "direct"
+    reason = fusion_reason(p, fusion, tn)
+    if reason is not None:
+        raise ValueError(f"fusion: {reason}")
+    st = built[tn]
+    d, b, z = p.config
+    fn = cc.load_module(SOURCE, device=dev).fn(f"vq_gemm_d{d}_b{b}_z{z}_n{tn}_s{st}_f{FUSIONS[fusion]}")
+    smem = smem_bytes(p, tn, st, fusion)
+    cc.allow_shared_memory(fn, smem)
+    nst = k // STAGE_COLS
+    if split is None:
+        split = plan_split(n, m, k, tn, cc.resident_blocks(fn, 256, smem, dev), cc.sm_count(dev))
+    if not 1 <= split <= nst:
+        raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
+    tiles = -(-n // ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    trows = p.tile_rows if p.tile_rows is not None else max(n, 1)
+    cst = p.tile_cols // STAGE_COLS if p.tile_cols is not None else nst
+    c_tiles = p.codebooks.shape[1]
+    cc.launch(
+        fn, (-(-n // ROWS), -(-m // tn), split), (256,),
+        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(p.indices), cc.i32(p.indices.shape[-1]), cc.ptr(p.codebooks),
+         cc.i32(c_tiles), cc.i32(trows), cc.i32(cst), cc.ptr(bias), cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt),
+         cc.i32(m), cc.i32(n), cc.i32(nst)),
+        shared_mem=smem, device=dev,
+    )
+    return out.reshape(*lead, n)
+
+
+def layer_reason(layer: torch.nn.Module, x: torch.Tensor) -> str | None:
+    """Why a VQLinear's forward on `x` cannot take the GEMM (None when it can)."""
+    if x.dtype != torch.float16:
+        return f"dtype {x.dtype} (the VQ GEMM takes float16 activations)"
+    return unsupported_reason(layer.vector_size, layer.entries, layer.residuals, layer.in_features,
+                              layer.tile_rows, layer.tile_cols) or device_reason(cc.device_index(x.device))
+
+
+def module_forward(layer: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor | None:
+    """The GEMM's y [M, N] (no bias) for a VQLinear's rows x2 [M, K] on CUDA, or None when the caller should run
+    the reference path. QTOOL_KERNELS=cuda turns every fallback into a one-line error instead."""
+    if cc.kernel_mode() == "reference":
+        return None
+    if not cc.use_kernels(LAYOUT, layer_reason(layer, x2)):
+        return None
+    return gemm(x2, prepare_layer(layer))
