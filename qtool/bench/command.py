@@ -297,13 +297,15 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
 @click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
 @click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma", show_default=True,
               help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
-                   "int4-fma (KV4 through the CUDA-core form).")
+                   "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
+                   "form), cq2-lut, cq2-direct (CQ-2 through each form).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @report_options
 def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
                   out: ReportOutput) -> None:
-    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8 and INT4 (KV4) caches."""
+    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
+    (vector-quantized) caches."""
 
     def go() -> None:
         from qtool.bench import attention as ab  # noqa: PLC0415
