@@ -3,9 +3,9 @@
 // qtool/runtime/vq_kv_cache.py `encode`) and one decode step's attention that reads the codes (VQ-LLM's decode
 // attention on a flash-decoding base).
 //
-// Cache layout, per layer: codes [B, KVH, G, L] u8 for keys and for values, group-major (G = D / DV channel groups
-// of DV channels; L the capacity, a multiple of 32): a lane that owns a group loads 32 tokens' codes of it in two
-// 16-byte loads. Codebooks in the kernels' layout [KVH, E, G, DV] float16 (entry-major, so that the 32 lanes of a
+// Cache layout, per layer: codes [B, KVH, L / 16, G, 16] u8 for keys and for values: tiles of 16 tokens, group-major
+// inside a tile (G = D / DV channel groups of DV channels; L the capacity, a multiple of 32). A lane that owns a
+// group loads 16 tokens' codes of it in one 16-byte load, and a warp's load reads G x 16 contiguous bytes. Codebooks in the kernels' layout [KVH, E, G, DV] float16 (entry-major, so that the 32 lanes of a
 // warp, each on its own group, read 32 different banks whatever their codes are).
 //
 // Decode attention (vq_attention_*): one block per (sequence, KV head) and split of the cache along L, holding the
@@ -111,7 +111,8 @@ extern "C" __global__ void __launch_bounds__(256) vq_write(
             if (ob < best || (ob == best && oi < bi)) best = ob, bi = oi;
         }
         if (bi >= E) bi = 0;  // every distance NaN (a non-finite input): entry 0, as a defined code
-        if (lane == 0) (value ? vc : kc)[(((size_t)b * KVH + kv) * G + g) * L + p] = (u8)bi;
+        if (lane == 0)
+            (value ? vc : kc)[((((size_t)b * KVH + kv) * (L >> 4) + (p >> 4)) * G + g) * 16 + (p & 15)] = (u8)bi;
         u16* deq = value ? deq_v : deq_k;
         if (deq && lane < DV) deq[(((size_t)b * KVH + kv) * T + t) * D + g * DV + lane] = book[((size_t)bi * G + g) * DV + lane];
     }
@@ -164,6 +165,7 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
         hi = min(n, lo + chunk);
     }
     const u16* qrow = q + ((size_t)b * H + (size_t)kvh * R) * D;
+    __shared__ float qs[R * D];  // the query rows, scaled
     // the tables: [R][E][G] float32 scores (lut) or the key entries [E][G][DV] float16 (direct); then the values
     float* lut = reinterpret_cast<float*>(smraw);
     u16* ktab = reinterpret_cast<u16*>(smraw);
@@ -178,13 +180,15 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
     }
     float qr[R][GPL][DV];
     if constexpr (LUT) {
+        for (int i = tid; i < R * D; i += blockDim.x) qs[i] = h2f(ld_dep_u16(qrow + i)) * qscale;
+        __syncthreads();
         for (int i = tid; i < R * E * G; i += blockDim.x) {
             const int g = i % G, e = (i / G) % E, r = i / (E * G);
-            const u16* c = kb + ((size_t)e * G + g) * DV;
-            const u16* qq = qrow + (size_t)r * D + g * DV;
+            float c[DV];
+            entry<DV>(kb, e * G + g, c);  // consecutive threads: consecutive entries of the table
             float s = 0.f;
 #pragma unroll
-            for (int j = 0; j < DV; ++j) s = fmaf(h2f(ld_dep_u16(qq + j)) * qscale, h2f(c[j]), s);
+            for (int j = 0; j < DV; ++j) s = fmaf(qs[r * D + g * DV + j], c[j], s);
             lut[i] = s;
         }
     } else {
@@ -211,7 +215,7 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
 #pragma unroll
             for (int j = 0; j < DV; ++j) acc[r][gi][j] = 0.f;
     }
-    const size_t row0 = ((size_t)b * KVH + kvh) * G;
+    const size_t tiles0 = ((size_t)b * KVH + kvh) * (L >> 4);
     const int step = warps * 32 * TS;
     // codes of this lane's groups for 32 tokens of its stream: 8 words per group, keys then values
     auto load = [&](int t0, u32 (&kw)[GPL][8], u32 (&vw)[GPL][8]) {
@@ -220,9 +224,9 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
 #pragma unroll
         for (int gi = 0; gi < GPL; ++gi) {
             if (nv > 0) {
-                const size_t off = (row0 + slot + LPT * gi) * L + ts;
-                const uint4 k0 = ld_dep_v4(kc + off), k1 = ld_dep_v4(kc + off + 16);
-                const uint4 v0 = ld_dep_v4(vc + off), v1 = ld_dep_v4(vc + off + 16);
+                const size_t off = ((tiles0 + (ts >> 4)) * G + slot + LPT * gi) * 16, o2 = off + (size_t)G * 16;
+                const uint4 k0 = ld_dep_v4(kc + off), k1 = ld_dep_v4(kc + o2);
+                const uint4 v0 = ld_dep_v4(vc + off), v1 = ld_dep_v4(vc + o2);
                 kw[gi][0] = k0.x, kw[gi][1] = k0.y, kw[gi][2] = k0.z, kw[gi][3] = k0.w;
                 kw[gi][4] = k1.x, kw[gi][5] = k1.y, kw[gi][6] = k1.z, kw[gi][7] = k1.w;
                 vw[gi][0] = v0.x, vw[gi][1] = v0.y, vw[gi][2] = v0.z, vw[gi][3] = v0.w;
@@ -292,19 +296,18 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
 #pragma unroll
                 for (int o = REP / 2; o >= 1; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
                 s[r] = ts + sc * NT + slot / REP < hi ? a : __int_as_float(0xff800000);  // -inf
-                float mx = s[r];
+                float mx = fmaxf(m[r], s[r]);
 #pragma unroll
                 for (int o = REP; o < LPT; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-                if (mx > m[r]) {  // uniform in the stream
-                    const float alpha = fast_exp2(m[r] - mx);
-                    m[r] = mx;
-                    l[r] *= alpha;
+                // uniform in the stream; without a branch, so that the sub-steps' work can overlap
+                const float alpha = fast_exp2(m[r] - mx);
+                m[r] = mx;
+                pr[r] = fast_exp2(s[r] - mx);
+                l[r] = fmaf(l[r], alpha, pr[r]);  // this lane's token only: summed over the lanes at the end
 #pragma unroll
-                    for (int gi = 0; gi < GPL; ++gi)
+                for (int gi = 0; gi < GPL; ++gi)
 #pragma unroll
-                        for (int i = 0; i < DV; ++i) acc[r][gi][i] *= alpha;
-                }
-                pr[r] = fast_exp2(s[r] - m[r]);
+                    for (int i = 0; i < DV; ++i) acc[r][gi][i] *= alpha;
             }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
@@ -313,7 +316,6 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     pj[r] = __shfl_sync(0xffffffffu, pr[r], j * REP, LPT);
-                    l[r] += pj[r];
                 }
 #pragma unroll
                 for (int gi = 0; gi < GPL; ++gi) {
@@ -331,6 +333,13 @@ __device__ __forceinline__ void vq_attention(const u16* __restrict__ q, const u8
         for (int gi = 0; gi < GPL; ++gi)
 #pragma unroll
             for (int w = 0; w < 8; ++w) kw[gi][w] = nkw[gi][w], vw[gi][w] = nvw[gi][w];
+    }
+    // each token's p was added by the REP lanes that hold it
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int o = 1; o < LPT; o <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], o);
+        l[r] *= 1.f / REP;
     }
     // merge the warps' streams through shared memory: y (unnormalized), m and l per query head
     __syncthreads();  // the tables are free
@@ -392,8 +401,10 @@ extern "C" __global__ void __launch_bounds__(256) vq_attention_combine(const flo
     }
 }
 
+// 16 warps a block for R <= 2 (the tables of one head fit twice an SM: 32 warps to hide the shuffle and load
+// latencies), 8 above (registers); qtool/cuda/vq_attention.py `threads`
 #define VQ_ATTENTION(FORM, LUTF, D, DV, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) vq_attention_##FORM##_d##D##_v##DV##_r##R(                    \
+    extern "C" __global__ void __launch_bounds__(R <= 2 ? 512 : 256) vq_attention_##FORM##_d##D##_v##DV##_r##R(     \
         const u16* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc,                          \
         const u16* __restrict__ kbook, const u16* __restrict__ vbook, const long long* __restrict__ pos,          \
         u16* __restrict__ out, int H, int KVH, int L, int E, float qscale, int S, float* __restrict__ part) {     \

@@ -199,7 +199,8 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 @click.option("--new-tokens", default=512, show_default=True, type=click.IntRange(2, None),
               help="Generated tokens per sequence (--throughput).")
 @click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
-              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4).")
+              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
+                   "w4a8cq2 (qoq + CQ-2 cache).")
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option("--torchao/--no-torchao", "torchao", default=True, show_default=True,
               help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).")

@@ -18,7 +18,9 @@ from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
 SOURCE = "vq_attention.cu"
-THREADS = 256
+THREADS = 256  # the write's blocks, and attention's above 2 query heads per KV head (registers)
+WIDE_THREADS = 512  # attention's blocks for 1-2 query heads per KV head
+TILE = 16  # tokens per tile of the code layout
 HEAD_DIMS = (64, 128)
 VECTOR_SIZES = (2, 4)
 GROUPS = (1, 2, 3, 4, 8)  # query heads per KV head the attention kernels are built for
@@ -35,8 +37,9 @@ LOG2E = 1.4426950408889634
 
 @dataclass
 class VQCache:
-    """One layer's cache. Codes k, v [B, KVH, G, L] uint8 (group-major; L a multiple of 32); codebooks k_book,
-    v_book [KVH, E, G, d] float16, the kernels' entry-major order of the checkpoint's [KVH, G, E, d]."""
+    """One layer's cache. Codes k, v [B, KVH, L / 16, G, 16] uint8 (tiles of 16 tokens, group-major inside a tile;
+    L a multiple of 32; `token_major` gives [B, KVH, G, L]); codebooks k_book, v_book [KVH, E, G, d] float16, the
+    kernels' entry-major order of the checkpoint's [KVH, G, E, d]."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -53,11 +56,11 @@ class VQCache:
 
     @property
     def groups(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def length(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2] * TILE
 
     @property
     def entries(self) -> int:
@@ -107,7 +110,7 @@ def allocate(key_books: torch.Tensor, value_books: torch.Tensor, batch: int, len
                          f"{list(key_books.shape)}")
     kvh, g = key_books.shape[:2]
     cap = -(-max(1, length) // ALIGN) * ALIGN
-    codes = [torch.zeros(batch, kvh, g, cap, dtype=torch.uint8, device=device) for _ in range(2)]
+    codes = [torch.zeros(batch, kvh, cap // TILE, g, TILE, dtype=torch.uint8, device=device) for _ in range(2)]
     return VQCache(codes[0], codes[1], kernel_books(key_books).to(device), kernel_books(value_books).to(device))
 
 
@@ -151,6 +154,11 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     return q, deq_k, deq_v
 
 
+def threads(group: int) -> int:
+    """Threads of an attention block for `group` query heads per KV head (kernels/vq_attention.cu)."""
+    return WIDE_THREADS if group <= 2 else THREADS
+
+
 def attention_form(group: int, head_dim: int, vector_size: int) -> str:
     """The decode attention form the dispatch picks (FORMS): the score tables where they are built."""
     return "lut" if group in LUT_GROUPS.get((head_dim, vector_size), ()) else "direct"
@@ -163,7 +171,7 @@ def shared_bytes(form: str, group: int, head_dim: int, vector_size: int, entries
     entries_bytes = entries * g * vector_size * 2
     keys = group * entries * g * 4 if form == "lut" else entries_bytes
     streams = 32 // min(g, 32)
-    merge = (THREADS // 32) * streams * group * (head_dim + 2) * 4
+    merge = (threads(group) // 32) * streams * group * (head_dim + 2) * 4
     return max(keys + entries_bytes, merge)
 
 
@@ -205,13 +213,13 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
     fn = module.fn(f"vq_attention_{form}_d{d}_v{dv}_r{r}")
     cc.allow_shared_memory(fn, smem)
     if splits is None:
-        slots = cc.sm_count(dev) * cc.resident_blocks(fn, THREADS, smem, dev)
+        slots = cc.sm_count(dev) * cc.resident_blocks(fn, threads(r), smem + 4 * r * d, dev)
         splits = attention_splits(b * kvh, length, slots)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits: found {splits}, expected 1 to {MAX_SPLITS}")
     part = torch.empty(b * kvh * splits * r * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
     dependent_launch.launch(
-        fn, (b * kvh, splits), (THREADS,),
+        fn, (b * kvh, splits), (threads(r),),
         (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_book), cc.ptr(cache.v_book), cc.ptr(pos),
          cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(cache.entries), cc.f32(LOG2E / math.sqrt(d)),
          cc.i32(splits), cc.ptr(part)),
@@ -224,6 +232,12 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
 
 
 # -- torch forms (the reference) --------------------------------------------------------------------------------
+
+def token_major(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [B, KVH, L / 16, G, 16] -> [B, KVH, G, L] (a copy)."""
+    b, h, tiles, g, _ = codes.shape
+    return codes.permute(0, 1, 3, 2, 4).reshape(b, h, g, tiles * TILE)
+
 
 def checkpoint_books(cache: VQCache, which: str) -> torch.Tensor:
     """The codebooks [KVH, G, E, d] in the checkpoint's order."""
@@ -247,7 +261,7 @@ def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
     for src, codes_t, which in ((k, cache.k, "k"), (v, cache.v, "v")):
         books = checkpoint_books(cache, which)
         codes = encode(src, books)  # [B, KVH, T, G]
-        codes_t[:, :, :, pos] = codes.permute(0, 1, 3, 2).to(torch.uint8)
+        codes_t[:, :, pos // TILE, :, pos % TILE] = codes.permute(2, 0, 1, 3).to(torch.uint8)
         out.append(decode(codes, books, torch.float16))
     return q.contiguous(), out[0], out[1]
 
@@ -256,7 +270,7 @@ def decoded(cache: VQCache, which: str, dtype: torch.dtype = torch.float64) -> t
     """The cached keys or values [B, KVH, L, D] as `dtype`."""
     from qtool.runtime.vq_kv_cache import decode  # noqa: PLC0415
 
-    codes = (cache.k if which == "k" else cache.v).permute(0, 1, 3, 2).long()
+    codes = token_major(cache.k if which == "k" else cache.v).permute(0, 1, 3, 2).long()
     return decode(codes, checkpoint_books(cache, which).to(dtype), dtype)
 
 

@@ -59,9 +59,9 @@ def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
     rq, rk, rv = vqa.reference_write(qkv, cos, sin, pos, ref_c, h)
     assert torch.equal(q, rq), "rotated queries differ from the float16 torch form"
     assert torch.equal(dk, rk) and torch.equal(dv_, rv), "decoded keys/values differ from the torch form"
-    assert bool((got_c.v[0, 0, :, positions[0]] == 5).all()), "a tie did not go to the lower index"
+    assert bool((vqa.token_major(got_c.v)[0, 0, :, positions[0]] == 5).all()), "a tie did not go to the lower index"
     for name in ("k", "v"):
-        a, r = getattr(got_c, name), getattr(ref_c, name)
+        a, r = vqa.token_major(getattr(got_c, name)), vqa.token_major(getattr(ref_c, name))
         assert torch.equal(a[..., pos], r[..., pos]), f"{name} codes at the positions differ from encode"
         others = torch.ones(a.shape[-1], dtype=torch.bool, device="cuda")
         others[pos] = False
@@ -181,3 +181,39 @@ def test_vq_cache_kernels_refuse_bad_input_in_one_line():
         vqa.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device=dev), cache, pos.int())
     with pytest.raises(ValueError, match="splits: found 0"):
         vqa.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device=dev), cache, pos, splits=0)
+
+
+def test_bench_decoder_runs_cq_caches_under_graphs():
+    """The throughput bench's decoder (qtool/bench/throughput.py) on CQ-2 caches: prefill then decode steps, eagerly
+    and replayed from CUDA graphs, give the same tokens; the prompt's codes are written, later positions untouched."""
+    from qtool.bench.e2e import Decoder, dims_for
+    from qtool.bench.throughput import _caches, make_linear
+    from qtool.cuda.graphs import GraphedStep
+
+    d = dims_for("tiny")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    model = Decoder(d, make_linear("w4a8cq2", dev, None, gen), dev).eval()
+    tables = model.rope_tables(65, dev)
+    eager, graphed = _caches("w4a8cq2", model, 3, 64, dev), _caches("w4a8cq2", model, 3, 64, dev)
+    for c in eager + graphed:
+        c.k.fill_(POISON)
+    ids = torch.randint(0, d.vocab, (3, 20), device=dev, generator=gen)
+    with torch.inference_mode():
+        t_eager = model(ids, torch.arange(20, device=dev), eager, tables, decode=False)
+        fn = lambda ids, pos: model(ids, pos, graphed, tables, decode=False)  # noqa: E731
+        t_graph = GraphedStep(fn, [ids, torch.arange(20, device=dev)])(ids, torch.arange(20, device=dev))
+        assert torch.equal(t_eager, t_graph)
+        from qtool.cuda.vq_attention import token_major
+
+        for c in eager:
+            k = token_major(c.k)
+            assert not bool((k[..., :20] == POISON).all(-2).any()) and bool((k[..., 20:] == POISON).all())
+        step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
+        step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
+        for p in range(20, 24):
+            pos.fill_(p)
+            a = model(step_ids, pos, eager, tables, decode=True)
+            b = step(step_ids, pos)
+            assert torch.equal(a, b), f"graph replay differs from eager at position {p}"
+            step_ids.copy_(a[:, None])
