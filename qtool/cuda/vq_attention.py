@@ -159,8 +159,12 @@ def threads(group: int) -> int:
     return WIDE_THREADS if group <= 2 else THREADS
 
 
-def attention_form(group: int, head_dim: int, vector_size: int) -> str:
-    """The decode attention form the dispatch picks (FORMS): the score tables where they are built."""
+def attention_form(group: int, head_dim: int, vector_size: int, pairs: int, sms: int) -> str:
+    """The decode attention form the dispatch picks (FORMS): the score tables where they are built, unless the
+    (sequence, KV head) pairs are fewer than the SMs: then the cache is split and each part's blocks build their
+    tables for few tokens, where the direct form measured as fast or faster (kernels/NOTES.md, CQ section)."""
+    if pairs < sms:
+        return "direct"
     return "lut" if group in LUT_GROUPS.get((head_dim, vector_size), ()) else "direct"
 
 
@@ -199,8 +203,9 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
     h = q.shape[1]
     r = h // kvh
     dv = cache.vector_size
+    dev = cc.device_index(q.device)
     if form is None:
-        form = attention_form(r, d, dv)
+        form = attention_form(r, d, dv, b * kvh, cc.sm_count(dev))
     if form not in FORMS or (form == "lut" and r not in LUT_GROUPS[(d, dv)]):
         raise ValueError(f"form: found {form!r} for {r} query heads per KV head, expected direct, or lut for "
                          f"{LUT_GROUPS[(d, dv)]}")
@@ -208,7 +213,6 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
     if smem > MAX_SHARED:
         raise ValueError(f"form {form}: needs {smem} bytes of shared memory, expected at most {MAX_SHARED}")
     out = cc.f16_out(out, (b, 1, h, d), q.device)
-    dev = cc.device_index(q.device)
     module = _module(d, dv, dev)
     fn = module.fn(f"vq_attention_{form}_d{d}_v{dv}_r{r}")
     cc.allow_shared_memory(fn, smem)

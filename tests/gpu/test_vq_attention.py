@@ -125,6 +125,10 @@ def test_attention_with_fewer_entries():
 def test_attention_splits_the_cache_when_pairs_are_few():
     from qtool.cuda import vq_attention as vqa
 
+    assert vqa.attention_form(1, 128, 4, 16 * 32, 132) == "lut"     # Llama-2-7B, batch 16: score tables
+    assert vqa.attention_form(1, 128, 4, 32, 132) == "direct"       # batch 1: split, the direct form
+    assert vqa.attention_form(8, 128, 4, 16 * 32, 132) == "direct"  # 8 tables do not fit
+
     assert vqa.attention_splits(32, 1024, 264) == 4      # Llama-2-7B, batch 1: 4 parts of 256 tokens
     assert vqa.attention_splits(32, 8192, 264) == 9
     assert vqa.attention_splits(32, 100, 264) == 1       # a short cache stays one block per pair
