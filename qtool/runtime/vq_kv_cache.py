@@ -34,10 +34,10 @@ def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     xv = x.float().reshape(b, h, t, g, 1, d)
     c = codebooks.float()[None, :, None]  # [1, H, 1, G, E, d]
     dot, n = xv[..., 0] * c[..., 0], c[..., 0] * c[..., 0]
-    for i in range(1, d):
-        dot = dot + xv[..., i] * c[..., i]
+    for i in range(1, d):  # in place: one [B, H, T, G, E] temporary beside `dot`
+        dot += xv[..., i] * c[..., i]
         n = n + c[..., i] * c[..., i]
-    return (n - 2 * dot).argmin(dim=-1)
+    return dot.mul_(-2).add_(n).argmin(dim=-1)  # n + (-2 dot): the same rounding as n - 2 dot
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
