@@ -296,7 +296,7 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
               help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).")
 @click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
 @click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
-@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma", show_default=True,
+@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4", show_default=True,
               help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
                    "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
                    "form), cq2-lut, cq2-direct (CQ-2 through each form).")
