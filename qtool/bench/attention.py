@@ -3,7 +3,8 @@
 Rows, each timed over the same query and a cache of `context` tokens per sequence (the step attends to all of
 them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report), our
 FP16 decode kernel (qtool/cuda/decode_attention.py) and the quantized-cache kernel (qtool/cuda/kv_cache.py) with
-FP8, INT8 and INT4 caches. Decode attention reads each cached byte once, so the report gives bytes moved and the
+FP8, INT8 and INT4 caches, and the vector-quantized caches of stage `vq_kv` (qtool/cuda/vq_attention.py): CQ-2 and CQ-4
+through the dispatched form, CQ-2 through each form (`cq2-lut`, `cq2-direct`). Decode attention reads each cached byte once, so the report gives bytes moved and the
 bandwidth reached next to the time; cache sets rotate so that no call finds its cache in L2.
 """
 
@@ -20,7 +21,8 @@ from qtool.bench.e2e import dims_for
 from qtool.bench.timing import Timer
 
 ATTENTION_SCHEMA = "qtool.bench.attention/1"
-ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4", "int4-fma")
+ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4", "int4-fma", "cq2", "cq4", "cq2-lut", "cq2-direct")
+CQ_ROWS = {"cq2": (4, None), "cq4": (2, None), "cq2-lut": (4, "lut"), "cq2-direct": (4, "direct")}  # d, form
 L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds the cache it reads there
 
 
@@ -53,6 +55,18 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
 
                 out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
                 fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
+        elif row in CQ_ROWS:
+            from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
+
+            dv, form = CQ_ROWS[row]
+            books = [(torch.randn(kvh, d // dv, 256, dv, device=dev, generator=gen) * 0.3).half() for _ in range(2)]
+            cache = vqa.allocate(books[0], books[1], b, length, dev)
+            for t in (cache.k, cache.v):
+                t.copy_(torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32)
+                        .to(torch.uint8))
+            nbytes = cache.nbytes()
+            out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
+            fns.append(lambda q=q, cache=cache, out=out, form=form: vqa.attention(q, cache, pos, out=out, form=form))
         else:
             from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
 
@@ -80,6 +94,10 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
 def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
     if row in ("fp16-sdpa", "fp16"):
         return 2 * b * kvh * length * d * 2
+    if row in CQ_ROWS:
+        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes  # noqa: PLC0415
+
+        return b * length * vq_bytes(kvh, d, CQ_ROWS[row][0])
     from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
 
     return b * length * bytes_per_token("int4" if row == "int4-fma" else row, kvh, d)

@@ -219,7 +219,8 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 @click.option("--new-tokens", default=512, show_default=True, type=click.IntRange(2, None),
               help="Generated tokens per sequence (--throughput).")
 @click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
-              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4).")
+              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
+                   "w4a8cq2 (qoq + CQ-2 cache).")
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option("--torchao/--no-torchao", "torchao", default=True, show_default=True,
               help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).")
@@ -315,15 +316,17 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
               help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).")
 @click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
 @click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
-@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma", show_default=True,
+@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4", show_default=True,
               help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
-                   "int4-fma (KV4 through the CUDA-core form).")
+                   "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
+                   "form), cq2-lut, cq2-direct (CQ-2 through each form).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @report_options
 def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
                   out: ReportOutput) -> None:
-    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8 and INT4 (KV4) caches."""
+    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
+    (vector-quantized) caches."""
 
     def go() -> None:
         from qtool.bench import attention as ab  # noqa: PLC0415

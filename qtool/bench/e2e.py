@@ -141,7 +141,7 @@ class Block(nn.Module):
                 cache, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
-        quantized qtool.cuda.kv_cache.KVCache; mask None for prefill from position 0. Returns (h, this block's
+        quantized qtool.cuda.kv_cache.KVCache or qtool.cuda.vq_attention.VQCache; mask None for prefill from position 0. Returns (h, this block's
         output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
@@ -179,10 +179,15 @@ class Block(nn.Module):
     def _quantized_cache_attention(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], cache,
                                    pos: torch.Tensor, decode: bool) -> torch.Tensor:
         """RoPE + quantized cache write in one kernel; prefill attends to the dequantized keys and values of the
-        prompt (what decode steps will read), decode to the cache through the quantized-cache kernel."""
+        prompt (what decode steps will read), decode to the cache through the quantized-cache kernel. A
+        qtool.cuda.vq_attention.VQCache (codes into codebooks) runs through its own write and attention, which
+        take the same arguments."""
         from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+        from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
 
         d = self.d
+        if isinstance(cache, vqa.VQCache):
+            kvc = vqa
         q, dk, dv = kvc.write(qkv, tables[0], tables[1], pos, cache, d.heads, dequantized=not decode)
         if decode:
             return kvc.attention(q, cache, pos).transpose(1, 2)

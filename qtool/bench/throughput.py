@@ -3,7 +3,8 @@ generated tokens per sequence) of one Llama-shaped decoder with random weights i
 batch sizes asked for and at the largest batch whose KV cache fits in the GPU's free memory.
 
 Formats: `fp16` (cuBLAS linears, FP16 cache), `fp8` (`torch._scaled_mm` linears with static per-tensor scales,
-FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache) and `w4a8kv4` (qoq W4A8 kernels, KV4 cache). The same
+FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache), `w4a8kv4` (qoq W4A8 kernels, KV4 cache) and `w4a8cq2`
+(qoq W4A8 kernels, CQ-2 vector-quantized cache over random codebooks). The same
 decoder (qtool/bench/e2e.py) runs them all under CUDA graphs.
 
 Timing: the prefill of a few prompts is timed and scaled to the batch (prefill is compute-bound, so its time is
@@ -24,8 +25,9 @@ from qtool.bench import plot, tables
 from qtool.bench.e2e import Decoder, _time_graph, dims_for, fp16_linear, quant_linear, weight_bytes
 
 THROUGHPUT_SCHEMA = "qtool.bench.throughput/1"
-VARIANTS = ("fp16", "fp8", "w4a16", "w4a8kv4")
-KV_MODE = {"fp16": "fp16", "fp8": "fp8", "w4a16": "fp16", "w4a8kv4": "int4"}
+VARIANTS = ("fp16", "fp8", "w4a16", "w4a8kv4", "w4a8cq2")
+KV_MODE = {"fp16": "fp16", "fp8": "fp8", "w4a16": "fp16", "w4a8kv4": "int4", "w4a8cq2": "cq2"}
+CQ_VECTOR_SIZE = {"cq2": 4}
 PREFILL_PROMPTS = 4
 MEMORY_MARGIN = 3 * 2**30  # the decode step's activations, graph pools, allocator slack
 
@@ -92,7 +94,7 @@ def make_linear(variant: str, device: torch.device, group_size: int | None, gen:
         return lambda k, n: Fp8Linear(k, n, device)
     if variant == "w4a16":
         return quant_linear(device, 4, group_size, gen)
-    if variant == "w4a8kv4":
+    if variant in ("w4a8kv4", "w4a8cq2"):
         return lambda k, n: W4A8Linear(k, n, group_size, device, gen)
     raise ValueError(f"--variants: found {variant!r}, expected some of {', '.join(VARIANTS)}")
 
@@ -101,6 +103,10 @@ def cache_bytes_per_token(variant: str, layers: int, kv_heads: int, head_dim: in
     mode = KV_MODE[variant]
     if mode == "fp16":
         return layers * 2 * kv_heads * head_dim * 2
+    if mode in CQ_VECTOR_SIZE:
+        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes  # noqa: PLC0415
+
+        return layers * vq_bytes(kv_heads, head_dim, CQ_VECTOR_SIZE[mode])
     from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
 
     return layers * bytes_per_token(mode, kv_heads, head_dim)
@@ -113,6 +119,15 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
         shape = (batch, d.kv_heads, length, d.head_dim)
         return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
                  dtype=torch.float16)) for _ in range(d.layers)]
+    if mode in CQ_VECTOR_SIZE:
+        from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
+
+        dv = CQ_VECTOR_SIZE[mode]
+        gen = torch.Generator(device=dev).manual_seed(0)  # codebooks per layer: random, 256 entries
+        shape = (d.kv_heads, d.head_dim // dv, 256, dv)
+        return [vqa.allocate(torch.randn(shape, device=dev, generator=gen).half(),
+                             torch.randn(shape, device=dev, generator=gen).half(), batch, length, dev)
+                for _ in range(d.layers)]
     from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
 
     return [kvc.allocate(mode, batch, d.kv_heads, length, d.head_dim, dev) for _ in range(d.layers)]

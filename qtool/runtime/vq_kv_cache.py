@@ -27,13 +27,17 @@ def kv_vq_scheme(vector_size: int, entries: int) -> dict:
 
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """Codes [B, H, T, G] (int64) of x [B, H, T, D] in codebooks [H, G, E, d] (nearest entry, ties: the lower
-    index), in float32."""
+    index), in float32: distance `n - 2 dot` with `dot = sum_i x_i c_i` and `n = sum_i c_i^2` accumulated in channel
+    order, each product and sum rounded (the order the CUDA write, kernels/vq_attention.cu, reproduces exactly)."""
     b, h, t, dim = x.shape
     _, g, _, d = codebooks.shape
-    xv = x.float().reshape(b, h, t, g, d)
-    c = codebooks.float()
-    dist = -2 * torch.einsum("bhtgd,hged->bhtge", xv, c) + c.pow(2).sum(-1)[None, :, None]
-    return dist.argmin(dim=-1)
+    xv = x.float().reshape(b, h, t, g, 1, d)
+    c = codebooks.float()[None, :, None]  # [1, H, 1, G, E, d]
+    dot, n = xv[..., 0] * c[..., 0], c[..., 0] * c[..., 0]
+    for i in range(1, d):  # in place: one [B, H, T, G, E] temporary beside `dot`
+        dot += xv[..., i] * c[..., i]
+        n = n + c[..., i] * c[..., i]
+    return dot.mul_(-2).add_(n).argmin(dim=-1)  # n + (-2 dot): the same rounding as n - 2 dot
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
