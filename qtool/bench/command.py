@@ -131,6 +131,22 @@ def _torchao_group(text: str) -> int | None:
     return int(t)
 
 
+def _vq_presets(text: str) -> list[str]:
+    """--vq: VQ presets, or none."""
+    from qtool.bench.kernels import VQ_BITS  # noqa: PLC0415
+
+    if text.strip().lower() in ("", "none-rows"):
+        return []
+    out = []
+    for part in text.split(","):
+        name = part.strip().lower()
+        if name not in VQ_BITS:
+            raise BenchError(f"--vq: found {part.strip()!r}, expected presets among {', '.join(VQ_BITS)}, "
+                             "comma-separated")
+        out.append(name)
+    return list(dict.fromkeys(out))
+
+
 @click.group(name="bench", cls=QtoolGroup)
 def bench() -> None:
     """Measure the kernels (grouped_int, quik) and end-to-end decode/prefill against cuBLAS on this GPU."""
@@ -150,6 +166,9 @@ def bench() -> None:
 @click.option("--mixed", "mixed", default="0,0.002", show_default=True,
               help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
                    "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.")
+@click.option("--vq", "vq", default="gptvq-2,aqlm-3", show_default=True,
+              help="Presets of the VQ GEMV rows (M <= 16; each with the codebook in global memory, in shared memory "
+                   "and the tiered cache), comma-separated; 'none-rows' or empty: no VQ rows.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
@@ -158,7 +177,7 @@ def bench() -> None:
                    "timed beside cuBLAS for every shape and M; 'none-rows' or empty: not timed.")
 @report_options
 def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                mixed: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
+                mixed: str, vq: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
     """Time the quantized matmuls against cuBLAS FP16/INT8/FP8 and torchao int4, with the card's measured ceilings."""
 
     def go() -> None:
@@ -171,6 +190,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
             w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
             mixed_outliers=_fractions(mixed), tinygemm_group_size=_torchao_group(torchao),
+            vq_presets=_vq_presets(vq),
         )
         _need_gpu()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415

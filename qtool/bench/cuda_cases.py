@@ -232,6 +232,74 @@ class CudaCases:
                 raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
         return fns
 
+    # (d, index bits, residuals, tile_rows, tile_cols) of the VQ presets (qtool/stages/vq.py)
+    VQ_PRESETS = {"gptvq-2": (4, 8, 1, 256, 256), "aqlm-3": (8, 12, 2, None, None)}
+
+    def _vq_layer(self, k: int, n: int, preset: str, copy: int):
+        """A random re-indexed VQ layer of the preset's configuration, built on the GPU. Codes are drawn with
+        entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule of the layout tests),
+        then every codebook is re-indexed by its scope's access counts as the `vq` stage does; codebook entries are
+        random normal. Layers are kept per (shape, preset) and copy, so every M and cache variant times the same
+        weights."""
+        from qtool.cuda import vq  # noqa: PLC0415
+        from qtool.packing.bitpack import pack_codes  # noqa: PLC0415
+        from qtool.packing.vq import tier_bounds, tile_counts  # noqa: PLC0415
+
+        key = (k, n, preset, copy)
+        cache = self.__dict__.setdefault("_vq_layers", {})
+        if key in cache:
+            return cache[key]
+        if cache and next(iter(cache))[:2] != (k, n):
+            cache.clear()  # one shape at a time
+        d, bits, z, tr, tc = self.VQ_PRESETS[preset]
+        e, v = 1 << bits, k // d
+        r_tiles, c_tiles = tile_counts(n, k, tr, tc)
+        probs = torch.rand(e, device=self.dev, generator=self.gen) ** 4
+        cdf = torch.cumsum(probs, 0) / probs.sum()
+        u = torch.rand(z, n, v, device=self.dev, generator=self.gen)
+        codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
+        rt = torch.arange(n, device=self.dev) // (tr or n)
+        ct = torch.arange(v, device=self.dev) * d // (tc or k)
+        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + \
+            torch.arange(z, device=self.dev)[:, None, None] * (r_tiles * c_tiles)
+        flat = scope * e + codes
+        counts = torch.bincount(flat.reshape(-1), minlength=z * r_tiles * c_tiles * e).reshape(-1, e)
+        order = torch.argsort(-counts, dim=1, stable=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(e, device=self.dev).expand_as(order))
+        codes = rank.reshape(-1)[flat]
+        sorted_counts = torch.gather(counts, 1, order).cpu()
+        hot = max(tier_bounds(c)[0] for c in sorted_counts)
+        books = (torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5).half()
+        p = vq.Prepared(indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1), codebooks=books,
+                        vector_size=d, index_bits=bits, residuals=z, tile_rows=n if tr is None else min(tr, n),
+                        tile_vecs=v if tc is None or tc >= k else tc // d, in_features=k, out_features=n, hot=hot,
+                        source_ptr=0)
+        cache[key] = p
+        return p
+
+    def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]:
+        """(bytes a call must move: indices, codebooks, x and y once; the launch plan with its measured inputs)."""
+        from qtool.cuda import vq  # noqa: PLC0415
+
+        p = self._vq_layer(k, n, preset, 0)
+        plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
+        info = {f: getattr(plan, f) for f in ("n_reg", "n_shared", "splits", "rows_per_block", "grid_x", "smem",
+                                                "balance")}
+        return p.nbytes() + 2 * m * k + 2 * m * n, {**info, **plan.why, "hot": p.hot}
+
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns:
+        from qtool.cuda import vq  # noqa: PLC0415
+
+        first = self._vq_layer(k, n, preset, 0)
+        fns = []
+        for i in range(rotations(first.nbytes() + 2 * m * k + 2 * m * n, self.l2)):
+            p = self._vq_layer(k, n, preset, i)
+            x = self._randn(m, k)
+            out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+            fns.append(lambda x=x, p=p, out=out: vq.gemv(x, p, out=out, cache=cache))
+        return fns
+
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
         """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" quantizes
         the float16 activations and runs the GEMM, "w4a8-gemm" runs the GEMM on codes quantized beforehand."""

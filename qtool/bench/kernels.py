@@ -1,5 +1,6 @@
-"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels and the mixed-2-4-16 (2/4/16-bit)
-kernels against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
+"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels, the mixed-2-4-16 (2/4/16-bit)
+kernels and the VQ GEMV (gptvq-2, aqlm-3; codebook in global memory, in shared memory, or the tiered cache) against
+cuBLAS FP16, INT8 and FP8 on the same card, same run."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ class Cases(Protocol):
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns: ...
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]: ...
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns: ...
+    def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]: ...
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns: ...
 
 
 # The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
@@ -85,6 +88,13 @@ class KernelBenchConfig:
     w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
     mixed_outliers: list[float] = field(default_factory=list)  # mixed-2-4-16 rows, one per outlier fraction
     tinygemm_group_size: int | None = None  # torchao int4 (W4A16) peer at this group size; None: not timed
+    vq_presets: list[str] = field(default_factory=list)  # VQ GEMV rows (M <= VQ_MAX_M), one per preset and cache
+
+
+# The VQ GEMV rows: index bits per weight of each preset (z·b/d), the cache variants, the largest M the GEMV takes.
+VQ_BITS = {"gptvq-2": 2, "aqlm-3": 3}
+VQ_CACHES = ("gc", "sc", "tiered")
+VQ_MAX_M = 16
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -198,6 +208,14 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 row = measure(2, 16, False, paths, dispatched,
                               lambda p, frac=frac: cases.mixed(k, n, m, frac, p), nbytes)  # noqa: B023
                 rows.append({**row, "layout": "mixed-2-4-16", "outlier_fraction": frac})
+            for preset in cfg.vq_presets if m <= VQ_MAX_M else []:
+                for cache in VQ_CACHES:
+                    nbytes, plan = cases.vq_info(k, n, m, preset, cache)
+                    path = f"vq-{cache}"
+                    row = measure(VQ_BITS[preset], None, True, [path], path,
+                                  lambda p, preset=preset, cache=cache: cases.vq(k, n, m, preset, cache),  # noqa: B023
+                                  nbytes)
+                    rows.append({**row, "layout": "vq", "preset": preset, "cache": cache, "plan": plan})
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
@@ -216,7 +234,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
             "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
-            "tinygemm_group_size": cfg.tinygemm_group_size,
+            "tinygemm_group_size": cfg.tinygemm_group_size, "vq_presets": cfg.vq_presets,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
@@ -228,6 +246,8 @@ def row_label(r: dict[str, Any]) -> str:
     g = "ch" if r["group_size"] is None else f"g{r['group_size']}"
     if r.get("layout") == "mixed-2-4-16":
         return f"mixed-2-4-16 {100 * r['outlier_fraction']:g}%"
+    if r.get("layout") == "vq":
+        return f"{r['preset']} {r['cache']}"
     if r["path"] in W4A8_PATHS:
         return f"W4A8 {g}"
     return f"W{r['bits']} {g}{'' if r['symmetric'] else ' asym'}"
