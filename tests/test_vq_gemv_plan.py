@@ -48,7 +48,8 @@ def test_layers_the_kernel_takes():
     assert vq.unsupported_reason(4, 8, 1024, 576) is None  # one column tile: no tile constraint
     assert "tile_cols=32" in vq.unsupported_reason(4, 8, 32, 4096)  # 8 vectors: less than a 16-vector chunk
     assert "vector_size=6" in vq.unsupported_reason(6, 8, None, 576)
-    assert "index_bits=4" in vq.unsupported_reason(2, 4, None, 576)
+    assert "vector_size=2" in vq.unsupported_reason(2, 8, None, 576)
+    assert "index_bits=16" in vq.unsupported_reason(4, 16, None, 576)
     assert [vq.token_slots(m) for m in (1, 3, 5, 16)] == [1, 4, 8, 16]
 
 
