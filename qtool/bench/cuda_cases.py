@@ -232,9 +232,6 @@ class CudaCases:
                 raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
         return fns
 
-    # (d, index bits, residuals, tile_rows, tile_cols) of the VQ presets (qtool/stages/vq.py)
-    VQ_PRESETS = {"gptvq-2": (4, 8, 1, 256, 256), "aqlm-3": (8, 12, 2, None, None)}
-
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):
         """A random re-indexed VQ layer of the preset's configuration, built on the GPU. Codes are drawn with
         entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule of the layout tests),
@@ -251,8 +248,11 @@ class CudaCases:
             return cache[key]
         if cache and next(iter(cache))[:2] != (k, n):
             cache.clear()  # one shape at a time
-        d, bits, z, tr, tc = self.VQ_PRESETS[preset]
-        e, v = 1 << bits, k // d
+        from qtool.stages.vq import PRESETS  # noqa: PLC0415
+
+        cfg = PRESETS[preset]
+        d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
+        bits, v = e.bit_length() - 1, k // d
         r_tiles, c_tiles = tile_counts(n, k, tr, tc)
         probs = torch.rand(e, device=self.dev, generator=self.gen) ** 4
         cdf = torch.cumsum(probs, 0) / probs.sum()
