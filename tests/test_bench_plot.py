@@ -44,7 +44,7 @@ def test_kernels_plot_json_and_table(tmp_path, monkeypatch, no_gpu_needed):
     monkeypatch.setattr("qtool.bench.cuda_cases.CudaCases", FakeCases)
     monkeypatch.setattr("qtool.bench.timing.CudaTimer", FakeTimer)
     args = ["bench", "kernels", "--shapes", "4096x4096,4096x11008", "--m", "1,16", "--w4a8", "none-rows",
-            "--mixed", "none-rows", "--vq-gemm", "none-rows", "--warmup", "1", "--iters", "50"]
+            "--mixed", "none-rows", "--vq", "none-rows", "--warmup", "1", "--iters", "50"]
     res = run_cli([*args, "--plot", tmp_path / "k.png", "--json-out", tmp_path / "sub" / "k.json"])
     assert res.exit_code == 0, res.output
     assert_png(tmp_path / "k.png")

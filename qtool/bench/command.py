@@ -132,19 +132,19 @@ def _torchao_group(text: str) -> int | None:
 
 
 def _vq_presets(text: str) -> list[str]:
-    """--vq-gemm: preset names of the fused VQ GEMM rows, or none."""
-    from qtool.cuda.vq_gemm import BUILT  # noqa: PLC0415
-    from qtool.stages.vq import PRESETS  # noqa: PLC0415
+    """--vq: VQ presets, or none."""
+    from qtool.bench.kernels import VQ_BITS  # noqa: PLC0415
 
     if text.strip().lower() in ("", "none-rows"):
         return []
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    for name in names:
-        c = PRESETS.get(name)
-        if c is None or (c["vector_size"], c["entries"].bit_length() - 1, c["residuals"]) not in BUILT:
-            raise BenchError(f"--vq-gemm: found {name!r}, expected presets among {', '.join(PRESETS)}, "
-                             "comma-separated, or 'none-rows'")
-    return names
+    out = []
+    for part in text.split(","):
+        name = part.strip().lower()
+        if name not in VQ_BITS:
+            raise BenchError(f"--vq: found {part.strip()!r}, expected presets among {', '.join(VQ_BITS)}, "
+                             "comma-separated")
+        out.append(name)
+    return list(dict.fromkeys(out))
 
 
 @click.group(name="bench", cls=QtoolGroup)
@@ -166,9 +166,10 @@ def bench() -> None:
 @click.option("--mixed", "mixed", default="0,0.002", show_default=True,
               help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
                    "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.")
-@click.option("--vq-gemm", "vq_gemm", default="gptvq-2,aqlm-3", show_default=True,
-              help="Presets of the fused VQ GEMM rows (gptvq-2, aqlm-3; shapes with K a multiple of 64), "
-                   "comma-separated; 'none-rows' or empty: no VQ GEMM rows.")
+@click.option("--vq", "vq", default="gptvq-2,aqlm-3", show_default=True,
+              help="Presets of the VQ rows: the GEMV at M <= 16 (each with the codebook in global memory, in shared "
+                   "memory and the tiered cache), the fused GEMM above (shapes with K a multiple of 64); "
+                   "comma-separated; 'none-rows' or empty: no VQ rows.")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
               help="Timed samples per measurement (median reported; at least 50).")
@@ -177,7 +178,7 @@ def bench() -> None:
                    "timed beside cuBLAS for every shape and M; 'none-rows' or empty: not timed.")
 @report_options
 def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                mixed: str, vq_gemm: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
+                mixed: str, vq: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
     """Time the quantized matmuls against cuBLAS FP16/INT8/FP8 and torchao int4, with the card's measured ceilings."""
 
     def go() -> None:
@@ -190,7 +191,7 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
             w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
             mixed_outliers=_fractions(mixed), tinygemm_group_size=_torchao_group(torchao),
-            vq_gemm_presets=_vq_presets(vq_gemm),
+            vq_presets=_vq_presets(vq),
         )
         _need_gpu()
         from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415

@@ -232,19 +232,81 @@ class CudaCases:
                 raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
         return fns
 
-    def _vq_layer(self, k: int, n: int, preset: str):
-        """A random `vq` layer of the preset's shapes built on the GPU: every index bit pattern is a valid code (K a
-        multiple of 64 leaves no padding bits), entries sized for O(1) outputs."""
-        from qtool.cuda import vq_gemm  # noqa: PLC0415
-        from qtool.packing.vq import shapes_for  # noqa: PLC0415
+    def _vq_layer(self, k: int, n: int, preset: str, copy: int):
+        """A random re-indexed VQ layer of the preset's configuration, built on the GPU. Codes are drawn with
+        entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule of the layout tests),
+        then every codebook is re-indexed by its scope's access counts as the `vq` stage does; codebook entries are
+        random normal. Layers are kept per (shape, preset) and copy, so every M and cache variant times the same
+        weights."""
+        from qtool.cuda import vq  # noqa: PLC0415
+        from qtool.packing.bitpack import pack_codes  # noqa: PLC0415
+        from qtool.packing.vq import tier_bounds, tile_counts  # noqa: PLC0415
+
+        key = (k, n, preset, copy)
+        cache = self.__dict__.setdefault("_vq_layers", {})
+        if key in cache:
+            return cache[key]
+        if cache and next(iter(cache))[:2] != (k, n):
+            cache.clear()  # one shape at a time
         from qtool.stages.vq import PRESETS  # noqa: PLC0415
 
-        c = PRESETS[preset]
-        shapes = shapes_for(n, k, c["vector_size"], c["entries"], c["residuals"], c["tile_rows"], c["tile_cols"])
-        (ishape, _), (cshape, _) = shapes["indices"], shapes["codebooks"]
-        idx = torch.randint(-(2**31), 2**31, ishape, dtype=torch.int32, device=self.dev, generator=self.gen)
-        books = self._randn(*cshape, dtype=torch.float32) / (k * c["residuals"]) ** 0.5
-        return vq_gemm.prepare(idx, books.half(), c["vector_size"], c["entries"], c["residuals"], k, n,
+        cfg = PRESETS[preset]
+        d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
+        bits, v = e.bit_length() - 1, k // d
+        r_tiles, c_tiles = tile_counts(n, k, tr, tc)
+        probs = torch.rand(e, device=self.dev, generator=self.gen) ** 4
+        cdf = torch.cumsum(probs, 0) / probs.sum()
+        u = torch.rand(z, n, v, device=self.dev, generator=self.gen)
+        codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
+        rt = torch.arange(n, device=self.dev) // (tr or n)
+        ct = torch.arange(v, device=self.dev) * d // (tc or k)
+        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + \
+            torch.arange(z, device=self.dev)[:, None, None] * (r_tiles * c_tiles)
+        flat = scope * e + codes
+        counts = torch.bincount(flat.reshape(-1), minlength=z * r_tiles * c_tiles * e).reshape(-1, e)
+        order = torch.argsort(-counts, dim=1, stable=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(e, device=self.dev).expand_as(order))
+        codes = rank.reshape(-1)[flat]
+        sorted_counts = torch.gather(counts, 1, order).cpu()
+        hot = max(tier_bounds(c)[0] for c in sorted_counts)
+        books = (torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5).half()
+        p = vq.Prepared(indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1), codebooks=books,
+                        vector_size=d, index_bits=bits, residuals=z, tile_rows=n if tr is None else min(tr, n),
+                        tile_vecs=v if tc is None or tc >= k else tc // d, in_features=k, out_features=n, hot=hot,
+                        source_ptr=0)
+        cache[key] = p
+        return p
+
+    def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]:
+        """(bytes a call must move: indices, codebooks, x and y once; the launch plan with its measured inputs)."""
+        from qtool.cuda import vq  # noqa: PLC0415
+
+        p = self._vq_layer(k, n, preset, 0)
+        plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
+        info = {f: getattr(plan, f) for f in ("n_reg", "n_shared", "splits", "rows_per_block", "grid_x", "smem",
+                                                "balance")}
+        return p.nbytes() + 2 * m * k + 2 * m * n, {**info, **plan.why, "hot": p.hot}
+
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns:
+        from qtool.cuda import vq  # noqa: PLC0415
+
+        first = self._vq_layer(k, n, preset, 0)
+        fns = []
+        for i in range(rotations(first.nbytes() + 2 * m * k + 2 * m * n, self.l2)):
+            p = self._vq_layer(k, n, preset, i)
+            x = self._randn(m, k)
+            out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
+            fns.append(lambda x=x, p=p, out=out: vq.gemv(x, p, out=out, cache=cache))
+        return fns
+
+    def _vq_gemm_layer(self, k: int, n: int, preset: str, copy: int):
+        """The GEMV's random layer of that copy (above) as the fused GEMM takes it."""
+        from qtool.cuda import vq_gemm  # noqa: PLC0415
+        from qtool.stages.vq import PRESETS  # noqa: PLC0415
+
+        c, p = PRESETS[preset], self._vq_layer(k, n, preset, copy)
+        return vq_gemm.prepare(p.indices, p.codebooks, c["vector_size"], c["entries"], c["residuals"], k, n,
                                c["tile_rows"], c["tile_cols"])
 
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
@@ -252,7 +314,7 @@ class CudaCases:
         path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
         from qtool.cuda import vq_gemm  # noqa: PLC0415
 
-        p = self._vq_layer(k, n, preset)
+        p = self._vq_gemm_layer(k, n, preset, 0)
         nbytes = p.indices.numel() * 4 + p.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         tn = vq_gemm.tokens_for(p.config, m)
         fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
@@ -267,11 +329,11 @@ class CudaCases:
         fusion = path.removeprefix("vq-gemm-")
         if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
             raise ValueError(f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>")
-        first = self._vq_layer(k, n, preset)
+        first = self._vq_gemm_layer(k, n, preset, 0)
         set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         fns = []
         for i in range(rotations(set_bytes, self.l2)):
-            p = first if i == 0 else self._vq_layer(k, n, preset)
+            p = self._vq_gemm_layer(k, n, preset, i)
             x = self._randn(m, k)
             out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
             fns.append(lambda x=x, p=p, out=out: vq_gemm.gemm(x, p, out=out, fusion=fusion))

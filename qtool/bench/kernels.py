@@ -1,5 +1,6 @@
-"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels and the mixed-2-4-16 (2/4/16-bit)
-kernels and the fused VQ GEMM (gptvq-2, aqlm-3) against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
+"""`qtool bench kernels`: grouped_int matmuls (W4A16, W8A16), the qoq W4A8 kernels, the mixed-2-4-16 (2/4/16-bit)
+kernels and the VQ kernels (gptvq-2, aqlm-3: the GEMV with the codebook in global memory, in shared memory or the
+tiered cache up to 16 rows, the fused GEMM above) against cuBLAS FP16, INT8 and FP8 on the same card, same run."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ class Cases(Protocol):
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns: ...
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]: ...
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns: ...
+    def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]: ...
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns: ...
 
 
 # The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
@@ -87,7 +90,14 @@ class KernelBenchConfig:
     w4a8_group_sizes: list[int | None] = field(default_factory=list)  # qoq W4A8 rows (None: per-channel)
     mixed_outliers: list[float] = field(default_factory=list)  # mixed-2-4-16 rows, one per outlier fraction
     tinygemm_group_size: int | None = None  # torchao int4 (W4A16) peer at this group size; None: not timed
-    vq_gemm_presets: list[str] = field(default_factory=list)  # fused VQ GEMM rows (gptvq-2, aqlm-3)
+    vq_presets: list[str] = field(default_factory=list)  # VQ rows: GEMV per cache (M <= VQ_MAX_M), GEMM above
+
+
+# The VQ rows: index bits per weight of each preset (z·b/d), the GEMV's cache variants, the largest M the GEMV takes
+# (the fused GEMM's rows above it).
+VQ_BITS = {"gptvq-2": 2, "aqlm-3": 3}
+VQ_CACHES = ("gc", "sc", "tiered")
+VQ_MAX_M = 16
 
 
 def measure_ceilings(cases: Cases, timer: Timer, warmup: int, iters: int) -> dict[str, Any]:
@@ -201,12 +211,20 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 row = measure(2, 16, False, paths, dispatched,
                               lambda p, frac=frac: cases.mixed(k, n, m, frac, p), nbytes)  # noqa: B023
                 rows.append({**row, "layout": "mixed-2-4-16", "outlier_fraction": frac})
-            # the fused VQ GEMM on random codes and codebooks of the preset's shapes (stages of 64 columns)
-            for preset in cfg.vq_gemm_presets if k % 64 == 0 else []:
+            for preset in cfg.vq_presets if m <= VQ_MAX_M else []:
+                for cache in VQ_CACHES:
+                    nbytes, plan = cases.vq_info(k, n, m, preset, cache)
+                    path = f"vq-{cache}"
+                    row = measure(VQ_BITS[preset], None, True, [path], path,
+                                  lambda p, preset=preset, cache=cache: cases.vq(k, n, m, preset, cache),  # noqa: B023
+                                  nbytes)
+                    rows.append({**row, "layout": "vq", "preset": preset, "cache": cache, "plan": plan})
+            # the fused VQ GEMM above the GEMV's rows (stages of 64 columns), one candidate path per fusion
+            for preset in cfg.vq_presets if m > VQ_MAX_M and k % 64 == 0 else []:
                 paths, dispatched, nbytes, bits = cases.vq_gemm_paths(k, n, m, preset)
                 row = measure(bits, None, True, paths, dispatched,
                               lambda p, preset=preset: cases.vq_gemm(k, n, m, preset, p), nbytes)  # noqa: B023
-                rows.append({**row, "layout": "vq", "vq_preset": preset})
+                rows.append({**row, "layout": "vq", "preset": preset})
             last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
@@ -225,7 +243,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
             "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
             "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
             "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
-            "tinygemm_group_size": cfg.tinygemm_group_size, "vq_gemm_presets": cfg.vq_gemm_presets,
+            "tinygemm_group_size": cfg.tinygemm_group_size, "vq_presets": cfg.vq_presets,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
@@ -238,7 +256,7 @@ def row_label(r: dict[str, Any]) -> str:
     if r.get("layout") == "mixed-2-4-16":
         return f"mixed-2-4-16 {100 * r['outlier_fraction']:g}%"
     if r.get("layout") == "vq":
-        return str(r["vq_preset"])
+        return f"{r['preset']} {r['cache']}" if "cache" in r else str(r["preset"])
     if r["path"] in W4A8_PATHS:
         return f"W4A8 {g}"
     return f"W{r['bits']} {g}{'' if r['symmetric'] else ' asym'}"

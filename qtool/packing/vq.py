@@ -218,13 +218,14 @@ class VQWeight(StoredLayout):
                 raise CheckpointError(f"tensor {name}.entry_tiers: found nonzero boundaries without re-indexed "
                                       f"entries, expected zeros")
             return layout
-        counts = entry_counts(layout.codes(), layout.entries, layout.vector_size, layout.tile_rows,
+        # On the CPU: tensors may be loaded straight onto a GPU, the tile indices are built on the CPU.
+        counts = entry_counts(layout.codes().cpu(), layout.entries, layout.vector_size, layout.tile_rows,
                               layout.tile_cols)
         if bool((counts[..., 1:] > counts[..., :-1]).any()):
             raise CheckpointError(f"tensor {name}.indices: entries are not in descending order of use, expected "
                                   f"re-indexed codebooks (reindexed: true)")
         expect = torch.tensor([tier_bounds(c) for c in counts.reshape(-1, layout.entries)], dtype=torch.int32)
-        if not torch.equal(tiers.reshape(-1, 2), expect):
+        if not torch.equal(tiers.reshape(-1, 2).cpu(), expect):
             raise CheckpointError(f"tensor {name}.entry_tiers: found boundaries that the indices' access counts do "
                                   f"not give, expected (hot, warm) = (count > mean + 3 std, count > mean)")
         return layout

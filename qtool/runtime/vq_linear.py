@@ -2,8 +2,9 @@
 built for: with few input rows (decode, at most `LOOKUP_ROWS`), the codebook-centric GEMV, which multiplies each
 input vector by every entry of its codebook once and then sums the products the indices select (no weight is
 dequantized); with more rows (prefill), the dequantized weight in a dense matmul, as a GEMM that decodes codes into
-its tiles computes. On CUDA the prefill runs the fused VQ GEMM of qtool/cuda/vq_gemm.py where it applies
-(QTOOL_KERNELS picks, as for every layout). The tests check the lookup path against `dequantize()`."""
+its tiles computes. The tests check the lookup path against `dequantize()`. On CUDA (QTOOL_KERNELS picks, as for every
+layout), up to LOOKUP_ROWS float16 rows run the GEMV kernel of qtool/cuda/vq.py and more rows the fused GEMM of
+qtool/cuda/vq_gemm.py, where they apply."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ class VQLinear(PackedLinear):
         return c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # The CUDA GEMV (qtool/cuda/vq.py) for up to LOOKUP_ROWS rows; imported here so CPU-only use never
+            # loads the GPU runtime. None: the paths below.
+            from qtool.cuda.vq import module_forward
+
+            y = module_forward(self, x)
+            if y is not None:
+                return y
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= LOOKUP_ROWS:
@@ -80,6 +89,7 @@ class VQLinear(PackedLinear):
     def drop_caches(self) -> None:
         super().drop_caches()
         self._codes = {}
+        self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
 
     def extra_repr(self) -> str:
         scope = "tensor" if self.tile_rows is None and self.tile_cols is None else \

@@ -1,0 +1,370 @@
+// VQ GEMV for the `vq` weight layout (formats/vq.md): y[M, N] = x[M, K] · Wᵀ for M = 1..16 tokens, where every
+// d consecutive weights of a row are the sum of z codebook entries picked by b-bit indices. VQ-LLM's codebook-
+// centric dataflow with its three-tier codebook cache (Sec. V): a block holds ONE codebook (one scope and one
+// residual r) and streams the indices of a range of rows through it.
+//
+// One template, instantiated per VQ configuration by qtool/cuda/vq.py through -D options (one module per
+// configuration and cache, the token slots MT = 1, 2, 4, 8, 16 inside it):
+//   VQ_D     vector size d (2, 4 or 8: an entry is one 32-, 64- or 128-bit load)
+//   VQ_B     index bits b (8, 12 or 16)
+//   VQ_NREG  entries [0, NREG) held in registers, one entry per lane per 32 (read with __shfl_sync)
+//   VQ_NSH   entries [NREG, NSH) in shared memory; entries [NSH, 2^b) are read from global memory (L1/L2)
+// GC (the paper's all-global baseline) is NREG = NSH = 0; SC (whole codebook in shared) NREG = 0, NSH = 2^b.
+//
+// Grid: x = row block (never crossing a row tile), y = split s = r · splits_k + ks: residual r and the ks-th range
+// of split_vecs vectors (one column tile for tiled scopes). With more than one split the partial sums go to a
+// float32 workspace and the last block of a row block adds them in split order and writes fp16 (explicit global
+// reduction, ptx_common.cuh's split_k_last); with one split the block writes fp16 itself.
+//
+// A split covers `tps` consecutive column tiles (codebook switches inside the block: the codebook and activations
+// are re-staged per tile), so the number of partial sums follows the traffic balance (qtool/cuda/vq.py).
+//
+// Inside a block: a row's range is cut into chunks of CH vectors whose CH·b bits are whole 16-byte words (b = 8:
+// 16 vectors, b = 12: 32, b = 16: 8); WL = min(32, chunks rounded up to a power of two) adjacent lanes share a row,
+// lane c taking chunks c, c + WL, ...; a thread takes RPT rows per pass, and every activation vector it reads from
+// shared memory serves those RPT rows' lookups (reuse across rows; every looked-up entry serves the M tokens).
+// Activations are staged in shared memory as [MT][CH][chunk][d]: the WL lanes of a row read WL adjacent vectors,
+// no bank conflict. Products are taken in fp16x2 (d/2 per half) and each vector's dot is widened to fp32, where
+// everything accumulates.
+
+#include "ptx_common.cuh"
+
+constexpr int THREADS = 256;
+constexpr u32 FULL = 0xffffffffu;
+
+// Indices are read once: keep them out of L1 so the activations and codebook stay there.
+__device__ __forceinline__ uint4 ld_stream(const u32* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 ld_stream32(const u32* p) {
+    u32 r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// d halves (d/2 words) at p: one 32-, 64- or 128-bit load from global (read-only path, cached) memory.
+template <int D>
+__device__ __forceinline__ void ldg_vec(const u16* p, u32 (&e)[D / 2]) {
+    if constexpr (D == 2) {
+        asm("ld.global.nc.u32 %0, [%1];" : "=r"(e[0]) : "l"(p));
+    } else if constexpr (D == 4) {
+        asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(e[0]), "=r"(e[1]) : "l"(p));
+    } else {
+        asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(e[0]), "=r"(e[1]), "=r"(e[2]), "=r"(e[3]) : "l"(p));
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void lds_vec(const u32* p, u32 (&e)[D / 2]) {
+    if constexpr (D == 2) {
+        e[0] = *p;
+    } else if constexpr (D == 4) {
+        const uint2 t = *reinterpret_cast<const uint2*>(p);
+        e[0] = t.x;
+        e[1] = t.y;
+    } else {
+        const uint4 t = *reinterpret_cast<const uint4*>(p);
+        e[0] = t.x;
+        e[1] = t.y;
+        e[2] = t.z;
+        e[3] = t.w;
+    }
+}
+
+__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ float h2sum(u32 h) {
+    u16 r;
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; add.rn.f16 %0, lo, hi;}" : "=h"(r) : "r"(h));
+    return h2f(r);
+}
+
+// Index j of a chunk's words (LSB-first stream; a 12-bit index may straddle two words: one funnel shift). Called
+// with j an unrolled-loop constant, so the word, shift and branch fold away.
+template <int B>
+__device__ __forceinline__ u32 code_at(const u32* w, int j) {
+    const int bit = j * B, q = bit >> 5, s = bit & 31;
+    constexpr u32 mask = (1u << B) - 1u;
+    if (s + B <= 32) return (w[q] >> s) & mask;
+    return __funnelshift_r(w[q], w[q + 1], s) & mask;
+}
+
+template <int B>
+struct Chunk {
+    static constexpr int CH = B == 8 ? 16 : (B == 12 ? 32 : 8);  // vectors per chunk
+    static constexpr int NW = CH * B / 32;                       // words per chunk (a multiple of 4)
+};
+
+// Entry `id` of the block's codebook through the cache tiers; every lane of the warp must call it (the register
+// tier is a warp shuffle).
+template <int D, int B, int NREG, int NSH>
+__device__ __forceinline__ void lookup(u32 id, const u32 (&reg)[NREG / 32 > 0 ? NREG / 32 : 1][D / 2],
+                                       const u32* sbook, const u16* gbook, u32 (&e)[D / 2]) {
+    constexpr int E = 1 << B;
+    if constexpr (NREG > 0) {
+#pragma unroll
+        for (int k = 0; k < D / 2; ++k) {
+            u32 v = __shfl_sync(FULL, reg[0][k], id & 31);
+#pragma unroll
+            for (int s = 1; s < NREG / 32; ++s) {
+                const u32 t = __shfl_sync(FULL, reg[s][k], id & 31);
+                v = (id >> 5) == (u32)s ? t : v;
+            }
+            e[k] = v;
+        }
+    }
+    if (NREG == 0 || id >= (u32)NREG) {
+        if constexpr (NSH >= E) {
+            lds_vec<D>(sbook + (id - NREG) * (D / 2), e);
+        } else if constexpr (NSH > NREG) {
+            if (id < (u32)NSH) {
+                lds_vec<D>(sbook + (id - NREG) * (D / 2), e);
+            } else {
+                ldg_vec<D>(gbook + (size_t)id * D, e);
+            }
+        } else {
+            ldg_vec<D>(gbook + (size_t)id * D, e);
+        }
+    }
+}
+
+// Rows per thread per pass: each staged activation vector serves RPT lookups; fewer where the index words of RPT
+// rows (RPT·CH·b/32 registers) would crowd out the rest.
+template <int MT, int B>
+struct Rows {
+    static constexpr int RPT = MT <= 2 ? (Chunk<B>::NW > 4 ? 2 : 4) : (MT <= 4 ? 2 : 1);
+};
+
+// The index words of chunk c of RPT rows (zeros outside the rows, the chunk range or the row's words): one
+// 16-byte load per 4 words where the rows are 16-byte aligned.
+template <int B, int RPT>
+__device__ __forceinline__ void load_words(const u32* __restrict__ idx, int W, int w0, int row, int P, int row_end,
+                                           bool cval, bool vec_rows, u32 (&wd)[RPT][Chunk<B>::NW]) {
+    constexpr int NW = Chunk<B>::NW;
+#pragma unroll
+    for (int q = 0; q < RPT; ++q) {
+        const int rq = row + q * P;
+        const bool ok = rq < row_end && cval;
+        const u32* p = idx + (size_t)(ok ? rq : 0) * W + w0;
+        if (ok && vec_rows && w0 + NW <= W) {
+#pragma unroll
+            for (int k = 0; k < NW / 4; ++k) {
+                const uint4 v = ld_stream(p + 4 * k);
+                wd[q][4 * k] = v.x;
+                wd[q][4 * k + 1] = v.y;
+                wd[q][4 * k + 2] = v.z;
+                wd[q][4 * k + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < NW; ++k) wd[q][k] = ok && w0 + k < W ? ld_stream32(p + k) : 0u;
+        }
+    }
+}
+
+template <int D, int B, int MT, int NREG, int NSH>
+__device__ __forceinline__ void vq_gemv(const u32* __restrict__ indices, const u16* __restrict__ books,
+                                        const u16* __restrict__ x, const u16* __restrict__ bias,
+                                        u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+                                        int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs,
+                                        int rows_per_block, int rbpt, int split_vecs, int splits_k, int tps) {
+    constexpr int CH = Chunk<B>::CH, NW = Chunk<B>::NW, H = D / 2, E = 1 << B;
+    constexpr int RPT = Rows<MT, B>::RPT, NRS = NREG / 32 > 0 ? NREG / 32 : 1;
+    extern __shared__ uint4 smem_v4[];
+    u32* smem = reinterpret_cast<u32*>(smem_v4);
+
+    const int t = threadIdx.x, V = K / D;
+    const int rt = blockIdx.x / rbpt;
+    const int row0 = rt * tile_rows + (blockIdx.x % rbpt) * rows_per_block;
+    const int row_end = min(min(row0 + rows_per_block, rt * tile_rows + tile_rows), N);
+    const int nrows = row_end - row0;
+    const int S = gridDim.y, s = blockIdx.y, r = s / splits_k, ks = s % splits_k;
+    const u32* idx_r = indices + (size_t)r * N * W;
+
+    // The lane mapping is fixed by the full range (split_vecs): a ragged last range has zero activations beyond
+    // its end, so chunks past it add nothing.
+    const int nch_full = (split_vecs + CH - 1) / CH;
+    int wl = 1;
+    while (wl < nch_full && wl < 32) wl <<= 1;
+    const int citer = (nch_full + wl - 1) / wl, npad = citer * wl;
+    const int lane_c = t % wl, slot = t / wl, P = THREADS / wl;
+    const bool vec_rows = (W & 3) == 0;
+    const int rows_per_pass = P * RPT;
+
+    // Shared memory: the shared tier [NREG, NSH) of the codebook, then the staged activations.
+    constexpr int NSHARED = NSH > NREG ? NSH - NREG : 0;
+    u32* sbook = smem;
+    u32* xs = smem + NSHARED * H;
+
+    // The first chunk's indices are requested before the codebook and activations are staged (their latencies
+    // overlap).
+    u32 wd[RPT][NW];
+    load_words<B, RPT>(idx_r, W, (ks * tps * split_vecs + lane_c * CH) * B / 32, row0 + slot, P, row_end,
+                       lane_c < (min(V - ks * tps * split_vecs, split_vecs) + CH - 1) / CH, vec_rows, wd);
+    bool preloaded = true;
+    int staged = -1;  // the range whose codebook and activations shared memory holds
+    u32 reg[NRS][H];
+
+    for (int pass = 0; pass < nrows; pass += rows_per_pass) {
+        float acc[RPT][MT];
+#pragma unroll
+        for (int q = 0; q < RPT; ++q)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) acc[q][m] = 0.f;
+        for (int tt = 0; tt < tps; ++tt) {  // the codebook switches: column tiles of this split, in order
+            const int v0 = (ks * tps + tt) * split_vecs;
+            if (v0 >= V) break;
+            const int nv = min(V - v0, split_vecs), nch = (nv + CH - 1) / CH;
+            const u16* gbook = books + (((size_t)rt * C + v0 / tile_vecs) * z + r) * (size_t)(E * D);
+            if (v0 != staged) {  // a codebook switch (one range per split: staged once for every pass)
+                staged = v0;
+                __syncthreads();  // the previous range's reads of the shared codebook and activations are done
+                if constexpr (NSHARED > 0) {
+                    const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREG * D);
+                    for (int i = t; i < NSHARED * D / 8; i += THREADS) smem_v4[i] = src[i];
+                }
+                for (int i = t; i < MT * CH * npad; i += THREADS) {
+                    const int m = i / (CH * npad), rem = i % (CH * npad), j = rem / npad, c = rem % npad;
+                    const int v = c * CH + j;
+                    u32 e[H];
+#pragma unroll
+                    for (int k = 0; k < H; ++k) e[k] = 0u;
+                    if (m < M && v < nv) ldg_vec<D>(x + (size_t)m * K + (size_t)(v0 + v) * D, e);
+#pragma unroll
+                    for (int k = 0; k < H; ++k) xs[(size_t)i * H + k] = e[k];
+                }
+#pragma unroll
+                for (int q = 0; q < NRS; ++q) {
+                    if constexpr (NREG > 0) {
+                        ldg_vec<D>(gbook + (size_t)(q * 32 + (t & 31)) * D, reg[q]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < H; ++k) reg[q][k] = 0u;
+                    }
+                }
+                __syncthreads();
+            }
+            for (int it = 0; it < citer; ++it) {
+                const int c = lane_c + it * wl;
+                if (!preloaded)
+                    load_words<B, RPT>(idx_r, W, (v0 + c * CH) * B / 32, row0 + pass + slot, P, row_end, c < nch,
+                                       vec_rows, wd);
+                preloaded = false;
+                const u32* xc = xs + (size_t)c * H;
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    u32 e[RPT][H];
+#pragma unroll
+                    for (int q = 0; q < RPT; ++q) lookup<D, B, NREG, NSH>(code_at<B>(wd[q], j), reg, sbook, gbook, e[q]);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        u32 xv[H];
+                        lds_vec<D>(xc + (size_t)((m * CH + j) * npad) * H, xv);
+#pragma unroll
+                        for (int q = 0; q < RPT; ++q) {
+                            u32 h = f16x2_mul(xv[0], e[q][0]);
+#pragma unroll
+                            for (int k = 1; k < H; ++k) h = h2fma(xv[k], e[q][k], h);
+                            acc[q][m] += h2sum(h);
+                        }
+                    }
+                }
+            }
+        }
+        // The wl lanes of a row hold its partial dots: sum them (wl is uniform over the block).
+        for (int o = wl >> 1; o > 0; o >>= 1)
+#pragma unroll
+            for (int q = 0; q < RPT; ++q)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) acc[q][m] += __shfl_xor_sync(FULL, acc[q][m], o);
+        if (lane_c == 0) {
+#pragma unroll
+            for (int q = 0; q < RPT; ++q) {
+                const int row = row0 + pass + slot + q * P;
+                if (row >= row_end) continue;
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    if (m >= M) break;
+                    if (S == 1) {
+                        const float b = bias ? h2f(bias[row]) : 0.f;
+                        out[(size_t)m * N + row] = f2h(acc[q][m] + b);
+                    } else {
+                        ws[((size_t)s * M + m) * N + row] = acc[q][m];
+                    }
+                }
+            }
+        }
+    }
+    if (S == 1) return;
+    if (!split_k_last(counters, blockIdx.x, S)) return;
+    // The last block adds the S partials of its rows: g adjacent lanes share an output (each takes every g-th split,
+    // up to 16 loads in flight), then a shuffle tree adds their sums. The order is fixed: the result is the same
+    // on every run.
+    const int items = M * nrows;
+    int g = 1;
+    while (g < 32 && g * 2 * items <= THREADS) g <<= 1;
+    const int per = THREADS / g, sub = t % g;
+    for (int base = 0; base < items; base += per) {
+        const int i = base + t / g;
+        const bool ok = i < items;
+        const int m = ok ? i / nrows : 0, row = row0 + (ok ? i % nrows : 0);
+        const float* src = ws + (size_t)m * N + row;
+        const size_t stride = (size_t)M * N;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        int q = sub;
+        for (; ok && q + 15 * g < S; q += 16 * g) {  // 16 loads in flight
+            float v[16];
+#pragma unroll
+            for (int u = 0; u < 16; ++u) v[u] = __ldcg(src + (size_t)(q + u * g) * stride);
+#pragma unroll
+            for (int u = 0; u < 16; u += 4) {
+                a0 += v[u];
+                a1 += v[u + 1];
+                a2 += v[u + 2];
+                a3 += v[u + 3];
+            }
+        }
+        for (; ok && q + 3 * g < S; q += 4 * g) {
+            a0 += __ldcg(src + (size_t)q * stride);
+            a1 += __ldcg(src + (size_t)(q + g) * stride);
+            a2 += __ldcg(src + (size_t)(q + 2 * g) * stride);
+            a3 += __ldcg(src + (size_t)(q + 3 * g) * stride);
+        }
+        for (; ok && q < S; q += g) a0 += __ldcg(src + (size_t)q * stride);
+        float sum = (a0 + a1) + (a2 + a3);
+        for (int o = g >> 1; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+        if (ok && sub == 0) out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+    }
+    if (t == 0) counters[blockIdx.x] = 0;
+}
+
+#define VQ_ENTRY(MT)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS) vq_gemv_m##MT(                                         \
+        const u32* indices, const u16* books, const u16* x, const u16* bias, u16* out, float* ws, int* counters,  \
+        int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs, int rows_per_block, int rbpt,    \
+        int split_vecs, int splits_k, int tps) {                                                                 \
+        vq_gemv<VQ_D, VQ_B, MT, VQ_NREG, VQ_NSH>(indices, books, x, bias, out, ws, counters, M, N, K, W, z, C,   \
+                                                 tile_rows, tile_vecs, rows_per_block, rbpt, split_vecs,         \
+                                                 splits_k, tps);                                                 \
+    }
+
+#ifdef VQ_D
+static_assert(VQ_D == 2 || VQ_D == 4 || VQ_D == 8, "vector size");
+static_assert(VQ_B == 8 || VQ_B == 12 || VQ_B == 16, "index bits");
+static_assert(VQ_NREG % 32 == 0 && VQ_NREG <= 64 && VQ_NREG <= (1 << VQ_B), "register tier");
+static_assert(VQ_NSH == 0 || (VQ_NSH >= VQ_NREG && VQ_NSH % 32 == 0 && VQ_NSH <= (1 << VQ_B)), "shared tier");
+VQ_ENTRY(1)
+VQ_ENTRY(2)
+VQ_ENTRY(4)
+VQ_ENTRY(8)
+VQ_ENTRY(16)
+#endif

@@ -1,0 +1,376 @@
+"""CUDA execution of the `vq` layout (kernels/vq_gemv.cu): the decode GEMV for 1..GEMV_MAX_M tokens with VQ-LLM's
+codebook cache, its launch plan and the dispatch rule.
+
+Cache variants (formats/vq.md "For the CUDA kernels"): ``gc`` reads every entry from global memory (L1/L2), ``sc``
+holds the block's whole codebook in shared memory, ``tiered`` holds entries [0, n_reg) in registers (one entry per
+lane per 32, read with a warp shuffle), [n_reg, n_shared) in shared memory and reads the rest from global memory.
+`n_reg` and `n_shared` come from the slack of the GC build measured on the device (`cache_tiers`): the registers a
+thread and the shared memory a block can add without lowering the number of blocks a multiprocessor holds.
+
+Dataflow: a thread block holds one codebook at a time, i.e. one scope and one residual. Tiled scopes (GPTVQ) split
+the reduction along the column tiles, a block walking through `tiles_per_split` of them (the traffic balance picks
+how many); per-tensor codebooks (AQLM) along the residuals, and further along K only where the staged activations
+would not fit. Partial sums go through the split-K workspace (qtool/cuda/split_k.py) and the last block of a row
+block adds them in split order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from qtool.cuda import compile as cc
+from qtool.cuda import split_k
+
+SOURCE = "vq_gemv.cu"
+LAYOUT = "vq"
+GEMV_MAX_M = 16
+TOKEN_SLOTS = (1, 2, 4, 8, 16)  # the GEMV's builds: M is rounded up to one of these
+THREADS = 256  # must match THREADS in kernels/vq_gemv.cu
+CACHES = ("gc", "sc", "tiered")
+# What the tests run on a GPU (the template also builds d = 2 and 16-bit indices: untested, so not dispatched).
+VECTOR_SIZES = (4, 8)
+INDEX_BITS = (8, 12)
+MAX_REG_SETS = 2  # register tier: at most 64 entries (each 32 cost d/2 registers and d/2 shuffles per lookup)
+# Staged activations of one block (M slots x its K range, fp16): per-tensor codebooks split K beyond this.
+X_STAGE_BYTES = 32 * 1024
+RESERVED_SMEM = 1024  # shared memory the runtime reserves per block
+
+
+def chunk_vectors(bits: int) -> int:
+    """Vectors per chunk: CH·b bits are whole 16-byte words (must match Chunk<B> in the kernel)."""
+    return {8: 16, 12: 32, 16: 8}[bits]
+
+
+def rows_per_thread(mt: int, bits: int) -> int:
+    """Rows a thread takes per pass (must match Rows<MT, B> in the kernel)."""
+    if mt <= 2:
+        return 2 if chunk_vectors(bits) * bits // 32 > 4 else 4
+    return 2 if mt <= 4 else 1
+
+
+def unsupported_reason(vector_size: int, index_bits: int, tile_cols: int | None, in_features: int) -> str | None:
+    """Why the kernel cannot run a layer of these parameters (None when it can)."""
+    if vector_size not in VECTOR_SIZES:
+        return f"vector_size={vector_size} (the kernel covers {', '.join(map(str, VECTOR_SIZES))})"
+    if index_bits not in INDEX_BITS:
+        return f"index_bits={index_bits} (the kernel covers {', '.join(map(str, INDEX_BITS))})"
+    if tile_cols is not None and tile_cols < in_features and (tile_cols // vector_size) % chunk_vectors(index_bits):
+        return (f"tile_cols={tile_cols} (the kernel needs column tiles of a multiple of "
+                f"{chunk_vectors(index_bits)} vectors at {index_bits}-bit indices)")
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    sms: int
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    smem_per_sm: int = 233472
+    smem_per_block: int = 232448  # opt-in maximum for one block
+
+
+_LIMITS: dict[int, DeviceLimits] = {}
+
+
+def device_limits(dev: int) -> DeviceLimits:
+    if dev not in _LIMITS:
+        p = torch.cuda.get_device_properties(dev)
+        _LIMITS[dev] = DeviceLimits(
+            sms=p.multi_processor_count, regs_per_sm=int(getattr(p, "regs_per_multiprocessor", 65536)),
+            threads_per_sm=int(getattr(p, "max_threads_per_multi_processor", 2048)),
+            smem_per_sm=int(getattr(p, "shared_memory_per_multiprocessor", 233472)),
+            smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 232448)))
+    return _LIMITS[dev]
+
+
+def blocks_per_sm(num_regs: int, smem: int, lim: DeviceLimits, threads: int = THREADS) -> int:
+    """Blocks of `threads` threads using `num_regs` registers each and `smem` bytes of shared memory that one
+    multiprocessor holds at once (registers are allocated 8 at a time per thread)."""
+    regs = -(-num_regs // 8) * 8
+    return max(0, min(lim.threads_per_sm // threads, lim.regs_per_sm // (regs * threads),
+                      lim.smem_per_sm // (smem + RESERVED_SMEM)))
+
+
+def cache_tiers(vector_size: int, entries: int, hot: int, num_regs: int, smem: int, lim: DeviceLimits,
+                threads: int = THREADS) -> tuple[int, int, dict]:
+    """(n_reg, n_shared, why) of the tiered cache from the GC build's measured registers per thread (`num_regs`)
+    and shared memory per block (`smem`: its staged activations): the occupancy that build reaches stays, the
+    registers and shared memory left at that occupancy hold entries. A register set of 32 entries costs d/2
+    registers per thread and is used only if some entry is hot (`hot`: the largest `entry_tiers` hot boundary);
+    the shared tier beyond the registers is rounded down to a power of two of at least 32 entries, or 0 (few
+    distinct builds)."""
+    blocks = max(1, blocks_per_sm(num_regs, smem, lim, threads))
+    reg_budget = min(255, (lim.regs_per_sm // (blocks * threads)) // 8 * 8)
+    reg_slack = max(0, reg_budget - (-(-num_regs // 8) * 8))
+    sets = min(reg_slack // max(1, vector_size // 2), -(-hot // 32), MAX_REG_SETS)
+    n_reg = min(entries, 32 * sets)
+    smem_slack = max(0, min(lim.smem_per_sm // blocks - RESERVED_SMEM, lim.smem_per_block) - smem)
+    fit = smem_slack // (2 * vector_size)
+    n_shared = min(entries, n_reg + (1 << (fit.bit_length() - 1) if fit >= 32 else 0))
+    why = {"gc_regs": num_regs, "gc_smem": smem, "blocks_per_sm": blocks, "reg_slack": reg_slack,
+           "smem_slack": smem_slack, "hot": hot}
+    return n_reg, n_shared, why
+
+
+def traffic_split(codebook_bytes: int, blocks: int, out_bytes: int, limit: int, cost_ratio: float = 1.0) -> int:
+    """VQ-LLM's split factor along the codebook-switch axes of the reduction (Sec. VI-A): reduce traffic
+    s·out_bytes against codebook traffic blocks·codebook_bytes/s, balanced at s* = sqrt(blocks·codebook_bytes·
+    cost_ratio / out_bytes) (cost_ratio: cost of a codebook byte over a partial-sum byte), within [1, limit]."""
+    s = math.sqrt(max(0.0, blocks * codebook_bytes * cost_ratio) / max(1, out_bytes))
+    return max(1, min(limit, round(s)))
+
+
+@dataclass
+class Plan:
+    """Launch geometry of one (layer, token slot, cache)."""
+
+    n_reg: int
+    n_shared: int
+    split_vecs: int  # vectors per column range (a column tile for tiled scopes)
+    tiles_per_split: int  # column ranges one block walks through (codebook switches inside the block)
+    splits_k: int
+    splits: int  # grid y = residuals x splits_k
+    rows_per_block: int
+    rbpt: int  # row blocks per row tile
+    grid_x: int
+    smem: int
+    balance: int  # the traffic balance's split factor s*
+    why: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """Device-side view of one layer (the checkpoint tensors in place) and its launch plans."""
+
+    indices: torch.Tensor  # int32 [z, N, W]
+    codebooks: torch.Tensor  # float16 [R, C, z, E, d]
+    vector_size: int
+    index_bits: int
+    residuals: int
+    tile_rows: int  # N when the scope spans all rows
+    tile_vecs: int  # vectors per column tile (K/d when one tile)
+    in_features: int
+    out_features: int
+    hot: int  # largest hot boundary over the codebooks (0 without re-indexing)
+    source_ptr: int
+    plans: dict = field(default_factory=dict)
+
+    @property
+    def entries(self) -> int:
+        return 1 << self.index_bits
+
+    @property
+    def row_tiles(self) -> int:
+        return self.codebooks.shape[0]
+
+    @property
+    def col_tiles(self) -> int:
+        return self.codebooks.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes a GEMV must read of the layer: every index and every codebook once."""
+        return sum(t.numel() * t.element_size() for t in (self.indices, self.codebooks))
+
+
+def prepare(layout) -> Prepared:
+    """The kernel view of a `VQWeight` (or a `VQLinear`) whose tensors are on CUDA."""
+    d, e, k, n = layout.vector_size, layout.entries, layout.in_features, layout.out_features
+    b = e.bit_length() - 1
+    reason = unsupported_reason(d, b, layout.tile_cols, k)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} layer: {reason}; use the reference path")
+    idx = layout.indices
+    if not idx.is_cuda:
+        raise ValueError(f"indices: found device {idx.device}, expected a CUDA tensor")
+    books = layout.codebooks.to(device=idx.device, dtype=torch.float16).contiguous()
+    indices = idx.contiguous()
+    if indices.data_ptr() % 16:
+        indices = indices.clone()
+    v = k // d
+    tile_vecs = v if layout.tile_cols is None or layout.tile_cols >= k else layout.tile_cols // d
+    tiers = layout.entry_tiers
+    hot = int(tiers[..., 0].max()) if layout.reindexed and tiers.numel() else 0
+    return Prepared(indices=indices, codebooks=books, vector_size=d, index_bits=b, residuals=layout.residuals,
+                    tile_rows=n if layout.tile_rows is None else min(layout.tile_rows, n), tile_vecs=tile_vecs,
+                    in_features=k, out_features=n, hot=hot, source_ptr=layout.indices.data_ptr())
+
+
+def token_slots(m: int) -> int:
+    for s in TOKEN_SLOTS:
+        if m <= s:
+            return s
+    raise ValueError(f"x: found M={m} tokens, expected 1..{GEMV_MAX_M} for the {LAYOUT} GEMV")
+
+
+def module_for(p: Prepared, n_reg: int, n_shared: int, dev: int) -> cc.KernelModule:
+    opts = (f"-DVQ_D={p.vector_size}", f"-DVQ_B={p.index_bits}", f"-DVQ_NREG={n_reg}", f"-DVQ_NSH={n_shared}")
+    return cc.load_module(SOURCE, extra_options=opts, device=dev)
+
+
+def _split(p: Prepared, mt: int) -> tuple[int, int]:
+    """(vectors per column range, ranges along K): a column tile for tiled scopes; per tensor, the whole K unless
+    the staged activations would exceed X_STAGE_BYTES."""
+    v, ch = p.in_features // p.vector_size, chunk_vectors(p.index_bits)
+    if p.tile_vecs < v:
+        return p.tile_vecs, p.col_tiles
+    want = max(1, -(-mt * v * p.vector_size * 2 // X_STAGE_BYTES))
+    per = -(-v // want)
+    vecs = -(-per // ch) * ch
+    return vecs, -(-v // vecs)
+
+
+def _geometry(p: Prepared, split_vecs: int) -> tuple[int, int]:
+    """(lanes per row, padded chunks) of a block's K range, as the kernel computes them."""
+    nch = -(-split_vecs // chunk_vectors(p.index_bits))
+    wl = 1
+    while wl < nch and wl < 32:
+        wl <<= 1
+    return wl, -(-nch // wl) * wl
+
+
+def x_stage_bytes(p: Prepared, mt: int, split_vecs: int) -> int:
+    _, npad = _geometry(p, split_vecs)
+    return mt * chunk_vectors(p.index_bits) * npad * p.vector_size * 2
+
+
+def tiers_for(p: Prepared, cache: str, mt: int, dev: int) -> tuple[int, int, dict]:
+    """(n_reg, n_shared, why) of a cache variant; `tiered` measures the GC build of this token slot."""
+    if cache == "gc":
+        return 0, 0, {}
+    if cache == "sc":
+        return 0, p.entries, {}
+    if cache != "tiered":
+        raise ValueError(f"cache: found {cache!r}, expected one of {', '.join(CACHES)}")
+    fn = module_for(p, 0, 0, dev).fn(f"vq_gemv_m{mt}")
+    split_vecs, _ = _split(p, mt)
+    smem = x_stage_bytes(p, mt, split_vecs) + int(fn.shared_size_bytes)
+    return cache_tiers(p.vector_size, p.entries, p.hot, int(fn.num_regs), smem, device_limits(dev))
+
+
+def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] | None = None,
+             tiles_per_split: int | None = None) -> Plan:
+    """The launch geometry. The split along the reduction follows VQ-LLM's traffic balance: with the grid sized to
+    fill the device (`target` blocks), a block that walks through more column tiles leaves fewer partial sums
+    (s · 4·M·N bytes) but its row range shrinks, so the codebooks are loaded more often (target · C·z·E·d·2 / s
+    bytes); s* = sqrt of their ratio (traffic_split), rounded to a whole number of column tiles per block and never
+    below the z residual codebooks (one codebook per block). The geometry is the same for every cache variant.
+    `tiers` and `tiles_per_split` override the derived values (tests)."""
+    key = (mt, cache, tiers, dev, tiles_per_split)
+    plan = p.plans.get(key)
+    if plan is not None:
+        return plan
+    if tiers is None:
+        n_reg, n_shared, why = tiers_for(p, cache, mt, dev)
+    else:
+        n_reg, n_shared = tiers
+        why = {}
+    lim = device_limits(dev)
+    split_vecs, ranges = _split(p, mt)
+    wl, _ = _geometry(p, split_vecs)
+    xbytes = x_stage_bytes(p, mt, split_vecs)
+    smem = max(0, n_shared - n_reg) * p.vector_size * 2 + xbytes
+    if smem > lim.smem_per_block:
+        raise cc.CudaUnavailableError(f"{LAYOUT} layer: {smem} bytes of shared memory per block for n_shared="
+                                      f"{n_shared}, more than the {lim.smem_per_block} a block may hold")
+    fn = module_for(p, n_reg, n_shared, dev).fn(f"vq_gemv_m{mt}")
+    resident = max(1, blocks_per_sm(int(fn.num_regs), smem, lim))
+    target = lim.sms * resident
+    z, n = p.residuals, p.out_features
+    book = p.entries * p.vector_size * 2
+    balance = traffic_split(p.col_tiles * z * book, target, 4 * n * mt, p.col_tiles * z)
+    if p.col_tiles > 1:  # tiled: walk ceil(C / s_k) column tiles per block
+        tps = tiles_per_split or -(-p.col_tiles // max(1, balance // z))
+        splits_k = -(-p.col_tiles // tps)
+    else:  # per tensor: split K further only where the staged activations need it
+        tps, splits_k = 1, ranges
+    unit = THREADS // wl * rows_per_thread(mt, p.index_bits)
+    splits = z * splits_k
+    want = -(-n * splits // target)
+    rows = min(max(unit, -(-want // unit) * unit), -(-p.tile_rows // unit) * unit)
+    rbpt = -(-p.tile_rows // rows)
+    plan = Plan(n_reg=n_reg, n_shared=n_shared, split_vecs=split_vecs, tiles_per_split=tps, splits_k=splits_k,
+                splits=splits, rows_per_block=rows, rbpt=rbpt, grid_x=p.row_tiles * rbpt, smem=smem,
+                balance=balance, why={**why, "regs": int(fn.num_regs), "blocks_per_sm": resident})
+    p.plans[key] = plan
+    return plan
+
+
+def _x2(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the {LAYOUT} kernel")
+    if x.shape[-1] != p.in_features:
+        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={p.in_features}")
+    x2 = x.reshape(-1, p.in_features).contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2
+
+
+def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         cache: str = "tiered", tiers: tuple[int, int] | None = None,
+         tiles_per_split: int | None = None) -> torch.Tensor:
+    """y = x · Wᵀ (+ bias) for 1..16 tokens through the `cache` variant; `tiers` = (n_reg, n_shared) and
+    `tiles_per_split` override the derived values (tests)."""
+    lead = x.shape[:-1]
+    x2 = _x2(x, p)
+    m = x2.shape[0]
+    mt = token_slots(m)
+    dev = cc.device_index(x.device)
+    if tiers is not None:
+        n_reg, n_shared = tiers
+        if n_reg % 32 or n_reg > 32 * MAX_REG_SETS or not (n_shared == 0 or n_reg <= n_shared <= p.entries) \
+                or n_shared % 32:
+            raise ValueError(f"tiers: found {tiers}, expected n_reg a multiple of 32 up to {32 * MAX_REG_SETS} and "
+                             f"n_shared 0 or a multiple of 32 in [n_reg, {p.entries}]")
+    if tiles_per_split is not None and tiles_per_split < 1:
+        raise ValueError(f"tiles_per_split: found {tiles_per_split}, expected a positive integer")
+    plan = plan_for(p, mt, cache, dev, tiers, tiles_per_split)
+    out = cc.f16_out(out, (m, p.out_features), x.device)
+    b = None
+    if bias is not None:
+        if bias.numel() != p.out_features:
+            raise ValueError(f"bias: found {list(bias.shape)}, expected [{p.out_features}]")
+        b = bias.to(torch.float16).contiguous()
+    ws = cnt = None
+    if plan.splits > 1:
+        got = split_k.workspace(dev, plan.splits * m * p.out_features, plan.grid_x)
+        if got is None:  # growing it is not allowed while a graph is captured: a private one, captured with it
+            got = (torch.empty(plan.splits * m * p.out_features, dtype=torch.float32, device=x.device),
+                   torch.zeros(plan.grid_x, dtype=torch.int32, device=x.device))
+        ws, cnt = got
+    fn = module_for(p, plan.n_reg, plan.n_shared, dev).fn(f"vq_gemv_m{mt}")
+    if plan.smem + int(fn.shared_size_bytes) > 48 * 1024:  # dynamic + static beyond the default 48 KB
+        cc.allow_shared_memory(fn, plan.smem)
+    words = p.indices.shape[-1]
+    cc.launch(fn, (plan.grid_x, plan.splits), (THREADS,),
+              (cc.ptr(p.indices), cc.ptr(p.codebooks), cc.ptr(x2), cc.ptr(b), cc.ptr(out), cc.ptr(ws), cc.ptr(cnt),
+               cc.i32(m), cc.i32(p.out_features), cc.i32(p.in_features), cc.i32(words), cc.i32(p.residuals),
+               cc.i32(p.col_tiles), cc.i32(p.tile_rows), cc.i32(p.tile_vecs), cc.i32(plan.rows_per_block),
+               cc.i32(plan.rbpt), cc.i32(plan.split_vecs), cc.i32(plan.splits_k), cc.i32(plan.tiles_per_split)),
+              shared_mem=plan.smem, device=dev)
+    return out.reshape(*lead, p.out_features)
+
+
+def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CUDA forward of a VQLinear for 1..GEMV_MAX_M rows, or None when the caller runs another path (more rows:
+    not this kernel's; the reference where the kernel cannot run, unless QTOOL_KERNELS=cuda makes that a
+    one-line error)."""
+    if cc.kernel_mode() == "reference":
+        return None
+    m = x.numel() // max(1, x.shape[-1])
+    if not 1 <= m <= GEMV_MAX_M:
+        return None
+    reason = unsupported_reason(layer.vector_size, layer.entries.bit_length() - 1, layer.tile_cols,
+                                layer.in_features)
+    if reason is None and x.dtype != torch.float16:
+        reason = f"dtype {x.dtype} (the GEMV takes float16)"
+    if not cc.use_kernels(LAYOUT, reason):
+        return None
+    p = getattr(layer, "_qtool_prepared", None)
+    if p is None or p.source_ptr != layer.indices.data_ptr() or p.indices.device != x.device:
+        p = prepare(layer)
+        layer._qtool_prepared = p
+    return gemv(x, p, layer.bias)
