@@ -1,0 +1,185 @@
+"""`qtool quantize` over several processes (qtool/distributed.py), on the CPU with gloo: each process is started
+the way torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in its environment), so a test can give
+one rank other arguments or kill it.
+
+- SmolLM2 GPTQ over 2 processes writes the checkpoint of 1 process that sums the statistics in the same order,
+  byte for byte: the checkpoint equals the single-process one up to float summation order.
+- stories260K: ranks started with different recipes are refused on every rank, naming the rank; a killed rank
+  stops the other within the heartbeat timeout, naming it, with the work folder at a block boundary, from which
+  one process resumes and writes the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bad_input import ROOT, Run, assert_one_line_error
+from conftest import STORIES, TINY_SAMPLE
+
+pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
+
+RECIPE = f"""
+model: {{model}}
+calibration:
+  source: {TINY_SAMPLE}
+  num_samples: {{samples}}
+  seq_len: 32
+stages:
+  - stage: gptq
+    bits: {{bits}}
+    group_size: 32
+output: out
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(per_rank: list[list[object]], cwd: Path, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """One `qtool` process per rank, `per_rank[r]` its arguments, in torchrun's environment."""
+    port, n = free_port(), len(per_rank)
+    procs = []
+    for r, args in enumerate(per_rank):
+        e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+             "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, "-m", "qtool.cli", *map(str, args)], cwd=cwd, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(p: subprocess.Popen, timeout: float = 240) -> Run:
+    out, err = p.communicate(timeout=timeout)
+    return Run(p.returncode, out, err)
+
+
+def recipe(folder: Path, samples: int = 4, bits: int = 4, model: Path = STORIES) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"r{bits}.yaml"
+    path.write_text(RECIPE.format(model=model, samples=samples, bits=bits))
+    return path
+
+
+def test_ranks_with_different_recipes_are_refused_naming_the_rank(tmp_path):
+    r4, r3 = recipe(tmp_path, bits=4), recipe(tmp_path, bits=3)
+    runs = [finish(p) for p in launch([["quantize", r4, "-q"], ["quantize", r3, "-q"]], tmp_path)]
+    for res in runs:  # every rank stops, each with the same one line
+        assert_one_line_error(res, 2, "rank 1", "differ from rank 0", output=tmp_path / "out")
+    assert not (tmp_path / ".out.partial").exists()
+
+
+def test_a_killed_rank_stops_the_other_naming_it_and_the_work_folder_resumes(tmp_path):
+    from qtool.checkpoint.partial import Work
+
+    r = recipe(tmp_path, samples=16)
+    partial = tmp_path / ".out.partial"
+    procs = launch([["quantize", r, "-q"]] * 2, tmp_path, env={"QTOOL_DIST_TIMEOUT": "3"})
+    t_end = time.monotonic() + 120
+    while ((Work.read_state(partial) or {}).get("next_block", 0) < 1 and procs[0].poll() is None
+           and time.monotonic() < t_end):
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    res = finish(procs[0], timeout=60)
+    finish(procs[1])
+    waited = time.monotonic() - t0
+    line = assert_one_line_error(res, 6, "rank 1", output=tmp_path / "out")
+    print(line, f"after {waited:.1f} s")
+    assert waited < 3 + 5 + 10, (waited, line)  # timeout, the grace of the main thread, slack for a busy CPU
+    state = Work.read_state(partial)
+    assert state is not None  # a block boundary: what the state names is there, the rest is removed on resume
+    for i in range(state["next_block"]):
+        assert (partial / f"block-{i:05d}.safetensors").is_file()
+    # One process goes on from the folder two left (its activations in one part per rank).
+    from bad_input import run_cli
+
+    done = run_cli(["quantize", r, "--resume", "-q", "--json"], cwd=tmp_path)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["world_size"] == 1
+    assert not partial.exists()
+
+
+def summed_like_two_ranks(monkeypatch) -> None:
+    """Make this process sum each linear's statistics as two ranks do: each half of the samples from zero, then
+    the halves added (rank 0's + rank 1's), instead of one running sum."""
+    import qtool.pipeline as pipeline
+    from qtool.distributed import World
+
+    real = pipeline._collect
+
+    def collect(block, names, inputs, kwargs, hessian, world=None):
+        parts = [real(block, names, [inputs[i] for i in World(r, 2).share(len(inputs))], kwargs, hessian)
+                 for r in range(2)]
+        for n, s in parts[0].items():
+            other = parts[1][n]
+            s.tokens += other.tokens
+            s.absmax = s.absmax.maximum(other.absmax)
+            s.sq_sum += other.sq_sum
+            if s.has_hessian:
+                s._xtx += other._xtx
+        return parts[0]
+
+    monkeypatch.setattr(pipeline, "_collect", collect)
+
+
+SMOLLM2_RECIPE = f"""
+model: {{model}}
+calibration:
+  source: {TINY_SAMPLE}
+  num_samples: 4
+  seq_len: 128
+stages:
+  - stage: gptq
+    bits: 4
+    group_size: 64
+    symmetric: false
+    act_order: true
+    static_groups: true
+    targets:
+      include: ["model.layers.[01].*"]
+output: out
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_path, smollm2, monkeypatch):
+    """GPTQ W4 g64 (asymmetric, act-order, static groups) of SmolLM2's first two blocks over 2 gloo processes
+    (4 windows of 128 tokens, 2 per rank) against 1 process that sums each linear's statistics in the ranks'
+    order: the same bytes (so the same perplexity). Samples split, statistics combined, solves spread over the
+    ranks, weights sent back: nothing else may differ. (Against a plain single-process run, GPTQ's roundings flip
+    under the other summation order: codes differ, perplexity by a fraction of a percent.)"""
+    import torch
+
+    from bad_input import run_cli
+
+    r = tmp_path / "r.yaml"
+    r.write_text(SMOLLM2_RECIPE.format(model=smollm2))
+    procs = launch([["quantize", r, "-q", "--json", "-o", tmp_path / "two"]] * 2, tmp_path)
+    summed_like_two_ranks(monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: another thread count may sum a product in another order
+    try:
+        one = run_cli(["quantize", r, "-q", "-o", tmp_path / "one"], cwd=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.exit_code == 0, one.output
+    runs = [finish(p, timeout=900) for p in procs]
+    assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
+    summary = json.loads(runs[0].stdout)
+    assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert all(r["quantize_s"] > 0 for r in summary["ranks"])
+    assert not runs[1].stdout.strip() and not runs[1].stderr.strip()  # rank 0 alone reports
+    a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
+    assert a == b
