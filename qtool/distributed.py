@@ -44,8 +44,9 @@ JOIN_SECONDS = 300.0
 
 
 def launched() -> bool:
-    """Whether this process was started by a launcher for several processes (torchrun, accelerate launch)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    """Whether this process was started by a launcher of ranks (torchrun, accelerate launch): it then joins
+    their process group, even a group of one."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def env_rank() -> int:
@@ -71,10 +72,12 @@ def heartbeat_timeout() -> float:
 
 
 class World:
-    """This process's place among the ranks; with one process every operation is the identity."""
+    """This process's place among the ranks; outside a process group (`joined` false) every operation is the
+    identity."""
 
-    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None,
+                 joined: bool = False) -> None:
+        self.rank, self.size, self.joined = rank, size, joined
         self.device = device  # where NCCL's tensors must be (None: gloo, tensors on the CPU)
         self.ctl = None  # a gloo group for objects and waits (None: the default group is gloo)
         self.monitor: _Monitor | None = None
@@ -123,7 +126,7 @@ class World:
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """`t` reduced over the ranks (sum or max), in place when it is on the backend's device."""
-        if self.size == 1:
+        if not self.joined:
             return t
         import torch.distributed as dist
 
@@ -135,7 +138,7 @@ class World:
 
     def gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's list of tensors (one dtype), concatenated in rank order (= sample order), on every rank."""
-        if self.size == 1:
+        if not self.joined:
             return tensors
         import torch.distributed as dist
 
@@ -158,7 +161,7 @@ class World:
         return out
 
     def all_gather_object(self, obj) -> list:
-        if self.size == 1:
+        if not self.joined:
             return [obj]
         import torch.distributed as dist
 
@@ -168,7 +171,7 @@ class World:
 
     def broadcast_object(self, obj, src: int = 0):
         """`obj` of rank `src` on every rank; tensors in it come back on this rank's compute device."""
-        if self.size == 1:
+        if not self.joined:
             return obj
         import torch.distributed as dist
 
@@ -189,7 +192,7 @@ class World:
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """`t` (same shape and dtype on every rank) set to rank `src`'s values, in place."""
-        if self.size == 1:
+        if not self.joined:
             return
         import torch.distributed as dist
 
@@ -205,7 +208,7 @@ class World:
 
     def share_result(self, owner: int, result):
         """A quantizer's result (packed layout and dequantized weight) solved on rank `owner`, on every rank."""
-        if self.size == 1:
+        if not self.joined:
             return result
         from qtool.stages.base import QuantResult  # noqa: PLC0415  (stages sit above this module)
 
@@ -217,12 +220,12 @@ class World:
         return QuantResult(packed, weight)
 
     def barrier(self) -> None:
-        if self.size > 1:
+        if self.joined:
             self.all_gather_object(None)
 
     def wait_for_main(self, key: str) -> None:
         """Wait (as long as it takes, the heartbeats watching) until rank 0 has posted `key`."""
-        if self.size == 1:
+        if not self.joined:
             return
         if self.is_main:
             self.store.set(f"flag/{key}", "1")
@@ -271,8 +274,8 @@ def describe_device(device: torch.device) -> torch.device:
 
 @contextmanager
 def session(device: torch.device):
-    """The world of this process for the duration of a run: joined when launched with several processes (NCCL
-    when `device` is CUDA, else gloo), left at the end; an error on this rank is posted for the others."""
+    """The world of this process for the duration of a run: joined when started by a launcher (NCCL when
+    `device` is CUDA, else gloo), left at the end; an error on this rank is posted for the others."""
     global _WORLD
     if not launched():
         yield _WORLD
@@ -311,7 +314,7 @@ def _join(device: torch.device) -> World:
     store = dist.PrefixStore("qtool", store)
     dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=size, timeout=GROUP_TIMEOUT, **({"device_id": device} if nccl else {}))
-    world = World(rank, size, device if nccl else None)
+    world = World(rank, size, device if nccl else None, joined=True)
     world.ctl = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if nccl else None
     world.store = store
     world.monitor = _Monitor(rank, size, timeout)

@@ -32,7 +32,7 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
     with session(resolve_device(recipe.settings.device)) as world:
-        if world.size > 1:
+        if world.joined:
             _check_world(world, recipe, resume=resume, dry_run=dry_run, whole_model=whole_model,
                          overwrite=overwrite, run_eval=run_eval)
         return _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
@@ -76,7 +76,7 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
     def check_memory(prepared) -> None:
         # Before the calibration text is read: what the run needs against what this machine has.
         plan["mode"] = "whole" if whole_model or not can_onload(recipe, prepared) else "blocks"
-        if plan["mode"] == "whole" and world.size > 1:
+        if plan["mode"] == "whole" and world.joined:
             raise InputError(f"model '{recipe.model}': not a local folder of safetensors weights, which runs over "
                              f"{world.size} processes read block by block; expected one (or one process)")
         plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run)

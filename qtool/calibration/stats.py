@@ -43,7 +43,7 @@ class LinearStats:
     def all_reduce(self, world) -> None:
         """Combine the statistics the ranks of a data-parallel run (qtool/distributed.py) collected on their
         samples into those of all samples: counts, squares and x xᵀ summed, max |x| the maximum."""
-        if world.size == 1:
+        if not world.joined:
             return
         tokens = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.sq_sum.device)
         world.all_reduce(tokens)
