@@ -175,6 +175,21 @@ class World:
             return obj
         import torch.distributed as dist
 
+        return self._object(obj, src, lambda t: self._call(dist.broadcast, t, src, group=self.ctl))
+
+    def send_object(self, obj, src: int, dst: int):
+        """`obj` of rank `src` on rank `dst` (None on the others)."""
+        if not self.joined or src == dst or self.rank not in (src, dst):
+            return obj if self.rank == dst else None
+        import torch.distributed as dist
+
+        if self.rank == src:
+            self._object(obj, src, lambda t: self._call(dist.send, t, dst, group=self.ctl))
+            return None
+        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl))
+
+    def _object(self, obj, src: int, move):
+        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes."""
         if self.rank == src:
             buf = io.BytesIO()
             torch.save(obj, buf)
@@ -182,10 +197,10 @@ class World:
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self._call(dist.broadcast, size, src, group=self.ctl)
+        move(size)
         if self.rank != src:
             data = torch.empty(int(size[0]), dtype=torch.uint8)
-        self._call(dist.broadcast, data, src, group=self.ctl)
+        move(data)
         if self.rank == src:
             return obj
         return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self.device or "cpu", weights_only=False)
@@ -206,39 +221,22 @@ class World:
         for t in [*module.parameters(), *module.buffers()]:
             self.broadcast(t.data, src)
 
-    def share_result(self, owner: int, result):
-        """A quantizer's result (packed layout and dequantized weight) solved on rank `owner`, on every rank."""
+    def share_result(self, owner: int, result, shape: tuple[int, ...]):
+        """A quantizer's result solved on rank `owner`: its dequantized weight (float32 of `shape`) on every rank,
+        its packed layout on rank 0, which writes it (None on the other ranks)."""
         if not self.joined:
             return result
         from qtool.stages.base import QuantResult  # noqa: PLC0415  (stages sit above this module)
 
         mine = self.rank == owner
-        packed, shape, dtype = self.broadcast_object(
-            (result.packed, tuple(result.dequantized.shape), result.dequantized.dtype) if mine else None, owner)
-        weight = result.dequantized if mine else torch.empty(shape, dtype=dtype, device=self.device or "cpu")
+        weight = (result.dequantized.float() if mine
+                  else torch.empty(shape, dtype=torch.float32, device=self.device or "cpu"))
         self.broadcast(weight, owner)
-        return QuantResult(packed, weight)
+        return QuantResult(self.send_object(result.packed if mine else None, owner, 0), weight)
 
     def barrier(self) -> None:
         if self.joined:
             self.all_gather_object(None)
-
-    def wait_for_main(self, key: str) -> None:
-        """Wait (as long as it takes, the heartbeats watching) until rank 0 has posted `key`."""
-        if not self.joined:
-            return
-        if self.is_main:
-            self.store.set(f"flag/{key}", "1")
-            return
-        while True:
-            if self.monitor.reason is not None:
-                raise self._lost(RuntimeError("stopped"))
-            try:
-                if self.store.check([f"flag/{key}"]):
-                    return
-            except RuntimeError as e:
-                raise self._lost(e) from None
-            time.sleep(0.2)
 
     # ---- agreement --------------------------------------------------------------------------------------------
 
@@ -300,6 +298,11 @@ def session(device: torch.device):
         _WORLD = World()
 
 
+def _prefix() -> str:
+    # A launcher that restarts its workers keeps its store: each attempt has keys of its own.
+    return f"qtool/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _join(device: torch.device) -> World:
     import torch.distributed as dist
 
@@ -311,7 +314,7 @@ def _join(device: torch.device) -> World:
     # A rank that never arrives is not watched by any heartbeat yet: the rendezvous waits a bounded time.
     store, rank, size = next(dist.rendezvous("env://", rank, size,
                                              timeout=timedelta(seconds=max(5 * timeout, JOIN_SECONDS))))
-    store = dist.PrefixStore("qtool", store)
+    store = dist.PrefixStore(_prefix(), store)
     dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=size, timeout=GROUP_TIMEOUT, **({"device_id": device} if nccl else {}))
     world = World(rank, size, device if nccl else None, joined=True)
@@ -331,7 +334,7 @@ class _Monitor(threading.Thread):
         import torch.distributed as dist
 
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.store = dist.PrefixStore("qtool", dist.TCPStore(os.environ["MASTER_ADDR"],
+        self.store = dist.PrefixStore(_prefix(), dist.TCPStore(os.environ["MASTER_ADDR"],
                                                              int(os.environ["MASTER_PORT"]), is_master=False,
                                                              timeout=timedelta(seconds=max(timeout, 30)),
                                                              wait_for_workers=False))

@@ -142,10 +142,13 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             block.to(device)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
-            linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
-            install_packed(block, packed, prefix)
-            tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
-            summaries = {full: layer_summary(layout, linears[full].bias is not None) for full, layout in packed.items()}
+            tensors, summaries, linears = {}, {}, {}
+            if world.is_main:  # the other ranks hold no packed layout: rank 0 writes
+                linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
+                install_packed(block, packed, prefix)
+                tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
+                summaries = {full: layer_summary(layout, linears[full].bias is not None)
+                             for full, layout in packed.items()}
             work.commit(i, tensors, {"records": mine, "linears": summaries}, inputs if i < run.last_needing else None)
             records.extend(mine)
             # The packed modules hold their layouts outside their parameters: put the linears back, so that

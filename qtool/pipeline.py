@@ -286,7 +286,7 @@ class _Blocks:
                 if self.world.rank == owner:
                     result = mine[rel].quantize(full, linear.weight.data.float(),
                                                 stats.get(rel) or self.fp_stats.get(full), **extra)
-                result = self.world.share_result(owner, result)
+                result = self.world.share_result(owner, result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))

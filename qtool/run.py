@@ -51,7 +51,7 @@ def _check_world(world, recipe, **flags) -> None:
     for spec in recipe.stages:
         problem = spec.stage.distributed_problem()
         if problem is not None:
-            raise RecipeError(f"{spec.stage.label}.{problem}")
+            raise RecipeError(f"stages[{spec.stage.index}].{problem[0]}: {problem[1]}")
     cal = recipe.calibration
     if cal is not None and recipe.needs_calibration() and cal.num_samples < world.size:
         raise RecipeError(f"calibration.num_samples: found {cal.num_samples} for {world.size} processes; expected "

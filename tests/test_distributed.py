@@ -65,6 +65,18 @@ def finish(p: subprocess.Popen, timeout: float = 240) -> Run:
     return Run(p.returncode, out, err)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in this process while a test runs qtool in it beside the ranks (as they run, and as
+    the test workers do): two processes' OpenMP threads spinning for two cores make a 3 s run take 30 s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def recipe(folder: Path, samples: int = 4, bits: int = 4, model: Path = STORIES) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"r{bits}.yaml"
@@ -80,7 +92,7 @@ def test_ranks_with_different_recipes_are_refused_naming_the_rank(tmp_path):
     assert not (tmp_path / ".out.partial").exists()
 
 
-def test_a_killed_rank_stops_the_other_naming_it_and_the_work_folder_resumes(tmp_path):
+def test_a_killed_rank_stops_the_other_naming_it_and_the_work_folder_resumes(tmp_path, one_thread):
     from qtool.checkpoint.partial import Work
 
     r = recipe(tmp_path, samples=16)
@@ -154,13 +166,13 @@ output: out
 
 
 @pytest.mark.slow
-def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_path, smollm2, monkeypatch):
+def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_path, smollm2, monkeypatch,
+                                                                           one_thread):
     """GPTQ W4 g64 (asymmetric, act-order, static groups) of SmolLM2's first two blocks over 2 gloo processes
     (4 windows of 128 tokens, 2 per rank) against 1 process that sums each linear's statistics in the ranks'
     order: the same bytes (so the same perplexity). Samples split, statistics combined, solves spread over the
     ranks, weights sent back: nothing else may differ. (Against a plain single-process run, GPTQ's roundings flip
     under the other summation order: codes differ, perplexity by a fraction of a percent.)"""
-    import torch
 
     from bad_input import run_cli
 
@@ -168,12 +180,8 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     r.write_text(SMOLLM2_RECIPE.format(model=smollm2))
     procs = launch([["quantize", r, "-q", "--json", "-o", tmp_path / "two"]] * 2, tmp_path)
     summed_like_two_ranks(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: another thread count may sum a product in another order
-    try:
-        one = run_cli(["quantize", r, "-q", "-o", tmp_path / "one"], cwd=tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    # One thread, as the ranks run (`one_thread`): another thread count may also sum a product in another order.
+    one = run_cli(["quantize", r, "-q", "-o", tmp_path / "one"], cwd=tmp_path)
     assert one.exit_code == 0, one.output
     runs = [finish(p, timeout=900) for p in procs]
     assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
@@ -183,3 +191,24 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     assert not runs[1].stdout.strip() and not runs[1].stderr.strip()  # rank 0 alone reports
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
+
+
+@pytest.mark.parametrize("stage, message", [
+    ("  - stage: mixed\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: mixed"),
+    ("  - stage: progressive\n    group_size: null\n    clip: true\n", "stages[0].clip_qk: found 'attention': progressive"),
+])
+def test_stages_whose_statistics_do_not_combine_are_refused_over_several_processes(tmp_path, stage, message):
+    from qtool.distributed import World
+    from qtool.errors import RecipeError
+    from qtool.recipe import load_recipe
+    from qtool.run import _check_world
+
+    r = tmp_path / "r.yaml"
+    r.write_text(RECIPE.format(model=STORIES, samples=4, bits=4).split("stages:")[0] + "stages:\n" + stage
+                 + "output: out\n")
+    world = World(0, 2, joined=True)
+    world.check_same = lambda what: None  # no process group here: what this test asks is the stage's answer
+    with pytest.raises(RecipeError, match=r"expected .* with several processes") as e:
+        _check_world(world, load_recipe(r, {}), resume=False, dry_run=False, whole_model=False, overwrite=False,
+                     run_eval=False)
+    assert str(e.value).startswith(message), str(e.value)

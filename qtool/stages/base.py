@@ -79,10 +79,10 @@ class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses 
         RecipeError naming `where`."""
         return None
 
-    def distributed_problem(self) -> str | None:
-        """Why this stage, with its options, cannot run data-parallel over several processes (qtool/distributed.py:
-        what it computes over the calibration samples is not a sum, a maximum or a list the ranks can combine),
-        else None. Checked before any weight is loaded."""
+    def distributed_problem(self) -> tuple[str, str] | None:
+        """(option, message) when this stage, with its options, cannot run data-parallel over several processes
+        (qtool/distributed.py: what it computes over the calibration samples is not a sum, a maximum or a list
+        the ranks can combine), else None. Checked before any weight is loaded."""
         return None
 
     def check_calibration(self, calibration, where: str) -> None:

@@ -96,10 +96,10 @@ class ProgressiveStage(QuantizerStage):
         act = quantize_activations(x.float())
         return act.codes.to(torch.float32) * act.scale[:, None]
 
-    def distributed_problem(self) -> str | None:
+    def distributed_problem(self) -> tuple[str, str] | None:
         if self.options.clip and self.options.clip_qk == "attention":
-            return ("clip_qk: 'attention' scores clip ratios on one rank's windows; expected 'layer' with several "
-                    "processes (or one process)")
+            return "clip_qk", ("found 'attention': progressive scores the clip ratios of q_proj/k_proj on the "
+                               "windows of one process; expected 'layer' with several processes (or one process)")
         return None
 
     def attention_objective(self, rel: str, adapter) -> str | None:
