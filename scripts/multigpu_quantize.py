@@ -4,6 +4,9 @@ and 4 GPUs; print the wall time of each run, the speed-ups over one GPU, and how
 
     QTOOL_ASSETS=/path/to/assets python scripts/multigpu_quantize.py [--work /tmp/qtool-multigpu] [--out DIR]
 
+Within the 10 minutes one command may take on an H100 machine, split it: `--plan 1+2` (writes the model, then
+the 1-GPU and the 2-GPU runs at once), then `--plan 4` on the same `--work` folder, which reports all three.
+
 The 1-GPU run is the plain single-process command; N > 1 GPUs run under `torchrun --standalone --nproc-per-node N`.
 `--plan` says which runs go at the same time: "1+2,4" (the default) runs the 1-GPU run on GPU 0 beside the 2-GPU
 run on GPUs 1-2, then the 4-GPU run on GPUs 0-3, so the whole measurement takes about the 1-GPU time plus the
@@ -183,6 +186,16 @@ def main() -> None:
     runs: dict[int, dict] = {}
     for counts in phases:
         runs.update(run_phase(counts, recipe, work, args.device))
+    # Runs of an earlier invocation on the same work folder and recipe (a measurement split over two commands,
+    # e.g. --plan 1+2 then --plan 4) join the table and the comparison.
+    for f in sorted(work.glob("run-*.done.json")):
+        n = int(f.name.split("-")[1].split(".")[0])
+        earlier = json.loads(f.read_text())
+        if n not in runs and earlier.get("recipe") == recipe.read_text() and (work / f"q{n}").is_dir():
+            runs[n] = earlier["run"]
+            print(f"{n} GPU{'s' * (n > 1)}: from an earlier invocation", flush=True)
+    for n, r in runs.items():
+        (work / f"run-{n}.done.json").write_text(json.dumps({"recipe": recipe.read_text(), "run": r}))
     result = {"model": str(model), "samples": args.samples, "seq_len": args.seq_len, "plan": args.plan,
               "runs": {str(n): r for n, r in sorted(runs.items())}}
     if 1 in runs:
