@@ -30,6 +30,14 @@ def output_options(f):
         _quiet_libraries()
         from qtool.distributed import env_rank, launched
 
+        command = click.get_current_context().info_name
+        size = int(os.environ.get("WORLD_SIZE") or 1)
+        if launched() and size > 1 and command != "quantize":
+            from qtool.errors import UsageError
+
+            # N copies of one command would each do all the work and race to write the same output.
+            raise UsageError(f"qtool {command}: started by a launcher as rank {env_rank()} of {size} processes; "
+                             f"expected one process (qtool quantize alone runs over several)")
         # Under a launcher with several processes, rank 0 alone logs and shows progress (errors: every rank).
         quiet = quiet or (launched() and env_rank() != 0)
         return f(*args, reporter=Reporter(quiet=quiet, verbose=verbose, json_mode=json_mode), **kwargs)

@@ -212,3 +212,11 @@ def test_stages_whose_statistics_do_not_combine_are_refused_over_several_process
         _check_world(world, load_recipe(r, {}), resume=False, dry_run=False, whole_model=False, overwrite=False,
                      run_eval=False)
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_other_commands_refuse_to_run_under_a_launcher_of_several_processes(tmp_path):
+    from bad_input import run_cli
+
+    launcher = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    res = run_cli(["eval", STORIES, "--text", TINY_SAMPLE, "--seq-len", "32"], env=launcher)
+    assert_one_line_error(res, 2, "qtool eval", "rank 1 of 2 processes", "qtool quantize alone")
