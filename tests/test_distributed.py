@@ -220,3 +220,23 @@ def test_other_commands_refuse_to_run_under_a_launcher_of_several_processes(tmp_
     launcher = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     res = run_cli(["eval", STORIES, "--text", TINY_SAMPLE, "--seq-len", "32"], env=launcher)
     assert_one_line_error(res, 2, "qtool eval", "rank 1 of 2 processes", "qtool quantize alone")
+
+
+def test_a_resumed_run_reads_its_share_from_the_parts_any_number_of_ranks_wrote(tmp_path):
+    """Activations of 5 samples written as parts of 3 and 2 (two ranks) are read back by the shares of 1, 2 or 3
+    ranks, each sample where it was."""
+    import torch
+
+    from qtool.checkpoint.partial import Work
+    from qtool.distributed import World
+
+    xs = [torch.full((1, 2, 3), float(i)) for i in range(5)]
+    work = Work(tmp_path, {"next_block": 1, "blocks": [{}], "inputs": {
+        "dtype": "float32", "shapes": [[1, 2, 3]] * 5, "parts": [3, 2]}})
+    for part, chunk in enumerate((xs[:3], xs[3:])):
+        work.inputs_file(1, part).write_bytes(b"".join(x.numpy().tobytes() for x in chunk))
+    for size in (1, 2, 3):
+        for rank in range(size):
+            share = World(rank, size).share(5)
+            got = work.inputs(torch.device("cpu"), share)
+            assert [int(x[0, 0, 0]) for x in got] == list(share), (size, rank)
