@@ -79,7 +79,9 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
         if plan["mode"] == "whole" and world.joined:
             raise InputError(f"model '{recipe.model}': not a local folder of safetensors weights, which runs over "
                              f"{world.size} processes read block by block; expected one (or one process)")
-        plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run)
+        cal = recipe.calibration
+        share = len(world.share(cal.num_samples)) if cal is not None and world.joined else None
+        plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run, samples=share)
         check_fits(plan["estimate"], recipe, out)
         prepared.activations = plan["estimate"].activations
         # beside the output, on its disk; one folder per rank
