@@ -40,6 +40,7 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
     from pathlib import Path
 
     from qtool.console import Reporter
+    from qtool.distributed import env_rank, launched
     from qtool.errors import UsageError
     from qtool.run import run_quantize
 
@@ -48,6 +49,7 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
         raise UsageError(f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}")
     over = {_OVERRIDES[k]: str(v) if k in ("model", "output", "calibration", "stats") else v
             for k, v in overrides.items() if v is not None}
+    quiet = quiet or (launched() and env_rank() != 0)  # rank 0 alone logs
     report = run_quantize(Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet))
     if report is None:  # a rank other than 0 of a run over several processes
         return None, None
