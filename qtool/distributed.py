@@ -5,8 +5,11 @@ stages accumulate over samples is combined here, so each rank computes what one 
 - Sums and maxima of per-linear statistics (token counts, Hessians, mean squares, max |x|): `all_reduce`.
 - Tensors captured per sample (inputs of a linear for smoothing, keys and values for k-means): `gather`, in
   sample order, so a stage that fits on them sees exactly the single-process list.
-- Quantized weights: each linear of a group is solved by one rank (`owner`) and sent to all (`share_result`); the
-  whole block is then sent from rank 0 (`sync_module`), so every rank goes on with bit-identical weights.
+- Quantized weights: each linear of a group is solved by one rank (`owner`), its dequantized weight sent to all
+  and its packed layout to rank 0, which writes (`share_result`); the whole block is then sent from rank 0
+  (`sync_module`), so every rank goes on with bit-identical weights.
+
+Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
 
 Samples are split in contiguous ranges, the first `n % world` ranks taking one more (`share`): rank order is
 sample order, so gathered lists need no reordering.
