@@ -7,6 +7,8 @@ one rank other arguments or kill it.
 - stories260K: ranks started with different recipes are refused on every rank, naming the rank; a killed rank
   stops the other within the heartbeat timeout, naming it, with the work folder at a block boundary, from which
   one process resumes and writes the checkpoint.
+- In one process: stages whose statistics do not combine are refused naming the option, other commands refuse a
+  launcher of several processes, a resumed run reads its share of activations written by any number of ranks.
 """
 
 from __future__ import annotations
