@@ -34,10 +34,13 @@ def load_tokenizer(path):
 def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: bool = True, **overrides):
     """Run `recipe` (a YAML file) as `qtool quantize` does and return `(checkpoint path, report)`; the report is
     the dict `qtool quantize --json` prints. Keyword overrides: model, output, calibration, num_samples, seq_len,
-    seed, stats, eval_windows. Errors raise qtool.errors.QtoolError (its message is the command's one line)."""
+    seed, stats, eval_windows. Errors raise qtool.errors.QtoolError (its message is the command's one line).
+    Under torchrun or accelerate launch, every rank calls it; rank 0 writes the checkpoint, the other ranks get
+    `(None, None)`."""
     from pathlib import Path
 
     from qtool.console import Reporter
+    from qtool.distributed import env_rank, launched
     from qtool.errors import UsageError
     from qtool.run import run_quantize
 
@@ -46,7 +49,10 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
         raise UsageError(f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}")
     over = {_OVERRIDES[k]: str(v) if k in ("model", "output", "calibration", "stats") else v
             for k, v in overrides.items() if v is not None}
+    quiet = quiet or (launched() and env_rank() != 0)  # rank 0 alone logs
     report = run_quantize(Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet))
+    if report is None:  # a rank other than 0 of a run over several processes
+        return None, None
     return Path(report["output"]), report
 
 

@@ -28,6 +28,18 @@ def output_options(f):
     def wrapper(*args, json_mode: bool, quiet: bool, verbose: bool, **kwargs):
         click.get_current_context().meta[JSON_KEY] = json_mode  # errors are then also JSON objects on stdout
         _quiet_libraries()
+        from qtool.distributed import env_rank, launched
+
+        command = click.get_current_context().info_name
+        size = int(os.environ.get("WORLD_SIZE") or 1)
+        if launched() and size > 1 and command != "quantize":
+            from qtool.errors import UsageError
+
+            # N copies of one command would each do all the work and race to write the same output.
+            raise UsageError(f"qtool {command}: started by a launcher as rank {env_rank()} of {size} processes; "
+                             f"expected one process (qtool quantize alone runs over several)")
+        # Under a launcher with several processes, rank 0 alone logs and shows progress (errors: every rank).
+        quiet = quiet or (launched() and env_rank() != 0)
         return f(*args, reporter=Reporter(quiet=quiet, verbose=verbose, json_mode=json_mode), **kwargs)
 
     wrapper.qtool_json_option = True
@@ -127,6 +139,8 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
         overrides["eval.max_windows"] = eval_windows
     summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
                            resume=resume, dry_run=dry_run, whole_model=whole_model)
+    if summary is None:  # a rank other than 0 of a run over several processes: rank 0 reports
+        return
     if dry_run:
         from qtool.output import _size
 

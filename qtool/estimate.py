@@ -73,8 +73,10 @@ def _numel(params) -> int:
     return n
 
 
-def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = False) -> Estimate:
-    """`timing`: also estimate the time (measures the device's multiply rate for about 0.2 s)."""
+def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = False,
+             samples: int | None = None) -> Estimate:
+    """`timing`: also estimate the time (measures the device's multiply rate for about 0.2 s). `samples`: the
+    calibration windows this process holds (its share in a run over several processes; default all)."""
     from qtool.models.adapters import adapter_for
     from qtool.pipeline import compute_dtype
 
@@ -95,7 +97,8 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) or 4 * hidden
     heads = config.num_attention_heads
     cal = recipe.calibration
-    samples, seq = (cal.num_samples, cal.seq_len) if cal is not None and recipe.needs_calibration() else (0, 0)
+    mine = cal.num_samples if samples is None or cal is None else samples
+    samples, seq = (mine, cal.seq_len) if cal is not None and recipe.needs_calibration() else (0, 0)
 
     # Hessians: one K x K float32 per linear of a group, the largest group (sequential GPTQ); the solver holds
     # about three more K x K and two N x K float32 copies of the linear it solves.

@@ -21,6 +21,7 @@ from qtool.calibration.store import ActivationStore
 from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
 from qtool.checkpoint.writer import collect_tensors
 from qtool.console import Reporter, peak_rss_mb
+from qtool.distributed import World
 from qtool.errors import Interrupted
 from qtool.models.adapters import adapter_for
 from qtool.models.loading import config_dtype
@@ -54,6 +55,7 @@ class Onloaded:
     transforms: list[dict] = field(default_factory=list)
     model_schemes: dict = field(default_factory=dict)
     resumed_at: int = 0
+    ranks: list[dict] = field(default_factory=list)  # per rank of a run over several processes: its timings
 
 
 def can_onload(recipe: Recipe, prepared: Prepared) -> bool:
@@ -73,7 +75,10 @@ def identity(recipe: Recipe, prepared: Prepared, dtype: torch.dtype, device: tor
 
 
 def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, partial: Path, *,
-                      resume: bool) -> Onloaded:
+                      resume: bool, world: World | None = None) -> Onloaded:
+    """`world` (qtool/distributed.py): several processes, each on its share of the calibration samples; rank 0
+    keeps the work folder (the others write their part of the activations into it)."""
+    world = world or World()
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
     config = prepared.config
@@ -86,7 +91,7 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     check_names(reader, skeleton, recipe.model)
     blocks = adapter.blocks(skeleton)
     n = len(blocks)
-    run = _Blocks(recipe, adapter, skeleton.config, n, device)
+    run = _Blocks(recipe, adapter, skeleton.config, n, device, world)
     # The final norm and the head are read when something needs them: a transform now, else the writer.
     later = () if run.transforms else (adapter.final_norm_path, adapter.head_path)
     reporter.log(f"onloading {recipe.model} block by block ({dtype}, blocks on {device})")
@@ -104,7 +109,10 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     if run.needs_calibration() and prepared.windows is None:
         run.calibrate(skeleton, prepared, prepared.tokenizer, reporter, first_only=True)  # samples the windows
     ident = identity(recipe, prepared, dtype, device, n)
-    work = Work.resume(partial, ident) if resume else Work.start(partial, ident)
+    state = None
+    if world.is_main:
+        state = (Work.resume(partial, ident) if resume else Work.start(partial, ident)).state
+    work = Work(partial, world.broadcast_object(state), world)
     start = work.next_block
     progress = None
     try:
@@ -114,7 +122,7 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
                 _, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter,
                                                        first_only=True)
                 inputs = run.store(prepared)
-                for x in work.inputs(torch.device("cpu")) or []:
+                for x in work.inputs(torch.device("cpu"), world.share(len(prepared.windows))) or []:
                     inputs.append(x)
             else:
                 inputs, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter)
@@ -134,10 +142,13 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             block.to(device)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
-            linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
-            install_packed(block, packed, prefix)
-            tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
-            summaries = {full: layer_summary(layout, linears[full].bias is not None) for full, layout in packed.items()}
+            tensors, summaries, linears = {}, {}, {}
+            if world.is_main:  # the other ranks hold no packed layout: rank 0 writes
+                linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
+                install_packed(block, packed, prefix)
+                tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
+                summaries = {full: layer_summary(layout, linears[full].bias is not None)
+                             for full, layout in packed.items()}
             work.commit(i, tensors, {"records": mine, "linears": summaries}, inputs if i < run.last_needing else None)
             records.extend(mine)
             # The packed modules hold their layouts outside their parameters: put the linears back, so that
@@ -162,6 +173,14 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             inputs.close()
         del inputs
 
+    mine = {"rank": world.rank, "device": str(device), "calibration_s": round(timings.get("calibration_s", 0.0), 3),
+            "quantize_s": round(timings.get("quantize_s", 0.0), 3),
+            "total_s": round(time.perf_counter() - t0 + prepared.seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+    ranks = world.all_gather_object(mine)
+    if not world.is_main:  # rank 0 writes the checkpoint
+        reader.close()
+        return Onloaded(LazyTensors([], {}), {}, {}, {}, None, original_dtype, calibration, work, timings,
+                        peak_rss_mb(), records, {}, start, ranks)
     load_outer(skeleton, adapter, reader, dtype)
     reader.close()
     outer = collect_tensors(skeleton, {}, original_dtype, skip=adapter.blocks_path)
@@ -177,4 +196,5 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = peak_rss_mb()
     return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, config,
-                    prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start)
+                    prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start,
+                    ranks)

@@ -24,6 +24,7 @@ from qtool.calibration.data import (
 from qtool.calibration.stats import LinearStats, load_stats
 from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter, peak_rss_mb
+from qtool.distributed import World, describe_device
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.integrity import read_header
@@ -59,11 +60,13 @@ class QuantizedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The compute device `settings.device` names (under a launcher with several processes, cuda is this rank's
+    cuda:LOCAL_RANK)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return describe_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ResourceError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
-    return torch.device(name)
+    return describe_device(torch.device(name))
 
 
 def compute_dtype(setting: str, device: torch.device, original: torch.dtype) -> torch.dtype:
@@ -181,8 +184,11 @@ class _Blocks:
     """What quantizing one decoder block takes, shared by the whole-model and the onloaded run so that both compute
     the same numbers: the stage of each linear, the transforms, the FP statistics, the compute device."""
 
-    def __init__(self, recipe: Recipe, adapter: Adapter, config, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, recipe: Recipe, adapter: Adapter, config, num_blocks: int, device: torch.device,
+                 world: World | None = None) -> None:
         self.recipe, self.adapter, self.config, self.device = recipe, adapter, config, device
+        # Several processes (qtool/distributed.py): this rank's share of the samples, statistics combined.
+        self.world = world or World()
         self.assignment = _assign(adapter, recipe, num_blocks)
         self.transforms = recipe.transforms()
         self.fp_stats: dict[str, LinearStats] = {}
@@ -219,8 +225,10 @@ class _Blocks:
                 "data_sha256": digest}
         if not first_only:
             reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
-        inputs, kwargs = capture_block_inputs(model, self.adapter.blocks(model), windows[:1] if first_only else windows,
-                                              self.device, self.store(prepared))
+        share = range(1) if first_only else self.world.share(len(windows))
+        mine = windows[share.start:share.stop]
+        inputs, kwargs = capture_block_inputs(model, self.adapter.blocks(model), mine, self.device,
+                                              self.store(prepared))
         return inputs, kwargs, info
 
     def store(self, prepared: Prepared) -> ActivationStore:
@@ -242,11 +250,14 @@ class _Blocks:
         mine = {rel: self.assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names()
                 if f"{prefix}.{rel}" in self.assignment}
         if self.transforms:
-            ctx = BlockContext(block, i, prefix, adapter, self.config, inputs, kwargs, mine)
+            ctx = BlockContext(block, i, prefix, adapter, self.config, inputs, kwargs, mine, self.world)
             for tr in self.transforms:
                 info = tr.apply_block(ctx)
                 if info:
                     records.append({"stage": tr.name, "block": i, **info})
+            # The ranks computed the same transforms from the same gathered samples; rank 0's weights are kept,
+            # so that a last-bit difference between devices can never leave the ranks on different weights.
+            self.world.sync_module(block)
         packed: dict[str, object] = {}
         tuners = sorted({s for s in mine.values() if s.finetunes()}, key=lambda s: s.index)
         targets: list[torch.Tensor] = []
@@ -261,15 +272,21 @@ class _Blocks:
             if not todo:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
-            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need)) if need else {}
+            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
+                             world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
-            for rel in todo:
+            for j, rel in enumerate(todo):
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                result = mine[rel].quantize(full, linear.weight.data.float(), stats.get(rel) or self.fp_stats.get(full),
-                                            **extra)
+                # Each linear of the group is solved by one rank, in parallel, and sent to every rank.
+                owner = self.world.owner(j)
+                result = None
+                if self.world.rank == owner:
+                    result = mine[rel].quantize(full, linear.weight.data.float(),
+                                                stats.get(rel) or self.fp_stats.get(full), **extra)
+                result = self.world.share_result(owner, result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))
@@ -286,6 +303,7 @@ class _Blocks:
             if info:
                 records.append({"stage": stage.name, "block": i, **info})
         del targets, originals
+        self.world.sync_module(block)
         if i < self.last_needing:
             with torch.no_grad():
                 def run(x: torch.Tensor) -> torch.Tensor:
@@ -400,8 +418,9 @@ def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tenso
 
 
 def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,
-             hessian: bool) -> dict[str, LinearStats]:
-    """Statistics of the inputs of `names` over all samples; each pass stops once they have all run."""
+             hessian: bool, world: World | None = None) -> dict[str, LinearStats]:
+    """Statistics of the inputs of `names` over all samples (this rank's, then combined with the other ranks');
+    each pass stops once they have all run."""
     stats = {n: LinearStats(block.get_submodule(n).in_features, hessian, inputs[0].device) for n in names}
     fired: set[str] = set()
 
@@ -426,6 +445,8 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
     finally:
         for h in handles:
             h.remove()
+    for s in stats.values():
+        s.all_reduce(world or World())
     return stats
 
 

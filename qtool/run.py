@@ -12,56 +12,92 @@ import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter
-from qtool.errors import Interrupted, RecipeError, UsageError
+from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
 
 
 def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter,
-                 resume: bool = False, dry_run: bool = False, whole_model: bool = False) -> dict:
+                 resume: bool = False, dry_run: bool = False, whole_model: bool = False) -> dict | None:
     """`resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
     everything and estimate the run's memory, size and time without reading a weight. `whole_model`: load the
-    whole model into host memory instead of reading one block at a time from the weight files."""
-    from qtool.checkpoint.partial import Work, partial_path
-    from qtool.estimate import check_fits, estimate
-    from qtool.onloaded import can_onload
-    from qtool.pipeline import preflight, resolve_device
+    whole model into host memory instead of reading one block at a time from the weight files. Returns the
+    summary (None on the ranks other than 0 of a run over several processes)."""
+    from qtool.distributed import session
+    from qtool.pipeline import resolve_device
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
+    # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
+    # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
+    with session(resolve_device(recipe.settings.device)) as world:
+        if world.joined:
+            _check_world(world, recipe, resume=resume, dry_run=dry_run, whole_model=whole_model,
+                         overwrite=overwrite, run_eval=run_eval)
+        return _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
+                             resume=resume, dry_run=dry_run, whole_model=whole_model)
+
+
+def _check_world(world, recipe, **flags) -> None:
+    """What a run over several processes needs before any weight is read: the same recipe, model and options on
+    every rank, a model read block by block, stages whose statistics the ranks can combine, a sample per rank."""
+    from qtool.models.loading import load_config
+
+    world.check_same({"recipe": recipe.as_run, "config": load_config(recipe.model).to_dict(), "flags": flags})
+    if flags["whole_model"]:
+        raise UsageError(f"--whole-model: found with {world.size} processes; expected one process (several "
+                         f"processes read the model block by block)")
+    for spec in recipe.stages:
+        problem = spec.stage.distributed_problem()
+        if problem is not None:
+            raise RecipeError(f"stages[{spec.stage.index}].{problem[0]}: {problem[1]}")
+    cal = recipe.calibration
+    if cal is not None and recipe.needs_calibration() and cal.num_samples < world.size:
+        raise RecipeError(f"calibration.num_samples: found {cal.num_samples} for {world.size} processes; expected "
+                          f"at least one calibration window per process")
+
+
+def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: Reporter, resume: bool,
+                  dry_run: bool, whole_model: bool) -> dict | None:
+    from qtool.checkpoint.partial import Work, partial_path
+    from qtool.estimate import check_fits, estimate
+    from qtool.onloaded import can_onload, quantize_onloaded
+    from qtool.pipeline import preflight, resolve_device
+
     out = Path(recipe.output)
     partial = partial_path(Path(os.path.abspath(out)))
-    if resume and not dry_run:
-        if whole_model:
-            raise UsageError("--resume: a run with --whole-model keeps no work folder; expected a block-by-block "
-                             "run")
-        if not partial.is_dir():
-            raise UsageError(f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
-                             f"expected the output of an interrupted run (run without --resume to start one)")
-    elif partial.is_dir() and not overwrite and not dry_run:
-        state = Work.read_state(partial)
-        done = (f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
-                if state else "no finished block")
-        raise UsageError(f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
-                         f"--resume to continue it, or --overwrite to discard it and start over")
+    if world.is_main:  # the work folder and the output are rank 0's; its refusals reach the other ranks
+        _check_work_folder(out, partial, resume=resume, overwrite=overwrite, dry_run=dry_run,
+                           whole_model=whole_model)
     device = resolve_device(recipe.settings.device)
     plan: dict = {}
 
     def check_memory(prepared) -> None:
         # Before the calibration text is read: what the run needs against what this machine has.
         plan["mode"] = "whole" if whole_model or not can_onload(recipe, prepared) else "blocks"
-        plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run)
+        if plan["mode"] == "whole" and world.joined:
+            raise InputError(f"model '{recipe.model}': not a local folder of safetensors weights, which runs over "
+                             f"{world.size} processes read block by block; expected one (or one process)")
+        cal = recipe.calibration
+        share = len(world.share(cal.num_samples)) if cal is not None and world.joined else None
+        plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run, samples=share)
         check_fits(plan["estimate"], recipe, out)
         prepared.activations = plan["estimate"].activations
-        prepared.offload_dir = partial.with_name(f".{out.name}.activations")  # beside the output, on its disk
+        # beside the output, on its disk; one folder per rank
+        prepared.offload_dir = partial.with_name(f".{out.name}.activations" + (f".{world.rank}" if world.rank else ""))
 
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
     prepared = preflight(recipe, before_data=check_memory)
     if dry_run:
+        if not world.is_main:
+            return None
         return {"output": str(out), "model": recipe.model, "dry_run": True, "mode": plan["mode"],
                 "device": str(device), **plan["estimate"].summary()}
+    if not world.is_main:
+        quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
+        return None
     if partial.is_dir() and not resume:
         shutil.rmtree(partial)  # --overwrite: a stale work folder is discarded, never reused
     if resume:  # refused before anything beside the output is touched
@@ -76,8 +112,29 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
                         needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
         if plan["mode"] == "blocks":
             return _quantize_onloaded(recipe, out, reserved, device, prepared, partial, resume=resume,
-                                      run_eval=run_eval, reporter=reporter)
+                                      run_eval=run_eval, reporter=reporter, world=world)
         return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+
+
+def _check_work_folder(out: Path, partial: Path, *, resume: bool, overwrite: bool, dry_run: bool,
+                       whole_model: bool) -> None:
+    """Refuse a --resume without a work folder, and a work folder left beside the output without --resume or
+    --overwrite."""
+    from qtool.checkpoint.partial import Work
+
+    if resume and not dry_run:
+        if whole_model:
+            raise UsageError("--resume: a run with --whole-model keeps no work folder; expected a block-by-block "
+                             "run")
+        if not partial.is_dir():
+            raise UsageError(f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
+                             f"expected the output of an interrupted run (run without --resume to start one)")
+    elif partial.is_dir() and not overwrite and not dry_run:
+        state = Work.read_state(partial)
+        done = (f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
+                if state else "no finished block")
+        raise UsageError(f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
+                         f"--resume to continue it, or --overwrite to discard it and start over")
 
 
 def _eval_suite(recipe, run_eval: bool):
@@ -103,18 +160,18 @@ def _evaluate_original(recipe, device: torch.device, suite, reporter: Reporter) 
 
 
 def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
-                       resume: bool, run_eval: bool, reporter: Reporter) -> dict:
+                       resume: bool, run_eval: bool, reporter: Reporter, world) -> dict:
     suite = _eval_suite(recipe, run_eval)
     try:
         return _onloaded(recipe, out, reserved, device, prepared, partial, resume=resume, run_eval=run_eval,
-                         suite=suite, reporter=reporter)
+                         suite=suite, reporter=reporter, world=world)
     finally:
         if suite is not None:
             suite.close()
 
 
 def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
-              resume: bool, run_eval: bool, suite, reporter: Reporter) -> dict:
+              resume: bool, run_eval: bool, suite, reporter: Reporter, world) -> dict:
     from qtool.checkpoint.partial import Work
     from qtool.onloaded import quantize_onloaded
 
@@ -129,7 +186,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
 
         gc.collect()
     try:
-        run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume)
+        run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
     except BaseException:
         state = Work.read_state(partial)
         if state is None or state["next_block"] == 0:
@@ -161,6 +218,8 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "peak_rss_mb": round(run.peak_rss_mb, 1),
         **_peak_gpu(device),
         "device": str(device),
+        "world_size": world.size,
+        "ranks": run.ranks,
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),
     }
@@ -259,6 +318,7 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
         "peak_rss_mb": round(qm.peak_rss_mb, 1),
         **_peak_gpu(device),
         "device": str(device),
+        "world_size": 1,
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),
     }

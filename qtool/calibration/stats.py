@@ -40,6 +40,19 @@ class LinearStats:
         if self._xtx is not None:
             self._xtx.addmm_(x.T, x)
 
+    def all_reduce(self, world) -> None:
+        """Combine the statistics the ranks of a data-parallel run (qtool/distributed.py) collected on their
+        samples into those of all samples: counts, squares and x xᵀ summed, max |x| the maximum."""
+        if not world.joined:
+            return
+        tokens = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.sq_sum.device)
+        world.all_reduce(tokens)
+        self.tokens = int(tokens[0])
+        world.all_reduce(self.absmax, "max")
+        world.all_reduce(self.sq_sum)
+        if self._xtx is not None:
+            world.all_reduce(self._xtx)
+
     @property
     def mean_sq(self) -> torch.Tensor:
         return (self.sq_sum / max(self.tokens, 1)).to(torch.float32)

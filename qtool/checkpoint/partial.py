@@ -2,7 +2,9 @@
 from the last finished block after the run was killed or interrupted.
 
 It holds each finished block's tensors as they go into the checkpoint (`block-NNNNN.safetensors`), the
-activations entering the next block (`inputs-NNNNN.bin`, raw, so writing them takes no second copy in memory)
+activations entering the next block (`inputs-NNNNN.bin`, raw, so writing them takes no second copy in memory; a
+run over several processes writes one part per rank, `inputs-NNNNN.bin` then `inputs-NNNNN.R.bin`, each rank its
+samples, and state.json counts the samples of each part, so a resumed run may use any number of processes)
 and `state.json`: what the run is (recipe, model files, calibration data, seed, compute dtype and device), the
 next block and what each finished block recorded. Every file is written under a temporary name and renamed, and
 state.json is renamed last: it is the commit point, so a kill at any moment leaves the state of one block boundary
@@ -78,9 +80,14 @@ def _atomic_write(path: Path, write) -> None:
 class Work:
     """An open work folder. `next_block` blocks are finished; `blocks[i]` is what block i recorded."""
 
-    def __init__(self, folder: Path, state: dict) -> None:
+    def __init__(self, folder: Path, state: dict, world=None) -> None:
+        """`world` (qtool/distributed.py): rank 0 writes the block files and the state, every rank its part of
+        the activations."""
+        from qtool.distributed import World
+
         self.folder = folder
         self.state = state
+        self.world = world or World()
 
     # ---- opening --------------------------------------------------------------------------------------------
 
@@ -129,7 +136,7 @@ class Work:
         k = self.next_block
         keep = {self.block_file(i).name for i in range(k)} | {STATE}
         if self.state.get("inputs"):
-            keep.add(self.inputs_file(k).name)
+            keep.update(self.inputs_file(k, part).name for part in range(len(self._parts())))
         for name in sorted(keep - {STATE}):
             if not (self.folder / name).is_file():
                 raise CheckpointError(f"--resume: '{self.folder}' has lost {name}, which its {STATE} names; "
@@ -152,24 +159,42 @@ class Work:
     def block_file(self, i: int) -> Path:
         return self.folder / f"block-{i:05d}.safetensors"
 
-    def inputs_file(self, i: int) -> Path:
-        return self.folder / f"inputs-{i:05d}.bin"
+    def inputs_file(self, i: int, part: int = 0) -> Path:
+        return self.folder / (f"inputs-{i:05d}.bin" if part == 0 else f"inputs-{i:05d}.{part}.bin")
 
-    def inputs(self, device: torch.device) -> list[torch.Tensor] | None:
-        """The activations entering block `next_block`, as the interrupted run held them."""
+    def _parts(self) -> list[int]:
+        spec = self.state.get("inputs") or {}
+        return spec.get("parts") or [len(spec.get("shapes", []))]
+
+    def inputs(self, device: torch.device, share: range | None = None) -> list[torch.Tensor] | None:
+        """The activations entering block `next_block`, as the interrupted run held them (the samples in `share`
+        alone: this rank's, whatever number of parts the interrupted run wrote)."""
         spec = self.state.get("inputs")
         if not spec:
             return None
         dtype = getattr(torch, spec["dtype"])
         shapes = [tuple(s) for s in spec["shapes"]]
-        sizes = [int(torch.Size(s).numel()) for s in shapes]
-        path = self.inputs_file(self.next_block)
-        expected = sum(sizes) * torch.empty((), dtype=dtype).element_size()
-        if path.stat().st_size != expected:
-            raise CheckpointError(f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
-                                  f"expected the work folder as the interrupted run left it (or --overwrite)")
-        flat = torch.from_file(str(path), shared=False, size=sum(sizes), dtype=dtype)
-        return [x.view(s).to(device) for x, s in zip(flat.split(sizes), shapes, strict=True)]
+        share = range(len(shapes)) if share is None else share
+        out: list[torch.Tensor] = []
+        first = 0
+        for part, count in enumerate(self._parts()):
+            mine = range(max(first, share.start), min(first + count, share.stop))
+            part_shapes = shapes[first: first + count]
+            first += count
+            if not mine:
+                continue
+            sizes = [int(torch.Size(s).numel()) for s in part_shapes]
+            path = self.inputs_file(self.next_block, part)
+            expected = sum(sizes) * torch.empty((), dtype=dtype).element_size()
+            if path.stat().st_size != expected:
+                raise CheckpointError(f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
+                                      f"expected the work folder as the interrupted run left it (or --overwrite)")
+            flat = torch.from_file(str(path), shared=False, size=sum(sizes), dtype=dtype)
+            xs = [x.view(s) for x, s in zip(flat.split(sizes), part_shapes, strict=True)]
+            start = first - count
+            out.extend(xs[j - start].to(device) for j in mine)
+            del flat, xs
+        return out
 
     def tensor_files(self) -> list[Path]:
         return [self.block_file(i) for i in range(self.next_block)]
@@ -181,7 +206,9 @@ class Work:
         """Block `i` is finished: its checkpoint tensors, what it recorded and the activations entering block
         i + 1 (None when no later block needs them)."""
         assert i == self.next_block, (i, self.next_block)
-        _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        world = self.world
+        if world.is_main:
+            _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         spec = None
         if inputs is not None:
             spec = {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shapes": [list(x.shape) for x in inputs]}
@@ -191,13 +218,23 @@ class Work:
                     for x in inputs:
                         f.write(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
-            _atomic_write(self.inputs_file(i + 1), write)
+            _atomic_write(self.inputs_file(i + 1, world.rank), write)
+        old_parts = len(self._parts())
+        # Every rank's part is on disk before rank 0 names them all in the state (the commit point).
+        specs = world.all_gather_object(spec)
+        if spec is not None and world.size > 1:
+            spec = {"dtype": spec["dtype"], "shapes": [s for p in specs for s in p["shapes"]],
+                    "parts": [len(p["shapes"]) for p in specs]}
         state = {**self.state, "next_block": i + 1, "blocks": [*self.blocks, record], "inputs": spec}
         self.state = state
-        self._write_state()
-        self.inputs_file(i).unlink(missing_ok=True)
+        if world.is_main:
+            self._write_state()
+            for part in range(old_parts):
+                self.inputs_file(i, part).unlink(missing_ok=True)
 
     def _write_state(self) -> None:
+        if not self.world.is_main:
+            return
         text = json.dumps(self.state, indent=1, sort_keys=True, default=str)
         _atomic_write(self.folder / STATE, lambda p: p.write_text(text, encoding="utf-8"))
 

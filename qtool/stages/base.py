@@ -79,6 +79,12 @@ class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses 
         RecipeError naming `where`."""
         return None
 
+    def distributed_problem(self) -> tuple[str, str] | None:
+        """(option, message) when this stage, with its options, cannot run data-parallel over several processes
+        (qtool/distributed.py: what it computes over the calibration samples is not a sum, a maximum or a list
+        the ranks can combine), else None. Checked before any weight is loaded."""
+        return None
+
     def check_calibration(self, calibration, where: str) -> None:
         """Refuse calibration settings (the recipe's CalibrationSpec) too small for what this stage fits from them;
         raise RecipeError naming `where`. Runs before any weight is loaded."""
@@ -177,7 +183,7 @@ class BlockContext:
     its calibration inputs and keyword arguments, and the quantizer stage claiming each of its linears."""
 
     def __init__(self, block: nn.Module, index: int, prefix: str, adapter, config, inputs: list[torch.Tensor],
-                 kwargs: dict, quantizers: dict[str, QuantizerStage]) -> None:
+                 kwargs: dict, quantizers: dict[str, QuantizerStage], world=None) -> None:
         self.block = block
         self.index = index
         self.prefix = prefix
@@ -186,10 +192,16 @@ class BlockContext:
         self.inputs = inputs
         self.kwargs = kwargs
         self.quantizers = quantizers  # relative linear name -> stage
+        self.world = world  # qtool/distributed.py World: `inputs` are this rank's share of the samples
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-sample tensors of this rank's share, with every other rank's, in sample order (what one process
+        running all samples would hold)."""
+        return tensors if self.world is None else self.world.gather(tensors)
 
     def capture(self, names: list[str], outputs: bool = False) -> dict[str, list[torch.Tensor]]:
-        """The inputs (or outputs) of the named submodules over all calibration samples, flattened to
-        [tokens, features] per sample. One forward of the block per sample."""
+        """The inputs (or outputs) of the named submodules over all calibration samples (every rank's), flattened
+        to [tokens, features] per sample. One forward of the block per sample of this rank."""
         got: dict[str, list[torch.Tensor]] = {n: [] for n in names}
 
         def make_hook(n: str):
@@ -208,7 +220,7 @@ class BlockContext:
         finally:
             for h in handles:
                 h.remove()
-        return got
+        return {n: self.gather(t) for n, t in got.items()}
 
 
 class TransformStage(Stage):

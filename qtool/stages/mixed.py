@@ -170,6 +170,12 @@ class MixedStage(HessianStage):
     def check_config(self, config, where: str) -> None:
         self.check_layers(config, where)
 
+    def distributed_problem(self) -> tuple[str, str] | None:
+        if self.options.finetune_steps > 0:
+            return "finetune_steps", (f"found {self.options.finetune_steps}: mixed fine-tunes each block on the "
+                                      f"windows of one process; expected 0 with several processes (or one process)")
+        return None
+
     def finetunes(self) -> bool:
         return self.options.finetune_steps > 0
 

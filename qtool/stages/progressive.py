@@ -96,6 +96,12 @@ class ProgressiveStage(QuantizerStage):
         act = quantize_activations(x.float())
         return act.codes.to(torch.float32) * act.scale[:, None]
 
+    def distributed_problem(self) -> tuple[str, str] | None:
+        if self.options.clip and self.options.clip_qk == "attention":
+            return "clip_qk", ("found 'attention': progressive scores the clip ratios of q_proj/k_proj on the "
+                               "windows of one process; expected 'layer' with several processes (or one process)")
+        return None
+
     def attention_objective(self, rel: str, adapter) -> str | None:
         """"q" or "k" when `rel` is the block's q_proj or k_proj and clip scores it by the attention output."""
         if not self.options.clip or self.options.clip_qk != "attention":

@@ -104,8 +104,9 @@ class VQKVStage(TransformStage):
             books.captured = None
         gen = torch.Generator().manual_seed((o.seed * 1_000_003 + zlib.crc32(ctx.prefix.encode())) % (1 << 63))
         fitted = []
-        for which in range(2):  # keys, then values: [B, H, T, D] per sample
-            x = torch.cat([c[which].permute(1, 0, 2, 3).reshape(h, -1, g * d) for c in captured], dim=1)
+        for which in range(2):  # keys, then values: [B, H, T, D] per sample, of every rank
+            x = torch.cat([c.permute(1, 0, 2, 3).reshape(h, -1, g * d)
+                           for c in ctx.gather([c[which] for c in captured])], dim=1)
             x = x.reshape(h, -1, g, d).permute(0, 2, 1, 3).reshape(h * g, -1, d).cpu()
             fitted.append(kmeans_batched(x, e, o.kmeans_iters, gen).reshape(h, g, e, d).to(torch.float16))
         books.key.copy_(fitted[0])

@@ -1,0 +1,409 @@
+"""Data-parallel quantization over several processes (`torchrun --nproc-per-node N` or `accelerate launch`, one
+process per GPU): every rank runs the same block on its share of the calibration samples, and what a block's
+stages accumulate over samples is combined here, so each rank computes what one process seeing every sample would.
+
+- Sums and maxima of per-linear statistics (token counts, Hessians, mean squares, max |x|): `all_reduce`.
+- Tensors captured per sample (inputs of a linear for smoothing, keys and values for k-means): `gather`, in
+  sample order, so a stage that fits on them sees exactly the single-process list.
+- Quantized weights: each linear of a group is solved by one rank (`owner`), its dequantized weight sent to all
+  and its packed layout to rank 0, which writes (`share_result`); the whole block is then sent from rank 0
+  (`sync_module`), so every rank goes on with bit-identical weights.
+
+Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
+
+Samples are split in contiguous ranges, the first `n % world` ranks taking one more (`share`): rank order is
+sample order, so gathered lists need no reordering.
+
+Failures: each rank beats a counter in the rendezvous store once a second from a thread of its own; a rank whose
+counter stops for `QTOOL_DIST_TIMEOUT` seconds (default 60) is taken for dead, and a rank that fails posts its
+error there. The others then stop with one line naming the rank (the collective they wait in may never return on
+NCCL, so the watching thread ends the process when the main thread cannot). The process group's own timeout is
+long (rank 0 alone evaluates and writes while the others wait), death is what the heartbeats detect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from qtool.errors import EXIT_CODES, EXIT_RESOURCE, QtoolError, ResourceError, UsageError
+
+TIMEOUT_ENV = "QTOOL_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+BEAT_SECONDS = 1.0
+GRACE_SECONDS = 5.0  # after a peer is found dead: time the main thread has to stop on its own
+GROUP_TIMEOUT = timedelta(hours=24)
+JOIN_SECONDS = 300.0
+
+
+def launched() -> bool:
+    """Whether this process was started by a launcher of ranks (torchrun, accelerate launch): it then joins
+    their process group, even a group of one."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def local_rank() -> int | None:
+    raw = os.environ.get("LOCAL_RANK")
+    return int(raw) if raw not in (None, "") and launched() else None
+
+
+def heartbeat_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise UsageError(f"{TIMEOUT_ENV}: found {raw!r}, expected a number of seconds > 0")
+    return value
+
+
+class World:
+    """This process's place among the ranks; outside a process group (`joined` false) every operation is the
+    identity."""
+
+    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None,
+                 joined: bool = False) -> None:
+        self.rank, self.size, self.joined = rank, size, joined
+        self.device = device  # where NCCL's tensors must be (None: gloo, tensors on the CPU)
+        self.ctl = None  # a gloo group for objects and waits (None: the default group is gloo)
+        self.monitor: _Monitor | None = None
+        self.store = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- splitting the work -----------------------------------------------------------------------------------
+
+    def share(self, n: int) -> range:
+        """The samples of this rank: a contiguous range, the first n % size ranks taking one more."""
+        base, extra = divmod(n, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
+
+    def owner(self, j: int) -> int:
+        """The rank that solves the j-th linear of a group."""
+        return j % self.size
+
+    # ---- collectives ------------------------------------------------------------------------------------------
+
+    def _call(self, fn, *args, **kwargs):
+        import torch.distributed as dist
+
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            raise self._lost(e) from None
+
+    def _lost(self, e: BaseException) -> QtoolError:
+        """The error to raise when a collective failed: the peer the heartbeats found stopped, once they have."""
+        monitor = self.monitor
+        end = time.monotonic() + (monitor.timeout + 2 * BEAT_SECONDS if monitor else 0)
+        while monitor is not None and monitor.reason is None and time.monotonic() < end:
+            time.sleep(0.1)
+        if monitor is not None and monitor.reason is not None:
+            monitor.handled = True
+            return monitor.error()
+        return ResourceError(f"rank {self.rank}: a collective operation with the other ranks failed "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device is None or t.device == self.device else t.to(self.device)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`t` reduced over the ranks (sum or max), in place when it is on the backend's device."""
+        if not self.joined:
+            return t
+        import torch.distributed as dist
+
+        x = self._dev(t)
+        self._call(dist.all_reduce, x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        if x is not t:
+            t.copy_(x)
+        return t
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's list of tensors (one dtype), concatenated in rank order (= sample order), on every rank."""
+        if not self.joined:
+            return tensors
+        import torch.distributed as dist
+
+        dtype, device = tensors[0].dtype, tensors[0].device
+        shapes = self.all_gather_object([tuple(t.shape) for t in tensors])
+        sizes = [sum(int(torch.Size(s).numel()) for s in part) for part in shapes]
+        flat = torch.zeros(max(sizes), dtype=dtype, device=self.device or "cpu")
+        if tensors:
+            mine = torch.cat([t.reshape(-1) for t in tensors])
+            flat[: mine.numel()] = mine.to(flat.device)
+        parts = [torch.empty_like(flat) for _ in range(self.size)]
+        self._call(dist.all_gather, parts, flat)
+        out: list[torch.Tensor] = []
+        for part, part_shapes in zip(parts, shapes, strict=True):
+            at = 0
+            for s in part_shapes:
+                n = int(torch.Size(s).numel())
+                out.append(part[at: at + n].view(s).to(device))
+                at += n
+        return out
+
+    def all_gather_object(self, obj) -> list:
+        if not self.joined:
+            return [obj]
+        import torch.distributed as dist
+
+        got: list = [None] * self.size
+        self._call(dist.all_gather_object, got, obj, group=self.ctl)
+        return got
+
+    def broadcast_object(self, obj, src: int = 0):
+        """`obj` of rank `src` on every rank; tensors in it come back on this rank's compute device."""
+        if not self.joined:
+            return obj
+        import torch.distributed as dist
+
+        return self._object(obj, src, lambda t: self._call(dist.broadcast, t, src, group=self.ctl))
+
+    def send_object(self, obj, src: int, dst: int):
+        """`obj` of rank `src` on rank `dst` (None on the others)."""
+        if not self.joined or src == dst or self.rank not in (src, dst):
+            return obj if self.rank == dst else None
+        import torch.distributed as dist
+
+        if self.rank == src:
+            self._object(obj, src, lambda t: self._call(dist.send, t, dst, group=self.ctl))
+            return None
+        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl))
+
+    def _object(self, obj, src: int, move):
+        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes."""
+        if self.rank == src:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        move(size)
+        if self.rank != src:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        move(data)
+        if self.rank == src:
+            return obj
+        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self.device or "cpu", weights_only=False)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """`t` (same shape and dtype on every rank) set to rank `src`'s values, in place."""
+        if not self.joined:
+            return
+        import torch.distributed as dist
+
+        x = self._dev(t)
+        self._call(dist.broadcast, x, src)
+        if x is not t:
+            t.copy_(x)
+
+    def sync_module(self, module: nn.Module, src: int = 0) -> None:
+        """Every parameter and buffer of `module` set to rank `src`'s."""
+        for t in [*module.parameters(), *module.buffers()]:
+            self.broadcast(t.data, src)
+
+    def share_result(self, owner: int, result, shape: tuple[int, ...]):
+        """A quantizer's result solved on rank `owner`: its dequantized weight (float32 of `shape`) on every rank,
+        its packed layout on rank 0, which writes it (None on the other ranks)."""
+        if not self.joined:
+            return result
+        from qtool.stages.base import QuantResult  # noqa: PLC0415  (stages sit above this module)
+
+        mine = self.rank == owner
+        weight = (result.dequantized.float() if mine
+                  else torch.empty(shape, dtype=torch.float32, device=self.device or "cpu"))
+        self.broadcast(weight, owner)
+        return QuantResult(self.send_object(result.packed if mine else None, owner, 0), weight)
+
+    def barrier(self) -> None:
+        if self.joined:
+            self.all_gather_object(None)
+
+    # ---- agreement --------------------------------------------------------------------------------------------
+
+    def check_same(self, what: dict) -> None:
+        """Refuse (on every rank, naming the first rank that differs from rank 0) ranks started with different
+        recipes, models or options."""
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        digests = self.all_gather_object(digest)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise UsageError(f"rank {differ[0]}: its recipe, model config or options differ from rank 0's (sha256 "
+                             f"{digests[differ[0]][:12]} against {digests[0][:12]}); expected every rank started "
+                             f"with the same command")
+
+
+_WORLD = World()
+
+
+def current() -> World:
+    return _WORLD
+
+
+def describe_device(device: torch.device) -> torch.device:
+    """The compute device of this rank: cuda becomes cuda:LOCAL_RANK under a launcher."""
+    lr = local_rank()
+    if lr is None or device.type != "cuda":
+        return device
+    if device.index not in (None, lr):
+        raise UsageError(f"settings.device: found '{device}' under a launcher with several processes; expected "
+                         f"cuda or auto (rank {env_rank()} takes cuda:{lr}, its LOCAL_RANK)")
+    return torch.device("cuda", lr)
+
+
+@contextmanager
+def session(device: torch.device):
+    """The world of this process for the duration of a run: joined when started by a launcher (NCCL when
+    `device` is CUDA, else gloo), left at the end; an error on this rank is posted for the others."""
+    global _WORLD
+    if not launched():
+        yield _WORLD
+        return
+    world = _join(device)
+    _WORLD = world
+    try:
+        yield world
+    except BaseException as e:
+        from qtool.failure import one_line
+
+        code = getattr(e, "exit_code", EXIT_RESOURCE)
+        world.monitor.post_failure(code, one_line(str(e)) or type(e).__name__)
+        raise
+    else:
+        world.barrier()
+        world.monitor.stop(done=True)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    finally:
+        _WORLD = World()
+
+
+def _prefix() -> str:
+    # A launcher that restarts its workers keeps its store: each attempt has keys of its own.
+    return f"qtool/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _join(device: torch.device) -> World:
+    import torch.distributed as dist
+
+    timeout = heartbeat_timeout()
+    rank, size = env_rank(), int(os.environ["WORLD_SIZE"])
+    nccl = device.type == "cuda"
+    if nccl:
+        torch.cuda.set_device(device)
+    # A rank that never arrives is not watched by any heartbeat yet: the rendezvous waits a bounded time.
+    store, rank, size = next(dist.rendezvous("env://", rank, size,
+                                             timeout=timedelta(seconds=max(5 * timeout, JOIN_SECONDS))))
+    store = dist.PrefixStore(_prefix(), store)
+    dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=size, timeout=GROUP_TIMEOUT, **({"device_id": device} if nccl else {}))
+    world = World(rank, size, device if nccl else None, joined=True)
+    world.ctl = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if nccl else None
+    world.store = store
+    world.monitor = _Monitor(rank, size, timeout)
+    world.monitor.start()
+    return world
+
+
+class _Monitor(threading.Thread):
+    """Beats this rank's counter and watches the others' (and their posted failures) over its own connection to
+    the rendezvous store."""
+
+    def __init__(self, rank: int, size: int, timeout: float) -> None:
+        super().__init__(daemon=True, name="qtool-heartbeat")
+        import torch.distributed as dist
+
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.store = dist.PrefixStore(_prefix(), dist.TCPStore(os.environ["MASTER_ADDR"],
+                                                             int(os.environ["MASTER_PORT"]), is_master=False,
+                                                             timeout=timedelta(seconds=max(timeout, 30)),
+                                                             wait_for_workers=False))
+        self.reason: str | None = None
+        self.code = EXIT_RESOURCE
+        self.handled = False
+        self._stopped = threading.Event()
+        self.store.add(f"beat/{rank}", 1)
+
+    def error(self) -> QtoolError:
+        e = QtoolError(self.reason)
+        e.exit_code = self.code
+        e.kind = {code: kind for kind, code in EXIT_CODES.items()}.get(self.code, "resource")
+        return e
+
+    def post_failure(self, code: int, message: str) -> None:
+        if self.reason is not None:
+            return  # this rank stops because another did: that one posted
+        try:
+            self.store.set(f"failed/{self.rank}", f"{code}|{message}")
+        except RuntimeError:
+            pass
+        self.stop(done=False)
+
+    def stop(self, done: bool) -> None:
+        if done:
+            try:
+                self.store.set(f"done/{self.rank}", "1")
+            except RuntimeError:
+                pass
+        self._stopped.set()
+
+    def run(self) -> None:
+        others = [r for r in range(self.size) if r != self.rank]
+        seen = {r: (-1, time.monotonic()) for r in others}
+        while not self._stopped.wait(BEAT_SECONDS):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                for r in others:
+                    if self.store.check([f"failed/{r}"]):
+                        code, _, message = self.store.get(f"failed/{r}").decode().partition("|")
+                        self.code = int(code) if code.isdigit() else EXIT_RESOURCE
+                        self._give_up(f"rank {r} stopped: {message}")
+                        return
+                    if self.store.check([f"done/{r}"]):
+                        continue
+                    count = self.store.add(f"beat/{r}", 0)
+                    now = time.monotonic()
+                    if count != seen[r][0]:
+                        seen[r] = (count, now)
+                    elif now - seen[r][1] > self.timeout:
+                        self._give_up(f"rank {r} sent no heartbeat for {self.timeout:g} s (its process died or "
+                                      f"hangs); stopping rank {self.rank} ({TIMEOUT_ENV} sets the timeout)")
+                        return
+            except RuntimeError as e:  # the store itself is gone: its host (the launcher or rank 0) stopped
+                if self._stopped.is_set():
+                    return
+                self._give_up(f"rank {self.rank} lost the rendezvous store ({str(e).splitlines()[0]}): the launcher "
+                              f"or rank 0 stopped")
+                return
+
+    def _give_up(self, reason: str) -> None:
+        self.reason = reason
+        # The main thread stops on its own when its collective fails (gloo); one blocked in NCCL never returns.
+        if self._stopped.wait(GRACE_SECONDS) or self.handled:
+            return
+        sys.stderr.write(f"qtool: error: {reason}\n")
+        sys.stderr.flush()
+        os._exit(self.code)
