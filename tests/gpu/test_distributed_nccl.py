@@ -34,7 +34,8 @@ def test_nccl_group_of_one_writes_the_plain_run(tmp_path):
     r = gpu_recipe(tmp_path)
     plain = run_cli(["quantize", r, "-q", "-o", tmp_path / "plain"], cwd=tmp_path)
     assert plain.exit_code == 0, plain.output
-    res = finish(launch([["quantize", r, "-q", "--json", "-o", tmp_path / "nccl"]], tmp_path))
+    (proc,) = launch([["quantize", r, "-q", "--json", "-o", tmp_path / "nccl"]], tmp_path)
+    res = finish(proc)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["world_size"] == 1 and summary["ranks"][0]["device"] == "cuda:0"
