@@ -74,6 +74,9 @@ def run_phase(counts: list[int], recipe: Path, work: Path, device: str) -> dict[
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + n))
+        if n > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # torchrun would set 1: each rank's CPU work (reading shards, copies, packing on the CPU) on one thread.
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // sum(counts)))
         first += n
         log = open(work / f"run-{n}.log", "w")  # noqa: SIM115  (closed below)
         procs[n] = (subprocess.Popen(command(n, recipe, work / f"q{n}"), cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ from qtool.packing.checks import check_scales, check_tensors, stored_bits
 from qtool.quant.grid import GridSpec
 
 FORMAT = "grouped_int"
+PACK_CHUNK = 1 << 24  # codes per packing step (three int64 temporaries of 128 MiB)
 
 
 @dataclass
@@ -27,11 +28,14 @@ class GroupedIntWeight:
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: GridSpec) -> GroupedIntWeight:
         """Build from integer codes [N, K] and per-group scales/zeros [N, G] (any float dtype)."""
         n, k = codes.shape
+        # Packed where the codes are (on the GPU in a CUDA run, where a 7B block's codes take seconds to pack on
+        # one CPU thread, as each rank has under torchrun), in row chunks that bound the int64 temporaries.
+        rows = max(1, PACK_CHUNK // max(1, k))
         return cls(
             spec=spec,
             in_features=k,
             out_features=n,
-            qweight=pack_codes(codes.to(torch.int64).cpu(), spec.bits),
+            qweight=torch.cat([pack_codes(codes[i:i + rows], spec.bits).cpu() for i in range(0, n, rows)]),
             scales=scales.to(torch.float16).cpu().contiguous(),
             zeros=None if spec.symmetric else zeros.round().to(torch.uint8).cpu().contiguous(),
         )
