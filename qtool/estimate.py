@@ -97,8 +97,10 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) or 4 * hidden
     heads = config.num_attention_heads
     cal = recipe.calibration
-    mine = cal.num_samples if samples is None or cal is None else samples
-    samples, seq = (mine, cal.seq_len) if cal is not None and recipe.needs_calibration() else (0, 0)
+    if cal is not None and recipe.needs_calibration():
+        samples, seq = (cal.num_samples if samples is None else samples), cal.seq_len
+    else:
+        samples, seq = 0, 0
 
     # Hessians: one K x K float32 per linear of a group, the largest group (sequential GPTQ); the solver holds
     # about three more K x K and two N x K float32 copies of the linear it solves.
