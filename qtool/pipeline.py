@@ -276,16 +276,25 @@ class _Blocks:
                              world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
+            def solve(rel: str, stats=stats, objective=objective, probe=probe):
+                linear = block.get_submodule(rel)
+                extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
+                return mine[rel].quantize(f"{prefix}.{rel}", linear.weight.data.float(),
+                                          stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
+
+            # Each linear of the group is solved by one rank and sent to every rank. With several ranks every rank
+            # solves all of its linears before any is sent, so the solves run at the same time (the attention
+            # objective, which reads the group's other weights as solved so far, is refused there).
+            early = self.world.size > 1 and not objective
+            solved = {rel: solve(rel) for j, rel in enumerate(todo)
+                      if early and self.world.rank == self.world.owner(j)}
             for j, rel in enumerate(todo):
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
-                extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                # Each linear of the group is solved by one rank, in parallel, and sent to every rank.
                 owner = self.world.owner(j)
-                result = None
-                if self.world.rank == owner:
-                    result = mine[rel].quantize(full, linear.weight.data.float(),
-                                                stats.get(rel) or self.fp_stats.get(full), **extra)
+                result = solved.pop(rel, None)
+                if not early and self.world.rank == owner:
+                    result = solve(rel)
                 result = self.world.share_result(owner, result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
