@@ -111,6 +111,17 @@ def check_f16(name: str, t: torch.Tensor, aligned: bool = False) -> None:
                          f"expected contiguous {'16-byte aligned ' if aligned else ''}float16 on CUDA")
 
 
+def f16_rows(x: torch.Tensor, in_features: int, layout: str) -> torch.Tensor:
+    """`x` [..., in_features] float16 as contiguous rows [T, in_features] starting 16-byte aligned (the kernels'
+    16-byte loads), copied only when it is not; one-line errors naming `x` otherwise."""
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the {layout} kernels")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={in_features}")
+    x2 = x.reshape(-1, in_features).contiguous()
+    return x2.clone() if x2.data_ptr() % 16 else x2
+
+
 def f16_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device,
             aligned: bool = False) -> torch.Tensor:
     """A kernel's float16 output: `out` checked against `shape` (one-line error), or a new tensor."""

@@ -150,17 +150,6 @@ def second_order_table(scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> tor
     return torch.stack([s2, zeros_2nd.to(torch.float32) * s2], dim=-1).contiguous()
 
 
-def _x2(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    if x.dtype != torch.float16:
-        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the {LAYOUT} kernels")
-    if x.shape[-1] != p.in_features:
-        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={p.in_features}")
-    x2 = x.reshape(-1, p.in_features).contiguous()
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
-    return x2
-
-
 def _bias(bias: torch.Tensor | None, p: Prepared) -> torch.Tensor | None:
     if bias is None:
         return None
@@ -221,7 +210,7 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
     `warps` and `pipe` override the tuned choices."""
     lead = x.shape[:-1]
-    x2 = _x2(x, p)
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)
     m = x2.shape[0]
     mt = token_slots(m)
     outliers = outlier_mode(outliers)

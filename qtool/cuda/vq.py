@@ -298,24 +298,13 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     return plan
 
 
-def _x2(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    if x.dtype != torch.float16:
-        raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the {LAYOUT} kernel")
-    if x.shape[-1] != p.in_features:
-        raise ValueError(f"x: found last dim {x.shape[-1]}, expected in_features={p.in_features}")
-    x2 = x.reshape(-1, p.in_features).contiguous()
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
-    return x2
-
-
 def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          cache: str = "tiered", tiers: tuple[int, int] | None = None,
          tiles_per_split: int | None = None) -> torch.Tensor:
     """y = x · Wᵀ (+ bias) for 1..16 tokens through the `cache` variant; `tiers` = (n_reg, n_shared) and
     `tiles_per_split` override the derived values (tests)."""
     lead = x.shape[:-1]
-    x2 = _x2(x, p)
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)
     m = x2.shape[0]
     mt = token_slots(m)
     dev = cc.device_index(x.device)
