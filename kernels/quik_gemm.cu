@@ -1386,16 +1386,18 @@ __device__ __forceinline__ void publish_rows(int* ready, int row0, int row_end, 
 // FUSED (quik_gemm_wsq_*): the activation rows are quantized by this kernel's own warps. Before the first
 // activation copy the block's math warps must have released the ring slots they staged rows in (`staged`); before
 // each tile's copies, every row of its tokens must be counted in `ready` (rows_wait).
+// QoQ's split-K form: the block's tile `first` (else blockIdx.x) from stage s0 on (s0 .. s0 + steps - 1 of kt).
 template <int BITS, int TN, int ST, bool FUSED = false, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                           u32 base, u32 bars, int M, int N, int kt, int steps,
-                                          const int* ready = nullptr, u32 staged = 0, const char* gst = nullptr) {
+                                          const int* ready = nullptr, u32 staged = 0, const char* gst = nullptr,
+                                          int s0 = 0, int first = -1) {
     using T = WsTile<TN, BITS, QOQ>;
     const int tiles = ((N + 127) >> 7) * ((M + TN - 1) / TN);
     // A stage's byte count on its full barrier, then its weight copy (the activation copy is issued separately).
     auto weights = [&](int gs, int slot, int n0) {
         const bool outl = gs >= kt;
-        const int s = outl ? gs - kt : gs;
+        const int s = outl ? gs - kt : s0 + gs;
         const u32 full = bars + 8 * slot;
         mbar_arrive_expect_tx(full, outl ? (TN + 128) * T::OB : T::XT + T::WB + T::GWS);
         tma_load_2d(base + (u32)slot * T::SB + T::XT, outl ? mwo : mw, full, outl ? T::OB * s : 16 * BITS * s, n0);
@@ -1406,9 +1408,10 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
     // The weights do not come from the kernel ahead: the first tile's first ST stages get their weight copies
     // before the wait for that kernel (a dependent launch starts during its tail), their activations after it.
     int early = 0;
-    if ((int)blockIdx.x < tiles) {
+    const int t0 = first < 0 ? (int)blockIdx.x : first;
+    if (t0 < tiles) {
         int m0, n0;
-        ws_tile(blockIdx.x, N, TN, m0, n0);
+        ws_tile(t0, N, TN, m0, n0);
         early = min(ST, steps);
         for (int gs = 0; gs < early; ++gs) weights(gs, gs, n0);
     }
@@ -1418,7 +1421,7 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
         fence_async_smem();  // the staged rows were read by the generic proxy; the copy engine now overwrites them
     }
     int g = 0;  // position in the ring over all of this block's tiles
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = t0; tile < tiles; tile += gridDim.x) {
         int m0, n0;
         ws_tile(tile, N, TN, m0, n0);
         if (FUSED) rows_wait(ready + m0 / TN, min(TN, M - m0));
@@ -1428,8 +1431,8 @@ __device__ __forceinline__ void ws_copies(const TmaMap* ma, const TmaMap* mw, co
             if (use > 0) mbar_wait(bars + 8 * (ST + slot), (use - 1) & 1);
             if (g >= early) weights(gs, slot, n0);
             const bool outl = gs >= kt;
-            tma_load_2d(base + (u32)slot * T::SB, outl ? mxo : ma, bars + 8 * slot, outl ? T::OB * (gs - kt) : 128 * gs,
-                        m0);
+            tma_load_2d(base + (u32)slot * T::SB, outl ? mxo : ma, bars + 8 * slot,
+                        outl ? T::OB * (gs - kt) : 128 * (s0 + gs), m0);
         }
     }
     launch_dependents();
@@ -1500,6 +1503,37 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
     }
 }
 
+// Split-K of QoQ's tile-per-block warp-specialized form (share z of S of split tile `tile` of `tiles`): the 256 math
+// threads write their int32 share in the accumulator layout (one int4 per thread and 8 tokens, the tile's valid
+// tokens only); the tile's last block adds the other shares to its own (integer sums: exact in any order), resets
+// the tile's counter and takes the epilogue. False in the other blocks, which are done.
+template <int TN>
+__device__ __forceinline__ bool qoq_split_add(int (&acc)[TN / 2], int* __restrict__ wsk, int* __restrict__ cnt,
+                                              int tile, int tiles, int z, int S, int mt, int ctid, int t) {
+    constexpr int F4 = TN / 8;  // int4s per thread: tokens 8q + 2t, + 1 of rows r0, r0 + 8
+    int4* w4 = reinterpret_cast<int4*>(wsk) + (size_t)tile * F4 * 256 + ctid;
+#pragma unroll
+    for (int q = 0; q < F4; ++q)
+        if (8 * q + 2 * t < mt)
+            w4[((size_t)z * tiles * F4 + q) * 256] = make_int4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2],
+                                                               acc[4 * q + 3]);
+    if (!split_k_last<1, 256>(cnt, tile, S, ctid)) return false;
+    for (int z2 = 0; z2 < S; ++z2) {
+        if (z2 == z) continue;
+#pragma unroll
+        for (int q = 0; q < F4; ++q) {
+            if (8 * q + 2 * t >= mt) continue;
+            const int4 v = __ldcg(w4 + ((size_t)z2 * tiles * F4 + q) * 256);
+            acc[4 * q] += v.x;
+            acc[4 * q + 1] += v.y;
+            acc[4 * q + 2] += v.z;
+            acc[4 * q + 3] += v.w;
+        }
+    }
+    if (ctid == 0) cnt[tile] = 0;
+    return true;
+}
+
 // PERSIST: one block per multiprocessor walks the tiles (tile, tile + grid, ...) through one ring, so the copy
 // warpgroup fills it with the next tile's stages during this tile's epilogue, which transposes through small
 // buffers of its own (WsTile::epi_buffers, 32 tokens at a time); each thread loads the next tile's s_x/z_x during
@@ -1508,15 +1542,35 @@ __device__ __forceinline__ void ws_step(int (&acc)[TN / 2], u32 (&cur)[4][4], u3
 // FUSED: the fused form (FusedQuant above; PERSIST and the copy-engine epilogue only) with EBF epilogue buffers,
 // then the column maps and the copy warps' row buffers: s_x and z_x are written here, not by a kernel ahead.
 // QOQ != QOQ_NONE: QoQ's W4A8 (as in gemm_body): zx is the int32 row sums, wred the int32 zeros (per channel), gst
-// the stage-major group words (progressive groups); no outlier stages.
+// the stage-major group words (progressive groups); no outlier stages. Its tile-per-block form may split K: blocks
+// 0..dp-1 take tiles 0..dp-1 whole, and each later tile is split over `nsplit` blocks (qoq_split_add; `wsk` and
+// `cnt` as split_k.py's workspace), so that a layer with few tiles (4096 rows: 32 tiles of 128) keeps every
+// multiprocessor streaming weights, and a layer with a wave and a fraction of tiles spreads that fraction over
+// the whole GPU (dp = whole waves: a Stream-K-like remainder).
 template <int BITS, int TN, int ST, bool PERSIST, bool FUSED = false, int EBF = 0, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, const TmaMap* mxo, const TmaMap* mwo,
                                         const TmaMap* mo, int M, int N, int kt, int steps,
                                         const float* __restrict__ sx, const float* __restrict__ zx,
                                         const u16* __restrict__ sw, const float* __restrict__ wred,
                                         const u16* __restrict__ bias, void* __restrict__ out, int ldc, int raw,
-                                        int tmo, const FusedQuant* fq = nullptr, const char* gst = nullptr) {
+                                        int tmo, const FusedQuant* fq = nullptr, const char* gst = nullptr,
+                                        int dp = 0, int nsplit = 1, int* __restrict__ wsk = nullptr,
+                                        int* __restrict__ cnt = nullptr) {
     using T = WsTile<TN, BITS, QOQ>;
+    constexpr bool SPLIT = !PERSIST && !FUSED && QOQ != QOQ_NONE;
+    // split-K: share z of tile t0 takes stages [s0, s0 + steps) of the layer's kt (none where z >= kt)
+    int t0 = blockIdx.x, s0 = 0, z = 0;
+    bool split = false;
+    if constexpr (SPLIT) {
+        if ((int)blockIdx.x >= dp) {
+            const int r = (int)blockIdx.x - dp;
+            split = true;
+            t0 = dp + r / nsplit;
+            z = r % nsplit;
+            s0 = (int)((long long)z * kt / nsplit);
+            steps = (int)((long long)(z + 1) * kt / nsplit) - s0;
+        }
+    }
     extern __shared__ char smem_raw[];
     __shared__ float tsx[2][TN], tax[2][TN];
     __shared__ __align__(8) u64 bar_mem[2 * ST];
@@ -1560,7 +1614,7 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
             tma_prefetch_map(ma);
             tma_prefetch_map(mw);
             ws_copies<BITS, TN, ST, FUSED, QOQ>(ma, mw, mxo, mwo, base, bars, M, N, kt, steps,
-                                                FUSED ? fq->ready : nullptr, staged, gst);
+                                                FUSED ? fq->ready : nullptr, staged, gst, s0, t0);
         }
         if (!FUSED) return;
         const int cw = (tid >> 5) - 1;  // the copy warps after the first quantize rows r1.. while the tiles run
@@ -1617,9 +1671,9 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         else
             nax = ok ? ld_dep_f32(zx + m) + h * nsx : 0.f;
     };
-    fetch(blockIdx.x);
+    fetch(t0);
     int g = 0, j = 0, eb = 0;  // eb: the next epilogue buffer (store_tile_tma)
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, g += steps, ++j) {
+    for (int tile = t0; tile < tiles; tile += gridDim.x, g += steps, ++j) {
         int m0, n0;
         ws_tile(tile, N, TN, m0, n0);
         // copy j & 1 was last read in tile j - 2, before every math thread passed tile j - 1's barrier
@@ -1658,7 +1712,14 @@ __device__ __forceinline__ void ws_body(const TmaMap* ma, const TmaMap* mw, cons
         // FUSED: the next tile's rows may be quantized by now (they are during the first tiles): waited for here,
         // after this tile's wgmmas, so the wait and the loads overlap the epilogue
         if (FUSED) fetch(tile + (int)gridDim.x);
-        const bool eq1_pending = steps == kt && kt > 0;
+        bool eq1_pending = steps == kt && kt > 0;
+        if constexpr (SPLIT) {
+            if (split) {
+                if (!qoq_split_add<TN>(acc, wsk, cnt, tile - dp, tiles - dp, z, nsplit, min(TN, M - m0), ctid, t))
+                    return;
+                eq1_pending = kt > 0;  // the zero-point term, once, on the total
+            }
+        }
         if (PERSIST && tmo && !raw) {
             constexpr int EB = FUSED ? EBF : T::template epi_buffers<ST>();
             static_assert(EB >= 2, "the ring leaves room for two epilogue buffers");
@@ -1729,16 +1790,18 @@ WSQ_ENTRY(4, 256, 4)
 
 // QoQ W4A8 in the warp-specialized forms (the `ws` tile per block, and the persistent `wsp`): ma / mw / mo as
 // above (the weight codes as 4-bit rows), G the stage-major group words (progressive; unused per channel), rsum the
-// activation code sums, zeros z[n] as int32 (per channel). raw: the exact int32 products.
+// activation code sums, zeros z[n] as int32 (per channel). raw: the exact int32 products. `ws`: tiles dp.. are split
+// over nsplit blocks each (grid dp + (tiles - dp) x nsplit), their shares in `wsk` (nsplit x (tiles - dp) x 128 x
+// TN ints) with one zero counter per split tile in `cnt`.
 #define QOQ_WS_ENTRY(KIND, PERSIST, NAME, QOQ, TN, ST)                                                           \
     extern "C" __global__ void __launch_bounds__(384, 1) qoq_gemm_##KIND##_##NAME##_n##TN##_s##ST(              \
         const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mw, const __grid_constant__ TmaMap mo, \
         const char* G, int M, int N, int kt, const float* sx, const int* rsum, const u16* sw, const int* zeros,  \
-        const u16* bias, void* out, int ldc, int raw, int tmo) {                                                 \
+        const u16* bias, void* out, int ldc, int raw, int tmo, int dp, int nsplit, int* wsk, int* cnt) {         \
         ws_body<4, TN, ST, PERSIST, false, 0, QOQ>(&ma, &mw, &ma, &mw, &mo, M, N, kt, kt, sx,                      \
                                                    reinterpret_cast<const float*>(rsum), sw,                     \
                                                    reinterpret_cast<const float*>(zeros), bias, out, ldc, raw,   \
-                                                   tmo, nullptr, G);                                             \
+                                                   tmo, nullptr, G, dp, nsplit, wsk, cnt);                       \
     }
 #define QOQ_WS_ENTRIES(KIND, PERSIST, TN, ST)              \
     QOQ_WS_ENTRY(KIND, PERSIST, pc, QOQ_PC, TN, ST)        \
@@ -1748,6 +1811,7 @@ WSQ_ENTRY(4, 256, 4)
 QOQ_WS_ENTRIES(ws, false, 64, 8)
 QOQ_WS_ENTRIES(ws, false, 128, 6)
 QOQ_WS_ENTRIES(ws, false, 256, 4)
+QOQ_WS_ENTRIES(wsp, true, 128, 6)
 QOQ_WS_ENTRIES(wsp, true, 256, 4)
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -109,18 +109,31 @@ def test_stage_words_are_the_group_words_stage_major(n, k, g):
 
 
 def test_gemm_form_dispatch(monkeypatch):
-    """The 4-bit GEMM forms by token count and width (qtool/cuda/qoq.py gemm_kernel, from the H200 sweep): split-K
-    `sync` at decode sizes and whenever a split is asked for, the tile with the most tiles in one wave of 132
-    blocks from 65 tokens, the persistent 256-token form where no tile fits one wave."""
+    """The 4-bit GEMM forms by token count and shape (qtool/cuda/qoq.py gemm_kernel, from the H100 sweep): 64-token
+    `ws` tiles split along K into shares of at least 10 stages within one wave where 128-token tiles would leave
+    half the GPU idle, the persistent form at 128 or 256 tokens where they would not, the H200 rule above 512
+    tokens, `sync` at GEMV sizes, whenever a split is asked for without a form and for unaligned operands."""
     from qtool.cuda import qoq
 
     monkeypatch.setattr(qoq.tma, "usable", lambda t: True)
     a = qoq.QoQActivations(codes=torch.zeros(1, 1), scale=torch.zeros(1), rowsum=torch.zeros(1))
-    p = types.SimpleNamespace(wq=torch.zeros(1, 1))
-    pick = {n: [qoq.gemm_kernel(m, n, a, p)[:2] for m in (16, 64, 128, 256, 512, 2048)] for n in (4096, 11008)}
-    assert pick[4096] == [("sync", 64), ("sync", 64), ("ws", 64), ("ws", 64), ("ws", 128), ("wsp", 256)]
-    assert pick[11008] == [("sync", 64), ("sync", 64), ("ws", 128), ("wsp", 256), ("wsp", 256), ("wsp", 256)]
-    assert qoq.gemm_kernel(512, 4096, a, p, split=1) == ("sync", 256)
-    assert qoq.gemm_kernel(512, 4096, a, p, tokens=128) == ("ws", 128)
+
+    def pick(k, n, ms):
+        p = types.SimpleNamespace(wq=torch.zeros(1, 1), kp=k)
+        return [qoq.gemm_kernel(m, n, a, p) for m in ms]
+
+    ms = (4, 5, 16, 64, 65, 128, 256, 512, 2048)
+    assert pick(4096, 4096, ms) == [
+        ("sync", 64, None, None), ("ws", 64, 3, 0), ("ws", 64, 3, 0), ("ws", 64, 3, 0), ("ws", 64, 2, 0),
+        ("ws", 64, 2, 0), ("ws", 64, 1, 0), ("wsp", 128, None, None), ("wsp", 256, None, None)]
+    assert pick(4096, 11008, ms) == [
+        ("sync", 64, None, None), ("ws", 64, 1, 0), ("ws", 64, 1, 0), ("ws", 64, 1, 0), ("wsp", 128, None, None),
+        ("wsp", 128, None, None), ("wsp", 256, None, None), ("wsp", 128, None, None), ("wsp", 256, None, None)]
+    assert pick(11008, 4096, ms)[1:7] == [
+        ("ws", 64, 4, 0), ("ws", 64, 4, 0), ("ws", 64, 4, 0), ("ws", 64, 2, 0), ("ws", 64, 2, 0), ("ws", 64, 1, 0)]
+    assert pick(256, 64, (16,)) == [("ws", 64, 1, 0)]  # two stages: no share would have ten
+    p = types.SimpleNamespace(wq=torch.zeros(1, 1), kp=4096)
+    assert qoq.gemm_kernel(512, 4096, a, p, split=1) == ("sync", 256, 1, None)
+    assert qoq.gemm_kernel(512, 4096, a, p, tokens=128) == ("ws", 128, None, None)
     monkeypatch.setattr(qoq.tma, "usable", lambda t: False)  # unaligned operands: the cp.async form
-    assert qoq.gemm_kernel(2048, 4096, a, p) == ("sync", 256)
+    assert qoq.gemm_kernel(2048, 4096, a, p) == ("sync", 256, None, None)

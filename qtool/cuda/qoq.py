@@ -34,14 +34,20 @@ INT_MM_MIN_ROWS = 32  # torch._int_mm takes more than 16 rows (multiples of 8): 
 # row on dp4a (decode, up to GEMV_MAX_TOKENS tokens); `sync` is the block-synchronous cp.async GEMM with split-K
 # for tiles of up to 128 tokens; `ws` / `wsp` are quik's warp-specialized copy-engine GEMMs (a tile per block /
 # persistent), with the ring depths below (the stage: TN x 128 activation bytes, 8 KB of codes and, for
-# progressive groups, the stage's group words).
+# progressive groups, the stage's group words). `ws` splits K over up to WS_SPLIT_MAX blocks per tile (int32
+# shares added by the tile's last block), so layers with few tiles still fill the GPU.
 GEMM_KERNELS = ("gemv", "sync", "ws", "wsp")
 GEMV_TOKENS = (1, 2, 4)  # token slots of the gemv entries
 GEMV_MAX_TOKENS = 4
 GEMV_WARPS = 8  # weight rows per gemv block
-WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 256): 4}
-# From this many tokens the warp-specialized kernels take over from `sync` (gemm_kernel)
-WS_MIN_TOKENS = 65
+WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 128): 6, ("wsp", 256): 4}
+WS_SPLIT_MAX = 16
+# A split tile's shares have at least this many stages: a share ends in a round trip through L2 (its int32 sums,
+# the tile's counter, the last block's reads), which shorter shares did not pay for on the H100 (kernels/NOTES.md)
+WS_SPLIT_MIN_STAGES = 10
+# time of one stage of the persistent form's tiles relative to the 128-token one (H100, 11008x4096 at 512 tokens)
+WSP_STAGE_COST = {128: 1.0, 256: 1.7}
+WS_RULE_MAX_TOKENS = 512  # the dispatch rule measured on the H100 (gemm_kernel) covers up to this many tokens
 
 
 def _round_up(v: int, m: int) -> int:
@@ -245,33 +251,47 @@ def scheme(p: QoQPrepared) -> str:
 
 
 def gemm_kernel(m: int, n: int, a: QoQActivations, p: QoQPrepared, tokens: int | None = None,
-                split: int | None = None, sms: int = 132) -> tuple[str, int]:
-    """The 4-bit GEMM form and token tile for M tokens of quantized activations. `sync` up to WS_MIN_TOKENS - 1
-    (its split-K fills the GPU at decode sizes), and wherever a K split is asked for. From there the
-    warp-specialized forms where the copy engine can address the operands, with the token tile that gives the
-    most tiles within one wave of `sms` blocks (the persistent form for 256-token tiles); when no tile fits one
-    wave, the persistent form. Measured on an H200 (kernels/NOTES.md, qoq section): at 128 tokens the 64-token
-    tile won at 4096 outputs and the 128-token tile at 11008; from 1024 tokens the persistent form won."""
+                split: int | None = None, sms: int = 132) -> tuple[str, int, int | None, int | None]:
+    """(form, token tile, K split, whole tiles) for M tokens of quantized activations (None: the form's own
+    choice). `sync` wherever the copy engine cannot address the operands, wherever a K split is asked for without
+    a form, and up to GEMV_MAX_TOKENS (a model calls the GEMV there). The rule from the H100 sweep
+    (kernels/NOTES.md, qoq section; scripts/qoq_gemm_forms.py), up to WS_RULE_MAX_TOKENS:
+      * 64-token tiles (`ws`) while 128-token tiles would leave more than half the SMs idle (up to 64 tokens
+        always), each tile split along K over as many blocks as fit one wave, with shares of at least
+        WS_SPLIT_MIN_STAGES stages (a 4096-row layer: 32 tiles, 3-4 blocks each);
+      * otherwise the persistent form at 128 or 256 tokens, whichever needs fewer rounds of tiles weighted by
+        its stage time (WSP_STAGE_COST; 256 from 256 tokens).
+    Above: the token tile that gives the most tiles within one wave of `sms` blocks (the persistent form for
+    256-token tiles), and where no tile fits one wave, the persistent form (the H200 sweep)."""
     if split is not None or not (tma.usable(a.codes) and tma.usable(p.wq)):
-        return "sync", tokens or quik.gemm_tokens(m)
+        return "sync", tokens or quik.gemm_tokens(m), split, None
     if tokens is not None:
-        return ("wsp" if tokens == 256 else "ws"), tokens
-    if m < WS_MIN_TOKENS:
-        return "sync", quik.gemm_tokens(m)
+        return ("wsp" if tokens == 256 else "ws"), tokens, None, None
+    if m <= GEMV_MAX_TOKENS:
+        return "sync", quik.gemm_tokens(m), None, None
     rows = (n + ROWS - 1) // ROWS
+    if m <= WS_RULE_MAX_TOKENS:
+        if m <= 64 or 2 * rows * ((m + 127) // 128) < sms:
+            tiles = rows * ((m + 63) // 64)
+            kt = p.kp // KP_MULTIPLE
+            return "ws", 64, max(1, min(sms // tiles, kt // WS_SPLIT_MIN_STAGES, WS_SPLIT_MAX)), 0
+        tn = min((t for t in WSP_STAGE_COST if t <= max(m, 128)),
+                 key=lambda t: (-(-rows * ((m + t - 1) // t) // sms) * WSP_STAGE_COST[t], t))
+        return "wsp", tn, None, None
     fits = [tn for tn in (64, 128, 256) if rows * ((m + tn - 1) // tn) <= sms]
     if not fits:
-        return "wsp", 256
+        return "wsp", 256, None, None
     tn = min(fits, key=lambda t: (-(rows * ((m + t - 1) // t)), t))
-    return ("wsp" if tn == 256 else "ws"), tn
+    return ("wsp" if tn == 256 else "ws"), tn, None, None
 
 
 def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
          tokens: int | None = None, split: int | None = None, kernel: str | None = None,
-         blocks: int | None = None) -> torch.Tensor:
+         blocks: int | None = None, whole: int | None = None) -> torch.Tensor:
     """fp16 [M, N] = the layout's y from quantized activations; `raw`: the exact int32 products acc [M, N] instead.
-    `tokens` (tile: 64, 128, 256), `split` (blocks per tile along K of `sync`, fp16 output at tiles of at most 128
-    tokens) and `kernel` (sync, ws, wsp) override the dispatch (tests, bench); `blocks` caps the persistent
+    `tokens` (tile: 64, 128, 256), `split` (blocks per tile along K: of `sync`, fp16 output at tiles of at most
+    128 tokens; of `ws`, any output, up to WS_SPLIT_MAX), `whole` (`ws` with a split: the first `whole` tiles are
+    not split) and `kernel` (sync, ws, wsp) override the dispatch (tests, bench); `blocks` caps the persistent
     kernel's grid (tests: several tiles per block on small problems)."""
     m = a.codes.shape[0]
     n = p.out_features
@@ -286,19 +306,23 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
         raise ValueError(f"tokens: found {tokens}, expected one of {sorted(quik.GEMM_TILES)}")
     idx = cc.device_index(dev)
     if kernel is None:
-        kernel, tn = gemm_kernel(m, n, a, p, tokens, split, cc.sm_count(idx))
+        kernel, tn, pick, pick_whole = gemm_kernel(m, n, a, p, tokens, split, cc.sm_count(idx))
+        split = split if split is not None else pick
+        whole = whole if whole is not None else pick_whole
     else:
         tn = tokens or (quik.gemm_tokens(m) if kernel == "sync" else 256 if kernel == "wsp" else 128)
     if kernel not in ("sync", "ws", "wsp"):
         raise ValueError(f"kernel: found {kernel!r}, expected one of sync, ws, wsp (gemv takes float16 rows: gemv())")
     kt = p.kp // KP_MULTIPLE
     if kernel in ("ws", "wsp"):
-        if split not in (None, 1):
-            raise ValueError(f"split: found {split} for kernel {kernel}, which does not split K (only sync does)")
+        if kernel == "wsp" and split not in (None, 1):
+            raise ValueError(f"split: found {split} for kernel wsp, which does not split K (sync and ws do)")
+        if split is not None and not 1 <= split <= WS_SPLIT_MAX:
+            raise ValueError(f"split: found {split}, expected 1..{WS_SPLIT_MAX} blocks per tile")
         if (kernel, tn) not in WS_RINGS:
             raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of "
                              f"{sorted(t for k, t in WS_RINGS if k == kernel)}")
-        return _gemm_ws(a, p, out, raw, kernel, tn, kt, idx, blocks)
+        return _gemm_ws(a, p, out, raw, kernel, tn, kt, idx, blocks, split or 1, whole)
     stages = quik.GEMM_TILES[tn]
     fn = _module(dev).fn(f"qoq_gemm_{scheme(p)}_n{tn}_s{stages}")
     smem = stages * (tn * 128 + ROWS * 128) + 1024
@@ -340,7 +364,7 @@ def ws_stage_bytes(tn: int, group_size: int | None) -> int:
 
 
 def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, kernel: str, tn: int, kt: int,
-             idx: int, blocks: int | None) -> torch.Tensor:
+             idx: int, blocks: int | None, split: int = 1, whole: int | None = None) -> torch.Tensor:
     m, n = a.codes.shape[0], p.out_features
     stages = WS_RINGS[(kernel, tn)]
     sb = ws_stage_bytes(tn, p.group_size)
@@ -356,11 +380,19 @@ def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, ke
     tmo = kernel == "wsp" and not raw and quik.TMA_STORE and tma.usable(out)
     mo = quik._OUT_MAPS.get(out, 128, 32, 128) if tmo else ma
     cc.allow_shared_memory(fn, smem)
+    ws = cnt = None
+    dp = tiles if split == 1 else min(tiles, whole or 0)  # tiles taken whole, then `split` blocks per tile
+    if dp < tiles:  # int32 shares: split x (tiles - dp) x 128 x tn (kernels/quik_gemm.cu qoq_split_add)
+        bufs = split_k.workspace(idx, split * (tiles - dp) * ROWS * tn, tiles - dp)
+        if bufs is None:  # it would have to grow during CUDA-graph capture
+            split, dp = 1, tiles
+        else:
+            ws, cnt = bufs
     quik._dependent_launch(
-        fn, (tiles,), (384,),
+        fn, (dp + (tiles - dp) * split,), (384,),
         (ma, mw, mo, cc.ptr(p.gstage), cc.i32(m), cc.i32(n), cc.i32(kt), cc.ptr(a.scale), cc.ptr(a.rowsum),
          cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n),
-         cc.i32(int(raw)), cc.i32(int(tmo))),
+         cc.i32(int(raw)), cc.i32(int(tmo)), cc.i32(dp), cc.i32(split), cc.ptr(ws), cc.ptr(cnt)),
         shared_mem=smem, device=idx,
     )
     return out

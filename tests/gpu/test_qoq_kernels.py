@@ -131,7 +131,7 @@ def test_quantize_kernel_equals_reference(k, m, bits):
 SMALL = [(64, 256), (200, 576), (72, 128), (136, 4096)]
 LARGE = [(4096, 4096), (11008, 4096), (4096, 11008)]
 CASES = [(n, k, m) for n, k in SMALL for m in (1, 7, 16, 64, 129, 512, 2048)] + \
-        [(n, k, m) for n, k in LARGE for m in (1, 16, 129, 2048)]
+        [(n, k, m) for n, k in LARGE for m in (1, 16, 64, 129, 512, 2048)]
 
 
 @needs_hopper
@@ -201,7 +201,7 @@ def test_module_forward(bits, group_size, monkeypatch):
         qoq.module_forward(layer, x.float())
 
 
-WS_CASES = [("sync", 64), ("sync", 128), ("ws", 64), ("ws", 128), ("ws", 256), ("wsp", 256)]
+WS_CASES = [("sync", 64), ("sync", 128), ("ws", 64), ("ws", 128), ("ws", 256), ("wsp", 128), ("wsp", 256)]
 
 
 @needs_hopper
@@ -223,6 +223,46 @@ def test_gemm_forms_exact(bits, group_size, kernel, tokens, n, k, m):
     acc_ref = _acc_ref(codes, layer)
     for blocks in (None, 2) if kernel == "wsp" else (None,):
         _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel=kernel, blocks=blocks)
+
+
+WS_SPLITS = [(64, 2, 0), (64, 16, 0), (128, 3, 1), (256, 4, 0), (64, 3, 5)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
+@pytest.mark.parametrize("tokens,split,whole", WS_SPLITS, ids=[f"ws{t}x{s}+{w}" for t, s, w in WS_SPLITS])
+@pytest.mark.parametrize("n,k,m", [(328, 2048, 1), (328, 2048, 300), (200, 576, 33), (136, 128, 70)])
+def test_gemm_ws_split_exact(bits, group_size, tokens, split, whole, n, k, m):
+    """The warp-specialized form with K split over blocks per tile, all tiles or those after the first `whole`
+    (more than the layer has: none split): exact int32 sums and the layout's float16 output on odd shapes, uneven
+    shares (16 stages in 3), more blocks than the layer has stages (K = 128: one stage, so all but one share are
+    empty), twice in a row: the tile counters are back at zero after each."""
+    from qtool.cuda import qoq, split_k
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    a = _quantized(x, p)
+    codes, sx, _ = qoq.quantize_torch(x)
+    acc_ref = _acc_ref(codes, layer)
+    for _ in range(2):
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel="ws", split=split, whole=whole)
+        assert not split_k.counters(torch.cuda.current_device()).any(), "a tile counter was left non-zero"
+
+
+@needs_hopper
+def test_gemm_split_arguments():
+    from qtool.cuda import qoq
+
+    layer = FieldLayer(136, 256, 4, None, False).cuda()
+    p = qoq.prepare(layer)
+    a = _quantized(_x(3, 256), p)
+    with pytest.raises(ValueError, match="split: found 17"):
+        qoq.gemm(a, p, kernel="ws", tokens=64, split=17)
+    with pytest.raises(ValueError, match="kernel wsp"):
+        qoq.gemm(a, p, kernel="wsp", split=2)
 
 
 @needs_hopper
