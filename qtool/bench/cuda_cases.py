@@ -340,8 +340,8 @@ class CudaCases:
         return fns
 
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
-        """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" quantizes
-        the float16 activations and runs the GEMM, "w4a8-gemm" runs the GEMM on codes quantized beforehand."""
+        """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" is the
+        float16 layer call (qoq.linear), "w4a8-gemm" qoq.gemm on codes quantized beforehand (kernels/NOTES.md)."""
         from qtool.cuda import qoq  # noqa: PLC0415
 
         groups = k // group_size if group_size else 1

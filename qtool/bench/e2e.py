@@ -121,8 +121,8 @@ class Block(nn.Module):
         return h, norm(h)
 
     def _codes_for(self, lin: nn.Module, rows: int) -> bool:
-        """Whether `lin` takes its input as INT8 codes from the kernel that produces it (a W4A8 layer at more
-        tokens than its decode GEMV, which quantizes float16 rows itself, takes)."""
+        """Whether `lin` takes its input as INT8 codes from the kernel that produces it (a W4A8 layer at
+        `codes_min_tokens` rows or more)."""
         return FUSED_QUANT and getattr(lin, "takes_codes", False) and rows >= lin.codes_min_tokens
 
     def _norm_linear(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm,

@@ -73,8 +73,9 @@ class Cases(Protocol):
     def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns: ...
 
 
-# The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM, what a model runs), and the
-# GEMM alone on activations quantized beforehand.
+# The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM; at decode sizes the GEMV that
+# quantizes its rows itself), and the kernel alone on activations quantized beforehand (at decode sizes the GEMV on
+# codes, what a model runs where RMSNorm or SwiGLU write the codes).
 W4A8_PATHS = ("w4a8", "w4a8-gemm")
 
 

@@ -69,7 +69,9 @@ class W4A8Linear(nn.Module):
         s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=device, generator=gen) if group_size else None
         self.prepared = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
         self.takes_codes = True
-        self.codes_min_tokens = qoq.GEMV_MAX_TOKENS + 1
+        # from one token: at decode sizes qoq.gemm runs the codes GEMV, which beat the GEMV that quantizes float16
+        # rows itself (kernels/NOTES.md, qoq section)
+        self.codes_min_tokens = 1
         # the packed tensors as buffers, so that weight_bytes counts them
         for name, t in self.prepared.__dict__.items():
             if isinstance(t, torch.Tensor):

@@ -1,7 +1,7 @@
-"""CUDA execution of the `qoq` layout (formats/qoq.md; kernels/quik_gemm.cu, the `qoq_*` entries): per-token
-symmetric INT8 activations with their code sums, then W4A8 on the INT8 tensor cores (`wgmma ... s32.u8.s8`, Hopper)
-with the zero-point correction and the per-token x per-channel scaling in the epilogue; W8A8 through
-`torch._int_mm`.
+"""CUDA execution of the `qoq` layout (formats/qoq.md; kernels/quik_gemm.cu, the `qoq_*` entries, and the decode
+GEMV in kernels/qoq_gemv.cu): per-token symmetric INT8 activations with their code sums, then W4A8 on the INT8
+tensor cores (`wgmma ... s32.u8.s8`, Hopper) or, for 1-4 tokens, dp4a on the CUDA cores, with the zero-point
+correction and the per-token x per-channel scaling in the epilogue; W8A8 through `torch._int_mm`.
 
 The arithmetic is the layout's (formats/qoq.md), so the kernels reproduce the integer products exactly:
   * activations: amax = max|x|, r = 127 / amax, s_x = amax / 127 (float32, IEEE division; amax = 0: both 1),
@@ -30,16 +30,32 @@ GROUP_SIZES = (32, 64, 128)  # progressive group sizes with a GEMM entry (a k-st
 KP_MULTIPLE = quik.KP_MULTIPLE  # activation rows and weight rows padded to whole stages of 128 codes
 ROWS = quik.ROWS
 INT_MM_MIN_ROWS = 32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
-# The 4-bit GEMM's forms (kernels/quik_gemm.cu): `gemv` quantizes its own activation rows and runs a warp per weight
-# row on dp4a (decode, up to GEMV_MAX_TOKENS tokens); `sync` is the block-synchronous cp.async GEMM with split-K
-# for tiles of up to 128 tokens; `ws` / `wsp` are quik's warp-specialized copy-engine GEMMs (a tile per block /
-# persistent), with the ring depths below (the stage: TN x 128 activation bytes, 8 KB of codes and, for
-# progressive groups, the stage's group words). `ws` splits K over up to WS_SPLIT_MAX blocks per tile (int32
-# shares added by the tile's last block), so layers with few tiles still fill the GPU.
+# The 4-bit forms: `gemv` (kernels/qoq_gemv.cu) runs a warp per weight row on dp4a for decode (up to
+# GEMV_MAX_TOKENS tokens), from float16 rows it quantizes itself (gemv) or from the codes the producing kernel wrote
+# (gemv_codes); in kernels/quik_gemm.cu, `sync` is the block-synchronous cp.async GEMM with split-K for tiles of up
+# to 128 tokens and `ws` / `wsp` are quik's warp-specialized copy-engine GEMMs (a tile per block / persistent), with
+# the ring depths below (the stage: TN x 128 activation bytes, 8 KB of codes and, for progressive groups, the
+# stage's group words).
+# `ws` splits K over up to WS_SPLIT_MAX blocks per tile (int32 shares added by the tile's last block), so
+# layers with few tiles still fill the GPU.
 GEMM_KERNELS = ("gemv", "sync", "ws", "wsp")
+GEMV_SOURCE = "qoq_gemv.cu"
 GEMV_TOKENS = (1, 2, 4)  # token slots of the gemv entries
 GEMV_MAX_TOKENS = 4
-GEMV_WARPS = 8  # weight rows per gemv block
+# The GEMV build (kernels/qoq_gemv.cu QG_F* / QG_C*), per form and token slots: (weight rows = warps per block,
+# 16-byte weight chunks in flight per lane, group sums (0: one IMAD per 4 codes; 1: two per 32-code chunk on the
+# chunk's code sum), minimum blocks per multiprocessor). Rows, chunks and group sums from the sweep in
+# kernels/NOTES.md (python -m qtool.bench.qoq_gemv_variants); the minimum blocks keep the registers where the sweep
+# had them (the fused form at 64, two blocks of 16 rows) or cap them (the codes form at one token at 48: 40 rows per
+# multiprocessor in flight instead of 32).
+GEMV_CONFIG = {
+    ("fused", 1): (16, 4, 0, 2), ("fused", 2): (16, 4, 0, 2), ("fused", 4): (16, 4, 0, 1),
+    ("codes", 1): (8, 4, 1, 5), ("codes", 2): (8, 4, 0, 4), ("codes", 4): (8, 8, 0, 1),
+}
+# At 3-4 tokens the GEMV (its 4-token slot) lost to the GEMM on layers larger than 4096 x 4096 (kernels/NOTES.md):
+# there it takes at most 2 tokens.
+GEMV_WIDE_MAX_TOKENS = 2
+GEMV_ALL_TOKENS_MAX_WEIGHTS = 4096 * 4096
 WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 128): 6, ("wsp", 256): 4}
 WS_SPLIT_MAX = 16
 # A split tile's shares have at least this many stages: a share ends in a round trip through L2 (its int32 sums,
@@ -289,10 +305,11 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
          tokens: int | None = None, split: int | None = None, kernel: str | None = None,
          blocks: int | None = None, whole: int | None = None) -> torch.Tensor:
     """fp16 [M, N] = the layout's y from quantized activations; `raw`: the exact int32 products acc [M, N] instead.
-    `tokens` (tile: 64, 128, 256), `split` (blocks per tile along K: of `sync`, fp16 output at tiles of at most
-    128 tokens; of `ws`, any output, up to WS_SPLIT_MAX), `whole` (`ws` with a split: the first `whole` tiles are
-    not split) and `kernel` (sync, ws, wsp) override the dispatch (tests, bench); `blocks` caps the persistent
-    kernel's grid (tests: several tiles per block on small problems)."""
+    Up to gemv_tokens(p) tokens the codes GEMV runs (gemv_codes). `tokens` (tile: 64, 128, 256), `split` (blocks
+    per tile along K: of `sync`, fp16 output at tiles of at most 128 tokens; of `ws`, any output, up to
+    WS_SPLIT_MAX), `whole` (`ws` with a split: the first `whole` tiles are not split) and `kernel` (gemv, sync, ws,
+    wsp) override the dispatch (tests, bench); `blocks` caps the persistent kernel's grid (tests: several tiles per
+    block on small problems)."""
     m = a.codes.shape[0]
     n = p.out_features
     dev = a.codes.device
@@ -302,6 +319,9 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
         return out
     if p.bits == 8:
         return _gemm_w8(a, p, out, raw)
+    if kernel == "gemv" or (kernel is None and tokens is None and split is None and m <= gemv_tokens(p)
+                            and gemv_codes_reason(a, p) is None):
+        return gemv_codes(a, p, out, raw=raw)
     if tokens is not None and tokens not in quik.GEMM_TILES:
         raise ValueError(f"tokens: found {tokens}, expected one of {sorted(quik.GEMM_TILES)}")
     idx = cc.device_index(dev)
@@ -312,7 +332,7 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
     else:
         tn = tokens or (quik.gemm_tokens(m) if kernel == "sync" else 256 if kernel == "wsp" else 128)
     if kernel not in ("sync", "ws", "wsp"):
-        raise ValueError(f"kernel: found {kernel!r}, expected one of sync, ws, wsp (gemv takes float16 rows: gemv())")
+        raise ValueError(f"kernel: found {kernel!r}, expected one of gemv, sync, ws, wsp")
     kt = p.kp // KP_MULTIPLE
     if kernel in ("ws", "wsp"):
         if kernel == "wsp" and split not in (None, 1):
@@ -398,6 +418,12 @@ def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, ke
     return out
 
 
+def gemv_tokens(p: QoQPrepared) -> int:
+    """The most tokens for which the dispatch (linear, gemm) picks the GEMV on this layer."""
+    small = p.in_features * p.out_features <= GEMV_ALL_TOKENS_MAX_WEIGHTS
+    return GEMV_MAX_TOKENS if small else GEMV_WIDE_MAX_TOKENS
+
+
 def gemv_reason(x2: torch.Tensor, p: QoQPrepared) -> str | None:
     """Why the fused-quantization GEMV cannot take these float16 rows (None when it can)."""
     m, k = x2.shape
@@ -410,32 +436,82 @@ def gemv_reason(x2: torch.Tensor, p: QoQPrepared) -> str | None:
     return None
 
 
-def gemv(x2: torch.Tensor, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False) -> torch.Tensor:
-    """fp16 [M, N] (or `raw` int32 products) from float16 rows x2 [M, K], M <= GEMV_MAX_TOKENS, quantizing them
-    inside the GEMV (the codes, s_x and sums are the quantize kernel's, bit for bit)."""
-    reason = gemv_reason(x2, p)
-    if reason is not None:
-        raise ValueError(f"qoq gemv: {reason}")
-    m = x2.shape[0]
-    n = p.out_features
-    dev = x2.device
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.int32 if raw else torch.float16, device=dev)
-    if m == 0:
-        return out
+def gemv_codes_reason(a: QoQActivations, p: QoQPrepared) -> str | None:
+    """Why the GEMV cannot take these activation codes (None when it can)."""
+    m, kp = a.codes.shape
+    if p.bits != 4:
+        return "8-bit weights (they run torch._int_mm)"
+    if m > GEMV_MAX_TOKENS:
+        return f"{m} tokens (the gemv takes at most {GEMV_MAX_TOKENS})"
+    if kp != p.kp or a.codes.stride(1) != 1 or a.codes.stride(0) % 16 or a.codes.data_ptr() % 16:
+        return "code rows not in whole 16-byte pieces of the layer's padded width"
+    return None
+
+
+def _gemv_module(dev: torch.device, tuning: bool = False) -> cc.KernelModule:
+    opts = tuple(f"-DQG_{form[0].upper()}{mt}_{field}={v}" for (form, mt), cfg in GEMV_CONFIG.items()
+                 for field, v in zip(("W", "U", "GS", "B"), cfg, strict=True))
+    return cc.load_module(GEMV_SOURCE, extra_options=opts + (("-DQOQ_GEMV_TUNING=1",) if tuning else ()),
+                          device=cc.device_index(dev))
+
+
+def _gemv_launch(form: str, x2: torch.Tensor | None, a: QoQActivations | None, p: QoQPrepared, out: torch.Tensor,
+                 raw: bool, variant: tuple[str, int] | None) -> torch.Tensor:
+    m = (x2 if x2 is not None else a.codes).shape[0]
+    dev = out.device
     mt = next(t for t in GEMV_TOKENS if m <= t)
-    fn = _module(dev).fn(f"qoq_gemv_{scheme(p)}_m{mt}")
-    smem = mt * p.kp
+    if variant is None:
+        fn = _gemv_module(dev).fn(f"qoq_gemv_{'codes_' if form == 'codes' else ''}{scheme(p)}_m{mt}")
+        warps, _, sums, _ = GEMV_CONFIG[(form, mt)]
+    else:  # a measurement build's entry and its warps per block (qtool/bench/qoq_gemv_variants.py)
+        fn = _gemv_module(dev, tuning=True).fn(variant[0])
+        warps, sums = variant[1], int(variant[0].endswith("gs1"))
+    # code rows of kp rounded up to 1024 bytes (kernels/qoq_gemv.cu qg_at), then the chunk sums
+    smem = mt * _round_up(p.kp, 1024) + (mt * p.kp // 8 if sums and p.group_size is not None else 0)
     cc.allow_shared_memory(fn, smem)
     gw = p.gwords
+    n = p.out_features
+    act = (cc.ptr(None), cc.i32(0), cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(a.scale), cc.ptr(a.rowsum)) \
+        if x2 is None else (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(None), cc.i32(0), cc.ptr(None), cc.ptr(None))
     quik._dependent_launch(
-        fn, ((n + GEMV_WARPS - 1) // GEMV_WARPS,), (32 * GEMV_WARPS,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(p.in_features), cc.i32(p.kp), cc.ptr(p.wq),
-         cc.i32(p.wq.stride(0)), cc.ptr(gw), cc.i32(0 if gw is None else gw.stride(0)), cc.i32(n), cc.ptr(p.scales),
-         cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n), cc.i32(int(raw))),
+        fn, ((n + warps - 1) // warps,), (32 * warps,),
+        act + (cc.i32(m), cc.i32(p.in_features), cc.i32(p.kp), cc.ptr(p.wq), cc.i32(p.wq.stride(0)), cc.ptr(gw),
+               cc.i32(0 if gw is None else gw.stride(0)), cc.i32(n), cc.ptr(p.scales), cc.ptr(p.zeros),
+               cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n), cc.i32(int(raw))),
         shared_mem=smem, device=cc.device_index(dev),
     )
     return out
+
+
+def gemv(x2: torch.Tensor, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
+         variant: tuple[str, int] | None = None) -> torch.Tensor:
+    """fp16 [M, N] (or `raw` int32 products) from float16 rows x2 [M, K], M <= GEMV_MAX_TOKENS, quantizing them
+    inside the GEMV (the codes, s_x and sums are the quantize kernel's, bit for bit). `variant`: (entry, warps) of
+    the measurement build instead of the dispatched entry."""
+    reason = gemv_reason(x2, p)
+    if reason is not None:
+        raise ValueError(f"qoq gemv: {reason}")
+    m, n = x2.shape[0], p.out_features
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.int32 if raw else torch.float16, device=x2.device)
+    if m == 0:
+        return out
+    return _gemv_launch("fused", x2, None, p, out, raw, variant)
+
+
+def gemv_codes(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
+               variant: tuple[str, int] | None = None) -> torch.Tensor:
+    """fp16 [M, N] (or `raw` int32 products) from activation codes, s_x and sums made beforehand (by the kernel that
+    produced the rows, or the quantize kernel), M <= GEMV_MAX_TOKENS: what gemm() runs at decode sizes."""
+    reason = gemv_codes_reason(a, p)
+    if reason is not None:
+        raise ValueError(f"qoq gemv: {reason}")
+    m, n = a.codes.shape[0], p.out_features
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.int32 if raw else torch.float16, device=a.codes.device)
+    if m == 0:
+        return out
+    return _gemv_launch("codes", None, a, p, out, raw, variant)
 
 
 def epilogue_torch(acc: torch.Tensor, scale: torch.Tensor, p: QoQPrepared) -> torch.Tensor:
@@ -464,7 +540,7 @@ def linear(x: torch.Tensor, p: QoQPrepared, bias: torch.Tensor | None = None) ->
         p = QoQPrepared(**{**p.__dict__, "bias": bias.detach().to(device=x.device, dtype=torch.float16).contiguous()})
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if gemv_reason(x2, p) is None:
+    if x2.shape[0] <= gemv_tokens(p) and gemv_reason(x2, p) is None:
         y = gemv(x2, p)
     else:
         y = gemm(quantize_activations(x2, p), p)

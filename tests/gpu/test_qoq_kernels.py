@@ -292,6 +292,67 @@ def test_gemv_fused_quantization_exact(bits, group_size, n, k, m):
         _check_y(y, acc_ref, sx, layer)
 
 
+def _torch_codes(x: torch.Tensor, p, pad: int = 0):
+    """QoQActivations from the layout's torch arithmetic (codes at the layer's positions, zero padding), in rows of
+    p.kp + pad bytes (pad > 0: a row stride longer than the row)."""
+    from qtool.cuda import qoq
+
+    q, sx, rs = qoq.quantize_torch(x)
+    buf = torch.zeros(x.shape[0], p.kp + pad, dtype=torch.int8, device="cuda")
+    buf[:, p.dest.long()] = q
+    return qoq.QoQActivations(codes=buf[:, : p.kp], scale=sx, rowsum=rs), q
+
+
+@needs_hopper
+@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
+@pytest.mark.parametrize("n,k", [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008, 4096),
+                                 (4096, 11008)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_codes_exact(bits, group_size, n, k, m):
+    """The decode GEMV on codes made beforehand (what gemm() dispatches at decode sizes): int32 products and float16
+    outputs equal to the layout's arithmetic, on contiguous code rows and rows with a longer stride; gemm() gives
+    the same float16 output whichever form it picks."""
+    from qtool.cuda import qoq
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=m % 2 == 0).cuda()
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    for pad in (0, 48):
+        a, codes = _torch_codes(x, p, pad)
+        assert qoq.gemv_codes_reason(a, p) is None
+        acc_ref = _acc_ref(codes, layer)
+        raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
+        synced(qoq.gemv_codes(a, p, out=raw, raw=True))
+        assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(qoq.gemv_codes(a, p, out=y))
+        _check_y(y, acc_ref, a.scale, layer)
+        y2 = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(qoq.gemm(a, p, out=y2))
+        assert torch.equal(y2, y)
+
+
+@needs_hopper
+def test_gemv_codes_declines_what_it_cannot_take():
+    """Code rows whose stride is not a whole number of 16-byte pieces are refused (no launch); more than 4 tokens
+    go to the GEMM."""
+    from qtool.cuda import qoq
+
+    layer = FieldLayer(64, 256, 4, 128, bias=True).cuda()
+    p = qoq.prepare(layer)
+    a, _ = _torch_codes(_x(2, 256), p, pad=8)
+    assert "16-byte" in qoq.gemv_codes_reason(a, p)
+    with pytest.raises(ValueError, match="qoq gemv"):
+        qoq.gemv_codes(a, p)
+    a5, codes = _torch_codes(_x(5, 256), p)
+    assert "tokens" in qoq.gemv_codes_reason(a5, p)
+    raw = torch.full((5, 64), POISON, dtype=torch.int32, device="cuda")
+    synced(qoq.gemm(a5, p, out=raw, raw=True))  # the block-synchronous GEMM
+    assert torch.equal(raw, _acc_ref(codes, layer))
+
+
 @needs_hopper
 def test_gemv_declines_what_it_cannot_take():
     from qtool.cuda import qoq

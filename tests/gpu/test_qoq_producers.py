@@ -92,9 +92,11 @@ def test_producers_refuse_a_layer_of_another_width():
         swiglu_codes(torch.zeros(2, 1024, dtype=torch.float16, device="cuda"), p)
 
 
-def test_bench_decoder_same_tokens_with_codes_from_the_producers(monkeypatch):
+@pytest.mark.parametrize("batch", [8, 2])
+def test_bench_decoder_same_tokens_with_codes_from_the_producers(monkeypatch, batch):
     """The W4A8KV4 decoder gives the same tokens whether its projections' codes come from the normalization and
-    SwiGLU kernels or from the quantize kernel (prefill of 3 x 20 tokens and decode steps of 8 rows take them)."""
+    SwiGLU kernels or are quantized from float16 rows (prefill of batch x 20 tokens, then decode steps of `batch`
+    rows: 8 run the GEMM, 2 the decode GEMV on the producers' codes against the GEMV that quantizes itself)."""
     from qtool.bench import e2e
     from qtool.bench.throughput import _caches, make_linear
 
@@ -103,12 +105,12 @@ def test_bench_decoder_same_tokens_with_codes_from_the_producers(monkeypatch):
     gen = torch.Generator(device=dev).manual_seed(5)
     model = e2e.Decoder(d, make_linear("w4a8kv4", dev, None, gen), dev).eval()
     tables = model.rope_tables(40, dev)
-    ids = torch.randint(0, d.vocab, (8, 20), device=dev, generator=gen)
+    ids = torch.randint(0, d.vocab, (batch, 20), device=dev, generator=gen)
     out = {}
     with torch.inference_mode():
         for fused in (True, False):
             monkeypatch.setattr(e2e, "FUSED_QUANT", fused)
-            cache = _caches("w4a8kv4", model, 8, 32, dev)
+            cache = _caches("w4a8kv4", model, batch, 32, dev)
             tok = model(ids, torch.arange(20, device=dev), cache, tables, decode=False)
             toks = [tok]
             for p in range(20, 24):
