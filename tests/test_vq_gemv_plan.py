@@ -34,16 +34,17 @@ def test_tiers_keep_the_occupancy_of_the_gc_build():
     assert vq.cache_tiers(4, 256, 0, 32, 233472 // 8 - 1024, H100)[:2] == (0, 0)
 
 
-def test_mma_tiers_fill_the_shared_slack_single_copies_first():
+def test_mma_tiers_replicate_whole_codebooks_only():
     # 78 registers (80 allocated): 3 blocks; 233472/3 - 1024 reserved - 1024 staged = 75776 bytes: GPTVQ-2's 2 KiB
-    # codebook whole, then 73728 / (15 more copies x 8 bytes) = 614 replicas, so all 256 entries.
+    # codebook whole, and its 16 copies (32 KiB) fit too: every entry replicated.
     n_rep, n_shared, why = vq.cache_tiers_mma(4, 256, 78, 1024, H100)
     assert (n_rep, n_shared) == (256, 256) and why["blocks_per_sm"] == 3 and why["smem_slack"] == 75776
-    assert vq.cache_tiers_mma(4, 256, 78, 1024, H100, max_rep=64)[:2] == (64, 256)
-    # AQLM-3, 128 registers: 2 blocks, 107520 bytes: 4096 single copies (64 KiB), 41984 / 240 = 174 -> 128 replicas.
-    assert vq.cache_tiers_mma(8, 4096, 128, 8192, H100)[:2] == (128, 4096)
-    # 64 registers: 4 blocks, 49152 bytes: 2048 single copies (a power of two), 16384 / 240 -> 64 replicas.
-    assert vq.cache_tiers_mma(8, 4096, 64, 8192, H100)[:2] == (64, 2048)
+    # 16 copies do not fit beside the single copy: no replicas (never a part of the codebook).
+    assert vq.cache_tiers_mma(4, 256, 78, 233472 // 3 - 1024 - 16000, H100)[:2] == (0, 256)
+    # AQLM-3, 128 registers: 2 blocks, 107520 bytes: 4096 single copies (64 KiB), far from 16 copies (1 MiB).
+    assert vq.cache_tiers_mma(8, 4096, 128, 8192, H100)[:2] == (0, 4096)
+    # 64 registers: 4 blocks, 49152 bytes: 2048 single copies (a power of two).
+    assert vq.cache_tiers_mma(8, 4096, 64, 8192, H100)[:2] == (0, 2048)
     # Nothing left: all-global.
     assert vq.cache_tiers_mma(4, 256, 32, 233472 // 8 - 1024, H100)[:2] == (0, 0)
 

@@ -127,22 +127,20 @@ def cache_tiers(vector_size: int, entries: int, hot: int, num_regs: int, smem: i
 
 
 def cache_tiers_mma(vector_size: int, entries: int, num_regs: int, smem: int, lim: DeviceLimits,
-                    max_rep: int | None = None, threads: int = THREADS) -> tuple[int, int, dict]:
+                    threads: int = THREADS) -> tuple[int, int, dict]:
     """(n_rep, n_shared, why) of the mma form's tiered cache from its GC build's measured registers per thread and
     shared memory per block: at the occupancy that build reaches, the shared memory left holds single copies of
     entries [0, n_shared) first (the whole codebook where it fits, else the largest power of two of at least 32),
-    then what remains turns the hottest entries [0, n_rep) into 16-copy replicas (15 more copies each: a power of
-    two of at least 32, at most `max_rep`)."""
+    then, where what remains holds the whole codebook's 15 more copies each, every entry is replicated (n_rep =
+    E). Never a part of it: on an H100 a partial replica tier lost to plain shared memory (GPTVQ-2 with 64 of 256
+    entries replicated, AQLM-3 with 128 of 4096: a lane then picks its tier per lookup, and the lookups that stay
+    in the single copy still conflict), while the whole GPTVQ-2 codebook replicated was 16-17% faster (formats/vq.md)."""
     blocks = max(1, blocks_per_sm(num_regs, smem, lim, threads))
     slack = max(0, min(lim.smem_per_sm // blocks - RESERVED_SMEM, lim.smem_per_block) - smem)
     eb = 2 * vector_size
-
-    def pow2(n: int) -> int:
-        return 1 << (n.bit_length() - 1) if n >= 32 else 0
-
-    n_shared = entries if entries * eb <= slack else pow2(slack // eb)
-    n_rep = min(n_shared, pow2((slack - n_shared * eb) // ((REPLICAS - 1) * eb)), max_rep or entries)
-    n_rep = pow2(n_rep)
+    fit = slack // eb
+    n_shared = entries if entries <= fit else (1 << (fit.bit_length() - 1) if fit >= 32 else 0)
+    n_rep = entries if n_shared == entries and entries * REPLICAS * eb <= slack else 0
     why = {"gc_regs": num_regs, "gc_smem": smem, "blocks_per_sm": blocks, "smem_slack": slack}
     return n_rep, n_shared, why
 
