@@ -4,12 +4,15 @@
 // residual r) and streams the indices of a range of rows through it.
 //
 // One template, instantiated per VQ configuration by qtool/cuda/vq.py through -D options (one module per
-// configuration and cache, the token slots MT = 1, 2, 4, 8, 16 inside it):
-//   VQ_D     vector size d (2, 4 or 8: an entry is one 32-, 64- or 128-bit load)
-//   VQ_B     index bits b (8, 12 or 16)
-//   VQ_NREG  entries [0, NREG) held in registers, one entry per lane per 32 (read with __shfl_sync)
-//   VQ_NSH   entries [NREG, NSH) in shared memory; entries [NSH, 2^b) are read from global memory (L1/L2)
-// GC (the paper's all-global baseline) is NREG = NSH = 0; SC (whole codebook in shared) NREG = 0, NSH = 2^b.
+// configuration, form and cache, the token slots MT = 1, 2, 4, 8, 16 inside it). Two forms: the tensor-core form
+// (`vq_gemv_mma_m*`, built with VQ_NREP, dispatched; described at its code below) and the CUDA-core form
+// (`vq_gemv_m*`, built without it, described here):
+//   VQ_D     vector size d (2, 4 or 8: an entry is one 32-, 64- or 128-bit load; the mma form takes 4 or 8)
+//   VQ_B     index bits b (8, 12 or 16; the mma form takes 8 or 12)
+//   VQ_NREG  CUDA-core form: entries [0, NREG) held in registers, one entry per lane per 32 (read with __shfl_sync)
+//   VQ_NREP  mma form: entries [0, NREP) replicated 16 times in shared memory (bank-private copies)
+//   VQ_NSH   entries [hot tier, NSH) in shared memory; entries [NSH, 2^b) are read from global memory (L1/L2)
+// GC (the paper's all-global baseline) is hot tier = NSH = 0; SC (whole codebook in shared) 0 and NSH = 2^b.
 //
 // Grid: x = row block (never crossing a row tile), y = split s = r · splits_k + ks: residual r and the ks-th range
 // of split_vecs vectors (one column tile for tiled scopes). With more than one split the partial sums go to a
