@@ -20,16 +20,6 @@
 
 #include "ptx_common.cuh"
 
-// Weights are read once: keep them out of L1 so the activations and the small metadata stay there. Volatile, so
-// the loads stay ahead of the arithmetic where they are written.
-__device__ __forceinline__ uint4 ld_stream(const u32* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ u32 ld_meta(const u32* p) {
     u32 r;
     asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -53,19 +43,6 @@ __device__ __forceinline__ u32 shr64(u32 lo, u32 hi, u32 s) {
     u32 r;
     asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(s));
     return r;
-}
-
-__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
-// The two halves of a chain added in fp16 (one more rounding of the group's partial sum), widened once.
-__device__ __forceinline__ float h2sum(u32 h) {
-    u16 r;
-    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; add.rn.f16 %0, lo, hi;}" : "=h"(r) : "r"(h));
-    return h2f(r);
 }
 
 __device__ __forceinline__ u32 pick(const uint4& v, int p) {

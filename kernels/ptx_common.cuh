@@ -33,6 +33,29 @@ __device__ __forceinline__ u32 f16x2_mul(u32 a, u32 b) {
     return r;
 }
 
+__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// The two halves of a chain added in fp16 (one more rounding of the chain's sum), widened once.
+__device__ __forceinline__ float h2sum(u32 h) {
+    u16 r;
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; add.rn.f16 %0, lo, hi;}" : "=h"(r) : "r"(h));
+    return h2f(r);
+}
+
+// Weights and indices are read once: keep them out of L1 so the activations and small tables stay there. Volatile,
+// so the loads stay ahead of the arithmetic where they are written.
+__device__ __forceinline__ uint4 ld_stream(const u32* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // Programmatic dependent launch (sm_90; qtool/cuda/dependent_launch.py). A kernel launched with the
 // programmatic-serialization attribute may start before the kernel ahead of it in the stream has finished:
 // grid_dependency_wait() returns once that kernel has completed and its writes are visible (at once for an

@@ -4,12 +4,15 @@
 // residual r) and streams the indices of a range of rows through it.
 //
 // One template, instantiated per VQ configuration by qtool/cuda/vq.py through -D options (one module per
-// configuration and cache, the token slots MT = 1, 2, 4, 8, 16 inside it):
-//   VQ_D     vector size d (2, 4 or 8: an entry is one 32-, 64- or 128-bit load)
-//   VQ_B     index bits b (8, 12 or 16)
-//   VQ_NREG  entries [0, NREG) held in registers, one entry per lane per 32 (read with __shfl_sync)
-//   VQ_NSH   entries [NREG, NSH) in shared memory; entries [NSH, 2^b) are read from global memory (L1/L2)
-// GC (the paper's all-global baseline) is NREG = NSH = 0; SC (whole codebook in shared) NREG = 0, NSH = 2^b.
+// configuration, form and cache, the token slots MT = 1, 2, 4, 8, 16 inside it). Two forms: the tensor-core form
+// (`vq_gemv_mma_m*`, built with VQ_NREP, dispatched; described at its code below) and the CUDA-core form
+// (`vq_gemv_m*`, built without it, described here):
+//   VQ_D     vector size d (2, 4 or 8: an entry is one 32-, 64- or 128-bit load; the mma form takes 4 or 8)
+//   VQ_B     index bits b (8, 12 or 16; the mma form takes 8 or 12)
+//   VQ_NREG  CUDA-core form: entries [0, NREG) held in registers, one entry per lane per 32 (read with __shfl_sync)
+//   VQ_NREP  mma form: entries [0, NREP) replicated 16 times in shared memory (bank-private copies)
+//   VQ_NSH   entries [hot tier, NSH) in shared memory; entries [NSH, 2^b) are read from global memory (L1/L2)
+// GC (the paper's all-global baseline) is hot tier = NSH = 0; SC (whole codebook in shared) 0 and NSH = 2^b.
 //
 // Grid: x = row block (never crossing a row tile), y = split s = r · splits_k + ks: residual r and the ks-th range
 // of split_vecs vectors (one column tile for tiled scopes). With more than one split the partial sums go to a
@@ -32,15 +35,7 @@
 constexpr int THREADS = 256;
 constexpr u32 FULL = 0xffffffffu;
 
-// Indices are read once: keep them out of L1 so the activations and codebook stay there.
-__device__ __forceinline__ uint4 ld_stream(const u32* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
+// Indices are read once (ld_stream, ptx_common.cuh): kept out of L1 so the activations and codebook stay there.
 __device__ __forceinline__ u32 ld_stream32(const u32* p) {
     u32 r;
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -74,18 +69,6 @@ __device__ __forceinline__ void lds_vec(const u32* p, u32 (&e)[D / 2]) {
         e[2] = t.z;
         e[3] = t.w;
     }
-}
-
-__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
-__device__ __forceinline__ float h2sum(u32 h) {
-    u16 r;
-    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; add.rn.f16 %0, lo, hi;}" : "=h"(r) : "r"(h));
-    return h2f(r);
 }
 
 // Index j of a chunk's words (LSB-first stream; a 12-bit index may straddle two words: one funnel shift). Called
@@ -169,6 +152,52 @@ __device__ __forceinline__ void load_words(const u32* __restrict__ idx, int W, i
             for (int k = 0; k < NW; ++k) wd[q][k] = ok && w0 + k < W ? ld_stream32(p + k) : 0u;
         }
     }
+}
+
+// With S > 1 splits: once every block of this row block has written its partials, the last one adds the S partials
+// of its rows: g adjacent lanes share an output (each takes every g-th split, up to 16 loads in flight), then a
+// shuffle tree adds their sums. The order is fixed: the result is the same on every run.
+__device__ __forceinline__ void finish_splits(const u16* __restrict__ bias, u16* __restrict__ out,
+                                              const float* __restrict__ ws, int* __restrict__ counters, int M, int N,
+                                              int row0, int nrows, int S) {
+    if (!split_k_last(counters, blockIdx.x, S)) return;
+    const int t = threadIdx.x;
+    const int items = M * nrows;
+    int g = 1;
+    while (g < 32 && g * 2 * items <= THREADS) g <<= 1;
+    const int per = THREADS / g, sub = t % g;
+    for (int base = 0; base < items; base += per) {
+        const int i = base + t / g;
+        const bool ok = i < items;
+        const int m = ok ? i / nrows : 0, row = row0 + (ok ? i % nrows : 0);
+        const float* src = ws + (size_t)m * N + row;
+        const size_t stride = (size_t)M * N;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        int q = sub;
+        for (; ok && q + 15 * g < S; q += 16 * g) {  // 16 loads in flight
+            float v[16];
+#pragma unroll
+            for (int u = 0; u < 16; ++u) v[u] = __ldcg(src + (size_t)(q + u * g) * stride);
+#pragma unroll
+            for (int u = 0; u < 16; u += 4) {
+                a0 += v[u];
+                a1 += v[u + 1];
+                a2 += v[u + 2];
+                a3 += v[u + 3];
+            }
+        }
+        for (; ok && q + 3 * g < S; q += 4 * g) {
+            a0 += __ldcg(src + (size_t)q * stride);
+            a1 += __ldcg(src + (size_t)(q + g) * stride);
+            a2 += __ldcg(src + (size_t)(q + 2 * g) * stride);
+            a3 += __ldcg(src + (size_t)(q + 3 * g) * stride);
+        }
+        for (; ok && q < S; q += g) a0 += __ldcg(src + (size_t)q * stride);
+        float sum = (a0 + a1) + (a2 + a3);
+        for (int o = g >> 1; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+        if (ok && sub == 0) out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+    }
+    if (t == 0) counters[blockIdx.x] = 0;
 }
 
 template <int D, int B, int MT, int NREG, int NSH>
@@ -304,48 +333,239 @@ __device__ __forceinline__ void vq_gemv(const u32* __restrict__ indices, const u
             }
         }
     }
-    if (S == 1) return;
-    if (!split_k_last(counters, blockIdx.x, S)) return;
-    // The last block adds the S partials of its rows: g adjacent lanes share an output (each takes every g-th split,
-    // up to 16 loads in flight), then a shuffle tree adds their sums. The order is fixed: the result is the same
-    // on every run.
-    const int items = M * nrows;
-    int g = 1;
-    while (g < 32 && g * 2 * items <= THREADS) g <<= 1;
-    const int per = THREADS / g, sub = t % g;
-    for (int base = 0; base < items; base += per) {
-        const int i = base + t / g;
-        const bool ok = i < items;
-        const int m = ok ? i / nrows : 0, row = row0 + (ok ? i % nrows : 0);
-        const float* src = ws + (size_t)m * N + row;
-        const size_t stride = (size_t)M * N;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-        int q = sub;
-        for (; ok && q + 15 * g < S; q += 16 * g) {  // 16 loads in flight
-            float v[16];
+    if (S > 1) finish_splits(bias, out, ws, counters, M, N, row0, nrows, S);
+}
+
+// ---- Tensor-core form (`mma` entries) -------------------------------------------------------------------------
+// The same grid, splits and reduction; inside a block every looked-up entry goes straight into the A operand of
+// mma.sync m16n8k16 (weight rows as M, tokens as N, fp32 accumulation), so a code costs its extraction, one address
+// and one 8-byte shared load: no per-code multiply, horizontal add or widening. The reduction order inside a k16
+// step is free, so its 16 columns are not 16 adjacent ones: lane (g, t) of a warp holds A columns {2t, 2t+1, 2t+8,
+// 2t+9} of rows g and g + 8, and those four columns are made one 4-element half-entry (d = 4: a whole entry, d = 8:
+// half hh = t % 2 of one). Lane group p = t / (d/4) walks S consecutive vectors of a 64-vector chunk, one per step,
+// so a lane's codes are S·b/32 consecutive index words (one or three 16-byte loads) and every code's bit position is
+// a compile-time constant. The activations are staged in the same permuted order, one 8-byte B half per lane and
+// step, a warp's 32 lanes on 32 consecutive 8-byte slots (no bank conflict).
+//
+// Codebook tiers: entries [0, NREP) are replicated 16 times in shared memory, copy c of each 4-element half in bank
+// pair c, and lane l reads copy l % 16, so the 16 lanes of a half-warp never share a bank whatever they look up (a
+// random 8-byte lookup otherwise costs ~3 times the conflict-free shared-memory cycles); [NREP, NSH) are single
+// copies in shared memory; [NSH, 2^b) are read from global memory (L1/L2).
+//
+// A warp holds RG = 2 row groups (32 rows) and takes chunks kw, kw + WK, ... of the block's range (WK = 1, 2, 4 or 8
+// warps along K: fewer rows per block where a range has several chunks); partial sums of the WK warps of a row go
+// through shared memory and are added in warp order.
+
+template <int D, int B>
+struct MmaChunk {
+    static constexpr int VPS = 16 / D;                // vectors per k16 step
+    static constexpr int LPV = D / 4;                 // lanes per vector (4-element halves)
+    static constexpr int S = B == 8 ? 16 : 32;        // steps per chunk: S·b bits are whole 16-byte words
+    static constexpr int NWL = S * B / 32;            // index words a lane holds per row
+    static constexpr int CV = VPS * S;                // vectors per chunk (64)
+};
+
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint2 ldg64(const u16* p) {
+    uint2 r;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// Half hh of entry `id` through the tiers (rep: this lane's copy of half 0 of entry 0; sh: half hh of entry NREP).
+template <int D, int B, int NREP, int NSH>
+__device__ __forceinline__ uint2 lookup_half(u32 id, const uint2* rep, const uint2* sh, const u16* gbook, int hh) {
+    constexpr int E = 1 << B, H4 = D / 4;
+    if constexpr (NSH == 0) {
+        return ldg64(gbook + (size_t)id * D + hh * 4);
+    } else {
+        uint2 e;
+        if (NSH >= E || id < (u32)NSH) {
+            if constexpr (NREP >= E) {
+                e = rep[id * (H4 * 16)];
+            } else if constexpr (NREP > 0) {
+                e = id < (u32)NREP ? rep[id * (H4 * 16)] : sh[(id - NREP) * H4];
+            } else {
+                e = sh[id * H4];
+            }
+        } else {
+            e = ldg64(gbook + (size_t)id * D + hh * 4);
+        }
+        return e;
+    }
+}
+
+template <int D, int B, int MT, int NREP, int NSH>
+__device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, const u16* __restrict__ books,
+                                            const u16* __restrict__ x, const u16* __restrict__ bias,
+                                            u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+                                            int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs,
+                                            int rows_per_block, int rbpt, int split_vecs, int splits_k, int tps,
+                                            int wk) {
+    using Q = MmaChunk<D, B>;
+    constexpr int S = Q::S, NWL = Q::NWL, CV = Q::CV, H4 = D / 4, E = 1 << B;
+    constexpr int RG = 2, NT = MT > 8 ? 2 : 1, GT = MT < 8 ? MT : 8;  // row groups, n-tiles, tokens per n-tile
+    constexpr int NSHARED = NSH > NREP ? NSH - NREP : 0;
+    constexpr int REPB = NREP * H4 * 128, SHB = NSHARED * D * 2;  // bytes (multiples of 16)
+    extern __shared__ uint4 smem_v4[];
+    char* smem = reinterpret_cast<char*>(smem_v4);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, tq = lane & 3;
+    const int p = tq / H4, hh = tq % H4;
+    const int V = K / D;
+    const int rt = blockIdx.x / rbpt;
+    const int row0 = rt * tile_rows + (blockIdx.x % rbpt) * rows_per_block;
+    const int row_end = min(min(row0 + rows_per_block, rt * tile_rows + tile_rows), N);
+    const int nrows = row_end - row0;
+    const int S_ = gridDim.y, s = blockIdx.y, r = s / splits_k, ks = s % splits_k;
+    const u32* idx_r = indices + (size_t)r * N * W;
+    const int kw = warp % wk, rw = warp / wk;
+    const int nchp = (split_vecs + CV - 1) / CV;  // chunks of the full range (the staging's shape)
+    const bool vec_rows = (W & 3) == 0;
+
+    const uint2* rep = reinterpret_cast<const uint2*>(smem) + hh * 16 + (lane & 15);
+    const uint2* sh = reinterpret_cast<const uint2*>(smem + REPB) + hh;
+    uint2* xs = reinterpret_cast<uint2*>(smem + REPB + SHB);
+    float* red = reinterpret_cast<float*>(smem + REPB + SHB);  // after the last range: reuses the staging
+
+    float acc[RG][NT][4];
 #pragma unroll
-            for (int u = 0; u < 16; ++u) v[u] = __ldcg(src + (size_t)(q + u * g) * stride);
+    for (int q = 0; q < RG; ++q)
 #pragma unroll
-            for (int u = 0; u < 16; u += 4) {
-                a0 += v[u];
-                a1 += v[u + 1];
-                a2 += v[u + 2];
-                a3 += v[u + 3];
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[q][j][i] = 0.f;
+
+    // Rows of this lane: row group q, half h (rows g and g + 8).
+    int rows[RG][2];
+#pragma unroll
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) rows[q][h] = row0 + rw * (16 * RG) + q * 16 + g + 8 * h;
+
+    u32 wd[RG][2][NWL];
+    auto load = [&](int v0, int c, int nv) {
+        const int vl = c * CV + p * S;  // the lane group's first vector in the range
+        const int w0 = (v0 + vl) * B / 32;
+#pragma unroll
+        for (int q = 0; q < RG; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const bool ok = rows[q][h] < row_end && vl < nv;
+                const u32* src = idx_r + (size_t)(ok ? rows[q][h] : 0) * W + w0;
+                if (ok && vec_rows && w0 + NWL <= W) {
+#pragma unroll
+                    for (int k = 0; k < NWL / 4; ++k) {
+                        const uint4 v = ld_stream(src + 4 * k);
+                        wd[q][h][4 * k] = v.x;
+                        wd[q][h][4 * k + 1] = v.y;
+                        wd[q][h][4 * k + 2] = v.z;
+                        wd[q][h][4 * k + 3] = v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < NWL; ++k) wd[q][h][k] = ok && w0 + k < W ? ld_stream32(src + k) : 0u;
+                }
+            }
+    };
+
+    for (int tt = 0; tt < tps; ++tt) {  // the codebook switches: column tiles of this split, in order
+        const int v0 = (ks * tps + tt) * split_vecs;
+        if (v0 >= V) break;
+        const int nv = min(V - v0, split_vecs), nch = (nv + CV - 1) / CV;
+        const u16* gbook = books + (((size_t)rt * C + v0 / tile_vecs) * z + r) * (size_t)(E * D);
+        if (kw < nch) load(v0, kw, nv);  // requested before the staging: the latencies overlap
+        if (tt > 0) __syncthreads();      // the previous range's reads of the staged codebook and activations
+        if constexpr (NREP > 0) {
+            // 16-byte stores of two copies: entry half i/8, copies 2(i%8) and 2(i%8)+1.
+            uint4* dst = smem_v4;
+            for (int i = t; i < NREP * H4 * 8; i += THREADS) {
+                const uint2 e = ldg64(gbook + (size_t)(i >> 3) * 4);
+                dst[i] = make_uint4(e.x, e.y, e.x, e.y);
             }
         }
-        for (; ok && q + 3 * g < S; q += 4 * g) {
-            a0 += __ldcg(src + (size_t)q * stride);
-            a1 += __ldcg(src + (size_t)(q + g) * stride);
-            a2 += __ldcg(src + (size_t)(q + 2 * g) * stride);
-            a3 += __ldcg(src + (size_t)(q + 3 * g) * stride);
+        if constexpr (NSHARED > 0) {
+            const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
+            uint4* dst = reinterpret_cast<uint4*>(smem + REPB);
+            for (int i = t; i < NSHARED * D / 8; i += THREADS) dst[i] = src[i];
         }
-        for (; ok && q < S; q += g) a0 += __ldcg(src + (size_t)q * stride);
-        float sum = (a0 + a1) + (a2 + a3);
-        for (int o = g >> 1; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-        if (ok && sub == 0) out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+        // Activations in fragment order: token j·8 + g of lane (g, tl) at step st of chunk c in slot
+        // (((c·S + st)·NT + j)·4 + tl)·GT + g, so a warp's B loads are consecutive 8-byte slots.
+        for (int i = t; i < nchp * S * 4 * MT; i += THREADS) {
+            const int q = i / GT, tl = q % 4, q2 = q / 4, cs = q2 / NT, st = cs % S, c = cs / S;
+            const int m = (q2 % NT) * 8 + i % GT;
+            const int v = c * CV + (tl / H4) * S + st;
+            uint2 e = make_uint2(0u, 0u);
+            if (m < M && v < nv) e = ldg64(x + (size_t)m * K + (size_t)(v0 + v) * D + (tl % H4) * 4);
+            xs[i] = e;
+        }
+        __syncthreads();
+        for (int c = kw; c < nch; c += wk) {
+            if (c != kw) load(v0, c, nv);
+            const uint2* xc = xs + (size_t)c * S * 4 * MT + tq * GT + g;
+#pragma unroll
+            for (int st = 0; st < S; ++st) {
+                uint2 b[NT];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    b[j] = make_uint2(0u, 0u);
+                    if (g < GT) b[j] = xc[(st * NT + j) * 4 * GT];
+                }
+#pragma unroll
+                for (int q = 0; q < RG; ++q) {
+                    const uint2 e0 = lookup_half<D, B, NREP, NSH>(code_at<B>(wd[q][0], st), rep, sh, gbook, hh);
+                    const uint2 e1 = lookup_half<D, B, NREP, NSH>(code_at<B>(wd[q][1], st), rep, sh, gbook, hh);
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) mma16816(acc[q][j], e0.x, e1.x, e0.y, e1.y, b[j].x, b[j].y);
+                }
+            }
+        }
     }
-    if (t == 0) counters[blockIdx.x] = 0;
+    // Row sums: the WK warps of a row leave their partials in shared memory (the staging is free once every warp
+    // is done), added in warp order.
+    const int R = rows_per_block;
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rl = rows[q][h] - row0;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int m = j * 8 + 2 * tq + u;
+                    if (m < MT) red[((size_t)kw * R + rl) * MT + m] = acc[q][j][2 * h + u];
+                }
+        }
+    __syncthreads();
+    for (int i = t; i < M * nrows; i += THREADS) {
+        const int m = i / nrows, rl = i % nrows, row = row0 + rl;
+        float sum = 0.f;
+        for (int k = 0; k < wk; ++k) sum += red[((size_t)k * R + rl) * MT + m];
+        if (S_ == 1) {
+            out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+        } else {
+            ws[((size_t)s * M + m) * N + row] = sum;
+        }
+    }
+    if (S_ > 1) finish_splits(bias, out, ws, counters, M, N, row0, nrows, S_);
 }
+
+#define VQ_MMA_ENTRY(MT)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS) vq_gemv_mma_m##MT(                                     \
+        const u32* indices, const u16* books, const u16* x, const u16* bias, u16* out, float* ws, int* counters,  \
+        int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs, int rows_per_block, int rbpt,    \
+        int split_vecs, int splits_k, int tps, int wk) {                                                         \
+        vq_gemv_mma<VQ_D, VQ_B, MT, VQ_NREP, VQ_NSH>(indices, books, x, bias, out, ws, counters, M, N, K, W, z,  \
+                                                     C, tile_rows, tile_vecs, rows_per_block, rbpt, split_vecs,  \
+                                                     splits_k, tps, wk);                                         \
+    }
 
 #define VQ_ENTRY(MT)                                                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS) vq_gemv_m##MT(                                         \
@@ -360,11 +580,22 @@ __device__ __forceinline__ void vq_gemv(const u32* __restrict__ indices, const u
 #ifdef VQ_D
 static_assert(VQ_D == 2 || VQ_D == 4 || VQ_D == 8, "vector size");
 static_assert(VQ_B == 8 || VQ_B == 12 || VQ_B == 16, "index bits");
+static_assert(VQ_NSH == 0 || (VQ_NSH % 32 == 0 && VQ_NSH <= (1 << VQ_B)), "shared tier");
+#ifdef VQ_NREP  // the tensor-core form
+static_assert((VQ_D == 4 || VQ_D == 8) && (VQ_B == 8 || VQ_B == 12), "mma form: d 4 or 8, 8- or 12-bit indices");
+static_assert(VQ_NREP % 32 == 0 && VQ_NREP <= VQ_NSH, "replicated tier");
+VQ_MMA_ENTRY(1)
+VQ_MMA_ENTRY(2)
+VQ_MMA_ENTRY(4)
+VQ_MMA_ENTRY(8)
+VQ_MMA_ENTRY(16)
+#else
 static_assert(VQ_NREG % 32 == 0 && VQ_NREG <= 64 && VQ_NREG <= (1 << VQ_B), "register tier");
-static_assert(VQ_NSH == 0 || (VQ_NSH >= VQ_NREG && VQ_NSH % 32 == 0 && VQ_NSH <= (1 << VQ_B)), "shared tier");
+static_assert(VQ_NSH == 0 || VQ_NSH >= VQ_NREG, "shared tier");
 VQ_ENTRY(1)
 VQ_ENTRY(2)
 VQ_ENTRY(4)
 VQ_ENTRY(8)
 VQ_ENTRY(16)
+#endif
 #endif

@@ -34,6 +34,21 @@ def test_tiers_keep_the_occupancy_of_the_gc_build():
     assert vq.cache_tiers(4, 256, 0, 32, 233472 // 8 - 1024, H100)[:2] == (0, 0)
 
 
+def test_mma_tiers_replicate_whole_codebooks_only():
+    # 78 registers (80 allocated): 3 blocks; 233472/3 - 1024 reserved - 1024 staged = 75776 bytes: GPTVQ-2's 2 KiB
+    # codebook whole, and its 16 copies (32 KiB) fit too: every entry replicated.
+    n_rep, n_shared, why = vq.cache_tiers_mma(4, 256, 78, 1024, H100)
+    assert (n_rep, n_shared) == (256, 256) and why["blocks_per_sm"] == 3 and why["smem_slack"] == 75776
+    # 16 copies do not fit beside the single copy: no replicas (never a part of the codebook).
+    assert vq.cache_tiers_mma(4, 256, 78, 233472 // 3 - 1024 - 16000, H100)[:2] == (0, 256)
+    # AQLM-3, 128 registers: 2 blocks, 107520 bytes: 4096 single copies (64 KiB), far from 16 copies (1 MiB).
+    assert vq.cache_tiers_mma(8, 4096, 128, 8192, H100)[:2] == (0, 4096)
+    # 64 registers: 4 blocks, 49152 bytes: 2048 single copies (a power of two).
+    assert vq.cache_tiers_mma(8, 4096, 64, 8192, H100)[:2] == (0, 2048)
+    # Nothing left: all-global.
+    assert vq.cache_tiers_mma(4, 256, 32, 233472 // 8 - 1024, H100)[:2] == (0, 0)
+
+
 def test_traffic_split_balances_codebook_and_reduction_traffic():
     # sqrt(128 blocks x 128 KB / 16 KB) = 32, capped by the two residuals to split along
     assert vq.traffic_split(128 * 1024, 128, 16 * 1024, 2) == 2
@@ -57,7 +72,8 @@ class VQCases(FakeCases):
     def vq_info(self, k, n, m, preset, cache):
         return 1_000_000, {"n_shared": 256}
 
-    def vq(self, k, n, m, preset, cache):
+    def vq(self, k, n, m, preset, cache, form=None):
+        self.__dict__.setdefault("forms", []).append((cache, form))
         return [lambda: "gemv" if cache == "tiered" else "dequant+cublas"]
 
     def vq_gemm_paths(self, k, n, m, preset):
@@ -83,6 +99,8 @@ def test_vq_rows_gemv_per_cache_up_to_16_tokens_gemm_above():
     assert tiered["path"] == "vq-tiered" and tiered["quant"]["median_us"] == pytest.approx(4.0, rel=0.05)
     assert tiered["speedup"]["fp16"] == pytest.approx(3.0, rel=0.05) and tiered["roofline"]["bytes"] == 1_000_000
     assert "gptvq-2 tiered vq-tiered:" in kb.format_row(tiered) and tiered["plan"] == {"n_shared": 256}
+    # the tiered row times the other GEMV form beside the dispatched one; GC and SC only the dispatched form
+    assert set(tiered["candidates"]) == {"vq-tiered", "vq-tiered-fma"} and set(rows[0]["candidates"]) == {"vq-gc"}
     assert report["config"]["vq_presets"] == ["gptvq-2", "aqlm-3"]
 
 

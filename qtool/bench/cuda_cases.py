@@ -284,12 +284,15 @@ class CudaCases:
 
         p = self._vq_layer(k, n, preset, 0)
         plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
-        info = {f: getattr(plan, f) for f in ("n_reg", "n_shared", "splits", "rows_per_block", "grid_x", "smem",
-                                                "balance")}
+        info = {f: getattr(plan, f) for f in ("form", "n_reg", "n_shared", "splits", "rows_per_block", "grid_x",
+                                                "smem", "balance", "wk")}
         return p.nbytes() + 2 * m * k + 2 * m * n, {**info, **plan.why, "hot": p.hot}
 
-    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns:
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str, form: str | None = None) -> Fns:
+        """The GEMV of the `cache` variant, in the dispatched form unless `form` names the other."""
         from qtool.cuda import vq  # noqa: PLC0415
+
+        form = form or vq.DEFAULT_FORM
 
         first = self._vq_layer(k, n, preset, 0)
         fns = []
@@ -297,7 +300,7 @@ class CudaCases:
             p = self._vq_layer(k, n, preset, i)
             x = self._randn(m, k)
             out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
-            fns.append(lambda x=x, p=p, out=out: vq.gemv(x, p, out=out, cache=cache))
+            fns.append(lambda x=x, p=p, out=out: vq.gemv(x, p, out=out, cache=cache, form=form))
         return fns
 
     def _vq_gemm_layer(self, k: int, n: int, preset: str, copy: int):

@@ -70,7 +70,7 @@ class Cases(Protocol):
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]: ...
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns: ...
     def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]: ...
-    def vq(self, k: int, n: int, m: int, preset: str, cache: str) -> Fns: ...
+    def vq(self, k: int, n: int, m: int, preset: str, cache: str, form: str | None = None) -> Fns: ...
 
 
 # The qoq W4A8 rows' paths: the float16 layer call (activation quantization + GEMM; at decode sizes the GEMV that
@@ -97,6 +97,7 @@ class KernelBenchConfig:
 # The VQ rows: index bits per weight of each preset (z·b/d), the GEMV's cache variants, the largest M the GEMV takes
 # (the fused GEMM's rows above it).
 VQ_BITS = {"gptvq-2": 2, "aqlm-3": 3}
+VQ_OTHER_FORM = "fma"  # qtool/cuda/vq.py's GEMV form that is not dispatched, timed beside the tiered rows
 VQ_CACHES = ("gc", "sc", "tiered")
 VQ_MAX_M = 16
 
@@ -216,8 +217,11 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 for cache in VQ_CACHES:
                     nbytes, plan = cases.vq_info(k, n, m, preset, cache)
                     path = f"vq-{cache}"
-                    row = measure(VQ_BITS[preset], None, True, [path], path,
-                                  lambda p, preset=preset, cache=cache: cases.vq(k, n, m, preset, cache),  # noqa: B023
+                    # the tiered row also times the other GEMV form (`vq-tiered-fma`: CUDA-core products)
+                    paths = [path, *([f"{path}-{VQ_OTHER_FORM}"] if cache == "tiered" else [])]
+                    row = measure(VQ_BITS[preset], None, True, paths, path,
+                                  lambda p, preset=preset, cache=cache: cases.vq(  # noqa: B023
+                                      k, n, m, preset, cache, form=p.split("-")[2] if p.count("-") == 2 else None),  # noqa: B023
                                   nbytes)
                     rows.append({**row, "layout": "vq", "preset": preset, "cache": cache, "plan": plan})
             # the fused VQ GEMM above the GEMV's rows (stages of 64 columns), one candidate path per fusion

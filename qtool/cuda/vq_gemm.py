@@ -10,12 +10,11 @@ Anything the kernel does not cover runs the torch reference (or is a one-line er
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from qtool.cuda import compile as cc
 from qtool.cuda import split_k
+from qtool.cuda.vq import Prepared, layer_view, view
 
 SOURCE = "vq_gemm.cu"
 LAYOUT = "vq"
@@ -38,30 +37,6 @@ RESIDENT_BYTES = 16384
 # slower than "direct" (filling 32 KiB of replicas per column tile costs more than the bank conflicts it removes).
 FUSIONS = {"shfl": 1, "direct": 0, "replica": 2}
 DEFAULT_FUSION = {(4, 8, 1): "direct", (8, 12, 2): "direct"}
-
-
-@dataclass
-class Prepared:
-    """Device-side view of one `vq` layer for the GEMM."""
-
-    indices: torch.Tensor  # int32 [z, N, words]
-    codebooks: torch.Tensor  # float16 [R, C, z, E, d]
-    vector_size: int
-    index_bits: int
-    residuals: int
-    in_features: int
-    out_features: int
-    tile_rows: int | None
-    tile_cols: int | None
-
-    @property
-    def config(self) -> tuple[int, int, int]:
-        return self.vector_size, self.index_bits, self.residuals
-
-    @property
-    def codebook_bytes(self) -> int:
-        """One scope's codebooks."""
-        return self.residuals * (1 << self.index_bits) * self.vector_size * 2
 
 
 def unsupported_reason(vector_size: int, entries: int, residuals: int, in_features: int, tile_rows: int | None,
@@ -89,39 +64,23 @@ def device_reason(device: int | None = None) -> str | None:
     return None if arch == "sm_90a" else f"the VQ GEMM needs a Hopper GPU (wgmma; found {arch})"
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def prepare(indices: torch.Tensor, codebooks: torch.Tensor, vector_size: int, entries: int, residuals: int,
             in_features: int, out_features: int, tile_rows: int | None, tile_cols: int | None) -> Prepared:
-    """Check the layout's tensors against its parameters and build the kernel view."""
+    """Check the layout's tensors against its parameters and build the kernel view (qtool/cuda/vq.py's, which the
+    decode GEMV takes too)."""
     reason = unsupported_reason(vector_size, entries, residuals, in_features, tile_rows, tile_cols)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
-    bits = entries.bit_length() - 1
-    words = -(-(in_features // vector_size) * bits // 32)
-    if indices.dtype != torch.int32 or tuple(indices.shape) != (residuals, out_features, words):
-        raise ValueError(f"indices: found {indices.dtype} {list(indices.shape)}, expected torch.int32 "
-                         f"{[residuals, out_features, words]}")
-    r_tiles = 1 if tile_rows is None else -(-out_features // tile_rows)
-    c_tiles = 1 if tile_cols is None else -(-in_features // tile_cols)
-    want = (r_tiles, c_tiles, residuals, entries, vector_size)
-    if codebooks.dtype != torch.float16 or tuple(codebooks.shape) != want:
-        raise ValueError(f"codebooks: found {codebooks.dtype} {list(codebooks.shape)}, expected torch.float16 "
-                         f"{list(want)}")
-    for name, t in (("indices", indices), ("codebooks", codebooks)):
-        if not t.is_cuda:
-            raise ValueError(f"{name}: found device {t.device}, expected a CUDA tensor")
-    return Prepared(_aligned(indices), _aligned(codebooks), vector_size, bits, residuals, in_features, out_features,
-                    tile_rows, tile_cols)
+    return view(indices, codebooks, vector_size, entries, residuals, in_features, out_features, tile_rows, tile_cols)
 
 
 def prepare_layer(layer: torch.nn.Module) -> Prepared:
-    """The kernel view of a VQLinear (its buffers, used in place)."""
-    return prepare(layer.indices, layer.codebooks, layer.vector_size, layer.entries, layer.residuals,
-                   layer.in_features, layer.out_features, layer.tile_rows, layer.tile_cols)
+    """The kernel view of a VQLinear (its buffers, used in place), kept on the layer as the GEMV keeps it."""
+    reason = unsupported_reason(layer.vector_size, layer.entries, layer.residuals, layer.in_features,
+                                layer.tile_rows, layer.tile_cols)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
+    return layer_view(layer, layer.indices.device)
 
 
 def smem_bytes(p: Prepared | tuple[int, int, int], tokens: int, stages: int, fusion: str = "direct") -> int:
@@ -146,7 +105,7 @@ def fusion_reason(p: Prepared, fusion: str, tokens: int) -> str | None:
         return None
     if p.config != (4, 8, 1):
         return f"fusion replica for VQ<{p.vector_size},{p.index_bits},{p.residuals}> (built for VQ<4,8,1>)"
-    cst = p.in_features // STAGE_COLS if p.tile_cols is None else p.tile_cols // STAGE_COLS
+    cst = p.tile_vecs * p.vector_size // STAGE_COLS
     stages = BUILT[p.config][tokens]
     if cst < stages - 2:
         # a tile's replica buffer is refilled ST - 2 stages ahead: the tile before the last must be done by then
@@ -179,7 +138,9 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    x2 = _aligned(x2)
+    x2 = x2.contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
     dev = cc.device_index(x.device)
     reason = device_reason(dev)
     if reason is not None:
@@ -218,8 +179,8 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
             split = 1
         else:
             ws, cnt = bufs
-    trows = p.tile_rows if p.tile_rows is not None else max(n, 1)
-    cst = p.tile_cols // STAGE_COLS if p.tile_cols is not None else nst
+    trows = max(p.tile_rows, 1)
+    cst = p.tile_vecs * p.vector_size // STAGE_COLS
     c_tiles = p.codebooks.shape[1]
     cc.launch(
         fn, (-(-n // ROWS), -(-m // tn), split), (256,),

@@ -1,8 +1,10 @@
-"""The VQ GEMV (kernels/vq_gemv.cu) against the float64 product with the dequantized weight, on fresh random layers
-and activations: both presets' configurations (GPTVQ-2: d 4, 8-bit indices, 256x256 tiles; AQLM-3: d 8, 12-bit
-indices, two residual codebooks per tensor), odd shapes (ragged row and column tiles, K = 576, rows not a multiple
-of a block's, index rows not a whole number of 16-byte words), with and without re-indexing, every cache variant
-(GC, SC, the derived tiers, and forced tiers that put entries in all three places), M = 1, 3, 16.
+"""The VQ GEMV (kernels/vq_gemv.cu), both forms (`mma`: entries into tensor-core fragments; `fma`: CUDA-core
+products), against the float64 product with the dequantized weight, on fresh random layers and activations: both
+presets' configurations (GPTVQ-2: d 4, 8-bit indices, 256x256 tiles; AQLM-3: d 8, 12-bit indices, two residual
+codebooks per tensor), odd shapes (ragged row and column tiles, K = 576, rows not a multiple of a block's, index rows
+not a whole number of 16-byte words), with and without re-indexing, every cache variant (GC, SC, the derived tiers,
+and forced tiers that put entries in all three places: registers or replicas, single shared copies, global memory),
+M = 1, 3, 16.
 
 Outputs are poisoned with NaN before each launch, so an element the kernel forgets to write fails the test;
 `synced` makes a faulting launch fail here rather than in a later test. A stories260K checkpoint quantized with the
@@ -23,8 +25,8 @@ from tests.gpu.helpers import gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
-# fp16 activations and entries, each vector's d products summed in fp16x2 and widened, fp32 across vectors, fp16
-# output.
+# fp16 activations and entries; fma: each vector's d products summed in fp16x2 and widened, fp32 across vectors;
+# mma: fp32 accumulation throughout; fp16 output.
 TOL = 3e-3
 MS = (1, 3, 16)
 PRESETS = {  # (d, index bits, residuals, tile_rows, tile_cols)
@@ -37,8 +39,14 @@ SHAPES = {
     "gptvq-2": [(100, 576), (300, 576), (64, 1024), (17, 256)],
     "aqlm-3": [(72, 576), (130, 1040), (64, 2048)],
 }
-# Forced (n_reg, n_shared): registers + shared + global; shared + global; registers + global.
-FORCED = {"gptvq-2": [(32, 64), (0, 128), (64, 64)], "aqlm-3": [(32, 256), (64, 1024), (0, 512)]}
+# Forced (n_reg, n_shared) per form: hot tier (registers / replicas) + shared + global; shared + global; hot tier +
+# global; (mma) every entry replicated.
+FORCED = {
+    ("fma", "gptvq-2"): [(32, 64), (0, 128), (64, 64)],
+    ("fma", "aqlm-3"): [(32, 256), (64, 1024), (0, 512)],
+    ("mma", "gptvq-2"): [(64, 128), (0, 128), (32, 32), (256, 256)],
+    ("mma", "aqlm-3"): [(256, 1024), (0, 512), (64, 64)],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +97,10 @@ def _check(layer: VQLinear, p, m: int, seed: int, with_bias: bool, **kw) -> None
     assert cnt is None or not bool(cnt.any()), "split counters left nonzero"
 
 
+@pytest.mark.parametrize("form", ["mma", "fma"])
 @pytest.mark.parametrize("reindex", [True, False], ids=["reindexed", "original-order"])
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_gemv_every_cache_variant(preset, reindex):
+def test_gemv_every_cache_variant(preset, reindex, form):
     from qtool.cuda import vq
 
     for i, (n, k) in enumerate(SHAPES[preset]):
@@ -101,12 +110,28 @@ def test_gemv_every_cache_variant(preset, reindex):
         assert (p.hot > 0) == reindex
         for m in MS:
             for cache in vq.CACHES:
-                _check(layer, p, m, seed, with_bias=(m + i) % 2 == 1, cache=cache)
-            for tiers in FORCED[preset]:
-                _check(layer, p, m, seed, with_bias=m == 3, cache="tiered", tiers=tiers)
+                _check(layer, p, m, seed, with_bias=(m + i) % 2 == 1, cache=cache, form=form)
+            for tiers in FORCED[form, preset]:
+                _check(layer, p, m, seed, with_bias=m == 3, cache="tiered", tiers=tiers, form=form)
             if p.col_tiles > 1:  # codebook switches inside a block: 2 and all column tiles per block
                 for tps in (2, p.col_tiles):
-                    _check(layer, p, m, seed, with_bias=True, cache="tiered", tiles_per_split=tps)
+                    _check(layer, p, m, seed, with_bias=True, cache="tiered", tiles_per_split=tps, form=form)
+
+
+def test_mma_form_warps_along_k():
+    """AQLM-3's per-tensor range has several 64-vector chunks: the mma plan shares rows between warps along K (wk >
+    1) when the grid would not fill the device otherwise, and every wk gives the reference's outputs; M = 1..16
+    token slots, one of them partly filled."""
+    from qtool.cuda import vq
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_vq(200, 2048, "aqlm-3", True, seed, bias=True)
+    p = vq.prepare(layer)
+    dev = torch.cuda.current_device()
+    plan = vq.plan_for(p, 1, "tiered", dev, form="mma")
+    assert plan.wk > 1 and plan.rows_per_block == 256 // plan.wk
+    for m in (1, 2, 5, 8, 11):
+        _check(layer, p, m, seed, with_bias=True, cache="sc", form="mma")
 
 
 def test_plans_follow_the_layout():
@@ -144,6 +169,12 @@ def test_bad_calls_name_the_argument():
         vq.gemv(x, p, cache="l2")
     with pytest.raises(ValueError, match="tiers"):
         vq.gemv(x, p, tiers=(16, 64))
+    with pytest.raises(ValueError, match="tiers"):
+        vq.gemv(x, p, tiers=(64, 0), form="mma")  # replicas need shared memory
+    with pytest.raises(ValueError, match="tiers"):
+        vq.gemv(x, p, tiers=(128, 64), form="fma")  # beyond two register sets
+    with pytest.raises(ValueError, match="form"):
+        vq.gemv(x, p, form="wmma")
     with pytest.raises(ValueError, match="x: found torch.float32"):
         vq.gemv(x.float(), p)
     with pytest.raises(ValueError, match="M=17"):
