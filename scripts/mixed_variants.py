@@ -40,12 +40,13 @@ def main() -> None:
             first = cases._mixed_layer(k, n, frac)
             r = rotations(first.nbytes("direct") + 2 * m * k + 2 * m * n, cases.l2)
             layers[frac] = [first] + [cases._mixed_layer(k, n, frac) for _ in range(r - 1)]
-        xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in layers[0.0]]
-        outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in layers[0.0]]
+        nrot = max(len(v) for v in layers.values())
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(nrot)]
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(nrot)]
 
         def run(frac, layers=layers, xs=xs, outs=outs, **kw):
             return t([lambda p=p, x=x, o=o: mixed.gemv(x, p, out=o, **kw)
-                      for p, x, o in zip(layers[frac], xs, outs, strict=True)])
+                      for p, x, o in zip(layers[frac], xs, outs, strict=False)])
 
         variants = {"direct": dict(layout="direct")}
         for rows in (4, 8) if m == 1 else (4,):

@@ -51,9 +51,11 @@ MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
 # 1 (default): block4 layers with g2 a multiple of 4 run the GEMV on the tiled streams; 0: on the checkpoint layout.
 GEMV_TILED = cc.env_int("QTOOL_MIXED_TILED", 1)
 TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token only)
+# At one token and 4096x4096 on an H100: 4-row blocks of 2 warps with the prefetch 4.21 us, without it 4.88; 1 warp
+# 6.44 / 6.46; 8-row blocks 4.72 (2 warps, prefetch) to 7.78 (kernels/NOTES.md).
 TILED_GEMV_ROWS = cc.env_int("QTOOL_MIXED_TILED_ROWS", 4)
 TILED_WARPS = cc.env_int("QTOOL_MIXED_TILED_WARPS", 2)
-TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 0)
+TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 1)
 
 
 @dataclass
