@@ -43,16 +43,18 @@ GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
 # helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
 GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
 PIPE_MIN_BLOCKS_PER_THREAD = 2
-# "fused" or "spmv". On an H200 at one token with 0.2% outliers, fused 6.32 / 15.22 / 14.48 / 59.54 us at
-# 4096x4096 / 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.97 / 17.48 / 16.97 / 60.99 as a second kernel
+# "fused" or "spmv". At one token with 0.2% outliers, fused 4.65 / 11.71 / 10.47 / 43.29 us at 4096x4096 /
+# 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.7 / 14.8 / 15.2 / 45.7 as a second kernel (tiled GEMV, an
+# H100); the direct GEMV on an H200: 6.32 / 15.22 / 14.48 / 59.54 against 7.97 / 17.48 / 16.97 / 60.99
 # (kernels/NOTES.md).
 OUTLIERS = "fused"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
 # 1 (default): block4 layers with g2 a multiple of 4 run the GEMV on the tiled streams; 0: on the checkpoint layout.
 GEMV_TILED = cc.env_int("QTOOL_MIXED_TILED", 1)
 TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token only)
-# At one token and 4096x4096 on an H100: 4-row blocks of 2 warps with the prefetch 4.21 us, without it 4.88; 1 warp
-# 6.44 / 6.46; 8-row blocks 4.72 (2 warps, prefetch) to 7.78 (kernels/NOTES.md).
+# At one token on an H100, 4-row blocks of 2 warps with the prefetch were best or within noise of the best at the
+# Llama-2-7B shapes and 8192x28672 (4096x4096: 4.21 us, without the prefetch 4.88, 1 warp 6.44, 8-row blocks
+# 4.72-7.78; kernels/NOTES.md).
 TILED_GEMV_ROWS = cc.env_int("QTOOL_MIXED_TILED_ROWS", 4)
 TILED_WARPS = cc.env_int("QTOOL_MIXED_TILED_WARPS", 2)
 TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 1)
