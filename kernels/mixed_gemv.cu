@@ -447,7 +447,7 @@ MIXED_GEMV_FOUR(16, 0)
 // ---------------------------------------------------------------------------------------------------------------
 // The tiled GEMV: block4 layers re-laid at load time (qtool/cuda/mixed.py `tiled_streams`) so that a thread's
 // share of one row and 64-channel block is one 16-byte word and one 8-byte word, plus one word per 4 rows and one
-// 8-byte word per second-order group for the whole block (26.5 bytes per 64 weights of a large layer; the
+// 8-byte word per second-order group for the whole block (25.5 bytes per 64 weights at g2 = 16; the
 // checkpoint layout needs 11 loads per row and block and the fp32 second-order table):
 //   ta [N, K/64] uint4   the block's three 2-bit stripes in column order, then the first half of its 4-bit stripe;
 //   tm [N, K/64] uint2   x: the second half of the 4-bit stripe; y: its fp16 scale (bits 0-15), the scale codes c
