@@ -109,3 +109,28 @@ def test_tiled_config_and_layout_choice():
         mixed.tiled_config(4096, 2, rows=8)
     with pytest.raises(ValueError, match="pipe: found True for 4 token slots"):
         mixed.tiled_config(4096, 4, pipe=True)
+
+
+def test_bytes_the_gemv_reads_on_each_layout():
+    """Prepared.nbytes: the tiled GEMV reads 25.5 bytes per row and 64-channel block at g2 = 16 (plus binfo and the
+    outliers), within 1% of what the checkpoint layer stores (the zeros padded from 6 to 8 bits, the second-order
+    zero in 4 bits instead of 8); the direct GEMV reads the checkpoint tensors and the fp32 s2f, more."""
+    from qtool.bench.cuda_cases import random_mixed_weight
+
+    k, n = 1024, 64
+    w = random_mixed_weight(k, n, 0.002, torch.device("cpu"), torch.Generator().manual_seed(0))
+    binfo, block4 = mixed.block_info(w.stripe_bits)
+    p = mixed.Prepared(
+        qweight_a=w.qweight_a, qweight_b=w.qweight_b, scale_codes=w.scale_codes, zeros2=w.zeros2,
+        s2f=mixed.second_order_table(w.scales_2nd, w.zeros_2nd), scales4=w.scales4, zeros4=w.zeros4, binfo=binfo,
+        rowptr=w.outlier_rowptr, ocols=w.outlier_cols, ovals=w.outlier_values, in_features=k, out_features=n,
+        scale_group_size=16, s2=3 * k // 64, s4=k // 64, block4=block4, nnz=w.num_outliers, source_ptr=0)
+    assert mixed.gemv_layout(p) == "direct"
+    with pytest.raises(ValueError, match="layout: found 'tiled' for a layer without tiled streams"):
+        mixed.gemv_layout(p, "tiled")
+    mixed.add_tiled(p, w.scales_2nd, w.zeros_2nd)
+    assert mixed.gemv_layout(p) == ("tiled" if mixed.GEMV_TILED else "direct")
+    outliers = 4 * (n + 1) + 4 * w.num_outliers
+    assert p.nbytes("tiled") == n * (k // 64) * 51 // 2 + 4 * (k // 64) + outliers
+    stored = w.stored_bits() // 8 - k // 16  # stripe_bits is not read
+    assert abs(p.nbytes("tiled") - stored) < 0.01 * stored and p.nbytes("tiled") < p.nbytes("direct")
