@@ -52,6 +52,15 @@ __device__ __forceinline__ u32 pick(const uint4& v, int p) {
 constexpr u32 MAG0 = 0x4C004C00u;  // 16.0 twice: a code at bits 0-3 of a half reads 16 + c/64
 constexpr u32 MAG4 = 0x3C003C00u;  // 1.0 twice: a code at bits 4-7 of a half reads 1 + c/64
 
+// (a & MASK) | mag in one instruction: written as two C operations, the compiler emits two LOP3s when both
+// constants are immediates (LOP3 takes one immediate operand); here mag stays in a register.
+template <u32 MASK>
+__device__ __forceinline__ u32 andor(u32 a, u32 mag) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(mag));
+    return r;
+}
+
 // The halves 16 + z/64 and 1 + z/64, twice (z < 16, so adding is or-ing: one integer multiply-add each).
 __device__ __forceinline__ u32 zero0(u32 z) { return z * 0x10001u + MAG0; }
 __device__ __forceinline__ u32 zero4(u32 z) { return z * 0x100010u + MAG4; }
@@ -60,14 +69,14 @@ __device__ __forceinline__ u32 zero4(u32 z) { return z * 0x100010u + MAG4; }
 // Only bits 0-1 and 4-5 of each half are taken, so three shifts serve all 16 codes.
 __device__ __forceinline__ void unpack2(u32 w, u32 k0, u32 k4, u32 (&v)[8]) {
     const u32 sb = w >> 2, sc = w >> 8, sd = w >> 10;
-    v[0] = f16x2_sub((w & 0x00030003u) | MAG0, k0);
-    v[1] = f16x2_sub((sb & 0x00030003u) | MAG0, k0);
-    v[2] = f16x2_sub((w & 0x00300030u) | MAG4, k4);
-    v[3] = f16x2_sub((sb & 0x00300030u) | MAG4, k4);
-    v[4] = f16x2_sub((sc & 0x00030003u) | MAG0, k0);
-    v[5] = f16x2_sub((sd & 0x00030003u) | MAG0, k0);
-    v[6] = f16x2_sub((sc & 0x00300030u) | MAG4, k4);
-    v[7] = f16x2_sub((sd & 0x00300030u) | MAG4, k4);
+    v[0] = f16x2_sub(andor<0x00030003u>(w, MAG0), k0);
+    v[1] = f16x2_sub(andor<0x00030003u>(sb, MAG0), k0);
+    v[2] = f16x2_sub(andor<0x00300030u>(w, MAG4), k4);
+    v[3] = f16x2_sub(andor<0x00300030u>(sb, MAG4), k4);
+    v[4] = f16x2_sub(andor<0x00030003u>(sc, MAG0), k0);
+    v[5] = f16x2_sub(andor<0x00030003u>(sd, MAG0), k0);
+    v[6] = f16x2_sub(andor<0x00300030u>(sc, MAG4), k4);
+    v[7] = f16x2_sub(andor<0x00300030u>(sd, MAG4), k4);
 }
 
 // A 4-bit stripe (codes 0-7 in its qweight_a word a, 8-15 in its qweight_b word b, code i at bits 4(i mod 8)) ->
@@ -75,14 +84,14 @@ __device__ __forceinline__ void unpack2(u32 w, u32 k0, u32 k4, u32 (&v)[8]) {
 __device__ __forceinline__ void unpack4(u32 a, u32 b, u32 k0, u32 k4, u32 (&v)[8]) {
     const u32 t0 = __byte_perm(a, b, 0x5410), t1 = __byte_perm(a, b, 0x7632);
     const u32 u0 = t0 >> 8, u1 = t1 >> 8;
-    v[0] = f16x2_sub((t0 & 0x000F000Fu) | MAG0, k0);
-    v[1] = f16x2_sub((t0 & 0x00F000F0u) | MAG4, k4);
-    v[2] = f16x2_sub((u0 & 0x000F000Fu) | MAG0, k0);
-    v[3] = f16x2_sub((u0 & 0x00F000F0u) | MAG4, k4);
-    v[4] = f16x2_sub((t1 & 0x000F000Fu) | MAG0, k0);
-    v[5] = f16x2_sub((t1 & 0x00F000F0u) | MAG4, k4);
-    v[6] = f16x2_sub((u1 & 0x000F000Fu) | MAG0, k0);
-    v[7] = f16x2_sub((u1 & 0x00F000F0u) | MAG4, k4);
+    v[0] = f16x2_sub(andor<0x000F000Fu>(t0, MAG0), k0);
+    v[1] = f16x2_sub(andor<0x00F000F0u>(t0, MAG4), k4);
+    v[2] = f16x2_sub(andor<0x000F000Fu>(u0, MAG0), k0);
+    v[3] = f16x2_sub(andor<0x00F000F0u>(u0, MAG4), k4);
+    v[4] = f16x2_sub(andor<0x000F000Fu>(t1, MAG0), k0);
+    v[5] = f16x2_sub(andor<0x00F000F0u>(t1, MAG4), k4);
+    v[6] = f16x2_sub(andor<0x000F000Fu>(u1, MAG0), k0);
+    v[7] = f16x2_sub(andor<0x00F000F0u>(u1, MAG4), k4);
 }
 
 // 16 activations (lo = x0..x7, hi = x8..x15) -> p[j] = (x_j, x_{j+8}), the order of the weight pairs.
@@ -236,6 +245,83 @@ __device__ __forceinline__ void compute_block(const Layer& L, const int (&rows)[
     }
 }
 
+// Fused outliers, part 1 (before the main loop): each thread's first outlier of each of the block's rows (column
+// and value in one word), which rows it has one for, and which rows have more outliers than the block has threads.
+template <int ROWS>
+__device__ __forceinline__ void outliers_first(const int* __restrict__ rowptr, const u16* __restrict__ ocols,
+                                               const u16* __restrict__ ovals, int row0, int N, u32 (&ocv)[ROWS],
+                                               u32& omask, u32& omore) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        ocv[r] = 0;
+        if (row0 + r < N) {
+            const int e0 = rowptr[row0 + r], e1 = rowptr[row0 + r + 1];
+            const int e = e0 + threadIdx.x;
+            if (e < e1) {
+                ocv[r] = (u32)ocols[e] | ((u32)ovals[e] << 16);
+                omask |= 1u << r;
+            }
+            if (e1 - e0 > (int)blockDim.x) omore |= 1u << r;
+        }
+    }
+}
+
+// Fused outliers, part 2 (after the main loop, so after the dependency wait): their products with x.
+template <int ROWS, int MT>
+__device__ __forceinline__ void outliers_add(const int* __restrict__ rowptr, const u16* __restrict__ ocols,
+                                             const u16* __restrict__ ovals, const u16* __restrict__ x, int row0,
+                                             int K, int M, const u32 (&ocv)[ROWS], u32 omask, u32 omore,
+                                             float (&acc)[ROWS][MT]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (!((omask >> r) & 1u)) continue;
+        const int col = (int)(ocv[r] & 0xFFFFu);
+        const float val = h2f((u16)(ocv[r] >> 16));
+#pragma unroll
+        for (int t = 0; t < MT; ++t) acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
+    }
+    if (omore) {  // rows with more outliers than threads
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (!((omore >> r) & 1u)) continue;
+            const int e1 = rowptr[row0 + r + 1];
+            for (int e = rowptr[row0 + r] + threadIdx.x + blockDim.x; e < e1; e += blockDim.x) {
+                const int col = ocols[e];
+                const float val = h2f(ovals[e]);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
+            }
+        }
+    }
+}
+
+// The block's partial sums reduced over its warps (shuffles, then shared memory) and stored (+ bias).
+template <int ROWS, int MT>
+__device__ __forceinline__ void reduce_store(float (&acc)[ROWS][MT], float (*red)[ROWS * MT], int row0, int N, int M,
+                                             const u16* __restrict__ bias, u16* __restrict__ y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            float s = acc[r][t];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) red[warp][r * MT + t] = s;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * MT; i += blockDim.x) {
+        const int r = i / MT, t = i % MT;
+        float s = 0.f;
+        for (int w = 0; w < nwarps; ++w) s += red[w][i];
+        const int row = row0 + r;
+        if (row < N && t < M) {
+            if (bias) s += h2f(bias[row]);
+            y[(long long)t * N + row] = f2h(s);
+        }
+    }
+}
+
 // y[M, N] = x[M, K] . W^T (+ bias) for M <= MT tokens on CUDA cores. A block owns ROWS output rows; its threads
 // split K in 64-channel blocks (thread t takes blocks t, t + blockDim.x, ...) and reduce through shared memory.
 // A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a.
@@ -266,21 +352,7 @@ __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict_
     launch_dependents();
     u32 ocv[ROWS];  // column | value << 16 of this thread's first outlier of each row
     u32 omask = 0, omore = 0;
-    if (FUSE) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            ocv[r] = 0;
-            if (row0 + r < N) {
-                const int e0 = rowptr[row0 + r], e1 = rowptr[row0 + r + 1];
-                const int e = e0 + threadIdx.x;
-                if (e < e1) {
-                    ocv[r] = (u32)ocols[e] | ((u32)ovals[e] << 16);
-                    omask |= 1u << r;
-                }
-                if (e1 - e0 > (int)blockDim.x) omore |= 1u << r;
-            }
-        }
-    }
+    if (FUSE) outliers_first<ROWS>(rowptr, ocols, ovals, row0, N, ocv, omask, omore);
 
     int b = threadIdx.x;
     if (PIPE) {
@@ -318,52 +390,8 @@ __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict_
         }
         if (!waited) grid_dependency_wait();
     }
-    if (FUSE) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (!((omask >> r) & 1u)) continue;
-            const int col = (int)(ocv[r] & 0xFFFFu);
-            const float val = h2f((u16)(ocv[r] >> 16));
-#pragma unroll
-            for (int t = 0; t < MT; ++t) acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
-        }
-        if (omore) {  // rows with more outliers than threads
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (!((omore >> r) & 1u)) continue;
-                const int e1 = rowptr[row0 + r + 1];
-                for (int e = rowptr[row0 + r] + threadIdx.x + blockDim.x; e < e1; e += blockDim.x) {
-                    const int col = ocols[e];
-                    const float val = h2f(ovals[e]);
-#pragma unroll
-                    for (int t = 0; t < MT; ++t)
-                        acc[r][t] += val * h2f(ld_dep_u16(x + (long long)min(t, M - 1) * K + col));
-                }
-            }
-        }
-    }
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-            float s = acc[r][t];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) red[warp][r * MT + t] = s;
-        }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * MT; i += blockDim.x) {
-        const int r = i / MT, t = i % MT;
-        float s = 0.f;
-        for (int w = 0; w < nwarps; ++w) s += red[w][i];
-        const int row = row0 + r;
-        if (row < N && t < M) {
-            if (bias) s += h2f(bias[row]);
-            y[(long long)t * N + row] = f2h(s);
-        }
-    }
+    if (FUSE) outliers_add<ROWS, MT>(rowptr, ocols, ovals, x, row0, K, M, ocv, omask, omore, acc);
+    reduce_store<ROWS, MT>(acc, red, row0, N, M, bias, y);
 }
 
 // Entry points: mixed_gemv_r{rows per block}_m{token slots}_b{1: one 4-bit stripe per block}_f{fused outliers}
@@ -392,6 +420,261 @@ MIXED_GEMV_FOUR(2, 0)
 MIXED_GEMV_FOUR(4, 0)
 MIXED_GEMV_FOUR(8, 0)
 MIXED_GEMV_FOUR(16, 0)
+
+// ---------------------------------------------------------------------------------------------------------------
+// The tiled GEMV: block4 layers re-laid at load time (qtool/cuda/mixed.py `tiled_streams`) so that a thread's
+// share of one row and 64-channel block is one 16-byte word and one 8-byte word, plus one word per 4 rows and one
+// 8-byte word per second-order group for the whole block (25.5 bytes per 64 weights at g2 = 16; the
+// checkpoint layout needs 11 loads per row and block and the fp32 second-order table):
+//   ta [N, K/64] uint4   the block's three 2-bit stripes in column order, then the first half of its 4-bit stripe;
+//   tm [N, K/64] uint2   x: the second half of the 4-bit stripe; y: its fp16 scale (bits 0-15), the scale codes c
+//                        of the three 2-bit stripes (bits 16-19, 20-23, 24-27) and the 4-bit zero (28-31);
+//   tz [ceil(N/4), K/64] the 2-bit zeros of rows 4g..4g+3: row 4g+r, stripe i at bits 8r + 2i;
+//   tt [N/g2, K/64] uint2 the three 2-bit stripes' s2 (fp16: x low, x high, y low) and u (y bits 16, 20, 24).
+// Each code word holds its 2n-th codes in the low half and its (2n+1)-th in the high half (field n of each), so the
+// unpacked pairs are (w_2n, w_2n+1), the order of the activations' own 32-bit words: no permutes of x.
+// Needs g2 a multiple of 4, so the rows of a 4-row group share their second-order scales.
+// ---------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint2 ld_na64(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 ld_na32(const void* p) {
+    u32 r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 ld_meta_v2(const void* p) {
+    uint2 r;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// A 4-bit word pair in the tiled order (codes 2n, 2n+1 of a word at bits 4n and 16 + 4n) -> (w_2n, w_2n+1) - z,
+// divided by 64, for n = 0..7 (a: codes 0-7, b: codes 8-15).
+__device__ __forceinline__ void unpack4_tiled(u32 a, u32 b, u32 k0, u32 k4, u32 (&v)[8]) {
+    const u32 a8 = a >> 8, b8 = b >> 8;
+    v[0] = f16x2_sub(andor<0x000F000Fu>(a, MAG0), k0);
+    v[1] = f16x2_sub(andor<0x00F000F0u>(a, MAG4), k4);
+    v[2] = f16x2_sub(andor<0x000F000Fu>(a8, MAG0), k0);
+    v[3] = f16x2_sub(andor<0x00F000F0u>(a8, MAG4), k4);
+    v[4] = f16x2_sub(andor<0x000F000Fu>(b, MAG0), k0);
+    v[5] = f16x2_sub(andor<0x00F000F0u>(b, MAG4), k4);
+    v[6] = f16x2_sub(andor<0x000F000Fu>(b8, MAG0), k0);
+    v[7] = f16x2_sub(andor<0x00F000F0u>(b8, MAG4), k4);
+}
+
+struct Tiled {
+    const uint4* ta;
+    const uint2* tm;
+    const u32* tz;
+    const uint2* tt;
+    const u32* binfo;
+    int N, nblk;
+};
+
+// One 64-channel block of ROWS rows (ROWS a multiple of 4): everything loaded before any arithmetic.
+template <int ROWS>
+struct TBlock {
+    uint4 a[ROWS];
+    uint2 m[ROWS];
+    u32 z[ROWS / 4];
+    uint2 t[ROWS / 4];
+    u32 info;
+};
+
+template <int ROWS>
+__device__ __forceinline__ void tiled_load(const Tiled& T, const int (&rows)[ROWS], const int (&grp)[ROWS / 4],
+                                           const int (&h)[ROWS / 4], int b, TBlock<ROWS>& s) {
+    s.info = ld_meta(T.binfo + b);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const long long i = (long long)rows[r] * T.nblk + b;
+        s.a[r] = ld_stream(reinterpret_cast<const u32*>(T.ta + i));
+        s.m[r] = ld_na64(T.tm + i);
+    }
+#pragma unroll
+    for (int q = 0; q < ROWS / 4; ++q) {
+        s.z[q] = ld_na32(T.tz + (long long)grp[q] * T.nblk + b);
+        s.t[q] = ld_meta_v2(T.tt + (long long)h[q] * T.nblk + b);
+    }
+}
+
+// Stripe i (0-2: the 2-bit ones in column order, 3: the 4-bit one) of row r: its 8 pairs and its scale times 64.
+template <int ROWS>
+__device__ __forceinline__ void tiled_stripe(const TBlock<ROWS>& s, int r, int i, const float (&S)[ROWS / 4][3],
+                                             const float (&U)[ROWS / 4][3], u32 (&v)[8], float& f) {
+    const uint4& a = s.a[r];
+    const u32 my = s.m[r].y;
+    if (i < 3) {
+        const int q = r >> 2;
+        const u32 c = (my >> (16 + 4 * i)) & 15u;
+        f = fmaf((float)c, S[q][i], U[q][i]);  // exact: 64·(c + u)·s2
+        const u32 zz = ((s.z[q] >> (8 * (r & 3))) & 0x3Fu) * 0x10001u;  // the row's three zeros, in both halves
+        const u32 k0 = andor<0x00030003u>(zz >> (2 * i), MAG0);
+        const u32 k4 = andor<0x00300030u>(i == 2 ? zz : zz << (4 - 2 * i), MAG4);
+        unpack2(i == 0 ? a.x : (i == 1 ? a.y : a.z), k0, k4, v);
+    } else {
+        const u32 z = my >> 28;
+        f = h2f((u16)(my & 0xFFFFu)) * 64.f;
+        unpack4_tiled(a.w, s.m[r].x, zero0(z), zero4(z), v);
+    }
+}
+
+template <int ROWS, int MT>
+__device__ __forceinline__ void tiled_compute(const TBlock<ROWS>& s, int b, const u16* __restrict__ x, int K, int M,
+                                              float (&acc)[ROWS][MT]) {
+    float S[ROWS / 4][3], U[ROWS / 4][3];  // per 4-row group: 64·s2 and 64·u·s2 of the three 2-bit stripes
+#pragma unroll
+    for (int q = 0; q < ROWS / 4; ++q) {
+        const u32 tx = s.t[q].x, ty = s.t[q].y;
+        S[q][0] = h2f((u16)(tx & 0xFFFFu)) * 64.f;
+        S[q][1] = h2f((u16)(tx >> 16)) * 64.f;
+        S[q][2] = h2f((u16)(ty & 0xFFFFu)) * 64.f;
+#pragma unroll
+        for (int i = 0; i < 3; ++i) U[q][i] = (float)((ty >> (16 + 4 * i)) & 15u) * S[q][i];
+    }
+    const u16* xb = x + 64 * b;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int p = (int)((s.info >> (24 + 2 * i)) & 3u);
+        if constexpr (MT <= 2) {
+            uint4 X[MT][2];
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const u16* xp = xb + (long long)min(t, M - 1) * K + 16 * p;
+                X[t][0] = ld_dep_v4(xp);
+                X[t][1] = ld_dep_v4(xp + 8);
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                u32 v[8];
+                float f;
+                tiled_stripe<ROWS>(s, r, i, S, U, v, f);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    u32 hh = f16x2_mul(v[0], X[t][0].x);
+                    hh = h2fma(v[1], X[t][0].y, hh);
+                    hh = h2fma(v[2], X[t][0].z, hh);
+                    hh = h2fma(v[3], X[t][0].w, hh);
+                    hh = h2fma(v[4], X[t][1].x, hh);
+                    hh = h2fma(v[5], X[t][1].y, hh);
+                    hh = h2fma(v[6], X[t][1].z, hh);
+                    hh = h2fma(v[7], X[t][1].w, hh);
+                    acc[r][t] += h2sum(hh) * f;
+                }
+            }
+        } else {
+            u32 v[ROWS][8];
+            float f[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) tiled_stripe<ROWS>(s, r, i, S, U, v[r], f[r]);
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const u16* xp = xb + (long long)min(t, M - 1) * K + 16 * p;
+                const uint4 lo = ld_dep_v4(xp), hi = ld_dep_v4(xp + 8);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    u32 hh = f16x2_mul(v[r][0], lo.x);
+                    hh = h2fma(v[r][1], lo.y, hh);
+                    hh = h2fma(v[r][2], lo.z, hh);
+                    hh = h2fma(v[r][3], lo.w, hh);
+                    hh = h2fma(v[r][4], hi.x, hh);
+                    hh = h2fma(v[r][5], hi.y, hh);
+                    hh = h2fma(v[r][6], hi.z, hh);
+                    hh = h2fma(v[r][7], hi.w, hh);
+                    acc[r][t] += h2sum(hh) * f[r];
+                }
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] . W^T (+ bias) from the tiled streams; grid, split of K, outliers, prefetch (PIPE) and
+// dependent launch as gemv_body.
+template <int ROWS, int MT, bool FUSE, bool PIPE>
+__device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __restrict__ rowptr,
+                                           const u16* __restrict__ ocols, const u16* __restrict__ ovals,
+                                           const u16* __restrict__ x, const u16* __restrict__ bias,
+                                           u16* __restrict__ y, int M) {
+    __shared__ float red[MAX_WARPS][ROWS * MT];
+    const int N = T.N, nblk = T.nblk, K = nblk << 6;
+    const int row0 = blockIdx.x * ROWS;
+    int rows[ROWS], grp[ROWS / 4], h[ROWS / 4];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) rows[r] = min(row0 + r, N - 1);  // rows past N are computed, never stored
+#pragma unroll
+    for (int q = 0; q < ROWS / 4; ++q) {
+        grp[q] = rows[4 * q] >> 2;
+        h[q] = rows[4 * q] / g2;
+    }
+    float acc[ROWS][MT];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
+
+    launch_dependents();
+    u32 ocv[ROWS];
+    u32 omask = 0, omore = 0;
+    if (FUSE) outliers_first<ROWS>(rowptr, ocols, ovals, row0, N, ocv, omask, omore);
+
+    int b = threadIdx.x;
+    if (PIPE) {
+        TBlock<ROWS> cur;
+        if (b < nblk) tiled_load<ROWS>(T, rows, grp, h, b, cur);
+        grid_dependency_wait();
+        for (; b < nblk; b += blockDim.x) {
+            const int bn = b + blockDim.x;
+            TBlock<ROWS> nxt;
+            if (bn < nblk) tiled_load<ROWS>(T, rows, grp, h, bn, nxt);
+            tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
+            cur = nxt;
+        }
+    } else {
+        if (b < nblk) {
+            TBlock<ROWS> cur;
+            tiled_load<ROWS>(T, rows, grp, h, b, cur);
+            grid_dependency_wait();
+            tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
+            for (b += blockDim.x; b < nblk; b += blockDim.x) {
+                tiled_load<ROWS>(T, rows, grp, h, b, cur);
+                tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
+            }
+        } else {
+            grid_dependency_wait();
+        }
+    }
+    if (FUSE) outliers_add<ROWS, MT>(rowptr, ocols, ovals, x, row0, K, M, ocv, omask, omore, acc);
+    reduce_store<ROWS, MT>(acc, red, row0, N, M, bias, y);
+}
+
+// Entry points: mixed_gemv_tiled_r{rows per block}_m{token slots}_f{fused outliers}_p{next block's loads ahead}.
+#define MIXED_TILED_ENTRY(ROWS, MT, FUSE, PIPE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS) mixed_gemv_tiled_r##ROWS##_m##MT##_f##FUSE##_p##PIPE( \
+        const uint4* ta, const uint2* tm, const u32* tz, const uint2* tt, const u32* binfo, const int* rowptr,    \
+        const u16* ocols, const u16* ovals, const u16* x, const u16* bias, u16* y, int M, int N, int nblk,         \
+        int g2) {                                                                                                   \
+        const Tiled T{ta, tm, tz, tt, binfo, N, nblk};                                                             \
+        tiled_body<ROWS, MT, (FUSE != 0), (PIPE != 0)>(T, g2, rowptr, ocols, ovals, x, bias, y, M);               \
+    }
+
+#define MIXED_TILED_PAIR(ROWS, MT, PIPE)   \
+    MIXED_TILED_ENTRY(ROWS, MT, 0, PIPE)   \
+    MIXED_TILED_ENTRY(ROWS, MT, 1, PIPE)
+
+MIXED_TILED_PAIR(4, 1, 0)
+MIXED_TILED_PAIR(4, 1, 1)
+MIXED_TILED_PAIR(8, 1, 0)
+MIXED_TILED_PAIR(8, 1, 1)
+MIXED_TILED_PAIR(4, 2, 0)
+MIXED_TILED_PAIR(4, 4, 0)
+MIXED_TILED_PAIR(4, 8, 0)
+MIXED_TILED_PAIR(4, 16, 0)
 
 // y[t, n] += Σ outliers of row n · x[t, col], for the unfused GEMV (and the paper's separate SpMV): one warp per
 // row. It reads y, written by the kernel ahead, after the dependency wait, through coherent loads.

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+import qtool.bench.command as command
 from qtool.bench import kernels as kb
 from qtool.bench import stats
 from qtool.bench.command import _fractions
+from tests.test_bench_plot import _e2e_report
 from tests.test_bench_stats import FakeCases, FakeTimer
+
+from bad_input import assert_one_line_error, run_cli
 
 PATH_US = {"mixed-gemv": 2.0, "mixed-gemv+spmv": 2.5, "mixed-dq+cublas": 8.0}
 
@@ -60,3 +64,22 @@ def test_mixed_fraction_option():
     assert _fractions("none-rows") == []
     with pytest.raises(stats.BenchError, match="--mixed: found '0.01'"):
         _fractions("0.01")
+
+
+def test_e2e_mixed_option_reaches_the_run(monkeypatch):
+    """`qtool bench e2e --mixed`: the fractions reach the run; a fraction over the layout's cap is refused."""
+    monkeypatch.setattr(command, "_need_gpu", lambda: None)
+    seen = {}
+
+    def fake(*a, **k):
+        seen.update(k)
+        return _e2e_report(False)
+
+    monkeypatch.setattr("qtool.bench.e2e.run_e2e", fake)
+    res = run_cli(["bench", "e2e", "--model-config", "tiny", "--mixed", "0,0.002"])
+    assert res.exit_code == 0, res.output
+    assert seen["mixed"] == (0.0, 0.002)
+    res = run_cli(["bench", "e2e", "--model-config", "tiny"])
+    assert res.exit_code == 0 and seen["mixed"] == ()
+    assert_one_line_error(run_cli(["bench", "e2e", "--model-config", "tiny", "--mixed", "0.01"]), 2,
+                          "--mixed: found '0.01'")

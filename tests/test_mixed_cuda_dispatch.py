@@ -41,3 +41,96 @@ def test_paths_and_unsupported_layers():
         mixed.outlier_mode("both")
     with pytest.raises(ValueError, match="pipe: found True for 2 token slots"):
         mixed.use_pipe(8192, 2, 2, True)
+
+
+def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -> torch.Tensor:
+    """The dense weight as the tiled GEMV reads its streams (kernels/mixed_gemv.cu, "The tiled GEMV"): codes 2j and
+    2j+1 of a word in field j of its low and high halves, the scale codes, zeros and second-order entries where
+    the kernel takes them."""
+    nblk = k // 64
+    w = lambda x: x.to(torch.int64) & 0xFFFFFFFF  # noqa: E731
+    ta, tm = w(t.ta).reshape(n, nblk, 4), w(t.tm).reshape(n, nblk, 2)
+    tz, tt = w(t.tz), w(t.tt).reshape(-1, nblk, 2)
+    half = lambda bits: (bits & 0xFFFF).to(torch.int16).view(torch.float16).to(torch.float32)  # noqa: E731
+    rows = torch.arange(n)
+    zrow = tz[rows // 4] >> (8 * (rows % 4))[:, None]  # [n, nblk]
+    h = rows // g2
+    s2 = torch.stack([half(tt[..., 0]), half(tt[..., 0] >> 16), half(tt[..., 1])], dim=-1)[h]  # [n, nblk, 3]
+    u = torch.stack([(tt[..., 1] >> (16 + 4 * i)) & 15 for i in range(3)], dim=-1)[h]
+    my = tm[..., 1]
+    out = torch.empty(n, nblk, 4, 16)
+    pos = torch.stack([(w(binfo) >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)  # [nblk, 4]
+    for i in range(3):
+        q = torch.stack([(ta[..., i] >> (2 * (j // 2) + 16 * (j % 2))) & 3 for j in range(16)], dim=-1)
+        z = (zrow >> (2 * i)) & 3
+        c = (my >> (16 + 4 * i)) & 15
+        out[:, :, i] = (q - z[..., None]) * ((c + u[..., i]) * s2[..., i])[..., None]
+    q = torch.stack([((ta[..., 3] if j < 8 else tm[..., 0]) >> (4 * ((j % 8) // 2) + 16 * (j % 2))) & 15
+                     for j in range(16)], dim=-1)
+    out[:, :, 3] = (q - (my >> 28)[..., None]) * half(my)[..., None]
+    dense = torch.empty(n, nblk, 4, 16)
+    dense.scatter_(2, pos[None, :, :, None].expand(n, nblk, 4, 16), out)
+    return dense.reshape(n, k)
+
+
+@pytest.mark.parametrize("n,k,g2", [(36, 320, 4), (64, 1024, 16), (24, 64, 12)])
+def test_tiled_streams_hold_the_checkpoint_layer(n, k, g2):
+    from qtool.packing.mixed import MixedWeight
+
+    g = torch.Generator().manual_seed(n * k + g2)
+    s = k // 16
+    is4 = torch.zeros(s, dtype=torch.bool)
+    is4[torch.arange(s // 4) * 4 + torch.randint(0, 4, (s // 4,), generator=g)] = True
+    s4, s2 = s // 4, s - s // 4
+    codes = torch.randint(0, 4, (n, k), generator=g)
+    cols4 = is4.repeat_interleave(16)
+    codes[:, cols4] = torch.randint(0, 16, (n, int(cols4.sum())), generator=g)
+    nh = -(-n // g2)
+    layer = MixedWeight.from_codes(
+        codes, is4, 16, g2, "block4", torch.randint(0, 16, (n, s2), generator=g), torch.randint(0, 4, (n, s2), generator=g),
+        torch.rand(nh, s2, generator=g) + 0.1, torch.randint(0, 16, (nh, s2), generator=g),
+        torch.rand(n, s4, generator=g) + 0.1, torch.randint(0, 16, (n, s4), generator=g),
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    binfo, block4 = mixed.block_info(layer.stripe_bits)
+    assert block4 and mixed.tiled_eligible(block4, g2) and not mixed.tiled_eligible(block4, 6)
+    t = mixed.tiled_streams(layer.qweight_a, layer.qweight_b, layer.scale_codes, layer.zeros2, layer.scales_2nd,
+                            layer.zeros_2nd, layer.scales4, layer.zeros4, binfo, g2)
+    assert [tuple(x.shape) for x in (t.ta, t.tm, t.tz, t.tt)] == [(n, k // 16), (n, k // 32), (-(-n // 4), k // 64),
+                                                                 (nh, k // 32)]
+    assert all(x.dtype == torch.int32 and x.is_contiguous() for x in (t.ta, t.tm, t.tz, t.tt))
+    assert torch.equal(_tiled_dense(t, binfo, n, k, g2), layer.dense())
+
+
+def test_tiled_config_and_layout_choice():
+    assert mixed.tiled_config(4096, 1) == (mixed.TILED_GEMV_ROWS, mixed.gemv_warps(4096, mixed.TILED_WARPS),
+                                           bool(mixed.TILED_PIPE))
+    assert mixed.tiled_config(4096, 1, rows=8, warps=4, pipe=True) == (8, 2, True)
+    with pytest.raises(ValueError, match="rows: found 8"):
+        mixed.tiled_config(4096, 2, rows=8)
+    with pytest.raises(ValueError, match="pipe: found True for 4 token slots"):
+        mixed.tiled_config(4096, 4, pipe=True)
+
+
+def test_bytes_the_gemv_reads_on_each_layout():
+    """Prepared.nbytes: the tiled GEMV reads 25.5 bytes per row and 64-channel block at g2 = 16 (plus binfo and the
+    outliers), within 1% of what the checkpoint layer stores (the zeros padded from 6 to 8 bits, the second-order
+    zero in 4 bits instead of 8); the direct GEMV reads the checkpoint tensors and the fp32 s2f, more."""
+    from qtool.bench.cuda_cases import random_mixed_weight
+
+    k, n = 1024, 64
+    w = random_mixed_weight(k, n, 0.002, torch.device("cpu"), torch.Generator().manual_seed(0))
+    binfo, block4 = mixed.block_info(w.stripe_bits)
+    p = mixed.Prepared(
+        qweight_a=w.qweight_a, qweight_b=w.qweight_b, scale_codes=w.scale_codes, zeros2=w.zeros2,
+        s2f=mixed.second_order_table(w.scales_2nd, w.zeros_2nd), scales4=w.scales4, zeros4=w.zeros4, binfo=binfo,
+        rowptr=w.outlier_rowptr, ocols=w.outlier_cols, ovals=w.outlier_values, in_features=k, out_features=n,
+        scale_group_size=16, s2=3 * k // 64, s4=k // 64, block4=block4, nnz=w.num_outliers, source_ptr=0)
+    assert mixed.gemv_layout(p) == "direct"
+    with pytest.raises(ValueError, match="layout: found 'tiled' for a layer without tiled streams"):
+        mixed.gemv_layout(p, "tiled")
+    mixed.add_tiled(p, w.scales_2nd, w.zeros_2nd)
+    assert mixed.gemv_layout(p) == ("tiled" if mixed.GEMV_TILED else "direct")
+    outliers = 4 * (n + 1) + 4 * w.num_outliers
+    assert p.nbytes("tiled") == n * (k // 64) * 51 // 2 + 4 * (k // 64) + outliers
+    stored = w.stored_bits() // 8 - k // 16  # stripe_bits is not read
+    assert abs(p.nbytes("tiled") - stored) < 0.01 * stored and p.nbytes("tiled") < p.nbytes("direct")

@@ -225,9 +225,13 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option("--torchao/--no-torchao", "torchao", default=True, show_default=True,
               help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).")
+@click.option("--mixed", "mixed", default="none-rows", show_default=True,
+              help="Also run the decoder on mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit), one run per "
+                   "outlier fraction, comma-separated (e.g. 0,0.002); 'none-rows' or empty: none.")
 @report_options
 def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, batches: str | None, context: int,
-            throughput: bool, new_tokens: int, variants: str, iters: int, torchao: bool, out: ReportOutput) -> None:
+            throughput: bool, new_tokens: int, variants: str, iters: int, torchao: bool, mixed: str,
+            out: ReportOutput) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs, peak GPU
     memory; with --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that
     fits."""
@@ -245,10 +249,12 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
+        mixed_fractions = _fractions(mixed)
         _need_gpu()
         with out:
             report = e2e.run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
-                                 log=lambda s: click.echo(s, err=True), torchao=torchao)
+                                 log=lambda s: click.echo(s, err=True), torchao=torchao,
+                                 mixed=tuple(mixed_fractions))
             out.finish(report, [], e2e.report_parts, e2e.figure)
 
     go()

@@ -11,6 +11,36 @@ from qtool.bench.stats import fp16_bytes, gemm_flops, quant_bytes
 from qtool.bench.timing import Fns
 
 
+def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.device, gen: torch.Generator):
+    """A random mixed-2-4-16 layer built on the GPU (block4, g1 = g2 = 16): every code word is valid; the outliers
+    sit at random positions of the 2-bit stripes."""
+    from qtool.packing.mixed import MixedWeight  # noqa: PLC0415
+
+    s = k // 16
+    s4, s2 = s // 4, s - s // 4
+    bits = torch.full((s // 4, 4), 2, dtype=torch.uint8)
+    bits[torch.arange(s // 4), torch.randint(0, 4, (s // 4,))] = 4
+    rint = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=device,  # noqa: E731
+                                        generator=gen)
+    nnz = int(outlier_fraction * n * k)
+    flat = torch.unique(torch.randint(0, n * s2 * 16, (nnz,), device=device, generator=gen))
+    rows, c2 = flat // (s2 * 16), flat % (s2 * 16)
+    cols2 = torch.nonzero((bits.reshape(-1) == 2).repeat_interleave(16))[:, 0].to(device)
+    cols = cols2[c2]
+    rowptr = torch.zeros(n + 1, dtype=torch.int32, device=device)
+    rowptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
+    return MixedWeight(
+        group_size=16, scale_group_size=16, assign="block4", in_features=k, out_features=n,
+        qweight_a=rint(n, k // 16), qweight_b=rint(n, s4), stripe_bits=bits.reshape(-1).to(device),
+        scale_codes=rint(n, -(-s2 // 8)), zeros2=rint(n, -(-s2 // 16)),
+        scales_2nd=(torch.rand(n // 16, s2, device=device, generator=gen) * 0.004 + 0.0002).half(),
+        zeros_2nd=torch.randint(0, 16, (n // 16, s2), device=device, generator=gen).to(torch.uint8),
+        scales4=(torch.rand(n, s4, device=device, generator=gen) * 0.004 + 0.002).half(),
+        zeros4=rint(n, -(-s4 // 8)),
+        outlier_values=(torch.randn(len(flat), device=device, generator=gen) * 0.05).half(),
+        outlier_cols=torch.where(cols >= 1 << 15, cols - (1 << 16), cols).to(torch.int16), outlier_rowptr=rowptr)
+
+
 def random_packed(n: int, k: int, bits: int, group_size: int | None, symmetric: bool, device: torch.device,
                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Random grouped_int tensors: every bit pattern of a word is a valid code, so qweight is random int32."""
@@ -165,34 +195,10 @@ class CudaCases:
         return fns, m
 
     def _mixed_layer(self, k: int, n: int, outlier_fraction: float):
-        """A random mixed-2-4-16 layer built on the GPU (block4, g1 = g2 = 16): every code word is valid; the
-        outliers sit at random positions of the 2-bit stripes."""
+        """A random mixed-2-4-16 layer (random_mixed_weight) prepared for the kernels."""
         from qtool.cuda import mixed  # noqa: PLC0415
 
-        s = k // 16
-        s4, s2 = s // 4, s - s // 4
-        bits = torch.full((s // 4, 4), 2, dtype=torch.uint8)
-        bits[torch.arange(s // 4), torch.randint(0, 4, (s // 4,))] = 4
-        binfo, _ = mixed.block_info(bits.reshape(-1))
-        rint = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=self.dev,  # noqa: E731
-                                            generator=self.gen)
-        nnz = int(outlier_fraction * n * k)
-        flat = torch.unique(torch.randint(0, n * s2 * 16, (nnz,), device=self.dev, generator=self.gen))
-        rows, c2 = flat // (s2 * 16), flat % (s2 * 16)
-        cols2 = torch.nonzero((bits.reshape(-1) == 2).repeat_interleave(16))[:, 0].to(self.dev)
-        rowptr = torch.zeros(n + 1, dtype=torch.int32, device=self.dev)
-        rowptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
-        s2nd = (torch.rand(n // 16, s2, device=self.dev, generator=self.gen) * 0.004 + 0.0002).half()
-        u = torch.randint(0, 16, (n // 16, s2), device=self.dev, generator=self.gen)
-        return mixed.Prepared(
-            qweight_a=rint(n, k // 16), qweight_b=rint(n, s4), scale_codes=rint(n, -(-s2 // 8)),
-            zeros2=rint(n, -(-s2 // 16)),
-            s2f=mixed.second_order_table(s2nd, u),
-            scales4=(torch.rand(n, s4, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
-            zeros4=rint(n, -(-s4 // 8)), binfo=binfo.to(self.dev), rowptr=rowptr,
-            ocols=cols2[c2].to(torch.int16), ovals=self._randn(len(flat)) * 0.05,
-            in_features=k, out_features=n, scale_group_size=16, s2=s2, s4=s4, block4=True, nnz=len(flat),
-            source_ptr=0)
+        return mixed.prepare(random_mixed_weight(k, n, outlier_fraction, self.dev, self.gen))
 
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]:
         """(candidate paths, the dispatched one, bytes a call must move) of a mixed-2-4-16 row."""
@@ -203,6 +209,7 @@ class CudaCases:
             cands.append("mixed-gemv")
             if outlier_fraction > 0:
                 cands.append("mixed-gemv+spmv")
+            cands.append("mixed-gemv-direct")  # the GEMV on the checkpoint layout, beside the tiled one
         if m >= mixed.GEMV_MAX_M:
             cands.append("mixed-dq+cublas")
         if m > mixed.GEMV_MAX_M:
@@ -226,10 +233,13 @@ class CudaCases:
                 fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused"))
             elif path == "mixed-gemv+spmv":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="spmv"))
+            elif path == "mixed-gemv-direct":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused", layout="direct"))
             elif path == "mixed-dq+cublas":
                 fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
             else:
-                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv or mixed-dq+cublas")
+                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct or "
+                                 "mixed-dq+cublas")
         return fns
 
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):

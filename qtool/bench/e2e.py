@@ -298,6 +298,19 @@ def torchao_linear(device: torch.device, group_size: int, gen: torch.Generator):
 
 
 TORCHAO = "torchao-int4"
+MIXED = "mixed-2-4-16"
+
+
+def mixed_label(outlier_fraction: float) -> str:
+    return f"{MIXED} {100 * outlier_fraction:g}%"
+
+
+def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Generator):
+    """Random mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit stripes; qtool/cuda/mixed.py runs them)."""
+    from qtool.bench.cuda_cases import random_mixed_weight  # noqa: PLC0415
+    from qtool.runtime.mixed_linear import MixedLinear  # noqa: PLC0415
+
+    return lambda k, n: MixedLinear(random_mixed_weight(k, n, outlier_fraction, device, gen))
 
 
 def _time_graph(step, iters: int) -> float:
@@ -380,7 +393,8 @@ def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.d
 
 
 def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, batches: list[int], context: int,
-            iters: int, log=lambda s: None, torchao: bool = True) -> dict[str, Any]:
+            iters: int, log=lambda s: None, torchao: bool = True,
+            mixed: tuple[float, ...] = ()) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA  # noqa: PLC0415
 
     d = dims_for(model_name)
@@ -399,10 +413,13 @@ def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, bat
         else:
             report["torchao_skipped"] = reason
             log(f"{TORCHAO}: not run ({reason})")
+    fractions = {mixed_label(f): f for f in mixed}
+    labels += list(fractions)
     for label in labels:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         make = (fp16_linear(dev) if label == "fp16" else torchao_linear(dev, group_size, gen) if label == TORCHAO
+                else mixed_linear(dev, fractions[label], gen) if label in fractions
                 else quant_linear(dev, bits, group_size, gen))
         model = Decoder(d, make, dev).eval()
         res = measure_model(model, prompt, batches, context, iters)
@@ -444,6 +461,8 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
                      "to float16 around each linear (the decoder's other kernels are float16)")
     if r.get("torchao_skipped"):
         notes.append(f"{TORCHAO} not run: {r['torchao_skipped']}")
+    if any(label.startswith(MIXED) for label in r["runs"]):
+        notes.append(f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers")
     return [tables.table(f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
                          f"{r['decode_context']} (static cache), CUDA graphs, random weights", cols, rows), *notes]
 

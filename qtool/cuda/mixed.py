@@ -12,7 +12,10 @@ Paths, chosen per call from the token count M and the activation dtype:
 The checkpoint tensors are used in place; preparation adds two small tables: `binfo` (per 64-channel block: the
 rank of its first 4-bit stripe, its number of 4-bit stripes and the positions of its stripes, 4 bytes per 64
 input channels) and `s2f` (per second-order group, 64·s2 and 64·u·s2 in float32, so a first-order scale is one
-exact fma: 8 bytes per 16 rows of a 2-bit stripe).
+exact fma: 8 bytes per 16 rows of a 2-bit stripe). Block4 layers with g2 a multiple of 4 also get the tiled
+streams (`tiled_streams`: the same bits re-laid so a thread's share of a row and 64-channel block is one 16-byte
+and one 8-byte load), which the one-to-16-token GEMV reads instead (``tiled``; the checkpoint layout's GEMV is
+``direct``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,21 @@ GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
 # helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
 GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
 PIPE_MIN_BLOCKS_PER_THREAD = 2
-# "fused" or "spmv". On an H200 at one token with 0.2% outliers, fused 6.32 / 15.22 / 14.48 / 59.54 us at
-# 4096x4096 / 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.97 / 17.48 / 16.97 / 60.99 as a second kernel
+# "fused" or "spmv". At one token with 0.2% outliers, fused 4.65 / 11.71 / 10.47 / 43.29 us at 4096x4096 /
+# 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.7 / 14.8 / 15.2 / 45.7 as a second kernel (tiled GEMV, an
+# H100); the direct GEMV on an H200: 6.32 / 15.22 / 14.48 / 59.54 against 7.97 / 17.48 / 16.97 / 60.99
 # (kernels/NOTES.md).
 OUTLIERS = "fused"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
+# 1 (default): block4 layers with g2 a multiple of 4 run the GEMV on the tiled streams; 0: on the checkpoint layout.
+GEMV_TILED = cc.env_int("QTOOL_MIXED_TILED", 1)
+TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token only)
+# At one token on an H100, 4-row blocks of 2 warps with the prefetch were best or within noise of the best at the
+# Llama-2-7B shapes and 8192x28672 (4096x4096: 4.21 us, without the prefetch 4.88, 1 warp 6.44, 8-row blocks
+# 4.72-7.78; kernels/NOTES.md).
+TILED_GEMV_ROWS = cc.env_int("QTOOL_MIXED_TILED_ROWS", 4)
+TILED_WARPS = cc.env_int("QTOOL_MIXED_TILED_WARPS", 2)
+TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 1)
 
 
 @dataclass
@@ -70,6 +83,7 @@ class Prepared:
     block4: bool  # every 64-channel block holds exactly one 4-bit stripe
     nnz: int
     source_ptr: int
+    tiled: Tiled | None = None  # the tiled streams (block4 layers with g2 a multiple of 4)
 
     def layer_args(self) -> tuple:
         p = self
@@ -82,11 +96,100 @@ class Prepared:
                 cc.i32(p.scale_codes.shape[1]), cc.i32(p.zeros2.shape[1]), cc.i32(p.zeros4.shape[1]),
                 cc.i32(p.scale_group_size))
 
-    def nbytes(self) -> int:
-        """Bytes a GEMV reads of the layer (what it streams and what it looks up)."""
-        ts = (self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2f, self.scales4, self.zeros4,
-              self.binfo, self.rowptr, self.ocols, self.ovals)
+    def nbytes(self, layout: str | None = None) -> int:
+        """Bytes the GEMV reads of the layer (what it streams and what it looks up) on `layout` ("tiled" or
+        "direct"; by default the one `gemv` takes)."""
+        if gemv_layout(self, layout) == "tiled":
+            t = self.tiled
+            ts = [t.ta, t.tm, t.tz, t.tt, self.binfo]
+        else:
+            ts = [self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2f, self.scales4, self.zeros4,
+                  self.binfo]
+        if self.nnz:
+            ts += [self.rowptr, self.ocols, self.ovals]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class Tiled:
+    """The tiled streams of a block4 layer (kernels/mixed_gemv.cu, "The tiled GEMV"), int32 words."""
+
+    ta: torch.Tensor  # [N, K/16]: per 64-channel block, its three 2-bit stripes, then its 4-bit stripe's first half
+    tm: torch.Tensor  # [N, K/32]: per block, its 4-bit stripe's second half; s4 | c0, c1, c2 << 16.. | z4 << 28
+    tz: torch.Tensor  # [ceil(N/4), K/64]: the 2-bit zeros of 4 rows
+    tt: torch.Tensor  # [N/g2, K/32]: per block, s2 of its three 2-bit stripes and their u
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """int32 words as int64 in 0..2^32-1."""
+    return t.to(torch.int64) & 0xFFFFFFFF
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t >= 1 << 31, t - (1 << 32), t).to(torch.int32)
+
+
+def _fields(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` `bits`-bit codes of each row of packed words [R, W] (LSB-first), int64 [R, count]."""
+    per = 32 // bits
+    shifts = torch.arange(per, device=words.device) * bits
+    return ((_words(words).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)[:, :count]
+
+
+def pair_order(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Code words (int64, codes LSB-first) with codes 2n, 2n+1 moved to fields n of the low and high halves (the
+    tiled order: an unpacked pair is (w_2n, w_2n+1), the order of the activations' 32-bit words)."""
+    mask = (1 << bits) - 1
+    out = torch.zeros_like(words)
+    for j in range(32 // bits):
+        out |= ((words >> (bits * j)) & mask) << (bits * (j // 2) + 16 * (j % 2))
+    return out
+
+
+def tiled_streams(qweight_a: torch.Tensor, qweight_b: torch.Tensor, scale_codes: torch.Tensor,
+                  zeros2: torch.Tensor, scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor, scales4: torch.Tensor,
+                  zeros4: torch.Tensor, binfo: torch.Tensor, scale_group_size: int) -> Tiled:
+    """The tiled streams of a block4 layer with group_size 16 (built where qweight_a lives): the same bits as the
+    checkpoint tensors but the second-order zero, which takes 4 bits instead of 8, and each block's zeros, padded
+    from 6 to 8 bits."""
+    n, k = qweight_a.shape[0], qweight_a.shape[1] * 16
+    nblk = k // 64
+    dev = qweight_a.device
+    info = _words(binfo.to(dev))
+    pos = torch.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)  # [nblk, 4]: 2-bit ones, then 4-bit
+    qa = torch.gather(_words(qweight_a).reshape(n, nblk, 4), 2, pos.expand(n, nblk, 4))
+    ta = torch.cat([pair_order(qa[..., :3], 2), pair_order(qa[..., 3:], 4)], dim=-1)
+    s2 = 3 * nblk
+    c = _fields(scale_codes, 4, s2).reshape(n, nblk, 3)
+    s4 = scales4.to(dev).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    z4 = _fields(zeros4, 4, nblk)
+    my = s4 | (c[..., 0] << 16) | (c[..., 1] << 20) | (c[..., 2] << 24) | (z4 << 28)
+    tm = torch.stack([pair_order(_words(qweight_b), 4), my], dim=-1)
+    z = _fields(zeros2, 2, s2).reshape(n, nblk, 3)
+    zb = z[..., 0] | (z[..., 1] << 2) | (z[..., 2] << 4)
+    groups = -(-n // 4)
+    zb = torch.cat([zb, zb.new_zeros(4 * groups - n, nblk)]).reshape(groups, 4, nblk)
+    tz = sum(zb[:, r] << (8 * r) for r in range(4))
+    h = scales_2nd.shape[0]
+    sc2 = (scales_2nd.to(dev).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).reshape(h, nblk, 3)
+    u = zeros_2nd.to(dev).to(torch.int64).reshape(h, nblk, 3)
+    tt = torch.stack([sc2[..., 0] | (sc2[..., 1] << 16),
+                      sc2[..., 2] | (u[..., 0] << 16) | (u[..., 1] << 20) | (u[..., 2] << 24)], dim=-1)
+    del scale_group_size  # rows n..n+3 share tt row n // g2 (g2 a multiple of 4: checked by the caller)
+    return Tiled(ta=_int32(ta).reshape(n, k // 16).contiguous(), tm=_int32(tm).reshape(n, 2 * nblk).contiguous(),
+                 tz=_int32(tz).contiguous(), tt=_int32(tt).reshape(h, 2 * nblk).contiguous())
+
+
+def tiled_eligible(block4: bool, scale_group_size: int) -> bool:
+    return block4 and scale_group_size % 4 == 0
+
+
+def add_tiled(p: Prepared, scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> Prepared:
+    """`p` with its tiled streams (when the layer has a tiled GEMV)."""
+    if tiled_eligible(p.block4, p.scale_group_size):
+        p.tiled = tiled_streams(p.qweight_a, p.qweight_b, p.scale_codes, p.zeros2, scales_2nd, zeros_2nd, p.scales4,
+                                p.zeros4, p.binfo, p.scale_group_size)
+    return p
 
 
 def unsupported_reason(group_size: int, in_features: int) -> str | None:
@@ -135,13 +238,14 @@ def prepare(layout) -> Prepared:
     s2 = int(layout.scales_2nd.shape[1])
     s2f = second_order_table(layout.scales_2nd, layout.zeros_2nd)
     s4 = int(layout.scales4.shape[1])
-    return Prepared(
+    p = Prepared(
         qweight_a=qa, qweight_b=on(layout.qweight_b), scale_codes=on(layout.scale_codes), zeros2=on(layout.zeros2),
         s2f=on(s2f), scales4=on(layout.scales4), zeros4=on(layout.zeros4), binfo=on(binfo),
         rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols), ovals=on(layout.outlier_values),
         in_features=k, out_features=n, scale_group_size=layout.scale_group_size, s2=s2, s4=s4, block4=block4,
         nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr(),
     )
+    return add_tiled(p, layout.scales_2nd, layout.zeros_2nd)
 
 
 def second_order_table(scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> torch.Tensor:
@@ -205,31 +309,69 @@ def outlier_mode(outliers: str | None = None) -> str:
     return mode
 
 
+def gemv_layout(p: Prepared, layout: str | None = None) -> str:
+    """Which streams the GEMV reads: "tiled" (where the layer has them, unless QTOOL_MIXED_TILED=0) or "direct"
+    (the checkpoint tensors); `layout` forces one."""
+    if layout is None:
+        return "tiled" if p.tiled is not None and GEMV_TILED else "direct"
+    if layout not in ("tiled", "direct"):
+        raise ValueError(f"layout: found {layout!r}, expected tiled or direct")
+    if layout == "tiled" and p.tiled is None:
+        raise ValueError("layout: found 'tiled' for a layer without tiled streams (block4 with g2 a multiple of 4)")
+    return layout
+
+
 def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         outliers: str | None = None, warps: int | None = None, pipe: bool | None = None) -> torch.Tensor:
+         outliers: str | None = None, warps: int | None = None, pipe: bool | None = None,
+         layout: str | None = None, rows: int | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
-    `warps` and `pipe` override the tuned choices."""
+    `layout` "tiled" or "direct" (gemv_layout); `warps`, `pipe` and `rows` (tiled only) override the tuned
+    choices."""
     lead = x.shape[:-1]
     x2 = cc.f16_rows(x, p.in_features, LAYOUT)
     m = x2.shape[0]
     mt = token_slots(m)
     outliers = outlier_mode(outliers)
-    w = gemv_warps(p.in_features, warps)
-    piped = use_pipe(p.in_features, mt, w, pipe)
+    layout = gemv_layout(p, layout)
     out = cc.f16_out(out, (m, p.out_features), x.device)
     dev = cc.device_index(x.device)
     fuse = outliers == "fused" and p.nnz > 0
-    name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+    tail = (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(_bias(bias, p)), cc.ptr(out),
+            cc.i32(m))
+    if layout == "tiled":
+        r, w, piped = tiled_config(p.in_features, mt, rows, warps, pipe)
+        name = f"mixed_gemv_tiled_r{r}_m{mt}_f{int(fuse)}_p{int(piped)}"
+        t = p.tiled
+        args = (cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo), *tail,
+                cc.i32(p.out_features), cc.i32(p.in_features // 64), cc.i32(p.scale_group_size))
+    else:
+        if rows not in (None, ROWS):
+            raise ValueError(f"rows: found {rows}, expected {ROWS} for the direct layout")
+        r = ROWS
+        w = gemv_warps(p.in_features, warps)
+        piped = use_pipe(p.in_features, mt, w, pipe)
+        name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+        args = (*p.layer_args(), *tail, *p.shape_args())
     fn = cc.load_module(SOURCE, device=dev).fn(name)
-    dependent_launch.launch(
-        fn, (-(-p.out_features // ROWS),), (32 * w,),
-        (*p.layer_args(), cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(_bias(bias, p)),
-         cc.ptr(out), cc.i32(m), *p.shape_args()),
-        device=dev,
-    )
+    dependent_launch.launch(fn, (-(-p.out_features // r),), (32 * w,), args, device=dev)
     if not fuse:
         spmv(x2, p, out)
     return out.reshape(*lead, p.out_features)
+
+
+def tiled_config(k: int, token_slots: int, rows: int | None = None, warps: int | None = None,
+                 pipe: bool | None = None) -> tuple[int, int, bool]:
+    """(rows per block, warps per block, prefetch) of the tiled GEMV: the tuned defaults unless given."""
+    r = TILED_GEMV_ROWS if rows is None else rows
+    if r not in TILED_ROWS or (r != 4 and token_slots != 1):
+        raise ValueError(f"rows: found {r}, expected 4 (or 8 for one token) for the tiled GEMV")
+    w = gemv_warps(k, TILED_WARPS if warps is None else warps)
+    piped = bool(TILED_PIPE) if pipe is None else pipe
+    if piped and token_slots != 1:
+        if pipe:
+            raise ValueError(f"pipe: found True for {token_slots} token slots, expected it only for one token")
+        piped = False
+    return r, w, piped
 
 
 def dequantize(p: Prepared, outliers: bool = True) -> torch.Tensor:

@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 TOL = 3e-3
 # (N, K, g2): N not a multiple of the rows per block or of 16, g2 odd, K of 1, 5, 17, 65 and 300 64-channel blocks
 ODD = [(17, 64, 17), (100, 320, 5), (200, 1088, 8), (72, 4160, 9), (40, 19200, 8)]
+# block4 layers of these take the tiled GEMV (g2 a multiple of 4): N not a multiple of 8 (the 8-row blocks' last
+# rows past N), K of 2, 65 and 300 blocks
+ODD_TILED = [(12, 128, 4), (20, 4160, 4), (36, 19200, 12)]
 REAL = [(4096, 4096, 16), (11008, 4096, 16), (4096, 11008, 16)]  # (N, K) of Llama-2-7B projections
 MS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)
 
@@ -91,6 +94,12 @@ def _prep(layer):
     return prepare(layer)
 
 
+def mixed_layout(p) -> str:
+    from qtool.cuda.mixed import gemv_layout
+
+    return gemv_layout(p)
+
+
 def _check(layer, p, m: int, seed: int, with_bias: bool = False, **kw) -> None:
     from qtool.cuda import mixed
 
@@ -116,8 +125,36 @@ def test_gemv_odd_shapes(assign, fraction, nkg):
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers=outliers)
     for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them), with and without the prefetch
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=True)
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=False)
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=True, layout="direct")
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=False, layout="direct")
+    assert (p.tiled is not None) == (assign == "block4" and g2 % 4 == 0)
+    if p.tiled is not None:
+        _check_tiled(layer, p, seed)
+
+
+def _check_tiled(layer, p, seed: int) -> None:
+    """The tiled GEMV at every token count, and at one token every rows x warps x prefetch build, both outlier modes."""
+    for m in MS:
+        _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers="fused", layout="tiled")
+    for rows in (4, 8):
+        for warps in (1, 2, 4, 8):
+            for pipe in (False, True):
+                for outliers in ("fused", "spmv"):
+                    _check(layer, p, 1, seed, with_bias=True, outliers=outliers, layout="tiled", rows=rows,
+                           warps=warps, pipe=pipe)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02])
+@pytest.mark.parametrize("nkg", ODD_TILED)
+def test_tiled_gemv_odd_shapes(fraction, nkg):
+    n, k, g2 = nkg
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_mixed(n, k, g2, "block4", fraction, seed, bias=True)
+    p = _prep(layer)
+    assert p.tiled is not None
+    for m in MS:
+        _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers="spmv", layout="tiled")
+    _check_tiled(layer, p, seed)
 
 
 @pytest.mark.parametrize("nkg", REAL)
@@ -132,7 +169,9 @@ def test_gemv_real_shapes(nkg):
     for warps in (1, 2, 4, 8):
         for pipe in (False, True):
             for outliers in ("fused", "spmv"):
-                _check(layer, p, 1, seed, warps=warps, pipe=pipe, outliers=outliers)
+                _check(layer, p, 1, seed, warps=warps, pipe=pipe, outliers=outliers, layout="direct")
+    assert mixed_layout(p) == "tiled"
+    _check_tiled(layer, p, seed)
 
 
 def test_dequantize_matches_the_reference_cast_bit_for_bit():
@@ -214,3 +253,37 @@ def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
     for o in outs:
         assert torch.equal(o, plain)
     assert rel_err(mixed.gemv(buf, p), reference64(layer, buf, False)) < TOL
+
+
+def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
+    """`qtool bench e2e --mixed`: the bench decoder on mixed-2-4-16 projections (tiled GEMV, fused outliers) gives the
+    same bits eagerly with ordinary and dependent launches and replayed from a CUDA graph."""
+    from qtool.bench import e2e
+    from qtool.cuda import mixed
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    d = e2e.Dims(hidden=512, intermediate=1408, layers=2, heads=8, kv_heads=4, vocab=1000)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    model = e2e.Decoder(d, e2e.mixed_linear(dev, 0.002, gen), dev).eval()
+    length = 16
+    tables = model.rope_tables(length, dev)
+    caches = [(torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
+               torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half())
+              for _ in range(d.layers)]
+    x = torch.randn(1, 1, d.hidden, device=dev, generator=gen).half()
+    pos = torch.tensor([9], device=dev)
+    mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
+
+    def chain() -> torch.Tensor:
+        h, y = x, None
+        for b, (kc, vc) in zip(model.blocks, caches, strict=True):
+            h, y = b(h, y, tables, (kc, vc), pos, mask)
+        return torch.cat([h.flatten(), y.flatten()])
+
+    with torch.inference_mode():
+        plain, outs = dependent_chain_runs(chain)
+    assert all(mixed.gemv_layout(b.qkv._qtool_prepared) == "tiled" for b in model.blocks)
+    assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0, f"seed {seed}"
+    for i, y in enumerate(outs):
+        assert torch.equal(y, plain), f"seed {seed}, run {i}: {int((y != plain).sum())} elements differ"
