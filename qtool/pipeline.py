@@ -276,26 +276,32 @@ class _Blocks:
                              world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
-            def solve(rel: str, stats=stats, objective=objective, probe=probe):
+            def solve(rel: str, rows: range, stats=stats, objective=objective, probe=probe):
                 linear = block.get_submodule(rel)
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                return mine[rel].quantize(f"{prefix}.{rel}", linear.weight.data.float(),
+                weight = linear.weight.data.float()
+                if len(rows) < weight.shape[0]:
+                    weight = weight[rows.start:rows.stop]
+                return mine[rel].quantize(f"{prefix}.{rel}", weight,
                                           stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
 
-            # Each linear of the group is solved by one rank and sent to every rank. With several ranks every rank
-            # solves all of its linears before any is sent, so the solves run at the same time (the attention
-            # objective, which reads the group's other weights as solved so far, is refused there).
-            early = self.world.size > 1 and not objective
-            solved = {rel: solve(rel) for j, rel in enumerate(todo)
-                      if early and self.world.rank == self.world.owner(j)}
+            # With several ranks, the group's linears are shared out as `World.plan` says (whole, or split by rows
+            # over a team of ranks), and every rank solves all of its share before any result is sent, so the
+            # solves run at the same time (the attention objective, which reads the group's other weights as
+            # solved so far, is refused there: each linear is then solved whole, one after another).
+            world = self.world
+            early = world.size > 1 and not objective
+            plan = world.plan([(block.get_submodule(rel).out_features, mine[rel].row_split() if early else None)
+                               for rel in todo])
+            solved = {rel: solve(rel, plan[j][world.rank]) for j, rel in enumerate(todo)
+                      if early and len(plan[j][world.rank])}
             for j, rel in enumerate(todo):
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
-                owner = self.world.owner(j)
                 result = solved.pop(rel, None)
-                if not early and self.world.rank == owner:
-                    result = solve(rel)
-                result = self.world.share_result(owner, result, tuple(linear.weight.shape))
+                if not early and len(plan[j][world.rank]):
+                    result = solve(rel, plan[j][world.rank])
+                result = world.share_rows(plan[j], result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))

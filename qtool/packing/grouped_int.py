@@ -40,6 +40,19 @@ class GroupedIntWeight:
             zeros=None if spec.symmetric else zeros.round().to(torch.uint8).cpu().contiguous(),
         )
 
+    @classmethod
+    def concat_rows(cls, parts: list[GroupedIntWeight]) -> GroupedIntWeight:
+        """One layer from `parts`, consecutive output rows of it quantized apart, in row order: every tensor leads
+        with the rows."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.spec, p.in_features) != (first.spec, first.in_features):
+                raise ValueError(f"grouped_int: row slices of different layers ({p.spec}, {p.in_features} inputs "
+                                 f"against {first.spec}, {first.in_features})")
+        return cls(first.spec, first.in_features, sum(p.out_features for p in parts),
+                   torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                   None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.spec.bits, self.in_features)
 

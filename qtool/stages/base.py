@@ -101,6 +101,13 @@ class QuantizerStage(Stage):
         """Whether a block's linears must see the outputs of the already-quantized linears before them."""
         return True
 
+    def row_split(self) -> int | None:
+        """The granularity (in output rows) at which `quantize` of a slice of a weight's rows gives exactly those
+        rows of the whole weight's result, its packed layout joining slices with `concat_rows`; None when rows
+        are coupled (codebooks fitted over rows, choices made from the whole matrix). With several processes a
+        linear whose stage says so is split by rows over the ranks (qtool/distributed.py)."""
+        return None
+
     def preview(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [N, K] as round-to-nearest under this stage's scheme leaves it (float32): what transforms that
         search their parameters (smoothing strength) measure the quantization error with."""
