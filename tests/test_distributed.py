@@ -318,6 +318,8 @@ def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, o
     w = torch.randn(n, k, generator=g).to(device)
     name = "model.layers.0.mlp.down_proj"
     whole = quantizer.quantize(name, w, stats)
+    # What the stage dequantized where it solved is what the layout dequantizes to on the host.
+    assert torch.equal(whole.dequantized.cpu(), whole.packed.dequantize(torch.float32).cpu())
     for size in (2, 3, 5):
         ranges = World(0, size).rows(n, quantizer.row_split())
         assert [i for r in ranges for i in r] == list(range(n))

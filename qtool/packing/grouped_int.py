@@ -60,14 +60,23 @@ class GroupedIntWeight:
         g = self.spec.group_size or self.in_features
         return torch.arange(self.in_features, device=self.qweight.device) // g
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        idx = self.group_index()
-        scales = self.scales.to(torch.float32)[:, idx]
-        if self.zeros is None:
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+        """`(code - zero)·scale` [N, K], computed on `device` (default: where the tensors are). Every device gives
+        the same values: the unpacking is integer, then one exact subtraction and one rounded product per weight
+        in float32, so the GPTQ stage dequantizes where it solved instead of unpacking on the host."""
+        layer = self if device is None else self.to(device)
+        idx = layer.group_index()
+        scales = layer.scales.to(torch.float32)[:, idx]
+        if layer.zeros is None:
             zeros = float(self.spec.sym_zero)
         else:
-            zeros = self.zeros.to(torch.float32)[:, idx]
-        return ((self.codes().to(torch.float32) - zeros) * scales).to(dtype)
+            zeros = layer.zeros.to(torch.float32)[:, idx]
+        return ((layer.codes().to(torch.float32) - zeros) * scales).to(dtype)
+
+    def to(self, device: torch.device | str) -> GroupedIntWeight:
+        """The same layer with its tensors on `device`."""
+        return GroupedIntWeight(self.spec, self.in_features, self.out_features, self.qweight.to(device),
+                                self.scales.to(device), None if self.zeros is None else self.zeros.to(device))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales}

@@ -53,4 +53,4 @@ class GPTQStage(HessianStage):
             clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
         )
         packed = GroupedIntWeight.from_codes(codes, scales, zeros, spec)
-        return QuantResult(packed, packed.dequantize(torch.float32))
+        return QuantResult(packed, packed.dequantize(torch.float32, weight.device))
