@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +190,9 @@ class _Blocks:
         self.recipe, self.adapter, self.config, self.device = recipe, adapter, config, device
         # Several processes (qtool/distributed.py): this rank's share of the samples, statistics combined.
         self.world = world or World()
+        # Seconds of this rank in the linears' statistics (with their combination over the ranks), in its solves,
+        # and in sending results (with waiting for the other ranks' solves): `--json` reports them per rank.
+        self.seconds = {"stats_s": 0.0, "solve_s": 0.0, "share_s": 0.0}
         self.assignment = _assign(adapter, recipe, num_blocks)
         self.transforms = recipe.transforms()
         self.fp_stats: dict[str, LinearStats] = {}
@@ -240,6 +244,18 @@ class _Blocks:
             shutil.rmtree(folder, ignore_errors=True)
         return ActivationStore(self.device, prepared.activations, folder, owned=True)
 
+    @contextmanager
+    def _timed(self, key: str):
+        # GPU work is asynchronous: the device is waited for at both ends, so the time is the work's.
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.seconds[key] += time.perf_counter() - t
+
     def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
                  ) -> tuple[dict[str, object], list[torch.Tensor]]:
         """Transform (with calibration) and quantize block `i` (on the compute device, its weights already through
@@ -272,8 +288,9 @@ class _Blocks:
             if not todo:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
-            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
-                             world=self.world) if need else {}
+            with self._timed("stats_s"):
+                stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
+                                 world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
             def solve(rel: str, rows: range, stats=stats, objective=objective, probe=probe):
@@ -282,8 +299,9 @@ class _Blocks:
                 weight = linear.weight.data.float()
                 if len(rows) < weight.shape[0]:
                     weight = weight[rows.start:rows.stop]
-                return mine[rel].quantize(f"{prefix}.{rel}", weight,
-                                          stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
+                with self._timed("solve_s"):
+                    return mine[rel].quantize(f"{prefix}.{rel}", weight,
+                                              stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
 
             # With several ranks, the group's linears are shared out as `World.plan` says (whole, or split by rows
             # over a team of ranks), and every rank solves all of its share before any result is sent, so the
@@ -301,7 +319,8 @@ class _Blocks:
                 result = solved.pop(rel, None)
                 if not early and len(plan[j][world.rank]):
                     result = solve(rel, plan[j][world.rank])
-                result = world.share_rows(plan[j], result, tuple(linear.weight.shape))
+                with self._timed("share_s"):
+                    result = world.share_rows(plan[j], result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))

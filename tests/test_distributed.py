@@ -196,6 +196,9 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     summary = json.loads(runs[0].stdout)
     assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert all(r["quantize_s"] > 0 for r in summary["ranks"])
+    # Both ranks solved (each has linears or slices of every block) and shared.
+    assert all(r["solve_s"] > 0 and r["share_s"] > 0 and r["stats_s"] > 0 for r in summary["ranks"]), summary
+    assert all(r["solve_s"] + r["share_s"] + r["stats_s"] < r["quantize_s"] for r in summary["ranks"]), summary
     assert not runs[1].stdout.strip() and not runs[1].stderr.strip()  # rank 0 alone reports
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
