@@ -8,8 +8,8 @@ stages accumulate over samples is combined here, so each rank computes what one 
 - Quantized weights (`plan`, `share_rows`): the linears of a group go to the ranks in whole rounds, one linear
   per rank; each of the rest (all of a group of one, such as o_proj or down_proj) goes to a team of ranks that
   split its output rows, when its stage solves rows apart (GPTQ and the stages built on it: every row is solved
-  with the same Hessian, column order and inverse-Hessian factor, and its own group scales and zeros), else to
-  the team's first rank. Each rank's dequantized rows are sent to every rank and its packed rows to rank 0,
+  with the same Hessian, column order and inverse-Hessian factor, and its own group scales and zeros; what a
+  stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank. Each rank's dequantized rows are sent to every rank and its packed rows to rank 0,
   which joins them in row order and writes. The whole block is then sent from rank 0 (`sync_module`), so every
   rank goes on with bit-identical weights.
 

@@ -296,12 +296,12 @@ class _Blocks:
             def solve(rel: str, rows: range, stats=stats, objective=objective, probe=probe):
                 linear = block.get_submodule(rel)
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                weight = linear.weight.data.float()
-                if len(rows) < weight.shape[0]:
-                    weight = weight[rows.start:rows.stop]
+                weight, stage = linear.weight.data.float(), mine[rel]
+                st = stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}")
                 with self._timed("solve_s"):
-                    return mine[rel].quantize(f"{prefix}.{rel}", weight,
-                                              stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
+                    if len(rows) < weight.shape[0]:
+                        return stage.quantize_rows(f"{prefix}.{rel}", weight, st, rows)
+                    return stage.quantize(f"{prefix}.{rel}", weight, st, **extra)
 
             # With several ranks, the group's linears are shared out as `World.plan` says (whole, or split by rows
             # over a team of ranks), and every rank solves all of its share before any result is sent, so the

@@ -5,10 +5,11 @@ one rank other arguments or kill it.
 - SmolLM2 GPTQ over 2 processes writes the checkpoint of 1 process that sums the statistics in the same order,
   byte for byte: the checkpoint equals the single-process one up to float summation order (every linear split
   by rows over the ranks).
-- stories260K with QUIK (outliers), QoQ progressive GPTQ and mixed GPTQ over 2 processes: the same, for the
-  layouts split by rows (quik, qoq) beside linears solved whole by one rank (quik, mixed).
+- stories260K with QUIK (outliers), QoQ progressive GPTQ and mixed GPTQ over 2 processes: the same, for each
+  layout split by rows and solved whole by one rank.
 - How a group's linears are shared out over the ranks (whole, or split by rows).
-- A linear solved by row slices (GPTQ, outliers, progressive) and joined is the whole solve, byte for byte.
+- A linear solved by row slices (gptq, outliers, progressive, mixed) and joined is the whole solve, byte for
+  byte.
 - stories260K: ranks started with different recipes are refused on every rank, naming the rank; a killed rank
   stops the other within the heartbeat timeout, naming it, with the work folder at a block boundary, from which
   one process resumes and writes the checkpoint.
@@ -215,7 +216,7 @@ stages:
     outliers: 8
     sparsity_24: true
     targets:
-      include: ["*.q_proj", "*.k_proj", "*.v_proj", "*.down_proj"]
+      include: ["*.q_proj", "*.k_proj", "*.down_proj"]
   - stage: progressive
     solver: gptq
     group_size: 32
@@ -229,18 +230,18 @@ stages:
     solver: gptq
     scale_group_size: 4
     targets:
-      include: ["*.gate_proj", "*.up_proj"]
+      include: ["*.v_proj", "*.gate_proj", "*.up_proj"]
 output: out
 """
 
 
-def test_quik_and_qoq_split_by_rows_over_two_processes_write_the_one_process_checkpoint(tmp_path, monkeypatch,
+def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_process_checkpoint(tmp_path, monkeypatch,
                                                                                       one_thread):
     """stories260K over 2 gloo processes, against 1 process summing the statistics in the ranks' order: the same
-    checkpoint bytes. As `World.plan` shares out each group: q_proj on rank 0, k_proj on rank 1, v_proj and
-    down_proj split by rows (quik: outlier columns, 2:4), o_proj split by rows (qoq progressive groups, GPTQ
-    with act-order and clipped level 0), gate_proj and up_proj (mixed-2-4-16, whose rows are coupled) whole on
-    ranks 0 and 1."""
+    checkpoint bytes. As `World.plan` shares out each group: q_proj on rank 0, k_proj on rank 1 (quik), v_proj
+    split by rows (mixed-2-4-16: stripes and outliers chosen over the whole matrix, second-order scales over 4
+    rows), o_proj split (qoq progressive groups, GPTQ with act-order and clipped level 0), gate_proj and up_proj
+    on ranks 0 and 1 (mixed-2-4-16), down_proj split (quik: outlier columns, 2:4)."""
     from bad_input import run_cli
 
     r = tmp_path / "r.yaml"
@@ -253,7 +254,7 @@ def test_quik_and_qoq_split_by_rows_over_two_processes_write_the_one_process_che
     assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
     layers = json.loads((tmp_path / "one" / "config.json").read_text())["quantization_config"]["layers"]
     assert {name.rpartition(".")[2]: cfg["format"] for name, cfg in layers.items()} == {
-        "q_proj": "quik", "k_proj": "quik", "v_proj": "quik", "down_proj": "quik", "o_proj": "qoq",
+        "q_proj": "quik", "k_proj": "quik", "v_proj": "mixed-2-4-16", "down_proj": "quik", "o_proj": "qoq",
         "gate_proj": "mixed-2-4-16", "up_proj": "mixed-2-4-16"}
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
@@ -293,6 +294,8 @@ ROW_CASES = [
     ("outliers", {"bits": 8, "outliers": 8, "clip": False}),
     ("progressive", {"solver": "gptq", "group_size": 32, "clip": True, "clip_qk": "layer"}),
     ("progressive", {"solver": "gptq", "bits": 8, "group_size": None}),
+    ("mixed", {"solver": "gptq", "scale_group_size": 4, "outlier_fraction": 0.005}),
+    ("mixed", {"solver": "gptq", "scale_group_size": 20, "assign": "global", "target_bits": 3.0}),
 ]
 
 
@@ -300,7 +303,11 @@ ROW_CASES = [
 @pytest.mark.parametrize("stage, options", ROW_CASES)
 def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, options, device, one_thread):
     """What each rank solves of a linear split by rows (the slices `World.rows` gives 2, 3 and 5 ranks), joined
-    by the layout's `concat_rows`, is the layout and the dequantized weight of the whole solve, bit for bit."""
+    by the layout's `concat_rows`, is the layout and the dequantized weight of the whole solve, bit for bit
+    (mixed: its outliers and stripe widths chosen over the whole matrix, its second-order scales over 4 or 20
+    rows)."""
+    import math
+
     import torch
 
     from qtool.calibration.stats import LinearStats
@@ -326,8 +333,8 @@ def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, o
     for size in (2, 3, 5):
         ranges = World(0, size).rows(n, quantizer.row_split())
         assert [i for r in ranges for i in r] == list(range(n))
-        assert all(r.start % ROW_ALIGN == 0 for r in ranges)
-        parts = [quantizer.quantize(name, w[r.start:r.stop], stats) for r in ranges if len(r)]
+        assert all(r.start % math.lcm(ROW_ALIGN, quantizer.row_split()) == 0 for r in ranges if len(r))
+        parts = [quantizer.quantize_rows(name, w, stats, r) for r in ranges if len(r)]
         joined = type(whole.packed).concat_rows([p.packed for p in parts])
         assert joined.layer_config(False) == whole.packed.layer_config(False)
         mine, theirs = joined.tensors(), whole.packed.tensors()

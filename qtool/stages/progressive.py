@@ -98,8 +98,9 @@ class ProgressiveStage(QuantizerStage):
 
     def row_split(self) -> int | None:
         # Level 0 (its clip ratio too) and level 1 are per row, as is GPTQ over them. (A linear scored by the
-        # attention objective is solved whole: its score reads the whole weight.)
-        return 1
+        # attention objective is solved whole: its score reads the whole weight.) Round to nearest is quick
+        # enough whole.
+        return 1 if self.options.solver == "gptq" else None
 
     def distributed_problem(self) -> tuple[str, str] | None:
         if self.options.clip and self.options.clip_qk == "attention":
