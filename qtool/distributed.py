@@ -9,9 +9,10 @@ stages accumulate over samples is combined here, so each rank computes what one 
   per rank; each of the rest (all of a group of one, such as o_proj or down_proj) goes to a team of ranks that
   split its output rows, when its stage solves rows apart (GPTQ and the stages built on it: every row is solved
   with the same Hessian, column order and inverse-Hessian factor, and its own group scales and zeros; what a
-  stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank. Each rank's dequantized rows are sent to every rank and its packed rows to rank 0,
-  which joins them in row order and writes. The whole block is then sent from rank 0 (`sync_module`), so every
-  rank goes on with bit-identical weights.
+  stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank.
+  Each rank's dequantized rows are sent to every rank and its packed rows to rank 0, which joins them in row
+  order and writes. The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with
+  bit-identical weights.
 
 Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
 
