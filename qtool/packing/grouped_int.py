@@ -66,12 +66,18 @@ class GroupedIntWeight:
         in float32, so the GPTQ stage dequantizes where it solved instead of unpacking on the host."""
         layer = self if device is None else self.to(device)
         idx = layer.group_index()
-        scales = layer.scales.to(torch.float32)[:, idx]
-        if layer.zeros is None:
-            zeros = float(self.spec.sym_zero)
-        else:
-            zeros = layer.zeros.to(torch.float32)[:, idx]
-        return ((layer.codes().to(torch.float32) - zeros) * scales).to(dtype)
+        # In row chunks, as packing does: the unpacking's int64 temporaries stay bounded.
+        rows = max(1, PACK_CHUNK // max(1, self.in_features))
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=layer.qweight.device)
+        for i in range(0, self.out_features, rows):
+            scales = layer.scales[i:i + rows].to(torch.float32)[:, idx]
+            if layer.zeros is None:
+                zeros = float(self.spec.sym_zero)
+            else:
+                zeros = layer.zeros[i:i + rows].to(torch.float32)[:, idx]
+            codes = unpack_codes(layer.qweight[i:i + rows], self.spec.bits, self.in_features)
+            out[i:i + rows] = (codes.to(torch.float32) - zeros) * scales
+        return out
 
     def to(self, device: torch.device | str) -> GroupedIntWeight:
         """The same layer with its tensors on `device`."""
