@@ -228,8 +228,9 @@ class World:
 
         return self._object(obj, src, lambda t: self._call(dist.broadcast, t, src, group=self.ctl))
 
-    def send_object(self, obj, src: int, dst: int):
-        """`obj` of rank `src` on rank `dst` (None on the others)."""
+    def send_object(self, obj, src: int, dst: int, device: torch.device | str | None = None):
+        """`obj` of rank `src` on rank `dst` (None on the others), its tensors on `device` (default: this rank's
+        compute device)."""
         if not self.joined or src == dst or self.rank not in (src, dst):
             return obj if self.rank == dst else None
         import torch.distributed as dist
@@ -237,10 +238,11 @@ class World:
         if self.rank == src:
             self._object(obj, src, lambda t: self._call(dist.send, t, dst, group=self.ctl))
             return None
-        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl))
+        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl), device)
 
-    def _object(self, obj, src: int, move):
-        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes."""
+    def _object(self, obj, src: int, move, device: torch.device | str | None = None):
+        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes;
+        received tensors go to `device` (default: this rank's compute device)."""
         if self.rank == src:
             buf = io.BytesIO()
             torch.save(obj, buf)
@@ -254,7 +256,8 @@ class World:
         move(data)
         if self.rank == src:
             return obj
-        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self.device or "cpu", weights_only=False)
+        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device or self.device or "cpu",
+                          weights_only=False)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """`t` (same shape and dtype on every rank) set to rank `src`'s values, in place."""
@@ -288,7 +291,8 @@ class World:
                 if self.rank == src:
                     part.copy_(result.dequantized)
                 self.broadcast(part, src)
-        pieces = [self.send_object(result.packed if self.rank == src else None, src, 0)
+        # Packed layouts are kept on the host (rank 0's own parts are there): the others' parts come there too.
+        pieces = [self.send_object(result.packed if self.rank == src else None, src, 0, "cpu")
                   for src, rows in enumerate(ranges) if len(rows)]
         if not self.is_main:
             return QuantResult(None, weight)
