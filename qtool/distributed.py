@@ -5,9 +5,14 @@ stages accumulate over samples is combined here, so each rank computes what one 
 - Sums and maxima of per-linear statistics (token counts, Hessians, mean squares, max |x|): `all_reduce`.
 - Tensors captured per sample (inputs of a linear for smoothing, keys and values for k-means): `gather`, in
   sample order, so a stage that fits on them sees exactly the single-process list.
-- Quantized weights: each linear of a group is solved by one rank (`owner`), its dequantized weight sent to all
-  and its packed layout to rank 0, which writes (`share_result`); the whole block is then sent from rank 0
-  (`sync_module`), so every rank goes on with bit-identical weights.
+- Quantized weights (`plan`, `share_rows`): the linears of a group go to the ranks in whole rounds, one linear
+  per rank; each of the rest (all of a group of one, such as o_proj or down_proj) goes to a team of ranks that
+  split its output rows, when its stage solves rows apart (GPTQ and the stages built on it: every row is solved
+  with the same Hessian, column order and inverse-Hessian factor, and its own group scales and zeros; what a
+  stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank.
+  Each rank's dequantized rows are sent to every rank and its packed rows to rank 0, which joins them in row
+  order and writes. The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with
+  bit-identical weights.
 
 Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import sys
 import threading
@@ -44,6 +50,9 @@ BEAT_SECONDS = 1.0
 GRACE_SECONDS = 5.0  # after a peer is found dead: time the main thread has to stop on its own
 GROUP_TIMEOUT = timedelta(hours=24)
 JOIN_SECONDS = 300.0
+# A linear split by rows is split at multiples of 16 rows, so each slice's matrix products run on whole 16-row
+# tiles, as the whole matrix's do (and a GPU layout's 16-row tiles are never cut).
+ROW_ALIGN = 16
 
 
 def launched() -> bool:
@@ -98,9 +107,48 @@ class World:
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
 
-    def owner(self, j: int) -> int:
-        """The rank that solves the j-th linear of a group."""
-        return j % self.size
+    def teams(self, m: int) -> list[range]:
+        """The ranks that solve each of the `m` linears of a group: whole rounds of one linear per rank (linear j
+        on rank j mod size), then each of the last m mod size linears on a team of consecutive ranks, the teams
+        as even as possible (all ranks on one linear when the group has one)."""
+        rounds, rest = divmod(m, self.size)
+        out = [range(j % self.size, j % self.size + 1) for j in range(rounds * self.size)]
+        base, extra = divmod(self.size, rest) if rest else (0, 0)
+        at = 0
+        for i in range(rest):
+            out.append(range(at, at + base + (i < extra)))
+            at += base + (i < extra)
+        return out
+
+    def rows(self, n: int, granularity: int = 1, parts: int | None = None) -> list[range]:
+        """An `n`-row linear's rows split in `parts` (default: the world size) contiguous ranges in order, as even
+        as whole units of lcm(ROW_ALIGN, `granularity`) rows allow (the last range takes the remainder; a range
+        may be empty when `n` is small)."""
+        parts = parts or self.size
+        unit = math.lcm(ROW_ALIGN, granularity)
+        base, extra = divmod(-(-n // unit), parts)
+        out, at = [], 0
+        for r in range(parts):
+            units = base + (r < extra)
+            out.append(range(min(at * unit, n), min((at + units) * unit, n)))
+            at += units
+        return out
+
+    def plan(self, linears: list[tuple[int, int | None]]) -> list[list[range]]:
+        """For each linear of a group, given as (output rows, row granularity of its stage or None when its rows
+        are solved together), the rows each rank solves: on its team (`teams`), split by `rows` when the stage
+        allows, else whole on the team's first rank. GPTQ's column loop takes as many steps for a slice as for
+        the whole matrix, so rows are split only over ranks that would otherwise have no linear of the group."""
+        out = []
+        for (n, granularity), team in zip(linears, self.teams(len(linears)), strict=True):
+            ranges = [range(0)] * self.size
+            if granularity is None or len(team) == 1:
+                ranges[team.start] = range(n)
+            else:
+                for r, rows in zip(team, self.rows(n, granularity, len(team)), strict=True):
+                    ranges[r] = rows
+            out.append(ranges)
+        return out
 
     # ---- collectives ------------------------------------------------------------------------------------------
 
@@ -180,8 +228,9 @@ class World:
 
         return self._object(obj, src, lambda t: self._call(dist.broadcast, t, src, group=self.ctl))
 
-    def send_object(self, obj, src: int, dst: int):
-        """`obj` of rank `src` on rank `dst` (None on the others)."""
+    def send_object(self, obj, src: int, dst: int, device: torch.device | str | None = None):
+        """`obj` of rank `src` on rank `dst` (None on the others), its tensors on `device` (default: this rank's
+        compute device)."""
         if not self.joined or src == dst or self.rank not in (src, dst):
             return obj if self.rank == dst else None
         import torch.distributed as dist
@@ -189,10 +238,11 @@ class World:
         if self.rank == src:
             self._object(obj, src, lambda t: self._call(dist.send, t, dst, group=self.ctl))
             return None
-        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl))
+        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl), device)
 
-    def _object(self, obj, src: int, move):
-        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes."""
+    def _object(self, obj, src: int, move, device: torch.device | str | None = None):
+        """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes;
+        received tensors go to `device` (default: this rank's compute device)."""
         if self.rank == src:
             buf = io.BytesIO()
             torch.save(obj, buf)
@@ -206,7 +256,8 @@ class World:
         move(data)
         if self.rank == src:
             return obj
-        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self.device or "cpu", weights_only=False)
+        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device or self.device or "cpu",
+                          weights_only=False)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """`t` (same shape and dtype on every rank) set to rank `src`'s values, in place."""
@@ -224,18 +275,28 @@ class World:
         for t in [*module.parameters(), *module.buffers()]:
             self.broadcast(t.data, src)
 
-    def share_result(self, owner: int, result, shape: tuple[int, ...]):
-        """A quantizer's result solved on rank `owner`: its dequantized weight (float32 of `shape`) on every rank,
-        its packed layout on rank 0, which writes it (None on the other ranks)."""
+    def share_rows(self, ranges: list[range], result, shape: tuple[int, ...]):
+        """A quantizer's result solved by rows, rank r's `result` holding the rows `ranges[r]` of the weight (None
+        where its range is empty): the dequantized weight (float32 of `shape`) on every rank, each slice sent from
+        its rank; the packed layout on rank 0 (None on the others), its slices joined in row order by the
+        layout's `concat_rows`."""
         if not self.joined:
             return result
         from qtool.stages.base import QuantResult  # noqa: PLC0415  (stages sit above this module)
 
-        mine = self.rank == owner
-        weight = (result.dequantized.float() if mine
-                  else torch.empty(shape, dtype=torch.float32, device=self.device or "cpu"))
-        self.broadcast(weight, owner)
-        return QuantResult(self.send_object(result.packed if mine else None, owner, 0), weight)
+        weight = torch.empty(shape, dtype=torch.float32, device=self.device or "cpu")
+        for src, rows in enumerate(ranges):
+            if len(rows):
+                part = weight[rows.start:rows.stop]
+                if self.rank == src:
+                    part.copy_(result.dequantized)
+                self.broadcast(part, src)
+        # Packed layouts are kept on the host (rank 0's own parts are there): the others' parts come there too.
+        pieces = [self.send_object(result.packed if self.rank == src else None, src, 0, "cpu")
+                  for src, rows in enumerate(ranges) if len(rows)]
+        if not self.is_main:
+            return QuantResult(None, weight)
+        return QuantResult(pieces[0] if len(pieces) == 1 else type(pieces[0]).concat_rows(pieces), weight)
 
     def barrier(self) -> None:
         if self.joined:

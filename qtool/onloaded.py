@@ -175,6 +175,7 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
 
     mine = {"rank": world.rank, "device": str(device), "calibration_s": round(timings.get("calibration_s", 0.0), 3),
             "quantize_s": round(timings.get("quantize_s", 0.0), 3),
+            **{key: round(value, 3) for key, value in run.seconds.items()},
             "total_s": round(time.perf_counter() - t0 + prepared.seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
     ranks = world.all_gather_object(mine)
     if not world.is_main:  # rank 0 writes the checkpoint

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +190,9 @@ class _Blocks:
         self.recipe, self.adapter, self.config, self.device = recipe, adapter, config, device
         # Several processes (qtool/distributed.py): this rank's share of the samples, statistics combined.
         self.world = world or World()
+        # Seconds of this rank in the linears' statistics (with their combination over the ranks), in its solves,
+        # and in sending results (with waiting for the other ranks' solves): `--json` reports them per rank.
+        self.seconds = {"stats_s": 0.0, "solve_s": 0.0, "share_s": 0.0}
         self.assignment = _assign(adapter, recipe, num_blocks)
         self.transforms = recipe.transforms()
         self.fp_stats: dict[str, LinearStats] = {}
@@ -240,6 +244,18 @@ class _Blocks:
             shutil.rmtree(folder, ignore_errors=True)
         return ActivationStore(self.device, prepared.activations, folder, owned=True)
 
+    @contextmanager
+    def _timed(self, key: str):
+        # GPU work is asynchronous: the device is waited for at both ends, so the time is the work's.
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.seconds[key] += time.perf_counter() - t
+
     def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
                  ) -> tuple[dict[str, object], list[torch.Tensor]]:
         """Transform (with calibration) and quantize block `i` (on the compute device, its weights already through
@@ -272,30 +288,39 @@ class _Blocks:
             if not todo:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
-            stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
-                             world=self.world) if need else {}
+            with self._timed("stats_s"):
+                stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
+                                 world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
-            def solve(rel: str, stats=stats, objective=objective, probe=probe):
+            def solve(rel: str, rows: range, stats=stats, objective=objective, probe=probe):
                 linear = block.get_submodule(rel)
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
-                return mine[rel].quantize(f"{prefix}.{rel}", linear.weight.data.float(),
-                                          stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}"), **extra)
+                weight, stage = linear.weight.data.float(), mine[rel]
+                st = stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}")
+                with self._timed("solve_s"):
+                    if len(rows) < weight.shape[0]:
+                        return stage.quantize_rows(f"{prefix}.{rel}", weight, st, rows)
+                    return stage.quantize(f"{prefix}.{rel}", weight, st, **extra)
 
-            # Each linear of the group is solved by one rank and sent to every rank. With several ranks every rank
-            # solves all of its linears before any is sent, so the solves run at the same time (the attention
-            # objective, which reads the group's other weights as solved so far, is refused there).
-            early = self.world.size > 1 and not objective
-            solved = {rel: solve(rel) for j, rel in enumerate(todo)
-                      if early and self.world.rank == self.world.owner(j)}
+            # With several ranks, the group's linears are shared out as `World.plan` says (whole, or split by rows
+            # over a team of ranks), and every rank solves all of its share before any result is sent, so the
+            # solves run at the same time (the attention objective, which reads the group's other weights as
+            # solved so far, is refused there: each linear is then solved whole, one after another).
+            world = self.world
+            early = world.size > 1 and not objective
+            plan = world.plan([(block.get_submodule(rel).out_features, mine[rel].row_split() if early else None)
+                               for rel in todo])
+            solved = {rel: solve(rel, plan[j][world.rank]) for j, rel in enumerate(todo)
+                      if early and len(plan[j][world.rank])}
             for j, rel in enumerate(todo):
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
-                owner = self.world.owner(j)
                 result = solved.pop(rel, None)
-                if not early and self.world.rank == owner:
-                    result = solve(rel)
-                result = self.world.share_result(owner, result, tuple(linear.weight.shape))
+                if not early and len(plan[j][world.rank]):
+                    result = solve(rel, plan[j][world.rank])
+                with self._timed("share_s"):
+                    result = world.share_rows(plan[j], result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()
                 linear.weight.data.copy_(result.dequantized.to(linear.weight.device, linear.weight.dtype))

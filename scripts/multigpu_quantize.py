@@ -5,7 +5,8 @@ and 4 GPUs; print the wall time of each run, the speed-ups over one GPU, and how
     QTOOL_ASSETS=/path/to/assets python scripts/multigpu_quantize.py [--work /tmp/qtool-multigpu] [--out DIR]
 
 Within the 10 minutes one command may take on an H100 machine, split it: `--plan 1+2` (writes the model, then
-the 1-GPU and the 2-GPU runs at once), then `--plan 4` on the same `--work` folder, which reports all three.
+the 1-GPU and the 2-GPU runs at once), then `--plan 4` on the same `--work` folder, which reports all three. On a
+machine of 2 GPUs: `--plan 1,2 --layers 8` (a model of 8 blocks: shorter runs, the same per-block work).
 
 The 1-GPU run is the plain single-process command; N > 1 GPUs run under `torchrun --standalone --nproc-per-node N`.
 `--plan` says which runs go at the same time: "1+2,4" (the default) runs the 1-GPU run on GPU 0 beside the 2-GPU
@@ -102,6 +103,10 @@ def run_phase(counts: list[int], recipe: Path, work: Path, device: str) -> dict[
                    "total_s": summary["timings"]["total_s"], "world_size": summary.get("world_size", 1),
                    "ranks": summary.get("ranks", [])}
         print(f"{n} GPU{'s' * (n > 1)}: {wall:.1f} s wall, quantize {done[n]['quantize_s']:.1f} s", flush=True)
+        for r in done[n]["ranks"]:
+            print(f"  rank {r['rank']}: quantize {r['quantize_s']:.1f} s = statistics {r.get('stats_s', 0):.1f} + "
+                  f"solves {r.get('solve_s', 0):.1f} + sharing (and waiting) {r.get('share_s', 0):.1f} + the rest",
+                  flush=True)
     return done
 
 
@@ -174,6 +179,13 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true", help="skip the checkpoint comparison")
     args = ap.parse_args()
     phases = parse_plan(args.plan)
+    if args.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(sum(p) for p in phases) > have:
+            raise SystemExit(f"--plan: found {args.plan!r}, whose largest phase needs {max(sum(p) for p in phases)} "
+                             f"GPUs; expected at most the {have} of this machine (e.g. --plan 1,2 on 2 GPUs)")
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     model = work / f"model-{args.shape}{'-' + str(args.layers) if args.layers else ''}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,3 +64,5 @@ def test_grouped_int_dequantize_matches_definition(bits, n, k, group, symmetric,
             z = (1 << (bits - 1)) if symmetric else int(zeros[r, c // gs])
             expected[r, c] = (int(codes[r, c]) - z) * float(scales[r, c // gs].half())
     torch.testing.assert_close(layout.dequantize(torch.float64), expected, rtol=0, atol=0)
+    with mock.patch("qtool.packing.grouped_int.PACK_CHUNK", 2 * k):  # unpacked two rows at a time
+        torch.testing.assert_close(layout.dequantize(torch.float64), expected, rtol=0, atol=0)

@@ -3,7 +3,13 @@ the way torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in it
 one rank other arguments or kill it.
 
 - SmolLM2 GPTQ over 2 processes writes the checkpoint of 1 process that sums the statistics in the same order,
-  byte for byte: the checkpoint equals the single-process one up to float summation order.
+  byte for byte: the checkpoint equals the single-process one up to float summation order (every linear split
+  by rows over the ranks).
+- stories260K with QUIK (outliers), QoQ progressive GPTQ and mixed GPTQ over 2 processes: the same, for each
+  layout split by rows and solved whole by one rank.
+- How a group's linears are shared out over the ranks (whole, or split by rows).
+- A linear solved by row slices (gptq, outliers, progressive, mixed) and joined is the whole solve, byte for
+  byte.
 - stories260K: ranks started with different recipes are refused on every rank, naming the rank; a killed rank
   stops the other within the heartbeat timeout, naming it, with the work folder at a block boundary, from which
   one process resumes and writes the checkpoint.
@@ -173,7 +179,8 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     """GPTQ W4 g64 (asymmetric, act-order, static groups) of SmolLM2's first two blocks over 2 gloo processes
     (4 windows of 128 tokens, 2 per rank) against 1 process that sums each linear's statistics in the ranks'
     order: the same bytes (so the same perplexity). Samples split, statistics combined, solves spread over the
-    ranks, weights sent back: nothing else may differ. (Against a plain single-process run, GPTQ's roundings flip
+    ranks (q_proj on rank 0, k_proj on rank 1, gate/up on ranks 0 and 1, v_proj, o_proj and down_proj split by
+    rows over both), weights sent back: nothing else may differ. (Against a plain single-process run, GPTQ's roundings flip
     under the other summation order: codes differ, perplexity by a fraction of a percent.)"""
 
     from bad_input import run_cli
@@ -190,9 +197,151 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     summary = json.loads(runs[0].stdout)
     assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert all(r["quantize_s"] > 0 for r in summary["ranks"])
+    # Both ranks solved (each has linears or slices of every block) and shared.
+    assert all(r["solve_s"] > 0 and r["share_s"] > 0 and r["stats_s"] > 0 for r in summary["ranks"]), summary
+    assert all(r["solve_s"] + r["share_s"] + r["stats_s"] < r["quantize_s"] for r in summary["ranks"]), summary
     assert not runs[1].stdout.strip() and not runs[1].stderr.strip()  # rank 0 alone reports
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
+
+
+MIXED_LAYOUTS_RECIPE = f"""
+model: {STORIES}
+calibration:
+  source: {TINY_SAMPLE}
+  num_samples: 4
+  seq_len: 32
+stages:
+  - stage: outliers
+    outliers: 8
+    sparsity_24: true
+    targets:
+      include: ["*.q_proj", "*.k_proj", "*.down_proj"]
+  - stage: progressive
+    solver: gptq
+    group_size: 32
+    clip: true
+    clip_qk: layer
+    act_order: true
+    static_groups: true
+    targets:
+      include: ["*.o_proj"]
+  - stage: mixed
+    solver: gptq
+    scale_group_size: 4
+    targets:
+      include: ["*.v_proj", "*.gate_proj", "*.up_proj"]
+output: out
+"""
+
+
+def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_process_checkpoint(tmp_path, monkeypatch,
+                                                                                      one_thread):
+    """stories260K over 2 gloo processes, against 1 process summing the statistics in the ranks' order: the same
+    checkpoint bytes. As `World.plan` shares out each group: q_proj on rank 0, k_proj on rank 1 (quik), v_proj
+    split by rows (mixed-2-4-16: stripes and outliers chosen over the whole matrix, second-order scales over 4
+    rows), o_proj split (qoq progressive groups, GPTQ with act-order and clipped level 0), gate_proj and up_proj
+    on ranks 0 and 1 (mixed-2-4-16), down_proj split (quik: outlier columns, 2:4)."""
+    from bad_input import run_cli
+
+    r = tmp_path / "r.yaml"
+    r.write_text(MIXED_LAYOUTS_RECIPE)
+    procs = launch([["quantize", r, "-q", "-o", tmp_path / "two"]] * 2, tmp_path)
+    summed_like_two_ranks(monkeypatch)
+    one = run_cli(["quantize", r, "-q", "-o", tmp_path / "one"], cwd=tmp_path)
+    assert one.exit_code == 0, one.output
+    runs = [finish(p) for p in procs]
+    assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
+    layers = json.loads((tmp_path / "one" / "config.json").read_text())["quantization_config"]["layers"]
+    assert {name.rpartition(".")[2]: cfg["format"] for name, cfg in layers.items()} == {
+        "q_proj": "quik", "k_proj": "quik", "v_proj": "mixed-2-4-16", "down_proj": "quik", "o_proj": "qoq",
+        "gate_proj": "mixed-2-4-16", "up_proj": "mixed-2-4-16"}
+    a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
+    assert a == b
+
+
+def test_a_group_is_shared_out_whole_then_split_by_rows_over_the_ranks_left():
+    """`World.plan`: whole rounds of one linear per rank, then the rest each split over a team of ranks (whole on
+    the team's first rank when the stage cannot split rows); slices are whole multiples of ROW_ALIGN rows."""
+    from qtool.distributed import World
+
+    empty = (0, 0)
+
+    def plan(size: int, linears):
+        return [[(r.start, r.stop) if len(r) else empty for r in ranges] for ranges in World(0, size).plan(linears)]
+
+    # q/k/v over 2 ranks: q on 0, k on 1, v split.
+    assert plan(2, [(96, 1)] * 3) == [[(0, 96), empty], [empty, (0, 96)], [(0, 48), (48, 96)]]
+    # q/k/v over 4 ranks: teams of 2, 1, 1.
+    assert plan(4, [(96, 1)] * 3) == [[(0, 48), (48, 96), empty, empty], [empty, empty, (0, 96), empty],
+                                      [empty, empty, empty, (0, 96)]]
+    # One linear over 3 ranks: 100 rows in units of 16 (7 units: 3, 2, 2), the last slice taking the remainder.
+    assert plan(3, [(100, 1)]) == [[(0, 48), (48, 80), (80, 100)]]
+    # A stage whose rows are coupled: whole on the team's first rank; a granularity of 48 rows: units of 48.
+    assert plan(3, [(100, None)]) == [[(0, 100), empty, empty]]
+    assert plan(2, [(100, 48)]) == [[(0, 96), (96, 100)]]
+    # Fewer rows than ranks need: a rank may get none.
+    assert plan(4, [(20, 1)]) == [[(0, 16), (16, 20), empty, empty]]
+    # One process: everything whole.
+    assert plan(1, [(96, 1)] * 3) == [[(0, 96)]] * 3
+
+
+ROW_CASES = [
+    ("gptq", {"bits": 4, "group_size": 32, "symmetric": False, "act_order": True, "static_groups": True,
+              "clip": True}),
+    ("gptq", {"bits": 3, "group_size": 64}),
+    ("outliers", {"outliers": 8, "sparsity_24": True}),
+    ("outliers", {"bits": 8, "outliers": 8, "clip": False}),
+    ("progressive", {"solver": "gptq", "group_size": 32, "clip": True, "clip_qk": "layer"}),
+    ("progressive", {"solver": "gptq", "bits": 8, "group_size": None}),
+    ("mixed", {"solver": "gptq", "scale_group_size": 4, "outlier_fraction": 0.005}),
+    ("mixed", {"solver": "gptq", "scale_group_size": 20, "assign": "global", "target_bits": 3.0}),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("stage, options", ROW_CASES)
+def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, options, device, one_thread):
+    """What each rank solves of a linear split by rows (the slices `World.rows` gives 2, 3 and 5 ranks), joined
+    by the layout's `concat_rows`, is the layout and the dequantized weight of the whole solve, bit for bit
+    (mixed: its outliers and stripe widths chosen over the whole matrix, its second-order scales over 4 or 20
+    rows)."""
+    import math
+
+    import torch
+
+    from qtool.calibration.stats import LinearStats
+    from qtool.distributed import ROW_ALIGN, World
+    from qtool.options import parse_options
+    from qtool.stages import STAGES
+    from qtool.stages.base import Targets
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cls = STAGES[stage]
+    quantizer = cls(parse_options(cls.options_cls, options, "test"), Targets(), 0)
+    n, k = 100, 128  # 100 rows: the last slice is not a multiple of ROW_ALIGN
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, k, generator=g) * (1 + 4 * (torch.rand(k, generator=g) > 0.9))
+    stats = LinearStats(k, hessian=True, device=device)
+    stats.update(x.to(device))
+    w = torch.randn(n, k, generator=g).to(device)
+    name = "model.layers.0.mlp.down_proj"
+    whole = quantizer.quantize(name, w, stats)
+    # What the stage dequantized where it solved is what the layout dequantizes to on the host.
+    assert torch.equal(whole.dequantized.cpu(), whole.packed.dequantize(torch.float32).cpu())
+    for size in (2, 3, 5):
+        ranges = World(0, size).rows(n, quantizer.row_split())
+        assert [i for r in ranges for i in r] == list(range(n))
+        assert all(r.start % math.lcm(ROW_ALIGN, quantizer.row_split()) == 0 for r in ranges if len(r))
+        parts = [quantizer.quantize_rows(name, w, stats, r) for r in ranges if len(r)]
+        joined = type(whole.packed).concat_rows([p.packed for p in parts])
+        assert joined.layer_config(False) == whole.packed.layer_config(False)
+        mine, theirs = joined.tensors(), whole.packed.tensors()
+        assert mine.keys() == theirs.keys()
+        for key, t in theirs.items():
+            assert mine[key].dtype == t.dtype and torch.equal(mine[key], t), (size, key)
+        assert torch.equal(torch.cat([p.dequantized for p in parts]), whole.dequantized), size
 
 
 @pytest.mark.parametrize("stage, message", [

@@ -40,6 +40,19 @@ class GroupedIntWeight:
             zeros=None if spec.symmetric else zeros.round().to(torch.uint8).cpu().contiguous(),
         )
 
+    @classmethod
+    def concat_rows(cls, parts: list[GroupedIntWeight]) -> GroupedIntWeight:
+        """One layer from `parts`, consecutive output rows of it quantized apart, in row order: every tensor leads
+        with the rows."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.spec, p.in_features) != (first.spec, first.in_features):
+                raise ValueError(f"grouped_int: row slices of different layers ({p.spec}, {p.in_features} inputs "
+                                 f"against {first.spec}, {first.in_features})")
+        return cls(first.spec, first.in_features, sum(p.out_features for p in parts),
+                   torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                   None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.spec.bits, self.in_features)
 
@@ -47,14 +60,29 @@ class GroupedIntWeight:
         g = self.spec.group_size or self.in_features
         return torch.arange(self.in_features, device=self.qweight.device) // g
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        idx = self.group_index()
-        scales = self.scales.to(torch.float32)[:, idx]
-        if self.zeros is None:
-            zeros = float(self.spec.sym_zero)
-        else:
-            zeros = self.zeros.to(torch.float32)[:, idx]
-        return ((self.codes().to(torch.float32) - zeros) * scales).to(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+        """`(code - zero)·scale` [N, K], computed on `device` (default: where the tensors are). Every device gives
+        the same values: the unpacking is integer, then one exact subtraction and one rounded product per weight
+        in float32, so the GPTQ stage dequantizes where it solved instead of unpacking on the host."""
+        layer = self if device is None else self.to(device)
+        idx = layer.group_index()
+        # In row chunks, as packing does: the unpacking's int64 temporaries stay bounded.
+        rows = max(1, PACK_CHUNK // max(1, self.in_features))
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=layer.qweight.device)
+        for i in range(0, self.out_features, rows):
+            scales = layer.scales[i:i + rows].to(torch.float32)[:, idx]
+            if layer.zeros is None:
+                zeros = float(self.spec.sym_zero)
+            else:
+                zeros = layer.zeros[i:i + rows].to(torch.float32)[:, idx]
+            codes = unpack_codes(layer.qweight[i:i + rows], self.spec.bits, self.in_features)
+            out[i:i + rows] = (codes.to(torch.float32) - zeros) * scales
+        return out
+
+    def to(self, device: torch.device | str) -> GroupedIntWeight:
+        """The same layer with its tensors on `device`."""
+        return GroupedIntWeight(self.spec, self.in_features, self.out_features, self.qweight.to(device),
+                                self.scales.to(device), None if self.zeros is None else self.zeros.to(device))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales}

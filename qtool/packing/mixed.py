@@ -176,6 +176,28 @@ class MixedWeight(StoredLayout):
             outlier_rowptr=rowptr.to(torch.int32),
         )
 
+    @classmethod
+    def concat_rows(cls, parts: list[MixedWeight]) -> MixedWeight:
+        """One layer from `parts`, consecutive output rows of it (from and to multiples of scale_group_size)
+        quantized apart, in row order: the stripe widths are the layer's (the same in every part), the outliers'
+        row pointers are shifted by the outliers of the parts before, every other tensor leads with the rows (or
+        with the groups of scale_group_size rows)."""
+        first = parts[0]
+        key = (first.group_size, first.scale_group_size, first.assign, first.in_features)
+        for p in parts[1:]:
+            if (p.group_size, p.scale_group_size, p.assign, p.in_features) != key or not torch.equal(
+                    p.stripe_bits, first.stripe_bits):
+                raise ValueError("mixed-2-4-16: row slices with different schemes or stripe widths")
+        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
+        rowptr, at = [torch.zeros(1, dtype=torch.int32)], 0
+        for p in parts:
+            rowptr.append(p.outlier_rowptr[1:] + at)
+            at += p.num_outliers
+        return cls(first.group_size, first.scale_group_size, first.assign, first.in_features,
+                   sum(p.out_features for p in parts), cat("qweight_a"), cat("qweight_b"), first.stripe_bits,
+                   cat("scale_codes"), cat("zeros2"), cat("scales_2nd"), cat("zeros_2nd"), cat("scales4"),
+                   cat("zeros4"), cat("outlier_values"), cat("outlier_cols"), torch.cat(rowptr))
+
     # ---- reading ------------------------------------------------------------------------------------------
 
     @property

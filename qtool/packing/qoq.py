@@ -78,6 +78,21 @@ class QoQWeight:
             zeros=as_u8(zeros),
         )
 
+    @classmethod
+    def concat_rows(cls, parts: list[QoQWeight]) -> QoQWeight:
+        """One layer from `parts`, consecutive output rows of it quantized apart, in row order: every tensor
+        (level-0 scales, level-1 scales and zeros included) leads with the rows."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.bits, p.group_size, p.in_features) != (first.bits, first.group_size, first.in_features):
+                raise ValueError("qoq: row slices with different schemes")
+
+        def cat(field: str) -> torch.Tensor | None:
+            return None if getattr(first, field) is None else torch.cat([getattr(p, field) for p in parts])
+
+        return cls(first.bits, first.group_size, first.in_features, sum(p.out_features for p in parts),
+                   cat("qweight"), cat("scales"), cat("group_scales"), cat("zeros"))
+
     def codes(self) -> torch.Tensor:
         """The stored unsigned codes [N, K] (int64)."""
         return unpack_codes(self.qweight, self.bits, self.in_features)

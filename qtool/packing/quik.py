@@ -85,6 +85,21 @@ class QuikWeight:
             wreduced=row_sums(codes, scales16, bits).contiguous(),
         )
 
+    @classmethod
+    def concat_rows(cls, parts: list[QuikWeight]) -> QuikWeight:
+        """One layer from `parts`, consecutive output rows of it quantized apart, in row order: the outlier
+        columns are the layer's (the same in every part), every other tensor leads with the rows."""
+        first = parts[0]
+        key = (first.bits, first.act_bits, first.in_features, first.sparsity_24)
+        for p in parts[1:]:
+            if (p.bits, p.act_bits, p.in_features, p.sparsity_24) != key or not torch.equal(p.outlier_idx,
+                                                                                          first.outlier_idx):
+                raise ValueError("quik: row slices with different schemes or outlier columns")
+        cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
+        return cls(first.bits, first.act_bits, first.in_features, sum(p.out_features for p in parts),
+                   first.sparsity_24, cat("qweight"), cat("scales"), first.outlier_idx, cat("outlier_weight"),
+                   cat("wreduced"))
+
     def codes(self) -> torch.Tensor:
         """Unsigned codes [N, K-k] of the base columns."""
         return unpack_codes(self.qweight, self.bits, self.base_features)

@@ -252,11 +252,15 @@ class _MixedGrid:
 
 def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.Tensor, group_size: int,
                         scale_group_size: int, outliers: int, *, damp: float = 0.01,
-                        block_size: int = 128) -> MixedCodes:
+                        block_size: int = 128, rows: range | None = None) -> MixedCodes:
     """GPTQ over the mixed grid (a deviation from the paper, which rounds to nearest): columns in their original
     order, each group's parameters chosen when GPTQ reaches it from the error-updated weights, every rounding
     error fed back through the inverse Hessian. The outlier positions are those of the round-to-nearest first
-    pass (largest error in the 2-bit stripes)."""
+    pass (largest error in the 2-bit stripes).
+
+    `rows` (from and to multiples of `scale_group_size`): the codes of those output rows alone, exactly the
+    whole solve's (the outlier positions are still chosen over the whole matrix; every other choice is per row,
+    or per `scale_group_size` rows for the second-order scales)."""
     from qtool.quant.gptq import gptq_run  # noqa: PLC0415
     from qtool.quant.grid import GridSpec  # noqa: PLC0415
 
@@ -270,10 +274,14 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
         *_, deq2 = quantize_2bit(w2, scale_group_size)
         flat = torch.topk((w2 - deq2).abs().reshape(-1), outliers).indices
         s2n = w2.shape[1]
-        rows = flat // (s2n * g1)
+        at_rows = flat // (s2n * g1)
         cols = torch.nonzero(~is4).reshape(-1)[(flat // g1) % s2n] * g1 + flat % g1
         mask = torch.zeros(n, k, dtype=torch.bool)
-        mask[rows, cols] = True
+        mask[at_rows, cols] = True
+    if rows is not None and len(rows) < n:
+        w = w[rows.start:rows.stop]
+        mask = None if mask is None else mask[rows.start:rows.stop]
+        n = w.shape[0]
     grid = _MixedGrid(is4, g1, scale_group_size, mask)
     out = gptq_run(w, hessian.to(torch.float32).cpu(), GridSpec(bits=2, symmetric=False, group_size=g1),
                    damp=damp, block_size=block_size, grid=grid)
@@ -283,14 +291,14 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
     s2 = stack([(p[2],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
     u = stack([(p[3],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
     if grid.residuals:
-        rows = torch.cat([r for r, _, _ in grid.residuals])
+        at_rows = torch.cat([r for r, _, _ in grid.residuals])
         cols = torch.cat([c_ for _, c_, _ in grid.residuals])
         values = torch.cat([v for _, _, v in grid.residuals]).to(torch.float32)
     else:
-        rows = cols = torch.zeros(0, dtype=torch.int64)
+        at_rows = cols = torch.zeros(0, dtype=torch.int64)
         values = torch.zeros(0)
     return MixedCodes(out.codes.cpu(), is4, c.to(torch.int64), z2.to(torch.int64), s2, u.to(torch.int64),
-                      stack(grid.params4, 0), stack(grid.params4, 1).to(torch.int64), rows, cols, values)
+                      stack(grid.params4, 0), stack(grid.params4, 1).to(torch.int64), at_rows, cols, values)
 
 
 class TunableScales(nn.Module):

@@ -101,6 +101,19 @@ class QuantizerStage(Stage):
         """Whether a block's linears must see the outputs of the already-quantized linears before them."""
         return True
 
+    def row_split(self) -> int | None:
+        """The granularity (in output rows) at which `quantize_rows` gives exactly those rows of `quantize`'s
+        result, its packed layout joining slices with `concat_rows`; None when rows are coupled (codebooks fitted
+        over rows). With several processes a linear whose stage says so may be split by rows over the ranks
+        (qtool/distributed.py)."""
+        return None
+
+    def quantize_rows(self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range) -> QuantResult:
+        """The output rows `rows` (from and to multiples of `row_split()`) of `quantize(name, weight, stats)`.
+        By default `quantize` of those rows of `weight`: a stage whose rows depend on their own weights and the
+        shared statistics alone; a stage that makes choices from the whole matrix makes them here too."""
+        return self.quantize(name, weight[rows.start:rows.stop], stats)
+
     def preview(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [N, K] as round-to-nearest under this stage's scheme leaves it (float32): what transforms that
         search their parameters (smoothing strength) measure the quantization error with."""

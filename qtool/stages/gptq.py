@@ -37,6 +37,11 @@ class GPTQStage(HessianStage):
     options_cls = GPTQOptions
     help = "GPTQ: column-wise quantization with inverse-Hessian error feedback"
 
+    def row_split(self) -> int | None:
+        # Each row is solved with the shared Hessian, act-order permutation and inverse-Hessian factor, and its own
+        # group scales and zeros (static or not, clipped or not); grouped_int's tensors all lead with the rows.
+        return 1
+
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"gptq needs the Hessian of {name}")
@@ -48,4 +53,4 @@ class GPTQStage(HessianStage):
             clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
         )
         packed = GroupedIntWeight.from_codes(codes, scales, zeros, spec)
-        return QuantResult(packed, packed.dequantize(torch.float32))
+        return QuantResult(packed, packed.dequantize(torch.float32, weight.device))

@@ -192,7 +192,15 @@ class MixedStage(HessianStage):
         return tuned, {"finetune": {"error_before": round(res.error_before, 8),
                                     "error_after": round(res.error_after, 8), "kept": res.kept}}
 
+    def row_split(self) -> int | None:
+        # GPTQ's solve is per row, its second-order scales per `scale_group_size` rows; the stripe widths and the
+        # outlier positions are chosen from the whole matrix on every rank (`quantize_rows`).
+        return self.options.scale_group_size if self.options.solver == "gptq" else None
+
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
+        return self.quantize_rows(name, weight, stats, range(weight.shape[0]))
+
+    def quantize_rows(self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range) -> QuantResult:
         o: MixedOptions = self.options
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"mixed needs the Hessian of {name}")
@@ -213,7 +221,9 @@ class MixedStage(HessianStage):
         nout = outlier_count(n, k, o.group_size, int(is4.sum()), o.outlier_fraction)
         if o.solver == "gptq":
             mc = mixed_quantize_gptq(weight, hessian, is4, o.group_size, o.scale_group_size, nout, damp=o.damp,
-                                     block_size=o.block_size)
+                                     block_size=o.block_size, rows=rows)
+        elif len(rows) < n:
+            raise ValueError(f"mixed: solver rtn solves every row of {name} at once (its outliers are refitted)")
         else:
             mc = mixed_quantize(weight, is4, o.group_size, o.scale_group_size, nout)
         packed = MixedWeight.from_codes(mc.codes, mc.is4, o.group_size, o.scale_group_size, o.assign,

@@ -129,6 +129,11 @@ class OutliersStage(HessianStage):
             k = 0
         return LayerPlan(bits, act_bits, k)
 
+    def row_split(self) -> int | None:
+        # The outlier columns come from the activations' ranges (the same on every slice), the rest of the solve
+        # is GPTQ's per row (per-channel scales, 2:4 chosen within each row).
+        return 1
+
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"outliers needs the Hessian and activation ranges of {name}")

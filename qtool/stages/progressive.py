@@ -96,6 +96,12 @@ class ProgressiveStage(QuantizerStage):
         act = quantize_activations(x.float())
         return act.codes.to(torch.float32) * act.scale[:, None]
 
+    def row_split(self) -> int | None:
+        # Level 0 (its clip ratio too) and level 1 are per row, as is GPTQ over them. (A linear scored by the
+        # attention objective is solved whole: its score reads the whole weight.) Round to nearest is quick
+        # enough whole.
+        return 1 if self.options.solver == "gptq" else None
+
     def distributed_problem(self) -> tuple[str, str] | None:
         if self.options.clip and self.options.clip_qk == "attention":
             return "clip_qk", ("found 'attention': progressive scores the clip ratios of q_proj/k_proj on the "
