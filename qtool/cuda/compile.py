@@ -231,7 +231,11 @@ def _headers() -> dict[str, str]:
 def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...], headers: dict[str, str]) -> bytes:
     from cupy.cuda import nvrtc  # noqa: PLC0415
 
-    prog = nvrtc.createProgram(source, name, tuple(headers.values()), tuple(headers.keys()))
+    try:
+        prog = nvrtc.createProgram(source, name, tuple(headers.values()), tuple(headers.keys()))
+    except TypeError:  # CuPy 14 takes the headers and their names as bytes
+        prog = nvrtc.createProgram(source, name, tuple(t.encode() for t in headers.values()),
+                                   tuple(n.encode() for n in headers.keys()))
     try:
         try:
             nvrtc.compileProgram(prog, list(options))
