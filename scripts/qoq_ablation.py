@@ -105,6 +105,8 @@ def quality_rows(g: int) -> list[tuple[str, list[dict], dict]]:
         ("QoQ per channel GPTQ + clip, calibration 64 x 512",
          [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}],
          {"calibration": {"num_samples": 64, "seq_len": 512}}),
+        ("QoQ per channel GPTQ", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None}], {}),
+        ("QoQ per channel GPTQ + clip", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}], {}),
     ]
 
 
