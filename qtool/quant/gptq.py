@@ -138,6 +138,11 @@ def gptq_run(
         bs = (bs + 3) // 4 * 4
 
     codes = torch.zeros(n, kq, dtype=torch.int64, device=w.device)
+    if grid is None and not sparsity_24 and _batch_kernel_usable(w, bs):
+        _batched_on_gpu(w, hinv, h, codes, scales, zeros, group_of, spec, clip_ratios, kq, bs, g, dynamic)
+        if act_order:
+            codes = codes[:, torch.argsort(perm)]
+        return GPTQOutput(codes, scales, zeros, w[:, kq:].clone())
     # The column loop runs K times per layer and dominates quantization time on small models: it keeps the
     # per-column torch calls few (group lookups as Python ints, scale/zero views cached per group, codes converted
     # once per batch, results written in place) while doing exactly the arithmetic of the textbook loop.
@@ -188,3 +193,39 @@ def gptq_run(
     if act_order:
         codes = codes[:, torch.argsort(perm)]
     return GPTQOutput(codes, scales, zeros, w[:, kq:].clone())
+
+
+def _batch_kernel_usable(w: torch.Tensor, bs: int) -> bool:
+    if not w.is_cuda:
+        return False
+    from qtool.cuda import gptq as gptq_cuda  # noqa: PLC0415  (the CPU path never imports the GPU runtime)
+
+    return gptq_cuda.usable(w, bs)
+
+
+def _batched_on_gpu(w: torch.Tensor, hinv: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_of: torch.Tensor, spec: GridSpec, clip_ratios: list[float] | None,
+                    kq: int, bs: int, g: int, dynamic: bool) -> None:
+    """`gptq_run`'s loop for the affine grid with the column walk of each lazy batch in one kernel
+    (qtool/cuda/gptq.py): the same operations in the same order, so the same codes, scales and zeros bit for bit.
+    A dynamic group's range is still taken in torch when the walk reaches the group, from the updated weights."""
+    from qtool.cuda import gptq as gptq_cuda  # noqa: PLC0415
+
+    groups = group_of.to(torch.int32)
+    maxq = float(spec.maxq)
+    for i1 in range(0, kq, bs):
+        i2 = min(i1 + bs, kq)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        q1 = torch.empty_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        starts = list(range(i1, i2, g)) if dynamic else [i1]
+        for a, b in zip(starts, [*starts[1:], i2], strict=True):
+            if dynamic:
+                e = min(a + g, kq)
+                scales[:, a // g], zeros[:, a // g] = _group_params(w1[:, a - i1:e - i1], spec, clip_ratios,
+                                                                    h[a:e, a:e])
+            gptq_cuda.columns(w1, q1, err1, hinv1, scales, zeros, groups[i1:i2].contiguous(), a - i1, b - i1,
+                              maxq)
+        codes[:, i1:i2] = q1.to(torch.int64)
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
