@@ -11,6 +11,7 @@ because the folder keeps the exact activations entering the next block.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
         state = (Work.resume(partial, ident) if resume else Work.start(partial, ident)).state
     work = Work(partial, world.broadcast_object(state), world)
     start = work.next_block
-    progress = None
+    progress = reading = None
     try:
         if run.needs_calibration():
             t = time.perf_counter()
@@ -134,12 +135,20 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
 
         t = time.perf_counter()
         progress = reporter.blocks(n, start, "quantizing blocks", device)
+        # The next block's weights are read from the shards while this one is quantized (the reader is used by
+        # nothing else during the loop).
+        reading = ThreadPoolExecutor(1, thread_name_prefix="qtool-onload")
+        ahead = reading.submit(materialize, blocks[start], adapter.block_prefix(start), reader, dtype) \
+            if start < n else None
         for i in range(start, n):
             block, prefix = blocks[i], adapter.block_prefix(i)
-            materialize(block, prefix, reader, dtype)
-            for tr in run.transforms:
-                tr.apply_block_weights(block, i, adapter)
-            block.to(device)
+            with run.timed("onload_s"):
+                ahead.result()
+                ahead = reading.submit(materialize, blocks[i + 1], adapter.block_prefix(i + 1), reader, dtype) \
+                    if i + 1 < n else None
+                for tr in run.transforms:
+                    tr.apply_block_weights(block, i, adapter)
+                block.to(device)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
             tensors, summaries, linears = {}, {}, {}
@@ -149,7 +158,9 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
                 tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
                 summaries = {full: layer_summary(layout, linears[full].bias is not None)
                              for full, layout in packed.items()}
-            work.commit(i, tensors, {"records": mine, "linears": summaries}, inputs if i < run.last_needing else None)
+            with run.timed("commit_s"):
+                work.commit(i, tensors, {"records": mine, "linears": summaries},
+                            inputs if i < run.last_needing else None)
             records.extend(mine)
             # The packed modules hold their layouts outside their parameters: put the linears back, so that
             # dropping the block to the meta device frees everything it held.
@@ -159,6 +170,8 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             release(block)
             del tensors, packed, linears
             progress.advance(i + 1)
+        with run.timed("commit_s"):
+            work.flush()
         timings["quantize_s"] = time.perf_counter() - t
     except KeyboardInterrupt:
         if work.next_block == 0:
@@ -167,6 +180,8 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
                           f"'{work.folder}'; run the same command with --resume to continue from block "
                           f"{work.next_block}") from None
     finally:
+        if reading is not None:
+            reading.shutdown(wait=True, cancel_futures=True)
         if progress is not None:
             progress.close()
         if isinstance(inputs, ActivationStore):

@@ -191,7 +191,8 @@ class _Blocks:
         # Several processes (qtool/distributed.py): this rank's share of the samples, statistics combined.
         self.world = world or World()
         # Seconds of this rank in the linears' statistics (with their combination over the ranks), in its solves,
-        # and in sending results (with waiting for the other ranks' solves): `--json` reports them per rank.
+        # and in sending results (with waiting for the other ranks' solves); the onloaded run adds its waits for
+        # block weights (`onload_s`) and for the work folder (`commit_s`): `--json` reports them per rank.
         self.seconds = {"stats_s": 0.0, "solve_s": 0.0, "share_s": 0.0}
         self.assignment = _assign(adapter, recipe, num_blocks)
         self.transforms = recipe.transforms()
@@ -245,7 +246,7 @@ class _Blocks:
         return ActivationStore(self.device, prepared.activations, folder, owned=True)
 
     @contextmanager
-    def _timed(self, key: str):
+    def timed(self, key: str):
         # GPU work is asynchronous: the device is waited for at both ends, so the time is the work's.
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -254,7 +255,7 @@ class _Blocks:
             yield
         finally:
             sync()
-            self.seconds[key] += time.perf_counter() - t
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
 
     def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
                  ) -> tuple[dict[str, object], list[torch.Tensor]]:
@@ -288,7 +289,7 @@ class _Blocks:
             if not todo:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
-            with self._timed("stats_s"):
+            with self.timed("stats_s"):
                 stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
                                  world=self.world) if need else {}
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
@@ -298,7 +299,7 @@ class _Blocks:
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
                 weight, stage = linear.weight.data.float(), mine[rel]
                 st = stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}")
-                with self._timed("solve_s"):
+                with self.timed("solve_s"):
                     if len(rows) < weight.shape[0]:
                         return stage.quantize_rows(f"{prefix}.{rel}", weight, st, rows)
                     return stage.quantize(f"{prefix}.{rel}", weight, st, **extra)
@@ -319,7 +320,7 @@ class _Blocks:
                 result = solved.pop(rel, None)
                 if not early and len(plan[j][world.rank]):
                     result = solve(rel, plan[j][world.rank])
-                with self._timed("share_s"):
+                with self.timed("share_s"):
                     result = world.share_rows(plan[j], result, tuple(linear.weight.shape))
                 if mine[rel] in tuners:
                     originals[rel] = linear.weight.data.float().cpu()

@@ -105,8 +105,9 @@ def run_phase(counts: list[int], recipe: Path, work: Path, device: str) -> dict[
         print(f"{n} GPU{'s' * (n > 1)}: {wall:.1f} s wall, quantize {done[n]['quantize_s']:.1f} s", flush=True)
         for r in done[n]["ranks"]:
             print(f"  rank {r['rank']}: quantize {r['quantize_s']:.1f} s = statistics {r.get('stats_s', 0):.1f} + "
-                  f"solves {r.get('solve_s', 0):.1f} + sharing (and waiting) {r.get('share_s', 0):.1f} + the rest",
-                  flush=True)
+                  f"solves {r.get('solve_s', 0):.1f} + sharing (and waiting) {r.get('share_s', 0):.1f} + waiting "
+                  f"for weights {r.get('onload_s', 0):.1f} + for the work folder {r.get('commit_s', 0):.1f} + the "
+                  f"rest", flush=True)
     return done
 
 

@@ -249,7 +249,8 @@ def test_weight_file_truncated_mid_run(tmp_path, monkeypatch):
     res = run_cli(["quantize", recipe, "-q"])
     assert_one_line_error(res, 4, "model.layers.", str(model / "model.safetensors"), "truncated",
                           output=tmp_path / "run" / "out")
-    assert state(tmp_path / "run")["next_block"] == 2
+    # Block 2's weights may have been read ahead, before the cut: the run then stops at block 3.
+    assert state(tmp_path / "run")["next_block"] in (2, 3)
     # The model changed under the work folder: a resume is refused, naming what differs.
     monkeypatch.setattr(partial.Work, "commit", real)
     shutil.copy(STORIES / "model.safetensors", model / "model.safetensors")

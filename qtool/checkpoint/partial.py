@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -88,6 +89,10 @@ class Work:
         self.folder = folder
         self.state = state
         self.world = world or World()
+        # A block committed while its activations are still being written (see `commit`), and the pinned host
+        # buffer they are copied into.
+        self._pending: _Pending | None = None
+        self._pinned: torch.Tensor | None = None
 
     # ---- opening --------------------------------------------------------------------------------------------
 
@@ -204,33 +209,77 @@ class Work:
     def commit(self, i: int, tensors: dict[str, torch.Tensor], record: dict,
                inputs: list[torch.Tensor] | None) -> None:
         """Block `i` is finished: its checkpoint tensors, what it recorded and the activations entering block
-        i + 1 (None when no later block needs them)."""
+        i + 1 (None when no later block needs them).
+
+        Activations on a GPU are copied to pinned host memory and written by a thread while the next block is
+        quantized (for a 7B model and 128 x 2048 calibration tokens that is 2 GB per block); the block counts as
+        finished in the state only once they are on disk, at the next `commit` or at `flush`. Activations kept in
+        host memory or on disk are written before this returns (a second copy of them may not fit)."""
+        self.flush()
         assert i == self.next_block, (i, self.next_block)
         world = self.world
         if world.is_main:
             _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-        spec = None
+        spec, pending = None, _Pending(i, record)
         if inputs is not None:
             spec = {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shapes": [list(x.shape) for x in inputs]}
+            path = self.inputs_file(i + 1, world.rank)
+            host = self._host_copy(inputs)
+            if host is None:
+                _atomic_write(path, lambda p: _write_raw(p, inputs))
+            else:
+                pending.start(lambda: _atomic_write(path, lambda p: _write_raw(p, host)))
+        pending.spec = spec
+        self._pending = pending
+        if pending.thread is None:
+            self.flush()
 
-            def write(p: Path) -> None:
-                with open(p, "wb") as f:
-                    for x in inputs:
-                        f.write(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
-
-            _atomic_write(self.inputs_file(i + 1, world.rank), write)
+    def flush(self) -> None:
+        """Wait for the last committed block's activations to be on disk, then name them in the state (every
+        rank's part is on disk before rank 0 names them all: the commit point)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.wait()
+        world, spec = self.world, pending.spec
         old_parts = len(self._parts())
-        # Every rank's part is on disk before rank 0 names them all in the state (the commit point).
         specs = world.all_gather_object(spec)
         if spec is not None and world.size > 1:
             spec = {"dtype": spec["dtype"], "shapes": [s for p in specs for s in p["shapes"]],
                     "parts": [len(p["shapes"]) for p in specs]}
-        state = {**self.state, "next_block": i + 1, "blocks": [*self.blocks, record], "inputs": spec}
-        self.state = state
+        self.state = {**self.state, "next_block": pending.block + 1, "blocks": [*self.blocks, pending.record],
+                      "inputs": spec}
         if world.is_main:
             self._write_state()
             for part in range(old_parts):
-                self.inputs_file(i, part).unlink(missing_ok=True)
+                self.inputs_file(pending.block, part).unlink(missing_ok=True)
+
+    def _host_copy(self, inputs) -> list[torch.Tensor] | None:
+        """`inputs` copied into a pinned host buffer (reused from block to block) when they are on a GPU and the
+        buffer takes at most a quarter of the host memory available; else None."""
+        from qtool.calibration.store import ActivationStore, available_host  # noqa: PLC0415
+
+        if isinstance(inputs, ActivationStore) and inputs.place != "device":
+            return None  # handing them out would copy each to the device
+        xs = [x.detach() for x in inputs]
+        if not xs or any(x.device.type != "cuda" for x in xs):
+            return None
+        sizes = [x.numel() * x.element_size() for x in xs]
+        total = sum(sizes)
+        if self._pinned is None or self._pinned.numel() < total:
+            self._pinned = None
+            if total > available_host() // 4:
+                return None
+            self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        out, off = [], 0
+        for x, n in zip(xs, sizes, strict=True):
+            dst = self._pinned[off:off + n]
+            dst.copy_(x.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+            out.append(dst)
+            off += n
+        for dev in {x.device for x in xs}:
+            torch.cuda.current_stream(dev).synchronize()
+        return out
 
     def _write_state(self) -> None:
         if not self.world.is_main:
@@ -240,6 +289,37 @@ class Work:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _write_raw(path: Path, xs) -> None:
+    with open(path, "wb") as f:
+        for x in xs:
+            f.write(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+
+
+class _Pending:
+    """A committed block whose activations a thread is writing; `wait` re-raises what the thread raised."""
+
+    def __init__(self, block: int, record: dict) -> None:
+        self.block, self.record, self.spec = block, record, None
+        self.thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, write) -> None:
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001  (handed to the main thread by `wait`)
+                self._error = e
+
+        self.thread = threading.Thread(target=run, name="qtool-activations", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class LazyTensors:
