@@ -322,6 +322,42 @@ __device__ __forceinline__ void reduce_store(float (&acc)[ROWS][MT], float (*red
     }
 }
 
+// silu(g)·u as kernels/swiglu.cu rounds it (the gate and up outputs first rounded to fp16, as the projection writes
+// them).
+__device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
+    const float x = h2f(g);
+    const u16 s = f2h(x / (1.0f + expf(-x)));
+    return f2h(h2f(s) * h2f(u));
+}
+
+// reduce_store for a row-interleaved gate/up projection (4-row blocks: gate rows 2j, 2j + 1, then up rows 2j,
+// 2j + 1, for block j): instead of the four projections it stores the two SwiGLU activations y[t, 2j + r] of an
+// [M, N/2] output (the SwiGLU kernel after the projection is not needed).
+template <int MT>
+__device__ __forceinline__ void reduce_store_swiglu(float (&acc)[4][MT], float (*red)[4 * MT], int row0, int N, int M,
+                                                    u16* __restrict__ y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            float s = acc[r][t];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) red[warp][r * MT + t] = s;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * MT; i += blockDim.x) {
+        const int r = i / MT, t = i % MT;
+        float g = 0.f, u = 0.f;
+        for (int w = 0; w < nwarps; ++w) {
+            g += red[w][r * MT + t];
+            u += red[w][(r + 2) * MT + t];
+        }
+        if (row0 + 3 < N && t < M) y[(long long)t * (N >> 1) + (row0 >> 1) + r] = swiglu1(f2h(g), f2h(u));
+    }
+}
+
 // y[M, N] = x[M, K] . W^T (+ bias) for M <= MT tokens on CUDA cores. A block owns ROWS output rows; its threads
 // split K in 64-channel blocks (thread t takes blocks t, t + blockDim.x, ...) and reduce through shared memory.
 // A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a.
@@ -514,7 +550,8 @@ __device__ __forceinline__ void tiled_stripe(const TBlock<ROWS>& s, int r, int i
         const int q = r >> 2;
         const u32 c = (my >> (16 + 4 * i)) & 15u;
         f = fmaf((float)c, S[q][i], U[q][i]);  // exact: 64·(c + u)·s2
-        const u32 zz = ((s.z[q] >> (8 * (r & 3))) & 0x3Fu) * 0x10001u;  // the row's three zeros, in both halves
+        // the row's zero byte (three 2-bit zeros, bits 6-7 zero) in both halves: one byte permute
+        const u32 zz = __byte_perm(s.z[q], 0u, 0x4040u | (0x0101u * (u32)(r & 3)));
         const u32 k0 = andor<0x00030003u>(zz >> (2 * i), MAG0);
         const u32 k4 = andor<0x00300030u>(i == 2 ? zz : zz << (4 - 2 * i), MAG4);
         unpack2(i == 0 ? a.x : (i == 1 ? a.y : a.z), k0, k4, v);
@@ -596,7 +633,7 @@ __device__ __forceinline__ void tiled_compute(const TBlock<ROWS>& s, int b, cons
 
 // y[M, N] = x[M, K] . W^T (+ bias) from the tiled streams; grid, split of K, outliers, prefetch (PIPE) and
 // dependent launch as gemv_body.
-template <int ROWS, int MT, bool FUSE, bool PIPE>
+template <int ROWS, int MT, bool FUSE, bool PIPE, bool SWIGLU = false>
 __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __restrict__ rowptr,
                                            const u16* __restrict__ ocols, const u16* __restrict__ ovals,
                                            const u16* __restrict__ x, const u16* __restrict__ bias,
@@ -619,15 +656,16 @@ __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __
         for (int t = 0; t < MT; ++t) acc[r][t] = 0.f;
 
     launch_dependents();
+    // The first block's weights are requested before the outliers' row pointers: the CSR entries wait for their
+    // row pointers (two dependent loads), and issued first they held the weight stream back by one memory latency.
+    int b = threadIdx.x;
+    TBlock<ROWS> cur;
+    if (b < nblk) tiled_load<ROWS>(T, rows, grp, h, b, cur);
     u32 ocv[ROWS];
     u32 omask = 0, omore = 0;
     if (FUSE) outliers_first<ROWS>(rowptr, ocols, ovals, row0, N, ocv, omask, omore);
-
-    int b = threadIdx.x;
+    grid_dependency_wait();
     if (PIPE) {
-        TBlock<ROWS> cur;
-        if (b < nblk) tiled_load<ROWS>(T, rows, grp, h, b, cur);
-        grid_dependency_wait();
         for (; b < nblk; b += blockDim.x) {
             const int bn = b + blockDim.x;
             TBlock<ROWS> nxt;
@@ -635,22 +673,18 @@ __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __
             tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
             cur = nxt;
         }
-    } else {
-        if (b < nblk) {
-            TBlock<ROWS> cur;
+    } else if (b < nblk) {
+        tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
+        for (b += blockDim.x; b < nblk; b += blockDim.x) {
             tiled_load<ROWS>(T, rows, grp, h, b, cur);
-            grid_dependency_wait();
             tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
-            for (b += blockDim.x; b < nblk; b += blockDim.x) {
-                tiled_load<ROWS>(T, rows, grp, h, b, cur);
-                tiled_compute<ROWS, MT>(cur, b, x, K, M, acc);
-            }
-        } else {
-            grid_dependency_wait();
         }
     }
     if (FUSE) outliers_add<ROWS, MT>(rowptr, ocols, ovals, x, row0, K, M, ocv, omask, omore, acc);
-    reduce_store<ROWS, MT>(acc, red, row0, N, M, bias, y);
+    if constexpr (SWIGLU)
+        reduce_store_swiglu<MT>(acc, red, row0, N, M, y);
+    else
+        reduce_store<ROWS, MT>(acc, red, row0, N, M, bias, y);
 }
 
 // Entry points: mixed_gemv_tiled_r{rows per block}_m{token slots}_f{fused outliers}_p{next block's loads ahead}.
@@ -667,6 +701,15 @@ __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __
     MIXED_TILED_ENTRY(ROWS, MT, 0, PIPE)   \
     MIXED_TILED_ENTRY(ROWS, MT, 1, PIPE)
 
+// The same GEMV for a row-interleaved gate/up projection, storing SwiGLU of it (reduce_store_swiglu; no bias).
+#define MIXED_TILED_SWIGLU_ENTRY(MT, FUSE, PIPE)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS) mixed_gemv_tiled_swiglu_m##MT##_f##FUSE##_p##PIPE( \
+        const uint4* ta, const uint2* tm, const u32* tz, const uint2* tt, const u32* binfo, const int* rowptr,    \
+        const u16* ocols, const u16* ovals, const u16* x, u16* y, int M, int N, int nblk, int g2) {               \
+        const Tiled T{ta, tm, tz, tt, binfo, N, nblk};                                                             \
+        tiled_body<4, MT, (FUSE != 0), (PIPE != 0), true>(T, g2, rowptr, ocols, ovals, x, nullptr, y, M);          \
+    }
+
 MIXED_TILED_PAIR(4, 1, 0)
 MIXED_TILED_PAIR(4, 1, 1)
 MIXED_TILED_PAIR(8, 1, 0)
@@ -675,6 +718,10 @@ MIXED_TILED_PAIR(4, 2, 0)
 MIXED_TILED_PAIR(4, 4, 0)
 MIXED_TILED_PAIR(4, 8, 0)
 MIXED_TILED_PAIR(4, 16, 0)
+MIXED_TILED_SWIGLU_ENTRY(1, 0, 1)
+MIXED_TILED_SWIGLU_ENTRY(1, 1, 1)
+MIXED_TILED_SWIGLU_ENTRY(1, 0, 0)
+MIXED_TILED_SWIGLU_ENTRY(1, 1, 0)
 
 // y[t, n] += Σ outliers of row n · x[t, col], for the unfused GEMV (and the paper's separate SpMV): one warp per
 // row. It reads y, written by the kernel ahead, after the dependency wait, through coherent loads.

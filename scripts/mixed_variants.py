@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=None, help="comma-separated variant names to time (default: all)")
     args = ap.parse_args()
     cases, timer = CudaCases(), CudaTimer()
 
@@ -50,13 +51,16 @@ def main() -> None:
 
         variants = {"direct": dict(layout="direct")}
         for rows in (4, 8) if m == 1 else (4,):
-            for warps in (1, 2, 4):
+            for warps in (1, 2, 3, 4):
                 if warps > 1 and mixed.gemv_warps(k, warps) < warps:
                     continue
                 for pipe in (False, True) if m == 1 else (False,):
                     variants[f"r{rows}w{warps}{'p' if pipe else ''}"] = dict(layout="tiled", rows=rows, warps=warps,
                                                                             pipe=pipe)
         fp16s, times = [], {name: [] for name in variants}
+        if args.variants:
+            keep = set(args.variants.split(",")) | {"direct"}
+            variants = {k2: v for k2, v in variants.items() if k2 in keep}
         names = list(variants)
         for rnd in range(args.rounds):
             fp16s.append(t(cases.fp16(k, n, m)))

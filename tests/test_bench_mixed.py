@@ -83,3 +83,22 @@ def test_e2e_mixed_option_reaches_the_run(monkeypatch):
     assert res.exit_code == 0 and seen["mixed"] == ()
     assert_one_line_error(run_cli(["bench", "e2e", "--model-config", "tiny", "--mixed", "0.01"]), 2,
                           "--mixed: found '0.01'")
+
+
+def test_e2e_weight_bytes_counts_each_storage_on_the_model_device_once():
+    """`weights GiB` of `qtool bench e2e`: parameters, buffers and a layer's prepared kernel view, each storage once,
+    only what sits on the model's device (a mixed layer's checkpoint tensors in host memory are left out)."""
+    import torch
+
+    from qtool.bench import e2e
+
+    lin = torch.nn.Linear(8, 4, bias=False)
+    view = torch.zeros(3, dtype=torch.int32)
+
+    class Prepared:
+        def tensors(self):
+            return [lin.weight, view]
+
+    lin._qtool_prepared = Prepared()
+    lin.register_buffer("host_copy", torch.zeros(5, device="meta"))
+    assert e2e.weight_bytes(lin) == 8 * 4 * 4 + 3 * 4

@@ -134,3 +134,32 @@ def test_bytes_the_gemv_reads_on_each_layout():
     assert p.nbytes("tiled") == n * (k // 64) * 51 // 2 + 4 * (k // 64) + outliers
     stored = w.stored_bits() // 8 - k // 16  # stripe_bits is not read
     assert abs(p.nbytes("tiled") - stored) < 0.01 * stored and p.nbytes("tiled") < p.nbytes("direct")
+
+
+def test_gemm_path_tiles_and_shared_memory():
+    assert mixed.choose_path(17, torch.float16, 16, 4096, gemm_ok=True) == "gemm"
+    assert mixed.choose_path(16, torch.float16, 16, 4096, gemm_ok=True) == "gemv"
+    assert mixed.choose_path(300, torch.bfloat16, 16, 4096, gemm_ok=True) == "reference"
+    assert [mixed.gemm_tokens(m) for m in (17, 64, 65, 128, 200, 5000)] == [64, 64, 128, 128, 256, 256]
+    # ring stages of 24 bytes per row (ta, tm), 12 per four-row group (tz, tt), binfo, and TN activation rows
+    assert mixed.gemm_smem(128, 4) == 4 * 20 * 1024 + 1024 and mixed.gemm_smem(64, 6) == 6 * 12 * 1024 + 1024
+    assert all(mixed.gemm_smem(tn, st) <= 227 * 1024 for tn, st in mixed.GEMM_BUILT.items())
+    # Llama-2-7B at a 128-token prefill, two blocks per SM on 132 SMs: qkv, o, gate/up, down
+    assert [mixed.plan_split(n, 128, k, 128, 2, 132) for k, n in
+            [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]] == [2, 8, 1, 8]
+
+
+def test_swiglu_of_a_row_interleaved_gate_up_layer_on_the_reference_path():
+    """MixedLinear.forward_swiglu reads its rows as gate 2j, 2j + 1, up 2j, 2j + 1 in each run of four."""
+    from qtool.bench.cuda_cases import random_mixed_weight
+    from qtool.runtime.mixed_linear import MixedLinear
+
+    layer = MixedLinear(random_mixed_weight(128, 48, 0.01, torch.device("cpu"), torch.Generator().manual_seed(1)))
+    x = torch.randn(3, 128)
+    y = layer(x).reshape(3, 12, 4)
+    gate, up = y[..., :2].reshape(3, 24), y[..., 2:].reshape(3, 24)
+    assert torch.equal(layer.forward_swiglu(x), torch.nn.functional.silu(gate) * up)
+    assert torch.equal(mixed.swiglu_interleaved(torch.arange(8.0)[None]),
+                       torch.nn.functional.silu(torch.tensor([[0.0, 1, 4, 5]])) * torch.tensor([[2.0, 3, 6, 7]]))
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        mixed.prepare(layer)

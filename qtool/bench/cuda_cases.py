@@ -198,7 +198,8 @@ class CudaCases:
         """A random mixed-2-4-16 layer (random_mixed_weight) prepared for the kernels."""
         from qtool.cuda import mixed  # noqa: PLC0415
 
-        return mixed.prepare(random_mixed_weight(k, n, outlier_fraction, self.dev, self.gen))
+        # the checkpoint tensors too: the direct GEMV and dequant + cuBLAS are candidates of the same rows
+        return mixed.prepare(random_mixed_weight(k, n, outlier_fraction, self.dev, self.gen), keep_checkpoint=True)
 
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]:
         """(candidate paths, the dispatched one, bytes a call must move) of a mixed-2-4-16 row."""
@@ -210,10 +211,13 @@ class CudaCases:
             if outlier_fraction > 0:
                 cands.append("mixed-gemv+spmv")
             cands.append("mixed-gemv-direct")  # the GEMV on the checkpoint layout, beside the tiled one
+        gemm = mixed.gemm_capable(self.dev)
         if m >= mixed.GEMV_MAX_M:
+            if gemm:
+                cands.append("mixed-gemm")
             cands.append("mixed-dq+cublas")
         if m > mixed.GEMV_MAX_M:
-            dispatched = "mixed-dq+cublas"
+            dispatched = "mixed-gemm" if gemm else "mixed-dq+cublas"
         else:
             fused = mixed.outlier_mode() == "fused"
             dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"
@@ -235,11 +239,13 @@ class CudaCases:
                 fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="spmv"))
             elif path == "mixed-gemv-direct":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused", layout="direct"))
+            elif path == "mixed-gemm":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemm(x, p, out=out))
             elif path == "mixed-dq+cublas":
                 fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
             else:
-                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct or "
-                                 "mixed-dq+cublas")
+                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct, "
+                                 "mixed-gemm or mixed-dq+cublas")
         return fns
 
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):

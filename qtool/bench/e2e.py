@@ -78,6 +78,10 @@ FUSED_ROPE = True
 FUSED_NORM = True
 FUSED_SWIGLU = True
 FUSED_ATTENTION = True
+# A gate/up projection with `forward_swiglu` (mixed-2-4-16: rows interleaved in fours, gate 2j, 2j + 1 then up 2j,
+# 2j + 1; random weights, so only the order is declared) returns the SwiGLU activations itself: at one token the
+# GEMV computes them in its epilogue, so the step has no SwiGLU kernel and writes no gate/up output.
+FUSED_GATE_UP_SWIGLU = True
 # W4A8 projections (layers with `takes_codes`) get their INT8 activation codes from the normalization or SwiGLU
 # kernel that produces their input, instead of a quantize kernel reading the float16 rows back
 FUSED_QUANT = True
@@ -196,7 +200,11 @@ class Block(nn.Module):
     def _mlp(self, h: torch.Tensor, a: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The output projection of attention `a` [B, H, T, D], then the MLP."""
         d, hd = self.d, self.d.head_dim
-        h, gu = self._norm_linear(h, self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd)), self.n2, self.gate_up)
+        o = self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd))
+        if FUSED_GATE_UP_SWIGLU and hasattr(self.gate_up, "forward_swiglu"):
+            h, x = self._add_norm(h, o, self.n2)
+            return h, self.down(self.gate_up.forward_swiglu(x))
+        h, gu = self._norm_linear(h, o, self.n2, self.gate_up)
         if self.fused_swiglu and self._codes_for(self.down, b * t):
             from qtool.cuda.swiglu import swiglu_codes  # noqa: PLC0415
 
@@ -372,9 +380,21 @@ def measure_model(model: Decoder, prompt: int, batches: list[int], context: int,
 
 
 def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights on the model's device: parameters, buffers and the kernels' prepared views of packed
+    layers (a mixed-2-4-16 layer's tiled streams), each storage counted once (a layer whose checkpoint tensors moved
+    to host memory counts only its view)."""
+    dev = next(model.parameters()).device
+    seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        total += t.numel() * t.element_size()
+    tensors = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():
+        prep = getattr(m, "_qtool_prepared", None)
+        if prep is not None and hasattr(prep, "tensors"):
+            tensors += prep.tensors()
+    for t in tensors:
+        if t.device == dev and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     return total
 
 

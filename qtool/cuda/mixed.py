@@ -1,21 +1,24 @@
-"""CUDA execution of the `mixed-2-4-16` layout (kernels/mixed_gemv.cu): load-time preparation, the kernels, the
-dispatch rule.
+"""CUDA execution of the `mixed-2-4-16` layout (kernels/mixed_gemv.cu, kernels/mixed_gemm.cu): load-time
+preparation, the kernels, the dispatch rule.
 
 Paths, chosen per call from the token count M and the activation dtype:
 
 * ``gemv``: the CUDA-core GEMV for 1..GEMV_MAX_M tokens (fp16), the outliers added inside it (``fused``) or by a
   second kernel in the same stream (``spmv``, the paper's separate sparse product; OUTLIERS picks);
-* ``dequant+cublas``: a kernel writes the dense fp16 weight (outliers added into it), then cuBLAS multiplies;
-  more tokens, fp16;
+* ``gemm``: more tokens on a Hopper GPU, the tensor-core GEMM reading the tiled streams (outliers in its epilogue);
+* ``dequant+cublas``: more tokens elsewhere (or for layers without tiled streams): a kernel writes the dense fp16
+  weight (outliers added into it), then cuBLAS multiplies;
 * ``reference``: the torch reference (other dtypes, group sizes other than 16, K not a multiple of 64).
 
-The checkpoint tensors are used in place; preparation adds two small tables: `binfo` (per 64-channel block: the
-rank of its first 4-bit stripe, its number of 4-bit stripes and the positions of its stripes, 4 bytes per 64
-input channels) and `s2f` (per second-order group, 64·s2 and 64·u·s2 in float32, so a first-order scale is one
-exact fma: 8 bytes per 16 rows of a 2-bit stripe). Block4 layers with g2 a multiple of 4 also get the tiled
-streams (`tiled_streams`: the same bits re-laid so a thread's share of a row and 64-channel block is one 16-byte
-and one 8-byte load), which the one-to-16-token GEMV reads instead (``tiled``; the checkpoint layout's GEMV is
-``direct``).
+Preparation adds two small tables: `binfo` (per 64-channel block: the rank of its first 4-bit stripe, its number of
+4-bit stripes and the positions of its stripes, 4 bytes per 64 input channels) and, for the checkpoint-layout
+kernels, `s2f` (per second-order group, 64·s2 and 64·u·s2 in float32, so a first-order scale is one exact fma).
+Block4 layers with g2 a multiple of 4 get the tiled streams (`tiled_streams`: the same bits re-laid so a thread's
+share of a row and 64-channel block is one 16-byte and one 8-byte load), which the GEMV (``tiled``; the
+checkpoint layout's GEMV is ``direct``) and the GEMM read. Where the GEMM runs (Hopper), such a layer keeps only the
+tiled streams on the GPU: `module_forward` moves the module's checkpoint tensors to host memory (the reference
+path and `state_dict` read them there), so the layer's GPU memory is its stored size, not twice it
+(QTOOL_MIXED_KEEP_CHECKPOINT=1 keeps them on the GPU).
 """
 
 from __future__ import annotations
@@ -58,19 +61,20 @@ TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token onl
 TILED_GEMV_ROWS = cc.env_int("QTOOL_MIXED_TILED_ROWS", 4)
 TILED_WARPS = cc.env_int("QTOOL_MIXED_TILED_WARPS", 2)
 TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 1)
+# 0 (default): where the GEMM runs, a layer with tiled streams keeps only them on the GPU (module_forward moves its
+# checkpoint tensors to host memory); 1: the checkpoint tensors stay on the GPU as well (the direct GEMV and the
+# dequantize kernel need them).
+KEEP_CHECKPOINT = cc.env_int("QTOOL_MIXED_KEEP_CHECKPOINT", 0)
+# 1 (default): more than GEMV_MAX_M tokens take the tensor-core GEMM on a Hopper GPU; 0: dequantize + cuBLAS (the
+# layers then keep their checkpoint tensors on the GPU)
+GEMM = cc.env_int("QTOOL_MIXED_GEMM", 1)
 
 
 @dataclass
 class Prepared:
-    """Device-side view of one layer, ready for the kernels (the checkpoint tensors plus binfo and s2f)."""
+    """Device-side view of one layer, ready for the kernels: binfo, the outliers, and the checkpoint tensors plus s2f
+    (the direct GEMV and the dequantize kernel), the tiled streams (the tiled GEMV and the GEMM), or both."""
 
-    qweight_a: torch.Tensor
-    qweight_b: torch.Tensor
-    scale_codes: torch.Tensor
-    zeros2: torch.Tensor
-    s2f: torch.Tensor  # float32 [N/g2, S2, 2]: 64·s2, 64·u·s2
-    scales4: torch.Tensor
-    zeros4: torch.Tensor
     binfo: torch.Tensor  # int32 [K/64]
     rowptr: torch.Tensor
     ocols: torch.Tensor
@@ -83,14 +87,37 @@ class Prepared:
     block4: bool  # every 64-channel block holds exactly one 4-bit stripe
     nnz: int
     source_ptr: int
+    qweight_a: torch.Tensor | None = None
+    qweight_b: torch.Tensor | None = None
+    scale_codes: torch.Tensor | None = None
+    zeros2: torch.Tensor | None = None
+    s2f: torch.Tensor | None = None  # float32 [N/g2, S2, 2]: 64·s2, 64·u·s2
+    scales4: torch.Tensor | None = None
+    zeros4: torch.Tensor | None = None
     tiled: Tiled | None = None  # the tiled streams (block4 layers with g2 a multiple of 4)
 
+    @property
+    def has_checkpoint(self) -> bool:
+        """Whether the checkpoint-layout tensors are on the device (the direct GEMV, the dequantize kernel)."""
+        return self.qweight_a is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.binfo.device
+
+    def _need_checkpoint(self, what: str) -> None:
+        if not self.has_checkpoint:
+            raise ValueError(f"{what}: this {LAYOUT} layer keeps only its tiled streams on the GPU (prepare it with "
+                             "keep_checkpoint=True)")
+
     def layer_args(self) -> tuple:
+        self._need_checkpoint("the checkpoint-layout kernels")
         p = self
         return (cc.ptr(p.qweight_a), cc.ptr(p.qweight_b), cc.ptr(p.scale_codes), cc.ptr(p.zeros2), cc.ptr(p.s2f),
                 cc.ptr(p.scales4), cc.ptr(p.zeros4), cc.ptr(p.binfo))
 
     def shape_args(self) -> tuple:
+        self._need_checkpoint("the checkpoint-layout kernels")
         p = self
         return (cc.i32(p.out_features), cc.i32(p.in_features), cc.i32(p.s2), cc.i32(p.s4),
                 cc.i32(p.scale_codes.shape[1]), cc.i32(p.zeros2.shape[1]), cc.i32(p.zeros4.shape[1]),
@@ -108,6 +135,14 @@ class Prepared:
         if self.nnz:
             ts += [self.rowptr, self.ocols, self.ovals]
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the view (what it holds in GPU memory)."""
+        ts = [self.binfo, self.rowptr, self.ocols, self.ovals, self.qweight_a, self.qweight_b, self.scale_codes,
+              self.zeros2, self.s2f, self.scales4, self.zeros4]
+        if self.tiled is not None:
+            ts += [self.tiled.ta, self.tiled.tm, self.tiled.tz, self.tiled.tt]
+        return [t for t in ts if t is not None]
 
 
 @dataclass
@@ -217,35 +252,54 @@ def block_info(stripe_bits: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return info.to(torch.int32), bool((n4 == 1).all())
 
 
-def prepare(layout) -> Prepared:
-    """The kernel view of a `MixedWeight` (or a `MixedLinear`: anything with the layout's fields) on CUDA."""
+def gemm_capable(device: torch.device | int | None = None) -> bool:
+    """Whether the GEMM runs here: a Hopper GPU (wgmma), unless QTOOL_MIXED_GEMM=0."""
+    return bool(GEMM) and cc.target_arch(device) == "sm_90a"
+
+
+def prepare(layout, device: torch.device | None = None, keep_checkpoint: bool | None = None) -> Prepared:
+    """The kernel view of a `MixedWeight` (or a `MixedLinear`: anything with the layout's fields) on `device` (by
+    default where qweight_a lives, which must then be CUDA). A layer with tiled streams keeps only them (and binfo
+    and the outliers) where the GEMM covers its prefill, unless `keep_checkpoint` (default: KEEP_CHECKPOINT) asks
+    for the checkpoint tensors too."""
     k, n = layout.in_features, layout.out_features
     reason = unsupported_reason(layout.group_size, k)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} layer: {reason}; use the reference path")
-    qa = layout.qweight_a
-    if not qa.is_cuda:
-        raise ValueError(f"qweight_a: found device {qa.device}, expected a CUDA tensor")
-    dev = qa.device
+    dev = torch.device(device) if device is not None else layout.qweight_a.device
+    if dev.type != "cuda":
+        raise ValueError(f"qweight_a: found device {dev}, expected a CUDA tensor")
 
     def on(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev).contiguous()
 
-    qa = on(qa)
-    if qa.data_ptr() % 16:
-        qa = qa.clone()
     binfo, block4 = block_info(layout.stripe_bits)
-    s2 = int(layout.scales_2nd.shape[1])
-    s2f = second_order_table(layout.scales_2nd, layout.zeros_2nd)
-    s4 = int(layout.scales4.shape[1])
+    tiled = tiled_eligible(block4, layout.scale_group_size)
+    keep = bool(KEEP_CHECKPOINT) if keep_checkpoint is None else keep_checkpoint
+    keep = keep or not tiled or not gemm_capable(dev)
+    qa, qb, sc, z2, s4t, z4 = (on(t) for t in (layout.qweight_a, layout.qweight_b, layout.scale_codes,
+                                               layout.zeros2, layout.scales4, layout.zeros4))
     p = Prepared(
-        qweight_a=qa, qweight_b=on(layout.qweight_b), scale_codes=on(layout.scale_codes), zeros2=on(layout.zeros2),
-        s2f=on(s2f), scales4=on(layout.scales4), zeros4=on(layout.zeros4), binfo=on(binfo),
-        rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols), ovals=on(layout.outlier_values),
-        in_features=k, out_features=n, scale_group_size=layout.scale_group_size, s2=s2, s4=s4, block4=block4,
-        nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr(),
-    )
-    return add_tiled(p, layout.scales_2nd, layout.zeros_2nd)
+        binfo=on(binfo), rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols),
+        ovals=on(layout.outlier_values), in_features=k, out_features=n, scale_group_size=layout.scale_group_size,
+        s2=int(layout.scales_2nd.shape[1]), s4=int(layout.scales4.shape[1]), block4=block4,
+        nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr())
+    if tiled:
+        p.tiled = tiled_streams(qa, qb, sc, z2, on(layout.scales_2nd), on(layout.zeros_2nd), s4t, z4, p.binfo,
+                                layout.scale_group_size)
+    if keep:
+        p.qweight_a = qa if qa.data_ptr() % 16 == 0 else qa.clone()
+        p.qweight_b, p.scale_codes, p.zeros2, p.scales4, p.zeros4 = qb, sc, z2, s4t, z4
+        p.s2f = on(second_order_table(layout.scales_2nd, layout.zeros_2nd))
+    return p
+
+
+def offload_checkpoint(layer: torch.nn.Module) -> None:
+    """Move a MixedLinear's checkpoint tensors to host memory (its prepared view holds what the kernels read)."""
+    for f in layer.layout_cls.FIELDS:
+        t = getattr(layer, f)
+        if t.is_cuda:
+            setattr(layer, f, t.cpu())
 
 
 def second_order_table(scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> torch.Tensor:
@@ -313,11 +367,13 @@ def gemv_layout(p: Prepared, layout: str | None = None) -> str:
     """Which streams the GEMV reads: "tiled" (where the layer has them, unless QTOOL_MIXED_TILED=0) or "direct"
     (the checkpoint tensors); `layout` forces one."""
     if layout is None:
-        return "tiled" if p.tiled is not None and GEMV_TILED else "direct"
+        return "tiled" if p.tiled is not None and (GEMV_TILED or not p.has_checkpoint) else "direct"
     if layout not in ("tiled", "direct"):
         raise ValueError(f"layout: found {layout!r}, expected tiled or direct")
     if layout == "tiled" and p.tiled is None:
         raise ValueError("layout: found 'tiled' for a layer without tiled streams (block4 with g2 a multiple of 4)")
+    if layout == "direct":
+        p._need_checkpoint("layout 'direct'")
     return layout
 
 
@@ -376,6 +432,7 @@ def tiled_config(k: int, token_slots: int, rows: int | None = None, warps: int |
 
 def dequantize(p: Prepared, outliers: bool = True) -> torch.Tensor:
     """The weight as fp16 [N, K]: the dense part rounded once as the reference casts it, plus the outliers."""
+    p._need_checkpoint("dequantize")
     n, k = p.out_features, p.in_features
     out = torch.empty(n, k, dtype=torch.float16, device=p.qweight_a.device)
     dev = cc.device_index(out.device)
@@ -395,41 +452,191 @@ def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = Non
     return F.linear(x, dequantize(p), b)
 
 
-PATHS = ("gemv", "dequant+cublas", "reference")
+GEMM_SOURCE = "mixed_gemm.cu"
+GEMM_ROWS = 128  # weight rows per GEMM block (two warpgroups of 64): must match kernels/mixed_gemm.cu
+GEMM_BUILT = {64: 6, 128: 4, 256: 3}  # token tile -> ring stages, as kernels/mixed_gemm.cu instantiates them
 
 
-def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int) -> str:
-    """The path a layer takes for M tokens: gemv, dequant+cublas or reference."""
+def gemm_smem(tokens: int, stages: int) -> int:
+    """Dynamic shared memory of a GEMM block: the ring (activations; ta, tm of 128 rows; tz, tt of 32 four-row
+    groups; binfo), and slack to align the 1024-byte swizzle atoms (kernels/mixed_gemm.cu MTile)."""
+    slot = tokens * 128 + 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16
+    return stages * (-(-slot // 1024) * 1024) + 1024
+
+
+def gemm_tokens(m: int) -> int:
+    """Token tile for M rows: the smallest built tile holding them all, else the largest."""
+    tiles = sorted(GEMM_BUILT)
+    return next((tn for tn in tiles if m <= tn), tiles[-1])
+
+
+def plan_split(n: int, m: int, k: int, tokens: int, blocks_per_sm: int, sms: int) -> int:
+    """Blocks splitting K per output tile: as many as keep every block in one wave, at most 16, at least 4 stages
+    each (grouped_int's rule for its wgmma kernel)."""
+    tiles = -(-n // GEMM_ROWS) * -(-m // tokens)
+    return max(1, min(blocks_per_sm * sms // tiles, k // 64 // 4, 16))
+
+
+def gemm_reason(p: Prepared) -> str | None:
+    """Why the GEMM cannot run this layer here (None when it can)."""
+    if p.tiled is None:
+        return "no tiled streams (block4 layers with g2 a multiple of 4)"
+    if not gemm_capable(p.device):
+        return f"the GEMM needs a Hopper GPU (wgmma; found {cc.target_arch(p.device)}) and QTOOL_MIXED_GEMM=1"
+    return None
+
+
+def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         tokens: int | None = None, split: int | None = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) (+ the outliers) with the tensor-core GEMM on the tiled streams; x fp16 [..., K], any
+    number of rows. `tokens` (token tile) and `split` (blocks per output tile along K) override the defaults."""
+    from qtool.cuda import split_k  # noqa: PLC0415
+
+    reason = gemm_reason(p)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}")
+    lead = x.shape[:-1]
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    m, k, n = x2.shape[0], p.in_features, p.out_features
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    tn = gemm_tokens(m) if tokens is None else tokens
+    if tn not in GEMM_BUILT:
+        raise ValueError(f"tokens: found {tn}, expected one of {tuple(GEMM_BUILT)}")
+    st = GEMM_BUILT[tn]
+    dev = cc.device_index(x.device)
+    fn = cc.load_module(GEMM_SOURCE, device=dev).fn(f"mixed_gemm_n{tn}_s{st}")
+    smem = gemm_smem(tn, st)
+    cc.allow_shared_memory(fn, smem)
+    nblk = k // 64
+    if split is None:
+        split = plan_split(n, m, k, tn, cc.resident_blocks(fn, 256, smem, dev), cc.sm_count(dev))
+    if not 1 <= split <= nblk:
+        raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
+    tiles = -(-n // GEMM_ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * GEMM_ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    t = p.tiled
+    cc.launch(
+        fn, (-(-n // GEMM_ROWS), -(-m // tn), split), (256,),
+        (cc.ptr(x2), cc.i32(k), cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo),
+         cc.ptr(p.rowptr if p.nnz else None), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(_bias(bias, p)), cc.ptr(out),
+         cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(nblk), cc.i32(p.scale_group_size)),
+        shared_mem=smem, device=dev,
+    )
+    return out.reshape(*lead, n)
+
+
+PATHS = ("gemv", "gemm", "dequant+cublas", "reference")
+
+
+def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, gemm_ok: bool = False) -> str:
+    """The path a layer takes for M tokens: gemv, gemm (where `gemm_ok`: gemm_reason is None), dequant+cublas or
+    reference."""
     if unsupported_reason(group_size, in_features) is not None or dtype != torch.float16:
         return "reference"
-    return "gemv" if 1 <= m <= GEMV_MAX_M else "dequant+cublas"
+    if 1 <= m <= GEMV_MAX_M:
+        return "gemv"
+    return "gemm" if gemm_ok else "dequant+cublas"
 
 
 def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     m = x.numel() // max(1, x.shape[-1])
     if path is None:
-        path = choose_path(m, x.dtype, 16, p.in_features)
+        path = choose_path(m, x.dtype, 16, p.in_features, gemm_reason(p) is None)
     if path == "gemv":
         return gemv(x, p, bias)
+    if path == "gemm":
+        return gemm(x, p, bias)
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
     raise cc.CudaUnavailableError(f"{LAYOUT}: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")
 
 
-def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """CUDA forward of a MixedLinear, or None when the caller should run the reference path (QTOOL_KERNELS=cuda
-    turns every fallback into a one-line error instead)."""
+def swiglu_interleaved(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a row-interleaved gate/up output [..., N] (in each run of four: gate 2j, 2j + 1, up 2j, 2j + 1)
+    -> [..., N/2], rounded as torch's F.silu and half multiply round it (as kernels/swiglu.cu)."""
+    v = gu.reshape(*gu.shape[:-1], gu.shape[-1] // 4, 2, 2)
+    gate = v[..., 0, :].reshape(*gu.shape[:-1], gu.shape[-1] // 2)
+    up = v[..., 1, :].reshape(*gu.shape[:-1], gu.shape[-1] // 2)
+    return F.silu(gate) * up
+
+
+def gemv_swiglu(x: torch.Tensor, p: Prepared, out: torch.Tensor | None = None, outliers: str | None = None,
+                pipe: bool | None = None) -> torch.Tensor:
+    """SwiGLU of a row-interleaved gate/up projection (swiglu_interleaved) for one token, in the tiled GEMV's
+    epilogue: [..., K] -> [..., N/2]."""
+    if p.tiled is None:
+        raise ValueError("layer: found no tiled streams, expected a block4 layer with g2 a multiple of 4")
+    if p.out_features % 4:
+        raise ValueError(f"out_features: found {p.out_features}, expected a multiple of 4 (gate/up in runs of four)")
+    lead = x.shape[:-1]
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)
+    if x2.shape[0] != 1:
+        raise ValueError(f"x: found M={x2.shape[0]} tokens, expected 1 for the SwiGLU GEMV")
+    fuse = outlier_mode(outliers) == "fused" and p.nnz > 0
+    if not fuse and p.nnz:
+        raise ValueError("outliers: found 'spmv', expected 'fused' for the SwiGLU GEMV (it stores no projection)")
+    _, w, piped = tiled_config(p.in_features, 1, 4, None, pipe)
+    out = cc.f16_out(out, (1, p.out_features // 2), x.device)
+    dev = cc.device_index(x.device)
+    t = p.tiled
+    fn = cc.load_module(SOURCE, device=dev).fn(f"mixed_gemv_tiled_swiglu_m1_f{int(fuse)}_p{int(piped)}")
+    dependent_launch.launch(fn, (p.out_features // 4,), (32 * w,),
+                            (cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo),
+                             cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(out), cc.i32(1),
+                             cc.i32(p.out_features), cc.i32(p.in_features // 64), cc.i32(p.scale_group_size)),
+                            device=dev)
+    return out.reshape(*lead, p.out_features // 2)
+
+
+def _layer_path(layer: torch.nn.Module, x: torch.Tensor) -> tuple[str, Prepared | None]:
+    """The path of a MixedLinear's forward on `x`, and its kernel view (None: the caller runs the reference)."""
     if cc.kernel_mode() == "reference":
-        return None
+        return "reference", None
     m = x.numel() // max(1, x.shape[-1])
     path = choose_path(m, x.dtype, layer.group_size, layer.in_features)
     reason = None
     if path == "reference":
         reason = unsupported_reason(layer.group_size, layer.in_features) or f"dtype {x.dtype}"
     if not cc.use_kernels(LAYOUT, reason):
-        return None
+        return "reference", None
     p = getattr(layer, "_qtool_prepared", None)
-    if p is None or p.source_ptr != layer.qweight_a.data_ptr() or p.qweight_a.device != x.device:
-        p = prepare(layer)
+    if p is None or p.source_ptr != layer.qweight_a.data_ptr() or p.device != x.device:
+        p = prepare(layer, device=x.device)
         layer._qtool_prepared = p
+        if not p.has_checkpoint:
+            offload_checkpoint(layer)
+            p.source_ptr = layer.qweight_a.data_ptr()
+    if path == "dequant+cublas" and gemm_reason(p) is None:
+        path = "gemm"
+    return path, p
+
+
+def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CUDA forward of a MixedLinear, or None when the caller should run the reference path (QTOOL_KERNELS=cuda
+    turns every fallback into a one-line error instead)."""
+    path, p = _layer_path(layer, x)
+    if p is None:
+        return None
     return linear(x, p, layer.bias, path)
+
+
+def module_forward_swiglu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU of a row-interleaved gate/up MixedLinear (swiglu_interleaved) on CUDA, in the GEMV's epilogue for one
+    token of a tiled layer without bias; None when the caller should run the reference path."""
+    path, p = _layer_path(layer, x)
+    if p is None:
+        return None
+    m = x.numel() // max(1, x.shape[-1])
+    if path == "gemv" and m == 1 and p.tiled is not None and layer.bias is None and p.out_features % 4 == 0:
+        return gemv_swiglu(x, p)
+    return swiglu_interleaved(linear(x, p, layer.bias, path))

@@ -37,6 +37,19 @@ class MixedLinear(PackedLinear):
                 return y
         return self.reference_forward(x)
 
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of this layer's output read as a row-interleaved gate/up projection (in each run of four output
+        rows: gate 2j, 2j + 1, then up 2j, 2j + 1): [..., K] -> [..., N/2]. On CUDA the one-token GEMV computes it in
+        its epilogue, so no projection output is written and no SwiGLU kernel runs after it."""
+        # qtool.cuda.mixed imports no GPU runtime by itself; swiglu_interleaved is plain torch
+        from qtool.cuda.mixed import module_forward_swiglu, swiglu_interleaved
+
+        if x.is_cuda:
+            y = module_forward_swiglu(self, x)
+            if y is not None:
+                return y
+        return swiglu_interleaved(self.reference_forward(x))
+
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)

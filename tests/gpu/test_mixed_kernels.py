@@ -91,7 +91,7 @@ def reference64(layer: MixedLinear, x: torch.Tensor, with_bias: bool) -> torch.T
 def _prep(layer):
     from qtool.cuda.mixed import prepare
 
-    return prepare(layer)
+    return prepare(layer, keep_checkpoint=True)  # both layouts: the direct GEMV and the dequantize kernel too
 
 
 def mixed_layout(p) -> str:
@@ -287,3 +287,88 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
     assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0, f"seed {seed}"
     for i, y in enumerate(outs):
         assert torch.equal(y, plain), f"seed {seed}, run {i}: {int((y != plain).sum())} elements differ"
+
+
+def _gemm_ready():
+    from qtool.cuda import mixed
+
+    return mixed.gemm_capable(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02])
+@pytest.mark.parametrize("nkg", ODD_TILED + [(264, 1024, 8), (4096, 11008, 16)])
+def test_gemm_matches_the_reference(fraction, nkg):
+    """The tiled-stream GEMM (prefill): every token tile, split-K on and off, rows past N and tokens past the tile,
+    bias, outliers in the epilogue; outputs poisoned before each launch."""
+    from qtool.cuda import mixed
+
+    if not _gemm_ready():
+        pytest.skip("the mixed-2-4-16 GEMM needs a Hopper GPU")
+    n, k, g2 = nkg
+    seed = int.from_bytes(os.urandom(4), "little")
+    layer = random_mixed(n, k, g2, "block4", fraction, seed, bias=True)
+    p = mixed.prepare(layer, keep_checkpoint=False)
+    assert not p.has_checkpoint and mixed.gemm_reason(p) is None
+    nblk = k // 64
+    cases = [(17, None, None), (64, 64, 1), (130, 128, None), (200, 256, 1), (300, 128, min(3, nblk))]
+    if n >= 4096:
+        cases = [(128, None, None), (200, 128, 4)]
+    for m, tokens, split in cases:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        for bias in (None, layer.bias):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+            y = synced(mixed.gemm(x, p, bias, out=out, tokens=tokens, split=split))
+            assert bool(torch.isfinite(y).all()), f"unwritten outputs (seed {seed}, M={m})"
+            err = rel_err(y, reference64(layer, x, bias is not None))
+            assert err < TOL, f"relative error {err:.2e} (seed {seed}, M={m}, tokens {tokens}, split {split})"
+    from qtool.cuda import split_k
+
+    cnt = split_k.counters(torch.cuda.current_device())
+    assert cnt is None or int(cnt.abs().sum()) == 0
+
+
+def test_module_keeps_only_the_tiled_streams_on_the_gpu(monkeypatch):
+    """Where the GEMM runs, a tiled layer's first CUDA forward moves its checkpoint tensors to host memory; every
+    path (GEMV, GEMM, the bf16 reference) still agrees with the reference, and the state dict is intact."""
+    if not _gemm_ready():
+        pytest.skip("the mixed-2-4-16 GEMM needs a Hopper GPU")
+    layer = random_mixed(256, 2048, 16, "block4", 0.002, 21, bias=True)
+    before = {k: v.cpu().clone() for k, v in layer.state_dict().items()}
+    monkeypatch.setenv("QTOOL_KERNELS", "cuda")
+    for m in (1, 3, 40, 130):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+        y = synced(layer(x))
+        assert rel_err(y, reference64(layer, x, True)) < TOL, m
+    p = layer._qtool_prepared
+    assert not p.has_checkpoint and p.tiled is not None
+    assert all(not t.is_cuda for t in layer.buffers())
+    assert all(torch.equal(v.cpu(), before[k]) for k, v in layer.state_dict().items())
+    assert layer._qtool_prepared is p  # not rebuilt per call
+    monkeypatch.setenv("QTOOL_KERNELS", "auto")
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.float16)
+    assert rel_err(layer(x.bfloat16()).float(), reference64(layer, x, True)) < 2e-2
+    layer.to("cuda")  # moves the tensors back; the next forward prepares (and moves them) again
+    assert rel_err(synced(layer(x)), reference64(layer, x, True)) < TOL
+    assert not layer._qtool_prepared.has_checkpoint
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.002])
+def test_gemv_swiglu_epilogue_gives_the_bits_of_gemv_then_swiglu(fraction):
+    """The tiled GEMV with the SwiGLU epilogue (a row-interleaved gate/up layer) against the GEMV's projection
+    followed by the SwiGLU kernel on the de-interleaved halves: the same bits."""
+    from qtool.cuda import mixed
+    from qtool.cuda.swiglu import swiglu
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    n, k = 2 * 1408, 2048
+    layer = random_mixed(n, k, 16, "block4", fraction, seed)
+    p = _prep(layer)
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    gu = mixed.gemv(x, p, outliers="fused").reshape(1, n // 4, 2, 2)
+    plain = swiglu(torch.cat([gu[:, :, 0].reshape(1, n // 2), gu[:, :, 1].reshape(1, n // 2)], dim=-1))
+    for pipe in (False, True):
+        out = torch.full((1, n // 2), float("nan"), device="cuda", dtype=torch.float16)
+        y = synced(mixed.gemv_swiglu(x, p, out=out, pipe=pipe))
+        assert torch.equal(y, plain), f"seed {seed}, pipe {pipe}: {int((y != plain).sum())} elements differ"
+    ref = mixed.swiglu_interleaved(reference64(layer, x, False).half().cuda())
+    assert rel_err(y, ref) < 1e-2

@@ -1,0 +1,335 @@
+// Tensor-core GEMM on the tiled streams of a `mixed-2-4-16` block4 layer (qtool/cuda/mixed.py `tiled_streams`,
+// kernels/mixed_gemv.cu "The tiled GEMV") for prefill on Hopper: y = x · Wᵀ (+ bias) (+ the CSR outliers), with no
+// dequantized weight anywhere in memory, so the checkpoint-layout tensors need not stay on the GPU.
+//
+// The structure is grouped_int's / vq_gemm.cu's block-synchronous wgmma kernel: operands swapped (Yᵀ = W·Xᵀ),
+// 128 weight rows per block (two warpgroups of 64) as wgmma's M dimension, TN tokens as its N; per 64-column stage
+// (one 64-channel block of the layout) cp.async brings the activation tile (128-byte swizzle) and the 128 rows'
+// tiled words (ta, tm, and per 4-row group tz and tt) into a ring of ST shared-memory stages; each lane decodes
+// its A fragments from shared memory; two fragment sets alternate so a stage's wgmmas overlap the next decode.
+//
+// A fragment of k16 step i is the block's tiled field i (the three 2-bit stripes, then the 4-bit one) and its
+// wgmma reads the activation columns of that stripe's position (binfo), so no field is moved. A lane holds rows
+// g and g + 8 (g = lane / 4) and the column pairs 2t, 2t + 1 and 2t + 8, 2t + 9 (t = lane % 4): in the tiled
+// order these are fields t and t + 4 of a code word (pair n = codes 2n, 2n + 1 in the two halves), one shift and
+// one mask each. The weight is exactly the reference's fp16 cast: (q - z)/64 exact in fp16, times 64·ŝ exact in
+// fp32 ((c + u)·64·s2 or 64·s4), rounded once to fp16.
+//
+// Outliers (CSR, only in 2-bit stripes) are added to the float32 accumulators before the store: each lane walks
+// the CSR segments of its two rows and multiplies the values by its tokens' activations at those columns.
+//
+// Runtime contract (qtool/cuda/mixed.py checks it): x fp16 [M, K] with row stride ldx (a multiple of 8), 16-byte
+// aligned; K = 64·nblk; g2 a multiple of 4; split-K (gridDim.z > 1): ws holds gridDim.z·gridDim.x·gridDim.y·128·TN
+// floats and cnt gridDim.x·gridDim.y zeros (qtool/cuda/split_k.py).
+
+#include "ptx_common.cuh"
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_acc(float (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %133, 0; "
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+
+// fp16 output tile + bias, transposed through shared memory at `tbase` (tokens x ROWS features) for 16-byte
+// row-contiguous stores. The 256 threads holding the accumulators call it (`tid` among them); BAR is the barrier
+// that spans exactly them.
+template <int TN, int RB, int BAR>
+__device__ __forceinline__ void store_out(const float (&acc)[RB][TN / 2], int m0, int n0, int M, int N, int r0, int t,
+                                          int tid, char* smem_raw, u32 tbase, const u16* __restrict__ bias,
+                                          u16* __restrict__ out, int ldc) {
+    constexpr int ROWS = 128 * RB;
+    const int mt = min(TN, M - m0);  // valid tokens in this tile
+    constexpr int PITCH = ROWS + 8;  // halves: 16-byte aligned rows, shifted by 4 banks
+    u16* tile = reinterpret_cast<u16*>(smem_raw + (tbase - smem_addr(smem_raw)));
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int f = r0 + 64 * b + 8 * h;
+            const float bv = (bias != nullptr && n0 + f < N) ? h2f(bias[n0 + f]) : 0.f;
+#pragma unroll
+            for (int i = 0; i < TN / 8; ++i) {
+                tile[(8 * i + 2 * t) * PITCH + f] = f2h(acc[b][4 * i + 2 * h] + bv);
+                tile[(8 * i + 2 * t + 1) * PITCH + f] = f2h(acc[b][4 * i + 2 * h + 1] + bv);
+            }
+        }
+    }
+    bar_sync<BAR, 256>();
+    constexpr int CH = ROWS / 8;  // 16-byte chunks per token row
+    const bool vec = n0 + ROWS <= N && (ldc & 7) == 0 && ((size_t)out & 15) == 0;
+    if (vec) {
+        for (int c = tid; c < mt * CH; c += 256) {
+            const int row = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(out + (size_t)(m0 + row) * ldc + n0 + ch * 8) =
+                *reinterpret_cast<const uint4*>(tile + row * PITCH + ch * 8);
+        }
+    } else {
+        for (int c = tid; c < mt * ROWS; c += 256) {
+            const int row = c / ROWS, f = c % ROWS;
+            if (n0 + f < N) out[(size_t)(m0 + row) * ldc + n0 + f] = tile[row * PITCH + f];
+        }
+    }
+}
+
+// Split-K across the S blocks of a tile (this one is share z): each writes its float32 partial in the accumulator
+// layout (one float4 per thread and step, coalesced); the last to arrive adds the partials in split order
+// (deterministic), leaves the sum in `acc`, resets the tile's counter and returns true; the others return false.
+// The THREADS threads of barrier BAR hold the tile (tid among them; BAR 0: the whole block).
+template <int TN, int RB, int BAR, int THREADS>
+__device__ __forceinline__ bool split_k_sum(float (&acc)[RB][TN / 2], float* __restrict__ ws, int* __restrict__ cnt,
+                                            int tid, int z, int S, int tiles, int tile_id) {
+    float4* w4 = reinterpret_cast<float4*>(ws);
+    constexpr int F4 = RB * TN / 8;  // float4s per thread
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int q = 0; q < TN / 8; ++q)
+            w4[((size_t)(z * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid] =
+                make_float4(acc[b][4 * q], acc[b][4 * q + 1], acc[b][4 * q + 2], acc[b][4 * q + 3]);
+    }
+    if (!split_k_last<BAR, THREADS>(cnt, tile_id, S, tid)) return false;
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) acc[b][i] = 0.f;
+    }
+    for (int q2 = 0; q2 < S; ++q2) {
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+#pragma unroll
+            for (int q = 0; q < TN / 8; ++q) {
+                const float4 v = __ldcg(w4 + ((size_t)(q2 * tiles + tile_id) * F4 + b * (TN / 8) + q) * 256 + tid);
+                acc[b][4 * q] += v.x;
+                acc[b][4 * q + 1] += v.y;
+                acc[b][4 * q + 2] += v.z;
+                acc[b][4 * q + 3] += v.w;
+            }
+        }
+    }
+    if (tid == 0) cnt[tile_id] = 0;
+    return true;
+}
+
+
+
+constexpr u32 MAG0 = 0x4C004C00u;  // 16.0 twice: a code at bits 0-3 of a half reads 16 + c/64
+
+// (a & MASK) | mag in one LOP3 (kernels/mixed_gemv.cu andor)
+template <u32 MASK>
+__device__ __forceinline__ u32 andor(u32 a, u32 mag) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(mag));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// One ring stage: TN activation rows (128 bytes each, swizzled), then per weight row its ta (16 bytes) and tm
+// (8 bytes) words, per 4-row group its tz (4) and tt (8) words, and the block's binfo word.
+template <int TN>
+struct MTile {
+    static constexpr int XT = TN * 128;
+    static constexpr int AO = XT;              // ta [128]
+    static constexpr int MO = AO + 128 * 16;   // tm [128]
+    static constexpr int ZO = MO + 128 * 8;    // tz [32]
+    static constexpr int TO = ZO + 32 * 4;     // tt [32]
+    static constexpr int IO = TO + 32 * 8;     // binfo
+    static constexpr int SB = (IO + 16 + 1023) / 1024 * 1024;
+};
+
+struct MArgs {
+    const u16* x;
+    int ldx;
+    const uint4* ta;
+    const uint2* tm;
+    const u32* tz;
+    const uint2* tt;
+    const u32* binfo;
+    int M, N, nblk, g2;
+    int m0, n0;
+};
+
+// Copies of global stage (64-channel block) gs into the shared stage at st; rows past M or N are zero-filled (their
+// outputs are never stored).
+template <int TN>
+__device__ __forceinline__ void mg_load_stage(const MArgs& a, u32 st, int gs, int tid) {
+    using T = MTile<TN>;
+#pragma unroll
+    for (int c0 = 0; c0 < TN * 8; c0 += 256) {
+        const int c = c0 + tid;
+        if (TN * 8 % 256 == 0 || c < TN * 8) {
+            const int r = c >> 3, ch = c & 7;
+            const bool ok = a.m0 + r < a.M;
+            const u16* src = a.x + (ok ? (size_t)(a.m0 + r) * a.ldx + gs * 64 + ch * 8 : 0);
+            cp_async16(st + r * 128 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
+        }
+    }
+    if (tid < 128) {
+        const int row = a.n0 + tid;
+        const bool ok = row < a.N;
+        const size_t i = ok ? (size_t)row * a.nblk + gs : 0;
+        cp_async16(st + T::AO + tid * 16, a.ta + i, ok ? 16 : 0);
+        cp_async8(st + T::MO + tid * 8, a.tm + i, ok ? 8 : 0);
+    } else if (tid < 160) {
+        const int q = tid - 128, row = a.n0 + 4 * q;
+        const bool ok = row < a.N;
+        cp_async4(st + T::ZO + q * 4, a.tz + (ok ? (size_t)(row >> 2) * a.nblk + gs : 0), ok ? 4 : 0);
+        cp_async8(st + T::TO + q * 8, a.tt + (ok ? (size_t)(row / a.g2) * a.nblk + gs : 0), ok ? 8 : 0);
+    } else if (tid == 160) {
+        cp_async4(st + T::IO, a.binfo + gs, 4);
+    }
+}
+
+// (q - z)/64 pair (exact) times f = 64·scale (exact in fp32), rounded once to fp16 per weight.
+__device__ __forceinline__ u32 scaled_pair(u32 p, u32 zh, float f) {
+    const u32 v = f16x2_sub(p, zh);
+    return f2h2(h2f((u16)(v & 0xFFFFu)) * f, h2f((u16)(v >> 16)) * f);
+}
+
+// This lane's A fragments of one stage: af[i] = field i (2-bit stripes 0-2, the 4-bit stripe 3) of rows r0, r0 + 8.
+template <int TN>
+__device__ __forceinline__ void mg_dequant(u32 (&af)[4][4], u32 st, int r0, int t) {
+    using T = MTile<TN>;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h;
+        const uint4 A = lds128(st + T::AO + row * 16);
+        const uint2 W = lds64(st + T::MO + row * 8);
+        const u32 zb = (lds32(st + T::ZO + (row >> 2) * 4) >> (8 * (row & 3))) & 0xFFu;
+        const uint2 S = lds64(st + T::TO + (row >> 2) * 8);
+        const float s2[3] = {h2f((u16)(S.x & 0xFFFFu)) * 64.f, h2f((u16)(S.x >> 16)) * 64.f,
+                             h2f((u16)(S.y & 0xFFFFu)) * 64.f};
+        const u32 w2[3] = {A.x, A.y, A.z};
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            const u32 c = (W.y >> (16 + 4 * i)) & 15u, u = (S.y >> (16 + 4 * i)) & 15u;
+            const float f = (float)(c + u) * s2[i];  // exact: 64·(c + u)·s2, c + u <= 30
+            const u32 zh = ((zb >> (2 * i)) & 3u) * 0x10001u + MAG0;
+            af[i][h] = scaled_pair(andor<0x00030003u>(w2[i] >> (2 * t), MAG0), zh, f);
+            af[i][2 + h] = scaled_pair(andor<0x00030003u>(w2[i] >> (2 * t + 8), MAG0), zh, f);
+        }
+        const float f4 = h2f((u16)(W.y & 0xFFFFu)) * 64.f;
+        const u32 zh4 = (W.y >> 28) * 0x10001u + MAG0;
+        af[3][h] = scaled_pair(andor<0x000F000Fu>(A.w >> (4 * t), MAG0), zh4, f4);
+        af[3][2 + h] = scaled_pair(andor<0x000F000Fu>(W.x >> (4 * t), MAG0), zh4, f4);
+    }
+}
+
+template <int TN, int ST>
+__device__ __forceinline__ void mg_stage_step(float (&acc)[TN / 2], u32 (&af)[4][4], const MArgs& a, u32 base, int s,
+                                              int s0, int ns, int r0, int t, int tid) {
+    using T = MTile<TN>;
+    cp_async_wait<ST - 3>();  // this thread's copies of stage s are done
+    fence_async_smem();       // the activations are read next by the tensor cores
+    __syncthreads();          // everyone's copies; everyone's wgmma of stage s-2 is finished (wait 1 below)
+    if (s + ST - 2 < ns) mg_load_stage<TN>(a, base + (u32)((s + ST - 2) % ST) * T::SB, s0 + s + ST - 2, tid);
+    cp_async_commit();
+    const u32 st = base + (u32)(s % ST) * T::SB;
+    const u32 info = lds32(st + T::IO);
+    mg_dequant<TN>(af, st, r0, t);
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wgmma_acc(acc, af[i], desc_sw128(st + 32 * ((info >> (24 + 2 * i)) & 3u)));
+    wgmma_commit();
+    wgmma_wait1();
+}
+
+template <int TN, int ST>
+__device__ __forceinline__ void mg_body(const MArgs& a0, const int* __restrict__ rowptr, const u16* __restrict__ ocols,
+                                        const u16* __restrict__ ovals, const u16* __restrict__ bias,
+                                        u16* __restrict__ out, int ldc, float* __restrict__ ws, int* __restrict__ cnt) {
+    using T = MTile<TN>;
+    static_assert(ST >= 3, "two stages in flight behind the one being decoded");
+    extern __shared__ char smem_raw[];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    MArgs a = a0;
+    a.n0 = (int)blockIdx.x * 128;
+    a.m0 = (int)blockIdx.y * TN;
+    const int S = gridDim.z, z = blockIdx.z;
+    const int s0 = (int)((long long)z * a.nblk / S), ns = (int)((long long)(z + 1) * a.nblk / S) - s0;
+    const int r0 = 64 * wg + 16 * warp + g;
+
+    float acc[TN / 2];
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int p = 0; p < ST - 2; ++p) {
+        if (p < ns) mg_load_stage<TN>(a, base + (u32)p * T::SB, s0 + p, tid);
+        cp_async_commit();
+    }
+    u32 af0[4][4], af1[4][4];
+    int s = 0;
+    for (; s + 1 < ns; s += 2) {
+        mg_stage_step<TN, ST>(acc, af0, a, base, s, s0, ns, r0, t, tid);
+        mg_stage_step<TN, ST>(acc, af1, a, base, s + 1, s0, ns, r0, t, tid);
+    }
+    if (s < ns) mg_stage_step<TN, ST>(acc, af0, a, base, s, s0, ns, r0, t, tid);
+    wgmma_wait0();
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's shared memory is free from here on
+
+    float (&acc1)[1][TN / 2] = *reinterpret_cast<float (*)[1][TN / 2]>(&acc);
+    if (S > 1 && !split_k_sum<TN, 1, 0, 256>(acc1, ws, cnt, tid, z, S, gridDim.x * gridDim.y,
+                                               blockIdx.x + gridDim.x * blockIdx.y))
+        return;
+    if (rowptr != nullptr) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = a.n0 + r0 + 8 * h;
+            if (row >= a.N) continue;
+            const int e1 = rowptr[row + 1];
+            for (int e = rowptr[row]; e < e1; ++e) {
+                const int col = ocols[e];
+                const float v = h2f(ovals[e]);
+#pragma unroll
+                for (int i = 0; i < TN / 8; ++i) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int tok = a.m0 + 8 * i + 2 * t + j;
+                        if (tok < a.M) acc[4 * i + 2 * h + j] += v * h2f(a.x[(size_t)tok * a.ldx + col]);
+                    }
+                }
+            }
+        }
+    }
+    store_out<TN, 1, 0>(acc1, a.m0, a.n0, a.M, a.N, r0, t, tid, smem_raw, base, bias, out, ldc);
+}
+
+// mixed_gemm_n{TN}_s{ST}: TN tokens per block, ST ring stages. MINB: blocks per SM the registers must allow.
+#define MIXED_GEMM_ENTRY(TN, ST, MINB)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MINB) mixed_gemm_n##TN##_s##ST(                              \
+        const u16* x, int ldx, const uint4* ta, const uint2* tm, const u32* tz, const uint2* tt, const u32* binfo,  \
+        const int* rowptr, const u16* ocols, const u16* ovals, const u16* bias, u16* out, int ldc, float* ws,       \
+        int* cnt, int M, int N, int nblk, int g2) {                                                                 \
+        const MArgs a{x, ldx, ta, tm, tz, tt, binfo, M, N, nblk, g2, 0, 0};                                         \
+        mg_body<TN, ST>(a, rowptr, ocols, ovals, bias, out, ldc, ws, cnt);                                         \
+    }
+
+MIXED_GEMM_ENTRY(64, 6, 1)
+MIXED_GEMM_ENTRY(128, 4, 1)
+MIXED_GEMM_ENTRY(256, 3, 1)
