@@ -159,8 +159,11 @@ def _prepared(k: int, n: int, preset: str) -> vq.Prepared:
                        tile_vecs=v if tc is None else tc // d, in_features=k, out_features=n, hot=8)
 
 
-@pytest.mark.parametrize("env, cluster, multicast", [({}, 16, 4), ({"QTOOL_VQ_CLUSTER": "8"}, 8, 4),
-                                                     ({"QTOOL_VQ_CLUSTER": "1", "QTOOL_VQ_MULTICAST": "1"}, 1, 1)])
+@pytest.mark.parametrize("env, cluster, multicast", [
+    ({"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4"}, 16, 4),
+    ({"QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_MULTICAST": "4"}, 8, 4),
+    ({}, 1, 1),  # the module's defaults: no clusters until measured
+])
 def test_mma_plans_cluster_the_splits_and_share_aqlm_codebooks(monkeypatch, env, cluster, multicast):
     """The mma form's launch geometry on Llama-2-7B shapes (H100 limits, fake builds of 80 / 122 registers): the
     splits of a row block form one cluster when they fit the cap (GPTVQ walks more column tiles per block so they

@@ -54,9 +54,12 @@ RESERVED_SMEM = 1024  # shared memory the runtime reserves per block
 # slice multicast to all. Environment: QTOOL_VQ_CLUSTER (1: off), QTOOL_VQ_MULTICAST (1: off), QTOOL_VQ_PREFETCH
 # (0: the next column tile's codebook is not loaded during the current one), QTOOL_VQ_DEPENDENT (0: an ordinary
 # launch instead of a programmatic dependent one), QTOOL_VQ_MAX_WK (caps the warps sharing a row along K: fewer,
-# larger blocks).
-CLUSTER_MAX = 16
-MULTICAST_MAX = 4
+# larger blocks). The defaults below keep all four off (the kernel's measured behaviour) until an H100 run of
+# scripts/vq_gemv_options.py has timed them; its --pick output gives the values to put here.
+CLUSTER_MAX = 1  # 16: Hopper's largest (non-portable) cluster
+MULTICAST_MAX = 1  # 4
+PREFETCH = 0  # 1
+DEPENDENT = 0  # 1
 CLUSTER_LIMIT = 16  # blocks per cluster on Hopper (above 8 with the non-portable attribute)
 
 
@@ -66,8 +69,8 @@ def knobs() -> tuple[int, int, int, int, int]:
     limit = min(CLUSTER_LIMIT, dependent_launch.cluster_limit())  # lower once the driver refused a size
     return (max(1, min(limit, cc.env_int("QTOOL_VQ_CLUSTER", CLUSTER_MAX))),
             max(1, min(limit, cc.env_int("QTOOL_VQ_MULTICAST", MULTICAST_MAX))),
-            1 if cc.env_int("QTOOL_VQ_PREFETCH", 1) else 0,
-            1 if cc.env_int("QTOOL_VQ_DEPENDENT", 1) and dependent_launch.ENABLED else 0,
+            1 if cc.env_int("QTOOL_VQ_PREFETCH", PREFETCH) else 0,
+            1 if cc.env_int("QTOOL_VQ_DEPENDENT", DEPENDENT) and dependent_launch.ENABLED else 0,
             max(1, min(8, cc.env_int("QTOOL_VQ_MAX_WK", 8))))
 
 

@@ -118,14 +118,17 @@ def test_gemv_every_cache_variant(preset, reindex, form):
                     _check(layer, p, m, seed, with_bias=True, cache="tiered", tiles_per_split=tps, form=form)
 
 
-# The mma form's launch options (qtool/cuda/vq.py `knobs`): the default (clusters of up to 16 blocks adding their
-# splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks, next-tile prefetch,
-# dependent launch) and each switched off; "portable" caps clusters at 8 blocks with an ordinary launch.
+# The mma form's launch options (qtool/cuda/vq.py `knobs`), each set explicitly: all on (clusters of up to 16
+# blocks adding their splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks,
+# next-tile prefetch, dependent launch), then each switched off; "portable" caps clusters at 8 blocks with an
+# ordinary launch; "off" is what the module's defaults give today.
+ALL_ON = {"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4", "QTOOL_VQ_PREFETCH": "1", "QTOOL_VQ_DEPENDENT": "1"}
 KNOBS = {
-    "default": {},
-    "global-split-k": {"QTOOL_VQ_CLUSTER": "1"},
-    "no-multicast-no-prefetch": {"QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0"},
-    "portable-ordinary-launch": {"QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_DEPENDENT": "0"},
+    "all-on": ALL_ON,
+    "global-split-k": {**ALL_ON, "QTOOL_VQ_CLUSTER": "1"},
+    "no-multicast-no-prefetch": {**ALL_ON, "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0"},
+    "portable-ordinary-launch": {**ALL_ON, "QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_DEPENDENT": "0"},
+    "off": {"QTOOL_VQ_CLUSTER": "1", "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0", "QTOOL_VQ_DEPENDENT": "0"},
 }
 # Beside SHAPES: 17 column tiles (a cluster of 9 splits: non-portable; 8 with the portable cap) with a ragged row
 # tile; AQLM rows in 8 row blocks (multicast to 4) with a ragged last block and 49-word index rows.
@@ -164,12 +167,14 @@ def test_mma_cluster_multicast_prefetch_options(preset, knob, monkeypatch):
     assert (used["mc"] > 0) == (preset == "aqlm-3" and mmax > 1), used
 
 
-def test_chained_calls_read_the_previous_output():
+def test_chained_calls_read_the_previous_output(monkeypatch):
     """Three calls back to back, each reading the previous call's output and the third writing over what the first
     wrote (and the second read): with ordinary launches, with dependent ones eagerly and replayed from a CUDA graph,
-    the outputs are the same bits and equal the reference chain."""
+    the outputs are the same bits and equal the reference chain (every launch option on)."""
     from qtool.cuda import vq
 
+    for name, value in ALL_ON.items():
+        monkeypatch.setenv(name, value)
     seed = int.from_bytes(os.urandom(4), "little")
     for preset, n in (("gptvq-2", 768), ("aqlm-3", 512)):
         layer = random_vq(n, n, preset, True, seed, bias=True)
