@@ -54,12 +54,12 @@ RESERVED_SMEM = 1024  # shared memory the runtime reserves per block
 # slice multicast to all. Environment: QTOOL_VQ_CLUSTER (1: off), QTOOL_VQ_MULTICAST (1: off), QTOOL_VQ_PREFETCH
 # (0: the next column tile's codebook is not loaded during the current one), QTOOL_VQ_DEPENDENT (0: an ordinary
 # launch instead of a programmatic dependent one), QTOOL_VQ_MAX_WK (caps the warps sharing a row along K: fewer,
-# larger blocks). The defaults below keep all four off (the kernel's measured behaviour) until an H100 run of
-# scripts/vq_gemv_options.py has timed them; its --pick output gives the values to put here.
+# larger blocks). The defaults are what scripts/vq_gemv_options.py picked on an H100 (kernels/NOTES.md "VQ decode
+# GEMV"): the dependent launch on; clusters, multicast and prefetch lost their A/B there and stay off.
 CLUSTER_MAX = 1  # 16: Hopper's largest (non-portable) cluster
 MULTICAST_MAX = 1  # 4
 PREFETCH = 0  # 1
-DEPENDENT = 0  # 1
+DEPENDENT = 1
 CLUSTER_LIMIT = 16  # blocks per cluster on Hopper (above 8 with the non-portable attribute)
 
 
