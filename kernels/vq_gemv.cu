@@ -33,6 +33,9 @@
 #include "ptx_common.cuh"
 
 constexpr int THREADS = 256;
+#ifndef VQ_PF
+#define VQ_PF 1  // mma form: prefetch the next column tile's codebook and index words (qtool/cuda/vq.py)
+#endif
 constexpr u32 FULL = 0xffffffffu;
 
 // Indices are read once (ld_stream, ptx_common.cuh): kept out of L1 so the activations and codebook stay there.
@@ -378,6 +381,64 @@ __device__ __forceinline__ uint2 ldg64(const u16* p) {
     return r;
 }
 
+// An activation load after the grid-dependency wait: coherent (the kernel ahead may have written x) and volatile
+// (not hoisted above the wait); see ptx_common.cuh's ld_dep_*.
+__device__ __forceinline__ uint2 ld_dep64(const u16* p) {
+    uint2 r;
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// Thread-block clusters (sm_90). Launched without a cluster, a block is a cluster of one: the kernel then takes its
+// ordinary paths (global split-K reduction, each block fetching its own codebook).
+__device__ __forceinline__ u32 cluster_dim(int axis) {
+    u32 r = 1;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_nctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_pos(int axis) {
+    u32 r = 0;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+// Every thread of every block of the cluster: writes before it (shared memory included) are visible to the
+// cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory).
+__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// `bytes` (a multiple of 16) from global memory to shared address `dst` of every block of the cluster in `mask`
+// (bit = rank), completing on the barrier at the same offset in each of them.
+__device__ __forceinline__ void bulk_load_multicast(u32 dst, const void* src, u32 bytes, u32 bar, u16 mask) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+        : "memory");
+#endif
+}
+
 // Half hh of entry `id` through the tiers (rep: this lane's copy of half 0 of entry 0; sh: half hh of entry NREP).
 template <int D, int B, int NREP, int NSH>
 __device__ __forceinline__ uint2 lookup_half(u32 id, const uint2* rep, const uint2* sh, const u16* gbook, int hh) {
@@ -407,13 +468,23 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
                                             u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
                                             int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs,
                                             int rows_per_block, int rbpt, int split_vecs, int splits_k, int tps,
-                                            int wk) {
+                                            int wk, int mcast) {
     using Q = MmaChunk<D, B>;
     constexpr int S = Q::S, NWL = Q::NWL, CV = Q::CV, H4 = D / 4, E = 1 << B;
     constexpr int RG = 2, NT = MT > 8 ? 2 : 1, GT = MT < 8 ? MT : 8;  // row groups, n-tiles, tokens per n-tile
     constexpr int NSHARED = NSH > NREP ? NSH - NREP : 0;
     constexpr int REPB = NREP * H4 * 128, SHB = NSHARED * D * 2;  // bytes (multiples of 16)
+    // Codebook fill per thread: replicated entry halves (one 8-byte load each, stored as 16 copies) and 16-byte
+    // pieces of the single-copy tier.
+    constexpr int RF = NREP > 0 ? (NREP * H4 + THREADS - 1) / THREADS : 0;
+    constexpr int SF = NSHARED > 0 ? (NSHARED * D / 8 + THREADS - 1) / THREADS : 0;
+    // Small codebooks (GPTVQ's per-tile ones): the next column tile's codebook and first index words are loaded
+    // into registers while the current tile is computed, so a codebook switch inside a block waits on shared
+    // memory only. AQLM's 64 KiB codebook never switches inside a block.
+    constexpr bool PF = VQ_PF && 2 * RF + 4 * SF <= 16 && NWL <= 4;
+    constexpr int RFN = PF && RF > 0 ? RF : 1, SFN = PF && SF > 0 ? SF : 1;
     extern __shared__ uint4 smem_v4[];
+    __shared__ alignas(8) u64 book_bar;  // completes when the multicast codebook has landed
     char* smem = reinterpret_cast<char*>(smem_v4);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, tq = lane & 3;
     const int p = tq / H4, hh = tq % H4;
@@ -427,11 +498,21 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
     const int kw = warp % wk, rw = warp / wk;
     const int nchp = (split_vecs + CV - 1) / CV;  // chunks of the full range (the staging's shape)
     const bool vec_rows = (W & 3) == 0;
+    // Cluster roles: along y the blocks of one row block's splits add their partials through distributed shared
+    // memory (when the cluster holds all of them); along x blocks that share one codebook (`mcast`: a per-tensor
+    // scope, single-copy tier = the whole codebook) each fetch a slice of it for all.
+    const int cx = (int)cluster_dim(0), cy = (int)cluster_dim(1);
+    const bool dsm = S_ > 1 && cy == S_;
+    bool mc = false;
+    if constexpr (NREP == 0 && NSHARED >= E) mc = mcast != 0 && cx > 1;
+
+    launch_dependents();  // the next kernel may start loading its weights while this one runs
 
     const uint2* rep = reinterpret_cast<const uint2*>(smem) + hh * 16 + (lane & 15);
     const uint2* sh = reinterpret_cast<const uint2*>(smem + REPB) + hh;
     uint2* xs = reinterpret_cast<uint2*>(smem + REPB + SHB);
     float* red = reinterpret_cast<float*>(smem + REPB + SHB);  // after the last range: reuses the staging
+    float* part = red + 256 * MT;  // the block's row sums for the cluster's reduction (after `red`)
 
     float acc[RG][NT][4];
 #pragma unroll
@@ -448,8 +529,8 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
 #pragma unroll
         for (int h = 0; h < 2; ++h) rows[q][h] = row0 + rw * (16 * RG) + q * 16 + g + 8 * h;
 
-    u32 wd[RG][2][NWL];
-    auto load = [&](int v0, int c, int nv) {
+    u32 wd[RG][2][NWL], wdn[RG][2][NWL];  // wdn: the next range's first words (PF; unused, so dropped, without)
+    auto load = [&](u32 (&dst)[RG][2][NWL], int v0, int c, int nv) {
         const int vl = c * CV + p * S;  // the lane group's first vector in the range
         const int w0 = (v0 + vl) * B / 32;
 #pragma unroll
@@ -462,38 +543,113 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
 #pragma unroll
                     for (int k = 0; k < NWL / 4; ++k) {
                         const uint4 v = ld_stream(src + 4 * k);
-                        wd[q][h][4 * k] = v.x;
-                        wd[q][h][4 * k + 1] = v.y;
-                        wd[q][h][4 * k + 2] = v.z;
-                        wd[q][h][4 * k + 3] = v.w;
+                        dst[q][h][4 * k] = v.x;
+                        dst[q][h][4 * k + 1] = v.y;
+                        dst[q][h][4 * k + 2] = v.z;
+                        dst[q][h][4 * k + 3] = v.w;
                     }
                 } else {
 #pragma unroll
-                    for (int k = 0; k < NWL; ++k) wd[q][h][k] = ok && w0 + k < W ? ld_stream32(src + k) : 0u;
+                    for (int k = 0; k < NWL; ++k) dst[q][h][k] = ok && w0 + k < W ? ld_stream32(src + k) : 0u;
                 }
             }
     };
+    auto book_of = [&](int v0) { return books + (((size_t)rt * C + v0 / tile_vecs) * z + r) * (size_t)(E * D); };
+
+    uint2 rf[RFN];
+    uint4 sf[SFN];
+    auto fetch = [&](const u16* gbook) {  // the fill's global loads, into registers (PF)
+        if constexpr (PF && RF > 0) {
+#pragma unroll
+            for (int j = 0; j < RF; ++j) {
+                const int i = t + j * THREADS;
+                rf[j] = i < NREP * H4 ? ldg64(gbook + (size_t)i * 4) : make_uint2(0u, 0u);
+            }
+        }
+        if constexpr (PF && SF > 0) {
+            const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
+#pragma unroll
+            for (int j = 0; j < SF; ++j) {
+                const int i = t + j * THREADS;
+                if (i < NSHARED * D / 8) sf[j] = src[i];
+            }
+        }
+    };
+    auto fill = [&](const u16* gbook) {
+        if constexpr (NREP > 0) {
+            // Entry half i's 16 copies are the 8 16-byte slots [8i, 8i + 8); a thread stores them rotated by i, so
+            // the 8 lanes of a store phase hit 8 different bank quads.
+#pragma unroll
+            for (int j = 0; j < RF; ++j) {
+                const int i = t + j * THREADS;
+                if (i < NREP * H4) {
+                    uint2 e;
+                    if constexpr (PF) e = rf[j]; else e = ldg64(gbook + (size_t)i * 4);
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) smem_v4[i * 8 + ((c + i) & 7)] = make_uint4(e.x, e.y, e.x, e.y);
+                }
+            }
+        }
+        if constexpr (NSHARED > 0) {
+            if (!mc) {
+                uint4* dst = reinterpret_cast<uint4*>(smem + REPB);
+                if constexpr (PF) {
+#pragma unroll
+                    for (int j = 0; j < SF; ++j) {
+                        const int i = t + j * THREADS;
+                        if (i < NSHARED * D / 8) dst[i] = sf[j];
+                    }
+                } else {
+                    const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
+                    for (int i = t; i < NSHARED * D / 8; i += THREADS) dst[i] = src[i];
+                }
+            }
+        }
+    };
+
+    // Weights first (they do not depend on the kernel ahead): the first range's index words, its codebook into
+    // registers or, shared by the cluster, straight into shared memory.
+    const u32 bar = smem_addr(&book_bar);
+    if (mc) {
+        if (t == 0) {
+            mbar_init(bar, 1);
+            mbar_init_fence();
+        }
+        cluster_sync();  // every block's barrier is initialized before a slice names it
+        if (t == 0) {
+            const int xr = (int)cluster_pos(0), yr = (int)cluster_pos(1);
+            const u32 slice = (u32)SHB / (u32)cx;  // a multiple of 16 (the host picks cx)
+            mbar_arrive_expect_tx(bar, (u32)SHB);
+            bulk_load_multicast(smem_addr(smem + REPB) + xr * slice, reinterpret_cast<const char*>(book_of(0)) +
+                                (size_t)xr * slice, slice, bar, (u16)(((1u << cx) - 1u) << (yr * cx)));
+        }
+    }
+    {
+        const int v0 = ks * tps * split_vecs;
+        if (v0 < V && kw < (min(V - v0, split_vecs) + CV - 1) / CV) load(wd, v0, kw, min(V - v0, split_vecs));
+        if (v0 < V) fetch(book_of(v0));
+    }
 
     for (int tt = 0; tt < tps; ++tt) {  // the codebook switches: column tiles of this split, in order
         const int v0 = (ks * tps + tt) * split_vecs;
         if (v0 >= V) break;
         const int nv = min(V - v0, split_vecs), nch = (nv + CV - 1) / CV;
-        const u16* gbook = books + (((size_t)rt * C + v0 / tile_vecs) * z + r) * (size_t)(E * D);
-        if (kw < nch) load(v0, kw, nv);  // requested before the staging: the latencies overlap
-        if (tt > 0) __syncthreads();      // the previous range's reads of the staged codebook and activations
-        if constexpr (NREP > 0) {
-            // 16-byte stores of two copies: entry half i/8, copies 2(i%8) and 2(i%8)+1.
-            uint4* dst = smem_v4;
-            for (int i = t; i < NREP * H4 * 8; i += THREADS) {
-                const uint2 e = ldg64(gbook + (size_t)(i >> 3) * 4);
-                dst[i] = make_uint4(e.x, e.y, e.x, e.y);
+        const u16* gbook = book_of(v0);
+        if (tt > 0) {
+            if constexpr (PF) {
+#pragma unroll
+                for (int q = 0; q < RG; ++q)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int k = 0; k < NWL; ++k) wd[q][h][k] = wdn[q][h][k];
+            } else if (kw < nch) {
+                load(wd, v0, kw, nv);  // requested before the staging: the latencies overlap
             }
+            __syncthreads();  // the previous range's reads of the staged codebook and activations
         }
-        if constexpr (NSHARED > 0) {
-            const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
-            uint4* dst = reinterpret_cast<uint4*>(smem + REPB);
-            for (int i = t; i < NSHARED * D / 8; i += THREADS) dst[i] = src[i];
-        }
+        fill(gbook);
+        if (tt == 0) grid_dependency_wait();  // x may be the kernel ahead's output
         // Activations in fragment order: token j·8 + g of lane (g, tl) at step st of chunk c in slot
         // (((c·S + st)·NT + j)·4 + tl)·GT + g, so a warp's B loads are consecutive 8-byte slots.
         for (int i = t; i < nchp * S * 4 * MT; i += THREADS) {
@@ -501,12 +657,21 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
             const int m = (q2 % NT) * 8 + i % GT;
             const int v = c * CV + (tl / H4) * S + st;
             uint2 e = make_uint2(0u, 0u);
-            if (m < M && v < nv) e = ldg64(x + (size_t)m * K + (size_t)(v0 + v) * D + (tl % H4) * 4);
+            if (m < M && v < nv) e = ld_dep64(x + (size_t)m * K + (size_t)(v0 + v) * D + (tl % H4) * 4);
             xs[i] = e;
         }
+        if (mc && tt == 0) mbar_wait(bar, 0);
         __syncthreads();
+        if constexpr (PF) {
+            const int v1 = v0 + split_vecs;
+            if (tt + 1 < tps && v1 < V) {
+                const int nv1 = min(V - v1, split_vecs);
+                if (kw < (nv1 + CV - 1) / CV) load(wdn, v1, kw, nv1);
+                fetch(book_of(v1));
+            }
+        }
         for (int c = kw; c < nch; c += wk) {
-            if (c != kw) load(v0, c, nv);
+            if (c != kw) load(wd, v0, c, nv);
             const uint2* xc = xs + (size_t)c * S * 4 * MT + tq * GT + g;
 #pragma unroll
             for (int st = 0; st < S; ++st) {
@@ -529,6 +694,7 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
     // Row sums: the WK warps of a row leave their partials in shared memory (the staging is free once every warp
     // is done), added in warp order.
     const int R = rows_per_block;
+    grid_dependency_wait();  // (a no-op after the first; here for a block without ranges)
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < RG; ++q)
@@ -550,21 +716,46 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
         for (int k = 0; k < wk; ++k) sum += red[((size_t)k * R + rl) * MT + m];
         if (S_ == 1) {
             out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+        } else if (dsm) {
+            part[m * R + rl] = sum;
         } else {
             ws[((size_t)s * M + m) * N + row] = sum;
         }
     }
-    if (S_ > 1) finish_splits(bias, out, ws, counters, M, N, row0, nrows, S_);
+    if (S_ > 1) {
+        if (dsm) {
+            // The cluster's blocks of this row block are its S splits (y rank = split): block s adds the S partials
+            // of the s-th slice of the row block's outputs, in split order, from the blocks' shared memory.
+            cluster_sync();
+            const int items = M * nrows, per = (items + S_ - 1) / S_, xr = (int)cluster_pos(0);
+            const u32 pa = smem_addr(part);
+            for (int i = s * per + t; i < min(items, (s + 1) * per); i += THREADS) {
+                const int m = i / nrows, rl = i % nrows, row = row0 + rl;
+                const u32 a = pa + (u32)(m * R + rl) * 4u;
+                float v[16];
+#pragma unroll
+                for (int q = 0; q < 16; ++q) v[q] = q < S_ ? ld_cluster_f32(a, (u32)(xr + q * cx)) : 0.f;
+                float sum = 0.f;
+#pragma unroll
+                for (int q = 0; q < 16; ++q) sum += v[q];
+                out[(size_t)m * N + row] = f2h(sum + (bias ? h2f(bias[row]) : 0.f));
+            }
+            cluster_sync();  // no block leaves while another still reads its partials
+        } else {
+            finish_splits(bias, out, ws, counters, M, N, row0, nrows, S_);
+        }
+    }
+    if (mc && !dsm) cluster_sync();  // no block leaves while its multicast slice may still be in flight
 }
 
 #define VQ_MMA_ENTRY(MT)                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS) vq_gemv_mma_m##MT(                                     \
         const u32* indices, const u16* books, const u16* x, const u16* bias, u16* out, float* ws, int* counters,  \
         int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs, int rows_per_block, int rbpt,    \
-        int split_vecs, int splits_k, int tps, int wk) {                                                         \
+        int split_vecs, int splits_k, int tps, int wk, int mcast) {                                              \
         vq_gemv_mma<VQ_D, VQ_B, MT, VQ_NREP, VQ_NSH>(indices, books, x, bias, out, ws, counters, M, N, K, W, z,  \
                                                      C, tile_rows, tile_vecs, rows_per_block, rbpt, split_vecs,  \
-                                                     splits_k, tps, wk);                                         \
+                                                     splits_k, tps, wk, mcast);                                  \
     }
 
 #define VQ_ENTRY(MT)                                                                                               \

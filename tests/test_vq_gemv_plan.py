@@ -135,3 +135,64 @@ def test_bench_layers_are_reindexed_vq_layers(preset, k, n):
     counts = entry_counts(codes, cfg["entries"], d, cfg["tile_rows"], cfg["tile_cols"])
     assert bool((counts[..., 1:] <= counts[..., :-1]).all())
     assert p.hot == max(tier_bounds(c)[0] for c in counts.reshape(-1, cfg["entries"])) > 0
+
+
+class _FakeBuild:
+    """What plan_for reads of a compiled module: registers and static shared memory of an entry."""
+
+    def __init__(self, regs: int) -> None:
+        self.regs = regs
+
+    def fn(self, name: str):
+        return type("Fn", (), {"num_regs": self.regs, "shared_size_bytes": 16})()
+
+
+def _prepared(k: int, n: int, preset: str) -> vq.Prepared:
+    import torch
+
+    d, bits, z, tr, tc = {"gptvq-2": (4, 8, 1, 256, 256), "aqlm-3": (8, 12, 2, None, None)}[preset]
+    v = k // d
+    r, c = (1 if tr is None else -(-n // tr)), (1 if tc is None else -(-k // tc))
+    return vq.Prepared(indices=torch.empty(z, n, -(-v * bits // 32), dtype=torch.int32),
+                       codebooks=torch.empty(r, c, z, 1 << bits, d, dtype=torch.float16), vector_size=d,
+                       index_bits=bits, residuals=z, tile_rows=n if tr is None else min(tr, n),
+                       tile_vecs=v if tc is None else tc // d, in_features=k, out_features=n, hot=8)
+
+
+@pytest.mark.parametrize("env, cluster, multicast", [
+    ({"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4"}, 16, 4),
+    ({"QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_MULTICAST": "4"}, 8, 4),
+    ({}, 1, 1),  # the module's defaults: no clusters until measured
+])
+def test_mma_plans_cluster_the_splits_and_share_aqlm_codebooks(monkeypatch, env, cluster, multicast):
+    """The mma form's launch geometry on Llama-2-7B shapes (H100 limits, fake builds of 80 / 122 registers): the
+    splits of a row block form one cluster when they fit the cap (GPTVQ walks more column tiles per block so they
+    do), blocks sharing AQLM's whole per-tensor codebook form the cluster's other axis (a divisor of the row
+    blocks, the cluster at most 16 blocks), and the staging leaves room for the row sums the cluster reads."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(vq, "device_limits", lambda dev: H100)
+    monkeypatch.setattr(vq, "module_for", lambda p, n_reg, n_shared, dev, form="fma", prefetch=1:
+                        _FakeBuild(80 if n_shared < 4096 else 122))
+    for k, n in ((4096, 4096), (4096, 11008), (11008, 4096)):
+        for m in (1, 4, 16):
+            g = vq.plan_for(_prepared(k, n, "gptvq-2"), m, "tiered", 0, form="mma")
+            assert g.cluster[0] == 1 and g.splits_k * g.tiles_per_split >= -(-k // 256)
+            if cluster > 1:
+                assert g.splits <= cluster and g.cluster[1] == (g.splits if g.splits > 1 else 1)
+                assert g.smem >= 256 * 16 * 8 + 2 * 256 * m * 4  # replicas + staging with the row sums
+            else:
+                assert g.cluster == (1, 1)
+            for cache in ("gc", "sc"):
+                a = vq.plan_for(_prepared(k, n, "aqlm-3"), m, cache, 0, form="mma")
+                cx, cy = a.cluster
+                assert cy == (a.splits if 1 < a.splits <= cluster else 1)
+                assert cx * cy <= vq.CLUSTER_LIMIT and a.grid_x % cx == 0
+                if cache == "gc" or multicast == 1:
+                    assert cx == 1
+                elif cy <= 4:
+                    assert cx == 4
+    # GPTVQ-2 at 4096x4096, M = 1: 16 column tiles, one per block, the 16 splits one (non-portable) cluster.
+    g = vq.plan_for(_prepared(4096, 4096, "gptvq-2"), 1, "tiered", 0, form="mma")
+    assert (g.tiles_per_split, g.splits, g.cluster) == ((1, 16, (1, 16)) if cluster == 16 else
+                                                        (2, 8, (1, 8)) if cluster == 8 else (1, 16, (1, 1)))

@@ -301,7 +301,8 @@ class CudaCases:
         p = self._vq_layer(k, n, preset, 0)
         plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
         info = {f: getattr(plan, f) for f in ("form", "n_reg", "n_shared", "splits", "rows_per_block", "grid_x",
-                                                "smem", "balance", "wk")}
+                                                "smem", "balance", "wk", "tiles_per_split", "cluster", "prefetch",
+                                                "dependent")}
         return p.nbytes() + 2 * m * k + 2 * m * n, {**info, **plan.why, "hot": p.hot}
 
     def vq(self, k: int, n: int, m: int, preset: str, cache: str, form: str | None = None) -> Fns:

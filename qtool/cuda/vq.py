@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import split_k
+from qtool.cuda import dependent_launch, split_k
 
 SOURCE = "vq_gemv.cu"
 LAYOUT = "vq"
@@ -48,6 +48,30 @@ MAX_REG_SETS = 2  # register tier: at most 64 entries (each 32 cost d/2 register
 # Staged activations of one block (M slots x its K range, fp16): per-tensor codebooks split K beyond this.
 X_STAGE_BYTES = 32 * 1024
 RESERVED_SMEM = 1024  # shared memory the runtime reserves per block
+# mma form, thread-block clusters (Hopper): the splits of one row block in a cluster of at most CLUSTER_MAX blocks
+# add their partial sums through distributed shared memory (no workspace round trip, no counter); blocks that
+# share a per-tensor codebook held whole in shared memory (AQLM's) fetch it once per MULTICAST_MAX of them, each a
+# slice multicast to all. Environment: QTOOL_VQ_CLUSTER (1: off), QTOOL_VQ_MULTICAST (1: off), QTOOL_VQ_PREFETCH
+# (0: the next column tile's codebook is not loaded during the current one), QTOOL_VQ_DEPENDENT (0: an ordinary
+# launch instead of a programmatic dependent one), QTOOL_VQ_MAX_WK (caps the warps sharing a row along K: fewer,
+# larger blocks). The defaults are what scripts/vq_gemv_options.py picked on an H100 (kernels/NOTES.md "VQ decode
+# GEMV"): the dependent launch on; clusters, multicast and prefetch lost their A/B there and stay off.
+CLUSTER_MAX = 1  # 16: Hopper's largest (non-portable) cluster
+MULTICAST_MAX = 1  # 4
+PREFETCH = 0  # 1
+DEPENDENT = 1
+CLUSTER_LIMIT = 16  # blocks per cluster on Hopper (above 8 with the non-portable attribute)
+
+
+def knobs() -> tuple[int, int, int, int, int]:
+    """(cluster cap, multicast cap, prefetch, dependent launch, warps along K cap) of the mma form, from the
+    environment."""
+    limit = min(CLUSTER_LIMIT, dependent_launch.cluster_limit())  # lower once the driver refused a size
+    return (max(1, min(limit, cc.env_int("QTOOL_VQ_CLUSTER", CLUSTER_MAX))),
+            max(1, min(limit, cc.env_int("QTOOL_VQ_MULTICAST", MULTICAST_MAX))),
+            1 if cc.env_int("QTOOL_VQ_PREFETCH", PREFETCH) else 0,
+            1 if cc.env_int("QTOOL_VQ_DEPENDENT", DEPENDENT) and dependent_launch.ENABLED else 0,
+            max(1, min(8, cc.env_int("QTOOL_VQ_MAX_WK", 8))))
 
 
 def chunk_vectors(bits: int) -> int:
@@ -170,6 +194,9 @@ class Plan:
     balance: int  # the traffic balance's split factor s*
     form: str = "fma"
     wk: int = 1  # mma form: warps along K per row
+    cluster: tuple[int, int] = (1, 1)  # mma form: (blocks sharing a codebook by multicast, splits of a row block)
+    prefetch: int = 0  # mma form: next column tile's codebook and index words loaded during the current one
+    dependent: int = 0  # mma form: launched as a programmatic dependent of the kernel ahead
     why: dict = field(default_factory=dict)
 
 
@@ -275,8 +302,9 @@ def token_slots(m: int) -> int:
     raise ValueError(f"x: found M={m} tokens, expected 1..{GEMV_MAX_M} for the {LAYOUT} GEMV")
 
 
-def module_for(p: Prepared, n_reg: int, n_shared: int, dev: int, form: str = "fma") -> cc.KernelModule:
-    hot = ("-DVQ_NREG=0", f"-DVQ_NREP={n_reg}") if form == "mma" else (f"-DVQ_NREG={n_reg}",)
+def module_for(p: Prepared, n_reg: int, n_shared: int, dev: int, form: str = "fma",
+               prefetch: int = 1) -> cc.KernelModule:
+    hot = ("-DVQ_NREG=0", f"-DVQ_NREP={n_reg}", f"-DVQ_PF={prefetch}") if form == "mma" else (f"-DVQ_NREG={n_reg}",)
     opts = (f"-DVQ_D={p.vector_size}", f"-DVQ_B={p.index_bits}", *hot, f"-DVQ_NSH={n_shared}")
     return cc.load_module(SOURCE, extra_options=opts, device=dev)
 
@@ -351,7 +379,8 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     In the mma form a block holds 256 / wk rows, wk warps sharing a row along K: the smallest wk (1, 2, 4, 8, at
     most the range's chunks) whose grid fills the device. `tiers` and `tiles_per_split` override the derived
     values (tests)."""
-    key = (mt, cache, tiers, dev, tiles_per_split, form)
+    kn = knobs() if form == "mma" else (1, 1, 0, 0, 8)
+    key = (mt, cache, tiers, dev, tiles_per_split, form, kn)
     plan = p.plans.get(key)
     if plan is not None:
         return plan
@@ -360,6 +389,7 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     reason = unsupported_reason(p.vector_size, p.index_bits, p.tile_vecs * p.vector_size, p.in_features)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} layer: {reason}; use the reference path")
+    cmax, mmax, prefetch, dependent, max_wk = kn
     if tiers is None:
         n_reg, n_shared, why = tiers_for(p, cache, mt, dev, form)
     else:
@@ -368,7 +398,14 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
         why = {}
     lim = device_limits(dev)
     split_vecs, ranges = _split(p, mt, form)
+    z = p.residuals
+    if p.col_tiles > 1:
+        splits_guess = z * p.col_tiles  # at most; the cluster's partial buffer is allotted whenever it may be used
+    else:
+        splits_guess = z * ranges
     xbytes = x_stage_bytes(p, mt, split_vecs, form)
+    if form == "mma" and cmax > 1 and splits_guess > 1:
+        xbytes = max(xbytes, 2 * 256 * mt * 4)  # `red`, then the row sums the cluster's blocks read
     entry = p.vector_size * 2
     if form == "mma":
         smem = n_reg * REPLICAS * entry + max(0, n_shared - n_reg) * entry + xbytes
@@ -377,14 +414,16 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     if smem > lim.smem_per_block:
         raise cc.CudaUnavailableError(f"{LAYOUT} layer: {smem} bytes of shared memory per block for n_shared="
                                       f"{n_shared}, more than the {lim.smem_per_block} a block may hold")
-    fn = module_for(p, n_reg, n_shared, dev, form).fn(entry_name(form, mt))
+    fn = module_for(p, n_reg, n_shared, dev, form, prefetch).fn(entry_name(form, mt))
     resident = max(1, blocks_per_sm(int(fn.num_regs), smem, lim))
     target = lim.sms * resident
-    z, n = p.residuals, p.out_features
+    n = p.out_features
     book = p.entries * p.vector_size * 2
     balance = traffic_split(p.col_tiles * z * book, target, 4 * n * mt, p.col_tiles * z)
     if p.col_tiles > 1:  # tiled: walk ceil(C / s_k) column tiles per block
         tps = tiles_per_split or -(-p.col_tiles // max(1, balance // z))
+        if form == "mma" and cmax // z > 1 and tiles_per_split is None:
+            tps = max(tps, -(-p.col_tiles // (cmax // z)))  # the splits fit one cluster
         splits_k = -(-p.col_tiles // tps)
     else:  # per tensor: split K further only where the staged activations need it
         tps, splits_k = 1, ranges
@@ -392,7 +431,7 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     wk = 1
     if form == "mma":
         nch = -(-split_vecs // MMA_CHUNK)
-        while wk < 8 and wk * 2 <= nch and p.row_tiles * -(-p.tile_rows // (256 // wk)) * splits < target:
+        while wk < max_wk and wk * 2 <= nch and p.row_tiles * -(-p.tile_rows // (256 // wk)) * splits < target:
             wk *= 2
         rows = 256 // wk
     else:
@@ -401,9 +440,21 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
         want = -(-n * splits // target)
         rows = min(max(unit, -(-want // unit) * unit), -(-p.tile_rows // unit) * unit)
     rbpt = -(-p.tile_rows // rows)
+    grid_x = p.row_tiles * rbpt
+    cy = cx = 1
+    if form == "mma":
+        if 1 < splits <= cmax and xbytes >= 2 * 256 * mt * 4:
+            cy = splits
+        if (mmax > 1 and n_reg == 0 and n_shared == p.entries and p.row_tiles == 1 and p.col_tiles == 1
+                and tps == 1):
+            while (cx * 2 <= mmax and cx * 2 * cy <= min(CLUSTER_LIMIT, dependent_launch.cluster_limit())
+                   and grid_x % (cx * 2) == 0
+                   and book % (cx * 2 * 16) == 0):
+                cx *= 2
     plan = Plan(n_reg=n_reg, n_shared=n_shared, split_vecs=split_vecs, tiles_per_split=tps, splits_k=splits_k,
-                splits=splits, rows_per_block=rows, rbpt=rbpt, grid_x=p.row_tiles * rbpt, smem=smem,
-                balance=balance, form=form, wk=wk,
+                splits=splits, rows_per_block=rows, rbpt=rbpt, grid_x=grid_x, smem=smem,
+                balance=balance, form=form, wk=wk, cluster=(cx, cy), prefetch=prefetch if form == "mma" else 0,
+                dependent=dependent if form == "mma" else 0,
                 why={**why, "regs": int(fn.num_regs), "blocks_per_sm": resident})
     p.plans[key] = plan
     return plan
@@ -435,7 +486,7 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
             got = (torch.empty(plan.splits * m * p.out_features, dtype=torch.float32, device=x.device),
                    torch.zeros(plan.grid_x, dtype=torch.int32, device=x.device))
         ws, cnt = got
-    fn = module_for(p, plan.n_reg, plan.n_shared, dev, form).fn(entry_name(form, mt))
+    fn = module_for(p, plan.n_reg, plan.n_shared, dev, form, plan.prefetch or 0).fn(entry_name(form, mt))
     if plan.smem + int(fn.shared_size_bytes) > 48 * 1024:  # dynamic + static beyond the default 48 KB
         cc.allow_shared_memory(fn, plan.smem)
     words = p.indices.shape[-1]
@@ -444,8 +495,12 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
             cc.i32(p.col_tiles), cc.i32(p.tile_rows), cc.i32(p.tile_vecs), cc.i32(plan.rows_per_block),
             cc.i32(plan.rbpt), cc.i32(plan.split_vecs), cc.i32(plan.splits_k), cc.i32(plan.tiles_per_split))
     if form == "mma":
-        args = (*args, cc.i32(plan.wk))
-    cc.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev)
+        args = (*args, cc.i32(plan.wk), cc.i32(1 if plan.cluster[0] > 1 else 0))
+        cx, cy = plan.cluster
+        dependent_launch.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev,
+                                dependent=bool(plan.dependent), cluster=(cx, cy, 1) if cx * cy > 1 else None)
+    else:
+        cc.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev)
     return out.reshape(*lead, p.out_features)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from qtool.packing.vq import VQWeight, tile_counts
 from qtool.runtime.vq_linear import VQLinear
-from tests.gpu.helpers import gpu_ready, rel_err, synced
+from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
@@ -116,6 +116,88 @@ def test_gemv_every_cache_variant(preset, reindex, form):
             if p.col_tiles > 1:  # codebook switches inside a block: 2 and all column tiles per block
                 for tps in (2, p.col_tiles):
                     _check(layer, p, m, seed, with_bias=True, cache="tiered", tiles_per_split=tps, form=form)
+
+
+# The mma form's launch options (qtool/cuda/vq.py `knobs`), each set explicitly: all on (clusters of up to 16
+# blocks adding their splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks,
+# next-tile prefetch, dependent launch), then each switched off; "portable" caps clusters at 8 blocks with an
+# ordinary launch; "off" is what the module's defaults give today.
+ALL_ON = {"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4", "QTOOL_VQ_PREFETCH": "1", "QTOOL_VQ_DEPENDENT": "1"}
+KNOBS = {
+    "all-on": ALL_ON,
+    "global-split-k": {**ALL_ON, "QTOOL_VQ_CLUSTER": "1"},
+    "no-multicast-no-prefetch": {**ALL_ON, "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0"},
+    "portable-ordinary-launch": {**ALL_ON, "QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_DEPENDENT": "0"},
+    "off": {"QTOOL_VQ_CLUSTER": "1", "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0", "QTOOL_VQ_DEPENDENT": "0"},
+}
+# Beside SHAPES: 17 column tiles (a cluster of 9 splits: non-portable; 8 with the portable cap) with a ragged row
+# tile; AQLM rows in 8 row blocks (multicast to 4) with a ragged last block and 49-word index rows.
+KNOB_SHAPES = {"gptvq-2": [(300, 576), (272, 4352)], "aqlm-3": [(130, 1040), (1000, 1032)]}
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_mma_cluster_multicast_prefetch_options(preset, knob, monkeypatch):
+    """Every launch option of the mma form against the reference: the cluster's reduction and the global split-K
+    one, the codebook multicast and per-block fills, tile prefetch on and off, dependent and ordinary launches;
+    every cache variant, both index orders, M = 1, 3, 16. The plans use what the option asks for, and no cluster
+    launch fell back to an ordinary one."""
+    from qtool.cuda import dependent_launch, vq
+
+    for name, value in KNOBS[knob].items():
+        monkeypatch.setenv(name, value)
+    cmax, mmax, prefetch, _, _ = vq.knobs()
+    used = {"dsm": 0, "mc": 0}
+    for i, (n, k) in enumerate(KNOB_SHAPES[preset]):
+        seed = int.from_bytes(os.urandom(4), "little")
+        layer = random_vq(n, k, preset, i % 2 == 0, seed, bias=True)
+        p = vq.prepare(layer)
+        for m in MS:
+            for cache in vq.CACHES:
+                _check(layer, p, m, seed, with_bias=(m + i) % 2 == 0, cache=cache, form="mma")
+                plan = vq.plan_for(p, vq.token_slots(m), cache, torch.cuda.current_device(), form="mma")
+                cx, cy = plan.cluster
+                assert cy == (plan.splits if 1 < plan.splits <= cmax else 1), plan
+                assert cx == 1 or (mmax > 1 and plan.n_shared == p.entries and plan.n_reg == 0), plan
+                assert cx * cy <= vq.CLUSTER_LIMIT and plan.prefetch == prefetch
+                used["dsm"] += cy > 1
+                used["mc"] += cx > 1
+    assert dependent_launch.cluster_fallback_reason() == "", "a cluster launch ran as an ordinary one"
+    assert (used["dsm"] > 0) == (cmax > 1), used
+    assert (used["mc"] > 0) == (preset == "aqlm-3" and mmax > 1), used
+
+
+def test_chained_calls_read_the_previous_output(monkeypatch):
+    """Three calls back to back, each reading the previous call's output and the third writing over what the first
+    wrote (and the second read): with ordinary launches, with dependent ones eagerly and replayed from a CUDA graph,
+    the outputs are the same bits and equal the reference chain (every launch option on)."""
+    from qtool.cuda import vq
+
+    for name, value in ALL_ON.items():
+        monkeypatch.setenv(name, value)
+    seed = int.from_bytes(os.urandom(4), "little")
+    for preset, n in (("gptvq-2", 768), ("aqlm-3", 512)):
+        layer = random_vq(n, n, preset, True, seed, bias=True)
+        p = vq.prepare(layer)
+        for m in (1, 16):
+            x = torch.randn(m, n, device="cuda", dtype=torch.float16)
+            a = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            b = torch.empty_like(a)
+
+            def chain(x=x, a=a, b=b, p=p, bias=layer.bias) -> torch.Tensor:
+                a.fill_(float("nan"))
+                b.fill_(float("nan"))
+                vq.gemv(x, p, bias, out=a)
+                vq.gemv(a, p, bias, out=b)
+                return vq.gemv(b, p, bias, out=a)
+
+            plain, outs = dependent_chain_runs(chain)
+            for o in outs:
+                assert torch.equal(o, plain), f"{preset} M={m}: dependent launches changed the output"
+            ref = x
+            for _ in range(3):  # the reference rounds to fp16 between calls as the kernel's outputs are
+                ref = reference64(layer, ref, True).to(device="cuda", dtype=torch.float16)
+            assert rel_err(plain, ref.double().cpu()) < 3 * TOL, f"{preset} M={m} seed {seed}"
 
 
 def test_mma_form_warps_along_k():
