@@ -1,5 +1,5 @@
-// The wgmma GEMMs' shared pieces (kernels/grouped_int_mma.cu, kernels/vq_gemm.cu): the m64nTNk16 multiply-add
-// with A from registers, the transposing fp16 epilogue and the deterministic split-K sum.
+// The wgmma GEMMs' shared pieces (kernels/grouped_int_mma.cu, kernels/vq_gemm.cu, kernels/mixed_gemm.cu): the
+// m64nTNk16 multiply-add with A from registers, the transposing fp16 epilogue and the deterministic split-K sum.
 #pragma once
 
 #include "ptx_common.cuh"
