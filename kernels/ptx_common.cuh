@@ -56,6 +56,53 @@ __device__ __forceinline__ uint4 ld_stream(const u32* p) {
     return r;
 }
 
+// 16 bytes through the read-only path, allocating in L1 (unlike ld_stream): only for what no kernel ahead in a
+// dependent launch writes (that takes ld_dep_v4). Volatile, as ld_stream, so loads issued ahead of the arithmetic
+// stay where they are written. A template, not a void* parameter: the conversion to void* reorders the callers'
+// address arithmetic in the generated PTX.
+template <typename T>
+__device__ __forceinline__ uint4 ld_nc_v4(const T* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// Half i (0..7) of 8 packed float16 values.
+__device__ __forceinline__ u16 half_of(const uint4& v, int i) {
+    const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+    return (u16)(i & 1 ? w >> 16 : w & 0xFFFF);
+}
+
+// c + the dot product of the four bytes of a and b: a unsigned, b signed (dp4a_us), or both signed (dp4a_ss).
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ int dp4a_ss(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// a·b + c, low 32 bits: with codes in the bytes of a, a scale b and offsets in the bytes of c, one IMAD scales and
+// offsets four codes at once as long as no byte carries.
+__device__ __forceinline__ u32 imad(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// Sum over the 32 lanes of a warp, in every lane (all lanes must call it).
+__device__ __forceinline__ int warp_sum_i32(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Programmatic dependent launch (sm_90; qtool/cuda/dependent_launch.py). A kernel launched with the
 // programmatic-serialization attribute may start before the kernel ahead of it in the stream has finished:
 // grid_dependency_wait() returns once that kernel has completed and its writes are visible (at once for an

@@ -29,43 +29,6 @@
 
 enum : int { QG_PC = 1 };  // the scheme parameter QOQ: QG_PC per channel, else the group size
 
-__device__ __forceinline__ int qg_dp4a_us(u32 a, u32 b, int c) {
-    int d;
-    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ int qg_dp4a_ss(u32 a, u32 b, int c) {
-    int d;
-    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 qg_imad(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
-__device__ __forceinline__ uint4 qg_ld_w(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ int qg_warp_sum(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ u16 qg_half(const uint4& v, int i) {
-    const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
-    return (u16)(i & 1 ? w >> 16 : w & 0xFFFF);
-}
-
 // One 16-byte weight chunk (32 codes) of row f against chunk c of every token's codes.
 __device__ __forceinline__ int qg_at(int c) { return 1024 * (c >> 5) + 16 * (c & 31); }  // chunk c's even half
 
@@ -80,7 +43,7 @@ __device__ __forceinline__ void qg_chunk(int (&acc)[MT], const uint4& w, u32 gw,
     if constexpr (QOQ != QG_PC && GS == 0) {
         const u32 cw = __byte_perm(gw, 0u, 0x0000u), s1 = (gw >> 8) & 0xFFu;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) lo[j] = qg_imad(lo[j], s1, cw), hi[j] = qg_imad(hi[j], s1, cw);
+        for (int j = 0; j < 4; ++j) lo[j] = imad(lo[j], s1, cw), hi[j] = imad(hi[j], s1, cw);
     }
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -91,14 +54,14 @@ __device__ __forceinline__ void qg_chunk(int (&acc)[MT], const uint4& w, u32 gw,
         if constexpr (QOQ != QG_PC && GS == 1) {
             int d = 0;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) d = qg_dp4a_us(lo[j], al[j], d), d = qg_dp4a_us(hi[j], ah[j], d);
+            for (int j = 0; j < 4; ++j) d = dp4a_us(lo[j], al[j], d), d = dp4a_us(hi[j], ah[j], d);
             const int e = es[m * (kp >> 5) + c];
-            acc[m] = (int)qg_imad((u32)d, (gw >> 8) & 0xFFu, (u32)acc[m]);
-            acc[m] = (int)qg_imad((u32)e, gw & 0xFFu, (u32)acc[m]);
+            acc[m] = (int)imad((u32)d, (gw >> 8) & 0xFFu, (u32)acc[m]);
+            acc[m] = (int)imad((u32)e, gw & 0xFFu, (u32)acc[m]);
         } else {
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                acc[m] = qg_dp4a_us(lo[j], al[j], acc[m]), acc[m] = qg_dp4a_us(hi[j], ah[j], acc[m]);
+                acc[m] = dp4a_us(lo[j], al[j], acc[m]), acc[m] = dp4a_us(hi[j], ah[j], acc[m]);
         }
     }
 }
@@ -136,7 +99,7 @@ __device__ __forceinline__ void qg_quantize(const u16* __restrict__ x, int ldx, 
 #pragma unroll
                 for (int h = 0; h < 8; ++h) {
                     float a;
-                    asm("abs.f32 %0, %1;" : "=f"(a) : "f"(h2f(qg_half(v[m][i], h))));
+                    asm("abs.f32 %0, %1;" : "=f"(a) : "f"(h2f(half_of(v[m][i], h))));
                     am[m] = qa_max(am[m], a);
                 }
     };
@@ -149,7 +112,7 @@ __device__ __forceinline__ void qg_quantize(const u16* __restrict__ x, int ldx, 
                 const int p = base + tid + QG_NT * i;
                 int q[8], s = 0;
 #pragma unroll
-                for (int h = 0; h < 8; ++h) q[h] = qa_code(h2f(qg_half(v[m][i], h)), r[m]), s += q[h];
+                for (int h = 0; h < 8; ++h) q[h] = qa_code(h2f(half_of(v[m][i], h)), r[m]), s += q[h];
                 cs[m] += s;
                 if (GS) s = qg_chunk_sum4(s);  // every lane: the loop bounds are the same for the whole block
                 if (p < kpieces) {
@@ -201,7 +164,7 @@ __device__ __forceinline__ void qg_quantize(const u16* __restrict__ x, int ldx, 
     }
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        cs[m] = qg_warp_sum(cs[m]);
+        cs[m] = warp_sum_i32(cs[m]);
         if (lane == 0) ired[m][warp] = cs[m];
     }
     __syncthreads();
@@ -235,8 +198,8 @@ __device__ __forceinline__ void qg_copy_codes(const char* __restrict__ A, int ld
             const int q = base + tid + QG_NT * i, m = q / rp;
             int s = 0;
             if (GS) {
-                s = qg_dp4a_ss(v[i].x, 0x01010101u, qg_dp4a_ss(v[i].y, 0x01010101u, 0));
-                s = qg_dp4a_ss(v[i].z, 0x01010101u, qg_dp4a_ss(v[i].w, 0x01010101u, s));
+                s = dp4a_ss(v[i].x, 0x01010101u, dp4a_ss(v[i].y, 0x01010101u, 0));
+                s = dp4a_ss(v[i].z, 0x01010101u, dp4a_ss(v[i].w, 0x01010101u, s));
                 s += __shfl_xor_sync(0xffffffffu, s, 1);
             }
             if (q < total) {
@@ -291,7 +254,7 @@ __device__ __forceinline__ void qg_body(const u16* __restrict__ x, int ldx, cons
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int c = lane + 32 * u;
-        w[u] = valid && c < chunks ? qg_ld_w(wrow + c) : make_uint4(0u, 0u, 0u, 0u);
+        w[u] = valid && c < chunks ? ld_nc_v4(wrow + c) : make_uint4(0u, 0u, 0u, 0u);
     }
     load_groups(0);
     float s0 = 0.f, bf = 0.f;
@@ -321,7 +284,7 @@ __device__ __forceinline__ void qg_body(const u16* __restrict__ x, int ldx, cons
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int c = c0 + lane + 32 * u;
-                    if (c < chunks) w[u] = qg_ld_w(wrow + c);
+                    if (c < chunks) w[u] = ld_nc_v4(wrow + c);
                 }
                 load_groups(c0);
             }
@@ -337,7 +300,7 @@ __device__ __forceinline__ void qg_body(const u16* __restrict__ x, int ldx, cons
         }
     }
 #pragma unroll
-    for (int m = 0; m < MT; ++m) acc[m] = qg_warp_sum(acc[m]);
+    for (int m = 0; m < MT; ++m) acc[m] = warp_sum_i32(acc[m]);
     if (!valid || lane >= MT || lane >= M) return;
     const int m = lane;  // lane m writes token m (values picked with constant indices)
     int a = acc[0], rs = rsv[0];

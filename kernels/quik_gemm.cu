@@ -76,14 +76,6 @@ __device__ __forceinline__ float shfl_xor(float v, int m) {
     return r;
 }
 
-__device__ __forceinline__ uint4 ld16(const u32* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ float warp_min(float v) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) v = fmin_(v, shfl_xor(v, m));
@@ -99,11 +91,6 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ void st_global16(void* p, uint4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
-}
-
-__device__ __forceinline__ u16 half_of(const uint4& v, int i) {
-    const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
-    return (u16)(i & 1 ? w >> 16 : w & 0xFFFF);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -182,12 +169,6 @@ constexpr int SYM_A8 = 0;
 
 __device__ __forceinline__ int sym_code(float x, float r) { return qa_code(x, r); }
 
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    return v;
-}
-
 // AB = SYM_A8: QoQ's per-token symmetric 8-bit codes (no outlier columns), s_x = max|x| / 127 into sx and the row's
 // code sum into rsum instead of the asymmetric z_x.
 template <int AB, int NT, int PPT>
@@ -254,8 +235,8 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
         if (p < np) {
             int d[8];
             if (vec) {
-                const uint4 d0 = ld16(reinterpret_cast<const u32*>(dest + 8 * p));
-                const uint4 d1 = ld16(reinterpret_cast<const u32*>(dest + 8 * p + 4));
+                const uint4 d0 = ld_nc_v4(reinterpret_cast<const u32*>(dest + 8 * p));
+                const uint4 d1 = ld_nc_v4(reinterpret_cast<const u32*>(dest + 8 * p + 4));
                 d[0] = (int)d0.x, d[1] = (int)d0.y, d[2] = (int)d0.z, d[3] = (int)d0.w;
                 d[4] = (int)d1.x, d[5] = (int)d1.y, d[6] = (int)d1.z, d[7] = (int)d1.w;
             } else {
@@ -282,7 +263,7 @@ __device__ __forceinline__ void quantize_one(const uint4 (&v)[PPT], const u32 (&
     }
     if (SYM) {
         // the previous row's partial sums were read by thread 0 before it reached this row's first barrier
-        csum = warp_sum(csum);
+        csum = warp_sum_i32(csum);
         if ((tid & 31) == 0) rsred[tid >> 5] = csum;
     }
     __syncthreads();
@@ -723,12 +704,6 @@ __device__ __forceinline__ void load_stage(const GemmArgs& g, u32 st, int gs, in
 // 8j+t -> a0/a1 and 8j+4+t -> a2/a3.
 // QoQ (QOQ != QOQ_NONE): the same words, unsigned: low nibbles w & 0x0F0F0F0F, high (w >> 4) & 0x0F0F0F0F, then
 // for progressive groups one IMAD each with the group of k-step j (32 codes lie in one group: g >= 32).
-__device__ __forceinline__ u32 imad(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
 template <int QOQ>
 __device__ __forceinline__ void qoq_frags(u32 (&af)[4][4], u32 wt, int r0, int t) {
     const int x = (r0 >> 1) & 3;
@@ -1826,12 +1801,6 @@ QOQ_WS_ENTRIES(wsp, true, 256, 4)
 constexpr int GEMV_WARPS = 8;
 constexpr int GEMV_U = 4;  // weight chunks per lane in flight
 
-__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
-    int d;
-    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
 template <int BITS, int MT>
 __device__ __forceinline__ void gemv_chunk(int (&acc)[MT], const uint4& w, const char* __restrict__ A, int lda,
                                            int c) {
@@ -1844,14 +1813,14 @@ __device__ __forceinline__ void gemv_chunk(int (&acc)[MT], const uint4& w, const
             const u32 lo[4] = {a0.x, a0.y, a0.z, a0.w}, hi[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                acc[m] = dp4a(((wv[j] << 4) & 0xF0F0F0F0u) ^ 0x80808080u, lo[j], acc[m]);
-                acc[m] = dp4a((wv[j] & 0xF0F0F0F0u) ^ 0x80808080u, hi[j], acc[m]);
+                acc[m] = dp4a_ss(((wv[j] << 4) & 0xF0F0F0F0u) ^ 0x80808080u, lo[j], acc[m]);
+                acc[m] = dp4a_ss((wv[j] & 0xF0F0F0F0u) ^ 0x80808080u, hi[j], acc[m]);
             }
         } else {
             const uint4 a0 = ld_dep_v4(A + (size_t)m * lda + 16 * c);
             const u32 av[4] = {a0.x, a0.y, a0.z, a0.w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[m] = dp4a(wv[j] ^ 0x80808080u, av[j], acc[m]);
+            for (int j = 0; j < 4; ++j) acc[m] = dp4a_ss(wv[j] ^ 0x80808080u, av[j], acc[m]);
         }
     }
 }
@@ -1875,9 +1844,9 @@ __device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, c
     uint4 w[GEMV_U];
 #pragma unroll
     for (int u = 0; u < GEMV_U; ++u)
-        if (lane + 32 * u < wchunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + 16 * (lane + 32 * u)));
+        if (lane + 32 * u < wchunks) w[u] = ld_nc_v4(reinterpret_cast<const u32*>(wrow + 16 * (lane + 32 * u)));
     uint4 wo = make_uint4(0u, 0u, 0u, 0u);
-    if (lane < ochunks) wo = ld16(reinterpret_cast<const u32*>(worow + 8 * lane));
+    if (lane < ochunks) wo = ld_nc_v4(reinterpret_cast<const u32*>(worow + 8 * lane));
     float swf = 0.f, wrf = 0.f, bf = 0.f;
     if (lane < MT && !raw) {
         swf = h2f(sw[f]) * (BITS == 4 ? 0.0625f : 1.0f);  // 4-bit sums are 16x
@@ -1900,7 +1869,7 @@ __device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, c
 #pragma unroll
             for (int u = 0; u < GEMV_U; ++u) {
                 const int c = c0 + lane + 32 * u;
-                if (c < wchunks) w[u] = ld16(reinterpret_cast<const u32*>(wrow + 16 * c));
+                if (c < wchunks) w[u] = ld_nc_v4(reinterpret_cast<const u32*>(wrow + 16 * c));
             }
         }
 #pragma unroll
@@ -1914,7 +1883,7 @@ __device__ __forceinline__ void gemv_body(const char* __restrict__ A, int lda, c
     for (int m = 0; m < MT; ++m) oacc[m] = 0.f;
     for (int c = lane; c < ochunks; c += 32) {
         if (c >= 32) {
-            wo = ld16(reinterpret_cast<const u32*>(worow + 8 * c));
+            wo = ld_nc_v4(reinterpret_cast<const u32*>(worow + 8 * c));
 #pragma unroll
             for (int m = 0; m < MT; ++m) xo[m] = ld_dep_v4(Xo + (size_t)m * ldxo + 16 * c);
         }

@@ -1,4 +1,4 @@
-"""Helpers for the GPU tests: random packed layers and a float64 reference."""
+"""Helpers for the GPU tests: random packed layers, a float64 reference, and the checks the KV cache tests share."""
 
 from __future__ import annotations
 
@@ -134,3 +134,87 @@ class QoQFieldLayer(torch.nn.Module):
         self.register_buffer("scales", ((torch.rand(n, generator=gen) + 0.5) / (127 * 16 * k**0.5)).half())
         self.register_buffer("bias", (torch.randn(n, generator=gen) * 0.1).half() if bias else None)
         self.wint = wint.to(torch.int32)
+
+
+# The quantized KV caches (tests/gpu/test_kv_cache_kernels.py, test_vq_attention.py): cache bytes are filled with
+# KV_POISON before a write, so a position the write should not touch still holds it afterwards.
+KV_POISON = 0xA5
+
+
+def rope_tables(length: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos, sin [length, d / 2] in float16 on the GPU (base 10000)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    ang = torch.arange(length, device="cuda", dtype=torch.float32)[:, None] * inv[None]
+    return ang.cos().half(), ang.sin().half()
+
+
+def attention_excess(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The worst amount by which float16 attention outputs `got` lie beyond float16 rounding of the float64
+    reference `ref` (2e-3 of each value plus 1e-3 of the largest): <= 0 when every output is within it."""
+    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
+    return float(((got.double() - ref).abs() - tol).max())
+
+
+def check_write_then_attention_chain(kv, new_cache) -> None:
+    """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it, by a cache module
+    `kv` (qtool.cuda.kv_cache, qtool.cuda.vq_attention: write, attention, reference_attention) on the cache that
+    `new_cache(gen, b, kvh, length, d)` makes, after a 40-token prompt: dependent launches and graph replays give
+    the ordinary launches' output, within float16 rounding of float64 attention."""
+    from qtool.cuda.kv_cache import rope_half
+
+    b, h, kvh, d, length = 4, 8, 2, 128, 96
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cos, sin = rope_tables(length, d)
+    cache = new_cache(gen, b, kvh, length, d)
+    prompt = (torch.randn(b, 40, h + 2 * kvh, d, device="cuda", generator=gen)).half()
+    kv.write(prompt, cos, sin, torch.arange(40, device="cuda"), cache, h)
+    step = (torch.randn(b, 1, h + 2 * kvh, d, device="cuda", generator=gen)).half()
+    pos = torch.tensor([40], device="cuda")
+
+    def chain():
+        q, _, _ = kv.write(step, cos, sin, pos, cache, h)
+        return kv.attention(q, cache, pos)
+
+    plain, outs = dependent_chain_runs(chain)
+    for o in outs:
+        assert torch.equal(o, plain)
+    q_ref = rope_half(step.transpose(1, 2)[:, :h], cos[pos], sin[pos])
+    ref = kv.reference_attention(q_ref, cache, 40)
+    assert attention_excess(plain, ref) <= 0
+
+
+def check_bench_decoder_under_graphs(variant: str, tokens_last) -> None:
+    """The throughput bench's decoder (qtool/bench/throughput.py) with `variant`'s linears and caches: prefill then
+    decode steps, eagerly and replayed from CUDA graphs, give the same tokens; the prompt's key codes are written
+    (no position left all KV_POISON), later positions untouched. `tokens_last(cache.k)`: the key codes with the
+    positions in the last dimension."""
+    from qtool.bench.e2e import Decoder, dims_for
+    from qtool.bench.throughput import _caches, make_linear
+    from qtool.cuda.graphs import GraphedStep
+
+    d = dims_for("tiny")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    # W4A8 per channel: 688 is no multiple of 128
+    model = Decoder(d, make_linear(variant, dev, None, gen), dev).eval()
+    tables = model.rope_tables(65, dev)
+    eager, graphed = _caches(variant, model, 3, 64, dev), _caches(variant, model, 3, 64, dev)
+    for c in eager + graphed:
+        c.k.fill_(KV_POISON)
+    ids = torch.randint(0, d.vocab, (3, 20), device=dev, generator=gen)
+    with torch.inference_mode():
+        t_eager = model(ids, torch.arange(20, device=dev), eager, tables, decode=False)
+        fn = lambda ids, pos: model(ids, pos, graphed, tables, decode=False)  # noqa: E731
+        t_graph = GraphedStep(fn, [ids, torch.arange(20, device=dev)])(ids, torch.arange(20, device=dev))
+        assert torch.equal(t_eager, t_graph)
+        for c in eager:
+            k = tokens_last(c.k)
+            assert not bool((k[..., :20] == KV_POISON).all(-2).any()) and bool((k[..., 20:] == KV_POISON).all())
+        step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
+        step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
+        for p in range(20, 24):
+            pos.fill_(p)
+            a = model(step_ids, pos, eager, tables, decode=True)
+            b = step(step_ids, pos)
+            assert torch.equal(a, b), f"graph replay differs from eager at position {p}"
+            step_ids.copy_(a[:, None])

@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.helpers import dependent_chain_runs, gpu_ready, synced
+from tests.gpu.helpers import KV_POISON as POISON
+from tests.gpu.helpers import (
+    attention_excess,
+    check_bench_decoder_under_graphs,
+    check_write_then_attention_chain,
+    gpu_ready,
+    rope_tables,
+    synced,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
-
-POISON = 0xA5
-
-
-def _tables(length: int, d: int):
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-    ang = torch.arange(length, device="cuda", dtype=torch.float32)[:, None] * inv[None]
-    return ang.cos().half(), ang.sin().half()
 
 
 def _poisoned(mode, b, kvh, length, d):
@@ -48,7 +48,7 @@ def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positio
         pytest.skip("int4 needs head_dim % 8 == 0")
     gen = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + d)
     length = 64
-    cos, sin = _tables(length, d)
+    cos, sin = rope_tables(length, d)
     qkv = (torch.randn(b, t, h + 2 * kvh, d, device="cuda", generator=gen) * 3).half()
     qkv[0, 0, h] = 1.25                       # a constant key: scale 1, zero -min
     qkv[-1, -1, h + kvh, :] = 0.5
@@ -118,12 +118,11 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
     for p in sorted({0, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
         ref = kvc.reference_attention(q, cache, p)
-        tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
         for wpl in variants:
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
             got = synced(kvc.attention(q, cache, pos, out=out, wpl=wpl))
             assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {wpl} words a lane)"
-            worst = float(((got.double() - ref).abs() - tol).max())
+            worst = attention_excess(got, ref)
             assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}, {wpl} words a lane: excess {worst:.3e}"
 
 
@@ -148,13 +147,12 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
     for p in sorted({0, 15, 16, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
         ref = kvc.reference_attention(q, cache, p)
-        tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
         # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges
         for splits in (None, 1, 5, kvc.TC_MAX_SPLITS):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
             got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits))
             assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {splits} splits)"
-            worst = float(((got.double() - ref).abs() - tol).max())
+            worst = attention_excess(got, ref)
             assert worst <= 0, f"tc: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
 
 
@@ -174,26 +172,8 @@ def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
     from qtool.cuda import kv_cache as kvc
 
-    b, h, kvh, d, length = 4, 8, 2, 128, 96
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    cos, sin = _tables(length, d)
-    cache = kvc.allocate("int4", b, kvh, length, d, torch.device("cuda"))
-    prompt = (torch.randn(b, 40, h + 2 * kvh, d, device="cuda", generator=gen)).half()
-    kvc.write(prompt, cos, sin, torch.arange(40, device="cuda"), cache, h)
-    step = (torch.randn(b, 1, h + 2 * kvh, d, device="cuda", generator=gen)).half()
-    pos = torch.tensor([40], device="cuda")
-
-    def chain():
-        q, _, _ = kvc.write(step, cos, sin, pos, cache, h)
-        return kvc.attention(q, cache, pos)
-
-    plain, outs = dependent_chain_runs(chain)
-    for o in outs:
-        assert torch.equal(o, plain)
-    q_ref = kvc.rope_half(step.transpose(1, 2)[:, :h], cos[pos], sin[pos])
-    ref = kvc.reference_attention(q_ref, cache, 40)
-    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
-    assert float(((plain.double() - ref).abs() - tol).max()) <= 0
+    check_write_then_attention_chain(
+        kvc, lambda gen, b, kvh, length, d: kvc.allocate("int4", b, kvh, length, d, torch.device("cuda")))
 
 
 def test_kv_cache_kernels_refuse_bad_input_in_one_line():
@@ -215,34 +195,6 @@ def test_kv_cache_kernels_refuse_bad_input_in_one_line():
 
 @pytest.mark.parametrize("variant", ["w4a8kv4", "fp8"])
 def test_bench_decoder_runs_quantized_caches_under_graphs(variant):
-    """The throughput bench's decoder (qtool/bench/throughput.py): prefill then decode steps on KV4/FP8 caches
-    with W4A8/FP8 linears, eagerly and replayed from CUDA graphs, give the same tokens; the prompt's cache rows
-    are written (no poison left), later rows untouched."""
-    from qtool.bench.e2e import Decoder, dims_for
-    from qtool.bench.throughput import _caches, make_linear
-    from qtool.cuda.graphs import GraphedStep
-
-    d = dims_for("tiny")
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(3)
-    model = Decoder(d, make_linear(variant, dev, None, gen), dev).eval()  # per channel: 688 is no multiple of 128
-    tables = model.rope_tables(65, dev)
-    eager, graphed = _caches(variant, model, 3, 64, dev), _caches(variant, model, 3, 64, dev)
-    for c in eager + graphed:
-        c.k.fill_(POISON)
-    ids = torch.randint(0, d.vocab, (3, 20), device=dev, generator=gen)
-    with torch.inference_mode():
-        t_eager = model(ids, torch.arange(20, device=dev), eager, tables, decode=False)
-        fn = lambda ids, pos: model(ids, pos, graphed, tables, decode=False)  # noqa: E731
-        t_graph = GraphedStep(fn, [ids, torch.arange(20, device=dev)])(ids, torch.arange(20, device=dev))
-        assert torch.equal(t_eager, t_graph)
-        for c in eager:
-            assert not bool((c.k[:, :, :20] == POISON).all(-1).any()) and bool((c.k[:, :, 20:] == POISON).all())
-        step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
-        step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
-        for p in range(20, 24):
-            pos.fill_(p)
-            a = model(step_ids, pos, eager, tables, decode=True)
-            b = step(step_ids, pos)
-            assert torch.equal(a, b), f"graph replay differs from eager at position {p}"
-            step_ids.copy_(a[:, None])
+    """The throughput bench's decoder on KV4/FP8 caches with W4A8/FP8 linears: check_bench_decoder_under_graphs
+    (key codes [B, KVH, L, bytes])."""
+    check_bench_decoder_under_graphs(variant, lambda k: k.movedim(2, -1))

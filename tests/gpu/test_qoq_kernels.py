@@ -11,6 +11,7 @@ launch fail here rather than in a later test.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -85,19 +86,26 @@ def _quantized(x: torch.Tensor, p):
     return a
 
 
-def _check_gemm(a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw) -> None:
-    """qoq.gemm with the dispatch overrides `kw`: the exact int32 products (unless `raw` is False), then the layout's
-    float16 output, each into a poisoned buffer."""
-    from qtool.cuda import qoq
-
+def _check_products(launch, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor,
+                    raw: bool = True) -> torch.Tensor:
+    """`launch(out=, raw=)` (a GEMM or GEMV on fixed operands): the exact int32 products (unless `raw` is False),
+    then the layout's float16 output, each into a poisoned buffer. Returns the float16 output."""
     m, n = acc_ref.shape
     if raw:
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(qoq.gemm(a, p, out=out, raw=True, **kw))
+        synced(launch(out=out, raw=True))
         assert torch.equal(out, acc_ref), f"int32 products differ in {(out != acc_ref).sum().item()} places"
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    synced(qoq.gemm(a, p, out=y, **kw))
+    synced(launch(out=y, raw=False))
     _check_y(y, acc_ref, sx, layer)
+    return y
+
+
+def _check_gemm(a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw) -> None:
+    """qoq.gemm with the dispatch overrides `kw`: _check_products."""
+    from qtool.cuda import qoq
+
+    _check_products(partial(qoq.gemm, a, p, **kw), layer, acc_ref, sx, raw)
 
 
 SCHEMES = [(8, None), (4, None), (4, 32), (4, 64), (4, 128)]
@@ -148,15 +156,7 @@ def test_gemm_exact(bits, group_size, n, k, m):
     x = _x(m, k)
     a = _quantized(x, p)
     codes, sx, _ = qoq.quantize_torch(x)
-    acc_ref = _acc_ref(codes, layer)
-    raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-    qoq.gemm(a, p, out=raw, raw=True)
-    synced(raw)
-    assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
-    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    qoq.gemm(a, p, out=y)
-    synced(y)
-    _check_y(y, acc_ref, sx, layer)
+    _check_gemm(a, p, layer, _acc_ref(codes, layer), sx)
 
 
 @needs_hopper
@@ -265,31 +265,39 @@ def test_gemm_split_arguments():
         qoq.gemm(a, p, kernel="wsp", split=2)
 
 
-@needs_hopper
-@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
-@pytest.mark.parametrize("n,k", [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008, 4096),
-                                 (4096, 11008)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+GEMV_SHAPES = [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008, 4096), (4096, 11008)]
+
+
+def _gemv_cases(test):
+    """The decode GEMV's cases, for both of its forms: the 4-bit schemes, real and odd shapes, 1 to 4 tokens."""
+    for mark in (pytest.mark.parametrize("m", [1, 2, 3, 4]), pytest.mark.parametrize("n,k", GEMV_SHAPES),
+                 pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:]), needs_hopper):
+        test = mark(test)
+    return test
+
+
+def _gemv_layer(bits: int, group_size: int | None, n: int, k: int, bias: bool):
+    """A random field layer and its prepared operands (skips schemes whose group size does not divide K)."""
+    from qtool.cuda import qoq
+
+    if group_size and k % group_size:
+        pytest.skip(f"K {k} is not a multiple of g {group_size}")
+    layer = FieldLayer(n, k, bits, group_size, bias=bias).cuda()
+    return layer, qoq.prepare(layer)
+
+
+@_gemv_cases
 def test_gemv_fused_quantization_exact(bits, group_size, n, k, m):
     """The decode GEMV quantizes its own rows: its int32 products and float16 outputs equal those of the quantize
     kernel + the layout's arithmetic, on contiguous rows and on rows with a longer stride."""
     from qtool.cuda import qoq
 
-    if group_size and k % group_size:
-        pytest.skip(f"K {k} is not a multiple of g {group_size}")
-    layer = FieldLayer(n, k, bits, group_size, bias=m % 2 == 1).cuda()
-    p = qoq.prepare(layer)
+    layer, p = _gemv_layer(bits, group_size, n, k, bias=m % 2 == 1)
     base = _x(m, k + 24)
     for x in (base[:, :k].contiguous(), base[:, :k]):
         assert qoq.gemv_reason(x, p) is None
         codes, sx, _ = qoq.quantize_torch(x)
-        acc_ref = _acc_ref(codes, layer)
-        raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(qoq.gemv(x, p, out=raw, raw=True))
-        assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
-        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(qoq.gemv(x, p, out=y))
-        _check_y(y, acc_ref, sx, layer)
+        _check_products(partial(qoq.gemv, x, p), layer, _acc_ref(codes, layer), sx)
 
 
 def _torch_codes(x: torch.Tensor, p, pad: int = 0):
@@ -303,32 +311,19 @@ def _torch_codes(x: torch.Tensor, p, pad: int = 0):
     return qoq.QoQActivations(codes=buf[:, : p.kp], scale=sx, rowsum=rs), q
 
 
-@needs_hopper
-@pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:])
-@pytest.mark.parametrize("n,k", [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008, 4096),
-                                 (4096, 11008)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@_gemv_cases
 def test_gemv_codes_exact(bits, group_size, n, k, m):
     """The decode GEMV on codes made beforehand (what gemm() dispatches at decode sizes): int32 products and float16
     outputs equal to the layout's arithmetic, on contiguous code rows and rows with a longer stride; gemm() gives
     the same float16 output whichever form it picks."""
     from qtool.cuda import qoq
 
-    if group_size and k % group_size:
-        pytest.skip(f"K {k} is not a multiple of g {group_size}")
-    layer = FieldLayer(n, k, bits, group_size, bias=m % 2 == 0).cuda()
-    p = qoq.prepare(layer)
+    layer, p = _gemv_layer(bits, group_size, n, k, bias=m % 2 == 0)
     x = _x(m, k)
     for pad in (0, 48):
         a, codes = _torch_codes(x, p, pad)
         assert qoq.gemv_codes_reason(a, p) is None
-        acc_ref = _acc_ref(codes, layer)
-        raw = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
-        synced(qoq.gemv_codes(a, p, out=raw, raw=True))
-        assert torch.equal(raw, acc_ref), f"int32 products differ in {(raw != acc_ref).sum().item()} places"
-        y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        synced(qoq.gemv_codes(a, p, out=y))
-        _check_y(y, acc_ref, a.scale, layer)
+        y = _check_products(partial(qoq.gemv_codes, a, p), layer, _acc_ref(codes, layer), a.scale)
         y2 = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
         synced(qoq.gemm(a, p, out=y2))
         assert torch.equal(y2, y)

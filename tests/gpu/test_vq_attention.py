@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.helpers import dependent_chain_runs, gpu_ready, synced
+from tests.gpu.helpers import KV_POISON as POISON
+from tests.gpu.helpers import (
+    attention_excess,
+    check_bench_decoder_under_graphs,
+    check_write_then_attention_chain,
+    gpu_ready,
+    rope_tables,
+    synced,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
-
-POISON = 0xA5
-
-
-def _tables(length: int, d: int):
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-    ang = torch.arange(length, device="cuda", dtype=torch.float32)[:, None] * inv[None]
-    return ang.cos().half(), ang.sin().half()
 
 
 def _books(kvh, d, dv, gen, entries=256):
@@ -41,7 +41,7 @@ def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
 
     gen = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + d + dv)
     length = 64
-    cos, sin = _tables(length, d)
+    cos, sin = rope_tables(length, d)
     kb, vb = _books(kvh, d, dv, gen)
     # a tie: entry 9 of every value codebook is entry 5, and a value vector that is exactly that entry: the lower
     # index must win
@@ -98,13 +98,12 @@ def test_attention_matches_float64_reference(dv, b, h, kvh, length, d):
     for p in sorted({0, 31, 32, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
         ref = vqa.reference_attention(q, cache, p)
-        tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
         for form in forms:
             for splits in (None, 1, 3, vqa.MAX_SPLITS):
                 out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
                 got = synced(vqa.attention(q, cache, pos, out=out, form=form, splits=splits))
                 assert bool(torch.isfinite(got).all()), f"unwritten outputs ({form}, pos {p}, {splits} splits)"
-                worst = float(((got.double() - ref).abs() - tol).max())
+                worst = attention_excess(got, ref)
                 assert worst <= 0, f"{form}: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
 
 
@@ -116,10 +115,9 @@ def test_attention_with_fewer_entries():
     cache = _random_cache(2, 2, 100, 64, 4, gen, entries=16)
     q = (torch.randn(2, 4, 1, 64, device="cuda", generator=gen) * 0.5).half()
     ref = vqa.reference_attention(q, cache, 90)
-    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
     for form in vqa.FORMS:
         got = synced(vqa.attention(q, cache, torch.tensor([90], device="cuda"), form=form))
-        assert float(((got.double() - ref).abs() - tol).max()) <= 0, form
+        assert attention_excess(got, ref) <= 0, form
 
 
 def test_attention_splits_the_cache_when_pairs_are_few():
@@ -139,29 +137,11 @@ def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
     from qtool.cuda import vq_attention as vqa
 
-    b, h, kvh, d, length = 4, 8, 2, 128, 96
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    cos, sin = _tables(length, d)
-    kb, vb = _books(kvh, d, 4, gen)
-    cache = vqa.allocate(kb, vb, b, length, torch.device("cuda"))
-    prompt = (torch.randn(b, 40, h + 2 * kvh, d, device="cuda", generator=gen)).half()
-    vqa.write(prompt, cos, sin, torch.arange(40, device="cuda"), cache, h)
-    step = (torch.randn(b, 1, h + 2 * kvh, d, device="cuda", generator=gen)).half()
-    pos = torch.tensor([40], device="cuda")
+    def new_cache(gen, b, kvh, length, d):
+        kb, vb = _books(kvh, d, 4, gen)
+        return vqa.allocate(kb, vb, b, length, torch.device("cuda"))
 
-    def chain():
-        q, _, _ = vqa.write(step, cos, sin, pos, cache, h)
-        return vqa.attention(q, cache, pos)
-
-    plain, outs = dependent_chain_runs(chain)
-    for o in outs:
-        assert torch.equal(o, plain)
-    from qtool.cuda.kv_cache import rope_half
-
-    q_ref = rope_half(step.transpose(1, 2)[:, :h], cos[pos], sin[pos])
-    ref = vqa.reference_attention(q_ref, cache, 40)
-    tol = 2e-3 * ref.abs() + 1e-3 * float(ref.abs().max())
-    assert float(((plain.double() - ref).abs() - tol).max()) <= 0
+    check_write_then_attention_chain(vqa, new_cache)
 
 
 def test_vq_cache_kernels_refuse_bad_input_in_one_line():
@@ -188,36 +168,7 @@ def test_vq_cache_kernels_refuse_bad_input_in_one_line():
 
 
 def test_bench_decoder_runs_cq_caches_under_graphs():
-    """The throughput bench's decoder (qtool/bench/throughput.py) on CQ-2 caches: prefill then decode steps, eagerly
-    and replayed from CUDA graphs, give the same tokens; the prompt's codes are written, later positions untouched."""
-    from qtool.bench.e2e import Decoder, dims_for
-    from qtool.bench.throughput import _caches, make_linear
-    from qtool.cuda.graphs import GraphedStep
+    """The throughput bench's decoder on CQ-2 caches: check_bench_decoder_under_graphs."""
+    from qtool.cuda.vq_attention import token_major
 
-    d = dims_for("tiny")
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(3)
-    model = Decoder(d, make_linear("w4a8cq2", dev, None, gen), dev).eval()
-    tables = model.rope_tables(65, dev)
-    eager, graphed = _caches("w4a8cq2", model, 3, 64, dev), _caches("w4a8cq2", model, 3, 64, dev)
-    for c in eager + graphed:
-        c.k.fill_(POISON)
-    ids = torch.randint(0, d.vocab, (3, 20), device=dev, generator=gen)
-    with torch.inference_mode():
-        t_eager = model(ids, torch.arange(20, device=dev), eager, tables, decode=False)
-        fn = lambda ids, pos: model(ids, pos, graphed, tables, decode=False)  # noqa: E731
-        t_graph = GraphedStep(fn, [ids, torch.arange(20, device=dev)])(ids, torch.arange(20, device=dev))
-        assert torch.equal(t_eager, t_graph)
-        from qtool.cuda.vq_attention import token_major
-
-        for c in eager:
-            k = token_major(c.k)
-            assert not bool((k[..., :20] == POISON).all(-2).any()) and bool((k[..., 20:] == POISON).all())
-        step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
-        step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
-        for p in range(20, 24):
-            pos.fill_(p)
-            a = model(step_ids, pos, eager, tables, decode=True)
-            b = step(step_ids, pos)
-            assert torch.equal(a, b), f"graph replay differs from eager at position {p}"
-            step_ids.copy_(a[:, None])
+    check_bench_decoder_under_graphs("w4a8cq2", token_major)
