@@ -51,6 +51,10 @@ PIPE_MIN_BLOCKS_PER_THREAD = 2
 # H100); the direct GEMV on an H200: 6.32 / 15.22 / 14.48 / 59.54 against 7.97 / 17.48 / 16.97 / 60.99
 # (kernels/NOTES.md).
 OUTLIERS = "fused"
+# The prefill GEMM's outliers: "spmv" (mixed_spmv after the GEMM) or "fused" (its epilogue, which walks each row's
+# outliers serially: Llama-2-7B prefill of 128 tokens with 0.2% outliers ran at 0.19x FP16 against 0.69x without
+# outliers on an H100, kernels/NOTES.md).
+GEMM_OUTLIERS = "spmv"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
 # 1 (default): block4 layers with g2 a multiple of 4 run the GEMV on the tiled streams; 0: on the checkpoint layout.
 GEMV_TILED = cc.env_int("QTOOL_MIXED_TILED", 1)
@@ -355,9 +359,9 @@ def use_pipe(k: int, mt: int, warps: int, pipe: bool | None = None) -> bool:
     return k // 64 >= PIPE_MIN_BLOCKS_PER_THREAD * 32 * warps
 
 
-def outlier_mode(outliers: str | None = None) -> str:
-    """How the GEMV adds the outliers: "fused" or "spmv" (`outliers`, by default OUTLIERS)."""
-    mode = OUTLIERS if outliers is None else outliers
+def outlier_mode(outliers: str | None = None, default: str = OUTLIERS) -> str:
+    """How the GEMV (or, with `default` GEMM_OUTLIERS, the GEMM) adds the outliers: "fused" or "spmv"."""
+    mode = default if outliers is None else outliers
     if mode not in ("fused", "spmv"):
         raise ValueError(f"outliers: found {mode!r}, expected fused or spmv")
     return mode
@@ -487,11 +491,13 @@ def gemm_reason(p: Prepared) -> str | None:
 
 
 def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         tokens: int | None = None, split: int | None = None) -> torch.Tensor:
+         tokens: int | None = None, split: int | None = None, outliers: str | None = None) -> torch.Tensor:
     """y = x . W^T (+ bias) (+ the outliers) with the tensor-core GEMM on the tiled streams; x fp16 [..., K], any
-    number of rows. `tokens` (token tile) and `split` (blocks per output tile along K) override the defaults."""
+    number of rows. `tokens` (token tile) and `split` (blocks per output tile along K) override the defaults;
+    `outliers` "spmv" (a second kernel) or "fused" (the GEMM's epilogue), by default GEMM_OUTLIERS."""
     from qtool.cuda import split_k  # noqa: PLC0415
 
+    fused = outlier_mode(outliers, GEMM_OUTLIERS) == "fused"
     reason = gemm_reason(p)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}")
@@ -528,10 +534,13 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     cc.launch(
         fn, (-(-n // GEMM_ROWS), -(-m // tn), split), (256,),
         (cc.ptr(x2), cc.i32(k), cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo),
-         cc.ptr(p.rowptr if p.nnz else None), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(_bias(bias, p)), cc.ptr(out),
-         cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(nblk), cc.i32(p.scale_group_size)),
+         cc.ptr(p.rowptr if p.nnz and fused else None), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(_bias(bias, p)),
+         cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(nblk),
+         cc.i32(p.scale_group_size)),
         shared_mem=smem, device=dev,
     )
+    if not fused:
+        spmv(x2, p, out)
     return out.reshape(*lead, n)
 
 

@@ -299,7 +299,7 @@ def _gemm_ready():
 @pytest.mark.parametrize("nkg", ODD_TILED + [(264, 1024, 8), (4096, 11008, 16)])
 def test_gemm_matches_the_reference(fraction, nkg):
     """The tiled-stream GEMM (prefill): every token tile, split-K on and off, rows past N and tokens past the tile,
-    bias, outliers in the epilogue; outputs poisoned before each launch."""
+    bias, outliers in the epilogue or by the second kernel; outputs poisoned before each launch."""
     from qtool.cuda import mixed
 
     if not _gemm_ready():
@@ -315,12 +315,13 @@ def test_gemm_matches_the_reference(fraction, nkg):
         cases = [(128, None, None), (200, 128, 4)]
     for m, tokens, split in cases:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        for bias in (None, layer.bias):
+        for bias, outliers in ((None, "fused"), (layer.bias, "fused"), (layer.bias, "spmv")):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-            y = synced(mixed.gemm(x, p, bias, out=out, tokens=tokens, split=split))
+            y = synced(mixed.gemm(x, p, bias, out=out, tokens=tokens, split=split, outliers=outliers))
             assert bool(torch.isfinite(y).all()), f"unwritten outputs (seed {seed}, M={m})"
             err = rel_err(y, reference64(layer, x, bias is not None))
-            assert err < TOL, f"relative error {err:.2e} (seed {seed}, M={m}, tokens {tokens}, split {split})"
+            assert err < TOL, (f"relative error {err:.2e} (seed {seed}, M={m}, tokens {tokens}, split {split}, "
+                               f"outliers {outliers})")
     from qtool.cuda import split_k
 
     cnt = split_k.counters(torch.cuda.current_device())
