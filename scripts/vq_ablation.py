@@ -3,7 +3,7 @@ CLI: a recipe written per row, `qtool quantize` (CPU, block onloading), then `qt
 on WikiText-2; bits per weight as stored are read from the checkpoint's manifest.
 
     python scripts/vq_ablation.py [--model .cache/models/smollm2-135m] [--num-samples 16] [--windows 16]
-        [--finetune-steps 16] [--only 0,1,2] [--work out/vq-ablation] [--json out.json]
+        [--finetune-steps 16] [--blocks N] [--only 0,1,2] [--work out/vq-ablation] [--json out.json]
 
 Rows: GPTVQ-2 against GPTQ W2 with the group size whose scale/zero overhead matches GPTVQ-2's codebook overhead on
 this model (g64: 24/64 = 0.375 bits against 0.36); the model-sized AQLM-style 3-bit configuration (vectors of 4,
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--finetune-steps", type=int, default=16, help="Adam steps per block of the fine-tuning rows")
     ap.add_argument("--finetune-lr", type=float, default=0.02, help="Adam learning rate of the fine-tuning rows "
                                                                      "(relative to each layer's codebook RMS)")
+    ap.add_argument("--blocks", type=int, help="quantize only the linears of the first N decoder blocks (every "
+                                                "row alike; the rest stay float), for a shorter run")
     ap.add_argument("--only", help="comma-separated row numbers, run in that order (0 = the float model)")
     ap.add_argument("--work", default=str(ROOT / "out" / "vq-ablation"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -107,6 +109,9 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     table = list(enumerate(rows(args.finetune_steps, args.finetune_lr), 1))
     for i, (name, stages) in table if only is None else [table[i - 1] for i in only if i > 0]:
+        if args.blocks is not None:
+            scope = {"include": [f"model.layers.{b}.*" for b in range(args.blocks)]}
+            stages = [{**st, "targets": scope} for st in stages]
         recipe = {"model": str(Path(args.model).resolve()), "calibration": cal, "stages": stages,
                   "settings": {"device": "cpu"}, "output": str((work / f"row{i}").resolve())}
         path = work / f"row{i}.yaml"
@@ -123,7 +128,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stages", "finetune")}), flush=True)
         if not args.keep:
             subprocess.run(["rm", "-rf", recipe["output"]], check=True)
-    protocol = (f"{Path(args.model).name}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
+    scope = "" if args.blocks is None else f"; only the linears of blocks 0-{args.blocks - 1} quantized"
+    protocol = (f"{Path(args.model).name}{scope}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
                 f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
                 f"{args.finetune_steps} Adam steps per block, one window per step, lr {args.finetune_lr}; CPU "
                 f"reference path")
