@@ -346,6 +346,7 @@ def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, o
 
 @pytest.mark.parametrize("stage, message", [
     ("  - stage: mixed\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: mixed"),
+    ("  - stage: vq\n    entries: 16\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: vq"),
     ("  - stage: progressive\n    group_size: null\n    clip: true\n", "stages[0].clip_qk: found 'attention': progressive"),
 ])
 def test_stages_whose_statistics_do_not_combine_are_refused_over_several_processes(tmp_path, stage, message):

@@ -141,7 +141,7 @@ def test_bad_recipes(tmp_path, no_work, text, words):
     assert_one_line_error(run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out")
 
 
-@pytest.mark.parametrize("name", ["vq-gptvq-2bit", "vq-aqlm-3bit", "vq-kv-cq2"])
+@pytest.mark.parametrize("name", ["vq-gptvq-2bit", "vq-aqlm-3bit", "vq-aqlm-3bit-small", "vq-kv-cq2"])
 def test_shipped_recipes_validate_against_smollm2_config(name):
     """The shipped recipes parse and pass every stage's check of SmolLM2-135M's config (no weight is read)."""
     from qtool.models.loading import load_config

@@ -8,9 +8,13 @@ rounding GPTQ cannot compensate weigh most."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
+from torch import nn
+
+from qtool.packing.vq import VQWeight
 
 # Vectors per assignment chunk times entries: bounds the distance matrix to 2^24 elements (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
@@ -208,6 +212,49 @@ def vq_gptq(weight: torch.Tensor, hessian: torch.Tensor, vector_size: int, entri
                     err1[:, j] = e
             w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     return VQOutput(codes, books, q)
+
+
+class TunableCodebooks(nn.Module):
+    """A `vq` layer as a function of its codebooks, for fine-tuning them against the block output (AQLM's
+    codebook update, GPTVQ's codebook update): the codes stay as quantized; every entry is its stored float16 value
+    plus `δ · rms`, `δ` a trained float32 parameter starting at 0 and `rms` the root mean square of the layer's
+    stored entries, so that a learning rate means the same relative move in every layer and model, whatever the
+    size of its weights. An entry no vector selects gets no gradient and stays as stored."""
+
+    def __init__(self, layout: VQWeight, device: torch.device) -> None:
+        super().__init__()
+        self.source = layout
+        n_rt, n_ct, z, e, _ = layout.codebooks.shape
+        codes = layout.codes()
+        rt, ct = layout.scope_of()
+        scope = (rt[:, None] * n_ct + ct[None, :]) * z  # [N, K/d]: first codebook of each vector's scope
+        # Row of codebooks.reshape(-1, d) that vector (n, j) takes from codebook r.
+        self.register_buffer("rows", torch.stack([(scope + r) * e + codes[r] for r in range(z)]))
+        base = layout.codebooks.to(torch.float32)
+        self.register_buffer("base", base.clone())
+        self.register_buffer("rms", base.pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float16).tiny))
+        self.delta = nn.Parameter(torch.zeros_like(base))
+        self.to(device)
+
+    def books(self) -> torch.Tensor:
+        return self.base + self.delta * self.rms
+
+    def forward(self) -> torch.Tensor:
+        """The dequantized weight [N, K] float32 (differentiable in the codebooks), summed over the codebooks in
+        order r = 0, 1, ... as `VQWeight.dequantize` sums them."""
+        books = self.books()
+        flat = books.reshape(-1, books.shape[-1])
+        w = sum(flat[self.rows[r]] for r in range(self.rows.shape[0]))
+        return w.reshape(self.source.out_features, self.source.in_features)
+
+    def layout(self) -> VQWeight:
+        """The layer with the tuned codebooks rounded to float16 (what is stored; finite, within float16's range).
+        Codes, their order by access count and the tiers are those of the quantized layer: tuning moves entries,
+        never which vectors select them."""
+        big = torch.finfo(torch.float16).max
+        with torch.no_grad():
+            books = self.books().cpu().clamp(-big, big).to(torch.float16)
+        return replace(self.source, codebooks=books.contiguous())
 
 
 def kmeans_batched(x: torch.Tensor, entries: int, iters: int, generator: torch.Generator) -> torch.Tensor:

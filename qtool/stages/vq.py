@@ -8,8 +8,11 @@ Presets: `gptvq-2` (vectors of 4, 256 entries, one codebook per 256x256 tile: 2 
 `aqlm-3` (vectors of 8, 4096 entries, two additive codebooks per tensor: 3 index bits per weight). Options written
 in the recipe override the preset's.
 
-Not implemented: AQLM's Adam codebook updates and per-channel scales, codebook fine-tuning against the block
-output."""
+`finetune_steps` (off by default) is AQLM's codebook update (GPTVQ's codebook update): once a block's linears are
+quantized, their codebooks are trained by Adam, codes fixed, so that the block's output matches the float block's
+on the calibration inputs (qtool/quant/blockwise.py, one block at a time), then rounded to float16.
+
+Not implemented: AQLM's alternation of code and codebook updates within a layer, its per-channel scales."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import torch
 from qtool.calibration.stats import LinearStats
 from qtool.options import option
 from qtool.packing.vq import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWeight, is_power_of_two
-from qtool.quant.vq import vq_gptq
+from qtool.quant.blockwise import tune_block
+from qtool.quant.vq import TunableCodebooks, vq_gptq
 from qtool.stages import register
 from qtool.stages.base import HessianStage, QuantResult
 
@@ -54,6 +58,13 @@ class VQOptions:
     seed: int = option(0, min=0, help="seed of the k-means initialisation (mixed with each layer's name)")
     sequential: bool = option(True, help="q/k/v, then o, then gate/up, then down, each on the outputs of the "
                                          "already quantized linears")
+    finetune_steps: int = option(0, min=0, max=100000, help="codebook fine-tuning: Adam steps per block on the "
+                                                            "codebooks (codes fixed) against the float block's "
+                                                            "output; 0 is off")
+    finetune_lr: float = option(0.02, min=1e-6, max=1.0, help="codebook fine-tuning: Adam learning rate, relative "
+                                                             "to the RMS of each layer's entries (an entry moves "
+                                                             "by about lr x RMS per step)")
+    finetune_samples: int = option(1, min=1, max=4096, help="codebook fine-tuning: calibration windows per step")
 
     def validate(self) -> tuple[str, str] | None:
         # The preset fills what the recipe left out, so the recipe as run shows every value used.
@@ -110,6 +121,28 @@ class VQStage(HessianStage):
 
     def check_config(self, config, where: str) -> None:
         self.check_layers(config, where)
+
+    def distributed_problem(self) -> tuple[str, str] | None:
+        if self.options.finetune_steps > 0:
+            return "finetune_steps", (f"found {self.options.finetune_steps}: vq fine-tunes each block's codebooks on "
+                                      f"the windows of one process; expected 0 with several processes (or one "
+                                      f"process)")
+        return None
+
+    def finetunes(self) -> bool:
+        return self.options.finetune_steps > 0
+
+    def finetune_block(self, block, layouts: dict[str, VQWeight], originals: dict[str, torch.Tensor],
+                       inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor]
+                       ) -> tuple[dict[str, VQWeight], dict]:
+        o: VQOptions = self.options
+        tunables = {rel: TunableCodebooks(layout, inputs[0].device) for rel, layout in layouts.items()}
+        res = tune_block(block, {f"{rel}.weight": t for rel, t in tunables.items()},
+                         [t.delta for t in tunables.values()], inputs, kwargs, targets, steps=o.finetune_steps,
+                         lr=o.finetune_lr, samples=o.finetune_samples)
+        tuned = {rel: t.layout() for rel, t in tunables.items()} if res.kept else layouts
+        return tuned, {"finetune": {"error_before": round(res.error_before, 8),
+                                    "error_after": round(res.error_after, 8), "kept": res.kept}}
 
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         o: VQOptions = self.options
