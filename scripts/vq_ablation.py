@@ -1,9 +1,9 @@
 """Vector vs scalar quantization at equal bits on a small model (issue 32's acceptance), each row run through the
-CLI: a recipe written per row, `qtool quantize` (CPU, block onloading), then `qtool eval` of the written checkpoint
+CLI: a recipe written per row, `qtool quantize` (block onloading, on `--device`), then `qtool eval` of the written checkpoint
 on WikiText-2; bits per weight as stored are read from the checkpoint's manifest.
 
     python scripts/vq_ablation.py [--model .cache/models/smollm2-135m] [--num-samples 16] [--windows 16]
-        [--finetune-steps 16] [--blocks N] [--only 0,1,2] [--work out/vq-ablation] [--json out.json]
+        [--finetune-steps 16] [--blocks N] [--only 0,1,2] [--device cpu] [--work out/vq-ablation] [--json out.json]
 
 Rows: GPTVQ-2 against GPTQ W2 with the group size whose scale/zero overhead matches GPTVQ-2's codebook overhead on
 this model (g64: 24/64 = 0.375 bits against 0.36); the model-sized AQLM-style 3-bit configuration (vectors of 4,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = ROOT.parent / "shared" / "assets"
+ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets"))
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
 WIKI = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
 
@@ -75,9 +76,9 @@ def perplexity(summary: dict) -> float:
     return found[0]
 
 
-def evaluate(model: str, windows: int) -> float:
+def evaluate(model: str, windows: int, device: str) -> float:
     return perplexity(qtool("eval", model, "--text", str(WIKI), "--seq-len", "512", "--windows", str(windows),
-                            "--device", "cpu"))
+                            "--device", device))
 
 
 def main() -> None:
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated row numbers, run in that order (0 = the float model)")
     ap.add_argument("--work", default=str(ROOT / "out" / "vq-ablation"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--device", default="cpu", help="where every row quantizes and evaluates")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -104,7 +106,7 @@ def main() -> None:
     results = []
     if only is None or 0 in only:
         t = time.time()
-        results.append({"row": 0, "name": "float", "ppl": evaluate(args.model, args.windows),
+        results.append({"row": 0, "name": "float", "ppl": evaluate(args.model, args.windows, args.device),
                         "seconds": round(time.time() - t, 1)})
         print(json.dumps(results[-1]), flush=True)
     table = list(enumerate(rows(args.finetune_steps, args.finetune_lr), 1))
@@ -113,13 +115,13 @@ def main() -> None:
             scope = {"include": [f"model.layers.{b}.*" for b in range(args.blocks)]}
             stages = [{**st, "targets": scope} for st in stages]
         recipe = {"model": str(Path(args.model).resolve()), "calibration": cal, "stages": stages,
-                  "settings": {"device": "cpu"}, "output": str((work / f"row{i}").resolve())}
+                  "settings": {"device": args.device}, "output": str((work / f"row{i}").resolve())}
         path = work / f"row{i}.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         t = time.time()
         summary = qtool("quantize", str(path), "--overwrite", "--no-eval")
         seconds = time.time() - t
-        ppl = evaluate(recipe["output"], args.windows)
+        ppl = evaluate(recipe["output"], args.windows, args.device)
         manifest = json.loads((Path(recipe["output"]) / "qtool-manifest.json").read_text())
         results.append({"row": i, "name": name, "ppl": ppl,
                         "stored": summary["bits_per_weight"]["quantized_linears"],
@@ -131,8 +133,8 @@ def main() -> None:
     scope = "" if args.blocks is None else f"; only the linears of blocks 0-{args.blocks - 1} quantized"
     protocol = (f"{Path(args.model).name}{scope}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
                 f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
-                f"{args.finetune_steps} Adam steps per block, one window per step, lr {args.finetune_lr}; CPU "
-                f"reference path")
+                f"{args.finetune_steps} Adam steps per block, one window per step, lr {args.finetune_lr}; "
+                f"device {args.device}")
     print(f"\nProtocol: {protocol}\n\n| # | configuration | bits (stored) | WikiText-2 ppl |\n|---|---|---|---|")
     for r in results:
         stored = "16" if r["row"] == 0 else f"{r['stored']:.3f}"
