@@ -1,6 +1,6 @@
 """Vector vs scalar quantization at equal bits on a small model (issue 32's acceptance), each row run through the
-CLI: a recipe written per row, `qtool quantize` (block onloading, on `--device`), then `qtool eval` of the written checkpoint
-on WikiText-2; bits per weight as stored are read from the checkpoint's manifest.
+CLI: a recipe written per row, `qtool quantize` (block onloading, on `--device`), then `qtool eval` of the written
+checkpoint on WikiText-2; bits per weight as stored are read from the checkpoint's manifest.
 
     python scripts/vq_ablation.py [--model .cache/models/smollm2-135m] [--num-samples 16] [--windows 16]
         [--finetune-steps 16] [--blocks N] [--only 0,1,2] [--device cpu] [--work out/vq-ablation] [--json out.json]
