@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = ROOT.parent / "shared" / "assets"
+ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets"))
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
 WIKI = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
 
@@ -81,8 +82,8 @@ def qtool(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def evaluate(model: str, windows: int) -> float:
-    out = qtool("eval", model, "--text", str(WIKI), "--seq-len", "512", "--windows", str(windows), "--device", "cpu")
+def perplexity(summary: dict) -> float:
+    """The WikiText-2 perplexity in a `qtool eval --json` summary."""
     found = []
 
     def walk(o):
@@ -96,10 +97,15 @@ def evaluate(model: str, windows: int) -> float:
             for v in o:
                 walk(v)
 
-    walk(out)
+    walk(summary)
     if not found:
-        raise SystemExit(f"no perplexity in qtool eval's summary: {json.dumps(out)[:500]}")
+        raise SystemExit(f"no perplexity in qtool eval's summary: {json.dumps(summary)[:500]}")
     return found[0]
+
+
+def evaluate(model: str, windows: int, device: str = "cpu") -> float:
+    return perplexity(qtool("eval", model, "--text", str(WIKI), "--seq-len", "512", "--windows", str(windows),
+                            "--device", device))
 
 
 def main() -> None:

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
+from mixed_ablation import ASSETS, evaluate, qtool  # this folder's sibling: the same CLI calls, data, reading
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets"))
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
-WIKI = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
 
 GPTVQ2 = {"stage": "vq", "preset": "gptvq-2", "kmeans_iters": 20, "beam": 1, "seed": 0}
 AQLM3S = {"stage": "vq", "preset": "aqlm-3", "vector_size": 4, "entries": 64, "residuals": 2, "kmeans_iters": 20,
@@ -45,40 +42,6 @@ def rows(finetune_steps: int, finetune_lr: float) -> list[tuple[str, list[dict]]
         ("GPTVQ-2 + codebook fine-tuning", [{**GPTVQ2, **ft}]),
         ("AQLM-style 3-bit + codebook fine-tuning", [{**AQLM3S, **ft}]),
     ]
-
-
-def qtool(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "qtool.cli", *args, "--json", "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"qtool {' '.join(args)} failed ({done.returncode}): {done.stdout[-2000:]}"
-                         f"{done.stderr[-2000:]}")
-    return json.loads(done.stdout)
-
-
-def perplexity(summary: dict) -> float:
-    found = []
-
-    def walk(o):
-        if isinstance(o, dict):
-            for k, v in o.items():
-                if k == "perplexity" and isinstance(v, (int, float)):
-                    found.append(float(v))
-                else:
-                    walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(summary)
-    if not found:
-        raise SystemExit(f"no perplexity in qtool eval's summary: {json.dumps(summary)[:500]}")
-    return found[0]
-
-
-def evaluate(model: str, windows: int, device: str) -> float:
-    return perplexity(qtool("eval", model, "--text", str(WIKI), "--seq-len", "512", "--windows", str(windows),
-                            "--device", device))
 
 
 def main() -> None:
