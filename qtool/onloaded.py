@@ -135,17 +135,20 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
 
         t = time.perf_counter()
         progress = reporter.blocks(n, start, "quantizing blocks", device)
-        # The next block's weights are read from the shards while this one is quantized (the reader is used by
-        # nothing else during the loop).
-        reading = ThreadPoolExecutor(1, thread_name_prefix="qtool-onload")
-        ahead = reading.submit(materialize, blocks[start], adapter.block_prefix(start), reader, dtype) \
-            if start < n else None
+        # On a GPU the next block's weights are read from the shards while this one is quantized (the reader is
+        # used by nothing else during the loop); on the CPU the read would only take cores from the quantization.
+        reading = ThreadPoolExecutor(1, thread_name_prefix="qtool-onload") if device.type != "cpu" else None
+        ahead = None
         for i in range(start, n):
             block, prefix = blocks[i], adapter.block_prefix(i)
             with run.timed("onload_s"):
-                ahead.result()
-                ahead = reading.submit(materialize, blocks[i + 1], adapter.block_prefix(i + 1), reader, dtype) \
-                    if i + 1 < n else None
+                if ahead is None:
+                    materialize(block, prefix, reader, dtype)
+                else:
+                    ahead.result()
+                ahead = None
+                if reading is not None and i + 1 < n:
+                    ahead = reading.submit(materialize, blocks[i + 1], adapter.block_prefix(i + 1), reader, dtype)
                 for tr in run.transforms:
                     tr.apply_block_weights(block, i, adapter)
                 block.to(device)
