@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,6 +102,37 @@ def tiny_opt(tmp_path_factory) -> Path:
 def write_recipe(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def finetune_pair(tmp_path: Path, template: str) -> SimpleNamespace:
+    """stories260K quantized by the recipe `template` (its {steps}: fine-tuning steps) twice, with 0 and 8 steps:
+    both results (`plain`, `tuned`), the tuned recipe's path, two calibration windows and each run's relative
+    error of block 0's output against the float model's on them (`err_plain`, `err_tuned`)."""
+    from qtool.calibration.data import TextSource, sample_windows
+    from qtool.console import Reporter
+    from qtool.models.loading import load_model
+    from qtool.pipeline import quantize_model
+    from qtool.recipe import load_recipe
+
+    plain = quantize_model(load_recipe(write_recipe(tmp_path / "plain.yaml", template.format(steps=0))),
+                           Reporter(quiet=True))
+    tuned_recipe = write_recipe(tmp_path / "tuned.yaml", template.format(steps=8))
+    tuned = quantize_model(load_recipe(tuned_recipe), Reporter(quiet=True))
+    fp, tok, _, _ = load_model(str(STORIES), torch.float32)
+    windows, _ = sample_windows(tok, TextSource(str(TINY_SAMPLE)), 2, 64, 0)
+
+    def block0_error(model) -> float:
+        num = den = 0.0
+        with torch.no_grad():
+            for row in windows:
+                ref = fp(row[None], output_hidden_states=True).hidden_states[1]
+                out = model(row[None], output_hidden_states=True).hidden_states[1]
+                num += float((out - ref).pow(2).sum())
+                den += float(ref.pow(2).sum())
+        return num / den
+
+    return SimpleNamespace(plain=plain, tuned=tuned, tuned_recipe=tuned_recipe, windows=windows,
+                           err_plain=block0_error(plain.model), err_tuned=block0_error(tuned.model))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bad_input import assert_one_line_error, run_cli
-from conftest import STORIES, TINY_SAMPLE, write_recipe
+from conftest import STORIES, TINY_SAMPLE, finetune_pair, write_recipe
 
 RECIPE = f"""
 model: {STORIES}
@@ -78,35 +78,12 @@ def test_tunable_codebooks_are_the_layout_and_train_only_selected_entries():
     assert torch.allclose(moved.dequantize(torch.float32), t(), rtol=0, atol=4e-3)
 
 
-def _block0_error(model, windows: torch.Tensor, reference: list[torch.Tensor]) -> float:
-    num = den = 0.0
-    with torch.no_grad():
-        for row, ref in zip(windows, reference, strict=True):
-            out = model(row[None], output_hidden_states=True).hidden_states[1]
-            num += float((out - ref).pow(2).sum())
-            den += float(ref.pow(2).sum())
-    return num / den
-
-
 def test_finetuned_codebooks_bring_block_output_closer_and_checkpoint_matches(tmp_path):
-    from qtool.calibration.data import TextSource, sample_windows
     from qtool.checkpoint.loader import load_checkpoint
-    from qtool.console import Reporter
-    from qtool.models.loading import load_model
-    from qtool.pipeline import quantize_model
-    from qtool.recipe import load_recipe
 
-    plain = quantize_model(load_recipe(write_recipe(tmp_path / "plain.yaml", RECIPE.format(steps=0))),
-                           Reporter(quiet=True))
-    tuned_recipe = write_recipe(tmp_path / "tuned.yaml", RECIPE.format(steps=8))
-    tuned = quantize_model(load_recipe(tuned_recipe), Reporter(quiet=True))
-
-    fp, tok, _, _ = load_model(str(STORIES), torch.float32)
-    windows, _ = sample_windows(tok, TextSource(str(TINY_SAMPLE)), 2, 64, 0)
-    with torch.no_grad():
-        reference = [fp(row[None], output_hidden_states=True).hidden_states[1] for row in windows]
-    err_plain = _block0_error(plain.model, windows, reference)
-    err_tuned = _block0_error(tuned.model, windows, reference)
+    run = finetune_pair(tmp_path, RECIPE)
+    plain, tuned, tuned_recipe, windows = run.plain, run.tuned, run.tuned_recipe, run.windows
+    err_plain, err_tuned = run.err_plain, run.err_tuned
     assert err_tuned < 0.9 * err_plain, (err_tuned, err_plain)
 
     assert plain.transforms == []
