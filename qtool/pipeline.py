@@ -455,13 +455,21 @@ def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tenso
 def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,
              hessian: bool, world: World | None = None) -> dict[str, LinearStats]:
     """Statistics of the inputs of `names` over all samples (this rank's, then combined with the other ranks');
-    each pass stops once they have all run."""
+    each pass stops once they have all run. Linears that take the same input tensor (q/k/v, gate/up) share one
+    statistics object: the Hessian of a shared input is accumulated once, not once per linear."""
     stats = {n: LinearStats(block.get_submodule(n).in_features, hessian, inputs[0].device) for n in names}
     fired: set[str] = set()
+    owner: dict[str, str] = {}  # linear → the first linear of the first pass that took its input
+    taken: dict[int, tuple[torch.Tensor, str]] = {}  # this pass: id of an input → (the input, kept alive; linear)
 
     def make_hook(n: str):
         def hook(module, args, output):
-            stats[n].update(args[0])
+            x = args[0]
+            first = taken.setdefault(id(x), (x, n))[1]
+            if owner.setdefault(n, first) != first:
+                raise RuntimeError(f"{n} shared its input with {owner[n]} in the first pass, with {first} now")
+            if first == n:
+                stats[n].update(x)
             fired.add(n)
             if len(fired) == len(names):
                 raise StopForward
@@ -473,14 +481,17 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
         with torch.no_grad():
             for x in inputs:
                 fired.clear()
+                taken.clear()
                 try:
                     block(x, **kwargs)
                 except StopForward:
                     pass
     finally:
+        taken.clear()
         for h in handles:
             h.remove()
-    for s in stats.values():
+    stats = {n: stats[owner.get(n, n)] for n in names}
+    for s in {id(s): s for s in stats.values()}.values():
         s.all_reduce(world or World())
     return stats
 

@@ -117,3 +117,38 @@ def test_asymmetric_grid_keeps_zero_representable():
     w = torch.tensor([[0.5, 1.0, 2.0, 0.0]])
     s, z = grid_params(w, spec)
     assert float(dequantize(quantize(torch.zeros(1, 1), s, z, spec), s, z)) == 0.0
+
+
+def test_linears_of_one_input_share_one_statistics_object_equal_to_their_own():
+    """q/k/v (and gate/up) take the same input tensor: `_collect` accumulates its Hessian once and hands the
+    linears one object, equal to what each linear's own accumulation gives; o_proj and down_proj keep theirs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qtool.calibration.capture import capture_block_inputs
+    from qtool.calibration.stats import LinearStats
+    from qtool.pipeline import _collect
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    windows = torch.randint(0, 64, (3, 16))
+    inputs, kwargs = capture_block_inputs(model, model.model.layers, windows, torch.device("cpu"))
+    block = model.model.layers[0]
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]
+    stats = _collect(block, names, inputs, kwargs, hessian=True)
+    assert stats["self_attn.q_proj"] is stats["self_attn.k_proj"] is stats["self_attn.v_proj"]
+    assert stats["mlp.gate_proj"] is stats["mlp.up_proj"]
+    assert len({id(s) for s in stats.values()}) == 4
+    own = {n: LinearStats(block.get_submodule(n).in_features, True) for n in names}
+    handles = [block.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: own[n].update(a[0])) for n in names]
+    with torch.no_grad():
+        for x in inputs:
+            block(x, **kwargs)
+    for h in handles:
+        h.remove()
+    for n in names:
+        assert stats[n].tokens == own[n].tokens == 3 * 16
+        assert torch.equal(stats[n].hessian(), own[n].hessian()), n
+        assert torch.equal(stats[n].absmax, own[n].absmax) and torch.equal(stats[n].sq_sum, own[n].sq_sum), n
