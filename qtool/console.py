@@ -5,6 +5,7 @@ Logs and progress go to stderr so that stdout carries only results (a table, or 
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -64,6 +65,19 @@ class Reporter:
         """Progress over decoder blocks `start`..`total`: a bar with elapsed and remaining time and the peak
         memory so far on a terminal, one plain line per block otherwise."""
         return BlockProgress(self, total, start, description, device)
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux), None where /proc does not say: what starting the interpreter
+    and importing the libraries took before `qtool` ran its first line of work."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak_rss_mb() -> float:

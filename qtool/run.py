@@ -6,12 +6,13 @@ import dataclasses
 import gc
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
-from qtool.console import Reporter
+from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
@@ -26,6 +27,7 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     from qtool.distributed import session
     from qtool.pipeline import resolve_device
 
+    startup = process_age()
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
@@ -35,8 +37,11 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
         if world.joined:
             _check_world(world, recipe, resume=resume, dry_run=dry_run, whole_model=whole_model,
                          overwrite=overwrite, run_eval=run_eval)
-        return _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
-                             resume=resume, dry_run=dry_run, whole_model=whole_model)
+        summary = _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
+                                resume=resume, dry_run=dry_run, whole_model=whole_model)
+    if summary is not None and "timings" in summary and startup is not None:
+        summary["timings"]["startup_s"] = round(startup, 3)
+    return summary
 
 
 def _check_world(world, recipe, **flags) -> None:
@@ -194,6 +199,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
         raise
     config, bpw, manifest_extra = _checkpoint_fields(recipe, dict(run.config), run.original_dtype, run.packed,
                                                      run.tensors.meta, run.calibration, run.transforms, None)
+    t = time.perf_counter()
     try:
         write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
                          tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
@@ -201,6 +207,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
                           f"'{run.work.folder}'; run the same command with --resume to write it") from None
+    run.timings["write_s"] = time.perf_counter() - t
     run.work.remove()
     reporter.log(f"wrote {out}")
     return {
@@ -299,10 +306,12 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
               for name, p in sorted(qm.packed.items())}
     config, bpw, manifest_extra = _checkpoint_fields(recipe, qm.model.config.to_dict(), qm.original_dtype,
                                                      qm.packed, tensors, qm.calibration, qm.transforms, ev_result)
+    t = time.perf_counter()
     write_checkpoint(out, tensors=tensors, config=config, layers=layers, model_schemes=qm.model_schemes,
                      tokenizer=qm.tokenizer,
                      recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
                      max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+    qm.timings["write_s"] = time.perf_counter() - t
     reporter.log(f"wrote {out}")
     return {
         "output": str(out),

@@ -84,7 +84,9 @@ def test_activations_kept_on_disk_write_the_same_checkpoint(tmp_path, reference,
     recipe = write_recipe(tmp_path)
     res = run_cli(["quantize", recipe, "-q", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["activations"] == "disk"
+    summary = json.loads(res.stdout)
+    assert summary["activations"] == "disk" and summary["mode"] == "blocks"
+    assert summary["timings"]["write_s"] > 0 and summary["timings"]["startup_s"] > 0
     assert folders and {f.parent for f in folders} == {tmp_path}  # beside the output
     assert sha256s(tmp_path / "out") == reference
     assert folders[0] == tmp_path / ".out.activations" and not folders[0].exists()

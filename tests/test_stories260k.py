@@ -75,6 +75,8 @@ def test_quickstart_recipe_quantize_load_eval(cli, tmp_path):
     res = cli("quantize", ROOT / "recipes" / "quickstart-stories260k.yaml", "-o", tmp_path / "ckpt", "--json")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
+    # Where the run's time went besides its stages: the process's start (interpreter, imports) and the write.
+    assert summary["timings"]["write_s"] > 0 and summary["timings"]["startup_s"] > 0
     res = cli("eval", tmp_path / "ckpt", "--text", TINYSTORIES, "--seq-len", "512", "--windows", "64",
               "--separator", "<|endoftext|>", "--json")
     assert res.exit_code == 0, res.output
