@@ -150,31 +150,35 @@ def gptq_run(
     maxq = float(spec.maxq)
     for i1 in range(0, kq, bs):
         i2 = min(i1 + bs, kq)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        q1 = torch.empty_like(w1)
+        # The batch is held transposed (a column per row, contiguous): the loop's per-column operations then read
+        # and write contiguous memory, element for element the same arithmetic as on the [N, B] matrix.
+        w1t = w[:, i1:i2].T.contiguous()
+        err1t = torch.zeros_like(w1t)
+        q1t = torch.empty_like(w1t)
         hinv1 = hinv[i1:i2, i1:i2]
         dinv = torch.diagonal(hinv1)
-        pruned = torch.zeros_like(w1, dtype=torch.bool) if sparsity_24 else None
+        pruned = torch.zeros(n, i2 - i1, dtype=torch.bool, device=w.device) if sparsity_24 else None
         cur_j, s, z = -1, None, None
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:
                 e = min(col + g, kq)
                 j = col // g
-                scales[:, j], zeros[:, j] = _group_params(w1[:, i:i + (e - col)], spec, clip_ratios, h[col:e, col:e],
-                                                          grid)
+                # The group's columns as a view of the [N, B] batch, the layout the range search always read
+                # (its sums may be ordered by layout on a GPU, where the batch kernel passes that view too).
+                rows = w1t.T.contiguous()[:, i:i + (e - col)]
+                scales[:, j], zeros[:, j] = _group_params(rows, spec, clip_ratios, h[col:e, col:e], grid)
                 cur_j = -1  # the group's scale and zero point just changed
             if pruned is not None and i % 4 == 0:
                 m = min(4, i2 - i1 - i)
                 if m > 2:
-                    score = w1[:, i:i + m] ** 2 / torch.diagonal(hinv1)[i:i + m][None, :] ** 2
+                    score = w1t[i:i + m].T.contiguous() ** 2 / torch.diagonal(hinv1)[i:i + m][None, :] ** 2
                     drop = torch.topk(score, m - 2, dim=1, largest=False).indices
                     pruned[:, i:i + m].scatter_(1, drop, True)
             j = group_list[col]
             if j != cur_j:
-                cur_j, s, z = j, scales[:, j], zeros[:, j]
-            wcol, q, e_col = w1[:, i], q1[:, i], err1[:, i]
+                cur_j, s, z = j, scales[:, j].contiguous(), zeros[:, j].contiguous()
+            wcol, q, e_col = w1t[i], q1t[i], err1t[i]
             if grid is not None:
                 codes_i, wq = grid.quantize_column(wcol, s, z)
                 q.copy_(codes_i)
@@ -186,9 +190,9 @@ def gptq_run(
                     q.copy_(torch.where(pruned[:, i], z, q))  # the zero point dequantizes to exactly 0
                 torch.sub(wcol, s * (q - z), out=e_col)
             e_col.div_(dinv[i])  # a 0-d tensor, not a Python float: torch may turn x / float into x * (1 / float)
-            w1[:, i:] -= e_col[:, None] * hinv1[i, i:][None, :]
-        codes[:, i1:i2] = q1.to(torch.int64)
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+            w1t[i:] -= hinv1[i, i:][:, None] * e_col[None, :]
+        codes[:, i1:i2] = q1t.T.to(torch.int64)
+        w[:, i2:] -= err1t.T.contiguous() @ hinv[i1:i2, i2:]
 
     if act_order:
         codes = codes[:, torch.argsort(perm)]
