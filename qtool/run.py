@@ -33,14 +33,17 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
         raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
+    t = time.perf_counter()
     with session(resolve_device(recipe.settings.device)) as world:
         if world.joined:
             _check_world(world, recipe, resume=resume, dry_run=dry_run, whole_model=whole_model,
                          overwrite=overwrite, run_eval=run_eval)
+        joined = time.perf_counter() - t if world.joined else None
         summary = _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
                                 resume=resume, dry_run=dry_run, whole_model=whole_model)
-    if summary is not None and "timings" in summary and startup is not None:
-        summary["timings"]["startup_s"] = round(startup, 3)
+    if summary is not None and "timings" in summary:
+        extra = {"startup_s": startup, "join_s": joined}
+        summary["timings"].update({k: round(v, 3) for k, v in extra.items() if v is not None})
     return summary
 
 

@@ -103,11 +103,13 @@ def run_phase(counts: list[int], recipe: Path, work: Path, device: str) -> dict[
                    "total_s": summary["timings"]["total_s"], "world_size": summary.get("world_size", 1),
                    "ranks": summary.get("ranks", [])}
         tm = summary["timings"]
-        done[n].update({k: tm[k] for k in ("startup_s", "write_s", "preflight_s", "calibration_s") if k in tm})
-        print(f"{n} GPU{'s' * (n > 1)}: {wall:.1f} s wall = start {tm.get('startup_s', 0):.1f} + total "
+        done[n].update({k: tm[k] for k in ("startup_s", "join_s", "write_s", "preflight_s", "calibration_s")
+                        if k in tm})
+        print(f"{n} GPU{'s' * (n > 1)}: {wall:.1f} s wall = start {tm.get('startup_s', 0):.1f} + joining the "
+              f"process group {tm.get('join_s', 0):.1f} + total "
               f"{tm['total_s']:.1f} (preflight {tm.get('preflight_s', 0):.1f}, calibration "
               f"{tm.get('calibration_s', 0):.1f}, quantize {tm['quantize_s']:.1f}) + write {tm.get('write_s', 0):.1f} "
-              f"+ the rest (process group, exit)", flush=True)
+              f"+ the rest (the launcher, leaving the group, exit)", flush=True)
         for r in done[n]["ranks"]:
             print(f"  rank {r['rank']}: quantize {r['quantize_s']:.1f} s = statistics {r.get('stats_s', 0):.1f} + "
                   f"solves {r.get('solve_s', 0):.1f} + sharing (and waiting) {r.get('share_s', 0):.1f} + waiting "

@@ -204,6 +204,7 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     summary = json.loads(runs[0].stdout)
     assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert all(r["quantize_s"] > 0 for r in summary["ranks"])
+    assert summary["timings"]["join_s"] > 0 and summary["timings"]["startup_s"] > 0
     # Both ranks solved (each has linears or slices of every block) and shared.
     assert all(r["solve_s"] > 0 and r["share_s"] > 0 and r["stats_s"] > 0 for r in summary["ranks"]), summary
     assert all(r["solve_s"] + r["share_s"] + r["stats_s"] < r["quantize_s"] for r in summary["ranks"]), summary

@@ -87,6 +87,7 @@ def test_activations_kept_on_disk_write_the_same_checkpoint(tmp_path, reference,
     summary = json.loads(res.stdout)
     assert summary["activations"] == "disk" and summary["mode"] == "blocks"
     assert summary["timings"]["write_s"] > 0 and summary["timings"]["startup_s"] > 0
+    assert "join_s" not in summary["timings"]  # one process: no group to join
     assert folders and {f.parent for f in folders} == {tmp_path}  # beside the output
     assert sha256s(tmp_path / "out") == reference
     assert folders[0] == tmp_path / ".out.activations" and not folders[0].exists()
