@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 from typing import NoReturn
 
 import click
@@ -33,6 +34,14 @@ def fail(ctx: click.Context, kind: str, code: int, message: str) -> NoReturn:
     click.echo(f"qtool: error: {message}", err=True)
     if ctx.meta.get(JSON_KEY):
         click.echo(json.dumps({"error": {"kind": kind, "exit_code": code, "message": message}}))
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # A rank that failed leaves its process group undestroyed (a peer may be gone); tearing the group's C++
+        # threads down with the interpreter can abort the process after the line above ("terminate called
+        # without an active exception", exit -6 instead of `code`). Leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     ctx.exit(code)
 
 
