@@ -25,6 +25,18 @@ class ColumnGrid(Protocol):
         ...
 
 
+def inverse_hessian_factor(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), which the column walk reads row by row.
+
+    With J the reversal of rows and columns, J H J = L Lᵀ gives H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J), and J L⁻¹ J is upper
+    triangular with a positive diagonal: U, by the uniqueness of the factor. One factorization and one triangular
+    inverse instead of factorize, invert, factorize again: on an H200 at 11008 columns the latter took 114 ms,
+    most of a down_proj solve, in every rank of a run over several GPUs."""
+    lower = torch.linalg.cholesky(torch.flip(h, (0, 1)))
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.flip(torch.linalg.solve_triangular(lower, eye, upper=False), (0, 1))
+
+
 def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h_block: torch.Tensor | None,
                   grid: ColumnGrid | None = None):
     if grid is not None:
@@ -126,7 +138,7 @@ def gptq_run(
     group_of = perm // g  # group of each (permuted) column
 
     h += damp * torch.mean(torch.diagonal(h)) * torch.eye(k, dtype=h.dtype, device=h.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    hinv = inverse_hessian_factor(h)
 
     # Dynamic groups take their range from the error-updated weights when the group starts; keeping each group
     # inside one lazy batch makes those the fully updated values. 2:4 groups must not straddle a batch either.

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qtool.packing.vq import VQWeight
+from qtool.quant.gptq import inverse_hessian_factor
 
 # Vectors per assignment chunk times entries: bounds the distance matrix to 2^24 elements (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
@@ -180,7 +181,7 @@ def vq_gptq(weight: torch.Tensor, hessian: torch.Tensor, vector_size: int, entri
     h[dead, dead] = 1
     w[:, dead] = 0
     h += damp * torch.mean(torch.diagonal(h)) * torch.eye(k, dtype=h.dtype, device=h.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    hinv = inverse_hessian_factor(h)
     weights = 1.0 / torch.diagonal(hinv).pow(2)  # per input column
     gen = torch.Generator().manual_seed(seed)
 
