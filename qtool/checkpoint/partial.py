@@ -93,6 +93,9 @@ class Work:
         # buffer they are copied into.
         self._pending: _Pending | None = None
         self._pinned: torch.Tensor | None = None
+        # Rank 0 deletes the activations the state no longer names from a thread: deleting a file of a few GB
+        # takes tens of ms, which every rank would wait for in its next collective.
+        self._deleting: threading.Thread | None = None
 
     # ---- opening --------------------------------------------------------------------------------------------
 
@@ -251,8 +254,15 @@ class Work:
                       "inputs": spec}
         if world.is_main:
             self._write_state()
-            for part in range(old_parts):
-                self.inputs_file(pending.block, part).unlink(missing_ok=True)
+            self._wait_deleting()
+            stale = [self.inputs_file(pending.block, part) for part in range(old_parts)]
+            self._deleting = threading.Thread(target=_delete, args=(stale,), name="qtool-delete", daemon=False)
+            self._deleting.start()
+
+    def _wait_deleting(self) -> None:
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def _host_copy(self, inputs) -> list[torch.Tensor] | None:
         """`inputs` copied into a pinned host buffer (reused from block to block) when they are on a GPU and the
@@ -288,7 +298,16 @@ class Work:
         _atomic_write(self.folder / STATE, lambda p: p.write_text(text, encoding="utf-8"))
 
     def remove(self) -> None:
+        self._wait_deleting()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _delete(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass  # a file the state does not name: a resumed run removes it
 
 
 def _write_raw(path: Path, xs) -> None:
