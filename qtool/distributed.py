@@ -317,6 +317,20 @@ class World:
 
 
 _WORLD = World()
+# What the run's error path would clean up (the output's temporary folder), run by the heartbeat thread when it
+# ends a process whose main thread cannot stop (`on_abort`).
+_ABORT_HOOKS: list = []
+
+
+@contextmanager
+def on_abort(fn):
+    """Run `fn` if the heartbeat thread ends this process (a peer died while this rank's main thread waits where
+    it cannot raise, such as an NCCL collective)."""
+    _ABORT_HOOKS.append(fn)
+    try:
+        yield
+    finally:
+        _ABORT_HOOKS.remove(fn)
 
 
 def current() -> World:
@@ -462,9 +476,18 @@ class _Monitor(threading.Thread):
 
     def _give_up(self, reason: str) -> None:
         self.reason = reason
-        # The main thread stops on its own when its collective fails (gloo); one blocked in NCCL never returns.
-        if self._stopped.wait(GRACE_SECONDS) or self.handled:
+        # The main thread stops on its own when its collective fails (gloo); one blocked in NCCL never returns, nor
+        # does one that took the error but then waits for the GPU behind an NCCL kernel that waits for the dead
+        # peer. The process is ended here once the main thread had its time (more when it is on its way out).
+        if self._stopped.wait(GRACE_SECONDS):
             return
+        if self.handled and self._stopped.wait(GRACE_SECONDS):
+            return
+        for fn in list(_ABORT_HOOKS):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001  (leaving anyway: a leftover is refused, naming it, by the next run)
+                pass
         sys.stderr.write(f"qtool: error: {reason}\n")
         sys.stderr.flush()
         os._exit(self.code)

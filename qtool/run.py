@@ -116,12 +116,24 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
         dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(prepared.config))
         Work.check(partial, identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers))
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
+    from qtool.distributed import on_abort
+
     with reserve_output(out, directory=True, overwrite=overwrite, resume=resume,
-                        needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved:
+                        needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved, \
+            on_abort(reserved.discard), on_abort(lambda: _drop_unfinished(partial)):
         if plan["mode"] == "blocks":
             return _quantize_onloaded(recipe, out, reserved, device, prepared, partial, resume=resume,
                                       run_eval=run_eval, reporter=reporter, world=world)
         return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+
+
+def _drop_unfinished(partial: Path) -> None:
+    """Remove a work folder that holds no finished block: nothing in it is worth resuming."""
+    from qtool.checkpoint.partial import Work
+
+    state = Work.read_state(partial)
+    if state is None or state["next_block"] == 0:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _check_work_folder(out: Path, partial: Path, *, resume: bool, overwrite: bool, dry_run: bool,
@@ -180,7 +192,6 @@ def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device
 
 def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
               resume: bool, run_eval: bool, suite, reporter: Reporter, world) -> dict:
-    from qtool.checkpoint.partial import Work
     from qtool.onloaded import quantize_onloaded
 
     evaluate, record = None, {"eval": None}
@@ -196,9 +207,7 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
     try:
         run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
     except BaseException:
-        state = Work.read_state(partial)
-        if state is None or state["next_block"] == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming
+        _drop_unfinished(partial)
         raise
     config, bpw, manifest_extra = _checkpoint_fields(recipe, dict(run.config), run.original_dtype, run.packed,
                                                      run.tensors.meta, run.calibration, run.transforms, None)
