@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial as partial_fn
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from qtool.distributed import World
 from qtool.errors import Interrupted
 from qtool.models.adapters import adapter_for
 from qtool.models.loading import config_dtype
-from qtool.models.onload import ShardReader, check_names, load_outer, materialize, release
+from qtool.models.onload import ShardReader, check_module, check_names, load_outer, materialize, release
 from qtool.pipeline import (
     LayerSummary,
     Prepared,
@@ -138,20 +139,29 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
         # On a GPU the next block's weights are read from the shards while this one is quantized (the reader is
         # used by nothing else during the loop); on the CPU the read would only take cores from the quantization.
         reading = ThreadPoolExecutor(1, thread_name_prefix="qtool-onload") if device.type != "cpu" else None
+        # On a GPU the weights are read into page-locked memory (copied to the device several times faster than
+        # from pageable memory) and, when no transform changes them first, checked finite on the device: the ranks
+        # of one machine share its CPUs and memory bandwidth, and on an H200 pair a 7B block's read with the
+        # host-side check took 0.35 s alone, 0.8 s with both ranks reading, half a block's quantization on 4 GPUs.
+        on_gpu = device.type == "cuda"
+        late_check = on_gpu and not run.transforms
+        read = partial_fn(materialize, reader=reader, dtype=dtype, pinned=on_gpu, check=not late_check)
         ahead = None
         for i in range(start, n):
             block, prefix = blocks[i], adapter.block_prefix(i)
             with run.timed("onload_s"):
                 if ahead is None:
-                    materialize(block, prefix, reader, dtype)
+                    read(block, prefix)
                 else:
                     ahead.result()
                 ahead = None
                 if reading is not None and i + 1 < n:
-                    ahead = reading.submit(materialize, blocks[i + 1], adapter.block_prefix(i + 1), reader, dtype)
+                    ahead = reading.submit(read, blocks[i + 1], adapter.block_prefix(i + 1))
                 for tr in run.transforms:
                     tr.apply_block_weights(block, i, adapter)
                 block.to(device)
+                if late_check:
+                    check_module(block, prefix, reader)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
             tensors, summaries, linears = {}, {}, {}

@@ -35,14 +35,14 @@ class ShardReader:
     def has(self, name: str) -> bool:
         return self.stored_name(name) in self.files
 
-    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None, pinned: bool = False) -> torch.Tensor:
         stored = self.stored_name(name)
         info = self.files.get(stored)
         if info is None:
             raise InputError(f"tensor {name}: missing from the weights of '{self.folder}'; expected every parameter "
                              f"of the model (it would be initialised randomly)")
         try:
-            t = read_tensor(info)
+            t = read_tensor(info, pinned)
         except MemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -87,9 +87,11 @@ def _tied_names(model: nn.Module) -> set[str]:
     return set()
 
 
-def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torch.dtype) -> None:
+def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torch.dtype, *, pinned: bool = False,
+                check: bool = True) -> None:
     """Read the parameters and persistent buffers of `module` (named `prefix` in the model) that are on the meta
-    device, in `dtype`, refusing any that is not finite."""
+    device, in `dtype`, refusing any that is not finite (unless `check` is false: the caller then runs
+    `check_module` where it is cheaper, on a GPU). `pinned`: into page-locked memory, for a copy to a GPU."""
     loaded = []
     for mod_name, mod in module.named_modules():
         for kind in ("_parameters", "_buffers"):
@@ -98,13 +100,21 @@ def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torc
                     continue
                 rel = f"{mod_name}.{pname}" if mod_name else pname
                 full = f"{prefix}.{rel}" if prefix else rel
-                t = reader.get(full, dtype if p.is_floating_point() else None)
+                t = reader.get(full, dtype if p.is_floating_point() else None, pinned)
                 if kind == "_parameters":
                     mod._parameters[pname] = nn.Parameter(t, requires_grad=False)
                 else:
                     mod._buffers[pname] = t
                 loaded.append((reader.stored_name(full), t))
-    check_finite(loaded, InputError, reader.files)
+    if check:
+        check_finite(loaded, InputError, reader.files)
+
+
+def check_module(module: nn.Module, prefix: str, reader: ShardReader) -> None:
+    """`materialize`'s check of the values read, run where `module` now is (the same values: they were moved,
+    not computed on)."""
+    check_finite([(reader.stored_name(f"{prefix}.{n}" if prefix else n), t) for n, t in module.state_dict().items()],
+                 InputError, reader.files)
 
 
 def release(module: nn.Module) -> None:
