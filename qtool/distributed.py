@@ -11,7 +11,8 @@ stages accumulate over samples is combined here, so each rank computes what one 
   with the same Hessian, column order and inverse-Hessian factor, and its own group scales and zeros; what a
   stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank.
   Each rank's dequantized rows are sent to every rank and its packed rows to rank 0, which joins them in row
-  order and writes. The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with
+  order and writes. The packed rows travel from a thread of each rank over a gloo group of their own
+  (`_Courier`), while the ranks go on with the block; rank 0 takes them when it writes the block (`collect`). The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with
   bit-identical weights.
 
 Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
@@ -33,9 +34,11 @@ import io
 import json
 import math
 import os
+import queue
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -92,6 +95,7 @@ class World:
         self.rank, self.size, self.joined = rank, size, joined
         self.device = device  # where NCCL's tensors must be (None: gloo, tensors on the CPU)
         self.ctl = None  # a gloo group for objects and waits (None: the default group is gloo)
+        self.courier: _Courier | None = None  # packed layouts to rank 0, in the background
         self.monitor: _Monitor | None = None
         self.store = None
 
@@ -228,18 +232,6 @@ class World:
 
         return self._object(obj, src, lambda t: self._call(dist.broadcast, t, src, group=self.ctl))
 
-    def send_object(self, obj, src: int, dst: int, device: torch.device | str | None = None):
-        """`obj` of rank `src` on rank `dst` (None on the others), its tensors on `device` (default: this rank's
-        compute device)."""
-        if not self.joined or src == dst or self.rank not in (src, dst):
-            return obj if self.rank == dst else None
-        import torch.distributed as dist
-
-        if self.rank == src:
-            self._object(obj, src, lambda t: self._call(dist.send, t, dst, group=self.ctl))
-            return None
-        return self._object(None, src, lambda t: self._call(dist.recv, t, src, group=self.ctl), device)
-
     def _object(self, obj, src: int, move, device: torch.device | str | None = None):
         """`obj` (torch.save'd, so tensors keep their dtype) moved by `move` from rank `src`: size, then bytes;
         received tensors go to `device` (default: this rank's compute device)."""
@@ -291,12 +283,22 @@ class World:
                 if self.rank == src:
                     part.copy_(result.dequantized)
                 self.broadcast(part, src)
-        # Packed layouts are kept on the host (rank 0's own parts are there): the others' parts come there too.
-        pieces = [self.send_object(result.packed if self.rank == src else None, src, 0, "cpu")
-                  for src, rows in enumerate(ranges) if len(rows)]
+        # Packed layouts are kept on the host (rank 0's own parts are there): the others' parts come there too,
+        # by the courier; rank 0 gets a promise of the joined layout (`collect`).
         if not self.is_main:
+            if len(ranges[self.rank]):
+                self.courier.send(result.packed)
             return QuantResult(None, weight)
-        return QuantResult(pieces[0] if len(pieces) == 1 else type(pieces[0]).concat_rows(pieces), weight)
+        pieces = [result.packed if src == 0 else self.courier.expect(src)
+                  for src, rows in enumerate(ranges) if len(rows)]
+        return QuantResult(_Joined(pieces), weight)
+
+    def collect(self, packed: dict) -> dict:
+        """`packed` (layouts by name, as `share_rows` gave them to rank 0) with every layout whose row slices were
+        still on their way joined: waits for them."""
+        if not self.joined or not self.is_main:
+            return packed
+        return {name: layout.join(self) if isinstance(layout, _Joined) else layout for name, layout in packed.items()}
 
     def barrier(self) -> None:
         if self.joined:
@@ -317,6 +319,71 @@ class World:
 
 
 _WORLD = World()
+class _Joined:
+    """Rank 0's promise of a layout solved by rows on several ranks: its slices in row order, each a layout or a
+    Future of the courier."""
+
+    def __init__(self, pieces: list) -> None:
+        self.pieces = pieces
+
+    def join(self, world: World):
+        parts = []
+        for p in self.pieces:
+            if isinstance(p, Future):
+                try:
+                    p = p.result()
+                except (RuntimeError, OSError) as e:
+                    raise world._lost(e) from None
+            parts.append(p)
+        return parts[0] if len(parts) == 1 else type(parts[0]).concat_rows(parts)
+
+
+class _Courier(threading.Thread):
+    """Sends this rank's packed layouts to rank 0 (or, on rank 0, receives them) over a gloo group that nothing
+    else uses, in the order the main thread hands them over, so the transfer overlaps the block's next
+    statistics: on 4 GPUs rank 0 took each slice in turn while every rank waited, 4-6 s of a 7B run."""
+
+    def __init__(self, world: World, group) -> None:
+        super().__init__(daemon=True, name="qtool-courier")
+        self.world, self.group = world, group
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def send(self, obj) -> None:
+        self.jobs.put((obj, None, None))
+
+    def expect(self, src: int) -> Future:
+        done: Future = Future()
+        self.jobs.put((None, src, done))
+        return done
+
+    def close(self) -> None:
+        """Wait until everything handed over has been sent (or received)."""
+        self.jobs.put(None)
+        self.join()
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        failed: BaseException | None = None
+        while (job := self.jobs.get()) is not None:
+            obj, src, done = job
+            if failed is not None:
+                if done is not None:
+                    done.set_exception(failed)
+                continue
+            try:
+                if done is None:
+                    self.world._object(obj, self.world.rank, lambda t: dist.send(t, 0, group=self.group))
+                else:
+                    done.set_result(self.world._object(
+                        None, src, lambda t, src=src: dist.recv(t, src, group=self.group), "cpu"))
+            except (RuntimeError, OSError, dist.DistError) as e:  # a peer is gone: the main thread finds out
+                failed = e
+                if done is not None:
+                    done.set_exception(e)
+
+
 # What the run's error path would clean up (the output's temporary folder), run by the heartbeat thread when it
 # ends a process whose main thread cannot stop (`on_abort`).
 _ABORT_HOOKS: list = []
@@ -367,6 +434,7 @@ def session(device: torch.device):
         world.monitor.post_failure(code, one_line(str(e)) or type(e).__name__)
         raise
     else:
+        world.courier.close()
         world.barrier()
         world.monitor.stop(done=True)
         import torch.distributed as dist
@@ -397,6 +465,7 @@ def _join(device: torch.device) -> World:
                             world_size=size, timeout=GROUP_TIMEOUT, **({"device_id": device} if nccl else {}))
     world = World(rank, size, device if nccl else None, joined=True)
     world.ctl = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if nccl else None
+    world.courier = _Courier(world, dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
     world.store = store
     world.monitor = _Monitor(rank, size, timeout)
     world.monitor.start()

@@ -164,6 +164,8 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
                     check_module(block, prefix, reader)
             mine: list[dict] = []
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
+            with run.timed("share_s"):
+                packed = world.collect(packed)  # the slices other ranks solved, sent while the block went on
             tensors, summaries, linears = {}, {}, {}
             if world.is_main:  # the other ranks hold no packed layout: rank 0 writes
                 linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
