@@ -12,8 +12,8 @@ stages accumulate over samples is combined here, so each rank computes what one 
   stage chooses from the whole matrix, every rank of the team chooses alike), else to the team's first rank.
   Each rank's dequantized rows are sent to every rank and its packed rows to rank 0, which joins them in row
   order and writes. The packed rows travel from a thread of each rank over a gloo group of their own
-  (`_Courier`), while the ranks go on with the block; rank 0 takes them when it writes the block (`collect`). The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with
-  bit-identical weights.
+  (`_Courier`), while the ranks go on with the block; rank 0 takes them when it writes the block (`collect`).
+  The whole block is then sent from rank 0 (`sync_module`), so every rank goes on with bit-identical weights.
 
 Tensors go over the process group's backend (NCCL on GPUs); objects and waits over a gloo group of their own.
 
@@ -318,7 +318,6 @@ class World:
                              f"with the same command")
 
 
-_WORLD = World()
 class _Joined:
     """Rank 0's promise of a layout solved by rows on several ranks: its slices in row order, each a layout or a
     Future of the courier."""
@@ -384,6 +383,7 @@ class _Courier(threading.Thread):
                     done.set_exception(e)
 
 
+_WORLD = World()
 # What the run's error path would clean up (the output's temporary folder), run by the heartbeat thread when it
 # ends a process whose main thread cannot stop (`on_abort`).
 _ABORT_HOOKS: list = []
