@@ -274,7 +274,7 @@ class World:
         layout's `concat_rows`."""
         if not self.joined:
             return result
-        from qtool.stages.base import QuantResult  # noqa: PLC0415  (stages sit above this module)
+        from qtool.stages.base import QuantResult  # stages sit above this module
 
         weight = torch.empty(shape, dtype=torch.float32, device=self.device or "cpu")
         for src, rows in enumerate(ranges):
@@ -555,7 +555,7 @@ class _Monitor(threading.Thread):
         for fn in list(_ABORT_HOOKS):
             try:
                 fn()
-            except Exception:  # noqa: BLE001  (leaving anyway: a leftover is refused, naming it, by the next run)
+            except Exception:  # leaving anyway: a leftover is refused, naming it, by the next run
                 pass
         sys.stderr.write(f"qtool: error: {reason}\n")
         sys.stderr.flush()

@@ -107,11 +107,11 @@ DEFAULT_SEQ_LEN = 2048
 def default_seq_len(refs: list[str]) -> int:
     """Windows of 2048 tokens, or of the shortest context among the models when that is shorter (a model whose
     config cannot be read is left to the checks that name what is wrong with it)."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
-    from qtool.checkpoint.loader import checkpoint_config, is_checkpoint  # noqa: PLC0415
-    from qtool.errors import QtoolError  # noqa: PLC0415
-    from qtool.models.loading import load_config  # noqa: PLC0415
+    from qtool.checkpoint.loader import checkpoint_config, is_checkpoint
+    from qtool.errors import QtoolError
+    from qtool.models.loading import load_config
 
     out = DEFAULT_SEQ_LEN
     for ref in refs:

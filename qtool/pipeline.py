@@ -441,7 +441,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
 
 def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tensor], kwargs: dict):
     """The attention calls of `block` on its calibration inputs, for the q_proj/k_proj clipping objective."""
-    from qtool.quant.attention_objective import AttentionProbe  # noqa: PLC0415
+    from qtool.quant.attention_objective import AttentionProbe
 
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

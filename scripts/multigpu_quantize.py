@@ -79,7 +79,7 @@ def run_phase(counts: list[int], recipe: Path, work: Path, device: str) -> dict[
             # torchrun would set 1: each rank's CPU work (reading shards, copies, packing on the CPU) on one thread.
             env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // sum(counts)))
         first += n
-        log = open(work / f"run-{n}.log", "w")  # noqa: SIM115  (closed below)
+        log = open(work / f"run-{n}.log", "w")  # closed below
         procs[n] = (subprocess.Popen(command(n, recipe, work / f"q{n}"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=log, text=True), log, time.perf_counter())
         print(f"started {n} GPU{'s' * (n > 1)}: {env.get('CUDA_VISIBLE_DEVICES', device)}", flush=True)

@@ -91,7 +91,7 @@ def main() -> None:
                     try:
                         cells[name] = t(
                             [lambda a=a, p=p, o=o, kw=kw: qoq.gemm(a, p, out=o, **kw) for a, p, o in sets])
-                    except Exception as exc:  # noqa: BLE001  a form that cannot run here: say so, time the rest
+                    except Exception as exc:  # a form that cannot run here: say so, time the rest
                         print(f"    {name}: {type(exc).__name__}: {exc}"[:200])
                 best = min(cells, key=cells.get)
                 print(f"{k}x{n} M={m} {sch}: FP16 {fp16:.2f} FP8 {fp8:.2f} ({fp16 / fp8:.2f}x) | dispatch {pick} "

@@ -28,7 +28,7 @@ L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds t
 
 def _sdpa_backend_name() -> str:
     try:
-        from torch.nn.attention import SDPBackend  # noqa: PLC0415, F401
+        from torch.nn.attention import SDPBackend  # noqa: F401
     except ImportError:
         return "default"
     return "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
@@ -51,12 +51,12 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
                 fns.append(lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, enable_gqa=gqa))
             else:
-                from qtool.cuda.decode_attention import decode_attention  # noqa: PLC0415
+                from qtool.cuda.decode_attention import decode_attention
 
                 out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
                 fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
         elif row in CQ_ROWS:
-            from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
+            from qtool.cuda import vq_attention as vqa
 
             dv, form = CQ_ROWS[row]
             books = [(torch.randn(kvh, d // dv, 256, dv, device=dev, generator=gen) * 0.3).half() for _ in range(2)]
@@ -68,7 +68,7 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
             out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
             fns.append(lambda q=q, cache=cache, out=out, form=form: vqa.attention(q, cache, pos, out=out, form=form))
         else:
-            from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+            from qtool.cuda import kv_cache as kvc
 
             # int4-fma: the KV4 cache through the CUDA-core kernel, whatever the dispatch picks for int4
             mode, kernel = ("int4", "fma") if row == "int4-fma" else (row, None)
@@ -95,10 +95,10 @@ def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
     if row in ("fp16-sdpa", "fp16"):
         return 2 * b * kvh * length * d * 2
     if row in CQ_ROWS:
-        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes  # noqa: PLC0415
+        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes
 
         return b * length * vq_bytes(kvh, d, CQ_ROWS[row][0])
-    from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
+    from qtool.cuda.kv_cache import bytes_per_token
 
     return b * length * bytes_per_token("int4" if row == "int4-fma" else row, kvh, d)
 

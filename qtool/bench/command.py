@@ -19,7 +19,7 @@ __all__ = ["BenchError", "bench"]
 
 
 def _need_gpu() -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available():
         raise ResourceError("bench: found no CUDA GPU, expected one (the bench times GPU kernels)")
@@ -80,8 +80,8 @@ class ReportOutput:
         self.reserved: dict[str, Any] = {}
 
     def __enter__(self) -> ReportOutput:
-        from qtool.bench import plot  # noqa: PLC0415
-        from qtool.output import reserve_output  # noqa: PLC0415
+        from qtool.bench import plot
+        from qtool.output import reserve_output
 
         if self.plot_path:
             plot.pyplot()
@@ -103,7 +103,7 @@ class ReportOutput:
                figure: Callable[[dict], Any]) -> None:
         """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write the JSON file
         and the PNG, then print the tables (or the JSON)."""
-        from qtool.bench import plot, tables  # noqa: PLC0415
+        from qtool.bench import plot, tables
 
         if problems:
             raise RuntimeError(f"report does not match its schema: {problems[0]}")
@@ -120,7 +120,7 @@ class ReportOutput:
 
 
 def _torchao_group(text: str) -> int | None:
-    from qtool.bench.tinygemm import GROUP_SIZES  # noqa: PLC0415
+    from qtool.bench.tinygemm import GROUP_SIZES
 
     t = text.strip().lower()
     if t in ("", "none-rows"):
@@ -133,7 +133,7 @@ def _torchao_group(text: str) -> int | None:
 
 def _vq_presets(text: str) -> list[str]:
     """--vq: VQ presets, or none."""
-    from qtool.bench.kernels import VQ_BITS  # noqa: PLC0415
+    from qtool.bench.kernels import VQ_BITS
 
     if text.strip().lower() in ("", "none-rows"):
         return []
@@ -182,8 +182,8 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
     """Time the quantized matmuls against cuBLAS FP16/INT8/FP8 and torchao int4, with the card's measured ceilings."""
 
     def go() -> None:
-        from qtool.bench import kernels as kb  # noqa: PLC0415
-        from qtool.bench import stats  # noqa: PLC0415
+        from qtool.bench import kernels as kb
+        from qtool.bench import stats
 
         shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
         cfg = kb.KernelBenchConfig(
@@ -194,8 +194,8 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
             vq_presets=_vq_presets(vq),
         )
         _need_gpu()
-        from qtool.bench.cuda_cases import CudaCases  # noqa: PLC0415
-        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+        from qtool.bench.cuda_cases import CudaCases
+        from qtool.bench.timing import CudaTimer
 
         with out:
             report = kb.run_kernel_bench(cfg, CudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
@@ -237,7 +237,7 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
     fits."""
 
     def go() -> None:
-        from qtool.bench import e2e, stats  # noqa: PLC0415
+        from qtool.bench import e2e, stats
 
         e2e.dims_for(model_config)
         gs = _group_sizes(group_size)
@@ -262,8 +262,8 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
 
 def _throughput(model_config: str, group_size: int | None, prompt: int, new_tokens: int, batches: str,
                 variants: str, iters: int, out: ReportOutput) -> None:
-    from qtool.bench import stats  # noqa: PLC0415
-    from qtool.bench import throughput as tp  # noqa: PLC0415
+    from qtool.bench import stats
+    from qtool.bench import throughput as tp
 
     names = [v.strip().lower() for v in variants.split(",") if v.strip()]
     bad = [v for v in names if v not in tp.VARIANTS]
@@ -299,17 +299,17 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
     int4."""
 
     def go() -> None:
-        from qtool.bench import kernels as kb  # noqa: PLC0415
-        from qtool.bench import quik as qb  # noqa: PLC0415
-        from qtool.bench import stats  # noqa: PLC0415
+        from qtool.bench import kernels as kb
+        from qtool.bench import quik as qb
+        from qtool.bench import stats
 
         shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
         counts = tuple(stats.parse_ints(outliers, "--outliers", 0))
         cfg = qb.QuikBenchConfig(shapes=shape_list, m=m, outlier_counts=counts, ladder_outliers=ladder_outliers,
                                  warmup=warmup, iters=iters, tinygemm_group_size=_torchao_group(torchao))
         _need_gpu()
-        from qtool.bench.cuda_cases import QuikCudaCases  # noqa: PLC0415
-        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+        from qtool.bench.cuda_cases import QuikCudaCases
+        from qtool.bench.timing import CudaTimer
 
         with out:
             report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
@@ -336,9 +336,9 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
     (vector-quantized) caches."""
 
     def go() -> None:
-        from qtool.bench import attention as ab  # noqa: PLC0415
-        from qtool.bench import stats  # noqa: PLC0415
-        from qtool.bench.e2e import dims_for  # noqa: PLC0415
+        from qtool.bench import attention as ab
+        from qtool.bench import stats
+        from qtool.bench.e2e import dims_for
 
         dims_for(model_config)
         names = [r.strip().lower() for r in rows.split(",") if r.strip()]
@@ -347,7 +347,7 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
             raise BenchError(f"--rows: found {rows!r}, expected some of {', '.join(ab.ROWS)}")
         bl, cl = stats.parse_ints(batches, "--batches"), stats.parse_ints(contexts, "--contexts")
         _need_gpu()
-        from qtool.bench.timing import CudaTimer  # noqa: PLC0415
+        from qtool.bench.timing import CudaTimer
 
         with out:
             report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),

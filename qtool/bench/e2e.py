@@ -90,7 +90,7 @@ FUSED_QUANT = True
 def _fusable(flag: bool, device: torch.device, width: int, multiple: int) -> bool:
     if not flag or device.type != "cuda" or width % multiple:
         return False
-    from qtool.cuda import compile as cc  # noqa: PLC0415
+    from qtool.cuda import compile as cc
 
     return cc.cupy_available()
 
@@ -117,7 +117,7 @@ class Block(nn.Module):
     def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, norm(h + y)); y None: (h, norm(h))."""
         if self.fused_norm:
-            from qtool.cuda.rms_norm import add_rms_norm  # noqa: PLC0415
+            from qtool.cuda.rms_norm import add_rms_norm
 
             return add_rms_norm(h, y, norm.weight, norm.eps)
         if y is not None:
@@ -134,7 +134,7 @@ class Block(nn.Module):
         """(h + y, lin(norm(h + y))), the codes of the normalized rows made by the normalization kernel where
         `lin` takes them."""
         if self.fused_norm and self._codes_for(lin, h.numel() // h.shape[-1]):
-            from qtool.cuda.rms_norm import add_rms_norm_codes  # noqa: PLC0415
+            from qtool.cuda.rms_norm import add_rms_norm_codes
 
             h, _, a = add_rms_norm_codes(h, y, norm.weight, norm.eps, lin.prepared)
             return h, lin.forward_codes(a, h.shape[:-1])
@@ -156,7 +156,7 @@ class Block(nn.Module):
             return self._mlp(h, a, b, t)
         kc, vc = cache
         if self.fused_rope:
-            from qtool.cuda.rope_cache import rope_cache  # noqa: PLC0415
+            from qtool.cuda.rope_cache import rope_cache
 
             q = rope_cache(qkv, tables[0], tables[1], pos, kc, vc, d.heads, d.kv_heads)
             # prefill starts at position 0, so the cache's first t positions are this step's keys and values
@@ -173,7 +173,7 @@ class Block(nn.Module):
         if mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
         elif self.fused_attention and t == 1:
-            from qtool.cuda.decode_attention import decode_attention  # noqa: PLC0415
+            from qtool.cuda.decode_attention import decode_attention
 
             a = decode_attention(q, kc, vc, pos).transpose(1, 2)  # a view of [B, 1, H, D], as attention returns
         else:
@@ -186,8 +186,8 @@ class Block(nn.Module):
         prompt (what decode steps will read), decode to the cache through the quantized-cache kernel. A
         qtool.cuda.vq_attention.VQCache (codes into codebooks) runs through its own write and attention, which
         take the same arguments."""
-        from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
-        from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
+        from qtool.cuda import kv_cache as kvc
+        from qtool.cuda import vq_attention as vqa
 
         d = self.d
         if isinstance(cache, vqa.VQCache):
@@ -206,12 +206,12 @@ class Block(nn.Module):
             return h, self.down(self.gate_up.forward_swiglu(x))
         h, gu = self._norm_linear(h, o, self.n2, self.gate_up)
         if self.fused_swiglu and self._codes_for(self.down, b * t):
-            from qtool.cuda.swiglu import swiglu_codes  # noqa: PLC0415
+            from qtool.cuda.swiglu import swiglu_codes
 
             _, codes = swiglu_codes(gu, self.down.prepared)
             return h, self.down.forward_codes(codes, gu.shape[:-1])
         if self.fused_swiglu:
-            from qtool.cuda.swiglu import swiglu  # noqa: PLC0415
+            from qtool.cuda.swiglu import swiglu
 
             act = swiglu(gu)
         else:
@@ -263,10 +263,10 @@ def fp16_linear(device: torch.device):
 
 
 def quant_linear(device: torch.device, bits: int, group_size: int | None, gen: torch.Generator):
-    from qtool.bench.cuda_cases import random_packed  # noqa: PLC0415
-    from qtool.packing.grouped_int import GroupedIntWeight  # noqa: PLC0415
-    from qtool.quant.grid import GridSpec  # noqa: PLC0415
-    from qtool.runtime.qlinear import GroupedIntLinear  # noqa: PLC0415
+    from qtool.bench.cuda_cases import random_packed
+    from qtool.packing.grouped_int import GroupedIntWeight
+    from qtool.quant.grid import GridSpec
+    from qtool.runtime.qlinear import GroupedIntLinear
 
     spec = GridSpec(bits=bits, symmetric=True, group_size=group_size)
 
@@ -283,7 +283,7 @@ class TorchaoInt4Linear(nn.Module):
 
     def __init__(self, k: int, n: int, group_size: int, device: torch.device, gen: torch.Generator) -> None:
         super().__init__()
-        from qtool.bench import tinygemm as tg  # noqa: PLC0415
+        from qtool.bench import tinygemm as tg
 
         codes, scales, zeros = tg.random_layer(k, n, group_size, device, gen)
         self.packed = tg.pack(codes, scales, zeros, group_size)
@@ -295,7 +295,7 @@ class TorchaoInt4Linear(nn.Module):
         self.out_features = n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qtool.bench import tinygemm as tg  # noqa: PLC0415
+        from qtool.bench import tinygemm as tg
 
         y = tg.matmul(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.packed)
         return y.to(torch.float16).reshape(*x.shape[:-1], self.out_features)
@@ -315,8 +315,8 @@ def mixed_label(outlier_fraction: float) -> str:
 
 def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Generator):
     """Random mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit stripes; qtool/cuda/mixed.py runs them)."""
-    from qtool.bench.cuda_cases import random_mixed_weight  # noqa: PLC0415
-    from qtool.runtime.mixed_linear import MixedLinear  # noqa: PLC0415
+    from qtool.bench.cuda_cases import random_mixed_weight
+    from qtool.runtime.mixed_linear import MixedLinear
 
     return lambda k, n: MixedLinear(random_mixed_weight(k, n, outlier_fraction, device, gen))
 
@@ -338,7 +338,7 @@ def _time_graph(step, iters: int) -> float:
 
 
 def measure_model(model: Decoder, prompt: int, batches: list[int], context: int, iters: int) -> dict[str, Any]:
-    from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+    from qtool.cuda.graphs import GraphedStep
 
     dev = model.embed.weight.device
     d = model.d
@@ -400,7 +400,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.device) -> str | None:
     """Why the torchao int4 model cannot run beside this e2e run (None: it can)."""
-    from qtool.bench import tinygemm as tg  # noqa: PLC0415
+    from qtool.bench import tinygemm as tg
 
     if bits != 4:
         return f"torchao int4 is a 4-bit format, found --bits {bits}"
@@ -415,7 +415,7 @@ def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.d
 def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, batches: list[int], context: int,
             iters: int, log=lambda s: None, torchao: bool = True,
             mixed: tuple[float, ...] = ()) -> dict[str, Any]:
-    from qtool.bench.stats import E2E_SCHEMA  # noqa: PLC0415
+    from qtool.bench.stats import E2E_SCHEMA
 
     d = dims_for(model_name)
     dev = torch.device("cuda", torch.cuda.current_device())

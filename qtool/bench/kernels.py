@@ -159,7 +159,7 @@ def time_peers(cases: Cases, timer: Timer, k: int, n: int, m: int, warmup: int, 
             base[name] = {**s.to_dict(), "m_eff": m_eff}
             if name == "tinygemm":
                 base[name]["group_size"] = tinygemm_group_size
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             base[name] = None
             errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     return base, errors
@@ -187,7 +187,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                 us = q["median_us"]
                 if nbytes is None:
                     nbytes = stats.quant_bytes(m, n, k, bits, gs, symmetric)  # noqa: B023
-                roof = stats.roofline(us, nbytes,  # noqa: B023
+                roof = stats.roofline(us, nbytes,
                                       stats.gemm_flops(m, n, k), ceilings["copy_tbps"],  # noqa: B023
                                       ceilings["fp16_tflops"])
                 return {
@@ -220,7 +220,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                     # the tiered row also times the other GEMV form (`vq-tiered-fma`: CUDA-core products)
                     paths = [path, *([f"{path}-{VQ_OTHER_FORM}"] if cache == "tiered" else [])]
                     row = measure(VQ_BITS[preset], None, True, paths, path,
-                                  lambda p, preset=preset, cache=cache: cases.vq(  # noqa: B023
+                                  lambda p, preset=preset, cache=cache: cases.vq(
                                       k, n, m, preset, cache, form=p.split("-")[2] if p.count("-") == 2 else None),  # noqa: B023
                                   nbytes)
                     rows.append({**row, "layout": "vq", "preset": preset, "cache": cache, "plan": plan})

@@ -64,10 +64,10 @@ def _draw(ax, p: Panel, reference: str) -> None:
 def pyplot():
     """matplotlib's pyplot on the file-only backend (no display needed)."""
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         raise BenchError("--plot: matplotlib is not installed (pip install matplotlib), or drop --plot") from None
     return plt

@@ -59,7 +59,7 @@ class W4A8Linear(nn.Module):
 
     def __init__(self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator) -> None:
         super().__init__()
-        from qtool.cuda import qoq  # noqa: PLC0415
+        from qtool.cuda import qoq
 
         groups = k // group_size if group_size else 1
         qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=device, generator=gen)
@@ -78,13 +78,13 @@ class W4A8Linear(nn.Module):
                 self.register_buffer(f"p_{name}", t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qtool.cuda import qoq  # noqa: PLC0415
+        from qtool.cuda import qoq
 
         return qoq.linear(x, self.prepared)
 
     def forward_codes(self, a, lead: tuple[int, ...]) -> torch.Tensor:
         """y from activation codes made by the kernel that produced the input (qtool/bench/e2e.py FUSED_QUANT)."""
-        from qtool.cuda import qoq  # noqa: PLC0415
+        from qtool.cuda import qoq
 
         return qoq.gemm(a, self.prepared).reshape(*lead, self.prepared.out_features)
 
@@ -106,10 +106,10 @@ def cache_bytes_per_token(variant: str, layers: int, kv_heads: int, head_dim: in
     if mode == "fp16":
         return layers * 2 * kv_heads * head_dim * 2
     if mode in CQ_VECTOR_SIZE:
-        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes  # noqa: PLC0415
+        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes
 
         return layers * vq_bytes(kv_heads, head_dim, CQ_VECTOR_SIZE[mode])
-    from qtool.cuda.kv_cache import bytes_per_token  # noqa: PLC0415
+    from qtool.cuda.kv_cache import bytes_per_token
 
     return layers * bytes_per_token(mode, kv_heads, head_dim)
 
@@ -122,7 +122,7 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
         return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
                  dtype=torch.float16)) for _ in range(d.layers)]
     if mode in CQ_VECTOR_SIZE:
-        from qtool.cuda import vq_attention as vqa  # noqa: PLC0415
+        from qtool.cuda import vq_attention as vqa
 
         dv = CQ_VECTOR_SIZE[mode]
         gen = torch.Generator(device=dev).manual_seed(0)  # codebooks per layer: random, 256 entries
@@ -130,14 +130,14 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
         return [vqa.allocate(torch.randn(shape, device=dev, generator=gen).half(),
                              torch.randn(shape, device=dev, generator=gen).half(), batch, length, dev)
                 for _ in range(d.layers)]
-    from qtool.cuda import kv_cache as kvc  # noqa: PLC0415
+    from qtool.cuda import kv_cache as kvc
 
     return [kvc.allocate(mode, batch, d.kv_heads, length, d.head_dim, dev) for _ in range(d.layers)]
 
 
 def measure_generation(model: Decoder, variant: str, prompt: int, new_tokens: int, batches: list[int | str],
                        iters: int, log=lambda s: None) -> dict[str, Any]:
-    from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+    from qtool.cuda.graphs import GraphedStep
 
     dev = model.embed.weight.device
     d = model.d

@@ -51,7 +51,7 @@ class CudaTimer:
                 for _ in range(2):
                     graph.replay()
                 torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001  some library call refused capture: time it eagerly
+            except Exception as exc:  # some library call refused capture: time it eagerly
                 self.graph_failures.append(f"{type(exc).__name__}: {exc}"[:200])
                 graph = None
                 torch.cuda.synchronize()

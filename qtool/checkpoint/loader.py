@@ -115,7 +115,7 @@ def checkpoint_config(path: Path):
         config = AutoConfig.from_pretrained(str(path))
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  transformers and huggingface_hub raise many types for one bad config
+    except Exception as e:  # transformers and huggingface_hub raise many types for one bad config
         raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({describe(e)})") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # ours, not a transformers quantizer
@@ -173,7 +173,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  a config that passed its own validation can still fail to build
+    except Exception as e:  # a config that passed its own validation can still fail to build
         raise CheckpointError(f"{path / 'config.json'}: cannot build {config.architectures[0]} from it "
                               f"({describe(e)})") from None
 

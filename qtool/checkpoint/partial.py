@@ -267,7 +267,7 @@ class Work:
     def _host_copy(self, inputs) -> list[torch.Tensor] | None:
         """`inputs` copied into a pinned host buffer (reused from block to block) when they are on a GPU and the
         buffer takes at most a quarter of the host memory available; else None."""
-        from qtool.calibration.store import ActivationStore, available_host  # noqa: PLC0415
+        from qtool.calibration.store import ActivationStore, available_host
 
         if isinstance(inputs, ActivationStore) and inputs.place != "device":
             return None  # handing them out would copy each to the device
@@ -328,7 +328,7 @@ class _Pending:
         def run() -> None:
             try:
                 write()
-            except BaseException as e:  # noqa: BLE001  (handed to the main thread by `wait`)
+            except BaseException as e:  # handed to the main thread by `wait`
                 self._error = e
 
         self.thread = threading.Thread(target=run, name="qtool-activations", daemon=False)

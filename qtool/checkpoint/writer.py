@@ -128,7 +128,7 @@ def write_checkpoint(
         (tmp / MANIFEST_NAME).write_text(dumps({"format_version": FORMAT_VERSION, "files": dict.fromkeys(sizes, ""),
                                                 "sizes": sizes}))
         manifest_extra = {**manifest_extra, "eval": portable(evaluate(tmp))}
-    from qtool.checkpoint.card import model_card  # noqa: PLC0415
+    from qtool.checkpoint.card import model_card
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
     (tmp / "README.md").write_text(model_card({"packages": package_versions(), **manifest_extra}, config,

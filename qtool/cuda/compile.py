@@ -36,7 +36,7 @@ def require_cupy() -> Any:
     if not torch.cuda.is_available():
         raise CudaUnavailableError(f"CUDA kernels unavailable: torch sees no CUDA GPU; {REFERENCE_HINT}")
     try:
-        import cupy  # noqa: PLC0415  (deliberately lazy: nothing imports cupy at package import)
+        import cupy  # deliberately lazy: nothing imports cupy at package import
     except Exception as exc:  # ImportError, or a cupy built for another CUDA failing to load its libraries
         raise CudaUnavailableError(
             f"CUDA kernels unavailable: cannot import cupy ({type(exc).__name__}: {exc}); install cupy-cuda12x or "
@@ -216,7 +216,7 @@ _BASE_OPTIONS = ("-std=c++17",)
 
 def _nvrtc_version(cupy: Any) -> str:
     try:
-        from cupy.cuda import nvrtc  # noqa: PLC0415
+        from cupy.cuda import nvrtc
 
         return ".".join(str(v) for v in nvrtc.getVersion())
     except Exception:
@@ -229,7 +229,7 @@ def _headers() -> dict[str, str]:
 
 
 def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...], headers: dict[str, str]) -> bytes:
-    from cupy.cuda import nvrtc  # noqa: PLC0415
+    from cupy.cuda import nvrtc
 
     try:
         prog = nvrtc.createProgram(source, name, tuple(headers.values()), tuple(headers.keys()))
@@ -282,7 +282,7 @@ def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: i
                 info = BuildInfo(source_name, arch, key, str(path), from_cache, "nvrtc-cubin")
             except CudaUnavailableError:
                 raise
-            except Exception as exc:  # noqa: BLE001  NVRTC bindings moved between cupy versions: fall back
+            except Exception as exc:  # NVRTC bindings moved between cupy versions: fall back
                 raw = cupy.RawModule(code=source, options=all_opts + (f"--include-path={kernels_dir()}",))
                 raw.compile()
                 info = BuildInfo(source_name, arch, key, None, False, f"cupy-rawmodule ({type(exc).__name__})")
@@ -325,19 +325,19 @@ def allow_shared_memory(kernel: Any, nbytes: int) -> None:
 
 def ptr(t: torch.Tensor | None) -> Any:
     """A tensor as a kernel pointer argument (zero-copy); None becomes a null pointer."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     return np.uint64(0 if t is None else t.data_ptr())
 
 
 def i32(v: int) -> Any:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     return np.int32(v)
 
 
 def f32(v: float) -> Any:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     return np.float32(v)
 

@@ -495,7 +495,7 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     """y = x . W^T (+ bias) (+ the outliers) with the tensor-core GEMM on the tiled streams; x fp16 [..., K], any
     number of rows. `tokens` (token tile) and `split` (blocks per output tile along K) override the defaults;
     `outliers` "spmv" (a second kernel) or "fused" (the GEMM's epilogue), by default GEMM_OUTLIERS."""
-    from qtool.cuda import split_k  # noqa: PLC0415
+    from qtool.cuda import split_k
 
     fused = outlier_mode(outliers, GEMM_OUTLIERS) == "fused"
     reason = gemm_reason(p)

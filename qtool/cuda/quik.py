@@ -624,7 +624,7 @@ def quantize_gemm(x2: torch.Tensor, p: QuikPrepared, out: torch.Tensor | None = 
 def quantize_torch(x2: torch.Tensor, p: QuikPrepared) -> QuantizedActivations:
     """The unfused split + quantize (torch ops: gather, min/max, divide, round, scatter): the bench's first rung,
     and the layout the kernel must write."""
-    from qtool.runtime.quik_linear import quantize_activations  # noqa: PLC0415
+    from qtool.runtime.quik_linear import quantize_activations
 
     xf = x2.to(torch.float32)
     m = x2.shape[0]

@@ -60,11 +60,11 @@ def _launch_arg(m: TensorMap) -> Any:
     """A kernel argument whose 128 bytes the launch copies into the parameter: a raw pointer to the map where this
     CuPy has one, else the map as a NumPy structured scalar."""
     try:
-        from cupy.cuda.function import CPointer  # noqa: PLC0415  (cupy stays a lazy import)
+        from cupy.cuda.function import CPointer  # cupy stays a lazy import
 
         return CPointer(m.address)
     except (ImportError, TypeError):
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         return np.frombuffer(m.raw(), dtype=np.dtype([("map", "<u8", (16,))]))[0]
 

@@ -252,8 +252,8 @@ def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
                     heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `write` does, in torch (rotary embedding as qtool/cuda/kv_cache.py `rope_half`, codes by
     qtool/runtime/vq_kv_cache.py `encode`): returns (rotated queries, decoded keys, decoded values)."""
-    from qtool.cuda.kv_cache import rope_half  # noqa: PLC0415
-    from qtool.runtime.vq_kv_cache import decode, encode  # noqa: PLC0415
+    from qtool.cuda.kv_cache import rope_half
+    from qtool.runtime.vq_kv_cache import decode, encode
 
     kvh = cache.kv_heads
     x = qkv.transpose(1, 2)  # [B, heads + 2 KVH, T, D]
@@ -272,7 +272,7 @@ def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 
 def decoded(cache: VQCache, which: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The cached keys or values [B, KVH, L, D] as `dtype`."""
-    from qtool.runtime.vq_kv_cache import decode  # noqa: PLC0415
+    from qtool.runtime.vq_kv_cache import decode
 
     codes = token_major(cache.k if which == "k" else cache.v).permute(0, 1, 3, 2).long()
     return decode(codes, checkpoint_books(cache, which).to(dtype), dtype)

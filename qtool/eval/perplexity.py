@@ -85,11 +85,11 @@ class WindowForward:
         if step is None:
             if len(self.graphs) >= MAX_GRAPHS:
                 return self._eager(x)
-            from qtool.cuda.graphs import GraphedStep  # noqa: PLC0415
+            from qtool.cuda.graphs import GraphedStep
 
             try:
                 step = GraphedStep(self._eager, [x])
-            except Exception as exc:  # noqa: BLE001  an uncapturable forward still evaluates, eagerly
+            except Exception as exc:  # an uncapturable forward still evaluates, eagerly
                 self.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                 torch.cuda.synchronize()
                 return self._eager(x)

@@ -192,7 +192,7 @@ class TaskSuite:
                 return self.manager.load(self.names)["tasks"]
             except QtoolError:
                 raise
-            except Exception as e:  # noqa: BLE001  lm-eval and datasets raise many types; the reason is the message
+            except Exception as e:  # lm-eval and datasets raise many types; the reason is the message
                 raise InputError(f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
                                  f"{_first_line(e)})") from None
 
@@ -243,7 +243,7 @@ def evaluate_tasks(model, tokenizer, suite: TaskSuite, device: torch.device, rep
         reporter.log(f"zero-shot tasks {', '.join(suite.names)} (limit {suite.limit}, {suite.num_fewshot}-shot)")
     quiet = reporter is None or reporter.quiet
     # lm-eval prints (bootstrap notices) and draws tqdm bars; stdout carries only qtool's result (JSON with --json).
-    sink = open(os.devnull, "w") if quiet else sys.stderr  # noqa: SIM115
+    sink = open(os.devnull, "w") if quiet else sys.stderr
     try:
         with redirect_stdout(sink), redirect_stderr(sink), _offline_datasets():
             res = simple_evaluate(model=lm, tasks=list(suite.load().values()), num_fewshot=suite.num_fewshot,

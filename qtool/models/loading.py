@@ -96,7 +96,7 @@ def load_config(ref: str) -> PretrainedConfig:
         return AutoConfig.from_pretrained(ref)
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  transformers and huggingface_hub raise many types for one bad config
+    except Exception as e:  # transformers and huggingface_hub raise many types for one bad config
         if local:
             raise InputError(f"{folder / 'config.json'}: not a usable model config ({describe(e)})") from None
         raise InputError(f"model '{ref}': cannot read its config ({describe(e)}); expected a model directory "
@@ -150,7 +150,7 @@ def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
         return AutoTokenizer.from_pretrained(str(ref))
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  tokenizers' Rust errors are plain Exceptions
+    except Exception as e:  # tokenizers' Rust errors are plain Exceptions
         raise error(f"{ref}: the tokenizer cannot be loaded ({describe(e)})") from None
 
 
@@ -163,7 +163,7 @@ def meta_model(config: PretrainedConfig, where: str, error: type[QtoolError]):
             return AutoModelForCausalLM.from_config(config)
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  a config that passed its own validation can still fail to build
+    except Exception as e:  # a config that passed its own validation can still fail to build
         raise error(f"{where}: cannot build {', '.join(config.architectures or [config.model_type])} from it "
                     f"({describe(e)})") from None
 
@@ -263,7 +263,7 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.devic
                                                            output_loading_info=True, **placement)
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001  the files were checked above; what is left is transformers' to describe
+    except Exception as e:  # the files were checked above; what is left is transformers' to describe
         raise InputError(f"model '{ref}': cannot be loaded ({describe(e)})") from None
     check_loading_info(ref, info, files, config)
     check_finite(unique_tensors(model), InputError, files)

@@ -214,7 +214,7 @@ def gptq_run(
 def _batch_kernel_usable(w: torch.Tensor, bs: int) -> bool:
     if not w.is_cuda:
         return False
-    from qtool.cuda import gptq as gptq_cuda  # noqa: PLC0415  (the CPU path never imports the GPU runtime)
+    from qtool.cuda import gptq as gptq_cuda  # the CPU path never imports the GPU runtime
 
     return gptq_cuda.usable(w, bs)
 
@@ -225,7 +225,7 @@ def _batched_on_gpu(w: torch.Tensor, hinv: torch.Tensor, h: torch.Tensor, codes:
     """`gptq_run`'s loop for the affine grid with the column walk of each lazy batch in one kernel
     (qtool/cuda/gptq.py): the same operations in the same order, so the same codes, scales and zeros bit for bit.
     A dynamic group's range is still taken in torch when the walk reaches the group, from the updated weights."""
-    from qtool.cuda import gptq as gptq_cuda  # noqa: PLC0415
+    from qtool.cuda import gptq as gptq_cuda
 
     groups = group_of.to(torch.int32)
     maxq = float(spec.maxq)

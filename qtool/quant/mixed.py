@@ -261,8 +261,8 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
     `rows` (from and to multiples of `scale_group_size`): the codes of those output rows alone, exactly the
     whole solve's (the outlier positions are still chosen over the whole matrix; every other choice is per row,
     or per `scale_group_size` rows for the second-order scales)."""
-    from qtool.quant.gptq import gptq_run  # noqa: PLC0415
-    from qtool.quant.grid import GridSpec  # noqa: PLC0415
+    from qtool.quant.gptq import gptq_run
+    from qtool.quant.grid import GridSpec
 
     w = weight.detach().to(torch.float32).cpu()
     n, k = w.shape

@@ -56,7 +56,7 @@ def fake_quantize_kv(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _attention(base: str):
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         bits = getattr(module, "qtool_kv_bits", None)
         if bits is not None:
@@ -65,7 +65,7 @@ def _attention(base: str):
         if codebooks is not None:
             key, value = codebooks(key, value)
         if base == "eager":
-            from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: PLC0415
+            from transformers.models.llama.modeling_llama import eager_attention_forward
 
             fn = eager_attention_forward
         else:
@@ -80,8 +80,8 @@ def implementation_name(base: str) -> str:
 
 
 def _register() -> None:
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # noqa: PLC0415
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     for base in _BASES:
         AttentionInterface.register(implementation_name(base), _attention(base))

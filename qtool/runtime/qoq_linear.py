@@ -90,7 +90,7 @@ class QoQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             try:  # CPU use never loads the GPU runtime; a build without it runs the reference
-                from qtool.cuda.qoq import module_forward  # noqa: PLC0415
+                from qtool.cuda.qoq import module_forward
             except ImportError:
                 module_forward = None
             if module_forward is not None:

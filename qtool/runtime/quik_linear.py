@@ -103,7 +103,7 @@ class QuikLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from qtool.cuda.quik import module_forward  # noqa: PLC0415  (CPU use never loads the GPU runtime)
+            from qtool.cuda.quik import module_forward  # CPU use never loads the GPU runtime
 
             y = module_forward(self, x)
             if y is not None:

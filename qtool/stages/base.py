@@ -53,7 +53,7 @@ class QuantResult:
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 
-class Stage(ABC):  # noqa: B024  (no abstract method of its own: its subclasses declare theirs)
+class Stage(ABC):
     """What every recipe stage has: its name in recipes, its options dataclass, its targets and its place in the
     recipe, and a check of the model config that runs before any weight is loaded."""
 
@@ -132,9 +132,9 @@ class QuantizerStage(Stage):
         """(full name, linear) of every linear this stage targets in a model of `config`, built on the meta device
         (shapes only, no weight read): what `check_config` checks layer shapes against before loading. Nothing
         for an architecture no adapter knows (that is refused when the model loads)."""
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415  (recipe parsing alone never loads it)
+        from transformers import AutoModelForCausalLM  # recipe parsing alone never loads it
 
-        from qtool.models.adapters import adapter_for  # noqa: PLC0415
+        from qtool.models.adapters import adapter_for
 
         adapter = adapter_for(getattr(config, "architectures", None))
         if adapter is None:

@@ -16,7 +16,7 @@ def gpu_ready() -> str | None:
         return "no CUDA GPU"
     try:
         import cupy  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"cupy unusable: {exc}"
     return None
 
