@@ -10,9 +10,16 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "load", "load_tokenizer", "quantize"]
 
 # Keyword overrides of `quantize` → the recipe keys they set (the command line's flags, by their Python names).
-_OVERRIDES = {"model": "model", "output": "output", "calibration": "calibration.source",
-              "num_samples": "calibration.num_samples", "seq_len": "calibration.seq_len", "seed": "calibration.seed",
-              "stats": "calibration.stats", "eval_windows": "eval.max_windows"}
+_OVERRIDES = {
+    "model": "model",
+    "output": "output",
+    "calibration": "calibration.source",
+    "num_samples": "calibration.num_samples",
+    "seq_len": "calibration.seq_len",
+    "seed": "calibration.seed",
+    "stats": "calibration.stats",
+    "eval_windows": "eval.max_windows",
+}
 
 
 def load(path, device: str = "cpu", dtype=None, verify: bool = False):
@@ -46,15 +53,21 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
 
     unknown = sorted(set(overrides) - set(_OVERRIDES))
     if unknown:
-        raise UsageError(f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}")
-    over = {_OVERRIDES[k]: str(v) if k in ("model", "output", "calibration", "stats") else v
-            for k, v in overrides.items() if v is not None}
+        raise UsageError(
+            f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}"
+        )
+    over = {
+        _OVERRIDES[k]: str(v) if k in ("model", "output", "calibration", "stats") else v
+        for k, v in overrides.items()
+        if v is not None
+    }
     quiet = quiet or (launched() and env_rank() != 0)  # rank 0 alone logs
-    report = run_quantize(Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet))
+    report = run_quantize(
+        Path(recipe), over, run_eval=run_eval, overwrite=overwrite, reporter=Reporter(quiet=quiet)
+    )
     if report is None:  # a rank other than 0 of a run over several processes
         return None, None
     return Path(report["output"]), report
-
 
 
 # `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py),

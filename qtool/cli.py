@@ -21,7 +21,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def output_options(f):
     """--json, --quiet, --verbose on every command; builds the Reporter passed as `reporter`."""
 
-    @click.option("--json", "json_mode", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
+    @click.option(
+        "--json", "json_mode", is_flag=True, help="Print a machine-readable JSON summary on stdout."
+    )
     @click.option("-q", "--quiet", is_flag=True, help="Only print results and errors.")
     @click.option("-v", "--verbose", is_flag=True, help="Print more detail while working.")
     @functools.wraps(f)
@@ -36,8 +38,10 @@ def output_options(f):
             from qtool.errors import UsageError
 
             # N copies of one command would each do all the work and race to write the same output.
-            raise UsageError(f"qtool {command}: started by a launcher as rank {env_rank()} of {size} processes; "
-                             f"expected one process (qtool quantize alone runs over several)")
+            raise UsageError(
+                f"qtool {command}: started by a launcher as rank {env_rank()} of {size} processes; "
+                f"expected one process (qtool quantize alone runs over several)"
+            )
         # Under a launcher with several processes, rank 0 alone logs and shows progress (errors: every rank).
         quiet = quiet or (launched() and env_rank() != 0)
         return f(*args, reporter=Reporter(quiet=quiet, verbose=verbose, json_mode=json_mode), **kwargs)
@@ -74,7 +78,9 @@ def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: 
     reporter.out.print(table)
 
 
-@click.group(cls=QtoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(
+    cls=QtoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
 @click.version_option(__version__, prog_name="qtool")
 def cli() -> None:
     """Quantize Hugging Face causal LMs into packed checkpoints, and measure them.
@@ -87,21 +93,37 @@ def cli() -> None:
 
 
 def _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats) -> dict:
-    over = {"model": model, "output": output, "calibration.source": calibration,
-            "calibration.num_samples": num_samples, "calibration.seq_len": seq_len, "calibration.seed": seed,
-            "calibration.stats": stats}
+    over = {
+        "model": model,
+        "output": output,
+        "calibration.source": calibration,
+        "calibration.num_samples": num_samples,
+        "calibration.seq_len": seq_len,
+        "calibration.seed": seed,
+        "calibration.stats": stats,
+    }
     return {k: v for k, v in over.items() if v is not None}
 
 
 def recipe_override_options(f):
-    for opt in reversed([
-        click.option("--model", help="Model directory or hub id (overrides the recipe's `model`)."),
-        click.option("--calibration", help="Calibration text: .txt/.jsonl file or datasets name (overrides "
-                                           "`calibration.source`)."),
-        click.option("--num-samples", type=int, help="Calibration windows (overrides `calibration.num_samples`)."),
-        click.option("--seq-len", type=int, help="Tokens per calibration window (overrides `calibration.seq_len`)."),
-        click.option("--seed", type=int, help="Calibration sampling seed (overrides `calibration.seed`)."),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--model", help="Model directory or hub id (overrides the recipe's `model`)."),
+            click.option(
+                "--calibration",
+                help="Calibration text: .txt/.jsonl file or datasets name (overrides `calibration.source`).",
+            ),
+            click.option(
+                "--num-samples", type=int, help="Calibration windows (overrides `calibration.num_samples`)."
+            ),
+            click.option(
+                "--seq-len", type=int, help="Tokens per calibration window (overrides `calibration.seq_len`)."
+            ),
+            click.option(
+                "--seed", type=int, help="Calibration sampling seed (overrides `calibration.seed`)."
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -111,21 +133,58 @@ def recipe_override_options(f):
 @recipe_override_options
 @click.option("-o", "--output", help="Checkpoint directory to write (overrides the recipe's `output`).")
 @click.option("--stats", help="Stats file from `qtool calibrate` (overrides `calibration.stats`).")
-@click.option("--eval/--no-eval", "run_eval", default=True, show_default=True,
-              help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.")
-@click.option("--eval-windows", type=int, help="Evaluate only the first N windows (overrides `eval.max_windows`).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (and discard the work "
-                                                "folder of an interrupted run).")
-@click.option("--resume", is_flag=True, help="Continue an interrupted or killed run from its last finished block "
-                                             "(same recipe, model and calibration data).")
-@click.option("--dry-run", is_flag=True, help="Check the recipe, model files and calibration data and print the "
-                                              "estimated peak memory, output size and time, without loading "
-                                              "weights.")
-@click.option("--whole-model", is_flag=True, help="Load the whole model into host memory (default: one block at a "
-                                                  "time from the weight files, unless the recipe evaluates).")
+@click.option(
+    "--eval/--no-eval",
+    "run_eval",
+    default=True,
+    show_default=True,
+    help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.",
+)
+@click.option(
+    "--eval-windows", type=int, help="Evaluate only the first N windows (overrides `eval.max_windows`)."
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing output directory (and discard the work folder of an interrupted run).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted or killed run from its last finished block "
+    "(same recipe, model and calibration data).",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the recipe, model files and calibration data and print the "
+    "estimated peak memory, output size and time, without loading "
+    "weights.",
+)
+@click.option(
+    "--whole-model",
+    is_flag=True,
+    help="Load the whole model into host memory (default: one block at a "
+    "time from the weight files, unless the recipe evaluates).",
+)
 @output_options
-def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, output, stats, run_eval, eval_windows,
-             overwrite, resume, dry_run, whole_model, reporter: Reporter) -> None:
+def quantize(
+    recipe: Path,
+    model,
+    calibration,
+    num_samples,
+    seq_len,
+    seed,
+    output,
+    stats,
+    run_eval,
+    eval_windows,
+    overwrite,
+    resume,
+    dry_run,
+    whole_model,
+    reporter: Reporter,
+) -> None:
     """Run RECIPE: read the model block by block, run its stages, write a packed checkpoint.
 
     The recipe is validated completely before any model is loaded. The checkpoint directory appears only when
@@ -137,8 +196,16 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
     overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
     if eval_windows is not None:
         overrides["eval.max_windows"] = eval_windows
-    summary = run_quantize(recipe, overrides, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
-                           resume=resume, dry_run=dry_run, whole_model=whole_model)
+    summary = run_quantize(
+        recipe,
+        overrides,
+        run_eval=run_eval,
+        overwrite=overwrite,
+        reporter=reporter,
+        resume=resume,
+        dry_run=dry_run,
+        whole_model=whole_model,
+    )
     if summary is None:  # a rank other than 0 of a run over several processes: rank 0 reports
         return
     if dry_run:
@@ -149,21 +216,29 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
         def gb(v) -> str:
             return "-" if v is None else _size(v)
 
-        rows = [("model", summary["model"]), ("mode", "block by block" if summary["mode"] == "blocks" else
-                                              "whole model in memory"),
-                ("device", summary["device"]), ("blocks", str(est["num_blocks"])),
-                ("peak host memory", f"about {gb(est['peak_host_bytes'])}"),
-                ("peak GPU memory", f"about {gb(est['peak_gpu_bytes'])}" if est["peak_gpu_bytes"] else "-"),
-                ("output size", f"at least {gb(est['output_bytes'])}"),
-                ("time", "-" if est["seconds"] is None else f"about {est['seconds']:.0f} s (rough)")]
+        rows = [
+            ("model", summary["model"]),
+            ("mode", "block by block" if summary["mode"] == "blocks" else "whole model in memory"),
+            ("device", summary["device"]),
+            ("blocks", str(est["num_blocks"])),
+            ("peak host memory", f"about {gb(est['peak_host_bytes'])}"),
+            ("peak GPU memory", f"about {gb(est['peak_gpu_bytes'])}" if est["peak_gpu_bytes"] else "-"),
+            ("output size", f"at least {gb(est['output_bytes'])}"),
+            ("time", "-" if est["seconds"] is None else f"about {est['seconds']:.0f} s (rough)"),
+        ]
         emit(reporter, summary, rows, "qtool quantize --dry-run")
         return
-    rows = [("checkpoint", summary["output"]),
-            ("quantized linears", str(summary["quantized_linears"])),
-            ("bits per weight", f"{summary['bits_per_weight']['quantized_linears']:.3f} (linears), "
-                                f"{summary['bits_per_weight']['all_parameters']:.3f} (all)"),
-            ("wall time", f"{summary['timings']['total_s']:.1f} s"),
-            ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB")]
+    rows = [
+        ("checkpoint", summary["output"]),
+        ("quantized linears", str(summary["quantized_linears"])),
+        (
+            "bits per weight",
+            f"{summary['bits_per_weight']['quantized_linears']:.3f} (linears), "
+            f"{summary['bits_per_weight']['all_parameters']:.3f} (all)",
+        ),
+        ("wall time", f"{summary['timings']['total_s']:.1f} s"),
+        ("peak RSS", f"{summary['peak_rss_mb']:.0f} MB"),
+    ]
     if "peak_gpu_mb" in summary:
         rows.append(("peak GPU memory", f"{summary['peak_gpu_mb']:.0f} MB"))
     reported = summary["bits_per_weight"].get("reported_layers")
@@ -174,8 +249,13 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
         rows.append(("perplexity (original)", f"{ev['original']['perplexity']:.4f}"))
         rows.append(("perplexity (quantized)", f"{ev['quantized']['perplexity']:.4f}"))
         p = ev["protocol"]
-        rows.append(("protocol", f"{Path(p['text']).name}, {ev['quantized']['windows']} windows x {p['seq_len']}, "
-                                 f"stride {p['stride']}"))
+        rows.append(
+            (
+                "protocol",
+                f"{Path(p['text']).name}, {ev['quantized']['windows']} windows x {p['seq_len']}, "
+                f"stride {p['stride']}",
+            )
+        )
     if ev and "tasks_protocol" in ev:
         from qtool.evaluate import format_value
 
@@ -185,22 +265,38 @@ def quantize(recipe: Path, model, calibration, num_samples, seq_len, seed, outpu
                 before = format_value(o["value"], o["stderr"]) if o else "-"
                 rows.append((f"{task} {metric}", f"{before} → {format_value(v['value'], v['stderr'])}"))
         p = ev["tasks_protocol"]
-        rows.append(("task protocol", f"limit {p['limit'] or 'none'}, {p['num_fewshot']}-shot, lm-eval "
-                                      f"{p['lm_eval_version']}, {p['runtime']} on {p['device']}"))
+        rows.append(
+            (
+                "task protocol",
+                f"limit {p['limit'] or 'none'}, {p['num_fewshot']}-shot, lm-eval "
+                f"{p['lm_eval_version']}, {p['runtime']} on {p['device']}",
+            )
+        )
     emit(reporter, summary, rows, "qtool quantize")
 
 
 @cli.command()
 @click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @recipe_override_options
-@click.option("-o", "--output", "stats_out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Stats file to write (safetensors).")
-@click.option("--hessians/--no-hessians", default=False, show_default=True,
-              help="Also store each linear's input Hessian (K×K floats per linear).")
+@click.option(
+    "-o",
+    "--output",
+    "stats_out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Stats file to write (safetensors).",
+)
+@click.option(
+    "--hessians/--no-hessians",
+    default=False,
+    show_default=True,
+    help="Also store each linear's input Hessian (K×K floats per linear).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @output_options
-def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out, hessians, device,
-              reporter: Reporter) -> None:
+def calibrate(
+    recipe, model, calibration, num_samples, seq_len, seed, stats_out, hessians, device, reporter: Reporter
+) -> None:
     """Collect per-linear input statistics of the original model into a stats file.
 
     For every linear in the decoder blocks: per-channel absmax and mean square, token count and optionally the
@@ -211,50 +307,117 @@ def calibrate(recipe, model, calibration, num_samples, seq_len, seed, stats_out,
 
     overrides = _recipe_overrides(model, None, calibration, num_samples, seq_len, seed, None)
     summary = run_calibrate(recipe, overrides, stats_out, hessians=hessians, device=device, reporter=reporter)
-    emit(reporter, summary, [("stats file", summary["output"]), ("linears", str(summary["linears"])),
-                             ("tokens", str(summary["tokens"])), ("data sha256", summary["data_sha256"][:16])],
-         "qtool calibrate")
+    emit(
+        reporter,
+        summary,
+        [
+            ("stats file", summary["output"]),
+            ("linears", str(summary["linears"])),
+            ("tokens", str(summary["tokens"])),
+            ("data sha256", summary["data_sha256"][:16]),
+        ],
+        "qtool calibrate",
+    )
 
 
 @cli.command("eval")
 @click.argument("model")
 @click.argument("model_b", required=False)
-@click.option("--text", required=False, help="Text to score: .txt/.jsonl file, datasets folder or datasets name.")
-@click.option("--seq-len", type=int, default=None,
-              help="Tokens per window (default: 2048, or the model's context length when shorter).")
+@click.option(
+    "--text", required=False, help="Text to score: .txt/.jsonl file, datasets folder or datasets name."
+)
+@click.option(
+    "--seq-len",
+    type=int,
+    default=None,
+    help="Tokens per window (default: 2048, or the model's context length when shorter).",
+)
 @click.option("--windows", "max_windows", type=int, help="Score only the first N windows.")
 @click.option("--stride", type=int, help="Tokens between window starts (default: seq-len, no overlap).")
 @click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding text in jsonl/datasets.")
 @click.option("--split", default="test", show_default=True, help="datasets split.")
-@click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of a .txt/.jsonl --text file.")
-@click.option("--allow-long-context", is_flag=True,
-              help="Allow --seq-len beyond the model's context length (refused otherwise).")
-@click.option("--tasks", help="Zero-shot tasks through lm-evaluation-harness, comma-separated: piqa, arc_easy, "
-                              "arc_challenge, winogrande, hellaswag, lambada_openai, or tasks of --include-path.")
+@click.option(
+    "--encoding", default="utf-8", show_default=True, help="Text encoding of a .txt/.jsonl --text file."
+)
+@click.option(
+    "--allow-long-context",
+    is_flag=True,
+    help="Allow --seq-len beyond the model's context length (refused otherwise).",
+)
+@click.option(
+    "--tasks",
+    help="Zero-shot tasks through lm-evaluation-harness, comma-separated: piqa, arc_easy, "
+    "arc_challenge, winogrande, hellaswag, lambada_openai, or tasks of --include-path.",
+)
 @click.option("--limit", type=int, help="Score only the first N items of each task.")
 @click.option("--num-fewshot", type=int, default=0, show_default=True, help="Examples in each task prompt.")
-@click.option("--batch-size", help="Windows (perplexity, default 4) or lm-eval requests (tasks, default 32) per "
-                                   "forward pass; auto lets lm-eval find the largest that fits.")
+@click.option(
+    "--batch-size",
+    help="Windows (perplexity, default 4) or lm-eval requests (tasks, default 32) per "
+    "forward pass; auto lets lm-eval find the largest that fits.",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--seed", type=int, default=1234, show_default=True, help="lm-eval's seeds (few-shot sampling).")
-@click.option("--data-dir", type=click.Path(file_okay=False), help="Folder of the standard tasks' JSONL files "
-                                                                   "(default: $QTOOL_ZEROSHOT_DATA, else "
-                                                                   "../shared/assets/data/zeroshot).")
-@click.option("--include-path", multiple=True, type=click.Path(file_okay=False),
-              help="Folder of your own lm-eval task YAMLs over local data (repeatable).")
-@click.option("--max-memory", help="Memory an evaluated model may take on the device (host memory on the CPU), e.g. "
-                                   "20GB (default: what is free). A larger original model's perplexity is computed "
-                                   "block by block; for tasks it is spread over host memory and disk.")
+@click.option(
+    "--seed", type=int, default=1234, show_default=True, help="lm-eval's seeds (few-shot sampling)."
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    help="Folder of the standard tasks' JSONL files "
+    "(default: $QTOOL_ZEROSHOT_DATA, else "
+    "../shared/assets/data/zeroshot).",
+)
+@click.option(
+    "--include-path",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Folder of your own lm-eval task YAMLs over local data (repeatable).",
+)
+@click.option(
+    "--max-memory",
+    help="Memory an evaluated model may take on the device (host memory on the CPU), e.g. "
+    "20GB (default: what is free). A larger original model's perplexity is computed "
+    "block by block; for tasks it is spread over host memory and disk.",
+)
 @click.option("--baseline", help="Evaluate this model too (the original) and compare MODEL against it.")
-@click.option("--max-ppl-increase", help="Quality gate: fail (exit 8) when MODEL's perplexity exceeds the "
-                                         "baseline's by more than this percentage, e.g. 5%.")
-@click.option("--max-acc-drop", help="Quality gate: fail (exit 8) when any task's acc or acc_norm is more than this "
-                                     "many percentage points below the baseline's, e.g. 1.5.")
+@click.option(
+    "--max-ppl-increase",
+    help="Quality gate: fail (exit 8) when MODEL's perplexity exceeds the "
+    "baseline's by more than this percentage, e.g. 5%.",
+)
+@click.option(
+    "--max-acc-drop",
+    help="Quality gate: fail (exit 8) when any task's acc or acc_norm is more than this "
+    "many percentage points below the baseline's, e.g. 1.5.",
+)
 @output_options
-def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text_field, split, encoding,
-             allow_long_context, tasks, limit, num_fewshot, batch_size, device, seed, data_dir, include_path,
-             max_memory, baseline, max_ppl_increase, max_acc_drop, reporter: Reporter) -> None:
+def eval_cmd(
+    model,
+    model_b,
+    text,
+    seq_len,
+    max_windows,
+    stride,
+    separator,
+    text_field,
+    split,
+    encoding,
+    allow_long_context,
+    tasks,
+    limit,
+    num_fewshot,
+    batch_size,
+    device,
+    seed,
+    data_dir,
+    include_path,
+    max_memory,
+    baseline,
+    max_ppl_increase,
+    max_acc_drop,
+    reporter: Reporter,
+) -> None:
     """Perplexity and zero-shot accuracy of MODEL (a qtool checkpoint, a model directory or a hub id), or of MODEL
     and MODEL_B side by side with the difference.
 
@@ -274,7 +437,9 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
     from qtool.gate import Gate, describe_failure, parse_percent
     from qtool.recipe import parse_size
 
-    gate = Gate(parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop"))
+    gate = Gate(
+        parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop")
+    )
     memory = None
     if max_memory is not None:
         try:
@@ -282,19 +447,38 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
         except ValueError:
             raise UsageError(f"--max-memory: found {max_memory!r}, expected a size such as 20GB") from None
     if baseline is not None and model_b is not None:
-        raise UsageError(f"--baseline {baseline}: given with a second model {model_b}; expected one or the other")
+        raise UsageError(
+            f"--baseline {baseline}: given with a second model {model_b}; expected one or the other"
+        )
     refs = [baseline, model] if baseline is not None else [model] if model_b is None else [model, model_b]
     if gate.active:
         if len(refs) == 1:
-            raise UsageError("--max-ppl-increase/--max-acc-drop: nothing to compare against; expected "
-                             "--baseline ORIGINAL")
+            raise UsageError(
+                "--max-ppl-increase/--max-acc-drop: nothing to compare against; expected --baseline ORIGINAL"
+            )
         gate.check_measurable(text, tasks)
-    summary = run_eval(refs, text=text, seq_len=seq_len,
-                       max_windows=max_windows, stride=stride, separator=separator, text_field=text_field,
-                       split=split, batch_size=batch_size, device=device, reporter=reporter, tasks=tasks,
-                       limit=limit, num_fewshot=num_fewshot, seed=seed, data_dir=data_dir,
-                       include_paths=include_path, encoding=encoding, allow_long_context=allow_long_context,
-                       max_memory=memory)
+    summary = run_eval(
+        refs,
+        text=text,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        stride=stride,
+        separator=separator,
+        text_field=text_field,
+        split=split,
+        batch_size=batch_size,
+        device=device,
+        reporter=reporter,
+        tasks=tasks,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        seed=seed,
+        data_dir=data_dir,
+        include_paths=include_path,
+        encoding=encoding,
+        allow_long_context=allow_long_context,
+        max_memory=memory,
+    )
     if gate.active:
         summary["gate"] = gate.evaluate(summary["comparison"])
     if reporter.json_mode:
@@ -304,11 +488,18 @@ def eval_cmd(model, model_b, text, seq_len, max_windows, stride, separator, text
     else:
         _print_comparison(reporter, summary)
         if gate.active:
-            reporter.out.print("gate: " + "; ".join(
-                f"{c['task']} {c['metric']} {c['change']:+.2f}{'%' if c['unit'] == '%' else ' points'} "
-                f"({'ok' if c['passed'] else 'FAILED'})" for c in summary["gate"]["checks"]))
+            reporter.out.print(
+                "gate: "
+                + "; ".join(
+                    f"{c['task']} {c['metric']} {c['change']:+.2f}{'%' if c['unit'] == '%' else ' points'} "
+                    f"({'ok' if c['passed'] else 'FAILED'})"
+                    for c in summary["gate"]["checks"]
+                )
+            )
     if gate.active and not summary["gate"]["passed"]:
-        if reporter.json_mode:  # stdout already holds the summary, with its gate object: no second JSON object
+        if (
+            reporter.json_mode
+        ):  # stdout already holds the summary, with its gate object: no second JSON object
             click.echo(f"qtool: error: {describe_failure(summary['gate'])}", err=True)
             click.get_current_context().exit(GateFailed.exit_code)
         raise GateFailed(describe_failure(summary["gate"]))
@@ -318,15 +509,24 @@ def _protocol_rows(summary: dict) -> list[tuple[str, str]]:
     rows = []
     if "perplexity" in summary:
         p = summary["protocol"]
-        rows += [("perplexity", f"{summary['perplexity']:.4f}"), ("text", p["text"]),
-                 ("windows", f"{summary['windows']} x {p['seq_len']} tokens, stride {p['stride']}"),
-                 ("scored tokens", str(summary["scored_tokens"])), ("tokenizer", p["tokenizer"])]
+        rows += [
+            ("perplexity", f"{summary['perplexity']:.4f}"),
+            ("text", p["text"]),
+            ("windows", f"{summary['windows']} x {p['seq_len']} tokens, stride {p['stride']}"),
+            ("scored tokens", str(summary["scored_tokens"])),
+            ("tokenizer", p["tokenizer"]),
+        ]
     if "zeroshot" in summary:
         z = summary["zeroshot"]["protocol"]
-        rows += [("tasks", f"limit {z['limit'] or 'none'}, {z['num_fewshot']}-shot, batch {z['batch_size']}, "
-                           f"lm-eval {z['lm_eval_version']}"),
-                 ("runtime", f"{z['runtime']} on {z['device']}"),
-                 ("task seconds", f"{z['seconds']:.1f}")]
+        rows += [
+            (
+                "tasks",
+                f"limit {z['limit'] or 'none'}, {z['num_fewshot']}-shot, batch {z['batch_size']}, "
+                f"lm-eval {z['lm_eval_version']}",
+            ),
+            ("runtime", f"{z['runtime']} on {z['device']}"),
+            ("task seconds", f"{z['seconds']:.1f}"),
+        ]
     return rows
 
 
@@ -336,8 +536,12 @@ def _print_eval(reporter: Reporter, summary: dict) -> None:
     from qtool.eval.zeroshot import metrics
     from qtool.evaluate import format_value
 
-    emit(reporter, summary, [("model", summary["model"]), *_protocol_rows(summary),
-                             ("seconds", f"{_seconds(summary):.1f}")], "qtool eval")
+    emit(
+        reporter,
+        summary,
+        [("model", summary["model"]), *_protocol_rows(summary), ("seconds", f"{_seconds(summary):.1f}")],
+        "qtool eval",
+    )
     if "zeroshot" in summary:
         table = Table(title="zero-shot", title_justify="left")
         for col in ("task", "metric", "value ± stderr"):
@@ -358,29 +562,50 @@ def _print_comparison(reporter: Reporter, summary: dict) -> None:
     from qtool.evaluate import format_value
 
     a, b = summary["models"]
-    table = Table(title=f"qtool eval: A = {a['model']} ({a['kind']}), B = {b['model']} ({b['kind']})",
-                  title_justify="left")
+    table = Table(
+        title=f"qtool eval: A = {a['model']} ({a['kind']}), B = {b['model']} ({b['kind']})",
+        title_justify="left",
+    )
     for col in ("task", "metric", "A", "B", "B - A"):
         table.add_column(col)
     for r in summary["comparison"]:
-        table.add_row(r["task"], r["metric"], format_value(r["a"], r["a_stderr"]), format_value(r["b"], r["b_stderr"]),
-                      f"{r['delta']:+.4f}")
+        table.add_row(
+            r["task"],
+            r["metric"],
+            format_value(r["a"], r["a_stderr"]),
+            format_value(r["b"], r["b_stderr"]),
+            f"{r['delta']:+.4f}",
+        )
     reporter.out.print(table)
     for label, s in (("A", a), ("B", b)):
-        reporter.out.print(f"{label}: " + "; ".join(f"{k} {v}" for k, v in _protocol_rows(s)
-                                                    if k in ("runtime", "tasks", "text", "windows"))
-                           + f"; {_seconds(s):.1f} s")
+        reporter.out.print(
+            f"{label}: "
+            + "; ".join(
+                f"{k} {v}" for k, v in _protocol_rows(s) if k in ("runtime", "tasks", "text", "windows")
+            )
+            + f"; {_seconds(s):.1f} s"
+        )
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path(file_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
-              help="Write a re-packed copy here (default: only verify).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file in the copy.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write a re-packed copy here (default: only verify).",
+)
+@click.option(
+    "--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file in the copy."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-@click.option("--verify/--quick", default=True, show_default=True,
-              help="--verify: hash every file against the manifest and read every tensor. --quick: only what "
-                   "every load checks (file sizes, safetensors headers, configs, tokenizer); no tensor is read.")
+@click.option(
+    "--verify/--quick",
+    default=True,
+    show_default=True,
+    help="--verify: hash every file against the manifest and read every tensor. --quick: only what "
+    "every load checks (file sizes, safetensors headers, configs, tokenizer); no tensor is read.",
+)
 @output_options
 def pack(checkpoint: Path, output, max_shard_size, overwrite, verify: bool, reporter: Reporter) -> None:
     """Verify a packed CHECKPOINT (hashes, layouts, tensor shapes) and optionally re-pack it (e.g. re-shard).
@@ -391,19 +616,38 @@ def pack(checkpoint: Path, output, max_shard_size, overwrite, verify: bool, repo
     from qtool.repack import run_pack
 
     summary = run_pack(checkpoint, output, max_shard_size, overwrite, reporter, verify=verify)
-    def shown(k, v):  # per-layer bits (mixed-2-4-16) stay in the JSON only
-        return {b: x for b, x in v.items() if b != "layers"} if k == "bits_per_weight" and isinstance(v, dict) else v
 
-    emit(reporter, summary, [(k, str(shown(k, v))) for k, v in summary.items() if k != "layouts"], "qtool pack")
+    def shown(k, v):  # per-layer bits (mixed-2-4-16) stay in the JSON only
+        return (
+            {b: x for b, x in v.items() if b != "layers"}
+            if k == "bits_per_weight" and isinstance(v, dict)
+            else v
+        )
+
+    emit(
+        reporter, summary, [(k, str(shown(k, v))) for k, v in summary.items() if k != "layouts"], "qtool pack"
+    )
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["compressed-tensors"]), required=True,
-              help="Target format: compressed-tensors (loaded natively by transformers and vLLM).")
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder to write the exported model into.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file of the export.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["compressed-tensors"]),
+    required=True,
+    help="Target format: compressed-tensors (loaded natively by transformers and vLLM).",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder to write the exported model into.",
+)
+@click.option(
+    "--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file of the export."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @output_options
 def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, reporter: Reporter) -> None:
@@ -418,10 +662,18 @@ def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, repor
     from qtool.export.compressed_tensors import run_export
 
     summary = run_export(checkpoint, output, fmt, max_shard_size, overwrite, reporter)
-    emit(reporter, summary, [("output", summary["output"]), ("format", f"{fmt} ({summary['compression_format']})"),
-                             ("quantized layers", str(summary["quantized_layers"])),
-                             *[(k, f"{v} layers") for k, v in summary["schemes"].items()],
-                             ("left in float", _names(summary["ignored"]))], "qtool export")
+    emit(
+        reporter,
+        summary,
+        [
+            ("output", summary["output"]),
+            ("format", f"{fmt} ({summary['compression_format']})"),
+            ("quantized layers", str(summary["quantized_layers"])),
+            *[(k, f"{v} layers") for k, v in summary["schemes"].items()],
+            ("left in float", _names(summary["ignored"])),
+        ],
+        "qtool export",
+    )
 
 
 def _names(names: list[str]) -> str:

@@ -47,8 +47,14 @@ class Reporter:
             yield from items
             return
         if sys.stderr.isatty():
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=self.err, transient=False) as progress:
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.err,
+                transient=False,
+            ) as progress:
                 task = progress.add_task(description, total=total)
                 for item in items:
                     yield item
@@ -105,16 +111,29 @@ def peak_memory(device=None) -> str:
 
 class BlockProgress:
     def __init__(self, reporter: Reporter, total: int, start: int, description: str, device) -> None:
-        self.reporter, self.total, self.start, self.description, self.device = (reporter, total, start,
-                                                                                description, device)
+        self.reporter, self.total, self.start, self.description, self.device = (
+            reporter,
+            total,
+            start,
+            description,
+            device,
+        )
         self.t0 = time.perf_counter()
         self.progress = None
         if reporter.quiet:
             return
         if sys.stderr.isatty():
-            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[memory]}"), console=reporter.err, transient=False)
+            self.progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("left"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[memory]}"),
+                console=reporter.err,
+                transient=False,
+            )
             self.progress.start()
             self.task = self.progress.add_task(description, total=total, completed=start, memory="")
 
@@ -127,8 +146,9 @@ class BlockProgress:
             return
         elapsed = time.perf_counter() - self.t0
         left = elapsed / (done - self.start) * (self.total - done)
-        self.reporter.log(f"{self.description}: {done}/{self.total}, {elapsed:.1f} s elapsed, ~{left:.0f} s left, "
-                          f"{memory}")
+        self.reporter.log(
+            f"{self.description}: {done}/{self.total}, {elapsed:.1f} s elapsed, ~{left:.0f} s left, {memory}"
+        )
 
     def close(self) -> None:
         if self.progress is not None:

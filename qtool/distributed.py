@@ -90,8 +90,9 @@ class World:
     """This process's place among the ranks; outside a process group (`joined` false) every operation is the
     identity."""
 
-    def __init__(self, rank: int = 0, size: int = 1, device: torch.device | None = None,
-                 joined: bool = False) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, device: torch.device | None = None, joined: bool = False
+    ) -> None:
         self.rank, self.size, self.joined = rank, size, joined
         self.device = device  # where NCCL's tensors must be (None: gloo, tensors on the CPU)
         self.ctl = None  # a gloo group for objects and waits (None: the default group is gloo)
@@ -173,8 +174,10 @@ class World:
         if monitor is not None and monitor.reason is not None:
             monitor.handled = True
             return monitor.error()
-        return ResourceError(f"rank {self.rank}: a collective operation with the other ranks failed "
-                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        return ResourceError(
+            f"rank {self.rank}: a collective operation with the other ranks failed "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        )
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device is None or t.device == self.device else t.to(self.device)
@@ -211,7 +214,7 @@ class World:
             at = 0
             for s in part_shapes:
                 n = int(torch.Size(s).numel())
-                out.append(part[at: at + n].view(s).to(device))
+                out.append(part[at : at + n].view(s).to(device))
                 at += n
         return out
 
@@ -248,8 +251,11 @@ class World:
         move(data)
         if self.rank == src:
             return obj
-        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=device or self.device or "cpu",
-                          weights_only=False)
+        return torch.load(
+            io.BytesIO(data.numpy().tobytes()),
+            map_location=device or self.device or "cpu",
+            weights_only=False,
+        )
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """`t` (same shape and dtype on every rank) set to rank `src`'s values, in place."""
@@ -279,7 +285,7 @@ class World:
         weight = torch.empty(shape, dtype=torch.float32, device=self.device or "cpu")
         for src, rows in enumerate(ranges):
             if len(rows):
-                part = weight[rows.start:rows.stop]
+                part = weight[rows.start : rows.stop]
                 if self.rank == src:
                     part.copy_(result.dequantized)
                 self.broadcast(part, src)
@@ -289,8 +295,11 @@ class World:
             if len(ranges[self.rank]):
                 self.courier.send(result.packed)
             return QuantResult(None, weight)
-        pieces = [result.packed if src == 0 else self.courier.expect(src)
-                  for src, rows in enumerate(ranges) if len(rows)]
+        pieces = [
+            result.packed if src == 0 else self.courier.expect(src)
+            for src, rows in enumerate(ranges)
+            if len(rows)
+        ]
         return QuantResult(_Joined(pieces), weight)
 
     def collect(self, packed: dict) -> dict:
@@ -298,7 +307,10 @@ class World:
         still on their way joined: waits for them."""
         if not self.joined or not self.is_main:
             return packed
-        return {name: layout.join(self) if isinstance(layout, _Joined) else layout for name, layout in packed.items()}
+        return {
+            name: layout.join(self) if isinstance(layout, _Joined) else layout
+            for name, layout in packed.items()
+        }
 
     def barrier(self) -> None:
         if self.joined:
@@ -313,9 +325,11 @@ class World:
         digests = self.all_gather_object(digest)
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         if differ:
-            raise UsageError(f"rank {differ[0]}: its recipe, model config or options differ from rank 0's (sha256 "
-                             f"{digests[differ[0]][:12]} against {digests[0][:12]}); expected every rank started "
-                             f"with the same command")
+            raise UsageError(
+                f"rank {differ[0]}: its recipe, model config or options differ from rank 0's (sha256 "
+                f"{digests[differ[0]][:12]} against {digests[0][:12]}); expected every rank started "
+                f"with the same command"
+            )
 
 
 class _Joined:
@@ -375,8 +389,11 @@ class _Courier(threading.Thread):
                 if done is None:
                     self.world._object(obj, self.world.rank, lambda t: dist.send(t, 0, group=self.group))
                 else:
-                    done.set_result(self.world._object(
-                        None, src, lambda t, src=src: dist.recv(t, src, group=self.group), "cpu"))
+                    done.set_result(
+                        self.world._object(
+                            None, src, lambda t, src=src: dist.recv(t, src, group=self.group), "cpu"
+                        )
+                    )
             except (RuntimeError, OSError, dist.DistError) as e:  # a peer is gone: the main thread finds out
                 failed = e
                 if done is not None:
@@ -410,8 +427,10 @@ def describe_device(device: torch.device) -> torch.device:
     if lr is None or device.type != "cuda":
         return device
     if device.index not in (None, lr):
-        raise UsageError(f"settings.device: found '{device}' under a launcher with several processes; expected "
-                         f"cuda or auto (rank {env_rank()} takes cuda:{lr}, its LOCAL_RANK)")
+        raise UsageError(
+            f"settings.device: found '{device}' under a launcher with several processes; expected "
+            f"cuda or auto (rank {env_rank()} takes cuda:{lr}, its LOCAL_RANK)"
+        )
     return torch.device("cuda", lr)
 
 
@@ -458,11 +477,18 @@ def _join(device: torch.device) -> World:
     if nccl:
         torch.cuda.set_device(device)
     # A rank that never arrives is not watched by any heartbeat yet: the rendezvous waits a bounded time.
-    store, rank, size = next(dist.rendezvous("env://", rank, size,
-                                             timeout=timedelta(seconds=max(5 * timeout, JOIN_SECONDS))))
+    store, rank, size = next(
+        dist.rendezvous("env://", rank, size, timeout=timedelta(seconds=max(5 * timeout, JOIN_SECONDS)))
+    )
     store = dist.PrefixStore(_prefix(), store)
-    dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=size, timeout=GROUP_TIMEOUT, **({"device_id": device} if nccl else {}))
+    dist.init_process_group(
+        "nccl" if nccl else "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=size,
+        timeout=GROUP_TIMEOUT,
+        **({"device_id": device} if nccl else {}),
+    )
     world = World(rank, size, device if nccl else None, joined=True)
     world.ctl = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if nccl else None
     world.courier = _Courier(world, dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
@@ -481,10 +507,16 @@ class _Monitor(threading.Thread):
         import torch.distributed as dist
 
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.store = dist.PrefixStore(_prefix(), dist.TCPStore(os.environ["MASTER_ADDR"],
-                                                             int(os.environ["MASTER_PORT"]), is_master=False,
-                                                             timeout=timedelta(seconds=max(timeout, 30)),
-                                                             wait_for_workers=False))
+        self.store = dist.PrefixStore(
+            _prefix(),
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=max(timeout, 30)),
+                wait_for_workers=False,
+            ),
+        )
         self.reason: str | None = None
         self.code = EXIT_RESOURCE
         self.handled = False
@@ -533,14 +565,18 @@ class _Monitor(threading.Thread):
                     if count != seen[r][0]:
                         seen[r] = (count, now)
                     elif now - seen[r][1] > self.timeout:
-                        self._give_up(f"rank {r} sent no heartbeat for {self.timeout:g} s (its process died or "
-                                      f"hangs); stopping rank {self.rank} ({TIMEOUT_ENV} sets the timeout)")
+                        self._give_up(
+                            f"rank {r} sent no heartbeat for {self.timeout:g} s (its process died or "
+                            f"hangs); stopping rank {self.rank} ({TIMEOUT_ENV} sets the timeout)"
+                        )
                         return
             except RuntimeError as e:  # the store itself is gone: its host (the launcher or rank 0) stopped
                 if self._stopped.is_set():
                     return
-                self._give_up(f"rank {self.rank} lost the rendezvous store ({str(e).splitlines()[0]}): the launcher "
-                              f"or rank 0 stopped")
+                self._give_up(
+                    f"rank {self.rank} lost the rendezvous store ({str(e).splitlines()[0]}): the launcher "
+                    f"or rank 0 stopped"
+                )
                 return
 
     def _give_up(self, reason: str) -> None:

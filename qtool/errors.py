@@ -11,7 +11,9 @@ EXIT_INPUT = 4
 EXIT_CHECKPOINT = 5
 EXIT_RESOURCE = 6
 EXIT_NOT_IMPLEMENTED = 7
-EXIT_GATE = 8  # `qtool eval --baseline` measured the model and it is worse than its gate allows (qtool/gate.py)
+EXIT_GATE = (
+    8  # `qtool eval --baseline` measured the model and it is worse than its gate allows (qtool/gate.py)
+)
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug in qtool, not in the user's input
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 

@@ -43,10 +43,17 @@ class Estimate:
     activations: str = "device"  # where the activations between blocks are kept (qtool/calibration/store.py)
 
     def summary(self) -> dict:
-        return {"estimate": {"peak_host_bytes": self.host_bytes, "peak_gpu_bytes": self.gpu_bytes,
-                             "output_bytes": self.output_bytes, "seconds": None if self.seconds is None else
-                             round(self.seconds, 1), "num_blocks": self.num_blocks,
-                             "activations": self.activations, "terms": self.terms}}
+        return {
+            "estimate": {
+                "peak_host_bytes": self.host_bytes,
+                "peak_gpu_bytes": self.gpu_bytes,
+                "output_bytes": self.output_bytes,
+                "seconds": None if self.seconds is None else round(self.seconds, 1),
+                "num_blocks": self.num_blocks,
+                "activations": self.activations,
+                "terms": self.terms,
+            }
+        }
 
 
 def current_rss() -> int:
@@ -73,8 +80,9 @@ def _numel(params) -> int:
     return n
 
 
-def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = False,
-             samples: int | None = None) -> Estimate:
+def estimate(
+    recipe, prepared, device: torch.device, mode: str, timing: bool = False, samples: int | None = None
+) -> Estimate:
     """`timing`: also estimate the time (measures the device's multiply rate for about 0.2 s). `samples`: the
     calibration windows this process holds (its share in a run over several processes; default all)."""
     from qtool.models.adapters import adapter_for
@@ -109,7 +117,9 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
     if recipe.needs_calibration():
         groups = adapter.linear_groups
         hessian = max(sum(4 * widths[r].in_features ** 2 for r in g) for g in groups)
-        hessian += max(3 * 4 * m.in_features ** 2 + 2 * 4 * m.in_features * m.out_features for m in widths.values())
+        hessian += max(
+            3 * 4 * m.in_features**2 + 2 * 4 * m.in_features * m.out_features for m in widths.values()
+        )
     acts = 2 * samples * seq * hidden * dsize  # the inputs and the block's outputs while they are computed
     forward = seq * (3 * inter + 4 * hidden) * dsize + heads * seq * seq * 4
     block = block_params * dsize
@@ -140,11 +150,20 @@ def estimate(recipe, prepared, device: torch.device, mode: str, timing: bool = F
         loop_host += acts
     elif place == "disk" and not on_gpu:
         loop_host += one - acts
-    terms = {"process": base, "outside_blocks": outer_c, "one_block": block, "activations": acts,
-             "hessians_and_solver": hessian, "forward": forward, "write_shard": shard}
+    terms = {
+        "process": base,
+        "outside_blocks": outer_c,
+        "one_block": block,
+        "activations": acts,
+        "hessians_and_solver": hessian,
+        "forward": forward,
+        "write_shard": shard,
+    }
     host = base + max(loop_host, write_host)
     gpu = gpu_rest + (acts if place == "device" else one) if on_gpu else None
-    seconds = _seconds(device, dtype, len(blocks), block_params, widths, samples, seq, hidden) if timing else None
+    seconds = (
+        _seconds(device, dtype, len(blocks), block_params, widths, samples, seq, hidden) if timing else None
+    )
     return Estimate(host, gpu, out_bytes, seconds, terms, len(blocks), acts, block, hessian, place)
 
 
@@ -169,7 +188,7 @@ def _seconds(device, dtype, num_blocks, block_params, widths, samples, seq, hidd
     macs = 3.5 * tokens * block_params + 3.5 * samples * seq * seq * hidden
     for m in widths.values():
         k, n = m.in_features, m.out_features
-        macs += (tokens * k * k if tokens else 0) + 3 * k ** 3 + 2 * n * k * k
+        macs += (tokens * k * k if tokens else 0) + 3 * k**3 + 2 * n * k * k
     try:
         rate = _matmul_rate(device, dtype if dtype != torch.float64 else torch.float32)
     except RuntimeError:
@@ -188,17 +207,23 @@ def check_fits(est: Estimate, recipe, out: Path) -> None:
             where = where.parent
         free = shutil.disk_usage(where).free
         if est.activation_bytes > free:
-            raise ResourceError(f"needs about {_size(est.activation_bytes)} for the activations of {shape}, more "
-                                f"than the host memory ({_size(have)}) and the free disk beside the output "
-                                f"({_size(free)} in {where}) hold; lower --num-samples or --seq-len")
+            raise ResourceError(
+                f"needs about {_size(est.activation_bytes)} for the activations of {shape}, more "
+                f"than the host memory ({_size(have)}) and the free disk beside the output "
+                f"({_size(free)} in {where}) hold; lower --num-samples or --seq-len"
+            )
     if est.host_bytes > have:
-        raise ResourceError(f"needs about {_size(est.host_bytes)} host memory ({_size(est.activation_bytes)} of "
-                            f"activations for {shape}, {_size(est.block_bytes)} per block, "
-                            f"{_size(est.hessian_bytes)} of Hessians); this machine has {_size(have)}; lower "
-                            f"--num-samples or --seq-len")
+        raise ResourceError(
+            f"needs about {_size(est.host_bytes)} host memory ({_size(est.activation_bytes)} of "
+            f"activations for {shape}, {_size(est.block_bytes)} per block, "
+            f"{_size(est.hessian_bytes)} of Hessians); this machine has {_size(have)}; lower "
+            f"--num-samples or --seq-len"
+        )
     if est.gpu_bytes is not None:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if est.gpu_bytes > total:
-            raise ResourceError(f"needs about {_size(est.gpu_bytes)} GPU memory for one block's weights, Hessians "
-                                f"and the activations of {shape}; this GPU has {_size(total)}; lower "
-                                f"--num-samples or --seq-len")
+            raise ResourceError(
+                f"needs about {_size(est.gpu_bytes)} GPU memory for one block's weights, Hessians "
+                f"and the activations of {shape}; this GPU has {_size(total)}; lower "
+                f"--num-samples or --seq-len"
+            )

@@ -40,11 +40,18 @@ def check_for_eval(model_ref: str, spec: EvalSpec | None) -> None:
         check_architecture(model_ref, config)
         load_model_tokenizer(model_ref)
     if spec is not None:
-        check_context(spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context")
+        check_context(
+            spec.seq_len, spec.allow_long_context, config, model_ref, "--seq-len", "--allow-long-context"
+        )
 
 
-def load_for_eval(model_ref: str, dev: torch.device, reporter: Reporter, max_memory: int | None = None,
-                  dtype: torch.dtype | None = None):
+def load_for_eval(
+    model_ref: str,
+    dev: torch.device,
+    reporter: Reporter,
+    max_memory: int | None = None,
+    dtype: torch.dtype | None = None,
+):
     """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model (float32 on
     the CPU, its stored dtype on a GPU, unless `dtype` says). An original model larger than `max_memory` is spread
     by accelerate over the device, host memory and disk."""
@@ -84,8 +91,9 @@ def streams(model_ref: str, dev: torch.device, max_memory: int | None) -> bool:
     return size is not None and size > memory_for_model(dev, max_memory)
 
 
-def evaluate_loaded(model, tokenizer, dev: torch.device, *, spec: EvalSpec | None, suite,
-                    reporter: Reporter) -> dict:
+def evaluate_loaded(
+    model, tokenizer, dev: torch.device, *, spec: EvalSpec | None, suite, reporter: Reporter
+) -> dict:
     """Perplexity on `spec` and/or lm-eval tasks of `suite` (a TaskSuite) for a loaded model."""
     from qtool.eval.perplexity import perplexity
     from qtool.runtime.cache import reference_cache
@@ -125,12 +133,29 @@ def default_seq_len(refs: list[str]) -> int:
     return out
 
 
-def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | None, max_windows: int | None,
-             stride: int | None, separator: str | None, text_field: str, split: str, batch_size: int | str | None,
-             device: str, reporter: Reporter, tasks: str | None = None, limit: int | None = None,
-             num_fewshot: int = 0, seed: int = 1234, data_dir: str | None = None,
-             include_paths: tuple[str, ...] = (), encoding: str = "utf-8", allow_long_context: bool = False,
-             max_memory: int | None = None) -> dict:
+def run_eval(
+    model_refs: list[str] | str,
+    *,
+    text: str | None,
+    seq_len: int | None,
+    max_windows: int | None,
+    stride: int | None,
+    separator: str | None,
+    text_field: str,
+    split: str,
+    batch_size: int | str | None,
+    device: str,
+    reporter: Reporter,
+    tasks: str | None = None,
+    limit: int | None = None,
+    num_fewshot: int = 0,
+    seed: int = 1234,
+    data_dir: str | None = None,
+    include_paths: tuple[str, ...] = (),
+    encoding: str = "utf-8",
+    allow_long_context: bool = False,
+    max_memory: int | None = None,
+) -> dict:
     """`max_memory`: bytes an evaluated model may take (default: the device's free memory, the host's on the CPU);
     a larger original model is evaluated block by block (perplexity) or spread over host memory and disk."""
     from pathlib import Path
@@ -143,8 +168,10 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
 
     refs = [model_refs] if isinstance(model_refs, str) else list(model_refs)
     if not text and not tasks:
-        raise UsageError("eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
-                         "(zero-shot accuracy)")
+        raise UsageError(
+            "eval: nothing to measure; expected --text FILE (perplexity) and/or --tasks LIST "
+            "(zero-shot accuracy)"
+        )
     bs = parse_batch_size(batch_size)
     dev = resolve_device(device)
     spec = None
@@ -158,9 +185,18 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
         problem = check_encoding(encoding)
         if problem:
             raise UsageError(f"--encoding: {problem}")
-        spec = EvalSpec(text=resolve_text(text, Path.cwd(), "--text"), seq_len=seq_len, max_windows=max_windows,
-                        stride=stride, separator=separator, text_field=text_field, split=split,
-                        batch_size=ppl_batch, encoding=encoding, allow_long_context=allow_long_context)
+        spec = EvalSpec(
+            text=resolve_text(text, Path.cwd(), "--text"),
+            seq_len=seq_len,
+            max_windows=max_windows,
+            stride=stride,
+            separator=separator,
+            text_field=text_field,
+            split=split,
+            batch_size=ppl_batch,
+            encoding=encoding,
+            allow_long_context=allow_long_context,
+        )
         if Path(spec.text).is_file():
             # Decoded (and, for jsonl, parsed) before any model loads: a bad byte fails in seconds.
             src = TextSource(spec.text, spec.text_field, spec.split, spec.config, spec.encoding)
@@ -170,8 +206,15 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
     suite = None
     if tasks:
         # Tasks and data are checked (and loaded once) before any model is.
-        suite = TaskSuite(tasks.split(","), limit=limit, num_fewshot=num_fewshot, batch_size=bs, seed=seed,
-                          data_dir=data_dir, include_paths=include_paths)
+        suite = TaskSuite(
+            tasks.split(","),
+            limit=limit,
+            num_fewshot=num_fewshot,
+            batch_size=bs,
+            seed=seed,
+            data_dir=data_dir,
+            include_paths=include_paths,
+        )
     summaries = []
     try:
         for ref in refs:
@@ -185,8 +228,15 @@ def run_eval(model_refs: list[str] | str, *, text: str | None, seq_len: int | No
     return {"models": summaries, "comparison": compare(summaries[0], summaries[1])}
 
 
-def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, reporter: Reporter,
-                 max_memory: int | None = None, dtype: torch.dtype | None = None) -> dict:
+def evaluate_one(
+    ref: str,
+    dev: torch.device,
+    spec: EvalSpec | None,
+    suite,
+    reporter: Reporter,
+    max_memory: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict:
     """One model's summary. An original model larger than the memory it may take has its perplexity computed block
     by block (qtool/eval/streamed.py) and, for zero-shot tasks, is spread over device, host memory and disk."""
     if spec is not None and streams(ref, dev, max_memory):
@@ -196,17 +246,28 @@ def evaluate_one(ref: str, dev: torch.device, spec: EvalSpec | None, suite, repo
         reporter.log(f"evaluating {ref} block by block (larger than the memory it may take)")
         result, _ = streamed_perplexity(ref, spec, dev, reporter, dtype)
         if suite is not None:
-            model, tokenizer, _ = load_for_eval(ref, dev, reporter, max_memory=memory_for_model(dev, max_memory),
-                                                dtype=dtype)
+            model, tokenizer, _ = load_for_eval(
+                ref, dev, reporter, max_memory=memory_for_model(dev, max_memory), dtype=dtype
+            )
             result.update(evaluate_loaded(model, tokenizer, dev, spec=None, suite=suite, reporter=reporter))
             del model
         dtype = dtype or eval_dtype(load_config(ref), dev)
-        return {"model": ref, "kind": "original", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
-                **result}
+        return {
+            "model": ref,
+            "kind": "original",
+            "device": str(dev),
+            "dtype": str(dtype).removeprefix("torch."),
+            **result,
+        }
     model, tokenizer, kind = load_for_eval(ref, dev, reporter, dtype=dtype)
     result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
-    return {"model": ref, "kind": kind, "device": str(dev),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **result}
+    return {
+        "model": ref,
+        "kind": kind,
+        "device": str(dev),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **result,
+    }
 
 
 def compare(a: dict, b: dict) -> list[dict]:
@@ -215,8 +276,17 @@ def compare(a: dict, b: dict) -> list[dict]:
 
     rows = []
     if "perplexity" in a and "perplexity" in b:
-        rows.append({"task": "text", "metric": "perplexity", "a": a["perplexity"], "a_stderr": None,
-                     "b": b["perplexity"], "b_stderr": None, "delta": b["perplexity"] - a["perplexity"]})
+        rows.append(
+            {
+                "task": "text",
+                "metric": "perplexity",
+                "a": a["perplexity"],
+                "a_stderr": None,
+                "b": b["perplexity"],
+                "b_stderr": None,
+                "delta": b["perplexity"] - a["perplexity"],
+            }
+        )
     ma = metrics(a["zeroshot"]["results"]) if "zeroshot" in a else {}
     mb = metrics(b["zeroshot"]["results"]) if "zeroshot" in b else {}
     for task in ma:
@@ -224,8 +294,17 @@ def compare(a: dict, b: dict) -> list[dict]:
             vb = mb.get(task, {}).get(metric)
             if vb is None:
                 continue
-            rows.append({"task": task, "metric": metric, "a": va["value"], "a_stderr": va["stderr"],
-                         "b": vb["value"], "b_stderr": vb["stderr"], "delta": vb["value"] - va["value"]})
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "a": va["value"],
+                    "a_stderr": va["stderr"],
+                    "b": vb["value"],
+                    "b_stderr": vb["stderr"],
+                    "delta": vb["value"] - va["value"],
+                }
+            )
     return rows
 
 
@@ -241,7 +320,9 @@ def eval_record(original: dict, quantized: dict) -> dict:
         record["original"].update({k: original[k] for k in ppl_keys})
         record["quantized"].update({k: quantized[k] for k in ppl_keys})
     if "zeroshot" in quantized:
-        record["tasks_protocol"] = {k: v for k, v in quantized["zeroshot"]["protocol"].items() if k != "seconds"}
+        record["tasks_protocol"] = {
+            k: v for k, v in quantized["zeroshot"]["protocol"].items() if k != "seconds"
+        }
         record["original"]["tasks"] = metrics(original["zeroshot"]["results"])
         record["quantized"]["tasks"] = metrics(quantized["zeroshot"]["results"])
     return record

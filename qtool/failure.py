@@ -17,12 +17,23 @@ import click
 
 from qtool.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCE, EXIT_USAGE, QtoolError
 
-JSON_KEY = "qtool.json"  # in click's ctx.meta (shared by a context and its children): whether --json was given
+JSON_KEY = (
+    "qtool.json"  # in click's ctx.meta (shared by a context and its children): whether --json was given
+)
 TRACEBACK_ENV = "QTOOL_TRACEBACK"
 
 # OS errors that say the machine cannot do the work; any other escaping OSError is a bug in qtool's checks.
-_RESOURCE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOMEM, errno.EMFILE,
-                    errno.ENFILE, errno.EFBIG}
+_RESOURCE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOMEM,
+    errno.EMFILE,
+    errno.ENFILE,
+    errno.EFBIG,
+}
 
 
 def one_line(text: str) -> str:
@@ -46,7 +57,9 @@ def fail(ctx: click.Context, kind: str, code: int, message: str) -> NoReturn:
 
 
 def _resource_message(e: BaseException) -> str | None:
-    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch
+    if (
+        isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+    ):  # torch's, without importing torch
         return f"out of memory ({one_line(e) or type(e).__name__})"
     if isinstance(e, OSError) and e.errno in _RESOURCE_ERRNOS:
         where = f"'{e.filename}': " if e.filename else ""
@@ -74,8 +87,17 @@ class QtoolGroup(click.Group):
             return super().invoke(ctx)
         except click.exceptions.UsageError as e:
             if ctx.meta.get(JSON_KEY):
-                click.echo(json.dumps({"error": {"kind": "usage", "exit_code": EXIT_USAGE,
-                                                 "message": one_line(e.format_message())}}))
+                click.echo(
+                    json.dumps(
+                        {
+                            "error": {
+                                "kind": "usage",
+                                "exit_code": EXIT_USAGE,
+                                "message": one_line(e.format_message()),
+                            }
+                        }
+                    )
+                )
             raise
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -92,5 +114,10 @@ class QtoolGroup(click.Group):
             if os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
                 raise
             detail = one_line(e)
-            fail(ctx, "internal", EXIT_INTERNAL, f"internal error: {type(e).__name__}{': ' + detail if detail else ''} "
-                                                 f"(set {TRACEBACK_ENV}=1 for the traceback)")
+            fail(
+                ctx,
+                "internal",
+                EXIT_INTERNAL,
+                f"internal error: {type(e).__name__}{': ' + detail if detail else ''} "
+                f"(set {TRACEBACK_ENV}=1 for the traceback)",
+            )

@@ -28,7 +28,9 @@ def parse_percent(text: str | None, flag: str) -> float | None:
 @dataclass(frozen=True)
 class Gate:
     max_ppl_increase: float | None = None  # percent of the baseline's perplexity
-    max_acc_drop: float | None = None  # percentage points of accuracy, on every acc / acc_norm both models have
+    max_acc_drop: float | None = (
+        None  # percentage points of accuracy, on every acc / acc_norm both models have
+    )
 
     @property
     def active(self) -> bool:
@@ -47,18 +49,42 @@ class Gate:
         for r in comparison:
             if r["metric"] == "perplexity" and r["task"] == "text" and self.max_ppl_increase is not None:
                 change = 100.0 * (r["b"] - r["a"]) / r["a"]
-                checks.append({"task": r["task"], "metric": "perplexity", "baseline": r["a"], "value": r["b"],
-                               "change": round(change, 4), "unit": "%", "limit": self.max_ppl_increase,
-                               "passed": change <= self.max_ppl_increase})
+                checks.append(
+                    {
+                        "task": r["task"],
+                        "metric": "perplexity",
+                        "baseline": r["a"],
+                        "value": r["b"],
+                        "change": round(change, 4),
+                        "unit": "%",
+                        "limit": self.max_ppl_increase,
+                        "passed": change <= self.max_ppl_increase,
+                    }
+                )
             elif r["metric"] in ACCURACY_METRICS and self.max_acc_drop is not None:
                 drop = 100.0 * (r["a"] - r["b"])
-                checks.append({"task": r["task"], "metric": r["metric"], "baseline": r["a"], "value": r["b"],
-                               "change": round(-drop, 4), "unit": "points", "limit": self.max_acc_drop,
-                               "passed": drop <= self.max_acc_drop})
+                checks.append(
+                    {
+                        "task": r["task"],
+                        "metric": r["metric"],
+                        "baseline": r["a"],
+                        "value": r["b"],
+                        "change": round(-drop, 4),
+                        "unit": "points",
+                        "limit": self.max_acc_drop,
+                        "passed": drop <= self.max_acc_drop,
+                    }
+                )
         failed = [c for c in checks if not c["passed"]]
-        return {"passed": not failed, "checks": checks, "failed": failed,
-                "limits": {"max_ppl_increase_percent": self.max_ppl_increase,
-                           "max_acc_drop_points": self.max_acc_drop}}
+        return {
+            "passed": not failed,
+            "checks": checks,
+            "failed": failed,
+            "limits": {
+                "max_ppl_increase_percent": self.max_ppl_increase,
+                "max_acc_drop_points": self.max_acc_drop,
+            },
+        }
 
 
 def describe_failure(result: dict) -> str:
@@ -67,9 +93,13 @@ def describe_failure(result: dict) -> str:
     for c in result["failed"]:
         what = "text perplexity" if c["metric"] == "perplexity" else f"{c['task']} {c['metric']}"
         if c["unit"] == "%":
-            parts.append(f"{what} {c['baseline']:.4f} -> {c['value']:.4f} ({c['change']:+.2f}%, limit "
-                         f"+{c['limit']:g}%)")
+            parts.append(
+                f"{what} {c['baseline']:.4f} -> {c['value']:.4f} ({c['change']:+.2f}%, limit "
+                f"+{c['limit']:g}%)"
+            )
         else:
-            parts.append(f"{what} {c['baseline']:.4f} -> {c['value']:.4f} ({c['change']:+.2f} points, limit "
-                         f"-{c['limit']:g})")
+            parts.append(
+                f"{what} {c['baseline']:.4f} -> {c['value']:.4f} ({c['change']:+.2f} points, limit "
+                f"-{c['limit']:g})"
+            )
     return "quality gate failed: " + "; ".join(parts)

@@ -23,9 +23,20 @@ from qtool.checkpoint.manifest import MANIFEST_NAME, QUANT_METHOD
 from qtool.errors import CheckpointError, NotImplementedYet
 
 # safetensors' dtype names (as the header stores them) → torch dtypes.
-_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-           "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 # device_map values that accelerate resolves after the quantizer sees them; what they resolve to is checked after
 # loading (`hf_device_map`).
 _RESOLVED_LATER = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -43,8 +54,12 @@ class QtoolConfig(QuantizationConfigMixin):
         self.schemes = schemes
 
     def to_dict(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "format_version": self.format_version,
-                **copy.deepcopy(self.schemes), "layers": copy.deepcopy(self.layers)}
+        return {
+            "quant_method": QUANT_METHOD,
+            "format_version": self.format_version,
+            **copy.deepcopy(self.schemes),
+            "layers": copy.deepcopy(self.layers),
+        }
 
     def __iter__(self):
         yield from self.to_dict().items()
@@ -71,8 +86,10 @@ def _single_device(device_map) -> bool:
 
 
 def _refuse_device_map(device_map) -> None:
-    raise NotImplementedYet(f"device_map {device_map!r}: a qtool checkpoint loads on one device; expected None, "
-                            f"'cpu', 'cuda' or a map onto a single device (no offload to CPU or disk, no split)")
+    raise NotImplementedYet(
+        f"device_map {device_map!r}: a qtool checkpoint loads on one device; expected None, "
+        f"'cpu', 'cuda' or a map onto a single device (no offload to CPU or disk, no split)"
+    )
 
 
 class QtoolHfQuantizer(HfQuantizer):
@@ -95,12 +112,15 @@ class QtoolHfQuantizer(HfQuantizer):
         from qtool.models.integrity import tensor_index
 
         if not checkpoint_files:
-            raise CheckpointError(f"{model.config.name_or_path}: no safetensors weights; expected a qtool checkpoint "
-                                  f"folder")
+            raise CheckpointError(
+                f"{model.config.name_or_path}: no safetensors weights; expected a qtool checkpoint folder"
+            )
         folder = Path(checkpoint_files[0]).parent
         if not (folder / MANIFEST_NAME).is_file():
-            raise CheckpointError(f"{folder}: no {MANIFEST_NAME} beside the weights; expected a whole qtool "
-                                  f"checkpoint folder (download every file of it, then load the folder)")
+            raise CheckpointError(
+                f"{folder}: no {MANIFEST_NAME} beside the weights; expected a whole qtool "
+                f"checkpoint folder (download every file of it, then load the folder)"
+            )
         check_files(folder, read_manifest(folder))
         qcfg = read_config(folder)["quantization_config"]
         stored = tensor_index(folder, CheckpointError) or {}
@@ -125,10 +145,18 @@ class QtoolHfQuantizer(HfQuantizer):
         except AttributeError:
             raise CheckpointError(f"{where}: layer {name} is not a module of this model") from None
         prefix = f"{name}."
-        held = _Stored({k[len(prefix):]: info for k, info in self.stored.items()
-                        if k.startswith(prefix) and "." not in k[len(prefix):]})
+        held = _Stored(
+            {
+                k[len(prefix) :]: info
+                for k, info in self.stored.items()
+                if k.startswith(prefix) and "." not in k[len(prefix) :]
+            }
+        )
         # `replace_layer` checks the layer config's sizes against the module it replaces.
-        held.in_features, held.out_features = getattr(old, "in_features", None), getattr(old, "out_features", None)
+        held.in_features, held.out_features = (
+            getattr(old, "in_features", None),
+            getattr(old, "out_features", None),
+        )
         setattr(parent, child, held)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -148,8 +176,15 @@ class QtoolHfQuantizer(HfQuantizer):
             device = next(iter(held.values())).device if held else torch.device("cpu")
             bias = held.pop("bias", None)
             # The layouts validate and unpack on the CPU, as `qtool.load` does before moving the model.
-            replace_layer(model, where, name, lcfg, {k: v.cpu() for k, v in held.items()},
-                          None if bias is None else bias.cpu(), dtype)
+            replace_layer(
+                model,
+                where,
+                name,
+                lcfg,
+                {k: v.cpu() for k, v in held.items()},
+                None if bias is None else bias.cpu(),
+                dtype,
+            )
             model.get_submodule(name).to(device)
         codebooks = {}
         for name, m in list(model.named_modules()):
@@ -165,20 +200,28 @@ class QtoolHfQuantizer(HfQuantizer):
         """Every tensor of the model was read from the checkpoint (a tied weight through its source), with its
         stored shape; every stored tensor has a place in the model."""
         state = model.state_dict()
-        loaded = {(t.data_ptr(), tuple(t.shape)) for name, t in state.items()
-                  if name in self.stored and t.device.type != "meta"}
+        loaded = {
+            (t.data_ptr(), tuple(t.shape))
+            for name, t in state.items()
+            if name in self.stored and t.device.type != "meta"
+        }
         for name, t in state.items():
             info = self.stored.get(name)
             if info is None:
                 if t.device.type == "meta" or (t.data_ptr(), tuple(t.shape)) not in loaded:
-                    raise CheckpointError(f"tensor {name}: missing from {self.folder}; transformers would have "
-                                          f"initialised it randomly")
+                    raise CheckpointError(
+                        f"tensor {name}: missing from {self.folder}; transformers would have "
+                        f"initialised it randomly"
+                    )
             elif tuple(t.shape) != info.shape:
-                raise CheckpointError(f"tensor {name} ({info.file}): found shape {list(info.shape)}, the model "
-                                      f"expects {list(t.shape)}")
+                raise CheckpointError(
+                    f"tensor {name} ({info.file}): found shape {list(info.shape)}, the model "
+                    f"expects {list(t.shape)}"
+                )
         for name in sorted(set(self.stored) - set(state)):
-            raise CheckpointError(f"tensor {name} ({self.stored[name].file}): not a parameter of "
-                                  f"{type(model).__name__}")
+            raise CheckpointError(
+                f"tensor {name} ({self.stored[name].file}): not a parameter of {type(model).__name__}"
+            )
 
     @property
     def is_trainable(self) -> bool:

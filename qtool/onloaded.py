@@ -65,19 +65,34 @@ def can_onload(recipe: Recipe, prepared: Prepared) -> bool:
     return prepared.files is not None and prepared.meta is not None
 
 
-def identity(recipe: Recipe, prepared: Prepared, dtype: torch.dtype, device: torch.device, num_blocks: int) -> dict:
+def identity(
+    recipe: Recipe, prepared: Prepared, dtype: torch.dtype, device: torch.device, num_blocks: int
+) -> dict:
     cal = recipe.calibration
     dev = device.type
     if dev == "cuda":
         dev = f"cuda ({torch.cuda.get_device_name(device)})"
-    return {"recipe": recipe_hash(recipe.as_run), "model": model_fingerprint(recipe.model),
-            "data": prepared.digest, "seed": cal.seed if cal is not None else None,
-            "dtype": str(dtype).removeprefix("torch."), "device": dev,
-            "versions": f"qtool {__version__}, torch {torch.__version__}", "num_blocks": num_blocks}
+    return {
+        "recipe": recipe_hash(recipe.as_run),
+        "model": model_fingerprint(recipe.model),
+        "data": prepared.digest,
+        "seed": cal.seed if cal is not None else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": dev,
+        "versions": f"qtool {__version__}, torch {torch.__version__}",
+        "num_blocks": num_blocks,
+    }
 
 
-def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, partial: Path, *,
-                      resume: bool, world: World | None = None) -> Onloaded:
+def quantize_onloaded(
+    recipe: Recipe,
+    reporter: Reporter,
+    prepared: Prepared,
+    partial: Path,
+    *,
+    resume: bool,
+    world: World | None = None,
+) -> Onloaded:
     """`world` (qtool/distributed.py): several processes, each on its share of the calibration samples; rank 0
     keeps the work folder (the others write their part of the activations into it)."""
     world = world or World()
@@ -109,7 +124,9 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     kwargs: dict = {}
     calibration = None
     if run.needs_calibration() and prepared.windows is None:
-        run.calibrate(skeleton, prepared, prepared.tokenizer, reporter, first_only=True)  # samples the windows
+        run.calibrate(
+            skeleton, prepared, prepared.tokenizer, reporter, first_only=True
+        )  # samples the windows
     ident = identity(recipe, prepared, dtype, device, n)
     state = None
     if world.is_main:
@@ -121,8 +138,9 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
         if run.needs_calibration():
             t = time.perf_counter()
             if start > 0:
-                _, kwargs, calibration = run.calibrate(skeleton, prepared, prepared.tokenizer, reporter,
-                                                       first_only=True)
+                _, kwargs, calibration = run.calibrate(
+                    skeleton, prepared, prepared.tokenizer, reporter, first_only=True
+                )
                 inputs = run.store(prepared)
                 for x in work.inputs(torch.device("cpu"), world.share(len(prepared.windows))) or []:
                     inputs.append(x)
@@ -171,11 +189,17 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
                 linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
                 install_packed(block, packed, prefix)
                 tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
-                summaries = {full: layer_summary(layout, linears[full].bias is not None)
-                             for full, layout in packed.items()}
+                summaries = {
+                    full: layer_summary(layout, linears[full].bias is not None)
+                    for full, layout in packed.items()
+                }
             with run.timed("commit_s"):
-                work.commit(i, tensors, {"records": mine, "linears": summaries},
-                            inputs if i < run.last_needing else None)
+                work.commit(
+                    i,
+                    tensors,
+                    {"records": mine, "linears": summaries},
+                    inputs if i < run.last_needing else None,
+                )
             records.extend(mine)
             # The packed modules hold their layouts outside their parameters: put the linears back, so that
             # dropping the block to the meta device frees everything it held.
@@ -191,9 +215,11 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     except KeyboardInterrupt:
         if work.next_block == 0:
             raise
-        raise Interrupted(f"interrupted; blocks 0-{work.next_block - 1} of {n} are done and kept in "
-                          f"'{work.folder}'; run the same command with --resume to continue from block "
-                          f"{work.next_block}") from None
+        raise Interrupted(
+            f"interrupted; blocks 0-{work.next_block - 1} of {n} are done and kept in "
+            f"'{work.folder}'; run the same command with --resume to continue from block "
+            f"{work.next_block}"
+        ) from None
     finally:
         if reading is not None:
             reading.shutdown(wait=True, cancel_futures=True)
@@ -203,15 +229,34 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
             inputs.close()
         del inputs
 
-    mine = {"rank": world.rank, "device": str(device), "calibration_s": round(timings.get("calibration_s", 0.0), 3),
-            "quantize_s": round(timings.get("quantize_s", 0.0), 3),
-            **{key: round(value, 3) for key, value in run.seconds.items()},
-            "total_s": round(time.perf_counter() - t0 + prepared.seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+    mine = {
+        "rank": world.rank,
+        "device": str(device),
+        "calibration_s": round(timings.get("calibration_s", 0.0), 3),
+        "quantize_s": round(timings.get("quantize_s", 0.0), 3),
+        **{key: round(value, 3) for key, value in run.seconds.items()},
+        "total_s": round(time.perf_counter() - t0 + prepared.seconds, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
     ranks = world.all_gather_object(mine)
     if not world.is_main:  # rank 0 writes the checkpoint
         reader.close()
-        return Onloaded(LazyTensors([], {}), {}, {}, {}, None, original_dtype, calibration, work, timings,
-                        peak_rss_mb(), records, {}, start, ranks)
+        return Onloaded(
+            LazyTensors([], {}),
+            {},
+            {},
+            {},
+            None,
+            original_dtype,
+            calibration,
+            work,
+            timings,
+            peak_rss_mb(),
+            records,
+            {},
+            start,
+            ranks,
+        )
     load_outer(skeleton, adapter, reader, dtype)
     reader.close()
     outer = collect_tensors(skeleton, {}, original_dtype, skip=adapter.blocks_path)
@@ -226,6 +271,19 @@ def quantize_onloaded(recipe: Recipe, reporter: Reporter, prepared: Prepared, pa
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = peak_rss_mb()
-    return Onloaded(LazyTensors(work.tensor_files(), outer), packed, layers, config,
-                    prepared.tokenizer, original_dtype, calibration, work, timings, peak, records, schemes, start,
-                    ranks)
+    return Onloaded(
+        LazyTensors(work.tensor_files(), outer),
+        packed,
+        layers,
+        config,
+        prepared.tokenizer,
+        original_dtype,
+        calibration,
+        work,
+        timings,
+        peak,
+        records,
+        schemes,
+        start,
+        ranks,
+    )

@@ -11,8 +11,14 @@ from typing import Any, Literal, Union
 from qtool.errors import RecipeError
 
 
-def option(default: Any = dataclasses.MISSING, *, min: float | None = None, max: float | None = None,
-           help: str = "", default_factory: Any = dataclasses.MISSING) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    help: str = "",
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     meta = {"min": min, "max": max, "help": help}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -107,19 +113,25 @@ def parse_options(cls: type, raw: dict, where: str) -> Any:
     for name, f in fields.items():
         if name not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecipeError(f"{where}.{name}: missing; expected {_describe(hints[name], dict(f.metadata))}")
+                raise RecipeError(
+                    f"{where}.{name}: missing; expected {_describe(hints[name], dict(f.metadata))}"
+                )
             continue
         item = _dataclass_item(hints[name])
         if item is not None:
             # A list of mappings with declared options (per-target rules): each entry is parsed on its own so
             # an error names its index, e.g. `stages[0].overrides[1].bits`.
             if not isinstance(raw[name], list):
-                raise RecipeError(f"{where}.{name}: found {raw[name]!r}, expected {_describe(hints[name], {})}")
+                raise RecipeError(
+                    f"{where}.{name}: found {raw[name]!r}, expected {_describe(hints[name], {})}"
+                )
             values[name] = [parse_options(item, v, f"{where}.{name}[{i}]") for i, v in enumerate(raw[name])]
             continue
         ok, v = _check(raw[name], hints[name], dict(f.metadata))
         if not ok:
-            raise RecipeError(f"{where}.{name}: found {raw[name]!r}, expected {_describe(hints[name], dict(f.metadata))}")
+            raise RecipeError(
+                f"{where}.{name}: found {raw[name]!r}, expected {_describe(hints[name], dict(f.metadata))}"
+            )
         values[name] = v
     obj = cls(**values)
     check = getattr(obj, "validate", None)
@@ -136,7 +148,12 @@ def describe_options(cls: type) -> list[tuple[str, str, str, str]]:
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
-        rows.append((f.name, _describe(hints[f.name], dict(f.metadata)), repr(default), f.metadata.get("help", "")))
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+        )
+        rows.append(
+            (f.name, _describe(hints[f.name], dict(f.metadata)), repr(default), f.metadata.get("help", ""))
+        )
     return rows

@@ -31,7 +31,9 @@ def temp_sibling(path: Path, kind: str = _TMP) -> Path:
 
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
-        return False  # this process has not started writing this output yet: a leftover of an earlier run in it
+        return (
+            False  # this process has not started writing this output yet: a leftover of an earlier run in it
+        )
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,8 +51,8 @@ def find_leftovers(path: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
     for p in sorted(path.parent.iterdir()):
         for kind in (_TMP, _OLD):
             prefix = f".{path.name}{kind}"
-            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit():
-                pid = int(p.name[len(prefix):])
+            if p.name.startswith(prefix) and p.name[len(prefix) :].isdigit():
+                pid = int(p.name[len(prefix) :])
                 if _pid_alive(pid):
                     live.append((p, pid))
                 else:
@@ -77,7 +79,9 @@ class Output:
     """A reserved output: its temporary sibling exists. Use as a context manager; `publish()` moves the temporary
     into place. Leaving the block any other way (error, Ctrl-C) removes the temporary and the created parents."""
 
-    def __init__(self, path: Path, tmp: Path, directory: bool, created: list[Path], removed: list[Path]) -> None:
+    def __init__(
+        self, path: Path, tmp: Path, directory: bool, created: list[Path], removed: list[Path]
+    ) -> None:
         self.path, self.tmp, self.directory = path, tmp, directory
         self.created_parents = created
         self.removed_leftovers = removed
@@ -117,11 +121,15 @@ class Output:
 
 def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> None:
     if directory and path.is_symlink():
-        raise UsageError(f"output '{path}': is a symbolic link; expected a new directory path (a link is never "
-                         f"replaced, even with --overwrite)")
+        raise UsageError(
+            f"output '{path}': is a symbolic link; expected a new directory path (a link is never "
+            f"replaced, even with --overwrite)"
+        )
     if directory and not path.is_dir():
-        raise UsageError(f"output '{path}': is an existing file; expected a directory path for the checkpoint (a "
-                         f"file is never replaced, even with --overwrite)")
+        raise UsageError(
+            f"output '{path}': is an existing file; expected a directory path for the checkpoint (a "
+            f"file is never replaced, even with --overwrite)"
+        )
     if not directory and path.is_dir():
         raise UsageError(f"output '{path}': is a directory; expected a file path")
     if directory and not overwrite:
@@ -129,13 +137,22 @@ def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> N
     if directory and any(path.iterdir()) and not any((path / m).is_file() for m in _MARKS):
         # --overwrite replaces a checkpoint or an export; a folder of other files (the working directory, a model)
         # is the user's.
-        raise UsageError(f"output '{path}': is a directory that is not a qtool checkpoint (no {MANIFEST_NAME})"
-                         f"; expected a new path (--overwrite replaces only a checkpoint, an export or an empty "
-                         f"folder)")
+        raise UsageError(
+            f"output '{path}': is a directory that is not a qtool checkpoint (no {MANIFEST_NAME})"
+            f"; expected a new path (--overwrite replaces only a checkpoint, an export or an empty "
+            f"folder)"
+        )
 
 
-def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_bytes: int | None = None,
-                   log: Callable[[str], None] | None = None, resume: bool = False) -> Output:
+def reserve_output(
+    path: str | Path,
+    *,
+    directory: bool,
+    overwrite: bool,
+    needs_bytes: int | None = None,
+    log: Callable[[str], None] | None = None,
+    resume: bool = False,
+) -> Output:
     """Check `path` as the output of a command and create its temporary sibling; refuse (one line) when it is a
     file where a folder is expected or the reverse, exists without `overwrite`, lies under a file or in a folder
     that cannot be written, another live run writes it, or the free space is below `needs_bytes`. Stale leftovers
@@ -148,11 +165,15 @@ def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_
     stale, live = find_leftovers(path)
     if live:
         p, pid = live[0]
-        raise ResourceError(f"output '{path}': '{p.name}' is being written by process {pid}, which is running; "
-                            f"expected one run per output (wait for it or stop it)")
+        raise ResourceError(
+            f"output '{path}': '{p.name}' is being written by process {pid}, which is running; "
+            f"expected one run per output (wait for it or stop it)"
+        )
     if stale and not (overwrite or resume):
-        raise UsageError(f"output '{path}': leftovers of an interrupted run beside it: "
-                         f"{', '.join(p.name for p in stale)}; --overwrite removes them")
+        raise UsageError(
+            f"output '{path}': leftovers of an interrupted run beside it: "
+            f"{', '.join(p.name for p in stale)}; --overwrite removes them"
+        )
 
     created: list[Path] = []
     parent = path.parent
@@ -180,22 +201,37 @@ def reserve_output(path: str | Path, *, directory: bool, overwrite: bool, needs_
     except OSError as e:
         Output(path, temp_sibling(path), directory, created, removed).discard()
         where = e.filename or parent
-        raise ResourceError(f"output '{path}': cannot write '{where}' ({e.strerror or e}); expected a writable "
-                            f"location") from None
+        raise ResourceError(
+            f"output '{path}': cannot write '{where}' ({e.strerror or e}); expected a writable location"
+        ) from None
     out = Output(path, tmp, directory, created, removed)
     if needs_bytes:
         free = shutil.disk_usage(tmp.parent).free
         if free < needs_bytes:
             out.discard()
-            raise ResourceError(f"output '{path}': needs at least {_size(needs_bytes)}, but its file system "
-                                f"has {_size(free)} free")
+            raise ResourceError(
+                f"output '{path}': needs at least {_size(needs_bytes)}, but its file system "
+                f"has {_size(free)} free"
+            )
     return out
 
 
 # ---- size estimates: lower bounds, so a run that fits is never refused ------------------------------------------
 
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -238,7 +274,9 @@ def _block_linears(config) -> tuple[object, list[str]] | None:
     layers = getattr(config, "num_hidden_layers", None)
     if adapter is None or not isinstance(layers, int):
         return None
-    return adapter, [f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()]
+    return adapter, [
+        f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()
+    ]
 
 
 def checkpoint_bytes(recipe, config) -> int | None:
@@ -279,4 +317,3 @@ def stats_bytes(model: str, config, hessians: bool) -> int | None:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
-

@@ -66,7 +66,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return describe_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ResourceError(f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto")
+        raise ResourceError(
+            f"settings.device: found {name!r}, but no CUDA device is available; expected cpu or auto"
+        )
     return describe_device(torch.device(name))
 
 
@@ -89,14 +91,18 @@ def _assign(adapter: Adapter, recipe: Recipe, num_blocks: int) -> dict[str, Quan
             full = f"{adapter.block_prefix(i)}.{rel}"
             claims = [q for q in recipe.quantizers() if q.targets.matches(full)]
             if len(claims) > 1:
-                raise RecipeError(f"{recipe.path}:stages: {full} is targeted by {claims[0].label} and "
-                                  f"{claims[1].label}; expected each linear in one quantizer's targets")
+                raise RecipeError(
+                    f"{recipe.path}:stages: {full} is targeted by {claims[0].label} and "
+                    f"{claims[1].label}; expected each linear in one quantizer's targets"
+                )
             if claims:
                 assignment[full] = claims[0]
     for q in recipe.quantizers():
         if q not in assignment.values():
-            raise RecipeError(f"{recipe.path}:stages[{q.index}].targets: matches no linear of the model; "
-                              f"expected patterns over names such as {adapter.block_prefix(0)}.{adapter.linear_names()[0]}")
+            raise RecipeError(
+                f"{recipe.path}:stages[{q.index}].targets: matches no linear of the model; "
+                f"expected patterns over names such as {adapter.block_prefix(0)}.{adapter.linear_names()[0]}"
+            )
     return assignment
 
 
@@ -108,8 +114,10 @@ def check_stages(recipe: Recipe, config) -> None:
         scheme = spec.stage.model_scheme() if hasattr(spec.stage, "model_scheme") else None
         for key in scheme or {}:
             if key in setters:
-                raise RecipeError(f"{recipe.path}:stages[{spec.stage.index}]: {spec.stage.name} sets the model's "
-                                  f"{key} scheme, as {setters[key].label} does; expected one stage per scheme")
+                raise RecipeError(
+                    f"{recipe.path}:stages[{spec.stage.index}]: {spec.stage.name} sets the model's "
+                    f"{key} scheme, as {setters[key].label} does; expected one stage per scheme"
+                )
             setters[key] = spec.stage
         spec.stage.check_config(config, f"{recipe.path}:stages[{spec.stage.index}]")
         if recipe.calibration is not None:
@@ -132,7 +140,9 @@ class Prepared:
     digest: str | None = None
     seconds: float = 0.0  # sampling the calibration windows is most of it
     tokenizer: object = None
-    meta: nn.Module | None = None  # the model on the meta device: names and shapes, the onloaded run's skeleton
+    meta: nn.Module | None = (
+        None  # the model on the meta device: names and shapes, the onloaded run's skeleton
+    )
     files: dict | None = None  # tensor name -> TensorInfo of a local safetensors model
     # Where the calibration activations between blocks are kept (qtool/calibration/store.py), as the memory
     # pre-flight decided, and the folder under which they go when that is disk.
@@ -152,12 +162,23 @@ def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = N
     check_stages(recipe, config)
     cal, ev = recipe.calibration, recipe.eval
     if cal is not None:
-        check_context(cal.seq_len, cal.allow_long_context, config, recipe.model,
-                      recipe.origins.get("calibration.seq_len", "calibration.seq_len"),
-                      "calibration.allow_long_context: true")
+        check_context(
+            cal.seq_len,
+            cal.allow_long_context,
+            config,
+            recipe.model,
+            recipe.origins.get("calibration.seq_len", "calibration.seq_len"),
+            "calibration.allow_long_context: true",
+        )
     if ev is not None and ev.text is not None:
-        check_context(ev.seq_len, ev.allow_long_context, config, recipe.model,
-                      recipe.origins.get("eval.seq_len", "eval.seq_len"), "eval.allow_long_context: true")
+        check_context(
+            ev.seq_len,
+            ev.allow_long_context,
+            config,
+            recipe.model,
+            recipe.origins.get("eval.seq_len", "eval.seq_len"),
+            "eval.allow_long_context: true",
+        )
     tokenizer = load_tokenizer(recipe.model)
     meta = meta_model(config, f"model '{recipe.model}' config", InputError)
     files = check_weight_files(recipe.model, config, meta)
@@ -170,7 +191,9 @@ def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = N
     if cal is not None:
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
         if recipe.needs_calibration():
-            prepared.windows, prepared.digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
+            prepared.windows, prepared.digest = sample_windows(
+                tokenizer, src, cal.num_samples, cal.seq_len, cal.seed
+            )
             check_token_ids(prepared.windows, config.vocab_size, cal.source, tokenizer)
         elif Path(cal.source).is_file():
             check_not_empty(src, read_documents(src))
@@ -185,8 +208,15 @@ class _Blocks:
     """What quantizing one decoder block takes, shared by the whole-model and the onloaded run so that both compute
     the same numbers: the stage of each linear, the transforms, the FP statistics, the compute device."""
 
-    def __init__(self, recipe: Recipe, adapter: Adapter, config, num_blocks: int, device: torch.device,
-                 world: World | None = None) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        adapter: Adapter,
+        config,
+        num_blocks: int,
+        device: torch.device,
+        world: World | None = None,
+    ) -> None:
         self.recipe, self.adapter, self.config, self.device = recipe, adapter, config, device
         # Several processes (qtool/distributed.py): this rank's share of the samples, statistics combined.
         self.world = world or World()
@@ -201,9 +231,15 @@ class _Blocks:
             self.fp_stats, _ = load_stats(recipe.calibration.stats)
             _check_stats(recipe, self.fp_stats, self.assignment)
         self.num_blocks = num_blocks
-        self.last_needing = max((i for i in range(num_blocks) for rel in adapter.linear_names()
-                                 if (s := self.assignment.get(f"{adapter.block_prefix(i)}.{rel}"))
-                                 and self.wants_pass(s)), default=-1)
+        self.last_needing = max(
+            (
+                i
+                for i in range(num_blocks)
+                for rel in adapter.linear_names()
+                if (s := self.assignment.get(f"{adapter.block_prefix(i)}.{rel}")) and self.wants_pass(s)
+            ),
+            default=-1,
+        )
         if any(tr.needs_calibration() for tr in self.transforms):
             self.last_needing = num_blocks - 1
 
@@ -213,11 +249,13 @@ class _Blocks:
         return stage.needs_calibration() and (stage.needs_hessian() or not self.fp_stats)
 
     def needs_calibration(self) -> bool:
-        return (any(self.wants_pass(s) for s in self.assignment.values())
-                or any(tr.needs_calibration() for tr in self.transforms))
+        return any(self.wants_pass(s) for s in self.assignment.values()) or any(
+            tr.needs_calibration() for tr in self.transforms
+        )
 
-    def calibrate(self, model: nn.Module, prepared: Prepared, tokenizer, reporter: Reporter,
-                  first_only: bool = False) -> tuple[list[torch.Tensor], dict, dict]:
+    def calibrate(
+        self, model: nn.Module, prepared: Prepared, tokenizer, reporter: Reporter, first_only: bool = False
+    ) -> tuple[list[torch.Tensor], dict, dict]:
         """(inputs of the first block per window, the blocks' keyword arguments, the manifest's calibration
         record). `first_only` runs one window, for the keyword arguments alone (a resumed run has its inputs)."""
         cal = self.recipe.calibration
@@ -226,14 +264,20 @@ class _Blocks:
             src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
             windows, digest = sample_windows(tokenizer, src, cal.num_samples, cal.seq_len, cal.seed)
             prepared.windows, prepared.digest = windows, digest
-        info = {"source": cal.source, "num_samples": cal.num_samples, "seq_len": cal.seq_len, "seed": cal.seed,
-                "data_sha256": digest}
+        info = {
+            "source": cal.source,
+            "num_samples": cal.num_samples,
+            "seq_len": cal.seq_len,
+            "seed": cal.seed,
+            "data_sha256": digest,
+        }
         if not first_only:
             reporter.log(f"calibration: {cal.num_samples} windows of {cal.seq_len} tokens from {cal.source}")
         share = range(1) if first_only else self.world.share(len(windows))
-        mine = windows[share.start:share.stop]
-        inputs, kwargs = capture_block_inputs(model, self.adapter.blocks(model), mine, self.device,
-                                              self.store(prepared))
+        mine = windows[share.start : share.stop]
+        inputs, kwargs = capture_block_inputs(
+            model, self.adapter.blocks(model), mine, self.device, self.store(prepared)
+        )
         return inputs, kwargs, info
 
     def store(self, prepared: Prepared) -> ActivationStore:
@@ -255,15 +299,19 @@ class _Blocks:
         sync()
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
 
-    def quantize(self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
-                 ) -> tuple[dict[str, object], list[torch.Tensor]]:
+    def quantize(
+        self, block: nn.Module, i: int, inputs: list[torch.Tensor], kwargs: dict, records: list[dict]
+    ) -> tuple[dict[str, object], list[torch.Tensor]]:
         """Transform (with calibration) and quantize block `i` (on the compute device, its weights already through
         the transforms' `apply_block_weights`); return its packed layouts by full name and the inputs of the next
         block (the quantized block's outputs, or `inputs` when no later block needs them)."""
         adapter = self.adapter
         prefix = adapter.block_prefix(i)
-        mine = {rel: self.assignment[f"{prefix}.{rel}"] for rel in adapter.linear_names()
-                if f"{prefix}.{rel}" in self.assignment}
+        mine = {
+            rel: self.assignment[f"{prefix}.{rel}"]
+            for rel in adapter.linear_names()
+            if f"{prefix}.{rel}" in self.assignment
+        }
         if self.transforms:
             ctx = BlockContext(block, i, prefix, adapter, self.config, inputs, kwargs, mine, self.world)
             for tr in self.transforms:
@@ -288,10 +336,21 @@ class _Blocks:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
             with self.timed("stats_s"):
-                stats = _collect(block, need, inputs, kwargs, hessian=any(mine[r].needs_hessian() for r in need),
-                                 world=self.world) if need else {}
+                stats = (
+                    _collect(
+                        block,
+                        need,
+                        inputs,
+                        kwargs,
+                        hessian=any(mine[r].needs_hessian() for r in need),
+                        world=self.world,
+                    )
+                    if need
+                    else {}
+                )
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
+
             def solve(rel: str, rows: range, stats=stats, objective=objective, probe=probe):
                 linear = block.get_submodule(rel)
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
@@ -308,10 +367,17 @@ class _Blocks:
             # solved so far, is refused there: each linear is then solved whole, one after another).
             world = self.world
             early = world.size > 1 and not objective
-            plan = world.plan([(block.get_submodule(rel).out_features, mine[rel].row_split() if early else None)
-                               for rel in todo])
-            solved = {rel: solve(rel, plan[j][world.rank]) for j, rel in enumerate(todo)
-                      if early and len(plan[j][world.rank])}
+            plan = world.plan(
+                [
+                    (block.get_submodule(rel).out_features, mine[rel].row_split() if early else None)
+                    for rel in todo
+                ]
+            )
+            solved = {
+                rel: solve(rel, plan[j][world.rank])
+                for j, rel in enumerate(todo)
+                if early and len(plan[j][world.rank])
+            }
             for j, rel in enumerate(todo):
                 full = f"{prefix}.{rel}"
                 linear: nn.Linear = block.get_submodule(rel)
@@ -326,12 +392,19 @@ class _Blocks:
                 packed[full] = result.packed
         for stage in tuners:
             rels = [rel for rel in mine if mine[rel] is stage]
-            tuned, info = stage.finetune_block(block, {rel: packed[f"{prefix}.{rel}"] for rel in rels},
-                                               {rel: originals[rel] for rel in rels}, inputs, kwargs, targets)
+            tuned, info = stage.finetune_block(
+                block,
+                {rel: packed[f"{prefix}.{rel}"] for rel in rels},
+                {rel: originals[rel] for rel in rels},
+                inputs,
+                kwargs,
+                targets,
+            )
             for rel, layout in tuned.items():
                 linear = block.get_submodule(rel)
-                linear.weight.data.copy_(layout.dequantize(torch.float32).to(linear.weight.device,
-                                                                             linear.weight.dtype))
+                linear.weight.data.copy_(
+                    layout.dequantize(torch.float32).to(linear.weight.device, linear.weight.dtype)
+                )
                 packed[f"{prefix}.{rel}"] = layout
             if info:
                 records.append({"stage": stage.name, "block": i, **info})
@@ -339,6 +412,7 @@ class _Blocks:
         self.world.sync_module(block)
         if i < self.last_needing:
             with torch.no_grad():
+
                 def run(x: torch.Tensor) -> torch.Tensor:
                     return block_output(block(x, **kwargs))
 
@@ -359,9 +433,13 @@ def install_packed(model: nn.Module, packed: dict[str, object], prefix: str = ""
 
 def layer_summary(layout, has_bias: bool) -> dict:
     """What the manifest and config need of a packed layer once its tensors are on disk (JSON)."""
-    out = {"layer": layout.layer_config(has_bias), "stored_bits": layout.stored_bits(),
-           "in_features": layout.in_features, "out_features": layout.out_features,
-           "fields": sorted(layout.tensors())}
+    out = {
+        "layer": layout.layer_config(has_bias),
+        "stored_bits": layout.stored_bits(),
+        "in_features": layout.in_features,
+        "out_features": layout.out_features,
+        "fields": sorted(layout.tensors()),
+    }
     if hasattr(layout, "bits_report"):
         out["bits_report"] = layout.bits_report()
     return out
@@ -435,8 +513,9 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     schemes: dict = {}
     for tr in work.transforms:
         schemes.update(tr.model_scheme() or {})
-    return QuantizedModel(model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak,
-                          records, schemes)
+    return QuantizedModel(
+        model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak, records, schemes
+    )
 
 
 def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tensor], kwargs: dict):
@@ -446,26 +525,44 @@ def _attention_probe(block: nn.Module, adapter, config, inputs: list[torch.Tenso
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return AttentionProbe(block, block.get_submodule(adapter.attention_path),
-                          block.get_submodule(adapter.output_linears[0]), inputs, kwargs, heads, kv_heads, head_dim)
+    return AttentionProbe(
+        block,
+        block.get_submodule(adapter.attention_path),
+        block.get_submodule(adapter.output_linears[0]),
+        inputs,
+        kwargs,
+        heads,
+        kv_heads,
+        head_dim,
+    )
 
 
-def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict,
-             hessian: bool, world: World | None = None) -> dict[str, LinearStats]:
+def _collect(
+    block: nn.Module,
+    names: list[str],
+    inputs: list[torch.Tensor],
+    kwargs: dict,
+    hessian: bool,
+    world: World | None = None,
+) -> dict[str, LinearStats]:
     """Statistics of the inputs of `names` over all samples (this rank's, then combined with the other ranks');
     each pass stops once they have all run. Linears that take the same input tensor (q/k/v, gate/up) share one
     statistics object: the Hessian of a shared input is accumulated once, not once per linear."""
     stats = {n: LinearStats(block.get_submodule(n).in_features, hessian, inputs[0].device) for n in names}
     fired: set[str] = set()
     owner: dict[str, str] = {}  # linear → the first linear of the first pass that took its input
-    taken: dict[int, tuple[torch.Tensor, str]] = {}  # this pass: id of an input → (the input, kept alive; linear)
+    taken: dict[
+        int, tuple[torch.Tensor, str]
+    ] = {}  # this pass: id of an input → (the input, kept alive; linear)
 
     def make_hook(n: str):
         def hook(module, args, output):
             x = args[0]
             first = taken.setdefault(id(x), (x, n))[1]
             if owner.setdefault(n, first) != first:
-                raise RuntimeError(f"{n} shared its input with {owner[n]} in the first pass, with {first} now")
+                raise RuntimeError(
+                    f"{n} shared its input with {owner[n]} in the first pass, with {first} now"
+                )
             if first == n:
                 stats[n].update(x)
             fired.add(n)
@@ -494,29 +591,39 @@ def _collect(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwa
     return stats
 
 
-def _check_stats_header(recipe: Recipe, meta: nn.Module, adapter: Adapter,
-                        assignment: dict[str, QuantizerStage]) -> None:
+def _check_stats_header(
+    recipe: Recipe, meta: nn.Module, adapter: Adapter, assignment: dict[str, QuantizerStage]
+) -> None:
     """A stats file is of this model: its linears are this model's, with this model's input widths (read from the
     file's header, so a stats file of another model fails before any weight or statistic is read)."""
     path = Path(recipe.calibration.stats)
     header = read_header(path, InputError)
-    widths = {f"{adapter.block_prefix(i)}.{rel}": meta.get_submodule(f"{adapter.block_prefix(i)}.{rel}").in_features
-              for i in range(len(adapter.blocks(meta))) for rel in adapter.linear_names()}
+    widths = {
+        f"{adapter.block_prefix(i)}.{rel}": meta.get_submodule(f"{adapter.block_prefix(i)}.{rel}").in_features
+        for i in range(len(adapter.blocks(meta)))
+        for rel in adapter.linear_names()
+    }
     for key, info in sorted(header.items()):
         name, _, field_name = key.rpartition(".")
         if field_name != "absmax":
             continue
         if name not in widths:
-            raise InputError(f"{path}: statistics for {name}, which is not a linear of '{recipe.model}'; expected a "
-                             f"stats file computed on this model")
+            raise InputError(
+                f"{path}: statistics for {name}, which is not a linear of '{recipe.model}'; expected a "
+                f"stats file computed on this model"
+            )
         if info.shape != (widths[name],):
-            raise InputError(f"{path}: {name}.absmax has shape {list(info.shape)}, the model's linear has "
-                             f"{widths[name]} inputs; expected a stats file computed on this model")
+            raise InputError(
+                f"{path}: {name}.absmax has shape {list(info.shape)}, the model's linear has "
+                f"{widths[name]} inputs; expected a stats file computed on this model"
+            )
     _check_stats(recipe, {k.rpartition(".")[0]: None for k in header}, assignment)
 
 
 def _check_stats(recipe: Recipe, fp_stats: dict, assignment: dict[str, QuantizerStage]) -> None:
     for full, stage in assignment.items():
         if stage.needs_calibration() and not stage.needs_hessian() and full not in fp_stats:
-            raise InputError(f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
-                             f"computed on this model")
+            raise InputError(
+                f"{recipe.calibration.stats}: no statistics for {full}; expected a stats file "
+                f"computed on this model"
+            )

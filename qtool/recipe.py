@@ -36,10 +36,14 @@ class CalibrationSpec:
     text_field: str = option("text", help="field holding the text in .jsonl/datasets sources")
     split: str = option("train", help="datasets split")
     config: str | None = option(None, help="datasets config name")
-    stats: str | None = option(None, help="stats file from `qtool calibrate`, reused instead of FP statistics")
+    stats: str | None = option(
+        None, help="stats file from `qtool calibrate`, reused instead of FP statistics"
+    )
     encoding: str = option("utf-8", help="text encoding of a .txt/.jsonl source (e.g. latin-1, cp1252)")
-    allow_long_context: bool = option(False, help="allow seq_len beyond the model's context length "
-                                                  "(max_position_embeddings); refused otherwise")
+    allow_long_context: bool = option(
+        False,
+        help="allow seq_len beyond the model's context length (max_position_embeddings); refused otherwise",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         problem = check_encoding(self.encoding)
@@ -48,8 +52,9 @@ class CalibrationSpec:
 
 @dataclass
 class EvalSpec:
-    text: str | None = option(None, help="perplexity text: a .txt/.jsonl file, a saved datasets folder, or a datasets "
-                                         "name")
+    text: str | None = option(
+        None, help="perplexity text: a .txt/.jsonl file, a saved datasets folder, or a datasets name"
+    )
     seq_len: int = option(2048, min=8, max=1_048_576, help="tokens per window")
     max_windows: int | None = option(None, min=1, help="evaluate only the first windows; null for all")
     stride: int | None = option(None, min=1, help="tokens between window starts; null for non-overlapping")
@@ -58,15 +63,24 @@ class EvalSpec:
     split: str = option("test", help="datasets split")
     config: str | None = option(None, help="datasets config name")
     batch_size: int = option(4, min=1, max=1024, help="windows per forward pass")
-    tasks: list[str] | None = option(None, help="zero-shot tasks through lm-eval, e.g. [piqa, arc_easy, hellaswag]")
+    tasks: list[str] | None = option(
+        None, help="zero-shot tasks through lm-eval, e.g. [piqa, arc_easy, hellaswag]"
+    )
     limit: int | None = option(None, min=1, help="score only the first items of each task; null for all")
     num_fewshot: int = option(0, min=0, max=100, help="examples in each task prompt")
-    task_batch_size: int | Literal["auto"] = option(32, min=1, max=4096, help="lm-eval requests per forward pass")
-    data_dir: str | None = option(None, help="folder of the standard tasks' JSONL files (default: "
-                                             "$QTOOL_ZEROSHOT_DATA, else ../shared/assets/data/zeroshot)")
+    task_batch_size: int | Literal["auto"] = option(
+        32, min=1, max=4096, help="lm-eval requests per forward pass"
+    )
+    data_dir: str | None = option(
+        None,
+        help="folder of the standard tasks' JSONL files (default: "
+        "$QTOOL_ZEROSHOT_DATA, else ../shared/assets/data/zeroshot)",
+    )
     encoding: str = option("utf-8", help="text encoding of a .txt/.jsonl text (e.g. latin-1, cp1252)")
-    allow_long_context: bool = option(False, help="allow seq_len beyond the model's context length "
-                                                  "(max_position_embeddings); refused otherwise")
+    allow_long_context: bool = option(
+        False,
+        help="allow seq_len beyond the model's context length (max_position_embeddings); refused otherwise",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if self.text is None and not self.tasks:
@@ -79,8 +93,10 @@ class EvalSpec:
 class Settings:
     device: str = option("auto", help="compute device for the block-wise pipeline: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = option(
-        "auto", help="activation dtype in the pipeline; auto is float32 on CPU and the model's dtype on CUDA "
-                     "(float64 for exactness checks)")
+        "auto",
+        help="activation dtype in the pipeline; auto is float32 on CPU and the model's dtype on CUDA "
+        "(float64 for exactness checks)",
+    )
     max_shard_size: str = option("5GB", help="largest safetensors file before the checkpoint is sharded")
 
 
@@ -144,10 +160,14 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise RecipeError(f"{label}: found a byte that is not UTF-8 (0x{e.object[e.start]:02x} at offset {e.start}); "
-                          f"expected a YAML text file") from None
+        raise RecipeError(
+            f"{label}: found a byte that is not UTF-8 (0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"expected a YAML text file"
+        ) from None
     except OSError as e:
-        raise RecipeError(f"{label}: cannot be read ({e.strerror or e}); expected a readable YAML file") from None
+        raise RecipeError(
+            f"{label}: cannot be read ({e.strerror or e}); expected a readable YAML file"
+        ) from None
     if not text.strip():
         raise RecipeError(f"{label}: is empty; expected a mapping with keys {', '.join(TOP_KEYS)}")
     try:
@@ -162,9 +182,13 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     return validate_recipe(raw, label, path.resolve().parent, overrides or {}, path)
 
 
-def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any], path: Path | None = None) -> Recipe:
+def validate_recipe(
+    raw: Any, label: str, base: Path, overrides: dict[str, Any], path: Path | None = None
+) -> Recipe:
     if not isinstance(raw, dict):
-        raise RecipeError(f"{label}: found {type(raw).__name__}, expected a mapping with keys {', '.join(TOP_KEYS)}")
+        raise RecipeError(
+            f"{label}: found {type(raw).__name__}, expected a mapping with keys {', '.join(TOP_KEYS)}"
+        )
     for key in raw:
         if key not in TOP_KEYS:
             raise RecipeError(f"{label}:{key}: unknown key; expected one of {', '.join(TOP_KEYS)}")
@@ -191,12 +215,16 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
 
     settings = parse_options(Settings, raw.get("settings") or {}, f"{label}:settings")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
-        raise RecipeError(f"{label}:settings.device: found {settings.device!r}, expected auto, cpu, cuda or cuda:N")
+        raise RecipeError(
+            f"{label}:settings.device: found {settings.device!r}, expected auto, cpu, cuda or cuda:N"
+        )
     try:
         parse_size(settings.max_shard_size)
     except ValueError:
-        raise RecipeError(f"{label}:settings.max_shard_size: found {settings.max_shard_size!r}, expected a size "
-                          f"such as 5GB or 500MB") from None
+        raise RecipeError(
+            f"{label}:settings.max_shard_size: found {settings.max_shard_size!r}, expected a size "
+            f"such as 5GB or 500MB"
+        ) from None
 
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
@@ -209,8 +237,10 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
         if isinstance(spec.stage, QuantizerStage):
             seen_quantizer = seen_quantizer or spec.stage
         elif seen_quantizer is not None:
-            raise RecipeError(f"{label}:stages[{spec.stage.index}]: transform {spec.stage.name!r} comes after "
-                              f"quantizer {seen_quantizer.label}; expected every transform before the quantizers")
+            raise RecipeError(
+                f"{label}:stages[{spec.stage.index}]: transform {spec.stage.name!r} comes after "
+                f"quantizer {seen_quantizer.label}; expected every transform before the quantizers"
+            )
 
     cal_raw = raw.get("calibration")
     cal_over = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("calibration.")}
@@ -226,17 +256,23 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
             stats_base = cwd if "calibration.stats" in overrides else base
             p = (stats_base / calibration.stats).resolve()
             if not p.is_file():
-                raise InputError(f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
-                                  f"written by `qtool calibrate`")
+                raise InputError(
+                    f"{where('calibration.stats')}: file '{p}' does not exist; expected a stats file "
+                    f"written by `qtool calibrate`"
+                )
             calibration.stats = str(p)
             moved = next((s.stage for s in stages if isinstance(s.stage, TransformStage)), None)
             if moved is not None:
-                raise RecipeError(f"{where('calibration.stats')}: a stats file of the original model, with "
-                                  f"{moved.label} changing the model first; expected no stats file (the pipeline "
-                                  f"calibrates the transformed model itself)")
+                raise RecipeError(
+                    f"{where('calibration.stats')}: a stats file of the original model, with "
+                    f"{moved.label} changing the model first; expected no stats file (the pipeline "
+                    f"calibrates the transformed model itself)"
+                )
     if calibration is None and any(s.stage.needs_calibration() for s in stages):
         first = next(s.stage for s in stages if s.stage.needs_calibration())
-        raise RecipeError(f"{label}:calibration: missing; expected calibration data, which {first.label} needs")
+        raise RecipeError(
+            f"{label}:calibration: missing; expected calibration data, which {first.label} needs"
+        )
 
     ev = None
     if raw.get("eval") is not None:
@@ -254,8 +290,10 @@ def validate_recipe(raw: Any, label: str, base: Path, overrides: dict[str, Any],
         raise RecipeError(f"{label}:target: found {target!r}, expected one of {', '.join(TARGETS)}")
     recipe = Recipe(path, model, output, calibration, stages, ev, settings, target=target)
     recipe.as_run = _as_run(recipe)
-    recipe.origins = {key: _origin(key, raw, label, where(key), key in overrides)
-                      for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")}
+    recipe.origins = {
+        key: _origin(key, raw, label, where(key), key in overrides)
+        for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")
+    }
     return recipe
 
 
@@ -274,11 +312,15 @@ def _origin(key: str, raw: dict, label: str, where: str, overridden: bool) -> st
 def _parse_stage(entry: Any, i: int, label: str) -> StageSpec:
     where = f"{label}:stages[{i}]"
     if not isinstance(entry, dict) or "stage" not in entry:
-        raise RecipeError(f"{where}: found {entry!r}, expected a mapping with a 'stage' key naming one of "
-                          f"{', '.join(sorted(STAGES))}")
+        raise RecipeError(
+            f"{where}: found {entry!r}, expected a mapping with a 'stage' key naming one of "
+            f"{', '.join(sorted(STAGES))}"
+        )
     name = entry["stage"]
     if name not in STAGES:
-        raise RecipeError(f"{where}.stage: unknown stage {name!r}; expected one of {', '.join(sorted(STAGES))}")
+        raise RecipeError(
+            f"{where}.stage: unknown stage {name!r}; expected one of {', '.join(sorted(STAGES))}"
+        )
     cls = STAGES[name]
     opts = {k: v for k, v in entry.items() if k not in ("stage", "targets")}
     options = parse_options(cls.options_cls, opts, where)
@@ -306,8 +348,9 @@ def resolve_text(ref: str, base: Path, where: str) -> str:
     if p.exists():
         return str(p)
     if _looks_like_path(ref):
-        raise InputError(f"{where}: file '{p}' does not exist; expected a text file, a datasets folder or a "
-                          f"datasets name")
+        raise InputError(
+            f"{where}: file '{p}' does not exist; expected a text file, a datasets folder or a datasets name"
+        )
     return ref  # a datasets name, resolved when loaded
 
 
@@ -318,7 +361,11 @@ def _as_run(r: Recipe) -> dict:
     if r.calibration is not None:
         out["calibration"] = dataclasses.asdict(r.calibration)
     out["stages"] = [
-        {"stage": s.stage.name, **dataclasses.asdict(s.stage.options), "targets": dataclasses.asdict(s.stage.targets)}
+        {
+            "stage": s.stage.name,
+            **dataclasses.asdict(s.stage.options),
+            "targets": dataclasses.asdict(s.stage.targets),
+        }
         for s in r.stages
     ]
     if r.eval is not None:

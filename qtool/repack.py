@@ -10,8 +10,14 @@ from qtool.console import Reporter
 from qtool.output import Output
 
 
-def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwrite: bool, reporter: Reporter,
-             verify: bool = True) -> dict:
+def run_pack(
+    checkpoint: Path,
+    output: Path | None,
+    max_shard_size: str,
+    overwrite: bool,
+    reporter: Reporter,
+    verify: bool = True,
+) -> dict:
     """`verify`: hash every file and read every tensor; otherwise (`--quick`) only what every load checks."""
     from qtool.errors import UsageError
     from qtool.output import folder_bytes, reserve_output
@@ -19,8 +25,9 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
 
     if not verify:
         if output is not None:
-            raise UsageError("--quick with -o: a re-pack reads every tensor and verifies the checkpoint; drop "
-                             "--quick")
+            raise UsageError(
+                "--quick with -o: a re-pack reads every tensor and verifies the checkpoint; drop --quick"
+            )
         return _quick(checkpoint)
     if output is None:
         return _pack(checkpoint, None, None, None, reporter)
@@ -30,7 +37,9 @@ def run_pack(checkpoint: Path, output: Path | None, max_shard_size: str, overwri
         raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
     # The copy's folder is checked (and its temporary created) before the checkpoint is read.
     needs = folder_bytes(checkpoint) if checkpoint.is_dir() else None
-    with reserve_output(output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log) as reserved:
+    with reserve_output(
+        output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log
+    ) as reserved:
         return _pack(checkpoint, output, reserved, shard_bytes, reporter)
 
 
@@ -52,16 +61,28 @@ def _quick(checkpoint: Path) -> dict:
     manifest = read_manifest(checkpoint)
     check_files(checkpoint, manifest)
     if tensor_index(checkpoint, CheckpointError) is None:
-        raise CheckpointError(f"{checkpoint}: no model.safetensors (or shards with model.safetensors.index.json)")
+        raise CheckpointError(
+            f"{checkpoint}: no model.safetensors (or shards with model.safetensors.index.json)"
+        )
     layers = read_config(checkpoint)["quantization_config"]["layers"]
     checkpoint_config(checkpoint)
     load_tokenizer(checkpoint)
-    return {"checkpoint": str(checkpoint), "verified": False, "checked": "sizes, headers, configs, tokenizer",
-            "quantized_layers": len(layers), "bits_per_weight": manifest.get("bits_per_weight")}
+    return {
+        "checkpoint": str(checkpoint),
+        "verified": False,
+        "checked": "sizes, headers, configs, tokenizer",
+        "quantized_layers": len(layers),
+        "bits_per_weight": manifest.get("bits_per_weight"),
+    }
 
 
-def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_bytes: int | None,
-          reporter: Reporter) -> dict:
+def _pack(
+    checkpoint: Path,
+    output: Path | None,
+    reserved: Output | None,
+    shard_bytes: int | None,
+    reporter: Reporter,
+) -> dict:
     from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
     from qtool.checkpoint.writer import write_checkpoint
 
@@ -79,8 +100,11 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         if "bits" in cfg:
             key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
         elif cfg.get("format") == "vq":  # VQ-LLM's notation, y written as index bits
-            scope = ("tensor" if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
-                     else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}")
+            scope = (
+                "tensor"
+                if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
+                else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}"
+            )
             key = f"vq VQ<{cfg['vector_size']},{cfg['index_bits']},{cfg['residuals']}> {scope}"
         else:  # mixed-2-4-16: the width varies per stripe
             key = f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
@@ -91,10 +115,14 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         if "num_outliers" in cfg:  # quik: the outlier count varies per layer
             key += f" outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
         layouts[key] = layouts.get(key, 0) + 1
-    summary = {"checkpoint": str(checkpoint), "verified": True,
-               "checked": "hashes, tensors (layouts, shapes, finite values), configs, tokenizer",
-               "quantized_layers": len(layers),
-               "layouts": layouts, "bits_per_weight": manifest.get("bits_per_weight")}
+    summary = {
+        "checkpoint": str(checkpoint),
+        "verified": True,
+        "checked": "hashes, tensors (layouts, shapes, finite values), configs, tokenizer",
+        "quantized_layers": len(layers),
+        "layouts": layouts,
+        "bits_per_weight": manifest.get("bits_per_weight"),
+    }
     if reserved is not None:
         tensors = read_tensors(checkpoint)
         qcfg = config.pop("quantization_config")
@@ -103,9 +131,18 @@ def _pack(checkpoint: Path, output: Path | None, reserved: Output | None, shard_
         recipe_file = checkpoint / "recipe.yaml"
         recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
         extra = {k: v for k, v in manifest.items() if k not in ("files", "sizes", "format_version")}
-        write_checkpoint(output, tensors=tensors, config=config, layers=layers, model_schemes=schemes,
-                         tokenizer=tokenizer,
-                         recipe_as_run=recipe, manifest_extra=extra, max_shard_bytes=shard_bytes, reserved=reserved)
+        write_checkpoint(
+            output,
+            tensors=tensors,
+            config=config,
+            layers=layers,
+            model_schemes=schemes,
+            tokenizer=tokenizer,
+            recipe_as_run=recipe,
+            manifest_extra=extra,
+            max_shard_bytes=shard_bytes,
+            reserved=reserved,
+        )
         summary["output"] = str(output)
         if reserved.removed_leftovers:
             summary["removed_leftovers"] = [str(p) for p in reserved.removed_leftovers]

@@ -18,8 +18,17 @@ from qtool.output import Output, checkpoint_bytes, reserve_output
 from qtool.recipe import load_recipe
 
 
-def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrite: bool, reporter: Reporter,
-                 resume: bool = False, dry_run: bool = False, whole_model: bool = False) -> dict | None:
+def run_quantize(
+    recipe_path: Path,
+    overrides: dict,
+    *,
+    run_eval: bool,
+    overwrite: bool,
+    reporter: Reporter,
+    resume: bool = False,
+    dry_run: bool = False,
+    whole_model: bool = False,
+) -> dict | None:
     """`resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
     everything and estimate the run's memory, size and time without reading a weight. `whole_model`: load the
     whole model into host memory instead of reading one block at a time from the weight files. Returns the
@@ -30,17 +39,34 @@ def run_quantize(recipe_path: Path, overrides: dict, *, run_eval: bool, overwrit
     startup = process_age()
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
-        raise RecipeError(f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)")
+        raise RecipeError(
+            f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)"
+        )
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
     t = time.perf_counter()
     with session(resolve_device(recipe.settings.device)) as world:
         if world.joined:
-            _check_world(world, recipe, resume=resume, dry_run=dry_run, whole_model=whole_model,
-                         overwrite=overwrite, run_eval=run_eval)
+            _check_world(
+                world,
+                recipe,
+                resume=resume,
+                dry_run=dry_run,
+                whole_model=whole_model,
+                overwrite=overwrite,
+                run_eval=run_eval,
+            )
         joined = time.perf_counter() - t if world.joined else None
-        summary = _run_quantize(recipe, world, run_eval=run_eval, overwrite=overwrite, reporter=reporter,
-                                resume=resume, dry_run=dry_run, whole_model=whole_model)
+        summary = _run_quantize(
+            recipe,
+            world,
+            run_eval=run_eval,
+            overwrite=overwrite,
+            reporter=reporter,
+            resume=resume,
+            dry_run=dry_run,
+            whole_model=whole_model,
+        )
     if summary is not None and "timings" in summary:
         extra = {"startup_s": startup, "join_s": joined}
         summary["timings"].update({k: round(v, 3) for k, v in extra.items() if v is not None})
@@ -54,20 +80,33 @@ def _check_world(world, recipe, **flags) -> None:
 
     world.check_same({"recipe": recipe.as_run, "config": load_config(recipe.model).to_dict(), "flags": flags})
     if flags["whole_model"]:
-        raise UsageError(f"--whole-model: found with {world.size} processes; expected one process (several "
-                         f"processes read the model block by block)")
+        raise UsageError(
+            f"--whole-model: found with {world.size} processes; expected one process (several "
+            f"processes read the model block by block)"
+        )
     for spec in recipe.stages:
         problem = spec.stage.distributed_problem()
         if problem is not None:
             raise RecipeError(f"stages[{spec.stage.index}].{problem[0]}: {problem[1]}")
     cal = recipe.calibration
     if cal is not None and recipe.needs_calibration() and cal.num_samples < world.size:
-        raise RecipeError(f"calibration.num_samples: found {cal.num_samples} for {world.size} processes; expected "
-                          f"at least one calibration window per process")
+        raise RecipeError(
+            f"calibration.num_samples: found {cal.num_samples} for {world.size} processes; expected "
+            f"at least one calibration window per process"
+        )
 
 
-def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: Reporter, resume: bool,
-                  dry_run: bool, whole_model: bool) -> dict | None:
+def _run_quantize(
+    recipe,
+    world,
+    *,
+    run_eval: bool,
+    overwrite: bool,
+    reporter: Reporter,
+    resume: bool,
+    dry_run: bool,
+    whole_model: bool,
+) -> dict | None:
     from qtool.checkpoint.partial import Work, partial_path
     from qtool.estimate import check_fits, estimate
     from qtool.onloaded import can_onload, quantize_onloaded
@@ -76,8 +115,9 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
     out = Path(recipe.output)
     partial = partial_path(Path(os.path.abspath(out)))
     if world.is_main:  # the work folder and the output are rank 0's; its refusals reach the other ranks
-        _check_work_folder(out, partial, resume=resume, overwrite=overwrite, dry_run=dry_run,
-                           whole_model=whole_model)
+        _check_work_folder(
+            out, partial, resume=resume, overwrite=overwrite, dry_run=dry_run, whole_model=whole_model
+        )
     device = resolve_device(recipe.settings.device)
     plan: dict = {}
 
@@ -85,15 +125,19 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
         # Before the calibration text is read: what the run needs against what this machine has.
         plan["mode"] = "whole" if whole_model or not can_onload(recipe, prepared) else "blocks"
         if plan["mode"] == "whole" and world.joined:
-            raise InputError(f"model '{recipe.model}': not a local folder of safetensors weights, which runs over "
-                             f"{world.size} processes read block by block; expected one (or one process)")
+            raise InputError(
+                f"model '{recipe.model}': not a local folder of safetensors weights, which runs over "
+                f"{world.size} processes read block by block; expected one (or one process)"
+            )
         cal = recipe.calibration
         share = len(world.share(cal.num_samples)) if cal is not None and world.joined else None
         plan["estimate"] = estimate(recipe, prepared, device, plan["mode"], timing=dry_run, samples=share)
         check_fits(plan["estimate"], recipe, out)
         prepared.activations = plan["estimate"].activations
         # beside the output, on its disk; one folder per rank
-        prepared.offload_dir = partial.with_name(f".{out.name}.activations" + (f".{world.rank}" if world.rank else ""))
+        prepared.offload_dir = partial.with_name(
+            f".{out.name}.activations" + (f".{world.rank}" if world.rank else "")
+        )
 
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
@@ -101,8 +145,14 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
     if dry_run:
         if not world.is_main:
             return None
-        return {"output": str(out), "model": recipe.model, "dry_run": True, "mode": plan["mode"],
-                "device": str(device), **plan["estimate"].summary()}
+        return {
+            "output": str(out),
+            "model": recipe.model,
+            "dry_run": True,
+            "mode": plan["mode"],
+            "device": str(device),
+            **plan["estimate"].summary(),
+        }
     if not world.is_main:
         quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
         return None
@@ -118,12 +168,31 @@ def _run_quantize(recipe, world, *, run_eval: bool, overwrite: bool, reporter: R
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
     from qtool.distributed import on_abort
 
-    with reserve_output(out, directory=True, overwrite=overwrite, resume=resume,
-                        needs_bytes=checkpoint_bytes(recipe, prepared.config), log=reporter.log) as reserved, \
-            on_abort(reserved.discard), on_abort(lambda: _drop_unfinished(partial)):
+    with (
+        reserve_output(
+            out,
+            directory=True,
+            overwrite=overwrite,
+            resume=resume,
+            needs_bytes=checkpoint_bytes(recipe, prepared.config),
+            log=reporter.log,
+        ) as reserved,
+        on_abort(reserved.discard),
+        on_abort(lambda: _drop_unfinished(partial)),
+    ):
         if plan["mode"] == "blocks":
-            return _quantize_onloaded(recipe, out, reserved, device, prepared, partial, resume=resume,
-                                      run_eval=run_eval, reporter=reporter, world=world)
+            return _quantize_onloaded(
+                recipe,
+                out,
+                reserved,
+                device,
+                prepared,
+                partial,
+                resume=resume,
+                run_eval=run_eval,
+                reporter=reporter,
+                world=world,
+            )
         return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
 
 
@@ -136,33 +205,47 @@ def _drop_unfinished(partial: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _check_work_folder(out: Path, partial: Path, *, resume: bool, overwrite: bool, dry_run: bool,
-                       whole_model: bool) -> None:
+def _check_work_folder(
+    out: Path, partial: Path, *, resume: bool, overwrite: bool, dry_run: bool, whole_model: bool
+) -> None:
     """Refuse a --resume without a work folder, and a work folder left beside the output without --resume or
     --overwrite."""
     from qtool.checkpoint.partial import Work
 
     if resume and not dry_run:
         if whole_model:
-            raise UsageError("--resume: a run with --whole-model keeps no work folder; expected a block-by-block "
-                             "run")
+            raise UsageError(
+                "--resume: a run with --whole-model keeps no work folder; expected a block-by-block run"
+            )
         if not partial.is_dir():
-            raise UsageError(f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
-                             f"expected the output of an interrupted run (run without --resume to start one)")
+            raise UsageError(
+                f"--resume: nothing to resume for output '{out}' (no '{partial.name}' beside it); "
+                f"expected the output of an interrupted run (run without --resume to start one)"
+            )
     elif partial.is_dir() and not overwrite and not dry_run:
         state = Work.read_state(partial)
-        done = (f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
-                if state else "no finished block")
-        raise UsageError(f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
-                         f"--resume to continue it, or --overwrite to discard it and start over")
+        done = (
+            f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
+            if state
+            else "no finished block"
+        )
+        raise UsageError(
+            f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
+            f"--resume to continue it, or --overwrite to discard it and start over"
+        )
 
 
 def _eval_suite(recipe, run_eval: bool):
     from qtool.eval.zeroshot import TaskSuite
 
     if run_eval and recipe.eval is not None and recipe.eval.tasks:
-        return TaskSuite(recipe.eval.tasks, limit=recipe.eval.limit, num_fewshot=recipe.eval.num_fewshot,
-                         batch_size=recipe.eval.task_batch_size, data_dir=recipe.eval.data_dir)
+        return TaskSuite(
+            recipe.eval.tasks,
+            limit=recipe.eval.limit,
+            num_fewshot=recipe.eval.num_fewshot,
+            batch_size=recipe.eval.task_batch_size,
+            data_dir=recipe.eval.data_dir,
+        )
     return None
 
 
@@ -179,19 +262,53 @@ def _evaluate_original(recipe, device: torch.device, suite, reporter: Reporter) 
     return evaluate_one(recipe.model, device, spec, suite, reporter, dtype=dtype)
 
 
-def _quantize_onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
-                       resume: bool, run_eval: bool, reporter: Reporter, world) -> dict:
+def _quantize_onloaded(
+    recipe,
+    out: Path,
+    reserved: Output,
+    device: torch.device,
+    prepared,
+    partial: Path,
+    *,
+    resume: bool,
+    run_eval: bool,
+    reporter: Reporter,
+    world,
+) -> dict:
     suite = _eval_suite(recipe, run_eval)
     try:
-        return _onloaded(recipe, out, reserved, device, prepared, partial, resume=resume, run_eval=run_eval,
-                         suite=suite, reporter=reporter, world=world)
+        return _onloaded(
+            recipe,
+            out,
+            reserved,
+            device,
+            prepared,
+            partial,
+            resume=resume,
+            run_eval=run_eval,
+            suite=suite,
+            reporter=reporter,
+            world=world,
+        )
     finally:
         if suite is not None:
             suite.close()
 
 
-def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepared, partial: Path, *,
-              resume: bool, run_eval: bool, suite, reporter: Reporter, world) -> dict:
+def _onloaded(
+    recipe,
+    out: Path,
+    reserved: Output,
+    device: torch.device,
+    prepared,
+    partial: Path,
+    *,
+    resume: bool,
+    run_eval: bool,
+    suite,
+    reporter: Reporter,
+    world,
+) -> dict:
     from qtool.onloaded import quantize_onloaded
 
     evaluate, record = None, {"eval": None}
@@ -209,22 +326,46 @@ def _onloaded(recipe, out: Path, reserved: Output, device: torch.device, prepare
     except BaseException:
         _drop_unfinished(partial)
         raise
-    config, bpw, manifest_extra = _checkpoint_fields(recipe, dict(run.config), run.original_dtype, run.packed,
-                                                     run.tensors.meta, run.calibration, run.transforms, None)
+    config, bpw, manifest_extra = _checkpoint_fields(
+        recipe,
+        dict(run.config),
+        run.original_dtype,
+        run.packed,
+        run.tensors.meta,
+        run.calibration,
+        run.transforms,
+        None,
+    )
     t = time.perf_counter()
     try:
-        write_checkpoint(out, tensors=run.tensors, config=config, layers=run.layers, model_schemes=run.model_schemes,
-                         tokenizer=run.tokenizer, recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
-                         max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved, evaluate=evaluate)
+        write_checkpoint(
+            out,
+            tensors=run.tensors,
+            config=config,
+            layers=run.layers,
+            model_schemes=run.model_schemes,
+            tokenizer=run.tokenizer,
+            recipe_as_run=recipe.as_run,
+            manifest_extra=manifest_extra,
+            max_shard_bytes=recipe.max_shard_bytes(),
+            reserved=reserved,
+            evaluate=evaluate,
+        )
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
-                          f"'{run.work.folder}'; run the same command with --resume to write it") from None
+        raise Interrupted(
+            f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
+            f"'{run.work.folder}'; run the same command with --resume to write it"
+        ) from None
     run.timings["write_s"] = time.perf_counter() - t
     run.work.remove()
     reporter.log(f"wrote {out}")
     return {
         "output": str(out),
-        **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
+        **(
+            {"removed_leftovers": [str(p) for p in reserved.removed_leftovers]}
+            if reserved.removed_leftovers
+            else {}
+        ),
         "model": recipe.model,
         "mode": "blocks",
         "activations": prepared.activations,
@@ -267,21 +408,26 @@ def _checkpoint_evaluator(recipe, device: torch.device, fp: dict, suite, tokeniz
     return evaluate
 
 
-def _checkpoint_fields(recipe, config: dict, original_dtype, packed, tensors, calibration, transforms,
-                       ev_result) -> tuple[dict, dict, dict]:
+def _checkpoint_fields(
+    recipe, config: dict, original_dtype, packed, tensors, calibration, transforms, ev_result
+) -> tuple[dict, dict, dict]:
     """config.json (with the original dtype), bits per weight and the manifest's run fields, the same for the
     block-by-block and the whole-model run."""
     config["dtype"] = str(original_dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     bpw = bits_per_weight(packed, tensors)
-    return config, bpw, {
-        "bits_per_weight": bpw,
-        "calibration": calibration,
-        "seed": recipe.calibration.seed if recipe.calibration else None,
-        "stages": [s.stage.name for s in recipe.stages],
-        "transforms": transforms,
-        "eval": ev_result,
-    }
+    return (
+        config,
+        bpw,
+        {
+            "bits_per_weight": bpw,
+            "calibration": calibration,
+            "seed": recipe.calibration.seed if recipe.calibration else None,
+            "stages": [s.stage.name for s in recipe.stages],
+            "transforms": transforms,
+            "eval": ev_result,
+        },
+    )
 
 
 def _peak_gpu(device: torch.device) -> dict:
@@ -290,8 +436,9 @@ def _peak_gpu(device: torch.device) -> dict:
     return {"peak_gpu_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
 
 
-def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool,
-              reporter: Reporter) -> dict:
+def _quantize(
+    recipe, out: Path, reserved: Output, device: torch.device, prepared, *, run_eval: bool, reporter: Reporter
+) -> dict:
     from qtool.evaluate import eval_record, evaluate_loaded
     from qtool.pipeline import quantize_model
 
@@ -314,20 +461,42 @@ def _quantize(recipe, out: Path, reserved: Output, device: torch.device, prepare
             suite.close()
 
     tensors = collect_tensors(qm.model, qm.packed, qm.original_dtype)
-    layers = {name: p.layer_config(getattr(qm.model.get_submodule(name), "bias", None) is not None)
-              for name, p in sorted(qm.packed.items())}
-    config, bpw, manifest_extra = _checkpoint_fields(recipe, qm.model.config.to_dict(), qm.original_dtype,
-                                                     qm.packed, tensors, qm.calibration, qm.transforms, ev_result)
+    layers = {
+        name: p.layer_config(getattr(qm.model.get_submodule(name), "bias", None) is not None)
+        for name, p in sorted(qm.packed.items())
+    }
+    config, bpw, manifest_extra = _checkpoint_fields(
+        recipe,
+        qm.model.config.to_dict(),
+        qm.original_dtype,
+        qm.packed,
+        tensors,
+        qm.calibration,
+        qm.transforms,
+        ev_result,
+    )
     t = time.perf_counter()
-    write_checkpoint(out, tensors=tensors, config=config, layers=layers, model_schemes=qm.model_schemes,
-                     tokenizer=qm.tokenizer,
-                     recipe_as_run=recipe.as_run, manifest_extra=manifest_extra,
-                     max_shard_bytes=recipe.max_shard_bytes(), reserved=reserved)
+    write_checkpoint(
+        out,
+        tensors=tensors,
+        config=config,
+        layers=layers,
+        model_schemes=qm.model_schemes,
+        tokenizer=qm.tokenizer,
+        recipe_as_run=recipe.as_run,
+        manifest_extra=manifest_extra,
+        max_shard_bytes=recipe.max_shard_bytes(),
+        reserved=reserved,
+    )
     qm.timings["write_s"] = time.perf_counter() - t
     reporter.log(f"wrote {out}")
     return {
         "output": str(out),
-        **({"removed_leftovers": [str(p) for p in reserved.removed_leftovers]} if reserved.removed_leftovers else {}),
+        **(
+            {"removed_leftovers": [str(p) for p in reserved.removed_leftovers]}
+            if reserved.removed_leftovers
+            else {}
+        ),
         "model": recipe.model,
         "mode": "whole",
         "activations": prepared.activations,

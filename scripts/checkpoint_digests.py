@@ -27,19 +27,54 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets")).resolve()
 STORIES = ASSETS / "models" / "stories260K"
 CALIBRATION = ASSETS / "data" / "tinystories" / "cs336_tinystories_sample.txt"
-PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-              "QTOOL_DIGEST_PINNED": "1"}
+PINNED_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "QTOOL_DIGEST_PINNED": "1",
+}
 
 # Random-weight models beside stories260K (5 blocks, hidden 64): odd widths with GQA and tied embeddings (the
 # tests' tiny Llama), OPT (biases, LayerNorm), and widths that every shipped group size and vector size divide.
 MODELS = {
-    "tiny-llama": ("llama", dict(vocab_size=512, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                 tie_word_embeddings=True)),
-    "tiny-opt": ("opt", dict(vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2, num_attention_heads=4,
-                             max_position_embeddings=2048, word_embed_proj_dim=64)),
-    "llama-256": ("llama", dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)),
+    "tiny-llama": (
+        "llama",
+        dict(
+            vocab_size=512,
+            hidden_size=96,
+            intermediate_size=200,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "tiny-opt": (
+        "opt",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            ffn_dim=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=2048,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    "llama-256": (
+        "llama",
+        dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+        ),
+    ),
 }
 
 
@@ -51,7 +86,9 @@ def build_models(folder: Path) -> dict[str, Path]:
     for name, (kind, cfg) in MODELS.items():
         path = folder / name
         if not (path / "config.json").is_file():
-            model = (LlamaForCausalLM(LlamaConfig(**cfg)) if kind == "llama" else OPTForCausalLM(OPTConfig(**cfg)))
+            model = (
+                LlamaForCausalLM(LlamaConfig(**cfg)) if kind == "llama" else OPTForCausalLM(OPTConfig(**cfg))
+            )
             # Drawn here rather than by the library's initialisation, which may change between its versions.
             g = torch.Generator().manual_seed(0)
             with torch.no_grad():
@@ -70,12 +107,17 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-TENSORS_ONLY = False  # --tensors-only: the safetensors files alone (config.json and the manifest name versions)
+TENSORS_ONLY = (
+    False  # --tensors-only: the safetensors files alone (config.json and the manifest name versions)
+)
 
 
 def folder_digests(folder: Path) -> dict[str, str]:
-    return {p.name: sha(p) for p in sorted(folder.iterdir())
-            if p.is_file() and (not TENSORS_ONLY or p.suffix == ".safetensors")}
+    return {
+        p.name: sha(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and (not TENSORS_ONLY or p.suffix == ".safetensors")
+    }
 
 
 def logits_digest(checkpoint: Path) -> str:
@@ -100,34 +142,57 @@ def run_one(recipe: Path, model: Path, work: Path) -> dict:
     out = work / "ckpt"
     shutil.rmtree(out, ignore_errors=True)
     try:
-        qtool.quantize(recipe, model=str(model), output=str(out), calibration=str(CALIBRATION), num_samples=4,
-                       seq_len=64, seed=0, run_eval=False, overwrite=True)
+        qtool.quantize(
+            recipe,
+            model=str(model),
+            output=str(out),
+            calibration=str(CALIBRATION),
+            num_samples=4,
+            seq_len=64,
+            seed=0,
+            run_eval=False,
+            overwrite=True,
+        )
     except QtoolError as e:
         return {"refused": str(e).replace(str(model), "MODEL").replace(str(recipe.parent), "RECIPES")}
     record = {"files": folder_digests(out), "logits": logits_digest(out)}
     runner = CliRunner()
-    for name, args in (("pack", ["pack", str(out), "-o", str(work / "pack"), "--overwrite"]),
-                       ("export", ["export", str(out), "--format", "compressed-tensors", "-o", str(work / "export"),
-                                   "--overwrite"])):
+    for name, args in (
+        ("pack", ["pack", str(out), "-o", str(work / "pack"), "--overwrite"]),
+        (
+            "export",
+            ["export", str(out), "--format", "compressed-tensors", "-o", str(work / "export"), "--overwrite"],
+        ),
+    ):
         res = runner.invoke(cli, args, catch_exceptions=False)
         target = work / name
         if res.exit_code == 0:
             record[name] = folder_digests(target)
         else:
-            record[name] = {"exit": res.exit_code, "error": res.output.strip().splitlines()[-1].replace(str(out), "CKPT")}
+            record[name] = {
+                "exit": res.exit_code,
+                "error": res.output.strip().splitlines()[-1].replace(str(out), "CKPT"),
+            }
         shutil.rmtree(target, ignore_errors=True)
     return record
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", type=Path, default=ROOT, help="checkout whose qtool package runs (default: this one)")
+    ap.add_argument(
+        "--tree", type=Path, default=ROOT, help="checkout whose qtool package runs (default: this one)"
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--recipes", help="comma-separated recipe names (default: every file in recipes/)")
     ap.add_argument("--models", help=f"comma-separated models (default: stories260k,{','.join(MODELS)})")
-    ap.add_argument("--tensors-only", action="store_true",
-                    help="digest only the safetensors files (the other files record package versions)")
-    ap.add_argument("--work", type=Path, help="folder for the random models and outputs (default: a temporary one)")
+    ap.add_argument(
+        "--tensors-only",
+        action="store_true",
+        help="digest only the safetensors files (the other files record package versions)",
+    )
+    ap.add_argument(
+        "--work", type=Path, help="folder for the random models and outputs (default: a temporary one)"
+    )
     args = ap.parse_args()
     if os.environ.get("QTOOL_DIGEST_PINNED") != "1":
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_ENV})

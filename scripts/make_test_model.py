@@ -28,14 +28,35 @@ TOKENIZER_FROM = ASSETS / "models" / "stories260K"
 
 SHAPES = {
     # Llama-2-7B
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
     # Llama-2-70B (GQA with 8 KV heads)
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
+    "70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
     # for tests: seconds to write and to quantize
-    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=512),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
 }
 
 
@@ -46,11 +67,19 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}"
-        out.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-                    f"{p}.self_attn.q_proj.weight": (h, h), f"{p}.self_attn.k_proj.weight": (kv, h),
-                    f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, h),
-                    f"{p}.mlp.gate_proj.weight": (i, h), f"{p}.mlp.up_proj.weight": (i, h),
-                    f"{p}.mlp.down_proj.weight": (h, i)})
+        out.update(
+            {
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+                f"{p}.self_attn.q_proj.weight": (h, h),
+                f"{p}.self_attn.k_proj.weight": (kv, h),
+                f"{p}.self_attn.v_proj.weight": (kv, h),
+                f"{p}.self_attn.o_proj.weight": (h, h),
+                f"{p}.mlp.gate_proj.weight": (i, h),
+                f"{p}.mlp.up_proj.weight": (i, h),
+                f"{p}.mlp.down_proj.weight": (h, i),
+            }
+        )
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (v, h)
     return out
@@ -60,10 +89,21 @@ def make(out: Path, shape: str, layers: int | None, max_shard: int, seed: int) -
     cfg = dict(SHAPES[shape])
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **cfg,
-              "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"], "hidden_act": "silu",
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False,
-              "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **cfg,
+        "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float16",
+    }
     shapes = tensor_shapes(cfg)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -91,8 +131,9 @@ def make(out: Path, shape: str, layers: int | None, max_shard: int, seed: int) -
         weight_map.update(dict.fromkeys(group, fname))
         print(f"wrote {fname} ({len(group)} tensors)", file=sys.stderr)
         del shard
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         if (TOKENIZER_FROM / f).is_file():
@@ -111,7 +152,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not TOKENIZER_FROM.is_dir():
-        sys.exit(f"make_test_model: error: {TOKENIZER_FROM}: missing; expected the shared assets (set QTOOL_ASSETS)")
+        sys.exit(
+            f"make_test_model: error: {TOKENIZER_FROM}: missing; expected the shared assets (set QTOOL_ASSETS)"
+        )
     print(json.dumps(make(args.output, args.shape, args.layers, int(args.max_shard_size * 1e9), args.seed)))
 
 

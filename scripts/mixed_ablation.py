@@ -45,8 +45,10 @@ def inter_layer(num_blocks: int, count: int) -> list[dict]:
     """Whole blocks at one precision: `count` evenly spaced blocks with every stripe at 4 bits, the others at 2
     (the paper's "manual inter-layer" baseline, in the same layout and grids as the intra-weight rows)."""
     four = [f"model.layers.{i}.*" for i in spaced(num_blocks, count)]
-    return [{**MIXED, "assign": "global", "fraction_4bit": 1.0, "targets": {"include": four}},
-            {**MIXED, "assign": "global", "fraction_4bit": 0.0, "targets": {"exclude": four}}]
+    return [
+        {**MIXED, "assign": "global", "fraction_4bit": 1.0, "targets": {"include": four}},
+        {**MIXED, "assign": "global", "fraction_4bit": 0.0, "targets": {"exclude": four}},
+    ]
 
 
 def rows(num_blocks: int, finetune_steps: int) -> list[tuple[str, list[dict]]]:
@@ -68,17 +70,24 @@ def rows(num_blocks: int, finetune_steps: int) -> list[tuple[str, list[dict]]]:
         ("intra-weight 25% (block4, OBS saliency)", [{**BLOCK4, "sensitivity": "obs"}]),
         ("intra-weight 25% (global, Eq. 9)", [{**MIXED, "assign": "global", "fraction_4bit": 0.25}]),
         ("all 2-bit (0% 4-bit)", [{**MIXED, "assign": "global", "fraction_4bit": 0.0}]),
-        ("2/4/16 + 0.2%, gptq + block-wise fine-tuning",
-         [{**paper, "solver": "gptq", "finetune_steps": finetune_steps}]),
+        (
+            "2/4/16 + 0.2%, gptq + block-wise fine-tuning",
+            [{**paper, "solver": "gptq", "finetune_steps": finetune_steps}],
+        ),
     ]
 
 
 def qtool(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "qtool.cli", *args, "--json", "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool.cli", *args, "--json", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
-        raise SystemExit(f"qtool {' '.join(args)} failed ({done.returncode}): {done.stdout[-2000:]}"
-                         f"{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"qtool {' '.join(args)} failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     return json.loads(done.stdout)
 
 
@@ -104,8 +113,20 @@ def perplexity(summary: dict) -> float:
 
 
 def evaluate(model: str, windows: int, device: str = "cpu") -> float:
-    return perplexity(qtool("eval", model, "--text", str(WIKI), "--seq-len", "512", "--windows", str(windows),
-                            "--device", device))
+    return perplexity(
+        qtool(
+            "eval",
+            model,
+            "--text",
+            str(WIKI),
+            "--seq-len",
+            "512",
+            "--windows",
+            str(windows),
+            "--device",
+            device,
+        )
+    )
 
 
 def main() -> None:
@@ -114,8 +135,12 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--finetune-steps", type=int, default=32, help="steps per block of the fine-tuning rows (one "
-                                                                   "calibration window per step)")
+    ap.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=32,
+        help="steps per block of the fine-tuning rows (one calibration window per step)",
+    )
     ap.add_argument("--only", help="comma-separated row numbers, run in that order (0 = the float model)")
     ap.add_argument("--work", default=str(ROOT / "out" / "mixed-ablation"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -131,13 +156,24 @@ def main() -> None:
     results = []
     if only is None or 0 in only:
         t = time.time()
-        results.append({"row": 0, "name": "float", "ppl": evaluate(args.model, args.windows),
-                        "seconds": round(time.time() - t, 1)})
+        results.append(
+            {
+                "row": 0,
+                "name": "float",
+                "ppl": evaluate(args.model, args.windows),
+                "seconds": round(time.time() - t, 1),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     table = list(enumerate(rows(num_blocks, args.finetune_steps), 1))
     for i, (name, stages) in table if only is None else [table[i - 1] for i in only if i > 0]:
-        recipe = {"model": str(Path(args.model).resolve()), "calibration": cal, "stages": stages,
-                  "settings": {"device": "cpu"}, "output": str((work / f"row{i}").resolve())}
+        recipe = {
+            "model": str(Path(args.model).resolve()),
+            "calibration": cal,
+            "stages": stages,
+            "settings": {"device": "cpu"},
+            "output": str((work / f"row{i}").resolve()),
+        }
         path = work / f"row{i}.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         t = time.time()
@@ -145,17 +181,29 @@ def main() -> None:
         seconds = time.time() - t
         bpw = summary["bits_per_weight"]
         ppl = evaluate(recipe["output"], args.windows)
-        results.append({"row": i, "name": name, "ppl": ppl, "stored": bpw["quantized_linears"],
-                        "eq10": (bpw.get("reported_layers") or {}).get("eq10"), "quantize_s": round(seconds, 1),
-                        "stages": stages})
+        results.append(
+            {
+                "row": i,
+                "name": name,
+                "ppl": ppl,
+                "stored": bpw["quantized_linears"],
+                "eq10": (bpw.get("reported_layers") or {}).get("eq10"),
+                "quantize_s": round(seconds, 1),
+                "stages": stages,
+            }
+        )
         print(json.dumps({k: v for k, v in results[-1].items() if k != "stages"}), flush=True)
         if not args.keep:
             subprocess.run(["rm", "-rf", recipe["output"]], check=True)
-    protocol = (f"{Path(args.model).name}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
-                f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
-                f"{args.finetune_steps} Adam steps per block, one window per step, lr 0.005; CPU reference path")
-    print(f"\nProtocol: {protocol}\n\n| # | configuration | bits (Eq. 10) | bits (stored) | WikiText-2 ppl |\n"
-          f"|---|---|---|---|---|")
+    protocol = (
+        f"{Path(args.model).name}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
+        f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
+        f"{args.finetune_steps} Adam steps per block, one window per step, lr 0.005; CPU reference path"
+    )
+    print(
+        f"\nProtocol: {protocol}\n\n| # | configuration | bits (Eq. 10) | bits (stored) | WikiText-2 ppl |\n"
+        f"|---|---|---|---|---|"
+    )
     for r in results:
         eq10 = "16" if r["row"] == 0 else (f"{r['eq10']:.3f}" if r.get("eq10") is not None else "-")
         stored = "16" if r["row"] == 0 else f"{r['stored']:.3f}"

@@ -16,9 +16,20 @@ import torch
 from qtool.bench import e2e
 from qtool.cuda.graphs import GraphedStep
 
-KINDS = [("mixed_gemv", "mixed GEMV"), ("mixed_spmv", "mixed SpMV"), ("gemv", "other GEMV"), ("gemm", "GEMM"),
-         ("cublas", "cuBLAS"), ("sm90", "cuBLAS"), ("decode_attention", "attention"), ("rms_norm", "norm"),
-         ("rope", "rotary"), ("swiglu", "SwiGLU"), ("argmax", "argmax"), ("reduce", "reduce")]
+KINDS = [
+    ("mixed_gemv", "mixed GEMV"),
+    ("mixed_spmv", "mixed SpMV"),
+    ("gemv", "other GEMV"),
+    ("gemm", "GEMM"),
+    ("cublas", "cuBLAS"),
+    ("sm90", "cuBLAS"),
+    ("decode_attention", "attention"),
+    ("rms_norm", "norm"),
+    ("rope", "rotary"),
+    ("swiglu", "SwiGLU"),
+    ("argmax", "argmax"),
+    ("reduce", "reduce"),
+]
 
 
 def kind(name: str) -> str:
@@ -30,11 +41,17 @@ def profile(label: str, make, d: e2e.Dims, context: int, iters: int, dev: torch.
     model = e2e.Decoder(d, make, dev).eval()
     tables = model.rope_tables(context + 1, dev)
     shape = (1, d.kv_heads, context, d.head_dim)
-    caches = [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
-               dtype=torch.float16)) for _ in range(d.layers)]
+    caches = [
+        (
+            torch.zeros(shape, device=dev, dtype=torch.float16),
+            torch.zeros(shape, device=dev, dtype=torch.float16),
+        )
+        for _ in range(d.layers)
+    ]
     ids = torch.randint(0, d.vocab, (1, 1), device=dev)
     pos = torch.tensor([context // 2], device=dev)
     with torch.inference_mode():
+
         def fn(ids, pos):
             return model(ids, pos, caches, tables, decode=True)
 
@@ -55,7 +72,9 @@ def profile(label: str, make, d: e2e.Dims, context: int, iters: int, dev: torch.
         by_name[ev.name][0] += t / steps
         by_name[ev.name][1] += 1 / steps
     total = sum(by_kind.values())
-    print(f"\n{label}: graph replay {us:.1f} us/step ({1e6 / us:.1f} tok/s); eager kernel time {total:.1f} us/step")
+    print(
+        f"\n{label}: graph replay {us:.1f} us/step ({1e6 / us:.1f} tok/s); eager kernel time {total:.1f} us/step"
+    )
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:12s} {v:8.1f} us")
     for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]:
@@ -76,11 +95,19 @@ def main() -> None:
     profile("fp16", e2e.fp16_linear(dev), d, args.context, args.iters, dev)
     torch.cuda.empty_cache()
     label = e2e.mixed_label(args.outliers)
-    profile(f"{label}, SwiGLU in the gate/up GEMV", e2e.mixed_linear(dev, args.outliers, gen), d, args.context,
-            args.iters, dev)
+    profile(
+        f"{label}, SwiGLU in the gate/up GEMV",
+        e2e.mixed_linear(dev, args.outliers, gen),
+        d,
+        args.context,
+        args.iters,
+        dev,
+    )
     torch.cuda.empty_cache()
     e2e.FUSED_GATE_UP_SWIGLU = False
-    profile(f"{label}, SwiGLU kernel", e2e.mixed_linear(dev, args.outliers, gen), d, args.context, args.iters, dev)
+    profile(
+        f"{label}, SwiGLU kernel", e2e.mixed_linear(dev, args.outliers, gen), d, args.context, args.iters, dev
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ def main() -> None:
         outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(nrot)]
 
         def run(frac, layers=layers, xs=xs, outs=outs, **kw):
-            return t([lambda p=p, x=x, o=o: mixed.gemv(x, p, out=o, **kw)
-                      for p, x, o in zip(layers[frac], xs, outs, strict=False)])
+            return t(
+                [
+                    lambda p=p, x=x, o=o: mixed.gemv(x, p, out=o, **kw)
+                    for p, x, o in zip(layers[frac], xs, outs, strict=False)
+                ]
+            )
 
         variants = {"direct": dict(layout="direct")}
         for rows in (4, 8) if m == 1 else (4,):
@@ -55,8 +59,9 @@ def main() -> None:
                 if warps > 1 and mixed.gemv_warps(k, warps) < warps:
                     continue
                 for pipe in (False, True) if m == 1 else (False,):
-                    variants[f"r{rows}w{warps}{'p' if pipe else ''}"] = dict(layout="tiled", rows=rows, warps=warps,
-                                                                            pipe=pipe)
+                    variants[f"r{rows}w{warps}{'p' if pipe else ''}"] = dict(
+                        layout="tiled", rows=rows, warps=warps, pipe=pipe
+                    )
         fp16s, times = [], {name: [] for name in variants}
         if args.variants:
             keep = set(args.variants.split(",")) | {"direct"}
@@ -64,7 +69,7 @@ def main() -> None:
         names = list(variants)
         for rnd in range(args.rounds):
             fp16s.append(t(cases.fp16(k, n, m)))
-            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in order:
                 times[name].append(run(0.0, **variants[name]))
         fp16 = min(fp16s)
@@ -77,18 +82,25 @@ def main() -> None:
             us = best[name]
             return f"{name}={us:.2f} ({fp16 / us:.2f}x {100 * nb[lay] / us / 1e6 / copy:.0f}%)"
 
-        print(f"{k}x{n} M={m}: cuBLAS FP16 {fp16:.2f} us (rounds {' / '.join(f'{v:.2f}' for v in fp16s)}); bytes "
-              f"tiled {nb['tiled'] / 1e6:.2f} MB, direct {nb['direct'] / 1e6:.2f} MB")
+        print(
+            f"{k}x{n} M={m}: cuBLAS FP16 {fp16:.2f} us (rounds {' / '.join(f'{v:.2f}' for v in fp16s)}); bytes "
+            f"tiled {nb['tiled'] / 1e6:.2f} MB, direct {nb['direct'] / 1e6:.2f} MB"
+        )
         print("   ", "  ".join(cell(name) for name in names))
-        print("    spread between rounds:", " ".join(f"{name}={max(v) - min(v):.2f}" for name, v in times.items()))
+        print(
+            "    spread between rounds:",
+            " ".join(f"{name}={max(v) - min(v):.2f}" for name, v in times.items()),
+        )
         bname = tiled_best[1]
         kw = variants[bname]
         nb2 = layers[0.002][0].nbytes("tiled") + 2 * m * k + 2 * m * n
         fused = run(0.002, outliers="fused", **kw)
         sep = run(0.002, outliers="spmv", **kw)
         dfused = run(0.002, outliers="fused", layout="direct")
-        print(f"    0.2% outliers ({bname}): fused {fused:.2f} us ({fp16 / fused:.2f}x, {nb2 / fused / 1e6:.2f} TB/s), "
-              f"spmv {sep:.2f} ({fp16 / sep:.2f}x); direct fused {dfused:.2f} ({fp16 / dfused:.2f}x)")
+        print(
+            f"    0.2% outliers ({bname}): fused {fused:.2f} us ({fp16 / fused:.2f}x, {nb2 / fused / 1e6:.2f} TB/s), "
+            f"spmv {sep:.2f} ({fp16 / sep:.2f}x); direct fused {dfused:.2f} ({fp16 / dfused:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -44,29 +44,70 @@ def rungs(g: int, solver: str) -> list[tuple[str, list[dict]]]:
         ("+ rotate", [{"stage": "rotate"}, pc]),
         ("+ clipping", [{"stage": "rotate"}, clip]),
         ("+ KV4", [{"stage": "rotate"}, {"stage": "kv_cache", "bits": 4}, clip]),
-        ("+ SmoothAttention", [{"stage": "rotate"}, {"stage": "smooth_attention"}, {"stage": "kv_cache", "bits": 4},
-                               clip]),
-        (f"+ progressive g{g}", [{"stage": "rotate"}, {"stage": "smooth_attention"},
-                                 {"stage": "kv_cache", "bits": 4}, grouped]),
-        ("+ reorder", [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"},
-                       {"stage": "kv_cache", "bits": 4}, grouped]),
-        ("+ output smoothing (QoQ)", [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"},
-                                      {"stage": "smooth"}, {"stage": "kv_cache", "bits": 4}, grouped]),
+        (
+            "+ SmoothAttention",
+            [{"stage": "rotate"}, {"stage": "smooth_attention"}, {"stage": "kv_cache", "bits": 4}, clip],
+        ),
+        (
+            f"+ progressive g{g}",
+            [{"stage": "rotate"}, {"stage": "smooth_attention"}, {"stage": "kv_cache", "bits": 4}, grouped],
+        ),
+        (
+            "+ reorder",
+            [
+                {"stage": "rotate"},
+                {"stage": "reorder"},
+                {"stage": "smooth_attention"},
+                {"stage": "kv_cache", "bits": 4},
+                grouped,
+            ],
+        ),
+        (
+            "+ output smoothing (QoQ)",
+            [
+                {"stage": "rotate"},
+                {"stage": "reorder"},
+                {"stage": "smooth_attention"},
+                {"stage": "smooth"},
+                {"stage": "kv_cache", "bits": 4},
+                grouped,
+            ],
+        ),
         ("W4A8KV4 RTN, no transforms", [{"stage": "kv_cache", "bits": 4}, pc]),
         ("KV4 only (no weight quantization)", [{"stage": "kv_cache", "bits": 4}]),
         ("KV4 + SmoothAttention only", [{"stage": "smooth_attention"}, {"stage": "kv_cache", "bits": 4}]),
         (f"W4A8KV4 g{g} RTN, no transforms", [{"stage": "kv_cache", "bits": 4}, {**pc, "group_size": g}]),
-        (f"QoQ g{g}, GPTQ solver (act_order, static groups)",
-         [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"},
-          {"stage": "kv_cache", "bits": 4},
-          {**grouped, "solver": "gptq", "clip": False, "act_order": True, "static_groups": True}]),
-        (f"QoQ g{g} without rotate", [{"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"},
-                                      {"stage": "kv_cache", "bits": 4}, grouped]),
+        (
+            f"QoQ g{g}, GPTQ solver (act_order, static groups)",
+            [
+                {"stage": "rotate"},
+                {"stage": "reorder"},
+                {"stage": "smooth_attention"},
+                {"stage": "smooth"},
+                {"stage": "kv_cache", "bits": 4},
+                {**grouped, "solver": "gptq", "clip": False, "act_order": True, "static_groups": True},
+            ],
+        ),
+        (
+            f"QoQ g{g} without rotate",
+            [
+                {"stage": "reorder"},
+                {"stage": "smooth_attention"},
+                {"stage": "smooth"},
+                {"stage": "kv_cache", "bits": 4},
+                grouped,
+            ],
+        ),
     ]
     return ladder
 
 
-QOQ_TRANSFORMS = [{"stage": "rotate"}, {"stage": "reorder"}, {"stage": "smooth_attention"}, {"stage": "smooth"}]
+QOQ_TRANSFORMS = [
+    {"stage": "rotate"},
+    {"stage": "reorder"},
+    {"stage": "smooth_attention"},
+    {"stage": "smooth"},
+]
 KV4 = {"stage": "kv_cache", "bits": 4}
 
 
@@ -83,30 +124,56 @@ def quality_rows(g: int) -> list[tuple[str, list[dict], dict]]:
         (f"W4A16 g{h} RTN", [{"stage": "rtn", "bits": 4, "group_size": h, "symmetric": False}], {}),
         (f"W4A16 g{h} GPTQ", [{**gptq_w4, "group_size": h}], {}),
         (f"QoQ g{g} GPTQ", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g}], {}),
-        (f"QoQ g{g} GPTQ, calibration 64 x 512", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g}],
-         {"calibration": {"num_samples": 64, "seq_len": 512}}),
-        (f"QoQ g{g} GPTQ, calibration 128 x 1024", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g}],
-         {"calibration": big}),
+        (
+            f"QoQ g{g} GPTQ, calibration 64 x 512",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g}],
+            {"calibration": {"num_samples": 64, "seq_len": 512}},
+        ),
+        (
+            f"QoQ g{g} GPTQ, calibration 128 x 1024",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g}],
+            {"calibration": big},
+        ),
         (f"QoQ g{g} GPTQ + clip", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g, "clip": True}], {}),
         (f"QoQ g{g} GPTQ without KV4 (W4A8)", [*QOQ_TRANSFORMS, {**qoq, "group_size": g}], {}),
-        (f"QoQ g{g} GPTQ weights only (W4A16, no KV4)", [*QOQ_TRANSFORMS, {**qoq, "group_size": g}],
-         {"weights_only": True}),
+        (
+            f"QoQ g{g} GPTQ weights only (W4A16, no KV4)",
+            [*QOQ_TRANSFORMS, {**qoq, "group_size": g}],
+            {"weights_only": True},
+        ),
         (f"QoQ g{h} GPTQ", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": h}], {}),
-        (f"QoQ g{h} GPTQ weights only (W4A16, no KV4)", [*QOQ_TRANSFORMS, {**qoq, "group_size": h}],
-         {"weights_only": True}),
-        ("QoQ transforms + W8A8KV4", [*QOQ_TRANSFORMS, KV4, {"stage": "progressive", "bits": 8,
-                                                              "group_size": None}], {}),
+        (
+            f"QoQ g{h} GPTQ weights only (W4A16, no KV4)",
+            [*QOQ_TRANSFORMS, {**qoq, "group_size": h}],
+            {"weights_only": True},
+        ),
+        (
+            "QoQ transforms + W8A8KV4",
+            [*QOQ_TRANSFORMS, KV4, {"stage": "progressive", "bits": 8, "group_size": None}],
+            {},
+        ),
         ("KV4 + SmoothAttention only", [{"stage": "smooth_attention"}, KV4], {}),
-        (f"QoQ g{g} GPTQ + clip, calibration 128 x 1024", [*QOQ_TRANSFORMS, KV4,
-                                                         {**qoq, "group_size": g, "clip": True}],
-         {"calibration": big}),
-        ("QoQ per channel GPTQ, calibration 64 x 512", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None}],
-         {"calibration": {"num_samples": 64, "seq_len": 512}}),
-        ("QoQ per channel GPTQ + clip, calibration 64 x 512",
-         [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}],
-         {"calibration": {"num_samples": 64, "seq_len": 512}}),
+        (
+            f"QoQ g{g} GPTQ + clip, calibration 128 x 1024",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": g, "clip": True}],
+            {"calibration": big},
+        ),
+        (
+            "QoQ per channel GPTQ, calibration 64 x 512",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None}],
+            {"calibration": {"num_samples": 64, "seq_len": 512}},
+        ),
+        (
+            "QoQ per channel GPTQ + clip, calibration 64 x 512",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}],
+            {"calibration": {"num_samples": 64, "seq_len": 512}},
+        ),
         ("QoQ per channel GPTQ", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None}], {}),
-        ("QoQ per channel GPTQ + clip", [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}], {}),
+        (
+            "QoQ per channel GPTQ + clip",
+            [*QOQ_TRANSFORMS, KV4, {**qoq, "group_size": None, "clip": True}],
+            {},
+        ),
     ]
 
 
@@ -134,9 +201,15 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--device", default="cpu", help="compute device for quantization and evaluation (cpu, cuda)")
-    ap.add_argument("--rows", default="ladder", choices=["ladder", "quality"],
-                    help="the ablation ladder, or what bounds the full QoQ (see the module docstring)")
+    ap.add_argument(
+        "--device", default="cpu", help="compute device for quantization and evaluation (cpu, cuda)"
+    )
+    ap.add_argument(
+        "--rows",
+        default="ladder",
+        choices=["ladder", "quality"],
+        help="the ablation ladder, or what bounds the full QoQ (see the module docstring)",
+    )
     ap.add_argument("--only", help="comma-separated row numbers to run (0 = float model)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -148,16 +221,30 @@ def main() -> None:
     from qtool.recipe import EvalSpec, validate_recipe
 
     reporter = Reporter(quiet=True)
-    spec = EvalSpec(text=str(ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"), seq_len=512,
-                    max_windows=args.windows, batch_size=4)
-    cal = {"source": str(ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"),
-           "num_samples": args.num_samples, "seq_len": args.seq_len, "seed": 0}
+    spec = EvalSpec(
+        text=str(ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"),
+        seq_len=512,
+        max_windows=args.windows,
+        batch_size=4,
+    )
+    cal = {
+        "source": str(ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"),
+        "num_samples": args.num_samples,
+        "seq_len": args.seq_len,
+        "seed": 0,
+    }
     dev = torch.device(args.device)
     only = None if args.only is None else {int(x) for x in args.only.split(",")}
     rows = []
-    protocol = {"calibration": cal, "eval": {"text": "wikitext-2 test joined", "seq_len": 512,
-                                             "windows": args.windows}, "group_size": args.group_size,
-                "solver": args.solver, "model": args.model, "device": args.device, "rows": args.rows}
+    protocol = {
+        "calibration": cal,
+        "eval": {"text": "wikitext-2 test joined", "seq_len": 512, "windows": args.windows},
+        "group_size": args.group_size,
+        "solver": args.solver,
+        "model": args.model,
+        "device": args.device,
+        "rows": args.rows,
+    }
 
     def record(row: dict) -> None:
         rows.append(row)
@@ -168,8 +255,13 @@ def main() -> None:
     if only is None or 0 in only:
         model, tok, _, _ = load_model(args.model, torch.float32)
         t = time.time()
-        record({"rung": "FP32", "perplexity": perplexity(model.to(dev), tok, spec, dev, reporter)["perplexity"],
-                "seconds": round(time.time() - t, 1)})
+        record(
+            {
+                "rung": "FP32",
+                "perplexity": perplexity(model.to(dev), tok, spec, dev, reporter)["perplexity"],
+                "seconds": round(time.time() - t, 1),
+            }
+        )
         del model
     if args.rows == "ladder":
         chosen = [(name, stages, {}) for name, stages in rungs(args.group_size, args.solver)]
@@ -180,14 +272,31 @@ def main() -> None:
             continue
         t = time.time()
         row_cal = {**cal, **extras.get("calibration", {})}
-        recipe = validate_recipe({"model": args.model, "calibration": row_cal, "stages": stages,
-                                  "settings": {"device": args.device}}, f"row {i}", ROOT, {})
+        recipe = validate_recipe(
+            {
+                "model": args.model,
+                "calibration": row_cal,
+                "stages": stages,
+                "settings": {"device": args.device},
+            },
+            f"row {i}",
+            ROOT,
+            {},
+        )
         qm = quantize_model(recipe, reporter)
         if extras.get("weights_only") and not float_weights(qm.model):
             raise SystemExit(f"row {i} ({name}): no QoQ linear to replace by its float weight")
         ppl = perplexity(qm.model.to(dev), qm.tokenizer, spec, dev, reporter)["perplexity"]
-        record({"row": i, "rung": name, "perplexity": ppl, "seconds": round(time.time() - t, 1),
-                "stages": [s["stage"] for s in stages], **extras})
+        record(
+            {
+                "row": i,
+                "rung": name,
+                "perplexity": ppl,
+                "seconds": round(time.time() - t, 1),
+                "stages": [s["stage"] for s in stages],
+                **extras,
+            }
+        )
     print(f"\nprotocol: {json.dumps(protocol)}\n\n| rung | WikiText-2 ppl |\n|---|---|")
     for r in rows:
         print(f"| {r['rung']} | {r['perplexity']:.3f} |")

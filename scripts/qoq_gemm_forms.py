@@ -51,7 +51,9 @@ def main() -> None:
     ap.add_argument("--schemes", default="ch,128")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--full", default="ch,128", help="schemes timed in every form (the others: the dispatched one)")
+    ap.add_argument(
+        "--full", default="ch,128", help="schemes timed in every form (the others: the dispatched one)"
+    )
     args = ap.parse_args()
     cases, timer = CudaCases(), CudaTimer()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -72,17 +74,24 @@ def main() -> None:
                 sets = []
                 for _ in range(r):
                     qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device="cuda")
-                    zeros = torch.randint(0, 16, (n, groups) if gs else (n,), dtype=torch.uint8, device="cuda")
+                    zeros = torch.randint(
+                        0, 16, (n, groups) if gs else (n,), dtype=torch.uint8, device="cuda"
+                    )
                     s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device="cuda") if gs else None
-                    p = qoq.build(4, gs, k, qw, (torch.rand(n, device="cuda") * 0.004 + 0.002).half(), zeros, s1,
-                                  None)
+                    p = qoq.build(
+                        4, gs, k, qw, (torch.rand(n, device="cuda") * 0.004 + 0.002).half(), zeros, s1, None
+                    )
                     a = qoq.quantize_activations(torch.randn(m, k, device="cuda").half(), p)
                     sets.append((a, p, torch.empty(m, n, dtype=torch.float16, device="cuda")))
                 kt = sets[0][1].kp // 128
                 dflt = t([lambda a=a, p=p, o=o: qoq.gemm(a, p, out=o) for a, p, o in sets])
                 pick = qoq.gemm_kernel(m, n, sets[0][0], sets[0][1], sms=sms)
                 cells = {}
-                cands = forms(m, n, kt, sms) if sch in args.full.split(",") else [(pick[0], pick[1], pick[2], pick[3])]
+                cands = (
+                    forms(m, n, kt, sms)
+                    if sch in args.full.split(",")
+                    else [(pick[0], pick[1], pick[2], pick[3])]
+                )
                 for kern, tn, sp, whole in cands:
                     kw = {"kernel": kern, "split": sp, "whole": whole}
                     if tn:
@@ -90,15 +99,29 @@ def main() -> None:
                     name = f"{kern}{tn or ''}" + (f"/{sp}" if sp else "") + (f"+{whole}" if whole else "")
                     try:
                         cells[name] = t(
-                            [lambda a=a, p=p, o=o, kw=kw: qoq.gemm(a, p, out=o, **kw) for a, p, o in sets])
+                            [lambda a=a, p=p, o=o, kw=kw: qoq.gemm(a, p, out=o, **kw) for a, p, o in sets]
+                        )
                     except Exception as exc:  # a form that cannot run here: say so, time the rest
                         print(f"    {name}: {type(exc).__name__}: {exc}"[:200])
                 best = min(cells, key=cells.get)
-                print(f"{k}x{n} M={m} {sch}: FP16 {fp16:.2f} FP8 {fp8:.2f} ({fp16 / fp8:.2f}x) | dispatch {pick} "
-                      f"{dflt:.2f} ({fp16 / dflt:.2f}x) | best {best} {cells[best]:.2f} ({fp16 / cells[best]:.2f}x)")
+                print(
+                    f"{k}x{n} M={m} {sch}: FP16 {fp16:.2f} FP8 {fp8:.2f} ({fp16 / fp8:.2f}x) | dispatch {pick} "
+                    f"{dflt:.2f} ({fp16 / dflt:.2f}x) | best {best} {cells[best]:.2f} ({fp16 / cells[best]:.2f}x)"
+                )
                 print("    " + " ".join(f"{c}={v:.2f}" for c, v in cells.items()))
-                rows.append({"k": k, "n": n, "m": m, "scheme": sch, "fp16": fp16, "fp8": fp8, "dispatch": dflt,
-                             "pick": list(pick), "forms": cells})
+                rows.append(
+                    {
+                        "k": k,
+                        "n": n,
+                        "m": m,
+                        "scheme": sch,
+                        "fp16": fp16,
+                        "fp8": fp8,
+                        "dispatch": dflt,
+                        "pick": list(pick),
+                        "forms": cells,
+                    }
+                )
                 del sets
     if args.json:
         with open(args.json, "w") as fh:

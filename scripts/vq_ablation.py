@@ -28,8 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
 
 GPTVQ2 = {"stage": "vq", "preset": "gptvq-2", "kmeans_iters": 20, "beam": 1, "seed": 0}
-AQLM3S = {"stage": "vq", "preset": "aqlm-3", "vector_size": 4, "entries": 64, "residuals": 2, "kmeans_iters": 20,
-          "beam": 8, "seed": 0}
+AQLM3S = {
+    "stage": "vq",
+    "preset": "aqlm-3",
+    "vector_size": 4,
+    "entries": 64,
+    "residuals": 2,
+    "kmeans_iters": 20,
+    "beam": 8,
+    "seed": 0,
+}
 
 
 def rows(finetune_steps: int, finetune_lr: float) -> list[tuple[str, list[dict]]]:
@@ -50,11 +58,21 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--finetune-steps", type=int, default=16, help="Adam steps per block of the fine-tuning rows")
-    ap.add_argument("--finetune-lr", type=float, default=0.02, help="Adam learning rate of the fine-tuning rows "
-                                                                     "(relative to each layer's codebook RMS)")
-    ap.add_argument("--blocks", type=int, help="quantize only the linears of the first N decoder blocks (every "
-                                                "row alike; the rest stay float), for a shorter run")
+    ap.add_argument(
+        "--finetune-steps", type=int, default=16, help="Adam steps per block of the fine-tuning rows"
+    )
+    ap.add_argument(
+        "--finetune-lr",
+        type=float,
+        default=0.02,
+        help="Adam learning rate of the fine-tuning rows (relative to each layer's codebook RMS)",
+    )
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        help="quantize only the linears of the first N decoder blocks (every "
+        "row alike; the rest stay float), for a shorter run",
+    )
     ap.add_argument("--only", help="comma-separated row numbers, run in that order (0 = the float model)")
     ap.add_argument("--work", default=str(ROOT / "out" / "vq-ablation"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -69,16 +87,27 @@ def main() -> None:
     results = []
     if only is None or 0 in only:
         t = time.time()
-        results.append({"row": 0, "name": "float", "ppl": evaluate(args.model, args.windows, args.device),
-                        "seconds": round(time.time() - t, 1)})
+        results.append(
+            {
+                "row": 0,
+                "name": "float",
+                "ppl": evaluate(args.model, args.windows, args.device),
+                "seconds": round(time.time() - t, 1),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     table = list(enumerate(rows(args.finetune_steps, args.finetune_lr), 1))
     for i, (name, stages) in table if only is None else [table[i - 1] for i in only if i > 0]:
         if args.blocks is not None:
             scope = {"include": [f"model.layers.{b}.*" for b in range(args.blocks)]}
             stages = [{**st, "targets": scope} for st in stages]
-        recipe = {"model": str(Path(args.model).resolve()), "calibration": cal, "stages": stages,
-                  "settings": {"device": args.device}, "output": str((work / f"row{i}").resolve())}
+        recipe = {
+            "model": str(Path(args.model).resolve()),
+            "calibration": cal,
+            "stages": stages,
+            "settings": {"device": args.device},
+            "output": str((work / f"row{i}").resolve()),
+        }
         path = work / f"row{i}.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         t = time.time()
@@ -86,19 +115,32 @@ def main() -> None:
         seconds = time.time() - t
         ppl = evaluate(recipe["output"], args.windows, args.device)
         manifest = json.loads((Path(recipe["output"]) / "qtool-manifest.json").read_text())
-        results.append({"row": i, "name": name, "ppl": ppl,
-                        "stored": summary["bits_per_weight"]["quantized_linears"],
-                        "quantize_s": round(seconds, 1), "stages": stages,
-                        "finetune": [t["finetune"] for t in manifest.get("transforms", []) if "finetune" in t]})
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("stages", "finetune")}), flush=True)
+        results.append(
+            {
+                "row": i,
+                "name": name,
+                "ppl": ppl,
+                "stored": summary["bits_per_weight"]["quantized_linears"],
+                "quantize_s": round(seconds, 1),
+                "stages": stages,
+                "finetune": [t["finetune"] for t in manifest.get("transforms", []) if "finetune" in t],
+            }
+        )
+        print(
+            json.dumps({k: v for k, v in results[-1].items() if k not in ("stages", "finetune")}), flush=True
+        )
         if not args.keep:
             subprocess.run(["rm", "-rf", recipe["output"]], check=True)
     scope = "" if args.blocks is None else f"; only the linears of blocks 0-{args.blocks - 1} quantized"
-    protocol = (f"{Path(args.model).name}{scope}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
-                f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
-                f"{args.finetune_steps} Adam steps per block, one window per step, lr {args.finetune_lr}; "
-                f"device {args.device}")
-    print(f"\nProtocol: {protocol}\n\n| # | configuration | bits (stored) | WikiText-2 ppl |\n|---|---|---|---|")
+    protocol = (
+        f"{Path(args.model).name}{scope}; calibration {args.num_samples} x {args.seq_len} tokens of C4 (seed 0); "
+        f"`qtool eval --text wikitext2 --seq-len 512 --windows {args.windows}`; fine-tuning rows "
+        f"{args.finetune_steps} Adam steps per block, one window per step, lr {args.finetune_lr}; "
+        f"device {args.device}"
+    )
+    print(
+        f"\nProtocol: {protocol}\n\n| # | configuration | bits (stored) | WikiText-2 ppl |\n|---|---|---|---|"
+    )
     for r in results:
         stored = "16" if r["row"] == 0 else f"{r['stored']:.3f}"
         print(f"| {r['row']} | {r['name']} | {stored} | {r['ppl']:.2f} |")

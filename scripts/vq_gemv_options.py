@@ -20,7 +20,13 @@ from qtool.bench.cuda_cases import CudaCases
 from qtool.bench.timing import CudaTimer
 from qtool.cuda import dependent_launch
 
-KNOBS = ("QTOOL_VQ_CLUSTER", "QTOOL_VQ_MULTICAST", "QTOOL_VQ_PREFETCH", "QTOOL_VQ_DEPENDENT", "QTOOL_VQ_MAX_WK")
+KNOBS = (
+    "QTOOL_VQ_CLUSTER",
+    "QTOOL_VQ_MULTICAST",
+    "QTOOL_VQ_PREFETCH",
+    "QTOOL_VQ_DEPENDENT",
+    "QTOOL_VQ_MAX_WK",
+)
 VARIANTS = {  # (cluster cap, multicast cap, prefetch, dependent, warps along K cap)
     "plain": (1, 1, 0, 0, 8),
     "all": (16, 4, 1, 1, 8),
@@ -66,7 +72,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--pick", default=None, help="write `export NAME=VALUE` lines of the fastest options here")
+    ap.add_argument(
+        "--pick", default=None, help="write `export NAME=VALUE` lines of the fastest options here"
+    )
     args = ap.parse_args()
     cases, timer = CudaCases(), CudaTimer()
     names = args.variants.split(",")
@@ -84,7 +92,7 @@ def main() -> None:
                 times: dict[str, list[float]] = {v: [] for v in names}
                 plans: dict[str, dict] = {}
                 for r in range(args.rounds):
-                    order = names[r % len(names):] + names[:r % len(names)]
+                    order = names[r % len(names) :] + names[: r % len(names)]
                     for v in order:
                         for key, val in zip(KNOBS, VARIANTS[v], strict=True):
                             os.environ[key] = str(val)
@@ -94,8 +102,18 @@ def main() -> None:
                 best = {v: min(ts) for v, ts in times.items()}
                 cells = "  ".join(f"{v} {best[v]:.2f} (x{fp16 / best[v]:.2f})" for v in names)
                 print(f"{k}x{n} M={m} {preset} {cache}: fp16 {fp16:.2f}  {cells}", flush=True)
-                out.append({"k": k, "n": n, "m": m, "preset": preset, "cache": cache, "fp16_us": fp16,
-                            "us": times, "plans": plans})
+                out.append(
+                    {
+                        "k": k,
+                        "n": n,
+                        "m": m,
+                        "preset": preset,
+                        "cache": cache,
+                        "fp16_us": fp16,
+                        "us": times,
+                        "plans": plans,
+                    }
+                )
     for key in KNOBS:
         os.environ.pop(key, None)
     if dependent_launch.cluster_fallback_reason():
@@ -107,8 +125,16 @@ def main() -> None:
             f.writelines(f"export {k}={v}\n" for k, v in env.items())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": out,
-                       "cluster_fallback": dependent_launch.cluster_fallback_reason()}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "rows": out,
+                    "cluster_fallback": dependent_launch.cluster_fallback_reason(),
+                },
+                f,
+                indent=1,
+                default=str,
+            )
 
 
 if __name__ == "__main__":

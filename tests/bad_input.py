@@ -18,8 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The exit code of each failure class (qtool/errors.py); the tests spell the numbers out, so a renumbering is
 # noticed here rather than followed silently.
-KINDS = {2: "usage", 3: "recipe", 4: "input", 5: "checkpoint", 6: "resource", 7: "not_implemented", 8: "gate",
-         70: "internal", 130: "interrupted"}
+KINDS = {
+    2: "usage",
+    3: "recipe",
+    4: "input",
+    5: "checkpoint",
+    6: "resource",
+    7: "not_implemented",
+    8: "gate",
+    70: "internal",
+    130: "interrupted",
+}
 
 
 @dataclass
@@ -33,14 +42,25 @@ class Run:
         return self.stdout + self.stderr
 
 
-def run_cli(args: Sequence[object], *, env: dict[str, str] | None = None, subprocess: bool = False,
-            cwd: Path | None = None, timeout: float = 120) -> Run:
+def run_cli(
+    args: Sequence[object],
+    *,
+    env: dict[str, str] | None = None,
+    subprocess: bool = False,
+    cwd: Path | None = None,
+    timeout: float = 120,
+) -> Run:
     """Run `qtool ARGS` (in this process, or with `subprocess` in a child); `env` adds to the environment."""
     args = [str(a) for a in args]
     if subprocess:
-        proc = sp.run([sys.executable, "-c", "from qtool.cli import main; main()", *args],
-                              cwd=cwd or ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                              capture_output=True, text=True, timeout=timeout)
+        proc = sp.run(
+            [sys.executable, "-c", "from qtool.cli import main; main()", *args],
+            cwd=cwd or ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         return Run(proc.returncode, proc.stdout, proc.stderr)
     from click.testing import CliRunner
 
@@ -61,8 +81,9 @@ def leftovers(path: Path) -> list[Path]:
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    return sorted(p for p in path.parent.iterdir()
-                  if p.name.startswith((f".{path.name}.tmp-", f".{path.name}.old-")))
+    return sorted(
+        p for p in path.parent.iterdir() if p.name.startswith((f".{path.name}.tmp-", f".{path.name}.old-"))
+    )
 
 
 def assert_nothing_at(paths: Path | Iterable[Path]) -> None:
@@ -72,8 +93,9 @@ def assert_nothing_at(paths: Path | Iterable[Path]) -> None:
         assert not leftovers(p), f"leftovers beside {p}: {leftovers(p)}"
 
 
-def assert_one_line_error(result: Run, code: int, *words: str, output: Path | Iterable[Path] | None = None,
-                          json_error: bool = False) -> str:
+def assert_one_line_error(
+    result: Run, code: int, *words: str, output: Path | Iterable[Path] | None = None, json_error: bool = False
+) -> str:
     """The failure contract: exit `code`, no traceback, one non-empty line on stderr (`qtool: error: ...`, or
     click's `Usage:`/`Error:` block for click's own usage errors) holding every one of `words`; nothing at
     `output`. With `json_error`, stdout is exactly the JSON error object of that line. Returns the error line."""

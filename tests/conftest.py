@@ -61,9 +61,16 @@ def smollm2() -> Path:
         if not (SMOLLM2_CACHE / "config.json").is_file():
             tmp = SMOLLM2_CACHE.with_name(SMOLLM2_CACHE.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            subprocess.run([sys.executable, str(ASSETS / "tools" / "smollm2_gguf_to_hf.py"),
-                            str(ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(tmp)],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ASSETS / "tools" / "smollm2_gguf_to_hf.py"),
+                    str(ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                    str(tmp),
+                ],
+                check=True,
+                capture_output=True,
+            )
             tmp.rename(SMOLLM2_CACHE)
     return SMOLLM2_CACHE
 
@@ -82,9 +89,16 @@ def tiny_llama(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=200,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     return _save_tiny(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("tiny-llama"))
 
 
@@ -94,8 +108,15 @@ def tiny_opt(tmp_path_factory) -> Path:
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
-    cfg = OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2, num_attention_heads=4,
-                    max_position_embeddings=256, word_embed_proj_dim=64)
+    cfg = OPTConfig(
+        vocab_size=512,
+        hidden_size=64,
+        ffn_dim=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        word_embed_proj_dim=64,
+    )
     return _save_tiny(OPTForCausalLM(cfg).eval(), tmp_path_factory.mktemp("tiny-opt"))
 
 
@@ -114,8 +135,9 @@ def finetune_pair(tmp_path: Path, template: str) -> SimpleNamespace:
     from qtool.pipeline import quantize_model
     from qtool.recipe import load_recipe
 
-    plain = quantize_model(load_recipe(write_recipe(tmp_path / "plain.yaml", template.format(steps=0))),
-                           Reporter(quiet=True))
+    plain = quantize_model(
+        load_recipe(write_recipe(tmp_path / "plain.yaml", template.format(steps=0))), Reporter(quiet=True)
+    )
     tuned_recipe = write_recipe(tmp_path / "tuned.yaml", template.format(steps=8))
     tuned = quantize_model(load_recipe(tuned_recipe), Reporter(quiet=True))
     fp, tok, _, _ = load_model(str(STORIES), torch.float32)
@@ -131,8 +153,14 @@ def finetune_pair(tmp_path: Path, template: str) -> SimpleNamespace:
                 den += float(ref.pow(2).sum())
         return num / den
 
-    return SimpleNamespace(plain=plain, tuned=tuned, tuned_recipe=tuned_recipe, windows=windows,
-                           err_plain=block0_error(plain.model), err_tuned=block0_error(tuned.model))
+    return SimpleNamespace(
+        plain=plain,
+        tuned=tuned,
+        tuned_recipe=tuned_recipe,
+        windows=windows,
+        err_plain=block0_error(plain.model),
+        err_tuned=block0_error(tuned.model),
+    )
 
 
 @pytest.fixture

@@ -53,24 +53,31 @@ def _dead_pid() -> int:
 
 # ---- click's own usage errors: exit 2, click's block, nothing written --------------------------------------------
 
-@pytest.mark.parametrize("args, words", [
-    (["quantize", "--frobnicate", "{recipe}"], ["--frobnicate"]),
-    (["quantize"], ["Missing argument", "RECIPE"]),
-    (["quantize", "{recipe}", "--num-samples", "many"], ["--num-samples", "'many' is not a valid integer"]),
-    (["quantize", "{recipe}", "--eval-windows", "1.5"], ["--eval-windows"]),
-    (["quantize", "{recipe}", "-o"], ["-o", "requires an argument"]),
-    (["quantize", "{tmp}"], ["RECIPE", "is a directory"]),
-    (["calibrate", "--model", str(STORIES)], ["Missing option", "--output"]),
-    (["calibrate", "--model", str(STORIES), "-o", "{tmp}"], ["--output", "is a directory"]),
-    (["eval"], ["Missing argument", "MODEL"]),
-    (["eval", str(STORIES), "--seq-len", "x"], ["--seq-len"]),
-    (["eval", str(STORIES), "a", "b"], ["unexpected extra argument"]),
-    (["pack"], ["Missing argument", "CHECKPOINT"]),
-    (["frobnicate"], ["No such command", "frobnicate"]),
-    (["bench", "kernels", "--iters", "3"], ["--iters", "3"]),
-    (["bench", "e2e", "--bits", "3"], ["--bits", "'3' is not one of"]),
-    (["bench", "nope"], ["No such command", "nope"]),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["quantize", "--frobnicate", "{recipe}"], ["--frobnicate"]),
+        (["quantize"], ["Missing argument", "RECIPE"]),
+        (
+            ["quantize", "{recipe}", "--num-samples", "many"],
+            ["--num-samples", "'many' is not a valid integer"],
+        ),
+        (["quantize", "{recipe}", "--eval-windows", "1.5"], ["--eval-windows"]),
+        (["quantize", "{recipe}", "-o"], ["-o", "requires an argument"]),
+        (["quantize", "{tmp}"], ["RECIPE", "is a directory"]),
+        (["calibrate", "--model", str(STORIES)], ["Missing option", "--output"]),
+        (["calibrate", "--model", str(STORIES), "-o", "{tmp}"], ["--output", "is a directory"]),
+        (["eval"], ["Missing argument", "MODEL"]),
+        (["eval", str(STORIES), "--seq-len", "x"], ["--seq-len"]),
+        (["eval", str(STORIES), "a", "b"], ["unexpected extra argument"]),
+        (["pack"], ["Missing argument", "CHECKPOINT"]),
+        (["frobnicate"], ["No such command", "frobnicate"]),
+        (["bench", "kernels", "--iters", "3"], ["--iters", "3"]),
+        (["bench", "e2e", "--bits", "3"], ["--bits", "'3' is not one of"]),
+        (["bench", "nope"], ["No such command", "nope"]),
+    ],
+)
 def test_click_usage_errors(tmp_path, recipe, args, words):
     args = [a.format(recipe=recipe, tmp=tmp_path) for a in args]
     assert_one_line_error(run_cli(args), 2, *words, output=tmp_path / "out")
@@ -83,22 +90,37 @@ def test_click_usage_error_with_json_is_also_a_json_object(recipe, tmp_path):
 
 # ---- qtool's usage errors: options that contradict or a value a command cannot take --------------------------
 
-@pytest.mark.parametrize("args, words", [
-    (["calibrate", "-o", "{tmp}/s.safetensors"], ["expected a RECIPE or both --model and --calibration"]),
-    (["calibrate", "--model", str(STORIES), "-o", "{tmp}/s.safetensors"], ["--calibration"]),
-    (["eval", str(STORIES), "--device", "cpu"], ["nothing to measure"]),
-    (["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--windows", "0", "--device", "cpu"], ["--windows: found 0"]),
-    (["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--stride", "-4", "--device", "cpu"], ["--stride: found -4"]),
-    (["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--batch-size", "0", "--device", "cpu"],
-     ["--batch-size: found '0'"]),
-    (["eval", str(STORIES), "--tasks", ",", "--device", "cpu"], ["--tasks: found no task names"]),
-    (["pack", "{tmp}/missing", "-o", "{tmp}/out", "--max-shard-size", "5 XB"], ["--max-shard-size: found '5 XB'"]),
-    (["bench", "kernels", "--shapes", "64by64"], ["--shapes: found '64by64'"]),
-    (["bench", "kernels", "--group-size", "0"], ["--group-size: found '0'"]),
-    (["bench", "e2e", "--model-config", "nope"], ["--model-config: found 'nope'"]),
-    (["bench", "e2e", "--group-size", "32,64"], ["--group-size", "one value for e2e"]),
-    (["bench", "quik", "--outliers", "0,x"], ["--outliers: found 'x'"]),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["calibrate", "-o", "{tmp}/s.safetensors"], ["expected a RECIPE or both --model and --calibration"]),
+        (["calibrate", "--model", str(STORIES), "-o", "{tmp}/s.safetensors"], ["--calibration"]),
+        (["eval", str(STORIES), "--device", "cpu"], ["nothing to measure"]),
+        (
+            ["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--windows", "0", "--device", "cpu"],
+            ["--windows: found 0"],
+        ),
+        (
+            ["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--stride", "-4", "--device", "cpu"],
+            ["--stride: found -4"],
+        ),
+        (
+            ["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--batch-size", "0", "--device", "cpu"],
+            ["--batch-size: found '0'"],
+        ),
+        (["eval", str(STORIES), "--tasks", ",", "--device", "cpu"], ["--tasks: found no task names"]),
+        (
+            ["pack", "{tmp}/missing", "-o", "{tmp}/out", "--max-shard-size", "5 XB"],
+            ["--max-shard-size: found '5 XB'"],
+        ),
+        (["bench", "kernels", "--shapes", "64by64"], ["--shapes: found '64by64'"]),
+        (["bench", "kernels", "--group-size", "0"], ["--group-size: found '0'"]),
+        (["bench", "e2e", "--model-config", "nope"], ["--model-config: found 'nope'"]),
+        (["bench", "e2e", "--group-size", "32,64"], ["--group-size", "one value for e2e"]),
+        (["bench", "quik", "--outliers", "0,x"], ["--outliers: found 'x'"]),
+    ],
+)
 def test_qtool_usage_errors(tmp_path, args, words):
     args = [a.format(tmp=tmp_path) for a in args]
     assert_one_line_error(run_cli(args), 2, *words, output=[tmp_path / "out", tmp_path / "s.safetensors"])
@@ -107,44 +129,66 @@ def test_qtool_usage_errors(tmp_path, args, words):
 def test_bench_model_config_file_that_is_not_a_config(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text('{"hidden_size": "wide", "intermediate_size": 8}')
-    assert_one_line_error(run_cli(["bench", "kernels", "--model-config", bad]), 2, "--model-config",
-                          "expected a Hugging Face config.json")
+    assert_one_line_error(
+        run_cli(["bench", "kernels", "--model-config", bad]),
+        2,
+        "--model-config",
+        "expected a Hugging Face config.json",
+    )
 
 
 # ---- recipes: exit 3, naming the file (and key), before any model is loaded -----------------------------------
 
-@pytest.mark.parametrize("text, words", [
-    ("", ["is empty"]),
-    ("# only a comment\n\n", ["is empty"]),
-    ("- model: x\n- stages: []\n", ["found list", "expected a mapping"]),
-    ("just a string\n", ["found str", "expected a mapping"]),
-    ("model: x\n\tstages: []\n", ["malformed YAML", "line 2"]),
-    ("model: !!python/object/apply:os.system ['true']\n", ["malformed YAML"]),
-    ("model: x\x00\n", ["malformed YAML"]),
-    (RECIPE.replace("stages:\n  - stage: gptq\n    bits: 4\n    group_size: 32\n", "stages: {stage: gptq}\n"),
-     ["stages: found", "expected a non-empty list"]),
-    (RECIPE.replace("stages:\n  - stage: gptq\n    bits: 4\n    group_size: 32\n", "stages: []\n"),
-     ["stages: found []"]),
-    (RECIPE.replace("  - stage: gptq\n", "  - gptq\n  - stage: gptq\n"), ["stages[0]: found 'gptq'", "'stage' key"]),
-    (RECIPE.replace("stage: gptq", "stage: 5"), ["stages[0].stage", "unknown stage 5"]),
-    (RECIPE.replace("stage: gptq", "stage: null"), ["stages[0].stage", "unknown stage None"]),
-    (RECIPE.replace("output: out", "  - stage: smooth\noutput: out"), ["stages[1]", "transform 'smooth' comes after", "expected every transform"]),
-    (RECIPE.replace("num_samples: 2", "num_samples: many"), ["calibration.num_samples", "'many'"]),
-    (RECIPE.replace("num_samples: 2", "num_samples: 0"), ["calibration.num_samples", "found 0"]),
-    (RECIPE.replace("seq_len: 32", "seq_len: 32\n  shuffle: true"), ["calibration.shuffle", "unknown"]),
-    (RECIPE + "Stages: []\n", ["Stages: unknown key", "expected one of model"]),
-    (RECIPE + "settings: {device: tpu}\n", ["settings.device: found 'tpu'"]),
-    (RECIPE + "settings: {max_shard_size: big}\n", ["settings.max_shard_size: found 'big'"]),
-    (RECIPE + "settings: {dtype: float8}\n", ["settings.dtype", "'float8'"]),
-    (RECIPE + "eval: 5\n", ["eval"]),
-    (RECIPE.replace(f"model: {STORIES}", "model: [a, b]"), ["model: found ['a', 'b']"]),
-    (RECIPE.replace("model:", "#model:"), ["model: missing"]),
-    (RECIPE.replace("output: out", "output: 12"), ["output: found 12", "expected a directory path"]),
-    (RECIPE.replace("output: out", ""), ["output: missing", "--output"]),
-    (RECIPE.replace("    bits: 4", "    bits: [4]"), ["stages[0].bits"]),
-    (RECIPE.replace("    group_size: 32", "    group_size: 32\n    targets: {include: ['*.nothing']}"),
-     ["stages[0].targets", "matches no linear"]),
-])
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", ["is empty"]),
+        ("# only a comment\n\n", ["is empty"]),
+        ("- model: x\n- stages: []\n", ["found list", "expected a mapping"]),
+        ("just a string\n", ["found str", "expected a mapping"]),
+        ("model: x\n\tstages: []\n", ["malformed YAML", "line 2"]),
+        ("model: !!python/object/apply:os.system ['true']\n", ["malformed YAML"]),
+        ("model: x\x00\n", ["malformed YAML"]),
+        (
+            RECIPE.replace(
+                "stages:\n  - stage: gptq\n    bits: 4\n    group_size: 32\n", "stages: {stage: gptq}\n"
+            ),
+            ["stages: found", "expected a non-empty list"],
+        ),
+        (
+            RECIPE.replace("stages:\n  - stage: gptq\n    bits: 4\n    group_size: 32\n", "stages: []\n"),
+            ["stages: found []"],
+        ),
+        (
+            RECIPE.replace("  - stage: gptq\n", "  - gptq\n  - stage: gptq\n"),
+            ["stages[0]: found 'gptq'", "'stage' key"],
+        ),
+        (RECIPE.replace("stage: gptq", "stage: 5"), ["stages[0].stage", "unknown stage 5"]),
+        (RECIPE.replace("stage: gptq", "stage: null"), ["stages[0].stage", "unknown stage None"]),
+        (
+            RECIPE.replace("output: out", "  - stage: smooth\noutput: out"),
+            ["stages[1]", "transform 'smooth' comes after", "expected every transform"],
+        ),
+        (RECIPE.replace("num_samples: 2", "num_samples: many"), ["calibration.num_samples", "'many'"]),
+        (RECIPE.replace("num_samples: 2", "num_samples: 0"), ["calibration.num_samples", "found 0"]),
+        (RECIPE.replace("seq_len: 32", "seq_len: 32\n  shuffle: true"), ["calibration.shuffle", "unknown"]),
+        (RECIPE + "Stages: []\n", ["Stages: unknown key", "expected one of model"]),
+        (RECIPE + "settings: {device: tpu}\n", ["settings.device: found 'tpu'"]),
+        (RECIPE + "settings: {max_shard_size: big}\n", ["settings.max_shard_size: found 'big'"]),
+        (RECIPE + "settings: {dtype: float8}\n", ["settings.dtype", "'float8'"]),
+        (RECIPE + "eval: 5\n", ["eval"]),
+        (RECIPE.replace(f"model: {STORIES}", "model: [a, b]"), ["model: found ['a', 'b']"]),
+        (RECIPE.replace("model:", "#model:"), ["model: missing"]),
+        (RECIPE.replace("output: out", "output: 12"), ["output: found 12", "expected a directory path"]),
+        (RECIPE.replace("output: out", ""), ["output: missing", "--output"]),
+        (RECIPE.replace("    bits: 4", "    bits: [4]"), ["stages[0].bits"]),
+        (
+            RECIPE.replace("    group_size: 32", "    group_size: 32\n    targets: {include: ['*.nothing']}"),
+            ["stages[0].targets", "matches no linear"],
+        ),
+    ],
+)
 def test_recipe_errors(tmp_path, no_work, text, words):
     r = tmp_path / "r.yaml"
     r.write_text(text)
@@ -154,35 +198,52 @@ def test_recipe_errors(tmp_path, no_work, text, words):
 def test_recipe_that_is_not_text(tmp_path, no_work):
     r = tmp_path / "r.yaml"
     r.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
-    assert_one_line_error(run_cli(["quantize", r]), 3, "r.yaml", "not UTF-8", "expected a YAML text file",
-                          output=tmp_path / "out")
+    assert_one_line_error(
+        run_cli(["quantize", r]),
+        3,
+        "r.yaml",
+        "not UTF-8",
+        "expected a YAML text file",
+        output=tmp_path / "out",
+    )
 
 
 def test_recipe_path_that_does_not_exist(tmp_path):
-    assert_one_line_error(run_cli(["quantize", tmp_path / "nope.yaml"]), 3, "nope.yaml", "recipe file not found")
+    assert_one_line_error(
+        run_cli(["quantize", tmp_path / "nope.yaml"]), 3, "nope.yaml", "recipe file not found"
+    )
 
 
 def test_calibrate_recipe_without_calibration(tmp_path, no_work):
     r = tmp_path / "r.yaml"
     r.write_text(f"model: {STORIES}\nstages: [{{stage: rtn}}]\n")
-    assert_one_line_error(run_cli(["calibrate", r, "-o", tmp_path / "s.safetensors"]), 3, "calibration: missing",
-                          output=tmp_path / "s.safetensors")
+    assert_one_line_error(
+        run_cli(["calibrate", r, "-o", tmp_path / "s.safetensors"]),
+        3,
+        "calibration: missing",
+        output=tmp_path / "s.safetensors",
+    )
 
 
 # ---- inputs a recipe or flag names that do not exist: exit 4 ---------------------------------------------------
 
-@pytest.mark.parametrize("flag, value, words", [
-    ("--model", "{tmp}/no-model", ["--model", "does not exist"]),
-    ("--model", "{tmp}", ["--model", "has no config.json"]),
-    ("--calibration", "{tmp}/missing.txt", ["--calibration", "does not exist"]),
-    ("--stats", "{tmp}/missing.safetensors", ["--stats", "does not exist"]),
-])
+
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--model", "{tmp}/no-model", ["--model", "does not exist"]),
+        ("--model", "{tmp}", ["--model", "has no config.json"]),
+        ("--calibration", "{tmp}/missing.txt", ["--calibration", "does not exist"]),
+        ("--stats", "{tmp}/missing.safetensors", ["--stats", "does not exist"]),
+    ],
+)
 def test_missing_inputs(tmp_path, recipe, no_work, flag, value, words):
     res = run_cli(["quantize", recipe, flag, value.format(tmp=tmp_path)])
     assert_one_line_error(res, 4, *words, output=tmp_path / "out")
 
 
 # ---- the output, checked before any work -----------------------------------------------------------------------
+
 
 def test_output_under_a_file(tmp_path, recipe, no_work):
     (tmp_path / "file").write_text("mine")
@@ -257,8 +318,13 @@ def test_output_on_a_read_only_file_system(tmp_path, recipe, no_work, monkeypatc
     (tmp_path / "mnt").mkdir()
     monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
     res = run_cli(["quantize", recipe, "-o", tmp_path / "mnt" / "a" / "ckpt"])
-    assert_one_line_error(res, 6, "Read-only file system", "expected a writable location",
-                          output=tmp_path / "mnt" / "a" / "ckpt")
+    assert_one_line_error(
+        res,
+        6,
+        "Read-only file system",
+        "expected a writable location",
+        output=tmp_path / "mnt" / "a" / "ckpt",
+    )
     assert not (tmp_path / "mnt" / "a").exists()
 
 
@@ -266,7 +332,9 @@ def test_too_little_free_space_is_refused_before_loading(tmp_path, recipe, no_wo
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 4096, 4096))
     res = run_cli(["quantize", recipe, "-o", tmp_path / "new" / "ckpt"])
-    line = assert_one_line_error(res, 6, "needs at least", "has 4.1 KB free", output=tmp_path / "new" / "ckpt")
+    line = assert_one_line_error(
+        res, 6, "needs at least", "has 4.1 KB free", output=tmp_path / "new" / "ckpt"
+    )
     assert "KB" in line  # stories260K's 4-bit checkpoint is hundreds of KB
     assert not (tmp_path / "new").exists()  # the parent this run created is gone again
 
@@ -284,8 +352,19 @@ def test_stats_output_that_is_a_folder(tmp_path):
 def test_stats_output_under_a_file(tmp_path, no_work):
     (tmp_path / "f").write_text("x")
     # --seq-len within stories260K's 512-token context: the default, 2048, is refused before the output is checked.
-    res = run_cli(["calibrate", "--model", STORIES, "--calibration", TINY_SAMPLE, "--seq-len", "32",
-                   "-o", tmp_path / "f" / "s"])
+    res = run_cli(
+        [
+            "calibrate",
+            "--model",
+            STORIES,
+            "--calibration",
+            TINY_SAMPLE,
+            "--seq-len",
+            "32",
+            "-o",
+            tmp_path / "f" / "s",
+        ]
+    )
     assert_one_line_error(res, 6, "is a file")
 
 
@@ -303,6 +382,7 @@ def test_pack_of_a_missing_checkpoint_leaves_no_output(tmp_path):
 
 
 # ---- leftovers of killed runs ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["tmp", "old"])
 def test_stale_leftover_is_refused_without_overwrite(tmp_path, recipe, no_work, kind):
@@ -329,8 +409,11 @@ def test_leftover_of_a_running_process_is_never_removed(tmp_path, recipe, no_wor
 
 def test_stale_leftovers_are_removed_with_overwrite(tmp_path, recipe):
     # This process's own PID too: an in-process run before this one left it, and this run writes the same name.
-    stale = [tmp_path / f".out.tmp-{_dead_pid()}", tmp_path / f".out.old-{_dead_pid()}",
-             tmp_path / f".out.tmp-{os.getpid()}"]
+    stale = [
+        tmp_path / f".out.tmp-{_dead_pid()}",
+        tmp_path / f".out.old-{_dead_pid()}",
+        tmp_path / f".out.tmp-{os.getpid()}",
+    ]
     for p in stale:
         p.mkdir()
     res = run_cli(["quantize", recipe, "--overwrite", "--json"])
@@ -348,23 +431,38 @@ def test_stale_leftovers_are_removed_with_overwrite(tmp_path, recipe):
 
 # ---- --json error objects ----------------------------------------------------------------------------------------
 
+
 def test_json_error_object_for_a_recipe_error(tmp_path, no_work):
     r = tmp_path / "r.yaml"
     r.write_text(RECIPE.replace("bits: 4", "bits: 99"))
-    assert_one_line_error(run_cli(["quantize", r, "--json"]), 3, "stages[0].bits", output=tmp_path / "out",
-                          json_error=True)
+    assert_one_line_error(
+        run_cli(["quantize", r, "--json"]), 3, "stages[0].bits", output=tmp_path / "out", json_error=True
+    )
 
 
 def test_json_error_object_for_an_output_error(tmp_path, recipe, no_work):
     (tmp_path / "out").write_text("x")
-    assert_one_line_error(run_cli(["quantize", recipe, "--json", "--overwrite"]), 2, "is an existing file",
-                          json_error=True)
+    assert_one_line_error(
+        run_cli(["quantize", recipe, "--json", "--overwrite"]), 2, "is an existing file", json_error=True
+    )
 
 
 def test_json_error_object_for_a_missing_input(tmp_path):
-    res = run_cli(["calibrate", "--model", tmp_path / "none", "--calibration", TINY_SAMPLE, "-o",
-                   tmp_path / "s.safetensors", "--json"])
-    assert_one_line_error(res, 4, "--model", "does not exist", output=tmp_path / "s.safetensors", json_error=True)
+    res = run_cli(
+        [
+            "calibrate",
+            "--model",
+            tmp_path / "none",
+            "--calibration",
+            TINY_SAMPLE,
+            "-o",
+            tmp_path / "s.safetensors",
+            "--json",
+        ]
+    )
+    assert_one_line_error(
+        res, 4, "--model", "does not exist", output=tmp_path / "s.safetensors", json_error=True
+    )
 
 
 def test_json_error_object_for_a_bad_checkpoint(tmp_path):
@@ -373,8 +471,16 @@ def test_json_error_object_for_a_bad_checkpoint(tmp_path):
 
 # ---- no GPU for the bench --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args", [["kernels", "--shapes", "64x64", "--m", "1"], ["e2e", "--model-config", "tiny"],
-                                  ["quik", "--shapes", "256x256", "--m", "64"]], ids=["kernels", "e2e", "quik"])
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["kernels", "--shapes", "64x64", "--m", "1"],
+        ["e2e", "--model-config", "tiny"],
+        ["quik", "--shapes", "256x256", "--m", "64"],
+    ],
+    ids=["kernels", "e2e", "quik"],
+)
 def test_bench_without_gpu(monkeypatch, tmp_path, args):
     import torch
 
@@ -386,6 +492,7 @@ def test_bench_without_gpu(monkeypatch, tmp_path, args):
 
 
 # ---- failures mid-run: Ctrl-C, a bug, a full disk ---------------------------------------------------------------
+
 
 def _raise_in_pipeline(monkeypatch, exc: BaseException) -> None:
     import qtool.pipeline
@@ -440,9 +547,14 @@ def test_full_disk_while_writing(tmp_path, recipe, monkeypatch):
 def test_internal_error_is_one_line(tmp_path, recipe, monkeypatch, json_mode):
     _raise_in_pipeline(monkeypatch, RuntimeError("boom\nsecond line"))
     res = run_cli(["quantize", recipe, "-o", tmp_path / "new" / "ckpt", *(["--json"] if json_mode else [])])
-    line = assert_one_line_error(res, 70, "internal error: RuntimeError: boom second line",
-                                 "set QTOOL_TRACEBACK=1 for the traceback", output=tmp_path / "new" / "ckpt",
-                                 json_error=json_mode)
+    line = assert_one_line_error(
+        res,
+        70,
+        "internal error: RuntimeError: boom second line",
+        "set QTOOL_TRACEBACK=1 for the traceback",
+        output=tmp_path / "new" / "ckpt",
+        json_error=json_mode,
+    )
     assert line.endswith("(set QTOOL_TRACEBACK=1 for the traceback)")
     assert not (tmp_path / "new").exists()
 
@@ -471,11 +583,16 @@ from qtool.cli import main
 main()
 """
     out = tmp_path / "a" / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", code, "quantize", str(recipe), "-o", str(out), "-q"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            # as a shell starts it: pytest-xdist workers ignore SIGINT, and a child would inherit that
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "quantize", str(recipe), "-o", str(out), "-q"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # as a shell starts it: pytest-xdist workers ignore SIGINT, and a child would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         # generous: on a loaded 2-core machine, importing torch and loading the model can take minutes
         deadline = time.monotonic() + 600

@@ -27,23 +27,36 @@ class MixedTimer(FakeTimer):
 class MixedCases(FakeCases):
     def mixed_paths(self, k, n, m, outlier_fraction):
         cands = (["mixed-gemv"] + (["mixed-gemv+spmv"] if outlier_fraction else [])) if m <= 16 else []
-        return cands + (["mixed-dq+cublas"] if m >= 16 else []), "mixed-gemv" if m <= 16 else "mixed-dq+cublas", \
-            3_000_000
+        return (
+            cands + (["mixed-dq+cublas"] if m >= 16 else []),
+            "mixed-gemv" if m <= 16 else "mixed-dq+cublas",
+            3_000_000,
+        )
 
     def mixed(self, k, n, m, outlier_fraction, path):
         return [lambda: path]
 
 
 def test_mixed_rows_beside_the_grouped_int_rows():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 64], bits=[4], group_sizes=[128], warmup=3, iters=50,
-                               mixed_outliers=[0.0, 0.002])
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 4096)],
+        ms=[1, 64],
+        bits=[4],
+        group_sizes=[128],
+        warmup=3,
+        iters=50,
+        mixed_outliers=[0.0, 0.002],
+    )
     report = kb.run_kernel_bench(cfg, MixedCases(), MixedTimer())
     assert stats.validate_kernels_report(report) == []
     rows = report["results"]
     mixed = [r for r in rows if r.get("layout") == "mixed-2-4-16"]
     assert [(r["m"], r["outlier_fraction"], r["path"]) for r in mixed] == [
-        (1, 0.0, "mixed-gemv"), (1, 0.002, "mixed-gemv"), (64, 0.0, "mixed-dq+cublas"),
-        (64, 0.002, "mixed-dq+cublas")]
+        (1, 0.0, "mixed-gemv"),
+        (1, 0.002, "mixed-gemv"),
+        (64, 0.0, "mixed-dq+cublas"),
+        (64, 0.002, "mixed-dq+cublas"),
+    ]
     one = mixed[1]
     assert set(one["candidates"]) == {"mixed-gemv", "mixed-gemv+spmv"}
     assert one["quant"]["median_us"] == 2.0 and one["roofline"]["bytes"] == 3_000_000
@@ -53,8 +66,15 @@ def test_mixed_rows_beside_the_grouped_int_rows():
 
 
 def test_no_mixed_rows_where_the_shape_has_no_whole_blocks():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 1000), (4100, 4096)], ms=[1], bits=[4], group_sizes=[128], warmup=3,
-                               iters=50, mixed_outliers=[0.0])
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 1000), (4100, 4096)],
+        ms=[1],
+        bits=[4],
+        group_sizes=[128],
+        warmup=3,
+        iters=50,
+        mixed_outliers=[0.0],
+    )
     report = kb.run_kernel_bench(cfg, MixedCases(), MixedTimer())
     assert [r.get("layout") for r in report["results"]] == [None, None]
 
@@ -81,8 +101,9 @@ def test_e2e_mixed_option_reaches_the_run(monkeypatch):
     assert seen["mixed"] == (0.0, 0.002)
     res = run_cli(["bench", "e2e", "--model-config", "tiny"])
     assert res.exit_code == 0 and seen["mixed"] == ()
-    assert_one_line_error(run_cli(["bench", "e2e", "--model-config", "tiny", "--mixed", "0.01"]), 2,
-                          "--mixed: found '0.01'")
+    assert_one_line_error(
+        run_cli(["bench", "e2e", "--model-config", "tiny", "--mixed", "0.01"]), 2, "--mixed: found '0.01'"
+    )
 
 
 def test_e2e_weight_bytes_counts_each_storage_on_the_model_device_once():

@@ -43,8 +43,24 @@ def no_gpu_needed(monkeypatch):
 def test_kernels_plot_json_and_table(tmp_path, monkeypatch, no_gpu_needed):
     monkeypatch.setattr("qtool.bench.cuda_cases.CudaCases", FakeCases)
     monkeypatch.setattr("qtool.bench.timing.CudaTimer", FakeTimer)
-    args = ["bench", "kernels", "--shapes", "4096x4096,4096x11008", "--m", "1,16", "--w4a8", "none-rows",
-            "--mixed", "none-rows", "--vq", "none-rows", "--warmup", "1", "--iters", "50"]
+    args = [
+        "bench",
+        "kernels",
+        "--shapes",
+        "4096x4096,4096x11008",
+        "--m",
+        "1,16",
+        "--w4a8",
+        "none-rows",
+        "--mixed",
+        "none-rows",
+        "--vq",
+        "none-rows",
+        "--warmup",
+        "1",
+        "--iters",
+        "50",
+    ]
     res = run_cli([*args, "--plot", tmp_path / "k.png", "--json-out", tmp_path / "sub" / "k.json"])
     assert res.exit_code == 0, res.output
     assert_png(tmp_path / "k.png")
@@ -74,8 +90,22 @@ def test_kernels_plot_json_and_table(tmp_path, monkeypatch, no_gpu_needed):
 def test_quik_plot_and_table(tmp_path, monkeypatch, no_gpu_needed):
     monkeypatch.setattr("qtool.bench.cuda_cases.QuikCudaCases", QuikFakeCases)
     monkeypatch.setattr("qtool.bench.timing.CudaTimer", QuikFakeTimer)
-    res = run_cli(["bench", "quik", "--shapes", "4096x4096,4096x11008", "--warmup", "1", "--iters", "50",
-                   "--plot", tmp_path / "q.png", "--json-out", tmp_path / "q.json"])
+    res = run_cli(
+        [
+            "bench",
+            "quik",
+            "--shapes",
+            "4096x4096,4096x11008",
+            "--warmup",
+            "1",
+            "--iters",
+            "50",
+            "--plot",
+            tmp_path / "q.png",
+            "--json-out",
+            tmp_path / "q.json",
+        ]
+    )
     assert res.exit_code == 0, res.output
     assert_png(tmp_path / "q.png")
     report = json.loads((tmp_path / "q.json").read_text())
@@ -86,56 +116,131 @@ def test_quik_plot_and_table(tmp_path, monkeypatch, no_gpu_needed):
 
 def _e2e_report(torchao: bool) -> dict:
     def run(prefill, decode):
-        return {"prefill": {"tokens": 2048, "us": 1.0, "tokens_per_s": prefill, "capture_s": 0.1},
-                "decode": {str(b): {"batch": b, "us_per_step": 1.0, "tokens_per_s": t, "kv_cache_bytes_read": 1}
-                           for b, t in zip((1, 16), decode, strict=True)},
-                "weight_bytes": 2**30, "peak_memory_bytes": 2**31}
+        return {
+            "prefill": {"tokens": 2048, "us": 1.0, "tokens_per_s": prefill, "capture_s": 0.1},
+            "decode": {
+                str(b): {"batch": b, "us_per_step": 1.0, "tokens_per_s": t, "kv_cache_bytes_read": 1}
+                for b, t in zip((1, 16), decode, strict=True)
+            },
+            "weight_bytes": 2**30,
+            "peak_memory_bytes": 2**31,
+        }
 
     runs = {"fp16": run(1000.0, (100.0, 1000.0)), "w4a16": run(1100.0, (280.0, 1500.0))}
     if torchao:
         runs["torchao-int4"] = run(500.0, (250.0, 1200.0))
-    speedups = {k: {"prefill": v["prefill"]["tokens_per_s"] / 1000.0,
-                    "decode_b1": v["decode"]["1"]["tokens_per_s"] / 100.0,
-                    "decode_b16": v["decode"]["16"]["tokens_per_s"] / 1000.0}
-                for k, v in runs.items() if k != "fp16"}
-    return {"schema": "qtool.bench.e2e/1", "model": "tiny", "bits": 4, "group_size": 128, "prompt_tokens": 2048,
-            "decode_context": 128, "batches": [1, 16], "device": "FakeGPU", "runs": runs, "speedups": speedups,
-            "speedup": speedups["w4a16"], **({} if torchao else {"torchao_skipped": "no int4 here"})}
+    speedups = {
+        k: {
+            "prefill": v["prefill"]["tokens_per_s"] / 1000.0,
+            "decode_b1": v["decode"]["1"]["tokens_per_s"] / 100.0,
+            "decode_b16": v["decode"]["16"]["tokens_per_s"] / 1000.0,
+        }
+        for k, v in runs.items()
+        if k != "fp16"
+    }
+    return {
+        "schema": "qtool.bench.e2e/1",
+        "model": "tiny",
+        "bits": 4,
+        "group_size": 128,
+        "prompt_tokens": 2048,
+        "decode_context": 128,
+        "batches": [1, 16],
+        "device": "FakeGPU",
+        "runs": runs,
+        "speedups": speedups,
+        "speedup": speedups["w4a16"],
+        **({} if torchao else {"torchao_skipped": "no int4 here"}),
+    }
 
 
 def _throughput_report() -> dict:
     def run(tps, largest):
-        return {"decode": {str(b): ({"batch": b, "fits": True, "tokens_per_s": t, "largest": b == largest}
-                                    if t else {"batch": b, "fits": False}) for b, t in zip((16, 64), tps, strict=True)},
-                "largest_batch": largest, "weight_bytes": 2**30}
+        return {
+            "decode": {
+                str(b): (
+                    {"batch": b, "fits": True, "tokens_per_s": t, "largest": b == largest}
+                    if t
+                    else {"batch": b, "fits": False}
+                )
+                for b, t in zip((16, 64), tps, strict=True)
+            },
+            "largest_batch": largest,
+            "weight_bytes": 2**30,
+        }
 
     runs = {"fp16": run((1000.0, None), 16), "w4a16": run((1500.0, 4000.0), 64)}
-    return {"schema": "qtool.bench.throughput/1", "model": "tiny", "prompt_tokens": 1024, "new_tokens": 512,
-            "device": "FakeGPU", "runs": runs,
-            "best": {"fp16": {"batch": 16, "tokens_per_s": 1000.0}, "w4a16": {"batch": 64, "tokens_per_s": 4000.0}},
-            "speedup_vs_fp16_at_best": {"fp16": 1.0, "w4a16": 4.0}}
+    return {
+        "schema": "qtool.bench.throughput/1",
+        "model": "tiny",
+        "prompt_tokens": 1024,
+        "new_tokens": 512,
+        "device": "FakeGPU",
+        "runs": runs,
+        "best": {
+            "fp16": {"batch": 16, "tokens_per_s": 1000.0},
+            "w4a16": {"batch": 64, "tokens_per_s": 4000.0},
+        },
+        "speedup_vs_fp16_at_best": {"fp16": 1.0, "w4a16": 4.0},
+    }
 
 
 def _attention_report() -> dict:
     def row(us):
         return {"median_us": us, "tbps": 1.5, "bytes": 1, "sets": 1, "speedup_vs_sdpa": 20.0 / us}
 
-    return {"schema": "qtool.bench.attention/1", "model": "tiny", "heads": 4, "kv_heads": 2, "head_dim": 64,
-            "device": "FakeGPU", "sdpa_backend": "flash",
-            "results": [{"batch": b, "context": 1024, "rows": {"fp16-sdpa": row(20.0), "fp16": row(10.0),
-                                                               "int4": row(5.0)}} for b in (1, 16)]}
+    return {
+        "schema": "qtool.bench.attention/1",
+        "model": "tiny",
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "device": "FakeGPU",
+        "sdpa_backend": "flash",
+        "results": [
+            {
+                "batch": b,
+                "context": 1024,
+                "rows": {"fp16-sdpa": row(20.0), "fp16": row(10.0), "int4": row(5.0)},
+            }
+            for b in (1, 16)
+        ],
+    }
 
 
-@pytest.mark.parametrize("name, args, target, report, words", [
-    ("e2e", ["e2e", "--model-config", "tiny"], "qtool.bench.e2e.run_e2e", _e2e_report(True),
-     [r"^ *torchao-int4 / fp16 +0\.50 +2\.50 +1\.20", "bfloat16 activations cast"]),
-    ("e2e-no-torchao", ["e2e", "--model-config", "tiny"], "qtool.bench.e2e.run_e2e", _e2e_report(False),
-     [r"^ *w4a16 / fp16 +1\.10 +2\.80 +1\.50", "torchao-int4 not run: no int4 here"]),
-    ("throughput", ["e2e", "--throughput", "--model-config", "tiny", "--batches", "16,64"],
-     "qtool.bench.throughput.run_throughput", _throughput_report(), [r"^ *w4a16 +1500 +4000\* +64 +4000 +4\.00x"]),
-    ("attention", ["attention", "--model-config", "tiny", "--batches", "1,16"],
-     "qtool.bench.attention.run_attention_bench", _attention_report(), [r"^ *1 +1024 +20\.0 \(1\.50\) 1\.00x"]),
-])
+@pytest.mark.parametrize(
+    "name, args, target, report, words",
+    [
+        (
+            "e2e",
+            ["e2e", "--model-config", "tiny"],
+            "qtool.bench.e2e.run_e2e",
+            _e2e_report(True),
+            [r"^ *torchao-int4 / fp16 +0\.50 +2\.50 +1\.20", "bfloat16 activations cast"],
+        ),
+        (
+            "e2e-no-torchao",
+            ["e2e", "--model-config", "tiny"],
+            "qtool.bench.e2e.run_e2e",
+            _e2e_report(False),
+            [r"^ *w4a16 / fp16 +1\.10 +2\.80 +1\.50", "torchao-int4 not run: no int4 here"],
+        ),
+        (
+            "throughput",
+            ["e2e", "--throughput", "--model-config", "tiny", "--batches", "16,64"],
+            "qtool.bench.throughput.run_throughput",
+            _throughput_report(),
+            [r"^ *w4a16 +1500 +4000\* +64 +4000 +4\.00x"],
+        ),
+        (
+            "attention",
+            ["attention", "--model-config", "tiny", "--batches", "1,16"],
+            "qtool.bench.attention.run_attention_bench",
+            _attention_report(),
+            [r"^ *1 +1024 +20\.0 \(1\.50\) 1\.00x"],
+        ),
+    ],
+)
 def test_subcommand_plot_and_table(tmp_path, monkeypatch, no_gpu_needed, name, args, target, report, words):
     monkeypatch.setattr(target, lambda *a, **k: report)
     png = tmp_path / f"{name}.png"
@@ -148,11 +253,18 @@ def test_subcommand_plot_and_table(tmp_path, monkeypatch, no_gpu_needed, name, a
     assert res.exit_code == 0 and json.loads(res.stdout) == report
 
 
-@pytest.mark.parametrize("args, code, words", [
-    (["--plot", "{tmp}"], 2, ["is a directory; expected a file path"]),
-    (["--json-out", "{tmp}/r.json", "--plot", "{tmp}/file/k.png"], 6, ["file' is a file; expected a directory"]),
-    (["--torchao", "100"], 2, ["--torchao: found '100'", "32, 64, 128, 256"]),
-])
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--plot", "{tmp}"], 2, ["is a directory; expected a file path"]),
+        (
+            ["--json-out", "{tmp}/r.json", "--plot", "{tmp}/file/k.png"],
+            6,
+            ["file' is a file; expected a directory"],
+        ),
+        (["--torchao", "100"], 2, ["--torchao: found '100'", "32, 64, 128, 256"]),
+    ],
+)
 def test_bench_output_paths_refused_before_the_run(tmp_path, monkeypatch, no_gpu_needed, args, code, words):
     def never(*a, **k):
         raise AssertionError("the bench ran")
@@ -171,8 +283,18 @@ def test_bench_that_fails_mid_run_leaves_no_report(tmp_path, monkeypatch, no_gpu
 
     monkeypatch.setattr(kb, "run_kernel_bench", boom)
     monkeypatch.setattr("qtool.bench.cuda_cases.CudaCases", FakeCases)
-    res = run_cli(["bench", "kernels", "--shapes", "256x256", "--json-out", tmp_path / "a" / "r.json",
-                   "--plot", tmp_path / "k.png"])
+    res = run_cli(
+        [
+            "bench",
+            "kernels",
+            "--shapes",
+            "256x256",
+            "--json-out",
+            tmp_path / "a" / "r.json",
+            "--plot",
+            tmp_path / "k.png",
+        ]
+    )
     assert_one_line_error(res, 130, "interrupted", output=[tmp_path / "a" / "r.json", tmp_path / "k.png"])
     assert not (tmp_path / "a").exists()
 
@@ -192,4 +314,5 @@ def test_torchao_int4_matches_its_dequantized_reference_on_cpu(group_size):
     with pytest.raises(ValueError, match="differs from the dequantized reference"):
         tg.check(tg.pack(codes, zeros, scales, group_size), codes, scales, zeros, x)
     assert "group sizes" in tg.unsupported_reason(256, 64, 16) and "multiple of 128" in tg.unsupported_reason(
-        192, 64, 64)
+        192, 64, 64
+    )

@@ -12,10 +12,26 @@ from qtool.bench import quik as qb
 from tests.test_bench_stats import FakeCases as KernelFakeCases
 
 # Per-call microseconds the fake timer returns for each labelled callable.
-TIMES = {"floor": 2.0, "copy": 1000.0, "peak": 1600.0, "fp16": 100.0, "int8": 90.0, "fp8": 55.0,
-         "unfused": 700.0, "fused-quant": 330.0, "fused/4/0": 50.0, "fused/4/128": 52.0, "fused/4/256": 55.0,
-         "fused/4/512": 60.0, "fused/4/1024": 70.0, "fused/8/256": 80.0, "fused/8/128": 78.0,
-         "two-kernel": 56.0, "one-kernel": 54.0, "tinygemm": 125.0}
+TIMES = {
+    "floor": 2.0,
+    "copy": 1000.0,
+    "peak": 1600.0,
+    "fp16": 100.0,
+    "int8": 90.0,
+    "fp8": 55.0,
+    "unfused": 700.0,
+    "fused-quant": 330.0,
+    "fused/4/0": 50.0,
+    "fused/4/128": 52.0,
+    "fused/4/256": 55.0,
+    "fused/4/512": 60.0,
+    "fused/4/1024": 70.0,
+    "fused/8/256": 80.0,
+    "fused/8/128": 78.0,
+    "two-kernel": 56.0,
+    "one-kernel": 54.0,
+    "tinygemm": 125.0,
+}
 
 
 class FakeTimer:
@@ -79,7 +95,9 @@ def test_one_kernel_form_that_cannot_take_a_shape_is_reported_not_fatal():
     class NoOneKernel(FakeCases):
         def quik(self, k, n, m, bits, outliers, rung):
             if rung == "one-kernel":
-                raise ValueError("107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)")
+                raise ValueError(
+                    "107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)"
+                )
             return super().quik(k, n, m, bits, outliers, rung)
 
     cfg = qb.QuikBenchConfig(shapes=[(11008, 4096)], warmup=2, iters=50)

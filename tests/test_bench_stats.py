@@ -50,7 +50,12 @@ def test_parsers_name_the_option():
 
 
 def test_shapes_from_config_json(tmp_path):
-    cfg = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
+    cfg = {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert kb.shapes_for_model(str(tmp_path)) == [(2048, 2048), (2048, 256), (2048, 5632), (5632, 2048)]
 
@@ -71,8 +76,17 @@ class FakeTimer:
     def __call__(self, fns, warmup, iters):
         label = fns[0]()
         self.calls.append((label, warmup, iters))
-        base = {"floor": 2.0, "copy": 1000.0, "peak": 1600.0, "fp16": 12.0, "int8": 10.0, "fp8": 8.0, "gemv": 4.0,
-                "dequant+cublas": 20.0, "tinygemm": 6.0}[label]
+        base = {
+            "floor": 2.0,
+            "copy": 1000.0,
+            "peak": 1600.0,
+            "fp16": 12.0,
+            "int8": 10.0,
+            "fp8": 8.0,
+            "gemv": 4.0,
+            "dequant+cublas": 20.0,
+            "tinygemm": 6.0,
+        }[label]
         return [base * (1 + 0.01 * ((i % 5) - 2)) for i in range(iters)]
 
 
@@ -112,7 +126,9 @@ class FakeCases:
 
 
 def _report():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 2048], bits=[4], group_sizes=[128], warmup=3, iters=50)
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 4096)], ms=[1, 2048], bits=[4], group_sizes=[128], warmup=3, iters=50
+    )
     timer = FakeTimer()
     return kb.run_kernel_bench(cfg, FakeCases(), timer), timer
 
@@ -130,7 +146,9 @@ def test_kernel_bench_report_with_fake_timer(tmp_path):
     assert r1["quant"]["median_us"] == pytest.approx(4.0)
     assert r1["speedup"]["fp16"] == pytest.approx(3.0) and r1["speedup"]["fp8"] == pytest.approx(2.0)
     assert r1["baselines"]["int8"]["m_eff"] == 32 and r1["baselines"]["fp8"]["m_eff"] == 16
-    assert r1["roofline"]["tbps"] == pytest.approx(stats.quant_bytes(1, 4096, 4096, 4, 128, True) / 4e-6 / 1e12)
+    assert r1["roofline"]["tbps"] == pytest.approx(
+        stats.quant_bytes(1, 4096, 4096, 4, 128, True) / 4e-6 / 1e12
+    )
     assert r2048["path"] == "dequant+cublas" and r2048["baselines"]["fp8"] is None
     assert r2048["baseline_errors"]["fp8"] == "RuntimeError: no fp8 here"
     assert r2048["speedup"]["fp8"] is None
@@ -154,7 +172,9 @@ class SlowerFirstFp16Timer(FakeTimer):
 
 
 def test_kernel_bench_divides_by_the_faster_of_two_fp16_timings():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 16], bits=[4], group_sizes=[128], warmup=3, iters=50)
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 4096)], ms=[1, 16], bits=[4], group_sizes=[128], warmup=3, iters=50
+    )
     timer = SlowerFirstFp16Timer()
     report = kb.run_kernel_bench(cfg, FakeCases(), timer)
     assert stats.validate_kernels_report(report) == []
@@ -208,8 +228,10 @@ def test_e2e_decoder_runs_on_cpu_with_static_cache():
 
     def caches(b, length):
         shape = (b, d.kv_heads, length, d.head_dim)
-        return [(torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))
-                for _ in range(d.layers)]
+        return [
+            (torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))
+            for _ in range(d.layers)
+        ]
 
     cache = caches(1, 16)
     out = model(torch.randint(0, d.vocab, (1, 16)), torch.arange(16), cache, tables, decode=False)

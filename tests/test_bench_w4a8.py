@@ -22,13 +22,21 @@ class W4A8Cases(FakeCases):
 
 
 def test_w4a8_rows_beside_the_grouped_int_rows():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 64], bits=[4], group_sizes=[128], warmup=3, iters=50,
-                               w4a8_group_sizes=[None, 128])
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 4096)],
+        ms=[1, 64],
+        bits=[4],
+        group_sizes=[128],
+        warmup=3,
+        iters=50,
+        w4a8_group_sizes=[None, 128],
+    )
     report = kb.run_kernel_bench(cfg, W4A8Cases(), W4A8Timer())
     assert stats.validate_kernels_report(report) == []
     rows = report["results"]
     assert [(r["m"], r["path"], r["group_size"]) for r in rows] == [
-        (m, p, g) for m in (1, 64) for p, g in ((rows[0]["path"], 128), ("w4a8", None), ("w4a8", 128))]
+        (m, p, g) for m in (1, 64) for p, g in ((rows[0]["path"], 128), ("w4a8", None), ("w4a8", 128))
+    ]
     for r in rows[1:3]:
         assert set(r["candidates"]) == set(kb.W4A8_PATHS) and r["bits"] == 4 and not r["symmetric"]
         assert r["quant"]["median_us"] == 3.0 and r["best_path"] == "w4a8-gemm"

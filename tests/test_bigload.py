@@ -46,8 +46,13 @@ print(json.dumps(out))
 def test_streamed_perplexity_equals_the_whole_model_with_less_memory(smollm2, tmp_path):
     text = tmp_path / "wiki.txt"
     text.write_text(WIKITEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(smollm2), str(text)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(smollm2), str(text)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     streamed, whole = out["streamed"]["result"], out["whole"]["result"]
@@ -85,7 +90,9 @@ def test_writer_keeps_contiguous_cpu_tensors_and_shards_as_huggingface_hub(tmp_p
     model = torch.nn.ModuleDict({"lin": lin, "v": view_holder})
     out = collect_tensors(model, {}, torch.float32)
     assert out["lin.weight"].data_ptr() == lin.weight.data_ptr()  # no copy
-    assert out["v.part"].data_ptr() != view_holder.part.data_ptr()  # copied: safetensors would see shared memory
+    assert (
+        out["v.part"].data_ptr() != view_holder.part.data_ptr()
+    )  # copied: safetensors would see shared memory
     assert collect_tensors(model, {}, torch.float16)["lin.weight"].dtype == torch.float16
 
     sizes = {"a": 10, "b": 10, "c": 100, "d": 10, "e": 10}  # float32 elements; limit 80 bytes
@@ -112,4 +119,5 @@ def test_a_model_over_max_memory_is_spread_to_disk_for_whole_forwards(tmp_path):
     spread, _, _, _ = load_model(str(STORIES), device="cpu", max_memory=100_000)  # less than the embedding
     assert "disk" in set(spread.hf_device_map.values())
     assert perplexity(spread, tokenizer, spec, "cpu")["perplexity"] == pytest.approx(
-        perplexity(whole, tokenizer, spec, "cpu")["perplexity"], rel=1e-6)
+        perplexity(whole, tokenizer, spec, "cpu")["perplexity"], rel=1e-6
+    )

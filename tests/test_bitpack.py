@@ -15,8 +15,12 @@ from qtool.quant.grid import GridSpec
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([2, 3, 4, 5, 6, 7, 8]), rows=st.integers(1, 9), cols=st.integers(1, 301),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    bits=st.sampled_from([2, 3, 4, 5, 6, 7, 8]),
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 301),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_pack_unpack_round_trip(bits, rows, cols, seed):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, cols), generator=g)
@@ -46,8 +50,14 @@ def test_out_of_range_codes_are_refused():
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.sampled_from([2, 3, 4, 8]), n=st.integers(1, 7), k=st.integers(1, 200),
-       group=st.sampled_from([None, 16, 32, 64, 128]), symmetric=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    bits=st.sampled_from([2, 3, 4, 8]),
+    n=st.integers(1, 7),
+    k=st.integers(1, 200),
+    group=st.sampled_from([None, 16, 32, 64, 128]),
+    symmetric=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_grouped_int_dequantize_matches_definition(bits, n, k, group, symmetric, seed):
     spec = GridSpec(bits, symmetric, group)
     g = torch.Generator().manual_seed(seed)

@@ -16,12 +16,33 @@ def test_calibrate_stats_match_direct_computation(cli, tiny_llama, tmp_path):
     from qtool.calibration.stats import load_stats
 
     out = tmp_path / "stats.safetensors"
-    res = cli("calibrate", "--model", tiny_llama, "--calibration", TINY_SAMPLE, "--num-samples", "6",
-              "--seq-len", "48", "--seed", "3", "--hessians", "--device", "cpu", "-o", out, "--json")
+    res = cli(
+        "calibrate",
+        "--model",
+        tiny_llama,
+        "--calibration",
+        TINY_SAMPLE,
+        "--num-samples",
+        "6",
+        "--seq-len",
+        "48",
+        "--seed",
+        "3",
+        "--hessians",
+        "--device",
+        "cpu",
+        "-o",
+        out,
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     stats, stamp = load_stats(out)
-    assert stamp["num_samples"] == 6 and stamp["seq_len"] == 48 and stamp["data_sha256"] == summary["data_sha256"]
+    assert (
+        stamp["num_samples"] == 6
+        and stamp["seq_len"] == 48
+        and stamp["data_sha256"] == summary["data_sha256"]
+    )
     assert len(stats) == 2 * 7
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -29,7 +50,9 @@ def test_calibrate_stats_match_direct_computation(cli, tiny_llama, tmp_path):
     windows, digest = sample_windows(tok, TextSource(str(TINY_SAMPLE)), 6, 48, 3)
     assert digest == stamp["data_sha256"]
     seen = []
-    h = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, o: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+    h = model.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda m, a, o: seen.append(a[0].reshape(-1, a[0].shape[-1]))
+    )
     with torch.no_grad():
         for row in windows:
             model(row[None], use_cache=False)
@@ -44,9 +67,26 @@ def test_calibrate_stats_match_direct_computation(cli, tiny_llama, tmp_path):
 
 def test_quantize_reuses_stats_for_rtn_clipping(cli, tiny_llama, tmp_path):
     stats = tmp_path / "stats.safetensors"
-    assert cli("calibrate", "--model", tiny_llama, "--calibration", TINY_SAMPLE, "--num-samples", "4",
-               "--seq-len", "32", "-o", stats, "-q").exit_code == 0
-    recipe = write_recipe(tmp_path / "r.yaml", f"""
+    assert (
+        cli(
+            "calibrate",
+            "--model",
+            tiny_llama,
+            "--calibration",
+            TINY_SAMPLE,
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+            "-o",
+            stats,
+            "-q",
+        ).exit_code
+        == 0
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"""
 model: {tiny_llama}
 calibration: {{source: {TINY_SAMPLE}, num_samples: 4, seq_len: 32, stats: {stats}}}
 stages:
@@ -55,7 +95,8 @@ stages:
     group_size: 32
     clip: true
 output: ckpt
-""")
+""",
+    )
     res = cli("quantize", recipe, "--json")
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
@@ -70,7 +111,19 @@ def test_help_explains_every_command(cli):
 
 
 def test_eval_reports_protocol(cli, tiny_llama):
-    res = cli("eval", tiny_llama, "--text", TINY_SAMPLE, "--seq-len", "64", "--windows", "3", "--device", "cpu", "--json")
+    res = cli(
+        "eval",
+        tiny_llama,
+        "--text",
+        TINY_SAMPLE,
+        "--seq-len",
+        "64",
+        "--windows",
+        "3",
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["windows"] == 3 and out["scored_tokens"] == 3 * 63

@@ -41,7 +41,9 @@ output: {out}
 
 
 def _fix_gptq_targets(text: str, last: str) -> str:
-    return text.replace("    symmetric: false\n", f"    symmetric: false\n    targets:\n      exclude: ['{last}']\n", 1)
+    return text.replace(
+        "    symmetric: false\n", f"    symmetric: false\n    targets:\n      exclude: ['{last}']\n", 1
+    )
 
 
 def make_recipe(tmp: Path, model: Path, last: str, out: str = "ckpt", shard: str = "5GB") -> Path:
@@ -86,8 +88,14 @@ def test_llama_round_trip_matches_in_memory_quantization(llama_ckpt):
     assert layers["model.layers.0.mlp.down_proj"]["bits"] == 8
     assert layers["model.layers.0.mlp.down_proj"]["group_size"] is None
     assert layers["model.layers.1.self_attn.q_proj"] == {
-        "format": "grouped_int", "bits": 4, "group_size": 32, "symmetric": False,
-        "in_features": 96, "out_features": 96, "bias": False}
+        "format": "grouped_int",
+        "bits": 4,
+        "group_size": 32,
+        "symmetric": False,
+        "in_features": 96,
+        "out_features": 96,
+        "bias": False,
+    }
     q = model.get_submodule("model.layers.1.self_attn.q_proj")
     assert q.dequantize().shape == (96, 96) and q.scales.dtype == torch.float16
     manifest = json.loads((ckpt / "qtool-manifest.json").read_text())
@@ -142,6 +150,7 @@ def test_sharded_checkpoint_and_repack(cli, tiny_llama, tmp_path):
 
 # ---- broken checkpoints -------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def broken(llama_ckpt, tmp_path):
     import shutil
@@ -181,6 +190,7 @@ def test_load_checks_sizes_and_pack_verify_hashes(cli, broken, monkeypatch):
 
     # Loading and `pack --quick` check sizes and headers only: no file is hashed.
     with monkeypatch.context() as m:
+
         def no_hash(path):
             raise AssertionError(f"{path} hashed")
 
@@ -207,7 +217,9 @@ def test_missing_tensor(cli, broken):
 
 def test_misshaped_tensor(cli, broken):
     def edit(t):
-        t["model.layers.0.self_attn.k_proj.qweight"] = t["model.layers.0.self_attn.k_proj.qweight"][:, :-1].contiguous()
+        t["model.layers.0.self_attn.k_proj.qweight"] = t["model.layers.0.self_attn.k_proj.qweight"][
+            :, :-1
+        ].contiguous()
 
     _rewrite_tensors(broken, edit)
     msg = _eval_error(cli, broken)
@@ -243,8 +255,12 @@ def test_not_a_checkpoint(cli, tmp_path):
 def test_unsupported_architecture(cli, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
-    recipe = write_recipe(tmp_path / "r.yaml", f"model: {tmp_path / 'gpt2'}\nstages:\n  - stage: rtn\noutput: o\n")
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml", f"model: {tmp_path / 'gpt2'}\nstages:\n  - stage: rtn\noutput: o\n"
+    )
     res = cli("quantize", recipe)
     assert res.exit_code == 4
     assert "architecture GPT2LMHeadModel is not supported; expected one of LlamaForCausalLM" in res.output

@@ -16,15 +16,31 @@ import pytest
 
 from conftest import ROOT, STORIES
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found"),
+]
 
 
 def test_shipped_recipes_write_the_recorded_tensors(tmp_path: Path):
     recorded = json.loads((ROOT / "tests" / "data" / "checkpoint_digests.json").read_text())
     out = tmp_path / "digests.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "checkpoint_digests.py"), "--tensors-only", "--models",
-                    "stories260k,llama-256", "--out", str(out), "--work", str(tmp_path / "work")],
-                   check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "checkpoint_digests.py"),
+            "--tensors-only",
+            "--models",
+            "stories260k,llama-256",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     now = json.loads(out.read_text())
     assert sorted(now) == sorted(recorded)
     written = [k for k, v in recorded.items() if "files" in v]

@@ -25,12 +25,12 @@ STAGES = {
     "grouped-int": "  - stage: rtn\n    bits: 4\n    group_size: 32\n    symmetric: false\n",
     "quik": "  - stage: outliers\n    bits: 4\n    act_bits: 4\n    outliers: 8\n" + ONLY_0,
     "qoq-kv4": "  - stage: kv_cache\n    bits: 4\n  - stage: progressive\n    bits: 4\n    group_size: 4\n"
-               "    solver: rtn\n",
+    "    solver: rtn\n",
     "mixed-2-4-16": "  - stage: mixed\n    scale_group_size: 4\n    outlier_fraction: 0.005\n"
-                    '    targets: {include: ["model.layers.0.*"], exclude: ["*.down_proj"]}\n',
+    '    targets: {include: ["model.layers.0.*"], exclude: ["*.down_proj"]}\n',
     "vq-kv-vq": "  - stage: vq_kv\n    preset: cq-2\n    entries: 16\n    kmeans_iters: 2\n  - stage: vq\n"
-                "    preset: gptvq-2\n    vector_size: 2\n    entries: 16\n    tile_rows: 32\n    tile_cols: 64\n"
-                "    kmeans_iters: 2\n" + ONLY_0,
+    "    preset: gptvq-2\n    vector_size: 2\n    entries: 16\n    tile_rows: 32\n    tile_cols: 64\n"
+    "    kmeans_iters: 2\n" + ONLY_0,
 }
 PROMPT = "Once upon a time"
 
@@ -40,16 +40,21 @@ def checkpoints(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clients")
     out = {}
     for scheme, stages in STAGES.items():
-        recipe = write_recipe(tmp / f"{scheme}.yaml", f"model: {STORIES}\ncalibration:\n  source: {TINY_SAMPLE}\n"
-                                                      f"  num_samples: 2\n  seq_len: 64\nstages:\n{stages}"
-                                                      f"output: {tmp / scheme}\n")
+        recipe = write_recipe(
+            tmp / f"{scheme}.yaml",
+            f"model: {STORIES}\ncalibration:\n  source: {TINY_SAMPLE}\n"
+            f"  num_samples: 2\n  seq_len: 64\nstages:\n{stages}"
+            f"output: {tmp / scheme}\n",
+        )
         out[scheme], _ = qtool.quantize(recipe, run_eval=False)
     return out
 
 
 def greedy(model, tokenizer, n: int = 8) -> str:
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    return tokenizer.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0], skip_special_tokens=True)
+    return tokenizer.decode(
+        model.generate(ids, max_new_tokens=n, do_sample=False)[0], skip_special_tokens=True
+    )
 
 
 @pytest.mark.parametrize("scheme", list(STAGES))
@@ -67,8 +72,11 @@ def test_every_scheme_generates_and_loads_in_transformers(checkpoints, scheme):
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     modules = {m for _, m in LAYOUTS.values()}
-    assert [n for n, m in model.named_modules() if type(m) in modules] == \
-        [n for n, m in hf.named_modules() if type(m) in modules] != []
+    assert (
+        [n for n, m in model.named_modules() if type(m) in modules]
+        == [n for n, m in hf.named_modules() if type(m) in modules]
+        != []
+    )
     ids = tokenizer("One day a little girl", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, model(ids).logits)
@@ -87,9 +95,14 @@ def test_lm_eval_hf_model_loads_the_checkpoint(checkpoints):
     with TaskSuite(["piqa"], limit=4) as suite:
         ours = evaluate_tasks(qtool.load(path), qtool.load_tokenizer(path), suite, torch.device("cpu"))
         with _offline_datasets():
-            res = simple_evaluate(model="hf", model_args=f"pretrained={path},device=cpu,dtype=float32,"
-                                  f"softmax_dtype=float32", tasks=list(suite.load().values()), limit=4,
-                                  task_manager=suite.manager, log_samples=False)
+            res = simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={path},device=cpu,dtype=float32,softmax_dtype=float32",
+                tasks=list(suite.load().values()),
+                limit=4,
+                task_manager=suite.manager,
+                log_samples=False,
+            )
     assert res["results"]["piqa"]["acc,none"] == ours["results"]["piqa"]["acc,none"]
     assert res["results"]["piqa"]["acc_norm,none"] == ours["results"]["piqa"]["acc_norm,none"]
 
@@ -110,12 +123,18 @@ def _edit(path, dst, edit) -> None:
     (dst / "qtool-manifest.json").write_text(dumps(manifest))
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda t: t.pop("model.norm.weight"), ["tensor model.norm.weight: missing", "initialised it randomly"]),
-    (lambda t: t.pop("model.layers.0.mlp.up_proj.scales"), ["model.layers.0.mlp.up_proj.scales"]),
-    (lambda t: t.update({"model.extra": torch.zeros(2)}), ["tensor model.extra", "not a parameter"]),
-    (lambda t: t["model.norm.weight"].fill_(float("nan")), ["tensor model.norm.weight", "NaN or Inf"]),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda t: t.pop("model.norm.weight"),
+            ["tensor model.norm.weight: missing", "initialised it randomly"],
+        ),
+        (lambda t: t.pop("model.layers.0.mlp.up_proj.scales"), ["model.layers.0.mlp.up_proj.scales"]),
+        (lambda t: t.update({"model.extra": torch.zeros(2)}), ["tensor model.extra", "not a parameter"]),
+        (lambda t: t["model.norm.weight"].fill_(float("nan")), ["tensor model.norm.weight", "NaN or Inf"]),
+    ],
+)
 def test_from_pretrained_refuses_what_it_cannot_load(checkpoints, tmp_path, edit, words):
     from transformers import AutoModelForCausalLM
 
@@ -152,8 +171,14 @@ def test_import_qtool_registers_when_transformers_loads_its_quantizers():
     import transformers.quantizers
 
     code = "import sys, qtool; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     assert out.stdout.strip() == "[]"
     # The registry imported afresh (as in a process that imports qtool first) has qtool registered.
     name = "transformers.quantizers.auto"
@@ -178,10 +203,17 @@ def test_checkpoint_records_no_machine_paths_and_its_libraries(checkpoints):
     for f in path.iterdir():
         if f.suffix != ".safetensors":
             text = f.read_text()
-            assert str(ASSETS) not in text and str(path.parent) not in text and "/" + "tmp" not in text, f.name
+            assert str(ASSETS) not in text and str(path.parent) not in text and "/" + "tmp" not in text, (
+                f.name
+            )
     recipe = (path / "recipe.yaml").read_text()
     assert f"model: {STORIES.name}\n" in recipe and f"source: {TINY_SAMPLE.name}\n" in recipe
     manifest = json.loads((path / "qtool-manifest.json").read_text())
-    assert manifest["calibration"]["source"] == TINY_SAMPLE.name and len(manifest["calibration"]["data_sha256"]) == 64
-    assert {"qtool", "torch", "transformers", "tokenizers", "safetensors", "numpy"} <= set(manifest["packages"])
+    assert (
+        manifest["calibration"]["source"] == TINY_SAMPLE.name
+        and len(manifest["calibration"]["data_sha256"]) == 64
+    )
+    assert {"qtool", "torch", "transformers", "tokenizers", "safetensors", "numpy"} <= set(
+        manifest["packages"]
+    )
     assert manifest["sizes"] == {n: (path / n).stat().st_size for n in manifest["files"]}

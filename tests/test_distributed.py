@@ -55,16 +55,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(per_rank: list[list[object]], cwd: Path, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def launch(
+    per_rank: list[list[object]], cwd: Path, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """One `qtool` process per rank, `per_rank[r]` its arguments, in torchrun's environment."""
     port, n = free_port(), len(per_rank)
     procs = []
     for r, args in enumerate(per_rank):
-        e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-             "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "qtool.cli", *map(str, args)], cwd=cwd, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        e = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_WORLD_SIZE": str(n),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "qtool.cli", *map(str, args)],
+                cwd=cwd,
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -108,8 +127,11 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_work_folder_resumes(tmp
     procs = launch([["quantize", r, "-q"]] * 2, tmp_path, env={"QTOOL_DIST_TIMEOUT": "3"})
     try:
         t_end = time.monotonic() + 120
-        while ((Work.read_state(partial) or {}).get("next_block", 0) < 1 and procs[0].poll() is None
-               and time.monotonic() < t_end):
+        while (
+            (Work.read_state(partial) or {}).get("next_block", 0) < 1
+            and procs[0].poll() is None
+            and time.monotonic() < t_end
+        ):
             time.sleep(0.01)
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
@@ -146,8 +168,10 @@ def summed_like_two_ranks(monkeypatch) -> None:
     real = pipeline._collect
 
     def collect(block, names, inputs, kwargs, hessian, world=None):
-        parts = [real(block, names, [inputs[i] for i in World(r, 2).share(len(inputs))], kwargs, hessian)
-                 for r in range(2)]
+        parts = [
+            real(block, names, [inputs[i] for i in World(r, 2).share(len(inputs))], kwargs, hessian)
+            for r in range(2)
+        ]
         # Linears of one input share a statistics object (q/k/v): each object is added to once.
         for n in {id(s): n for n, s in parts[0].items()}.values():
             s, other = parts[0][n], parts[1][n]
@@ -181,8 +205,9 @@ output: out
 
 
 @pytest.mark.slow
-def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_path, smollm2, monkeypatch,
-                                                                           one_thread):
+def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(
+    tmp_path, smollm2, monkeypatch, one_thread
+):
     """GPTQ W4 g64 (asymmetric, act-order, static groups) of SmolLM2's first two blocks over 2 gloo processes
     (4 windows of 128 tokens, 2 per rank) against 1 process that sums each linear's statistics in the ranks'
     order: the same bytes (so the same perplexity). Samples split, statistics combined, solves spread over the
@@ -207,7 +232,9 @@ def test_smollm2_gptq_over_two_processes_writes_the_one_process_checkpoint(tmp_p
     assert summary["timings"]["join_s"] > 0 and summary["timings"]["startup_s"] > 0
     # Both ranks solved (each has linears or slices of every block) and shared.
     assert all(r["solve_s"] > 0 and r["share_s"] > 0 and r["stats_s"] > 0 for r in summary["ranks"]), summary
-    assert all(r["solve_s"] + r["share_s"] + r["stats_s"] < r["quantize_s"] for r in summary["ranks"]), summary
+    assert all(r["solve_s"] + r["share_s"] + r["stats_s"] < r["quantize_s"] for r in summary["ranks"]), (
+        summary
+    )
     assert not runs[1].stdout.strip() and not runs[1].stderr.strip()  # rank 0 alone reports
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
@@ -243,8 +270,9 @@ output: out
 """
 
 
-def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_process_checkpoint(tmp_path, monkeypatch,
-                                                                                      one_thread):
+def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_process_checkpoint(
+    tmp_path, monkeypatch, one_thread
+):
     """stories260K over 2 gloo processes, against 1 process summing the statistics in the ranks' order: the same
     checkpoint bytes. As `World.plan` shares out each group: q_proj on rank 0, k_proj on rank 1 (quik), v_proj
     split by rows (mixed-2-4-16: stripes and outliers chosen over the whole matrix, second-order scales over 4
@@ -262,8 +290,14 @@ def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_proce
     assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
     layers = json.loads((tmp_path / "one" / "config.json").read_text())["quantization_config"]["layers"]
     assert {name.rpartition(".")[2]: cfg["format"] for name, cfg in layers.items()} == {
-        "q_proj": "quik", "k_proj": "quik", "v_proj": "mixed-2-4-16", "down_proj": "quik", "o_proj": "qoq",
-        "gate_proj": "mixed-2-4-16", "up_proj": "mixed-2-4-16"}
+        "q_proj": "quik",
+        "k_proj": "quik",
+        "v_proj": "mixed-2-4-16",
+        "down_proj": "quik",
+        "o_proj": "qoq",
+        "gate_proj": "mixed-2-4-16",
+        "up_proj": "mixed-2-4-16",
+    }
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("one", "two"))
     assert a == b
 
@@ -276,13 +310,19 @@ def test_a_group_is_shared_out_whole_then_split_by_rows_over_the_ranks_left():
     empty = (0, 0)
 
     def plan(size: int, linears):
-        return [[(r.start, r.stop) if len(r) else empty for r in ranges] for ranges in World(0, size).plan(linears)]
+        return [
+            [(r.start, r.stop) if len(r) else empty for r in ranges]
+            for ranges in World(0, size).plan(linears)
+        ]
 
     # q/k/v over 2 ranks: q on 0, k on 1, v split.
     assert plan(2, [(96, 1)] * 3) == [[(0, 96), empty], [empty, (0, 96)], [(0, 48), (48, 96)]]
     # q/k/v over 4 ranks: teams of 2, 1, 1.
-    assert plan(4, [(96, 1)] * 3) == [[(0, 48), (48, 96), empty, empty], [empty, empty, (0, 96), empty],
-                                      [empty, empty, empty, (0, 96)]]
+    assert plan(4, [(96, 1)] * 3) == [
+        [(0, 48), (48, 96), empty, empty],
+        [empty, empty, (0, 96), empty],
+        [empty, empty, empty, (0, 96)],
+    ]
     # One linear over 3 ranks: 100 rows in units of 16 (7 units: 3, 2, 2), the last slice taking the remainder.
     assert plan(3, [(100, 1)]) == [[(0, 48), (48, 80), (80, 100)]]
     # A stage whose rows are coupled: whole on the team's first rank; a granularity of 48 rows: units of 48.
@@ -295,8 +335,17 @@ def test_a_group_is_shared_out_whole_then_split_by_rows_over_the_ranks_left():
 
 
 ROW_CASES = [
-    ("gptq", {"bits": 4, "group_size": 32, "symmetric": False, "act_order": True, "static_groups": True,
-              "clip": True}),
+    (
+        "gptq",
+        {
+            "bits": 4,
+            "group_size": 32,
+            "symmetric": False,
+            "act_order": True,
+            "static_groups": True,
+            "clip": True,
+        },
+    ),
     ("gptq", {"bits": 3, "group_size": 64}),
     ("outliers", {"outliers": 8, "sparsity_24": True}),
     ("outliers", {"bits": 8, "outliers": 8, "clip": False}),
@@ -352,11 +401,17 @@ def test_a_linear_solved_by_row_slices_is_the_whole_solve_byte_for_byte(stage, o
         assert torch.equal(torch.cat([p.dequantized for p in parts]), whole.dequantized), size
 
 
-@pytest.mark.parametrize("stage, message", [
-    ("  - stage: mixed\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: mixed"),
-    ("  - stage: vq\n    entries: 16\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: vq"),
-    ("  - stage: progressive\n    group_size: null\n    clip: true\n", "stages[0].clip_qk: found 'attention': progressive"),
-])
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ("  - stage: mixed\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: mixed"),
+        ("  - stage: vq\n    entries: 16\n    finetune_steps: 2\n", "stages[0].finetune_steps: found 2: vq"),
+        (
+            "  - stage: progressive\n    group_size: null\n    clip: true\n",
+            "stages[0].clip_qk: found 'attention': progressive",
+        ),
+    ],
+)
 def test_stages_whose_statistics_do_not_combine_are_refused_over_several_processes(tmp_path, stage, message):
     from qtool.distributed import World
     from qtool.errors import RecipeError
@@ -364,13 +419,24 @@ def test_stages_whose_statistics_do_not_combine_are_refused_over_several_process
     from qtool.run import _check_world
 
     r = tmp_path / "r.yaml"
-    r.write_text(RECIPE.format(model=STORIES, samples=4, bits=4).split("stages:")[0] + "stages:\n" + stage
-                 + "output: out\n")
+    r.write_text(
+        RECIPE.format(model=STORIES, samples=4, bits=4).split("stages:")[0]
+        + "stages:\n"
+        + stage
+        + "output: out\n"
+    )
     world = World(0, 2, joined=True)
     world.check_same = lambda what: None  # no process group here: what this test asks is the stage's answer
     with pytest.raises(RecipeError, match=r"expected .* with several processes") as e:
-        _check_world(world, load_recipe(r, {}), resume=False, dry_run=False, whole_model=False, overwrite=False,
-                     run_eval=False)
+        _check_world(
+            world,
+            load_recipe(r, {}),
+            resume=False,
+            dry_run=False,
+            whole_model=False,
+            overwrite=False,
+            run_eval=False,
+        )
     assert str(e.value).startswith(message), str(e.value)
 
 
@@ -391,8 +457,14 @@ def test_a_resumed_run_reads_its_share_from_the_parts_any_number_of_ranks_wrote(
     from qtool.distributed import World
 
     xs = [torch.full((1, 2, 3), float(i)) for i in range(5)]
-    work = Work(tmp_path, {"next_block": 1, "blocks": [{}], "inputs": {
-        "dtype": "float32", "shapes": [[1, 2, 3]] * 5, "parts": [3, 2]}})
+    work = Work(
+        tmp_path,
+        {
+            "next_block": 1,
+            "blocks": [{}],
+            "inputs": {"dtype": "float32", "shapes": [[1, 2, 3]] * 5, "parts": [3, 2]},
+        },
+    )
     for part, chunk in enumerate((xs[:3], xs[3:])):
         work.inputs_file(1, part).write_bytes(b"".join(x.numpy().tobytes() for x in chunk))
     for size in (1, 2, 3):
@@ -400,4 +472,3 @@ def test_a_resumed_run_reads_its_share_from_the_parts_any_number_of_ranks_wrote(
             share = World(rank, size).share(5)
             got = work.inputs(torch.device("cpu"), share)
             assert [int(x[0, 0, 0]) for x in got] == list(share), (size, rank)
-

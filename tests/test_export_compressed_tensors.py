@@ -19,12 +19,15 @@ from conftest import STORIES, write_recipe
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
 # Half an ulp of float16 at 1: the largest relative rounding error of one float16 rounding.
-FP16_ROUNDING = 2.0 ** -11
+FP16_ROUNDING = 2.0**-11
 
 
 def rtn_recipe(out, *, bits=4, group="4", sym="true", extra="", stage="rtn") -> str:
-    return (f"model: {STORIES}\n{extra}stages:\n  - stage: {stage}\n    bits: {bits}\n    group_size: {group}\n"
-            + (f"    symmetric: {sym}\n" if stage == "rtn" else "") + f"output: {out}\n")
+    return (
+        f"model: {STORIES}\n{extra}stages:\n  - stage: {stage}\n    bits: {bits}\n    group_size: {group}\n"
+        + (f"    symmetric: {sym}\n" if stage == "rtn" else "")
+        + f"output: {out}\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +35,20 @@ def stories(tmp_path_factory):
     """RTN W4 g4 symmetric and asymmetric, QoQ W8A8 per channel, RTN W4 g32 (partial groups: 172 columns) and
     RTN with a KV4 cache, each quantized and (where the format holds it) exported."""
     tmp = tmp_path_factory.mktemp("export")
-    recipes = {"sym": rtn_recipe(tmp / "sym"), "asym": rtn_recipe(tmp / "asym", sym="false"),
-               "w8a8": rtn_recipe(tmp / "w8a8", bits=8, group="null", stage="progressive"),
-               "g32": rtn_recipe(tmp / "g32", group="32"),
-               "kv4": rtn_recipe(tmp / "kv4").replace("stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n")}
+    recipes = {
+        "sym": rtn_recipe(tmp / "sym"),
+        "asym": rtn_recipe(tmp / "asym", sym="false"),
+        "w8a8": rtn_recipe(tmp / "w8a8", bits=8, group="null", stage="progressive"),
+        "g32": rtn_recipe(tmp / "g32", group="32"),
+        "kv4": rtn_recipe(tmp / "kv4").replace("stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n"),
+    }
     for name, text in recipes.items():
         res = run_cli(["quantize", write_recipe(tmp / f"{name}.yaml", text), "-q"])
         assert res.exit_code == 0, res.output
     for name in ("sym", "asym", "w8a8"):
-        res = run_cli(["export", tmp / name, "--format", "compressed-tensors", "-o", tmp / f"{name}-ct", "--json"])
+        res = run_cli(
+            ["export", tmp / name, "--format", "compressed-tensors", "-o", tmp / f"{name}-ct", "--json"]
+        )
         assert res.exit_code == 0, res.output
     return tmp
 
@@ -86,7 +94,12 @@ def test_the_files_are_what_compressed_tensors_defines(stories):
         assert (f"{m}.weight_zero_point" in theirs) == (name == "asym")
     record = json.loads((stories / "sym-ct" / "qtool-export.json").read_text())
     assert record["source"]["checkpoint"] == "sym" and "compressed-tensors" in record["packages"]
-    assert set(record["files"]) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert set(record["files"]) == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 def test_symmetric_export_loads_in_transformers_with_qtools_logits(stories):
@@ -106,7 +119,10 @@ def test_asymmetric_export_loads_with_dequantize_only(stories):
 
     with pytest.raises(RuntimeError, match="mismatch"):
         hf(stories / "asym-ct")
-    assert rel(logits(qtool.load(stories / "asym")), logits(hf(stories / "asym-ct", dequantize=True))) < FP16_ROUNDING
+    assert (
+        rel(logits(qtool.load(stories / "asym")), logits(hf(stories / "asym-ct", dequantize=True)))
+        < FP16_ROUNDING
+    )
 
 
 def test_w8a8_export_has_qtools_weights_and_compressed_tensors_activation_rounding(stories):
@@ -121,39 +137,80 @@ def test_w8a8_export_has_qtools_weights_and_compressed_tensors_activation_roundi
         assert torch.equal(dense.get_submodule(n).weight, ref.get_submodule(n).dequantize(torch.float32)), n
     own = logits(ref)
 
-    def ct_rule(w):  # compressed-tensors' dynamic per-token symmetric INT8: scale max|x|/127.5, codes [-128, 127]
+    def ct_rule(
+        w,
+    ):  # compressed-tensors' dynamic per-token symmetric INT8: scale max|x|/127.5, codes [-128, 127]
         def forward(x):
             s = x.abs().amax(-1, keepdim=True) / 127.5
             return torch.nn.functional.linear(torch.clamp(torch.round(x / s), -128, 127) * s, w)
+
         return forward
 
     for n in names:
         ref.get_submodule(n).forward = ct_rule(ref.get_submodule(n).dequantize(torch.float32))
     emulated, client = logits(ref), logits(hf(stories / "w8a8-ct"))
     assert rel(emulated, client) < FP16_ROUNDING
-    gap = rel(own, client)  # qtool's rule (max|x|/127, ±127) against the client's: the activation rounding only
+    gap = rel(
+        own, client
+    )  # qtool's rule (max|x|/127, ±127) against the client's: the activation rounding only
     assert 0 < gap < 0.05, gap
 
 
 def test_export_refuses_what_the_format_cannot_hold(stories, tmp_path):
     res = run_cli(["export", stories / "g32", "--format", "compressed-tensors", "-o", tmp_path / "o"])
-    assert_one_line_error(res, 2, "layer model.layers.0.mlp.down_proj", "in_features 172", "group_size 32",
-                          output=tmp_path / "o")
-    res = run_cli(["export", stories / "kv4", "--format", "compressed-tensors", "-o", tmp_path / "o", "--json"])
-    assert_one_line_error(res, 2, "quantization_config.kv_cache", "4-bit KV cache", output=tmp_path / "o",
-                          json_error=True)
+    assert_one_line_error(
+        res,
+        2,
+        "layer model.layers.0.mlp.down_proj",
+        "in_features 172",
+        "group_size 32",
+        output=tmp_path / "o",
+    )
+    res = run_cli(
+        ["export", stories / "kv4", "--format", "compressed-tensors", "-o", tmp_path / "o", "--json"]
+    )
+    assert_one_line_error(
+        res, 2, "quantization_config.kv_cache", "4-bit KV cache", output=tmp_path / "o", json_error=True
+    )
 
 
-@pytest.mark.parametrize(("cfg", "words"), [
-    ({"format": "quik", "bits": 4, "act_bits": 4, "group_size": None, "num_outliers": 128, "in_features": 576},
-     ["128 float16 outlier input columns"]),
-    ({"format": "quik", "bits": 8, "act_bits": 8, "group_size": None, "num_outliers": 0, "sparsity": "2:4",
-      "in_features": 576}, ["2:4 sparse"]),
-    ({"format": "mixed", "group_size": 16, "in_features": 576}, ["mixed layout"]),
-    ({"format": "qoq", "bits": 4, "act_bits": 8, "group_size": 64, "in_features": 576}, ["progressive groups"]),
-    ({"format": "grouped_int", "bits": 4, "group_size": 128, "symmetric": True, "in_features": 576},
-     ["in_features 576 is not a multiple of group_size 128"]),
-])
+@pytest.mark.parametrize(
+    ("cfg", "words"),
+    [
+        (
+            {
+                "format": "quik",
+                "bits": 4,
+                "act_bits": 4,
+                "group_size": None,
+                "num_outliers": 128,
+                "in_features": 576,
+            },
+            ["128 float16 outlier input columns"],
+        ),
+        (
+            {
+                "format": "quik",
+                "bits": 8,
+                "act_bits": 8,
+                "group_size": None,
+                "num_outliers": 0,
+                "sparsity": "2:4",
+                "in_features": 576,
+            },
+            ["2:4 sparse"],
+        ),
+        ({"format": "mixed", "group_size": 16, "in_features": 576}, ["mixed layout"]),
+        (
+            {"format": "qoq", "bits": 4, "act_bits": 8, "group_size": 64, "in_features": 576},
+            ["progressive groups"],
+        ),
+        (
+            {"format": "grouped_int", "bits": 4, "group_size": 128, "symmetric": True, "in_features": 576},
+            ["in_features 576 is not a multiple of group_size 128"],
+        ),
+    ],
+)
 def test_unexpressible_layers_are_named(cfg, words):
     from qtool.errors import UsageError
     from qtool.export.compressed_tensors import layer_scheme
@@ -198,19 +255,34 @@ def test_export_bad_input(stories, tmp_path, monkeypatch):
 def test_overwrite_replaces_an_earlier_export(stories, tmp_path):
     out = tmp_path / "again"
     for _ in range(2):
-        res = run_cli(["export", stories / "sym", "--format", "compressed-tensors", "-o", out, "--overwrite", "-q"])
+        res = run_cli(
+            ["export", stories / "sym", "--format", "compressed-tensors", "-o", out, "--overwrite", "-q"]
+        )
         assert res.exit_code == 0, res.output
     assert (out / "qtool-export.json").read_bytes() == (stories / "sym-ct" / "qtool-export.json").read_bytes()
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    (rtn_recipe("o", group="32", extra="target: compressed-tensors\n"),
-     ["target: compressed-tensors", "stages[0] (rtn) group_size 32", "model.layers.0.mlp.down_proj",
-      "in_features 172"]),
-    (rtn_recipe("o", extra="target: vllm\n").replace("stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n"),
-     ["target: vllm", "stages[0] (kv_cache)"]),
-    (rtn_recipe("o", extra="target: tensorrt\n"), ["target: found 'tensorrt'", "compressed-tensors"]),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (
+            rtn_recipe("o", group="32", extra="target: compressed-tensors\n"),
+            [
+                "target: compressed-tensors",
+                "stages[0] (rtn) group_size 32",
+                "model.layers.0.mlp.down_proj",
+                "in_features 172",
+            ],
+        ),
+        (
+            rtn_recipe("o", extra="target: vllm\n").replace(
+                "stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n"
+            ),
+            ["target: vllm", "stages[0] (kv_cache)"],
+        ),
+        (rtn_recipe("o", extra="target: tensorrt\n"), ["target: found 'tensorrt'", "compressed-tensors"]),
+    ],
+)
 def test_recipe_target_refuses_before_loading(tmp_path, no_work, text, words):
     res = run_cli(["quantize", write_recipe(tmp_path / "r.yaml", text)])
     assert_one_line_error(res, 3, *words)
@@ -232,15 +304,38 @@ def test_checkpoints_carry_a_model_card(stories):
 def test_model_card_lists_the_measured_quality():
     from qtool.checkpoint.card import model_card
 
-    ev = {"protocol": {"text": "/data/wiki.txt", "seq_len": 512}, "original": {"perplexity": 10.0, "tasks": {
-        "piqa": {"acc": {"value": 0.7, "stderr": 0.01}}}}, "quantized": {"perplexity": 10.5, "windows": 40, "tasks": {
-            "piqa": {"acc": {"value": 0.69, "stderr": 0.01}}}},
-          "tasks_protocol": {"limit": 200, "num_fewshot": 0, "lm_eval_version": "0.4.13", "runtime": "reference",
-                             "device": "cpu"}}
-    manifest = {"eval": ev, "stages": ["gptq"], "calibration": {"source": "/data/c4.jsonl", "num_samples": 128,
-                                                               "seq_len": 2048, "seed": 0, "data_sha256": "ab" * 32}}
-    card = model_card(manifest, {"quantization_config": {"layers": {}}}, {"model": "meta-llama/Llama-2-7b-hf",
-                                                                                "stages": [{"stage": "gptq", "bits": 4}]})
+    ev = {
+        "protocol": {"text": "/data/wiki.txt", "seq_len": 512},
+        "original": {"perplexity": 10.0, "tasks": {"piqa": {"acc": {"value": 0.7, "stderr": 0.01}}}},
+        "quantized": {
+            "perplexity": 10.5,
+            "windows": 40,
+            "tasks": {"piqa": {"acc": {"value": 0.69, "stderr": 0.01}}},
+        },
+        "tasks_protocol": {
+            "limit": 200,
+            "num_fewshot": 0,
+            "lm_eval_version": "0.4.13",
+            "runtime": "reference",
+            "device": "cpu",
+        },
+    }
+    manifest = {
+        "eval": ev,
+        "stages": ["gptq"],
+        "calibration": {
+            "source": "/data/c4.jsonl",
+            "num_samples": 128,
+            "seq_len": 2048,
+            "seed": 0,
+            "data_sha256": "ab" * 32,
+        },
+    }
+    card = model_card(
+        manifest,
+        {"quantization_config": {"layers": {}}},
+        {"model": "meta-llama/Llama-2-7b-hf", "stages": [{"stage": "gptq", "bits": 4}]},
+    )
     assert "base_model: meta-llama/Llama-2-7b-hf" in card
     assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card
     assert "| piqa acc | 0.7000 | 0.6900 |" in card and "limit 200, 0-shot, lm-eval 0.4.13" in card

@@ -17,7 +17,7 @@ from conftest import C4, WIKITEXT, write_recipe
 
 pytestmark = pytest.mark.slow
 
-FP16_ROUNDING = 2.0 ** -11
+FP16_ROUNDING = 2.0**-11
 
 RECIPE = """model: {model}
 target: compressed-tensors
@@ -51,8 +51,9 @@ def exported(tmp_path_factory, smollm2):
 
 def _windows(tokenizer) -> torch.Tensor:
     """The first two 128-token windows of WikiText-2 test (its head, tokenized without BOS as qtool eval does)."""
-    ids = tokenizer(WIKITEXT.read_text(encoding="utf-8")[:4000], add_special_tokens=False,
-                    return_tensors="pt").input_ids[0]
+    ids = tokenizer(
+        WIKITEXT.read_text(encoding="utf-8")[:4000], add_special_tokens=False, return_tensors="pt"
+    ).input_ids[0]
     return ids[:256].reshape(2, 128)
 
 
@@ -62,7 +63,9 @@ def _logits(model, ids) -> torch.Tensor:
 
 
 def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
     return float(torch.exp(nll))
 
 
@@ -83,10 +86,13 @@ def test_gptq_w4_g64_and_w8a8_export_matches_qtool_in_transformers(exported):
     assert kinds == [GroupedIntLinear, QoQLinear, torch.nn.Linear]
     own = _logits(ref, ids)
 
-    def ct_rule(w):  # compressed-tensors' dynamic per-token symmetric INT8: scale max|x|/127.5, codes [-128, 127]
+    def ct_rule(
+        w,
+    ):  # compressed-tensors' dynamic per-token symmetric INT8: scale max|x|/127.5, codes [-128, 127]
         def forward(x):
             s = x.abs().amax(-1, keepdim=True) / 127.5
             return torch.nn.functional.linear(torch.clamp(torch.round(x / s), -128, 127) * s, w)
+
         return forward
 
     for m in ref.modules():
@@ -95,8 +101,15 @@ def test_gptq_w4_g64_and_w8a8_export_matches_qtool_in_transformers(exported):
     emulated = _logits(ref, ids)
     client = _logits(AutoModelForCausalLM.from_pretrained(exported / "q-ct", dtype=torch.float32).eval(), ids)
     diff = _rel(emulated, client)
-    print({"max_rel_logit_diff": diff, "ppl_qtool_ct_rule": _ppl(emulated, ids), "ppl_transformers": _ppl(client, ids),
-           "ppl_qtool_own_rule": _ppl(own, ids), "max_rel_logit_diff_to_qtool_own_rule": _rel(own, client)})
+    print(
+        {
+            "max_rel_logit_diff": diff,
+            "ppl_qtool_ct_rule": _ppl(emulated, ids),
+            "ppl_transformers": _ppl(client, ids),
+            "ppl_qtool_own_rule": _ppl(own, ids),
+            "max_rel_logit_diff_to_qtool_own_rule": _rel(own, client),
+        }
+    )
     assert diff < FP16_ROUNDING, diff
     assert round(_ppl(emulated, ids), 3) == round(_ppl(client, ids), 3)
     # qtool's own activation rounding (max|x|/127, ±127) against the client's: one scheme, two rounding rules.
@@ -117,4 +130,6 @@ def test_smollm2_checkpoint_generates_and_loads_in_transformers(exported):
     assert [type(m) for m in ref.modules()] == [type(m) for m in hf.modules()]
     assert torch.equal(_logits(hf, ids), _logits(ref, ids))
     out = ref.generate(ids, max_new_tokens=4, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + 4 and torch.equal(hf.generate(ids, max_new_tokens=4, do_sample=False), out)
+    assert out.shape[1] == ids.shape[1] + 4 and torch.equal(
+        hf.generate(ids, max_new_tokens=4, do_sample=False), out
+    )

@@ -11,8 +11,9 @@ from qtool.quant.grid import GridSpec, dequantize, grid_params, quantize
 from qtool.quant.rtn import rtn_quantize
 
 
-def reference_gptq(w: torch.Tensor, h: torch.Tensor, spec: GridSpec, damp: float, order: torch.Tensor | None,
-                   static: bool) -> torch.Tensor:
+def reference_gptq(
+    w: torch.Tensor, h: torch.Tensor, spec: GridSpec, damp: float, order: torch.Tensor | None, static: bool
+) -> torch.Tensor:
     """Optimal Brain Quantization, one column at a time, in float64, with the inverse Hessian of the remaining
     columns updated by Gaussian elimination (no Cholesky, no lazy batches). Returns dequantized weights."""
     w = w.double().clone()
@@ -25,7 +26,7 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, spec: GridSpec, damp: float
     params = {}
     if static or spec.group_size is None:
         for j, s in enumerate(range(0, k, g)):
-            params[j] = grid_params(w[:, s:s + g], spec)
+            params[j] = grid_params(w[:, s : s + g], spec)
     order = torch.arange(k) if order is None else order
     h = h + damp * torch.mean(torch.diagonal(h)) * torch.eye(k, dtype=torch.float64)
     hinv = torch.linalg.inv(h)
@@ -34,9 +35,9 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, spec: GridSpec, damp: float
     for col in order.tolist():
         j = col // g
         if j not in params:  # dynamic group: range of the error-updated weights when the group starts
-            params[j] = grid_params(w[:, j * g:min(j * g + g, k)], spec)
+            params[j] = grid_params(w[:, j * g : min(j * g + g, k)], spec)
         s, z = params[j]
-        q = dequantize(quantize(w[:, col:col + 1], s, z, spec), s, z)[:, 0]
+        q = dequantize(quantize(w[:, col : col + 1], s, z, spec), s, z)[:, 0]
         out[:, col] = q
         err = (w[:, col] - q) / hinv[col, col]
         done[col] = True
@@ -49,7 +50,9 @@ def reference_gptq(w: torch.Tensor, h: torch.Tensor, spec: GridSpec, damp: float
 def _problem(n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g, dtype=torch.float64)
-    x = torch.randn(4 * k, k, generator=g, dtype=torch.float64) @ (torch.randn(k, k, generator=g, dtype=torch.float64) * 0.3)
+    x = torch.randn(4 * k, k, generator=g, dtype=torch.float64) @ (
+        torch.randn(k, k, generator=g, dtype=torch.float64) * 0.3
+    )
     x[:, 3] = 0  # a dead input channel
     return w, 2 * x.T @ x / x.shape[0]
 
@@ -73,8 +76,9 @@ def _dequant(codes, scales, zeros, spec, k):
 )
 def test_gptq_matches_direct_float64_algorithm(n, k, spec, act_order, static, block):
     w, h = _problem(n, k, seed=n * k)
-    codes, scales, zeros = gptq_quantize(w, h, spec, damp=0.01, block_size=block, act_order=act_order,
-                                         static_groups=static)
+    codes, scales, zeros = gptq_quantize(
+        w, h, spec, damp=0.01, block_size=block, act_order=act_order, static_groups=static
+    )
     ours = _dequant(codes, scales, zeros, spec, k)
     order = None
     if act_order:
@@ -129,20 +133,36 @@ def test_linears_of_one_input_share_one_statistics_object_equal_to_their_own():
     from qtool.pipeline import _collect
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg).eval()
     windows = torch.randint(0, 64, (3, 16))
     inputs, kwargs = capture_block_inputs(model, model.model.layers, windows, torch.device("cpu"))
     block = model.model.layers[0]
-    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj"]
+    names = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     stats = _collect(block, names, inputs, kwargs, hessian=True)
     assert stats["self_attn.q_proj"] is stats["self_attn.k_proj"] is stats["self_attn.v_proj"]
     assert stats["mlp.gate_proj"] is stats["mlp.up_proj"]
     assert len({id(s) for s in stats.values()}) == 4
     own = {n: LinearStats(block.get_submodule(n).in_features, True) for n in names}
-    handles = [block.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: own[n].update(a[0])) for n in names]
+    handles = [
+        block.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: own[n].update(a[0])) for n in names
+    ]
     with torch.no_grad():
         for x in inputs:
             block(x, **kwargs)

@@ -26,7 +26,9 @@ def test_batches_up_to_512_on_wide_layers_take_the_wgmma_kernel():
     # its warp-specialized form beat dequantize + cuBLAS at 512 tokens on all three Llama-2-7B shapes (H100)
     assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=True) == "mma"
     assert choose_path(400, F16, 4, 128, 11008, 4096, hopper=True) == "mma"
-    assert choose_path(512, F16, 4, 128, 4096, 1024, hopper=True) == "dequant+cublas"  # GQA key/value: cuBLAS won
+    assert (
+        choose_path(512, F16, 4, 128, 4096, 1024, hopper=True) == "dequant+cublas"
+    )  # GQA key/value: cuBLAS won
     assert choose_path(512, F16, 4, 128, 4096, 4096, hopper=False) == "dequant+cublas"
 
 
@@ -35,13 +37,27 @@ def test_warp_specialized_tiles_follow_the_measured_best():
     assert ws_plan(4096, 128, 4096, 132) == (128, 4, 1)
     assert ws_plan(4096, 256, 4096, 132) == (128, 2, 1)  # a 256-token tile would be split 4 ways
     assert ws_plan(11008, 256, 4096, 132) == (256, 1, 1)  # 86 tiles: one wave, no split
-    assert ws_plan(4096, 256, 11008, 132) == (256, 4, 1)  # long rows: the larger tile's stages pay for its partials
+    assert ws_plan(4096, 256, 11008, 132) == (
+        256,
+        4,
+        1,
+    )  # long rows: the larger tile's stages pay for its partials
     assert ws_plan(1024, 128, 4096, 132) == (64, 8, 1)  # 8 row tiles: small token tiles, fewer shares
     assert ws_plan(4096, 65, 4096, 132) == (128, 4, 1)
     assert ws_plan(4096, 64, 4096, 132) == (64, 4, 1)
-    assert ws_plan(11008, 64, 4096, 132) == (64, 3, 2)  # 86 tiles: two blocks per SM fill the GPU 3 ways split
+    assert ws_plan(11008, 64, 4096, 132) == (
+        64,
+        3,
+        2,
+    )  # 86 tiles: two blocks per SM fill the GPU 3 ways split
     assert ws_plan(22016, 32, 4096, 132) == (64, 1, 2)  # 172 tiles: one wave of two blocks per SM
-    for n, m, kp in ((4096, 100, 4096), (1024, 512, 4096), (200, 300, 256), (11008, 512, 11008), (12288, 20, 4096)):
+    for n, m, kp in (
+        (4096, 100, 4096),
+        (1024, 512, 4096),
+        (200, 300, 256),
+        (11008, 512, 11008),
+        (12288, 20, 4096),
+    ):
         tn, split, per_sm = ws_plan(n, m, kp, 132)
         assert tn in (64, 128, 256) and tn >= m // 4 and per_sm in (1, 2) and (per_sm == 1 or tn == 64)
         assert kp // 64 // split >= 4 or split == 1
@@ -92,8 +108,19 @@ def test_linear_refuses_an_unknown_path_in_one_line():
     # Refused before anything touches a GPU, so CPU tensors stand in for the prepared layer.
     from qtool.cuda.grouped_int import PATHS, Prepared, linear
 
-    p = Prepared(torch.zeros(8, 16, dtype=torch.int32), torch.ones(8, 1, dtype=F16), None,
-                 torch.zeros(8, 1, dtype=torch.int32), 4, 128, 128, 8, 128, 1, 0)
+    p = Prepared(
+        torch.zeros(8, 16, dtype=torch.int32),
+        torch.ones(8, 1, dtype=F16),
+        None,
+        torch.zeros(8, 1, dtype=torch.int32),
+        4,
+        128,
+        128,
+        8,
+        128,
+        1,
+        0,
+    )
     with pytest.raises(ValueError) as exc:
         linear(torch.zeros(1, 128, dtype=F16), p, path="cublas")
     assert str(exc.value) == f"path: found 'cublas', expected one of {', '.join(PATHS)}"
@@ -112,7 +139,9 @@ def test_one_token_4bit_rows_run_in_blocks_of_four_warps():
     assert fma_warps(8, 1, False, 1024) == 16
 
 
-def test_tensor_core_gemv_is_a_dependent_launch_only_where_its_grid_is_one_wave_of_16_warp_blocks(monkeypatch):
+def test_tensor_core_gemv_is_a_dependent_launch_only_where_its_grid_is_one_wave_of_16_warp_blocks(
+    monkeypatch,
+):
     from qtool.cuda import dependent_launch
     from qtool.cuda.grouped_int import gemv_dependent, gemv_warps
 

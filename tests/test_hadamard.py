@@ -9,8 +9,36 @@ import torch
 from qtool.quant.hadamard import hadamard, hadamard_plan, random_orthogonal, rotation
 
 # Multiples of 4 up to 512 with no construction here (Paley over prime powers and Williamson's would reach them).
-MISSING_TO_512 = [52, 92, 100, 116, 156, 172, 184, 188, 232, 236, 244, 260, 268, 292, 324, 340, 344, 356, 372,
-                  376, 404, 412, 428, 436, 452, 472, 476, 508]
+MISSING_TO_512 = [
+    52,
+    92,
+    100,
+    116,
+    156,
+    172,
+    184,
+    188,
+    232,
+    236,
+    244,
+    260,
+    268,
+    292,
+    324,
+    340,
+    344,
+    356,
+    372,
+    376,
+    404,
+    412,
+    428,
+    436,
+    452,
+    472,
+    476,
+    508,
+]
 # Hidden sizes of SmolLM2-135M/360M, Qwen2-0.5B and others built on Paley orders 12, 20, 28, 36 and 60.
 MODEL_SIZES = [576, 640, 896, 960, 1152]
 
@@ -39,18 +67,21 @@ def test_model_hidden_sizes_are_hadamard(n):
     _check_exact(n)
 
 
-@pytest.mark.parametrize("n,what", [
-    (1536, "hadamard 12x128 (paley1 q=11)"),
-    (2560, "hadamard 20x128 (paley1 q=19)"),
-    (3584, "hadamard 28x128 (paley2 q=13)"),
-    (5120, "hadamard 20x256 (paley1 q=19)"),
-    (8192, "hadamard 8192 (sylvester)"),
-    (64, "hadamard 64 (sylvester)"),
-    (96, "hadamard 12x8 (paley1 q=11)"),
-    (576, "hadamard 36x16 (paley2 q=17)"),
-    (12, "hadamard 12 (paley1 q=11)"),
-    (36, "hadamard 36 (paley2 q=17)"),
-])
+@pytest.mark.parametrize(
+    "n,what",
+    [
+        (1536, "hadamard 12x128 (paley1 q=11)"),
+        (2560, "hadamard 20x128 (paley1 q=19)"),
+        (3584, "hadamard 28x128 (paley2 q=13)"),
+        (5120, "hadamard 20x256 (paley1 q=19)"),
+        (8192, "hadamard 8192 (sylvester)"),
+        (64, "hadamard 64 (sylvester)"),
+        (96, "hadamard 12x8 (paley1 q=11)"),
+        (576, "hadamard 36x16 (paley2 q=17)"),
+        (12, "hadamard 12 (paley1 q=11)"),
+        (36, "hadamard 36 (paley2 q=17)"),
+    ],
+)
 def test_plan_of_model_sizes(n, what):
     assert hadamard_plan(n).describe() == what
 

@@ -31,5 +31,6 @@ def test_bench_json_is_a_flag(cli, tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     res = cli("bench", "kernels", "--json")
     assert res.exit_code == 6 and json.loads(res.stdout)["error"]["kind"] == "resource", res.output
-    assert cli("bench", "e2e", "--json", str(tmp_path / "r.json")).exit_code == 2  # a path is no longer its value
-
+    assert (
+        cli("bench", "e2e", "--json", str(tmp_path / "r.json")).exit_code == 2
+    )  # a path is no longer its value

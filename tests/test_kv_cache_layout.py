@@ -32,10 +32,10 @@ def test_stored_cache_dequantizes_to_what_the_reference_path_attends_to(mode):
     cache.k.fill_(0xA5)
     q, dk, dv = kvc.reference_write(qkv, cos, sin, pos, cache, h)
     x = qkv.transpose(1, 2)
-    k = kvc.rope_half(x[:, h:h + kvh], cos[pos], sin[pos])
+    k = kvc.rope_half(x[:, h : h + kvh], cos[pos], sin[pos])
     bits = kvc.BITS[mode]
     assert torch.equal(dk, fake_quantize_kv(k, bits))
-    assert torch.equal(dv, fake_quantize_kv(x[:, h + kvh:], bits))
+    assert torch.equal(dv, fake_quantize_kv(x[:, h + kvh :], bits))
     assert torch.equal(kvc.dequantize(cache, "k", torch.float32)[:, :, pos].half(), dk)
     assert torch.equal(kvc.dequantize(cache, "v", torch.float32)[:, :, pos].half(), dv)
     assert torch.equal(q, kvc.rope_half(x[:, :h], cos[pos], sin[pos]))
@@ -54,7 +54,11 @@ def test_cache_bytes_per_token_are_a_quarter_of_fp16_plus_params():
 
 
 def test_unsupported_head_dims_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="KV cache int4: found head_dim 260, expected a multiple of 8 up to 256"):
+    with pytest.raises(
+        ValueError, match="KV cache int4: found head_dim 260, expected a multiple of 8 up to 256"
+    ):
         kvc.check_shape("int4", 260)
-    with pytest.raises(ValueError, match="KV cache int8: found head_dim 256, expected a multiple of 4 up to 128"):
+    with pytest.raises(
+        ValueError, match="KV cache int8: found head_dim 256, expected a multiple of 4 up to 128"
+    ):
         kvc.check_shape("int8", 256)

@@ -47,8 +47,11 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     total_bits = total_weights = 0
     for name, cfg in layers.items():
-        bits = sum(t.numel() * t.element_size() * 8 for key, t in tensors.items()
-                   if key.startswith(name + ".") and key != name + ".bias")
+        bits = sum(
+            t.numel() * t.element_size() * 8
+            for key, t in tensors.items()
+            if key.startswith(name + ".") and key != name + ".bias"
+        )
         weights = cfg["in_features"] * cfg["out_features"]
         assert bpw["layers"][name]["stored"] == pytest.approx(bits / weights, abs=1e-4)
         assert cfg["stripes_4bit"] == 1  # block4: one in four stripes of 16 at width 64
@@ -60,7 +63,9 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     assert bpw["quantized_linears"] == pytest.approx(total_bits / total_weights, abs=1e-4)
     assert bpw["reported_layers"]["stored"] == pytest.approx(total_bits / total_weights, abs=1e-4)
     # Eq. 10 with g2 = 4: 0.75·(2 + 6/16 + 20/64) + 0.25·4, plus 30 bits per outlier.
-    assert bpw["reported_layers"]["eq10"] == pytest.approx(0.75 * (2 + 6 / 16 + 20 / 64) + 1 + 30 * 0.005, abs=2e-3)
+    assert bpw["reported_layers"]["eq10"] == pytest.approx(
+        0.75 * (2 + 6 / 16 + 20 / 64) + 1 + 30 * 0.005, abs=2e-3
+    )
 
     pack = run_cli(["pack", out, "--json"])
     assert pack.exit_code == 0, pack.output
@@ -75,8 +80,10 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
 def test_stories260k_gptq_solver_end_to_end(tmp_path):
     """`solver: gptq` through the CLI: the same layout (bits recomputed from the files), a checkpoint the loader
     takes and `qtool eval` runs."""
-    recipe = write_recipe(tmp_path / "r.yaml", RECIPE.replace("    scale_group_size: 4\n",
-                                                              "    scale_group_size: 4\n    solver: gptq\n"))
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        RECIPE.replace("    scale_group_size: 4\n", "    scale_group_size: 4\n    solver: gptq\n"),
+    )
     res = run_cli(["quantize", recipe, "--json"], cwd=tmp_path)
     assert res.exit_code == 0, res.output
     out = tmp_path / "out"
@@ -85,9 +92,12 @@ def test_stories260k_gptq_solver_end_to_end(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert len(layers) == 30
     for name, cfg in layers.items():
-        bits = sum(t.numel() * t.element_size() * 8 for key, t in tensors.items() if key.startswith(name + "."))
-        assert bpw["layers"][name]["stored"] == pytest.approx(bits / (cfg["in_features"] * cfg["out_features"]),
-                                                             abs=1e-4)
+        bits = sum(
+            t.numel() * t.element_size() * 8 for key, t in tensors.items() if key.startswith(name + ".")
+        )
+        assert bpw["layers"][name]["stored"] == pytest.approx(
+            bits / (cfg["in_features"] * cfg["out_features"]), abs=1e-4
+        )
         assert cfg["outliers"] == math.floor(0.005 * cfg["in_features"] * cfg["out_features"])
     ev = run_cli(["eval", out, "--text", TINY_SAMPLE, "--seq-len", 64, "--windows", 4, "--json"])
     assert ev.exit_code == 0, ev.output
@@ -99,41 +109,88 @@ def _mixed(text: str) -> str:
     return RECIPE.replace("    scale_group_size: 4\n", "    scale_group_size: 4\n" + text)
 
 
-@pytest.mark.parametrize("text, words", [
-    (_mixed("    fraction_4bit: 1.5\n"), ["stages[0].fraction_4bit: found 1.5", "in 0.0..1.0"]),
-    (_mixed("    fraction_4bit: -0.1\n    assign: global\n"), ["stages[0].fraction_4bit: found -0.1"]),
-    (_mixed("    fraction_4bit: 0.1\n"), ["stages[0].fraction_4bit: found 0.1 with assign block4", "0.25"]),
-    (_mixed("    group_size: 24\n"), ["stages[0].group_size: found 24",
-                                     "targeted linear model.layers.0.self_attn.q_proj has in_features 64"]),
-    (_mixed("    group_size: 12\n"), ["stages[0].group_size: found 12", "multiple of 8"]),
-    (_mixed("    group_size: 32\n"), ["stages[0].assign: found 'block4'", "has 2 stripes of 32",
-                                     "fewer than a whole number of blocks of four", "assign global"]),
-    (RECIPE.replace("scale_group_size: 4", "scale_group_size: 5"),
-     ["stages[0].scale_group_size: found 5", "has out_features 64"]),
-    (RECIPE.replace('targets: {exclude: ["*.down_proj"]}', "assign: block4"),
-     ["stages[0].group_size: found 16", "model.layers.0.mlp.down_proj has in_features 172"]),
-    (_mixed("    assign: global\n    target_bits: 1.5\n"), ["stages[0].target_bits: found 1.5", "in 2.0..4.0"]),
-    (_mixed("    assign: global\n    target_bits: 4.5\n"), ["stages[0].target_bits: found 4.5", "in 2.0..4.0"]),
-    (_mixed("    assign: global\n    target_bits: 2.2\n"), ["stages[0].target_bits: found 2.2", "cannot be met"]),
-    (_mixed("    assign: global\n    target_bits: 3.0\n"),
-     ["stages[0].target_bits: found 3.0", "cannot be met", "model.layers.0.self_attn.q_proj stores"]),
-    (_mixed("    target_bits: 3.0\n"), ["stages[0].target_bits: found 3.0 with assign block4"]),
-    (_mixed("    assign: global\n    target_bits: 2.7\n    target_counts: eq10\n"),
-     ["stages[0].target_bits: found 2.7", "cannot be met", "counts (Eq. 10) at least 2.8375"]),
-    (_mixed("    assign: global\n    target_counts: paper\n"), ["stages[0].target_counts: found 'paper'"]),
-    (_mixed("    assign: global\n    fraction_4bit: 0.1\n"),
-     ["stages[0].fraction_4bit: found 0.1", "only 4 stripes of 16", "too few"]),
-    (_mixed("    solver: awq\n"), ["stages[0].solver: found 'awq'", "one of 'rtn', 'gptq'"]),
-    (_mixed("    outlier_fraction: 0.01\n").replace("    outlier_fraction: 0.005\n", ""),
-     ["stages[0].outlier_fraction: found 0.01", "0.005"]),
-    (_mixed("    bits: 3\n"), ["stages[0].bits: unknown option"]),
-    (_mixed("    sensitivity: hessian\n"), ["stages[0].sensitivity: found 'hessian'", "'eq9', 'obs', 'random'"]),
-    (_mixed("    finetune_steps: -1\n"), ["stages[0].finetune_steps: found -1"]),
-    (_mixed("    finetune_steps: 8\n    finetune_lr: 0\n"), ["stages[0].finetune_lr: found 0"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (_mixed("    fraction_4bit: 1.5\n"), ["stages[0].fraction_4bit: found 1.5", "in 0.0..1.0"]),
+        (_mixed("    fraction_4bit: -0.1\n    assign: global\n"), ["stages[0].fraction_4bit: found -0.1"]),
+        (
+            _mixed("    fraction_4bit: 0.1\n"),
+            ["stages[0].fraction_4bit: found 0.1 with assign block4", "0.25"],
+        ),
+        (
+            _mixed("    group_size: 24\n"),
+            [
+                "stages[0].group_size: found 24",
+                "targeted linear model.layers.0.self_attn.q_proj has in_features 64",
+            ],
+        ),
+        (_mixed("    group_size: 12\n"), ["stages[0].group_size: found 12", "multiple of 8"]),
+        (
+            _mixed("    group_size: 32\n"),
+            [
+                "stages[0].assign: found 'block4'",
+                "has 2 stripes of 32",
+                "fewer than a whole number of blocks of four",
+                "assign global",
+            ],
+        ),
+        (
+            RECIPE.replace("scale_group_size: 4", "scale_group_size: 5"),
+            ["stages[0].scale_group_size: found 5", "has out_features 64"],
+        ),
+        (
+            RECIPE.replace('targets: {exclude: ["*.down_proj"]}', "assign: block4"),
+            ["stages[0].group_size: found 16", "model.layers.0.mlp.down_proj has in_features 172"],
+        ),
+        (
+            _mixed("    assign: global\n    target_bits: 1.5\n"),
+            ["stages[0].target_bits: found 1.5", "in 2.0..4.0"],
+        ),
+        (
+            _mixed("    assign: global\n    target_bits: 4.5\n"),
+            ["stages[0].target_bits: found 4.5", "in 2.0..4.0"],
+        ),
+        (
+            _mixed("    assign: global\n    target_bits: 2.2\n"),
+            ["stages[0].target_bits: found 2.2", "cannot be met"],
+        ),
+        (
+            _mixed("    assign: global\n    target_bits: 3.0\n"),
+            ["stages[0].target_bits: found 3.0", "cannot be met", "model.layers.0.self_attn.q_proj stores"],
+        ),
+        (_mixed("    target_bits: 3.0\n"), ["stages[0].target_bits: found 3.0 with assign block4"]),
+        (
+            _mixed("    assign: global\n    target_bits: 2.7\n    target_counts: eq10\n"),
+            ["stages[0].target_bits: found 2.7", "cannot be met", "counts (Eq. 10) at least 2.8375"],
+        ),
+        (
+            _mixed("    assign: global\n    target_counts: paper\n"),
+            ["stages[0].target_counts: found 'paper'"],
+        ),
+        (
+            _mixed("    assign: global\n    fraction_4bit: 0.1\n"),
+            ["stages[0].fraction_4bit: found 0.1", "only 4 stripes of 16", "too few"],
+        ),
+        (_mixed("    solver: awq\n"), ["stages[0].solver: found 'awq'", "one of 'rtn', 'gptq'"]),
+        (
+            _mixed("    outlier_fraction: 0.01\n").replace("    outlier_fraction: 0.005\n", ""),
+            ["stages[0].outlier_fraction: found 0.01", "0.005"],
+        ),
+        (_mixed("    bits: 3\n"), ["stages[0].bits: unknown option"]),
+        (
+            _mixed("    sensitivity: hessian\n"),
+            ["stages[0].sensitivity: found 'hessian'", "'eq9', 'obs', 'random'"],
+        ),
+        (_mixed("    finetune_steps: -1\n"), ["stages[0].finetune_steps: found -1"]),
+        (_mixed("    finetune_steps: 8\n    finetune_lr: 0\n"), ["stages[0].finetune_lr: found 0"]),
+    ],
+)
 def test_bad_recipes(tmp_path, no_work, text, words):
     r = write_recipe(tmp_path / "r.yaml", text)
-    assert_one_line_error(run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out")
+    assert_one_line_error(
+        run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out"
+    )
 
 
 @pytest.mark.parametrize("name,assign", [("mixed-2-4-16", "block4"), ("mixed-2-4-16-budget", "global")])

@@ -19,7 +19,12 @@ def test_block_info_ranks_counts_and_stripe_order():
     info, block4 = mixed.block_info(bits)
     assert info.dtype == torch.int32 and not block4
     assert [_decode(int(v)) for v in info] == [
-        (0, 1, [1, 2, 3, 0]), (1, 1, [0, 1, 3, 2]), (2, 4, [0, 1, 2, 3]), (6, 0, [0, 1, 2, 3]), (6, 2, [0, 2, 1, 3])]
+        (0, 1, [1, 2, 3, 0]),
+        (1, 1, [0, 1, 3, 2]),
+        (2, 4, [0, 1, 2, 3]),
+        (6, 0, [0, 1, 2, 3]),
+        (6, 2, [0, 2, 1, 3]),
+    ]
     _, block4 = mixed.block_info(torch.tensor([2, 4, 2, 2, 2, 2, 2, 4], dtype=torch.uint8))
     assert block4
 
@@ -65,8 +70,13 @@ def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -
         z = (zrow >> (2 * i)) & 3
         c = (my >> (16 + 4 * i)) & 15
         out[:, :, i] = (q - z[..., None]) * ((c + u[..., i]) * s2[..., i])[..., None]
-    q = torch.stack([((ta[..., 3] if j < 8 else tm[..., 0]) >> (4 * ((j % 8) // 2) + 16 * (j % 2))) & 15
-                     for j in range(16)], dim=-1)
+    q = torch.stack(
+        [
+            ((ta[..., 3] if j < 8 else tm[..., 0]) >> (4 * ((j % 8) // 2) + 16 * (j % 2))) & 15
+            for j in range(16)
+        ],
+        dim=-1,
+    )
     out[:, :, 3] = (q - (my >> 28)[..., None]) * half(my)[..., None]
     dense = torch.empty(n, nblk, 4, 16)
     dense.scatter_(2, pos[None, :, :, None].expand(n, nblk, 4, 16), out)
@@ -87,23 +97,51 @@ def test_tiled_streams_hold_the_checkpoint_layer(n, k, g2):
     codes[:, cols4] = torch.randint(0, 16, (n, int(cols4.sum())), generator=g)
     nh = -(-n // g2)
     layer = MixedWeight.from_codes(
-        codes, is4, 16, g2, "block4", torch.randint(0, 16, (n, s2), generator=g), torch.randint(0, 4, (n, s2), generator=g),
-        torch.rand(nh, s2, generator=g) + 0.1, torch.randint(0, 16, (nh, s2), generator=g),
-        torch.rand(n, s4, generator=g) + 0.1, torch.randint(0, 16, (n, s4), generator=g),
-        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        codes,
+        is4,
+        16,
+        g2,
+        "block4",
+        torch.randint(0, 16, (n, s2), generator=g),
+        torch.randint(0, 4, (n, s2), generator=g),
+        torch.rand(nh, s2, generator=g) + 0.1,
+        torch.randint(0, 16, (nh, s2), generator=g),
+        torch.rand(n, s4, generator=g) + 0.1,
+        torch.randint(0, 16, (n, s4), generator=g),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0),
+    )
     binfo, block4 = mixed.block_info(layer.stripe_bits)
     assert block4 and mixed.tiled_eligible(block4, g2) and not mixed.tiled_eligible(block4, 6)
-    t = mixed.tiled_streams(layer.qweight_a, layer.qweight_b, layer.scale_codes, layer.zeros2, layer.scales_2nd,
-                            layer.zeros_2nd, layer.scales4, layer.zeros4, binfo, g2)
-    assert [tuple(x.shape) for x in (t.ta, t.tm, t.tz, t.tt)] == [(n, k // 16), (n, k // 32), (-(-n // 4), k // 64),
-                                                                 (nh, k // 32)]
+    t = mixed.tiled_streams(
+        layer.qweight_a,
+        layer.qweight_b,
+        layer.scale_codes,
+        layer.zeros2,
+        layer.scales_2nd,
+        layer.zeros_2nd,
+        layer.scales4,
+        layer.zeros4,
+        binfo,
+        g2,
+    )
+    assert [tuple(x.shape) for x in (t.ta, t.tm, t.tz, t.tt)] == [
+        (n, k // 16),
+        (n, k // 32),
+        (-(-n // 4), k // 64),
+        (nh, k // 32),
+    ]
     assert all(x.dtype == torch.int32 and x.is_contiguous() for x in (t.ta, t.tm, t.tz, t.tt))
     assert torch.equal(_tiled_dense(t, binfo, n, k, g2), layer.dense())
 
 
 def test_tiled_config_and_layout_choice():
-    assert mixed.tiled_config(4096, 1) == (mixed.TILED_GEMV_ROWS, mixed.gemv_warps(4096, mixed.TILED_WARPS),
-                                           bool(mixed.TILED_PIPE))
+    assert mixed.tiled_config(4096, 1) == (
+        mixed.TILED_GEMV_ROWS,
+        mixed.gemv_warps(4096, mixed.TILED_WARPS),
+        bool(mixed.TILED_PIPE),
+    )
     assert mixed.tiled_config(4096, 1, rows=8, warps=4, pipe=True) == (8, 2, True)
     with pytest.raises(ValueError, match="rows: found 8"):
         mixed.tiled_config(4096, 2, rows=8)
@@ -121,10 +159,26 @@ def test_bytes_the_gemv_reads_on_each_layout():
     w = random_mixed_weight(k, n, 0.002, torch.device("cpu"), torch.Generator().manual_seed(0))
     binfo, block4 = mixed.block_info(w.stripe_bits)
     p = mixed.Prepared(
-        qweight_a=w.qweight_a, qweight_b=w.qweight_b, scale_codes=w.scale_codes, zeros2=w.zeros2,
-        s2f=mixed.second_order_table(w.scales_2nd, w.zeros_2nd), scales4=w.scales4, zeros4=w.zeros4, binfo=binfo,
-        rowptr=w.outlier_rowptr, ocols=w.outlier_cols, ovals=w.outlier_values, in_features=k, out_features=n,
-        scale_group_size=16, s2=3 * k // 64, s4=k // 64, block4=block4, nnz=w.num_outliers, source_ptr=0)
+        qweight_a=w.qweight_a,
+        qweight_b=w.qweight_b,
+        scale_codes=w.scale_codes,
+        zeros2=w.zeros2,
+        s2f=mixed.second_order_table(w.scales_2nd, w.zeros_2nd),
+        scales4=w.scales4,
+        zeros4=w.zeros4,
+        binfo=binfo,
+        rowptr=w.outlier_rowptr,
+        ocols=w.outlier_cols,
+        ovals=w.outlier_values,
+        in_features=k,
+        out_features=n,
+        scale_group_size=16,
+        s2=3 * k // 64,
+        s4=k // 64,
+        block4=block4,
+        nnz=w.num_outliers,
+        source_ptr=0,
+    )
     assert mixed.gemv_layout(p) == "direct"
     with pytest.raises(ValueError, match="layout: found 'tiled' for a layer without tiled streams"):
         mixed.gemv_layout(p, "tiled")
@@ -145,8 +199,10 @@ def test_gemm_path_tiles_and_shared_memory():
     assert mixed.gemm_smem(128, 4) == 4 * 20 * 1024 + 1024 and mixed.gemm_smem(64, 6) == 6 * 12 * 1024 + 1024
     assert all(mixed.gemm_smem(tn, st) <= 227 * 1024 for tn, st in mixed.GEMM_BUILT.items())
     # Llama-2-7B at a 128-token prefill, two blocks per SM on 132 SMs: qkv, o, gate/up, down
-    assert [mixed.plan_split(n, 128, k, 128, 2, 132) for k, n in
-            [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]] == [2, 8, 1, 8]
+    assert [
+        mixed.plan_split(n, 128, k, 128, 2, 132)
+        for k, n in [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]
+    ] == [2, 8, 1, 8]
 
 
 def test_swiglu_of_a_row_interleaved_gate_up_layer_on_the_reference_path():
@@ -154,12 +210,16 @@ def test_swiglu_of_a_row_interleaved_gate_up_layer_on_the_reference_path():
     from qtool.bench.cuda_cases import random_mixed_weight
     from qtool.runtime.mixed_linear import MixedLinear
 
-    layer = MixedLinear(random_mixed_weight(128, 48, 0.01, torch.device("cpu"), torch.Generator().manual_seed(1)))
+    layer = MixedLinear(
+        random_mixed_weight(128, 48, 0.01, torch.device("cpu"), torch.Generator().manual_seed(1))
+    )
     x = torch.randn(3, 128)
     y = layer(x).reshape(3, 12, 4)
     gate, up = y[..., :2].reshape(3, 24), y[..., 2:].reshape(3, 24)
     assert torch.equal(layer.forward_swiglu(x), torch.nn.functional.silu(gate) * up)
-    assert torch.equal(mixed.swiglu_interleaved(torch.arange(8.0)[None]),
-                       torch.nn.functional.silu(torch.tensor([[0.0, 1, 4, 5]])) * torch.tensor([[2.0, 3, 6, 7]]))
+    assert torch.equal(
+        mixed.swiglu_interleaved(torch.arange(8.0)[None]),
+        torch.nn.functional.silu(torch.tensor([[0.0, 1, 4, 5]])) * torch.tensor([[2.0, 3, 6, 7]]),
+    )
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         mixed.prepare(layer)

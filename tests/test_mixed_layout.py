@@ -35,19 +35,34 @@ def _random_fields(seed: int, n: int, k: int, g1: int, g2: int, s4: int, nnz: in
     rows = positions // (s2 * g1) if s2 else positions
     cols = cols2[(positions // g1) % max(s2, 1)] * g1 + positions % g1 if s2 else positions
     return dict(
-        codes=codes.reshape(n, k), is4=is4, group_size=g1, scale_group_size=g2,
+        codes=codes.reshape(n, k),
+        is4=is4,
+        group_size=g1,
+        scale_group_size=g2,
         assign="block4" if block4 else "global",
-        scale_codes=torch.randint(0, 16, (n, s2), generator=g), zeros2=torch.randint(0, 4, (n, s2), generator=g),
-        scales_2nd=half(n // g2, s2), zeros_2nd=torch.randint(0, 16, (n // g2, s2), generator=g),
-        scales4=half(n, s4), zeros4=torch.randint(0, 16, (n, s4), generator=g),
-        outlier_rows=rows, outlier_cols=cols, outlier_values=(torch.randn(nnz, generator=g)).half().float(),
+        scale_codes=torch.randint(0, 16, (n, s2), generator=g),
+        zeros2=torch.randint(0, 4, (n, s2), generator=g),
+        scales_2nd=half(n // g2, s2),
+        zeros_2nd=torch.randint(0, 16, (n // g2, s2), generator=g),
+        scales4=half(n, s4),
+        zeros4=torch.randint(0, 16, (n, s4), generator=g),
+        outlier_rows=rows,
+        outlier_cols=cols,
+        outlier_values=(torch.randn(nnz, generator=g)).half().float(),
     )
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n_groups=st.integers(1, 3), g2=st.sampled_from([1, 2, 4]),
-       g1=st.sampled_from([8, 16, 32]), blocks=st.integers(1, 3), frac4=st.floats(0, 1), block4=st.booleans(),
-       nnz=st.integers(0, 12))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_groups=st.integers(1, 3),
+    g2=st.sampled_from([1, 2, 4]),
+    g1=st.sampled_from([8, 16, 32]),
+    blocks=st.integers(1, 3),
+    frac4=st.floats(0, 1),
+    block4=st.booleans(),
+    nnz=st.integers(0, 12),
+)
 def test_pack_unpack_round_trip(seed, n_groups, g2, g1, blocks, frac4, block4, nnz):
     n, k = n_groups * g2, 4 * g1 * blocks
     s = k // g1
@@ -59,7 +74,9 @@ def test_pack_unpack_round_trip(seed, n_groups, g2, g1, blocks, frac4, block4, n
     scale, zero = layout.group_params()
     is4 = f["is4"]
     assert torch.equal(scale[:, is4], f["scales4"]) and torch.equal(zero[:, is4], f["zeros4"].float())
-    shat = (f["scale_codes"] + f["zeros_2nd"].repeat_interleave(g2, 0)) * f["scales_2nd"].repeat_interleave(g2, 0)
+    shat = (f["scale_codes"] + f["zeros_2nd"].repeat_interleave(g2, 0)) * f["scales_2nd"].repeat_interleave(
+        g2, 0
+    )
     assert torch.equal(scale[:, ~is4], shat.float()) and torch.equal(zero[:, ~is4], f["zeros2"].float())
     rows, cols, vals = layout.outliers()
     order = torch.argsort(f["outlier_rows"] * k + f["outlier_cols"])
@@ -82,9 +99,16 @@ def test_bit_positions_of_matrix_a_and_b():
     codes[0, 0] = torch.arange(16) % 4
     codes[0, 1] = torch.arange(16)
     f = _random_fields(0, 1, 64, g1, 1, 1, 0, True)
-    f.update(codes=codes.reshape(1, 64), is4=is4, scales4=f["scales4"][:, :1], zeros4=f["zeros4"][:, :1],
-             scale_codes=torch.zeros(1, 3, dtype=torch.int64), zeros2=torch.zeros(1, 3, dtype=torch.int64),
-             scales_2nd=torch.ones(1, 3), zeros_2nd=torch.ones(1, 3, dtype=torch.int64))
+    f.update(
+        codes=codes.reshape(1, 64),
+        is4=is4,
+        scales4=f["scales4"][:, :1],
+        zeros4=f["zeros4"][:, :1],
+        scale_codes=torch.zeros(1, 3, dtype=torch.int64),
+        zeros2=torch.zeros(1, 3, dtype=torch.int64),
+        scales_2nd=torch.ones(1, 3),
+        zeros_2nd=torch.ones(1, 3, dtype=torch.int64),
+    )
     layout = MixedWeight.from_codes(**f)
     a = layout.qweight_a.to(torch.int64) & 0xFFFFFFFF
     assert a.shape == (1, 4)
@@ -133,21 +157,27 @@ def _two_in_a_block(t):
     return t
 
 
-@pytest.mark.parametrize("changes,words", [
-    ({"qweight_a": lambda t: t[:, :-1]}, ["tensor m.qweight_a", "expected torch.int32 [16, 8]"]),
-    ({"scales4": lambda t: t.float()}, ["tensor m.scales4", "found torch.float32"]),
-    ({"outlier_cols": lambda t: t.to(torch.int32)}, ["tensor m.outlier_cols", "expected torch.int16"]),
-    ({"stripe_bits": _bad_bits}, ["tensor m.stripe_bits", "expected 2 or 4"]),
-    ({"stripe_bits": _two_in_a_block}, ["tensor m.stripe_bits", "one 4-bit stripe in every four"]),
-    ({"scales_2nd": lambda t: t * 0}, ["tensor m.scales_2nd", "expected > 0"]),
-    ({"zeros_2nd": lambda t: t + 16}, ["tensor m.zeros_2nd", "at most 15"]),
-    ({"outlier_rowptr": lambda t: t.flip(0)}, ["tensor m.outlier_rowptr", "non-decreasing"]),
-    ({"outlier_cols": lambda t: torch.full_like(t, 200)}, ["tensor m.outlier_cols", "below in_features 128"]),
-    ({"group_size": 12}, ["layer m", "'group_size' found 12"]),
-    ({"scale_group_size": 5}, ["layer m", "'scale_group_size' found 5"]),
-    ({"stripes_4bit": 3}, ["layer m", "'stripes_4bit' found 3", "block4"]),
-    ({"assign": "any"}, ["layer m", "'assign' found 'any'"]),
-])
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"qweight_a": lambda t: t[:, :-1]}, ["tensor m.qweight_a", "expected torch.int32 [16, 8]"]),
+        ({"scales4": lambda t: t.float()}, ["tensor m.scales4", "found torch.float32"]),
+        ({"outlier_cols": lambda t: t.to(torch.int32)}, ["tensor m.outlier_cols", "expected torch.int16"]),
+        ({"stripe_bits": _bad_bits}, ["tensor m.stripe_bits", "expected 2 or 4"]),
+        ({"stripe_bits": _two_in_a_block}, ["tensor m.stripe_bits", "one 4-bit stripe in every four"]),
+        ({"scales_2nd": lambda t: t * 0}, ["tensor m.scales_2nd", "expected > 0"]),
+        ({"zeros_2nd": lambda t: t + 16}, ["tensor m.zeros_2nd", "at most 15"]),
+        ({"outlier_rowptr": lambda t: t.flip(0)}, ["tensor m.outlier_rowptr", "non-decreasing"]),
+        (
+            {"outlier_cols": lambda t: torch.full_like(t, 200)},
+            ["tensor m.outlier_cols", "below in_features 128"],
+        ),
+        ({"group_size": 12}, ["layer m", "'group_size' found 12"]),
+        ({"scale_group_size": 5}, ["layer m", "'scale_group_size' found 5"]),
+        ({"stripes_4bit": 3}, ["layer m", "'stripes_4bit' found 3", "block4"]),
+        ({"assign": "any"}, ["layer m", "'assign' found 'any'"]),
+    ],
+)
 def test_loader_errors_name_the_tensor(changes, words):
     cfg, tensors = _stored(**changes)
     with pytest.raises(CheckpointError) as err:

@@ -33,9 +33,22 @@ def _hessian(k: int, tokens: int = 256, seed: int = 0) -> torch.Tensor:
 
 
 def _pack(mc, g1, g2, assign) -> MixedWeight:
-    return MixedWeight.from_codes(mc.codes, mc.is4, g1, g2, assign, mc.scale_codes, mc.zeros2, mc.scales_2nd,
-                                  mc.zeros_2nd, mc.scales4, mc.zeros4, mc.outlier_rows, mc.outlier_cols,
-                                  mc.outlier_values)
+    return MixedWeight.from_codes(
+        mc.codes,
+        mc.is4,
+        g1,
+        g2,
+        assign,
+        mc.scale_codes,
+        mc.zeros2,
+        mc.scales_2nd,
+        mc.zeros_2nd,
+        mc.scales4,
+        mc.zeros4,
+        mc.outlier_rows,
+        mc.outlier_cols,
+        mc.outlier_values,
+    )
 
 
 def test_eq9_sensitivity_matches_float64_loops():
@@ -68,8 +81,10 @@ def test_obs_and_random_sensitivities():
     n, k, g1 = 6, 32, 16
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
     hinv = inverse_hessian_diag(_hessian(k), 0.01)
-    expected = [sum(float(w[j, q]) ** 2 / float(hinv[q]) for j in range(n) for q in range(i * g1, (i + 1) * g1))
-                for i in range(k // g1)]
+    expected = [
+        sum(float(w[j, q]) ** 2 / float(hinv[q]) for j in range(n) for q in range(i * g1, (i + 1) * g1))
+        for i in range(k // g1)
+    ]
     np.testing.assert_allclose(obs_sensitivity(w, hinv, g1).numpy(), expected, rtol=1e-9)
     a = random_sensitivity("model.layers.0.mlp.up_proj", 36)
     assert torch.equal(a, random_sensitivity("model.layers.0.mlp.up_proj", 36))
@@ -100,7 +115,9 @@ def test_global_is_top_k(count):
         assert sens[is4].min() > sens[~is4].max()
 
 
-@pytest.mark.parametrize("n,k,target,frac", [(64, 1536, 2.6, 0.0), (128, 1024, 3.0, 0.002), (48, 512, 3.5, 0.005)])
+@pytest.mark.parametrize(
+    "n,k,target,frac", [(64, 1536, 2.6, 0.0), (128, 1024, 3.0, 0.002), (48, 512, 3.5, 0.005)]
+)
 def test_target_bits_picks_the_fraction_and_hits_it_within_a_stripe(n, k, target, frac):
     g1, g2 = 16, 16
     s4 = stripes_for_target(n, k, g1, g2, frac, target)
@@ -120,7 +137,9 @@ def test_target_bits_picks_the_fraction_and_hits_it_within_a_stripe(n, k, target
     assert target - (stored(s4 + 1) - stored(s4)) < got <= target
 
 
-@pytest.mark.parametrize("n,k,target,frac", [(576, 576, 2.6, 0.0), (576, 1536, 2.6, 0.0), (64, 1024, 2.91, 0.002)])
+@pytest.mark.parametrize(
+    "n,k,target,frac", [(576, 576, 2.6, 0.0), (576, 1536, 2.6, 0.0), (64, 1024, 2.91, 0.002)]
+)
 def test_target_counted_as_eq10(n, k, target, frac):
     """`target_counts: eq10`: the budget in the paper's accounting (Table 4: 2.60 bits is about 10% 4-bit)."""
     g1 = g2 = 16
@@ -204,11 +223,13 @@ def test_stored_bits_against_eq10():
     assert layout.stripes_4bit == s4
     eq10 = eq10_bits(k, g1, g2, s4, nout, n) * n * k
     assert eq10 / (n * k) == pytest.approx(2.8398 + 30 * nout / (n * k), abs=1e-4)
-    extra = (n * s4 * (16 + 4)  # the 4-bit groups' float16 scale and 4-bit zero
-             + (n // g2) * (s - s4) * 4  # second-order zeros stored as bytes (4 bits of padding)
-             + s * 8  # stripe_bits
-             + (n + 1) * 32  # CSR row pointers
-             + nout * 2)  # Eq. 10's outlier term credits the replaced 2-bit code
+    extra = (
+        n * s4 * (16 + 4)  # the 4-bit groups' float16 scale and 4-bit zero
+        + (n // g2) * (s - s4) * 4  # second-order zeros stored as bytes (4 bits of padding)
+        + s * 8  # stripe_bits
+        + (n + 1) * 32  # CSR row pointers
+        + nout * 2
+    )  # Eq. 10's outlier term credits the replaced 2-bit code
     # k = 1024: the per-row streams of scale codes and zeros need no padding (48·4 and 48·2 bits).
     assert layout.stored_bits() == pytest.approx(eq10 + extra, abs=1e-6)
     assert layout.bits_report()["stored"] == pytest.approx(layout.stored_bits() / (n * k))
@@ -216,7 +237,7 @@ def test_stored_bits_against_eq10():
 
 def _correlated(k: int, tokens: int = 1024) -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
-    mix = torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k ** 0.5
+    mix = torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k**0.5
     x = torch.randn(tokens, k, generator=g) @ mix
     return 2.0 * x.T @ x / tokens
 
@@ -257,8 +278,11 @@ def test_stage_quantize_with_both_solvers():
     stats.update(torch.randn(256, k, generator=g))
     w = torch.randn(n, k, generator=g) * 0.02
     for solver in ("rtn", "gptq"):
-        opts = parse_options(MixedOptions, {"solver": solver, "assign": "global", "fraction_4bit": 0.5,
-                                            "outlier_fraction": 0.005}, "stages[0]")
+        opts = parse_options(
+            MixedOptions,
+            {"solver": solver, "assign": "global", "fraction_4bit": 0.5, "outlier_fraction": 0.005},
+            "stages[0]",
+        )
         stage = MixedStage(opts, Targets(), 0)
         assert stage.sequential() == (solver == "gptq") and stage.needs_hessian()
         res = stage.quantize("layer", w, stats)
@@ -290,7 +314,9 @@ def test_tuned_scales_lower_the_output_error_or_are_restored():
 
     t = TunableScales(layout, w, torch.device("cpu"))
     assert torch.allclose(t(), layout.dequantize(), atol=1e-3)  # outliers exact here, float16 residuals there
-    res = tune_block(block, {"0.weight": t}, list(t.parameters()), xs, {}, targets, steps=30, lr=0.01, samples=2)
+    res = tune_block(
+        block, {"0.weight": t}, list(t.parameters()), xs, {}, targets, steps=30, lr=0.01, samples=2
+    )
     tuned = t.layout()
     assert res.kept and res.error_after < res.error_before
     assert err(tuned) < 0.95 * err(layout)
@@ -299,7 +325,10 @@ def test_tuned_scales_lower_the_output_error_or_are_restored():
     assert torch.allclose(tuned.dequantize()[rows, cols], w[rows, cols], atol=1e-3)
 
     bad = TunableScales(layout, w, torch.device("cpu"))
-    res = tune_block(block, {"0.weight": bad}, list(bad.parameters()), xs, {}, targets, steps=1, lr=1.0, samples=1)
+    res = tune_block(
+        block, {"0.weight": bad}, list(bad.parameters()), xs, {}, targets, steps=1, lr=1.0, samples=1
+    )
     assert not res.kept and res.error_after > res.error_before
-    assert torch.equal(bad.layout().scales_2nd, layout.scales_2nd) and torch.equal(bad.layout().scales4,
-                                                                                  layout.scales4)
+    assert torch.equal(bad.layout().scales_2nd, layout.scales_2nd) and torch.equal(
+        bad.layout().scales4, layout.scales4
+    )

@@ -20,8 +20,22 @@ def test_data_folders_found_from_checkout():
 
 @pytest.mark.slow
 def test_wheel_contains_kernels_and_formats(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), "-q"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            "-q",
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("qtool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "qtool/formats/grouped-int.md" in names and "qtool/formats/checkpoint.md" in names
@@ -30,8 +44,14 @@ def test_wheel_contains_kernels_and_formats(tmp_path):
     # Installed elsewhere, the package finds its data inside itself.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    out = subprocess.run([sys.executable, "-c", "import qtool.resources as r; print(r.formats_dir(), r.kernels_dir())"],
-                         cwd=tmp_path, env={"PYTHONPATH": str(site)}, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import qtool.resources as r; print(r.formats_dir(), r.kernels_dir())"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site)},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert str(site / "qtool" / "formats") in out.stdout and str(site / "qtool" / "kernels") in out.stdout
 
 

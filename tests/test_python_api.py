@@ -22,7 +22,9 @@ def readme_example() -> str:
 def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     code = readme_example()
     assert 'output="out/stories260k-api"' in code
-    monkeypatch.chdir(ROOT)  # the example's recipe path is relative to the checkout, as in every README command
+    monkeypatch.chdir(
+        ROOT
+    )  # the example's recipe path is relative to the checkout, as in every README command
     exec(compile(code.replace('"out/stories260k-api"', repr(str(tmp_path / "api"))), "README.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(str(tmp_path / "api")) and 4.0 < float(lines[0].split()[1]) < 6.0

@@ -30,7 +30,9 @@ def test_every_row_is_a_valid_recipe(ablation):
     rows = [(n, s, {}) for n, s in ablation.rungs(64, "rtn")] + ablation.quality_rows(64)
     for name, stages, extras in rows:
         cal = {"source": str(C4), "num_samples": 2, "seq_len": 32, "seed": 0, **extras.get("calibration", {})}
-        recipe = validate_recipe({"model": str(STORIES), "calibration": cal, "stages": stages}, name, ROOT, {})
+        recipe = validate_recipe(
+            {"model": str(STORIES), "calibration": cal, "stages": stages}, name, ROOT, {}
+        )
         assert [s.stage.name for s in recipe.stages] == [s["stage"] for s in stages], name
     with pytest.raises(RecipeError, match="static_groups"):
         bad = {"stage": "progressive", "bits": 4, "group_size": 64, "solver": "gptq", "act_order": True}

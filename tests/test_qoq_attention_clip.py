@@ -23,8 +23,16 @@ def block_and_inputs(tiny_llama):
     inputs, kwargs = capture_block_inputs(model, model.model.layers, windows, torch.device("cpu"))
     block = model.model.layers[0]
     cfg = model.config
-    probe = AttentionProbe(block, block.self_attn, block.self_attn.o_proj, inputs, kwargs,
-                           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    probe = AttentionProbe(
+        block,
+        block.self_attn,
+        block.self_attn.o_proj,
+        inputs,
+        kwargs,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+    )
     return block, probe
 
 
@@ -32,13 +40,15 @@ def test_probe_errors_land_on_the_heads_a_row_feeds(block_and_inputs):
     block, probe = block_and_inputs
     q, k = block.self_attn.q_proj, block.self_attn.k_proj
     d = probe.head_dim
-    assert torch.equal(probe.head_errors(q, q.weight.data.clone()), torch.zeros(probe.heads, dtype=torch.float64))
+    assert torch.equal(
+        probe.head_errors(q, q.weight.data.clone()), torch.zeros(probe.heads, dtype=torch.float64)
+    )
     w = q.weight.data.clone()
-    w[2 * d:3 * d] += 0.5 * torch.randn(d, w.shape[1])  # query head 2 only
+    w[2 * d : 3 * d] += 0.5 * torch.randn(d, w.shape[1])  # query head 2 only
     err = probe.head_errors(q, w)
     assert err[2] > 0 and float(err[[0, 1, 3]].abs().max()) == 0.0
     wk = k.weight.data.clone()
-    wk[d:2 * d] += 0.5 * torch.randn(d, wk.shape[1])  # KV head 1: query heads 2 and 3 (4 heads over 2)
+    wk[d : 2 * d] += 0.5 * torch.randn(d, wk.shape[1])  # KV head 1: query heads 2 and 3 (4 heads over 2)
     err = probe.head_errors(k, wk)
     assert float(err[:2].abs().max()) == 0.0 and bool((err[2:] > 0).all())
     rows = probe.row_score(k, "k")(wk)
@@ -57,8 +67,9 @@ def test_attention_clipping_is_no_worse_than_none_per_head(block_and_inputs, kin
     def deq(out):
         from qtool.packing.qoq import QoQWeight
 
-        return QoQWeight.from_codes(out.codes, out.scales, 4, group_size, out.group_scales, out.zeros) \
-            .dequantize(torch.float32)
+        return QoQWeight.from_codes(
+            out.codes, out.scales, 4, group_size, out.group_scales, out.zeros
+        ).dequantize(torch.float32)
 
     plain = deq(qoq_quantize(w, 4, group_size))
     clipped = deq(qoq_quantize(w, 4, group_size, clip_ratios=clip_ratios(12, 0.4), score=score))
@@ -78,7 +89,9 @@ def test_recipe_option_selects_the_objective(tiny_llama, tmp_path):
 
     outs = {}
     for objective in ("attention", "layer"):
-        recipe = write_recipe(tmp_path / f"{objective}.yaml", f"""
+        recipe = write_recipe(
+            tmp_path / f"{objective}.yaml",
+            f"""
 model: {tiny_llama}
 output: {tmp_path / objective}
 calibration: {{source: {TINY_SAMPLE}, num_samples: 2, seq_len: 32}}
@@ -89,7 +102,8 @@ stages:
     clip: true
     clip_grid: 8
     clip_qk: {objective}
-""")
+""",
+        )
         r = CliRunner().invoke(cli, ["quantize", str(recipe), "--no-eval", "-q"])
         assert r.exit_code == 0, r.output
         from safetensors.torch import load_file

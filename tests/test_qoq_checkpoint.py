@@ -43,10 +43,18 @@ output: {out}
 """
 
 
-def recipe_text(out: Path, *, bits: int = 4, group_size: int | str = 4, solver: str = "gptq",
-                exclude: str = "[]") -> str:
-    return RECIPE.format(model=STORIES, text=TINYSTORIES, bits=bits, group_size=group_size, solver=solver,
-                         exclude=exclude, out=out)
+def recipe_text(
+    out: Path, *, bits: int = 4, group_size: int | str = 4, solver: str = "gptq", exclude: str = "[]"
+) -> str:
+    return RECIPE.format(
+        model=STORIES,
+        text=TINYSTORIES,
+        bits=bits,
+        group_size=group_size,
+        solver=solver,
+        exclude=exclude,
+        out=out,
+    )
 
 
 def _one_line_error(res, code: int) -> str:
@@ -58,15 +66,25 @@ def _one_line_error(res, code: int) -> str:
 
 # ---- recipe errors ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,fragments", [
-    ({"group_size": 32}, ["stages[0].group_size: found 32", "model.layers.0.mlp.down_proj has in_features 172",
-                          "expected a divisor"]),
-    ({"group_size": 8, "exclude": '["*.q_proj"]'}, ["model.layers.0.mlp.down_proj has in_features 172"]),
-    ({"bits": 8}, ["stages[0].group_size: found 4 with bits 8", "expected null"]),
-    ({"bits": 6}, ["stages[0].bits: found 6", "one of 4, 8"]),
-    ({"solver": "awq"}, ["stages[0].solver: found 'awq'", "one of 'rtn', 'gptq'"]),
-    ({"group_size": 0}, ["stages[0].group_size: found 0"]),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,fragments",
+    [
+        (
+            {"group_size": 32},
+            [
+                "stages[0].group_size: found 32",
+                "model.layers.0.mlp.down_proj has in_features 172",
+                "expected a divisor",
+            ],
+        ),
+        ({"group_size": 8, "exclude": '["*.q_proj"]'}, ["model.layers.0.mlp.down_proj has in_features 172"]),
+        ({"bits": 8}, ["stages[0].group_size: found 4 with bits 8", "expected null"]),
+        ({"bits": 6}, ["stages[0].bits: found 6", "one of 4, 8"]),
+        ({"solver": "awq"}, ["stages[0].solver: found 'awq'", "one of 'rtn', 'gptq'"]),
+        ({"group_size": 0}, ["stages[0].group_size: found 0"]),
+    ],
+)
 def test_recipe_errors_name_file_and_key(cli, tmp_path, kwargs, fragments):
     res = cli("quantize", write_recipe(tmp_path / "r.yaml", recipe_text(tmp_path / "o", **kwargs)))
     line = _one_line_error(res, 3)
@@ -76,13 +94,19 @@ def test_recipe_errors_name_file_and_key(cli, tmp_path, kwargs, fragments):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("old,new,fragments", [
-    ("solver: gptq", "solver: gptq\n    act_bits: 4", ["stages[0].act_bits: found 4", "one of 8"]),
-    ("solver: gptq", "solver: gptq\n    clip_grid: 1", ["stages[0].clip_grid: found 1"]),
-    ("solver: gptq", "solver: gptq\n    symmetric: true", ["stages[0].symmetric: unknown option"]),
-    ("solver: gptq", "solver: gptq\n    act_order: true", ["stages[0].static_groups: found false with act_order",
-                                                           "expected true"]),
-])
+@pytest.mark.parametrize(
+    "old,new,fragments",
+    [
+        ("solver: gptq", "solver: gptq\n    act_bits: 4", ["stages[0].act_bits: found 4", "one of 8"]),
+        ("solver: gptq", "solver: gptq\n    clip_grid: 1", ["stages[0].clip_grid: found 1"]),
+        ("solver: gptq", "solver: gptq\n    symmetric: true", ["stages[0].symmetric: unknown option"]),
+        (
+            "solver: gptq",
+            "solver: gptq\n    act_order: true",
+            ["stages[0].static_groups: found false with act_order", "expected true"],
+        ),
+    ],
+)
 def test_bad_option_values(cli, tmp_path, old, new, fragments):
     text = recipe_text(tmp_path / "o").replace(old, new, 1)
     line = _one_line_error(cli("quantize", write_recipe(tmp_path / "r.yaml", text)), 3)
@@ -95,14 +119,20 @@ def test_group_check_passes_when_the_narrow_linears_are_excluded(tmp_path):
     from qtool.recipe import load_recipe
 
     config = load_config(str(STORIES))
-    ok = load_recipe(write_recipe(tmp_path / "a.yaml", recipe_text(tmp_path / "o", group_size=32,
-                                                                   exclude='["*.down_proj"]')))
+    ok = load_recipe(
+        write_recipe(
+            tmp_path / "a.yaml", recipe_text(tmp_path / "o", group_size=32, exclude='["*.down_proj"]')
+        )
+    )
     ok.stages[0].stage.check_config(config, "a.yaml:stages[0]")  # 64 is a multiple of 32: no error
-    per_channel = load_recipe(write_recipe(tmp_path / "b.yaml", recipe_text(tmp_path / "o", group_size="null")))
+    per_channel = load_recipe(
+        write_recipe(tmp_path / "b.yaml", recipe_text(tmp_path / "o", group_size="null"))
+    )
     per_channel.stages[0].stage.check_config(config, "b.yaml:stages[0]")
 
 
 # ---- stories260K ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def stories(tmp_path_factory):
@@ -121,8 +151,9 @@ def stories(tmp_path_factory):
     res = CliRunner().invoke(group, ["quantize", str(recipe), "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
-    w8 = load_recipe(write_recipe(tmp / "w8.yaml", recipe_text(tmp / "w8", bits=8, group_size="null",
-                                                                  solver="rtn")))
+    w8 = load_recipe(
+        write_recipe(tmp / "w8.yaml", recipe_text(tmp / "w8", bits=8, group_size="null", solver="rtn"))
+    )
     quiet = Reporter(quiet=True)
     qm = quantize_model(w8, quiet)
     with torch.no_grad():
@@ -142,18 +173,38 @@ def test_stories260k_checkpoint_loads_and_matches_the_in_memory_perplexity(cli, 
     assert 3.5 < fp < 5.0
     assert fp < w4 < 1.10 * fp
     assert w8 < 1.03 * fp
-    assert {(m.bits, m.group_size) for m in w8_model.model.modules() if isinstance(m, QoQLinear)} == {(8, None)}
+    assert {(m.bits, m.group_size) for m in w8_model.model.modules() if isinstance(m, QoQLinear)} == {
+        (8, None)
+    }
 
     ckpt = tmp / "w4g4-gptq"
-    res = cli("eval", ckpt, "--text", TINYSTORIES, "--seq-len", "256", "--windows", "16",
-              "--separator", "<|endoftext|>", "--json")
+    res = cli(
+        "eval",
+        ckpt,
+        "--text",
+        TINYSTORIES,
+        "--seq-len",
+        "256",
+        "--windows",
+        "16",
+        "--separator",
+        "<|endoftext|>",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["perplexity"] == pytest.approx(w4, rel=1e-5)
 
     layers = json.loads((ckpt / "config.json").read_text())["quantization_config"]["layers"]
     assert len(layers) == 5 * 7
-    assert layers["model.layers.0.mlp.down_proj"] == {"format": "qoq", "bits": 4, "act_bits": 8, "group_size": 4,
-                                                      "in_features": 172, "out_features": 64, "bias": False}
+    assert layers["model.layers.0.mlp.down_proj"] == {
+        "format": "qoq",
+        "bits": 4,
+        "act_bits": 8,
+        "group_size": 4,
+        "in_features": 172,
+        "out_features": 64,
+        "bias": False,
+    }
     model = qtool.load(ckpt)
     down = model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down, QoQLinear) and down.group_scales.shape == (64, 43)

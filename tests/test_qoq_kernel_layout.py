@@ -22,7 +22,7 @@ def _a_operand(p: qoq.QoQPrepared) -> torch.Tensor:
     out = torch.empty(n, p.kp, dtype=torch.int64)
     for s in range(p.kp // 128):
         for j in range(4):  # k-step of 32 codes
-            w = words[:, 16 * s + 4 * j: 16 * s + 4 * j + 4]  # word 4j + t of the stage, t = 0..3
+            w = words[:, 16 * s + 4 * j : 16 * s + 4 * j + 4]  # word 4j + t of the stage, t = 0..3
             halves = [w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F]  # a0/a1 (k 4t..4t+3), a2/a3 (k 16+4t..)
             if p.group_size is not None:
                 gw = p.gwords[:, (128 * s + 32 * j) // p.group_size].to(torch.int64)[:, None]
@@ -35,8 +35,10 @@ def _a_operand(p: qoq.QoQPrepared) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("n,k,group_size", [(24, 256, None), (16, 576, None), (24, 384, 32), (16, 576, 64),
-                                            (8, 512, 128), (8, 100, None)])
+@pytest.mark.parametrize(
+    "n,k,group_size",
+    [(24, 256, None), (16, 576, None), (24, 384, 32), (16, 576, 64), (8, 512, 128), (8, 100, None)],
+)
 def test_fragments_times_positions_equal_integer_products(n, k, group_size):
     gen = torch.Generator().manual_seed(n * k + (group_size or 0))
     layer = QoQFieldLayer(n, k, 4, group_size, bias=False, generator=gen)
@@ -104,7 +106,7 @@ def test_stage_words_are_the_group_words_stage_major(n, k, g):
     assert st.shape == ((n + 127) // 128, k // 128, 128, gps) and st.is_contiguous()
     f = torch.arange(n)
     for s in range(k // 128):
-        assert torch.equal(st[f // 128, s, f % 128], words[:, s * gps:(s + 1) * gps])
+        assert torch.equal(st[f // 128, s, f % 128], words[:, s * gps : (s + 1) * gps])
     assert not st.permute(0, 2, 1, 3).reshape(-1, k // 128, gps)[n:].any()
 
 
@@ -124,13 +126,35 @@ def test_gemm_form_dispatch(monkeypatch):
 
     ms = (4, 5, 16, 64, 65, 128, 256, 512, 2048)
     assert pick(4096, 4096, ms) == [
-        ("sync", 64, None, None), ("ws", 64, 3, 0), ("ws", 64, 3, 0), ("ws", 64, 3, 0), ("ws", 64, 2, 0),
-        ("ws", 64, 2, 0), ("ws", 64, 1, 0), ("wsp", 128, None, None), ("wsp", 256, None, None)]
+        ("sync", 64, None, None),
+        ("ws", 64, 3, 0),
+        ("ws", 64, 3, 0),
+        ("ws", 64, 3, 0),
+        ("ws", 64, 2, 0),
+        ("ws", 64, 2, 0),
+        ("ws", 64, 1, 0),
+        ("wsp", 128, None, None),
+        ("wsp", 256, None, None),
+    ]
     assert pick(4096, 11008, ms) == [
-        ("sync", 64, None, None), ("ws", 64, 1, 0), ("ws", 64, 1, 0), ("ws", 64, 1, 0), ("wsp", 128, None, None),
-        ("wsp", 128, None, None), ("wsp", 256, None, None), ("wsp", 128, None, None), ("wsp", 256, None, None)]
+        ("sync", 64, None, None),
+        ("ws", 64, 1, 0),
+        ("ws", 64, 1, 0),
+        ("ws", 64, 1, 0),
+        ("wsp", 128, None, None),
+        ("wsp", 128, None, None),
+        ("wsp", 256, None, None),
+        ("wsp", 128, None, None),
+        ("wsp", 256, None, None),
+    ]
     assert pick(11008, 4096, ms)[1:7] == [
-        ("ws", 64, 4, 0), ("ws", 64, 4, 0), ("ws", 64, 4, 0), ("ws", 64, 2, 0), ("ws", 64, 2, 0), ("ws", 64, 1, 0)]
+        ("ws", 64, 4, 0),
+        ("ws", 64, 4, 0),
+        ("ws", 64, 4, 0),
+        ("ws", 64, 2, 0),
+        ("ws", 64, 2, 0),
+        ("ws", 64, 1, 0),
+    ]
     assert pick(256, 64, (16,)) == [("ws", 64, 1, 0)]  # two stages: no share would have ten
     p = types.SimpleNamespace(wq=torch.zeros(1, 1), kp=4096)
     assert qoq.gemm_kernel(512, 4096, a, p, split=1) == ("sync", 256, 1, None)

@@ -55,8 +55,15 @@ def _integer_weight_by_hand(bits: int, g: int | None, parts: dict) -> torch.Tens
 def test_pack_load_dequantize_round_trip(bits, g, n, k):
     layout, parts = _random_layout(n, k, bits, g, seed=n * k + bits)
     cfg = layout.layer_config(has_bias=False)
-    assert cfg == {"format": "qoq", "bits": bits, "act_bits": 8, "group_size": g, "in_features": k,
-                   "out_features": n, "bias": False}
+    assert cfg == {
+        "format": "qoq",
+        "bits": bits,
+        "act_bits": 8,
+        "group_size": g,
+        "in_features": k,
+        "out_features": n,
+        "bias": False,
+    }
     loaded = QoQWeight.from_tensors("layer", cfg, {f: t.clone() for f, t in layout.tensors().items()})
     wint = _integer_weight_by_hand(bits, g, parts)
     assert torch.equal(loaded.integer_weight(), wint)
@@ -137,6 +144,7 @@ def test_activation_quantization_uses_the_float32_product_and_ties_to_even():
 
 # ---- loader errors --------------------------------------------------------------------------------------
 
+
 def _load(bits, g, edit):
     layout, _ = _random_layout(6, 172, bits, g, seed=11)
     cfg = layout.layer_config(False)
@@ -153,37 +161,86 @@ def _put(field, fn):
     return lambda t, cfg: t.update({field: fn(t[field])})
 
 
-@pytest.mark.parametrize("bits,g,edit,fragments", [
-    (4, 4, _put("qweight", lambda v: v[:, :-1].contiguous()), ["m.q.qweight: found torch.int32 [6, 21]",
-                                                                "expected torch.int32 [6, 22]"]),
-    (8, None, _put("qweight", lambda v: v.to(torch.int64)), ["m.q.qweight: found torch.int64"]),
-    (4, 4, _put("scales", lambda v: v.float()), ["m.q.scales: found torch.float32 [6]", "expected torch.float16"]),
-    (4, None, _put("scales", lambda v: v[:5].contiguous()), ["m.q.scales: found torch.float16 [5]"]),
-    (4, 4, _put("group_scales", lambda v: v.to(torch.int8)), ["m.q.group_scales: found torch.int8 [6, 43]",
-                                                               "expected torch.uint8 [6, 43]"]),
-    (4, 4, _put("zeros", lambda v: v[:, :42].contiguous()), ["m.q.zeros: found torch.uint8 [6, 42]"]),
-    (4, None, _put("zeros", lambda v: v.to(torch.int32)), ["m.q.zeros: found torch.int32 [6]"]),
-    (4, 4, lambda t, cfg: t.pop("group_scales"), ["m.q.group_scales: missing"]),
-    (4, None, lambda t, cfg: t.pop("zeros"), ["m.q.zeros: missing"]),
-    (4, 4, _put("group_scales", lambda v: v.index_fill(1, torch.tensor([3]), 0)),
-     ["m.q.group_scales: found values in [0,", "expected integers in 1..16"]),
-    (4, 4, _put("group_scales", lambda v: v.index_fill(1, torch.tensor([3]), 17)),
-     ["m.q.group_scales: found values in [", ", 17]", "1..16"]),
-    (4, 4, _put("zeros", lambda v: v.index_fill(1, torch.tensor([0]), 16)), ["m.q.zeros: found 16",
-                                                                              "at most 15"]),
-    (4, None, _put("zeros", lambda v: v.index_fill(0, torch.tensor([2]), 200)), ["m.q.zeros: found 200"]),
-    (8, None, _put("scales", lambda v: v.index_fill(0, torch.tensor([1]), float("nan"))),
-     ["m.q.scales: found non-positive or non-finite"]),
-    (4, 4, _put("scales", lambda v: v.index_fill(0, torch.tensor([1]), float("inf"))),
-     ["m.q.scales: found non-positive or non-finite"]),
-    (4, None, _put("scales", lambda v: v.index_fill(0, torch.tensor([0]), 0.0)), ["m.q.scales: found non-positive"]),
-    # code 0 is Q8 = -128, outside the symmetric W8 range
-    (8, None, _put("qweight", lambda v: v.index_fill(1, torch.tensor([0]), 0)),
-     ["m.q.qweight: found code 0 (Q8 = -128)", "Q8 in -127..127"]),
-    # s1 = 16, z = 0, code 15: the integer weight 240 leaves int8
-    (4, 4, lambda t, cfg: (t["group_scales"].fill_(16), t["zeros"].fill_(0), t["qweight"].fill_(-1)),
-     ["m.q.qweight: row 0 column 0 dequantizes to the integer 240", "expected -128..127"]),
-])
+@pytest.mark.parametrize(
+    "bits,g,edit,fragments",
+    [
+        (
+            4,
+            4,
+            _put("qweight", lambda v: v[:, :-1].contiguous()),
+            ["m.q.qweight: found torch.int32 [6, 21]", "expected torch.int32 [6, 22]"],
+        ),
+        (8, None, _put("qweight", lambda v: v.to(torch.int64)), ["m.q.qweight: found torch.int64"]),
+        (
+            4,
+            4,
+            _put("scales", lambda v: v.float()),
+            ["m.q.scales: found torch.float32 [6]", "expected torch.float16"],
+        ),
+        (4, None, _put("scales", lambda v: v[:5].contiguous()), ["m.q.scales: found torch.float16 [5]"]),
+        (
+            4,
+            4,
+            _put("group_scales", lambda v: v.to(torch.int8)),
+            ["m.q.group_scales: found torch.int8 [6, 43]", "expected torch.uint8 [6, 43]"],
+        ),
+        (4, 4, _put("zeros", lambda v: v[:, :42].contiguous()), ["m.q.zeros: found torch.uint8 [6, 42]"]),
+        (4, None, _put("zeros", lambda v: v.to(torch.int32)), ["m.q.zeros: found torch.int32 [6]"]),
+        (4, 4, lambda t, cfg: t.pop("group_scales"), ["m.q.group_scales: missing"]),
+        (4, None, lambda t, cfg: t.pop("zeros"), ["m.q.zeros: missing"]),
+        (
+            4,
+            4,
+            _put("group_scales", lambda v: v.index_fill(1, torch.tensor([3]), 0)),
+            ["m.q.group_scales: found values in [0,", "expected integers in 1..16"],
+        ),
+        (
+            4,
+            4,
+            _put("group_scales", lambda v: v.index_fill(1, torch.tensor([3]), 17)),
+            ["m.q.group_scales: found values in [", ", 17]", "1..16"],
+        ),
+        (
+            4,
+            4,
+            _put("zeros", lambda v: v.index_fill(1, torch.tensor([0]), 16)),
+            ["m.q.zeros: found 16", "at most 15"],
+        ),
+        (4, None, _put("zeros", lambda v: v.index_fill(0, torch.tensor([2]), 200)), ["m.q.zeros: found 200"]),
+        (
+            8,
+            None,
+            _put("scales", lambda v: v.index_fill(0, torch.tensor([1]), float("nan"))),
+            ["m.q.scales: found non-positive or non-finite"],
+        ),
+        (
+            4,
+            4,
+            _put("scales", lambda v: v.index_fill(0, torch.tensor([1]), float("inf"))),
+            ["m.q.scales: found non-positive or non-finite"],
+        ),
+        (
+            4,
+            None,
+            _put("scales", lambda v: v.index_fill(0, torch.tensor([0]), 0.0)),
+            ["m.q.scales: found non-positive"],
+        ),
+        # code 0 is Q8 = -128, outside the symmetric W8 range
+        (
+            8,
+            None,
+            _put("qweight", lambda v: v.index_fill(1, torch.tensor([0]), 0)),
+            ["m.q.qweight: found code 0 (Q8 = -128)", "Q8 in -127..127"],
+        ),
+        # s1 = 16, z = 0, code 15: the integer weight 240 leaves int8
+        (
+            4,
+            4,
+            lambda t, cfg: (t["group_scales"].fill_(16), t["zeros"].fill_(0), t["qweight"].fill_(-1)),
+            ["m.q.qweight: row 0 column 0 dequantizes to the integer 240", "expected -128..127"],
+        ),
+    ],
+)
 def test_broken_tensors_are_refused_naming_the_tensor(bits, g, edit, fragments):
     msg = _load(bits, g, edit)
     assert msg.startswith("tensor m.q."), msg
@@ -191,13 +248,16 @@ def test_broken_tensors_are_refused_naming_the_tensor(bits, g, edit, fragments):
         assert f in msg, (f, msg)
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("bits", 3, "'bits' found 3, expected 4 or 8"),
-    ("act_bits", 4, "'act_bits' found 4, expected 8"),
-    ("group_size", 32, "'group_size' found 32, expected a divisor of in_features 172"),
-    ("group_size", 0, "'group_size' found 0, expected a positive integer or null"),
-    ("in_features", "172", "'in_features' found '172', expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("bits", 3, "'bits' found 3, expected 4 or 8"),
+        ("act_bits", 4, "'act_bits' found 4, expected 8"),
+        ("group_size", 32, "'group_size' found 32, expected a divisor of in_features 172"),
+        ("group_size", 0, "'group_size' found 0, expected a positive integer or null"),
+        ("in_features", "172", "'in_features' found '172', expected a positive integer"),
+    ],
+)
 def test_bad_layer_config_is_refused_naming_layer_and_key(key, value, expected):
     msg = _load(4, 4, lambda t, cfg: cfg.update({key: value}))
     assert msg.startswith("layer m.q: quantization_config key ") and expected in msg, msg

@@ -92,12 +92,12 @@ def _reference_rungs(w: torch.Tensor, bits: int, g: int | None):
             s0 = (row.abs().max() / 119).clamp(min=2**-24).half().double()
             q8 = torch.clamp(torch.round(row / s0), -119, 119)
             for j in range(0, k, g):
-                grp = q8[j:j + g]
+                grp = q8[j : j + g]
                 lo, hi = min(float(grp.min()), 0.0), max(float(grp.max()), 0.0)
                 s1 = max(1.0, round((hi - lo) / 15))
                 z = min(max(round(-lo / s1), 0), 15)
                 q = torch.clamp(torch.round(grp / s1) + z, 0, 15)
-                out[r, j:j + g] = s0 * (s1 * (q - z))
+                out[r, j : j + g] = s0 * (s1 * (q - z))
     return out
 
 
@@ -109,7 +109,9 @@ def test_rtn_rungs_match_the_formulas(bits, g):
     w[5] = 0.0  # an all-zero row
     out = qoq_quantize(w, bits, g)
     layout = QoQWeight.from_codes(out.codes, out.scales, bits, g, out.group_scales, out.zeros)
-    torch.testing.assert_close(layout.dequantize(torch.float64), _reference_rungs(w, bits, g), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        layout.dequantize(torch.float64), _reference_rungs(w, bits, g), rtol=0, atol=1e-12
+    )
 
 
 def test_progressive_dequantize_is_s0_times_int8():
@@ -127,10 +129,13 @@ def test_progressive_dequantize_is_s0_times_int8():
     assert bool((gap <= s1[:, :, None] / 2)[inner].all()) and bool(inner.float().mean() > 0.8)
 
 
-def _hessian(k: int, seed: int, tokens: int = 256, quiet: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _hessian(
+    k: int, seed: int, tokens: int = 256, quiet: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, k, generator=g, dtype=torch.float64) @ (
-        torch.eye(k, dtype=torch.float64) + 0.3 * torch.randn(k, k, generator=g, dtype=torch.float64))
+        torch.eye(k, dtype=torch.float64) + 0.3 * torch.randn(k, k, generator=g, dtype=torch.float64)
+    )
     if quiet is not None:
         x[:, quiet] *= 0.02
     return x, 2 * x.T @ x / tokens
@@ -145,8 +150,9 @@ def test_gptq_with_a_diagonal_hessian_is_rtn(bits, g, act_order):
     w = torch.randn(9, 96, dtype=torch.float64)
     h = torch.diag(torch.rand(96, dtype=torch.float64) + 0.5)
     rtn = qoq_quantize(w, bits, g)
-    gptq = qoq_quantize(w, bits, g, solver="gptq", hessian=h, block_size=32, act_order=act_order,
-                        static_groups=act_order)
+    gptq = qoq_quantize(
+        w, bits, g, solver="gptq", hessian=h, block_size=32, act_order=act_order, static_groups=act_order
+    )
     assert torch.equal(gptq.codes, rtn.codes)
     assert torch.equal(gptq.scales, rtn.scales)
     for a, b in ((gptq.group_scales, rtn.group_scales), (gptq.zeros, rtn.zeros)):

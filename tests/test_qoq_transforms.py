@@ -28,15 +28,21 @@ TRANSFORMS = """
 """
 
 
-def _recipe(tmp_path, model, stages: str, dtype: str = "float32", samples: int = 2, seq: int = 64,
-            source=TINY_SAMPLE):
-    return load_recipe(write_recipe(tmp_path / "r.yaml", f"""
+def _recipe(
+    tmp_path, model, stages: str, dtype: str = "float32", samples: int = 2, seq: int = 64, source=TINY_SAMPLE
+):
+    return load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            f"""
 model: {model}
 calibration: {{source: {source}, num_samples: {samples}, seq_len: {seq}}}
 stages:{stages}
 settings: {{device: cpu, dtype: {dtype}}}
 output: {tmp_path / "out"}
-"""))
+""",
+        )
+    )
 
 
 def _ids(tokenizer, n: int = 48) -> torch.Tensor:
@@ -98,7 +104,9 @@ def _block_context(stage: str, index: int = 0):
 
     model, tok, adapter, _ = load_model(str(STORIES), torch.float64)
     ids = tok(TINYSTORIES.read_text(encoding="utf-8")[:20_000], return_tensors="pt").input_ids[0][:512]
-    inputs, kwargs = capture_block_inputs(model, adapter.blocks(model), ids.reshape(4, 128), torch.device("cpu"))
+    inputs, kwargs = capture_block_inputs(
+        model, adapter.blocks(model), ids.reshape(4, 128), torch.device("cpu")
+    )
     block = adapter.blocks(model)[index]
     ctx = BlockContext(block, index, adapter.block_prefix(index), adapter, model.config, inputs, kwargs, {})
     cls = STAGES[stage]
@@ -154,7 +162,9 @@ def test_quantize_kv_grid():
         assert bool((err <= bound).all())
         # A vector already on its grid maps to itself: re-quantizing at each decode step changes nothing.
         again = dequantize_kv(quantize_kv(dequantize_kv(c, torch.float32), bits), torch.float32)
-        assert torch.allclose(again, dequantize_kv(c, torch.float32), rtol=0, atol=1e-3 * float(c.scale.max()))
+        assert torch.allclose(
+            again, dequantize_kv(c, torch.float32), rtol=0, atol=1e-3 * float(c.scale.max())
+        )
     flat = quantize_kv(torch.full((1, 8), 0.75), 4)
     assert torch.equal(dequantize_kv(flat, torch.float32), torch.full((1, 8), 0.75))
 
@@ -164,12 +174,17 @@ def test_kv_cache_stage_writes_scheme_and_loader_installs_it(tmp_path, cli):
     the loaded checkpoint runs it; `generate` with a cache gives what a cache-less forward gives."""
     from qtool.checkpoint.loader import load_checkpoint
 
-    common = (f"calibration: {{source: {TINY_SAMPLE}, num_samples: 2, seq_len: 64}}\n"
-              f"eval: {{text: {TINYSTORIES}, seq_len: 256, max_windows: 6, separator: '<|endoftext|>'}}\n"
-              f"model: {STORIES}\n")
+    common = (
+        f"calibration: {{source: {TINY_SAMPLE}, num_samples: 2, seq_len: 64}}\n"
+        f"eval: {{text: {TINYSTORIES}, seq_len: 256, max_windows: 6, separator: '<|endoftext|>'}}\n"
+        f"model: {STORIES}\n"
+    )
     ppl = {}
     for bits in (8, 4):
-        path = write_recipe(tmp_path / f"kv{bits}.yaml", common + f"""
+        path = write_recipe(
+            tmp_path / f"kv{bits}.yaml",
+            common
+            + f"""
 stages:
   - stage: kv_cache
     bits: {bits}
@@ -177,7 +192,8 @@ stages:
     bits: 8
     group_size: null
 output: {tmp_path / f"kv{bits}"}
-""")
+""",
+        )
         r = cli("quantize", path, "--json", "-q")
         assert r.exit_code == 0, r.output
         ev = json.loads(r.output)["eval"]
@@ -188,13 +204,16 @@ output: {tmp_path / f"kv{bits}"}
     cfg = json.loads((tmp_path / "kv4" / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache"] == kv_scheme(4)
     model = load_checkpoint(tmp_path / "kv4")
-    assert all(getattr(m, "qtool_kv_bits", None) == 4 for m in model.model.layers.modules()
-               if m.__class__.__name__.endswith("Attention"))
+    assert all(
+        getattr(m, "qtool_kv_bits", None) == 4
+        for m in model.model.layers.modules()
+        if m.__class__.__name__.endswith("Attention")
+    )
     ids = torch.tensor([[1, 45, 67, 89, 200, 13, 7, 300]])
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=6, do_sample=False)
-        full = model(gen[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)
-    assert torch.equal(gen[0, ids.shape[1]:], full)
+        full = model(gen[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1)
+    assert torch.equal(gen[0, ids.shape[1] :], full)
 
 
 def test_kv_cache_scheme_errors():
@@ -203,19 +222,25 @@ def test_kv_cache_scheme_errors():
         install_kv_cache(model, {"bits": 3}, "ckpt/config.json: quantization_config.kv_cache")
 
 
-@pytest.mark.parametrize("stages, message", [
-    ("\n  - stage: rtn\n    bits: 4\n  - stage: smooth\n", "transform 'smooth' comes after quantizer"),
-    ("\n  - stage: smooth\n    alpha_grid: []\n", "alpha_grid: found"),
-    ("\n  - stage: smooth_attention\n    alpha: 2\n", "alpha"),
-    ("\n  - stage: kv_cache\n    bits: 2\n", "bits"),
-])
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ("\n  - stage: rtn\n    bits: 4\n  - stage: smooth\n", "transform 'smooth' comes after quantizer"),
+        ("\n  - stage: smooth\n    alpha_grid: []\n", "alpha_grid: found"),
+        ("\n  - stage: smooth_attention\n    alpha: 2\n", "alpha"),
+        ("\n  - stage: kv_cache\n    bits: 2\n", "bits"),
+    ],
+)
 def test_transform_recipe_errors(tmp_path, cli, stages, message):
-    path = write_recipe(tmp_path / "r.yaml", f"""
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        f"""
 model: {STORIES}
 calibration: {{source: {TINY_SAMPLE}, num_samples: 2, seq_len: 64}}
 stages:{stages}
 output: {tmp_path / "out"}
-""")
+""",
+    )
     r = cli("quantize", path)
     assert r.exit_code == 3
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -225,7 +250,9 @@ output: {tmp_path / "out"}
 def test_stats_file_with_transforms_is_refused(tmp_path, cli):
     stats = tmp_path / "stats.safetensors"
     stats.write_bytes(b"x")
-    path = write_recipe(tmp_path / "r.yaml", f"""
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        f"""
 model: {STORIES}
 calibration: {{source: {TINY_SAMPLE}, num_samples: 2, seq_len: 64, stats: {stats}}}
 stages:
@@ -233,7 +260,8 @@ stages:
   - stage: rtn
     bits: 4
 output: {tmp_path / "out"}
-""")
+""",
+    )
     r = cli("quantize", path)
     assert r.exit_code == 3 and "calibration.stats" in r.stderr and "smooth" in r.stderr
 
@@ -241,13 +269,19 @@ output: {tmp_path / "out"}
 def test_smooth_searches_under_the_claiming_quantizer(tmp_path):
     """With a W4A8 quantizer claiming o_proj/down_proj, the α search scores the quantized output error (not the
     float one, which is the same for every α up to rounding), and what it picks is what the stage recorded."""
-    recipe = _recipe(tmp_path, STORIES, """
+    recipe = _recipe(
+        tmp_path,
+        STORIES,
+        """
   - stage: smooth
     alpha_grid: [0.0, 0.5]
   - stage: progressive
     bits: 4
     group_size: null
-""", samples=2, seq=64)
+""",
+        samples=2,
+        seq=64,
+    )
     qm = quantize_model(recipe, Reporter(quiet=True))
     records = [r for r in qm.transforms if r["stage"] == "smooth"]
     assert len(records) == 5
@@ -257,8 +291,9 @@ def test_smooth_searches_under_the_claiming_quantizer(tmp_path):
             assert r[name]["error"] > 1e-8  # W4A8 rounding error, far above float error
 
 
-@pytest.mark.parametrize("name", ["qoq-w4a8kv4-chn", "qoq-w4a8kv4-g128", "rotate-gptq-w4a16-g128",
-                                  "smooth-attention-kv4"])
+@pytest.mark.parametrize(
+    "name", ["qoq-w4a8kv4-chn", "qoq-w4a8kv4-g128", "rotate-gptq-w4a16-g128", "smooth-attention-kv4"]
+)
 def test_shipped_qoq_recipes_validate(name):
     from conftest import ROOT
 

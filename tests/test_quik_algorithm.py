@@ -18,7 +18,9 @@ from qtool.stages.outliers import OutliersOptions, OutliersStage, select_outlier
 PLANTED = [3, 17, 40, 41, 90]
 
 
-def _inputs(tokens: int, k: int, seed: int, planted: list[int] = PLANTED, scale: float = 40.0) -> torch.Tensor:
+def _inputs(
+    tokens: int, k: int, seed: int, planted: list[int] = PLANTED, scale: float = 40.0
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, k, generator=g) @ (torch.eye(k) + 0.2 * torch.randn(k, k, generator=g))
     x[:, planted] *= scale
@@ -75,9 +77,12 @@ def test_reference_forward_matches_float64_integer_arithmetic(bits, act_bits, k)
     s_w = layout.scales.double()
     wred = s_w * c.sum(1)
     assert torch.equal(layout.wreduced, wred.float())
-    ref = (acc64 * act.scale.double()[:, None] * s_w[None, :]
-           + (act.zero.double() + half * act.scale.double())[:, None] * wred[None, :]
-           + x64[:, outliers] @ layout.outlier_weight.double().T + bias.double())
+    ref = (
+        acc64 * act.scale.double()[:, None] * s_w[None, :]
+        + (act.zero.double() + half * act.scale.double())[:, None] * wred[None, :]
+        + x64[:, outliers] @ layout.outlier_weight.double().T
+        + bias.double()
+    )
     mag = (x64.abs() @ layout.dequantize().double().abs().T).max()
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=float(mag) * 2e-6)
     # And the whole thing approximates the float product with the dequantized weights.
@@ -125,10 +130,15 @@ def test_outlier_selection_picks_top_linf_columns():
 
 
 def test_plan_counts_fractions_overrides_and_threshold():
-    stage = _stage(outliers=0.0625, threshold=4.0, overrides=[
-        {"pattern": "*.down_proj", "bits": 8, "act_bits": 8, "outlier_multiplier": 3.5},
-        {"pattern": "*.down_proj", "bits": 4},  # never reached: the first match wins
-        {"pattern": "*.o_proj", "outliers": 3}])
+    stage = _stage(
+        outliers=0.0625,
+        threshold=4.0,
+        overrides=[
+            {"pattern": "*.down_proj", "bits": 8, "act_bits": 8, "outlier_multiplier": 3.5},
+            {"pattern": "*.down_proj", "bits": 4},  # never reached: the first match wins
+            {"pattern": "*.o_proj", "outliers": 3},
+        ],
+    )
     big = torch.tensor([10.0])
     assert stage.plan("m.self_attn.q_proj", 128, big) == (4, 4, 8)
     assert stage.plan("m.mlp.down_proj", 128, big) == (8, 8, 28)
@@ -180,7 +190,9 @@ def test_24_pattern_in_every_group_of_base_columns_outliers_dense(kb, block):
     k = kb + 5
     w = torch.randn(24, k, generator=g, dtype=torch.float64)
     x = torch.randn(512, k, generator=g, dtype=torch.float64)
-    out = gptq_run(w, 2 * x.T @ x / 512, GridSpec(4, True, None), keep_last=5, sparsity_24=True, block_size=block)
+    out = gptq_run(
+        w, 2 * x.T @ x / 512, GridSpec(4, True, None), keep_last=5, sparsity_24=True, block_size=block
+    )
     assert violations_24(out.codes, 4) is None
     signed = out.codes - 8
     assert float((signed == 0).double().mean()) >= 0.48  # half pruned (plus a few rounded to zero)

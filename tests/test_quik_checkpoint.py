@@ -53,11 +53,33 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def recipe_text(model: Path, out: Path, *, bits: int = 4, act_bits: int = 4, outliers: int | float = 8,
-                sparse: bool = False, text: Path = TINY_SAMPLE, samples: int = 8, seq: int = 64, windows: int = 4,
-                separator: str = "") -> str:
-    return RECIPE.format(model=model, text=text, samples=samples, seq=seq, bits=bits, act_bits=act_bits,
-                         outliers=outliers, sparse=str(sparse).lower(), windows=windows, separator=separator, out=out)
+def recipe_text(
+    model: Path,
+    out: Path,
+    *,
+    bits: int = 4,
+    act_bits: int = 4,
+    outliers: int | float = 8,
+    sparse: bool = False,
+    text: Path = TINY_SAMPLE,
+    samples: int = 8,
+    seq: int = 64,
+    windows: int = 4,
+    separator: str = "",
+) -> str:
+    return RECIPE.format(
+        model=model,
+        text=text,
+        samples=samples,
+        seq=seq,
+        bits=bits,
+        act_bits=act_bits,
+        outliers=outliers,
+        sparse=str(sparse).lower(),
+        windows=windows,
+        separator=separator,
+        out=out,
+    )
 
 
 def quantize(cli, recipe: Path) -> dict:
@@ -96,8 +118,17 @@ def test_llama_round_trip_same_logits_as_in_memory(llama_quik):
     layers = json.loads((ckpt / "config.json").read_text())["quantization_config"]["layers"]
     assert len(layers) == 2 * 7
     assert layers["model.layers.0.self_attn.q_proj"] == {
-        "format": "quik", "bits": 4, "act_bits": 4, "group_size": None, "symmetric": True, "num_outliers": 8,
-        "sparsity": None, "in_features": 96, "out_features": 96, "bias": False}
+        "format": "quik",
+        "bits": 4,
+        "act_bits": 4,
+        "group_size": None,
+        "symmetric": True,
+        "num_outliers": 8,
+        "sparsity": None,
+        "in_features": 96,
+        "out_features": 96,
+        "bias": False,
+    }
     down = layers["model.layers.1.mlp.down_proj"]
     assert (down["bits"], down["act_bits"], down["num_outliers"]) == (8, 8, 28)
     q = loaded.get_submodule("model.layers.0.self_attn.q_proj")
@@ -124,7 +155,9 @@ def test_zero_outlier_checkpoint_keeps_every_empty_tensor(cli, tiny_llama, tmp_p
 def test_opt_fc2_rule_and_biases(cli, tiny_opt, tmp_path):
     import qtool
 
-    summary = quantize(cli, write_recipe(tmp_path / "r.yaml", recipe_text(tiny_opt, tmp_path / "ckpt", sparse=True)))
+    summary = quantize(
+        cli, write_recipe(tmp_path / "r.yaml", recipe_text(tiny_opt, tmp_path / "ckpt", sparse=True))
+    )
     assert summary["quantized_linears"] == 2 * 6
     model = qtool.load(tmp_path / "ckpt")
     fc2 = model.get_submodule("model.decoder.layers.0.fc2")
@@ -135,7 +168,10 @@ def test_opt_fc2_rule_and_biases(cli, tiny_opt, tmp_path):
     res = cli("pack", tmp_path / "ckpt", "--json")
     assert res.exit_code == 0, res.output
     layouts = json.loads(res.stdout)["layouts"]
-    assert layouts == {"quik w4 gchannel sym a4 outliers=8 2:4": 10, "quik w8 gchannel sym a8 outliers=28 2:4": 2}
+    assert layouts == {
+        "quik w4 gchannel sym a4 outliers=8 2:4": 10,
+        "quik w8 gchannel sym a8 outliers=28 2:4": 2,
+    }
 
 
 # ---- broken checkpoints -------------------------------------------------------------------------------
@@ -173,15 +209,29 @@ def _set(name: str, fn):
     return lambda t: t.update({f"{LAYER}.{name}": fn(t[f"{LAYER}.{name}"])})
 
 
-@pytest.mark.parametrize("field,fn,fragments", [
-    ("outlier_idx", lambda v: v[:-1].contiguous(), ["outlier_idx: found torch.int32 [7], expected torch.int32 [8]"]),
-    ("outlier_idx", lambda v: torch.cat([v[:-1], torch.tensor([500], dtype=torch.int32)]),
-     ["outlier_idx: found values in", "expected column indices in 0..95"]),
-    ("outlier_idx", lambda v: v.flip(0).contiguous(), ["outlier_idx: found indices not strictly increasing"]),
-    ("wreduced", lambda v: v * 1.5 + 1.0, ["wreduced: row", "expected", "sum of the signed base codes"]),
-    ("scales", lambda v: -v, ["scales: found non-positive"]),
-    ("outlier_weight", lambda v: v.to(torch.float32), ["outlier_weight: found torch.float32"]),
-])
+@pytest.mark.parametrize(
+    "field,fn,fragments",
+    [
+        (
+            "outlier_idx",
+            lambda v: v[:-1].contiguous(),
+            ["outlier_idx: found torch.int32 [7], expected torch.int32 [8]"],
+        ),
+        (
+            "outlier_idx",
+            lambda v: torch.cat([v[:-1], torch.tensor([500], dtype=torch.int32)]),
+            ["outlier_idx: found values in", "expected column indices in 0..95"],
+        ),
+        (
+            "outlier_idx",
+            lambda v: v.flip(0).contiguous(),
+            ["outlier_idx: found indices not strictly increasing"],
+        ),
+        ("wreduced", lambda v: v * 1.5 + 1.0, ["wreduced: row", "expected", "sum of the signed base codes"]),
+        ("scales", lambda v: -v, ["scales: found non-positive"]),
+        ("outlier_weight", lambda v: v.to(torch.float32), ["outlier_weight: found torch.float32"]),
+    ],
+)
 def test_broken_quik_tensors_are_named(cli, broken, field, fn, fragments):
     _edit(broken, _set(field, fn))
     msg = _error(cli, broken)
@@ -211,18 +261,32 @@ def test_broken_layer_config_and_24_pattern(cli, broken):
 
 # ---- recipe errors ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("old,new,fragments", [
-    ("bits: 4", "bits: 6", ["stages[0].bits", "found 6", "one of 4, 8"]),
-    ("act_bits: 4", "act_bits: 16", ["stages[0].act_bits", "found 16", "one of 4, 8"]),
-    ("outliers: 8", "outliers: 1.5", ["stages[0].outliers", "found 1.5", "fraction of in_features in [0, 1)"]),
-    ("outliers: 8", "outliers: -3", ["stages[0].outliers", "found -3"]),
-    ("sparsity_24: false", "sparsity_24: 2", ["stages[0].sparsity_24", "found 2", "boolean"]),
-    ('"*.down_proj", bits: 8', '"*.down_proj", bits: 3', ["stages[0].overrides[0].bits", "found 3",
-                                                         "one of 4, 8 or null"]),
-    ('{pattern: "*.fc2", ', "{", ["stages[0].overrides[1].pattern", "missing"]),
-    ("act_bits: 8, outlier_multiplier", "act_bits: 8, multiplier", ["stages[0].overrides[0].multiplier",
-                                                                    "unknown option"]),
-])
+
+@pytest.mark.parametrize(
+    "old,new,fragments",
+    [
+        ("bits: 4", "bits: 6", ["stages[0].bits", "found 6", "one of 4, 8"]),
+        ("act_bits: 4", "act_bits: 16", ["stages[0].act_bits", "found 16", "one of 4, 8"]),
+        (
+            "outliers: 8",
+            "outliers: 1.5",
+            ["stages[0].outliers", "found 1.5", "fraction of in_features in [0, 1)"],
+        ),
+        ("outliers: 8", "outliers: -3", ["stages[0].outliers", "found -3"]),
+        ("sparsity_24: false", "sparsity_24: 2", ["stages[0].sparsity_24", "found 2", "boolean"]),
+        (
+            '"*.down_proj", bits: 8',
+            '"*.down_proj", bits: 3',
+            ["stages[0].overrides[0].bits", "found 3", "one of 4, 8 or null"],
+        ),
+        ('{pattern: "*.fc2", ', "{", ["stages[0].overrides[1].pattern", "missing"]),
+        (
+            "act_bits: 8, outlier_multiplier",
+            "act_bits: 8, multiplier",
+            ["stages[0].overrides[0].multiplier", "unknown option"],
+        ),
+    ],
+)
 def test_recipe_errors_name_file_and_key(cli, tmp_path, old, new, fragments):
     text = recipe_text(STORIES, tmp_path / "o")
     assert old in text, old
@@ -237,14 +301,25 @@ def test_recipe_errors_name_file_and_key(cli, tmp_path, old, new, fragments):
 
 # ---- stories260K ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 def test_stories260k_w8a8_close_to_fp_and_outliers_help_w4a4(cli, tmp_path):
     sep = 'separator: "<|endoftext|>"'
     ppl = {}
     for label, bits, outliers in (("w8a8", 8, 8), ("w4a4", 4, 8), ("w4a4-0", 4, 0)):
-        text = recipe_text(STORIES, tmp_path / label, bits=bits, act_bits=bits, outliers=outliers, text=TINYSTORIES,
-                           samples=32, seq=256, windows=16, separator=sep)
+        text = recipe_text(
+            STORIES,
+            tmp_path / label,
+            bits=bits,
+            act_bits=bits,
+            outliers=outliers,
+            text=TINYSTORIES,
+            samples=32,
+            seq=256,
+            windows=16,
+            separator=sep,
+        )
         ev = quantize(cli, write_recipe(tmp_path / f"{label}.yaml", text))["eval"]
         ppl["fp"] = ev["original"]["perplexity"]
         ppl[label] = ev["quantized"]["perplexity"]

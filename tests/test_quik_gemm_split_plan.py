@@ -10,14 +10,17 @@ from qtool.cuda import quik
 SMS, PER_SM = 132, 2
 
 
-@pytest.mark.parametrize("n,steps,split", [
-    (4096, 30 + 4, 8),    # 4096x4096, 256 outliers: 32 tiles, 8 shares of 4-5 stages fill one wave
-    (11008, 30 + 4, 3),   # 86 tiles: a fourth share would start a second wave
-    (4096, 79 + 14, 8),   # K = 11008, 896 outliers: the wave still caps it
-    (128, 200, 16),       # one tile: capped at SPLIT_MAX
-    (128, 7, 1),          # fewer than two shares of SPLIT_MIN_STAGES stages: no split
-    (40000, 34, 1),       # 313 tiles already fill the GPU
-])
+@pytest.mark.parametrize(
+    "n,steps,split",
+    [
+        (4096, 30 + 4, 8),  # 4096x4096, 256 outliers: 32 tiles, 8 shares of 4-5 stages fill one wave
+        (11008, 30 + 4, 3),  # 86 tiles: a fourth share would start a second wave
+        (4096, 79 + 14, 8),  # K = 11008, 896 outliers: the wave still caps it
+        (128, 200, 16),  # one tile: capped at SPLIT_MAX
+        (128, 7, 1),  # fewer than two shares of SPLIT_MIN_STAGES stages: no split
+        (40000, 34, 1),  # 313 tiles already fill the GPU
+    ],
+)
 def test_split_fills_one_wave_with_enough_stages_per_block(n, steps, split):
     tiles = -(-n // quik.ROWS)
     assert quik.gemm_split(tiles, steps, PER_SM, SMS) == split
@@ -37,8 +40,9 @@ class _FakePrepared:
 def _fake_activations(m: int):
     import torch
 
-    return quik.QuantizedActivations(torch.zeros(m, 128, dtype=torch.int8), torch.zeros(m, 0), torch.zeros(m),
-                                     torch.zeros(m))
+    return quik.QuantizedActivations(
+        torch.zeros(m, 128, dtype=torch.int8), torch.zeros(m, 0), torch.zeros(m), torch.zeros(m)
+    )
 
 
 def _fake_out():

@@ -23,8 +23,19 @@ def test_teams_fill_shared_memory_up_to_32_warps():
     assert quik.quant_teams(60000, OPTIN, stages=1, team=1) == 0
 
 
-@pytest.mark.parametrize("m,plan", [(1, (4, 1)), (132, (4, 1)), (133, (4, 2)), (256, (4, 2)), (1056, (4, 8)),
-                                    (1057, (4, 8)), (2048, (2, 16)), (100000, (2, 16))])
+@pytest.mark.parametrize(
+    "m,plan",
+    [
+        (1, (4, 1)),
+        (132, (4, 1)),
+        (133, (4, 2)),
+        (256, (4, 2)),
+        (1056, (4, 8)),
+        (1057, (4, 8)),
+        (2048, (2, 16)),
+        (100000, (2, 16)),
+    ],
+)
 def test_rows_spread_over_all_sms_first_then_the_smaller_team_at_equal_warps(m, plan):
     # K = 4096: up to 16 two-warp or 8 four-warp teams per block (32 warps); teams of 4 until the rows per SM
     # fill 16 two-warp teams as well
@@ -51,8 +62,18 @@ def _tiny_layer() -> quik.QuikPrepared:
 
     n, k, ko = 4, 64, 8
     qweight = torch.zeros(n, (k - ko) * 4 // 32, dtype=torch.int32)
-    return quik.build(4, 4, k, qweight, torch.ones(n), torch.zeros(n), torch.zeros(n, ko),
-                      torch.arange(ko, k, dtype=torch.int32), torch.arange(ko, dtype=torch.int32), None)
+    return quik.build(
+        4,
+        4,
+        k,
+        qweight,
+        torch.ones(n),
+        torch.zeros(n),
+        torch.zeros(n, ko),
+        torch.arange(ko, k, dtype=torch.int32),
+        torch.arange(ko, dtype=torch.int32),
+        None,
+    )
 
 
 def test_unknown_kernel_or_plan_is_a_one_line_error():
@@ -76,8 +97,18 @@ def _layer(n: int, k: int, ko: int, bits: int = 4) -> quik.QuikPrepared:
     kb = k - ko
     qweight = torch.zeros(n, -(-kb * bits // 32), dtype=torch.int32)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    return quik.build(bits, bits, k, qweight, torch.ones(n), torch.zeros(n), torch.zeros(n, ko),
-                      perm[ko:].sort().values, perm[:ko].sort().values, None)
+    return quik.build(
+        bits,
+        bits,
+        k,
+        qweight,
+        torch.ones(n),
+        torch.zeros(n),
+        torch.zeros(n, ko),
+        perm[ko:].sort().values,
+        perm[:ko].sort().values,
+        None,
+    )
 
 
 def test_fused_form_first_rows_cover_the_first_tiles_token_tiles():
@@ -103,14 +134,18 @@ def test_fused_form_takes_w4a4_prefills_only():
     p = _layer(4096, 4096, 256)
     x = torch.zeros(2048, 4096, dtype=torch.float16)
     assert quik.fused_quantize_reason(x, p) is None
-    assert quik.fused_quantize_reason(x[:128], p) == "128 tokens (the fused form has 256-token tiles: M > 128)"
+    assert (
+        quik.fused_quantize_reason(x[:128], p) == "128 tokens (the fused form has 256-token tiles: M > 128)"
+    )
     assert quik.fused_quantize_reason(x, _layer(4096, 4096, 256, bits=8)) == "w8a8 (built for w4a4)"
     assert "activation rows" in quik.fused_quantize_reason(x.float(), p)
     # 11008 x 4096: 79 + 28 stages per tile, the 5-stage ring's length
-    assert quik.fused_quantize_reason(torch.zeros(300, 11008, dtype=torch.float16), _layer(64, 11008, 896)) == (
-        "107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)")
+    assert quik.fused_quantize_reason(
+        torch.zeros(300, 11008, dtype=torch.float16), _layer(64, 11008, 896)
+    ) == ("107 stages per tile (the 5-stage ring of the two-kernel path is faster from 64)")
     assert quik.fused_quantize_reason(x[:, :4000], _layer(100, 4000, 37)) == (
-        "out_features 100 (output rows must be 16-byte aligned for the copy engine)")
+        "out_features 100 (output rows must be 16-byte aligned for the copy engine)"
+    )
 
 
 def test_linear_takes_the_fused_form_from_six_rounds_of_tiles():

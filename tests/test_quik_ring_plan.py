@@ -9,12 +9,15 @@ import pytest
 from qtool.cuda import quik
 
 
-@pytest.mark.parametrize("kt,ko,stages", [
-    (30, 256, 4),   # 4096 x 4096, 256 outliers: 30 + 8 stages per tile
-    (79, 896, 5),   # 11008 x 4096, 896 outliers: 79 + 28 stages, long tiles take the fifth stage
-    (32, 0, 4),
-    (64, 0, 5),     # 8192 columns, no outliers: at the threshold
-])
+@pytest.mark.parametrize(
+    "kt,ko,stages",
+    [
+        (30, 256, 4),  # 4096 x 4096, 256 outliers: 30 + 8 stages per tile
+        (79, 896, 5),  # 11008 x 4096, 896 outliers: 79 + 28 stages, long tiles take the fifth stage
+        (32, 0, 4),
+        (64, 0, 5),  # 8192 columns, no outliers: at the threshold
+    ],
+)
 def test_four_bit_persistent_ring_deepens_for_long_tiles(kt, ko, stages):
     steps = kt + ko // quik.WS_OUTLIER_COLUMNS[4]
     assert quik.ws_stages("wsp", 4, 256, steps) == stages
@@ -39,8 +42,9 @@ def test_every_ring_fits_with_at_least_two_epilogue_buffers(bits):
 def test_ring_depth_refused_where_not_built():
     import torch
 
-    a = quik.QuantizedActivations(torch.zeros(300, 128, dtype=torch.int8), torch.zeros(300, 0), torch.zeros(300),
-                                  torch.zeros(300))
+    a = quik.QuantizedActivations(
+        torch.zeros(300, 128, dtype=torch.int8), torch.zeros(300, 0), torch.zeros(300), torch.zeros(300)
+    )
     with pytest.raises(ValueError, match="stages: found 4 for kernel sync"):
         quik.gemm(a, _FakePrepared(), kernel="sync", stages=4, out=torch.empty(300, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"tokens: found 64 for kernel wsp"):

@@ -48,13 +48,20 @@ def test_unknown_stage(cli, tmp_path):
     _one_line_error(res, "r.yaml:stages[0].stage", "'gptqq'", "expected one of", "gptq", "rtn")
 
 
-@pytest.mark.parametrize("line,key,found", [
-    ("bits: 9", "stages[0].bits", "9"),
-    ("bits: 1", "stages[0].bits", "1"),
-    ("group_size: 0", "stages[0].group_size", "0"),
-])
+@pytest.mark.parametrize(
+    "line,key,found",
+    [
+        ("bits: 9", "stages[0].bits", "9"),
+        ("bits: 1", "stages[0].bits", "1"),
+        ("group_size: 0", "stages[0].group_size", "0"),
+    ],
+)
 def test_option_out_of_range(cli, tmp_path, line, key, found):
-    res = _run(cli, tmp_path, GOOD.replace("bits: 4", line) if "bits" in line else GOOD.replace("group_size: 32", line))
+    res = _run(
+        cli,
+        tmp_path,
+        GOOD.replace("bits: 4", line) if "bits" in line else GOOD.replace("group_size: 32", line),
+    )
     msg = _one_line_error(res, f"r.yaml:{key}", f"found {found}")
     assert "expected an integer" in msg
 
@@ -65,7 +72,9 @@ def test_wrong_type(cli, tmp_path):
 
 
 def test_unknown_option_and_top_level_key(cli, tmp_path):
-    _one_line_error(_run(cli, tmp_path, GOOD.replace("bits: 4", "bitz: 4")), "stages[0].bitz", "unknown option")
+    _one_line_error(
+        _run(cli, tmp_path, GOOD.replace("bits: 4", "bitz: 4")), "stages[0].bitz", "unknown option"
+    )
     _one_line_error(_run(cli, tmp_path, GOOD + "modle: x\n"), "r.yaml:modle", "unknown key")
 
 
@@ -85,8 +94,11 @@ def test_missing_calibration_file(cli, tmp_path):
 
 
 def test_gptq_without_calibration(cli, tmp_path):
-    text = "\n".join(ln for ln in GOOD.splitlines() if "calibration" not in ln and "source" not in ln
-                     and "num_samples" not in ln and "seq_len" not in ln)
+    text = "\n".join(
+        ln
+        for ln in GOOD.splitlines()
+        if "calibration" not in ln and "source" not in ln and "num_samples" not in ln and "seq_len" not in ln
+    )
     _one_line_error(_run(cli, tmp_path, text), "r.yaml:calibration", "missing", "gptq")
 
 

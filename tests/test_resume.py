@@ -137,9 +137,14 @@ main()
 
 
 def kill_at(recipe: Path, block: int, phase: str, n: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", KILLER, str(block), phase, str(n), "quantize", str(recipe), "-q"],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", KILLER, str(block), phase, str(n), "quantize", str(recipe), "-q"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_sigkill_at_a_random_block_then_resume_gives_the_same_checkpoint(tmp_path, reference):
@@ -156,14 +161,18 @@ def test_sigkill_at_a_random_block_then_resume_gives_the_same_checkpoint(tmp_pat
     assert proc.returncode == -signal.SIGKILL, (where, proc.stderr)
     assert not (tmp_path / "out").exists(), where
     finished = state(tmp_path)["next_block"]
-    expected = {"quantizing": block, "commit": block + (n == (3 if block < BLOCKS - 1 else 2)),
-                "writing": BLOCKS}[phase]
+    expected = {
+        "quantizing": block,
+        "commit": block + (n == (3 if block < BLOCKS - 1 else 2)),
+        "writing": BLOCKS,
+    }[phase]
     assert finished == expected, where
 
     # Without --resume the work folder is reported, not reused.
     res = run_cli(["quantize", recipe, "-q"])
-    assert_one_line_error(res, 2, ".out.partial", f"holds {finished} of {BLOCKS} finished blocks", "--resume",
-                          "--overwrite")
+    assert_one_line_error(
+        res, 2, ".out.partial", f"holds {finished} of {BLOCKS} finished blocks", "--resume", "--overwrite"
+    )
     # Another calibration seed, or another recipe: refused, the work folder untouched.
     res = run_cli(["quantize", recipe, "--resume", "--seed", "7", "-q"])
     assert_one_line_error(res, 2, "--resume", "calibration data", "--overwrite")
@@ -181,8 +190,14 @@ def test_sigkill_at_a_random_block_then_resume_gives_the_same_checkpoint(tmp_pat
 
 def test_resume_with_nothing_to_resume(tmp_path, no_work):
     recipe = write_recipe(tmp_path)
-    assert_one_line_error(run_cli(["quantize", recipe, "--resume"]), 2, "--resume", "nothing to resume",
-                          ".out.partial", output=tmp_path / "out")
+    assert_one_line_error(
+        run_cli(["quantize", recipe, "--resume"]),
+        2,
+        "--resume",
+        "nothing to resume",
+        ".out.partial",
+        output=tmp_path / "out",
+    )
 
 
 def test_ctrl_c_a_full_disk_and_ctrl_c_while_writing_then_resume(tmp_path, reference, monkeypatch):
@@ -206,13 +221,26 @@ def test_ctrl_c_a_full_disk_and_ctrl_c_while_writing_then_resume(tmp_path, refer
 
     recipe = write_recipe(tmp_path)
     monkeypatch.setattr(partial.Work, "commit", commit_then_ctrl_c)
-    assert_one_line_error(run_cli(["quantize", recipe, "-q"]), 130, "interrupted", "blocks 0-1 of 5", ".out.partial",
-                          "--resume", "from block 2", output=tmp_path / "out")
+    assert_one_line_error(
+        run_cli(["quantize", recipe, "-q"]),
+        130,
+        "interrupted",
+        "blocks 0-1 of 5",
+        ".out.partial",
+        "--resume",
+        "from block 2",
+        output=tmp_path / "out",
+    )
     assert state(tmp_path)["next_block"] == 2
     monkeypatch.setattr(partial.Work, "commit", real_commit)
     monkeypatch.setattr(partial, "save_file", full_at_block_3)
-    assert_one_line_error(run_cli(["quantize", recipe, "--resume", "-q"]), 6, "No space left on device",
-                          "block-00003", output=tmp_path / "out")
+    assert_one_line_error(
+        run_cli(["quantize", recipe, "--resume", "-q"]),
+        6,
+        "No space left on device",
+        "block-00003",
+        output=tmp_path / "out",
+    )
     assert state(tmp_path)["next_block"] == 3
     monkeypatch.setattr(partial, "save_file", real_save)
     # Ctrl-C while the checkpoint is written: every block is kept, and the line says how to write it.
@@ -223,8 +251,14 @@ def test_ctrl_c_a_full_disk_and_ctrl_c_while_writing_then_resume(tmp_path, refer
 
     with monkeypatch.context() as m:
         m.setattr(writer, "save_file", ctrl_c)
-        assert_one_line_error(run_cli(["quantize", recipe, "--resume", "-q"]), 130, "while writing",
-                              "all 5 blocks", "--resume", output=tmp_path / "out")
+        assert_one_line_error(
+            run_cli(["quantize", recipe, "--resume", "-q"]),
+            130,
+            "while writing",
+            "all 5 blocks",
+            "--resume",
+            output=tmp_path / "out",
+        )
     assert state(tmp_path)["next_block"] == 5
     res = run_cli(["quantize", recipe, "--resume", "-q", "--json"])
     assert res.exit_code == 0, res.output
@@ -245,13 +279,19 @@ def test_weight_file_truncated_mid_run(tmp_path, monkeypatch):
             # the header and the first bytes of the data stay: every tensor not read yet is cut off
             weights = model / "model.safetensors"
             data = weights.read_bytes()
-            weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 1000])
+            weights.write_bytes(data[: 8 + int.from_bytes(data[:8], "little") + 1000])
 
     monkeypatch.setattr(partial.Work, "commit", commit_then_truncate)
     recipe = write_recipe(tmp_path / "run", model)
     res = run_cli(["quantize", recipe, "-q"])
-    assert_one_line_error(res, 4, "model.layers.", str(model / "model.safetensors"), "truncated",
-                          output=tmp_path / "run" / "out")
+    assert_one_line_error(
+        res,
+        4,
+        "model.layers.",
+        str(model / "model.safetensors"),
+        "truncated",
+        output=tmp_path / "run" / "out",
+    )
     # Block 2's weights may have been read ahead, before the cut: the run then stops at block 3.
     assert state(tmp_path / "run")["next_block"] in (2, 3)
     # The model changed under the work folder: a resume is refused, naming what differs.

@@ -29,7 +29,7 @@ def _stage(**opts) -> RotateStage:
 def _windows(tokenizer, n: int, length: int) -> torch.Tensor:
     text = WIKITEXT.read_text(encoding="utf-8")[:4_000]
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    return torch.stack([ids[i * length:(i + 1) * length] for i in range(n)])
+    return torch.stack([ids[i * length : (i + 1) * length] for i in range(n)])
 
 
 def _rel(after: torch.Tensor, before: torch.Tensor) -> float:
@@ -54,8 +54,11 @@ def _outliers(model, linears: tuple[str, ...]):
 
         return hook
 
-    handles = [layer.get_submodule(n).register_forward_hook(make_hook(n))
-               for layer in model.model.layers for n in linears]
+    handles = [
+        layer.get_submodule(n).register_forward_hook(make_hook(n))
+        for layer in model.model.layers
+        for n in linears
+    ]
     try:
         yield got
     finally:
@@ -85,8 +88,17 @@ def smollm2_rotated(smollm2):
     # CPU float16 matmuls are several times slower). stories260K runs a true float16 forward below.
     model.half().float()
     half = _logits(model, ids)
-    return dict(info=info, before=before, after=after, half=half, out_before=out_before, out_after=out_after,
-                untied=untied, tie_flag=model.config.tie_word_embeddings, final_norm=final_norm)
+    return dict(
+        info=info,
+        before=before,
+        after=after,
+        half=half,
+        out_before=out_before,
+        out_after=out_after,
+        untied=untied,
+        tie_flag=model.config.tie_word_embeddings,
+        final_norm=final_norm,
+    )
 
 
 @pytest.mark.slow
@@ -113,8 +125,10 @@ def test_smollm2_rotation_flattens_input_outliers(smollm2_rotated):
     out_before, out_after = smollm2_rotated["out_before"], smollm2_rotated["out_after"]
     for name in LINEARS:
         b, a = torch.tensor(out_before[name]), torch.tensor(out_after[name])
-        print(f"{name} inputs, max|x|/rms over 30 blocks: median {b.median():.1f} -> {a.median():.1f}, "
-              f"worst {b.max():.1f} -> {a.max():.1f}")
+        print(
+            f"{name} inputs, max|x|/rms over 30 blocks: median {b.median():.1f} -> {a.median():.1f}, "
+            f"worst {b.max():.1f} -> {a.max():.1f}"
+        )
         assert a.median() < 0.5 * b.median()
         assert a.max() < 0.5 * b.max()
 
@@ -149,9 +163,16 @@ def test_tiny_llama_hidden_96(tiny_llama):
 
 def _llama_without_hadamard(tmp_path):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=52, intermediate_size=80, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=52,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return _save_tiny(LlamaForCausalLM(cfg).eval(), tmp_path / "llama52")
 
 
@@ -184,8 +205,9 @@ output: {out}
 
 
 def _recipe(tmp_path, model, rotate: str = "", out: str = "ckpt"):
-    return write_recipe(tmp_path / "r.yaml", ROTATE_RTN.format(model=model, rotate=rotate, text=TINY_SAMPLE,
-                                                               out=out))
+    return write_recipe(
+        tmp_path / "r.yaml", ROTATE_RTN.format(model=model, rotate=rotate, text=TINY_SAMPLE, out=out)
+    )
 
 
 def test_rotate_then_rtn_checkpoint_reloads_and_matches(cli, tmp_path):
@@ -202,8 +224,9 @@ def test_rotate_then_rtn_checkpoint_reloads_and_matches(cli, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     manifest = json.loads((ckpt / "qtool-manifest.json").read_text())
-    assert manifest["transforms"] == [{"stage": "rotate", "hidden_size": 64, "matrix": "hadamard 64 (sylvester)",
-                                       "untied_head": True}]
+    assert manifest["transforms"] == [
+        {"stage": "rotate", "hidden_size": 64, "matrix": "hadamard 64 (sylvester)", "untied_head": True}
+    ]
 
     loaded = load_checkpoint(ckpt)
     assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
@@ -235,8 +258,14 @@ def test_hidden_size_without_hadamard_is_refused(cli, tmp_path):
 
 def test_opt_is_refused_naming_its_layernorm(cli, tiny_opt, tmp_path):
     res = cli("quantize", _recipe(tmp_path, tiny_opt), "--json")
-    _one_line_error(res, "r.yaml:stages[0]", "model.decoder.layers.0.self_attn_layer_norm", "LayerNorm",
-                    "OPTForCausalLM", "RMSNorm")
+    _one_line_error(
+        res,
+        "r.yaml:stages[0]",
+        "model.decoder.layers.0.self_attn_layer_norm",
+        "LayerNorm",
+        "OPTForCausalLM",
+        "RMSNorm",
+    )
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -253,7 +282,9 @@ def test_unknown_fallback_is_refused(cli, tiny_llama, tmp_path):
 def test_unknown_architecture_is_refused():
     cfg = LlamaConfig(hidden_size=64)
     cfg.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(RecipeError, match=r"^w: architecture GPT2LMHeadModel is not known to rotate; expected"):
+    with pytest.raises(
+        RecipeError, match=r"^w: architecture GPT2LMHeadModel is not known to rotate; expected"
+    ):
         _stage().check_config(cfg, "w")
 
 

@@ -37,23 +37,50 @@ def runs(tmp_path_factory, smollm2):
         assert res.exit_code == 0, res.output
         return json.loads(res.stdout)
 
-    out = {"g64": invoke("quantize", ROOT / "recipes" / "gptq-w4a16-g64.yaml", "--model", smollm2, *CAL,
-                         "--eval-windows", "4", "-o", tmp / "g64", "--json")}
-    base = (ROOT / "recipes" / "gptq-w4a16-g64.yaml").read_text().replace("model: ../.cache/models/smollm2-135m\n", "")
+    out = {
+        "g64": invoke(
+            "quantize",
+            ROOT / "recipes" / "gptq-w4a16-g64.yaml",
+            "--model",
+            smollm2,
+            *CAL,
+            "--eval-windows",
+            "4",
+            "-o",
+            tmp / "g64",
+            "--json",
+        )
+    }
+    base = (
+        (ROOT / "recipes" / "gptq-w4a16-g64.yaml")
+        .read_text()
+        .replace("model: ../.cache/models/smollm2-135m\n", "")
+    )
     for method in ("gptq", "rtn"):
         text = base.replace("stage: gptq", f"stage: {method}").replace("bits: 4", "bits: 3")
         if method == "rtn":
             gptq_only = ("damp:", "act_order:", "static_groups:", "block_size:")
             text = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith(gptq_only)) + "\n"
-        recipe = write_recipe(ROOT / "recipes" / f".test-{method}3.yaml", text)  # relative paths as in recipes/
+        recipe = write_recipe(
+            ROOT / "recipes" / f".test-{method}3.yaml", text
+        )  # relative paths as in recipes/
         try:
-            invoke("quantize", recipe, "--model", smollm2, *CAL, "--no-eval", "-o", tmp / f"{method}3", "--json")
+            invoke(
+                "quantize", recipe, "--model", smollm2, *CAL, "--no-eval", "-o", tmp / f"{method}3", "--json"
+            )
         finally:
             recipe.unlink()
-        out[f"{method}3"] = invoke("eval", tmp / f"{method}3", "--text", WIKITEXT, "--seq-len", "512",
-                                   "--windows", "4", "--json")
-    print({"fp": runs_fp(out), "g64": out["g64"]["eval"]["quantized"]["perplexity"],
-           "gptq3": out["gptq3"]["perplexity"], "rtn3": out["rtn3"]["perplexity"]})
+        out[f"{method}3"] = invoke(
+            "eval", tmp / f"{method}3", "--text", WIKITEXT, "--seq-len", "512", "--windows", "4", "--json"
+        )
+    print(
+        {
+            "fp": runs_fp(out),
+            "g64": out["g64"]["eval"]["quantized"]["perplexity"],
+            "gptq3": out["gptq3"]["perplexity"],
+            "rtn3": out["rtn3"]["perplexity"],
+        }
+    )
     return out
 
 

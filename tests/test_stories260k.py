@@ -45,8 +45,11 @@ def results(tmp_path_factory):
         for bits in (3, 4):
             text = RECIPE.replace("@method@", method).replace("@bits@", str(bits))
             recipe = write_recipe(tmp / f"{method}{bits}.yaml", text)
-            res = CliRunner().invoke(cli, ["quantize", str(recipe), "--json", "-o", str(tmp / f"{method}{bits}")],
-                                     catch_exceptions=False)
+            res = CliRunner().invoke(
+                cli,
+                ["quantize", str(recipe), "--json", "-o", str(tmp / f"{method}{bits}")],
+                catch_exceptions=False,
+            )
             assert res.exit_code == 0, res.output
             out[(method, bits)] = json.loads(res.stdout)["eval"]
     return out
@@ -77,8 +80,19 @@ def test_quickstart_recipe_quantize_load_eval(cli, tmp_path):
     summary = json.loads(res.stdout)
     # Where the run's time went besides its stages: the process's start (interpreter, imports) and the write.
     assert summary["timings"]["write_s"] > 0 and summary["timings"]["startup_s"] > 0
-    res = cli("eval", tmp_path / "ckpt", "--text", TINYSTORIES, "--seq-len", "512", "--windows", "64",
-              "--separator", "<|endoftext|>", "--json")
+    res = cli(
+        "eval",
+        tmp_path / "ckpt",
+        "--text",
+        TINYSTORIES,
+        "--seq-len",
+        "512",
+        "--windows",
+        "64",
+        "--separator",
+        "<|endoftext|>",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     loaded = json.loads(res.stdout)
     assert loaded["perplexity"] == pytest.approx(summary["eval"]["quantized"]["perplexity"], rel=1e-5)

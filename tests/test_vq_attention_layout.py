@@ -13,7 +13,9 @@ from qtool.runtime.vq_kv_cache import encode
 
 def _cache(b, kvh, d, dv, cap, gen):
     books = [(torch.randn(kvh, d // dv, 256, dv, generator=gen) * s).half() for s in (2.0, 1.0)]
-    codes = [torch.full((b, kvh, cap // vqa.TILE, d // dv, vqa.TILE), 0xA5, dtype=torch.uint8) for _ in range(2)]
+    codes = [
+        torch.full((b, kvh, cap // vqa.TILE, d // dv, vqa.TILE), 0xA5, dtype=torch.uint8) for _ in range(2)
+    ]
     return vqa.VQCache(codes[0], codes[1], vqa.kernel_books(books[0]), vqa.kernel_books(books[1])), books
 
 
@@ -27,7 +29,7 @@ def test_reference_write_fills_the_tiles_at_the_positions():
     qkv = (torch.randn(b, t, h + 2 * kvh, d, generator=gen) * 2).half()
     pos = torch.tensor([3, 17, 40])
     _, k, v = vqa.reference_write(qkv, cos, sin, pos, cache, h)
-    keys = rope_half(qkv.transpose(1, 2)[:, h:h + kvh], cos[pos], sin[pos])
+    keys = rope_half(qkv.transpose(1, 2)[:, h : h + kvh], cos[pos], sin[pos])
     want = encode(keys, kb)  # [B, KVH, T, G]
     # token 17 of group g is byte [17 div 16, g, 17 mod 16] of its (sequence, head)
     assert torch.equal(cache.k[:, :, 1, :, 1].long(), want[:, :, 1])

@@ -89,7 +89,9 @@ def test_finetuned_codebooks_bring_block_output_closer_and_checkpoint_matches(tm
     assert plain.transforms == []
     [record] = tuned.transforms
     assert record["stage"] == "vq" and record["block"] == 0
-    assert record["finetune"]["kept"] and record["finetune"]["error_after"] < record["finetune"]["error_before"]
+    assert (
+        record["finetune"]["kept"] and record["finetune"]["error_after"] < record["finetune"]["error_before"]
+    )
     for name, a in plain.packed.items():
         b = tuned.packed[name]
         # Only the codebooks moved: the codes (and so the access counts, the order and the tiers) are as quantized.
@@ -108,13 +110,22 @@ def test_finetuned_codebooks_bring_block_output_closer_and_checkpoint_matches(tm
         assert torch.allclose(loaded(windows).logits, tuned.model(windows).logits, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("    finetune_steps: -1\n", ["stages[0].finetune_steps: found -1"]),
-    ("    finetune_lr: 0\n", ["stages[0].finetune_lr: found 0"]),
-    ("    finetune_samples: 0\n", ["stages[0].finetune_samples: found 0"]),
-    ("    finetune_steps: many\n", ["stages[0].finetune_steps: found 'many'"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("    finetune_steps: -1\n", ["stages[0].finetune_steps: found -1"]),
+        ("    finetune_lr: 0\n", ["stages[0].finetune_lr: found 0"]),
+        ("    finetune_samples: 0\n", ["stages[0].finetune_samples: found 0"]),
+        ("    finetune_steps: many\n", ["stages[0].finetune_steps: found 'many'"]),
+    ],
+)
 def test_bad_finetune_options(tmp_path, no_work, text, words):
-    body = RECIPE.format(steps=4).replace("    finetune_steps: 4\n", "").replace("    finetune_lr: 0.03\n", "")
-    r = write_recipe(tmp_path / "r.yaml", body.replace("    kmeans_iters: 4\n", "    kmeans_iters: 4\n" + text))
-    assert_one_line_error(run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out")
+    body = (
+        RECIPE.format(steps=4).replace("    finetune_steps: 4\n", "").replace("    finetune_lr: 0.03\n", "")
+    )
+    r = write_recipe(
+        tmp_path / "r.yaml", body.replace("    kmeans_iters: 4\n", "    kmeans_iters: 4\n" + text)
+    )
+    assert_one_line_error(
+        run_cli(["quantize", r], cwd=tmp_path), 3, "r.yaml", *words, output=tmp_path / "out"
+    )

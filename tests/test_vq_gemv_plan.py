@@ -21,7 +21,9 @@ def test_tiers_keep_the_occupancy_of_the_gc_build():
     # 2048 (a power of two) are taken.
     n_reg, n_shared, why = vq.cache_tiers(8, 4096, 20, 62, 8192, H100)
     assert (n_reg, n_shared) == (0, 2048)
-    assert why["blocks_per_sm"] == 4 and why["reg_slack"] == 0 and why["smem_slack"] == 233472 // 4 - 1024 - 8192
+    assert (
+        why["blocks_per_sm"] == 4 and why["reg_slack"] == 0 and why["smem_slack"] == 233472 // 4 - 1024 - 8192
+    )
     # 56 registers: still 4 blocks, 64 registers per thread at that occupancy, 8 spare: one set of 32 entries
     # (4 registers each at d = 8) as there are hot entries; none without.
     assert vq.cache_tiers(8, 4096, 20, 56, 8192, H100)[:2] == (32, 32 + 2048)
@@ -77,30 +79,46 @@ class VQCases(FakeCases):
         return [lambda: "gemv" if cache == "tiered" else "dequant+cublas"]
 
     def vq_gemm_paths(self, k, n, m, preset):
-        return ["vq-gemm-direct", "vq-gemm-shfl"], "vq-gemm-direct", 2_000_000, {"gptvq-2": 2, "aqlm-3": 3}[preset]
+        return (
+            ["vq-gemm-direct", "vq-gemm-shfl"],
+            "vq-gemm-direct",
+            2_000_000,
+            {"gptvq-2": 2, "aqlm-3": 3}[preset],
+        )
 
     def vq_gemm(self, k, n, m, preset, path):
         return [lambda: "gemv" if path == "vq-gemm-direct" else "dequant+cublas"]
 
 
 def test_vq_rows_gemv_per_cache_up_to_16_tokens_gemm_above():
-    cfg = kb.KernelBenchConfig(shapes=[(4096, 4096)], ms=[1, 64], bits=[4], group_sizes=[128], warmup=3, iters=50,
-                               vq_presets=["gptvq-2", "aqlm-3"])
+    cfg = kb.KernelBenchConfig(
+        shapes=[(4096, 4096)],
+        ms=[1, 64],
+        bits=[4],
+        group_sizes=[128],
+        warmup=3,
+        iters=50,
+        vq_presets=["gptvq-2", "aqlm-3"],
+    )
     report = kb.run_kernel_bench(cfg, VQCases(), FakeTimer())
     assert stats.validate_kernels_report(report) == []
     rows = [r for r in report["results"] if r.get("layout") == "vq"]
     assert [(r["m"], r["preset"], r.get("cache"), r["bits"]) for r in rows] == [
-        (1, p, c, b) for p, b in (("gptvq-2", 2), ("aqlm-3", 3)) for c in ("gc", "sc", "tiered")] + [
-        (64, "gptvq-2", None, 2), (64, "aqlm-3", None, 3)]
+        (1, p, c, b) for p, b in (("gptvq-2", 2), ("aqlm-3", 3)) for c in ("gc", "sc", "tiered")
+    ] + [(64, "gptvq-2", None, 2), (64, "aqlm-3", None, 3)]
     gemm = rows[-1]
     assert gemm["path"] == "vq-gemm-direct" and kb.row_label(gemm) == "aqlm-3"
     assert gemm["speedup"]["fp16"] == pytest.approx(3.0, rel=0.05)
     tiered = rows[2]
     assert tiered["path"] == "vq-tiered" and tiered["quant"]["median_us"] == pytest.approx(4.0, rel=0.05)
-    assert tiered["speedup"]["fp16"] == pytest.approx(3.0, rel=0.05) and tiered["roofline"]["bytes"] == 1_000_000
+    assert (
+        tiered["speedup"]["fp16"] == pytest.approx(3.0, rel=0.05) and tiered["roofline"]["bytes"] == 1_000_000
+    )
     assert "gptvq-2 tiered vq-tiered:" in kb.format_row(tiered) and tiered["plan"] == {"n_shared": 256}
     # the tiered row times the other GEMV form beside the dispatched one; GC and SC only the dispatched form
-    assert set(tiered["candidates"]) == {"vq-tiered", "vq-tiered-fma"} and set(rows[0]["candidates"]) == {"vq-gc"}
+    assert set(tiered["candidates"]) == {"vq-tiered", "vq-tiered-fma"} and set(rows[0]["candidates"]) == {
+        "vq-gc"
+    }
     assert report["config"]["vq_presets"] == ["gptvq-2", "aqlm-3"]
 
 
@@ -153,17 +171,28 @@ def _prepared(k: int, n: int, preset: str) -> vq.Prepared:
     d, bits, z, tr, tc = {"gptvq-2": (4, 8, 1, 256, 256), "aqlm-3": (8, 12, 2, None, None)}[preset]
     v = k // d
     r, c = (1 if tr is None else -(-n // tr)), (1 if tc is None else -(-k // tc))
-    return vq.Prepared(indices=torch.empty(z, n, -(-v * bits // 32), dtype=torch.int32),
-                       codebooks=torch.empty(r, c, z, 1 << bits, d, dtype=torch.float16), vector_size=d,
-                       index_bits=bits, residuals=z, tile_rows=n if tr is None else min(tr, n),
-                       tile_vecs=v if tc is None else tc // d, in_features=k, out_features=n, hot=8)
+    return vq.Prepared(
+        indices=torch.empty(z, n, -(-v * bits // 32), dtype=torch.int32),
+        codebooks=torch.empty(r, c, z, 1 << bits, d, dtype=torch.float16),
+        vector_size=d,
+        index_bits=bits,
+        residuals=z,
+        tile_rows=n if tr is None else min(tr, n),
+        tile_vecs=v if tc is None else tc // d,
+        in_features=k,
+        out_features=n,
+        hot=8,
+    )
 
 
-@pytest.mark.parametrize("env, cluster, multicast", [
-    ({"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4"}, 16, 4),
-    ({"QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_MULTICAST": "4"}, 8, 4),
-    ({}, 1, 1),  # the module's defaults: no clusters until measured
-])
+@pytest.mark.parametrize(
+    "env, cluster, multicast",
+    [
+        ({"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4"}, 16, 4),
+        ({"QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_MULTICAST": "4"}, 8, 4),
+        ({}, 1, 1),  # the module's defaults: no clusters until measured
+    ],
+)
 def test_mma_plans_cluster_the_splits_and_share_aqlm_codebooks(monkeypatch, env, cluster, multicast):
     """The mma form's launch geometry on Llama-2-7B shapes (H100 limits, fake builds of 80 / 122 registers): the
     splits of a row block form one cluster when they fit the cap (GPTVQ walks more column tiles per block so they
@@ -172,8 +201,11 @@ def test_mma_plans_cluster_the_splits_and_share_aqlm_codebooks(monkeypatch, env,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(vq, "device_limits", lambda dev: H100)
-    monkeypatch.setattr(vq, "module_for", lambda p, n_reg, n_shared, dev, form="fma", prefetch=1:
-                        _FakeBuild(80 if n_shared < 4096 else 122))
+    monkeypatch.setattr(
+        vq,
+        "module_for",
+        lambda p, n_reg, n_shared, dev, form="fma", prefetch=1: _FakeBuild(80 if n_shared < 4096 else 122),
+    )
     for k, n in ((4096, 4096), (4096, 11008), (11008, 4096)):
         for m in (1, 4, 16):
             g = vq.plan_for(_prepared(k, n, "gptvq-2"), m, "tiered", 0, form="mma")
@@ -194,5 +226,6 @@ def test_mma_plans_cluster_the_splits_and_share_aqlm_codebooks(monkeypatch, env,
                     assert cx == 4
     # GPTVQ-2 at 4096x4096, M = 1: 16 column tiles, one per block, the 16 splits one (non-portable) cluster.
     g = vq.plan_for(_prepared(4096, 4096, "gptvq-2"), 1, "tiered", 0, form="mma")
-    assert (g.tiles_per_split, g.splits, g.cluster) == ((1, 16, (1, 16)) if cluster == 16 else
-                                                        (2, 8, (1, 8)) if cluster == 8 else (1, 16, (1, 1)))
+    assert (g.tiles_per_split, g.splits, g.cluster) == (
+        (1, 16, (1, 16)) if cluster == 16 else (2, 8, (1, 8)) if cluster == 8 else (1, 16, (1, 1))
+    )

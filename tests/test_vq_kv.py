@@ -26,7 +26,7 @@ def test_codes_are_the_nearest_entries_and_a_fixed_point():
         for h in range(2):
             for t in range(5):
                 for g in range(4):
-                    v = x[b, h, t, 2 * g:2 * g + 2]
+                    v = x[b, h, t, 2 * g : 2 * g + 2]
                     assert codes[b, h, t, g] == (c[h, g] - v).pow(2).sum(1).argmin()
     cached = decode(codes, books, torch.float32)
     assert torch.equal(encode(cached, books), codes)
@@ -39,8 +39,15 @@ def test_codes_are_the_nearest_entries_and_a_fixed_point():
 
 def _tiny():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -72,14 +79,26 @@ def test_attention_reads_the_codes():
     assert torch.equal(encode(decode(encode(k, mod.key), mod.key, k.dtype), mod.key), encode(k, mod.key))
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda t: t.pop("model.layers.1.self_attn.kv_codebooks.value"),
-     ["tensor model.layers.1.self_attn.kv_codebooks.value: missing", "float16 [2, 2, 16, 4]"]),
-    (lambda t: t.update({"model.layers.0.self_attn.kv_codebooks.key": _books(2, 4, 16, 2)}),
-     ["tensor model.layers.0.self_attn.kv_codebooks.key: found torch.float16 [2, 4, 16, 2]", "[2, 2, 16, 4]"]),
-    (lambda t: t.update({"model.layers.0.self_attn.kv_codebooks.key": _books(2, 2, 16, 4).float()}),
-     ["kv_codebooks.key: found torch.float32"]),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.kv_codebooks.value"),
+            ["tensor model.layers.1.self_attn.kv_codebooks.value: missing", "float16 [2, 2, 16, 4]"],
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.kv_codebooks.key": _books(2, 4, 16, 2)}),
+            [
+                "tensor model.layers.0.self_attn.kv_codebooks.key: found torch.float16 [2, 4, 16, 2]",
+                "[2, 2, 16, 4]",
+            ],
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.kv_codebooks.key": _books(2, 2, 16, 4).float()}),
+            ["kv_codebooks.key: found torch.float32"],
+        ),
+    ],
+)
 def test_loader_errors_name_the_tensor(mutate, words):
     model = _tiny()
     tensors = _tensors(model)
@@ -90,9 +109,15 @@ def test_loader_errors_name_the_tensor(mutate, words):
         assert w in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("scheme", [
-    {**kv_vq_scheme(4, 16), "entries": 12}, {**kv_vq_scheme(4, 16), "index_bits": 8},
-    {**kv_vq_scheme(4, 16), "keys": "pre_rope"}, {**kv_vq_scheme(4, 16), "entries": 512, "index_bits": 9}])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        {**kv_vq_scheme(4, 16), "entries": 12},
+        {**kv_vq_scheme(4, 16), "index_bits": 8},
+        {**kv_vq_scheme(4, 16), "keys": "pre_rope"},
+        {**kv_vq_scheme(4, 16), "entries": 512, "index_bits": 9},
+    ],
+)
 def test_bad_schemes_are_refused(scheme):
     with pytest.raises(CheckpointError, match="quantization_config.kv_cache: found .*expected \\{format: vq"):
         attach_scheme_tensors(_tiny(), {"kv_cache": scheme}, {}, "cfg")

@@ -39,13 +39,20 @@ def _reference(codes, books, d, tile_rows, tile_cols):
             rt = 0 if tile_rows is None else row // tile_rows
             ct = 0 if tile_cols is None else (j * d) // tile_cols
             for r in range(z):
-                w[row, j * d:(j + 1) * d] += b16[rt, ct, r, codes[r, row, j]]
+                w[row, j * d : (j + 1) * d] += b16[rt, ct, r, codes[r, row, j]]
     return w
 
 
-shapes = st.tuples(st.integers(1, 9), st.integers(1, 13), st.sampled_from([1, 2, 4, 8]), st.integers(1, 12),
-                   st.integers(1, 2), st.sampled_from([None, 1, 3, 4]), st.sampled_from([None, 1, 2, 5]),
-                   st.integers(0, 2**31 - 1))
+shapes = st.tuples(
+    st.integers(1, 9),
+    st.integers(1, 13),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 12),
+    st.integers(1, 2),
+    st.sampled_from([None, 1, 3, 4]),
+    st.sampled_from([None, 1, 2, 5]),
+    st.integers(0, 2**31 - 1),
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -58,7 +65,9 @@ def test_round_trip_and_definition(case):
     assert torch.equal(lay.codes(), codes)
     assert torch.equal(lay.codebooks, books.to(torch.float16))
     assert lay.indices.shape == (z, n, (v * bits + 31) // 32)
-    torch.testing.assert_close(lay.dequantize(torch.float64), _reference(codes, books, d, tile_rows, tile_cols))
+    torch.testing.assert_close(
+        lay.dequantize(torch.float64), _reference(codes, books, d, tile_rows, tile_cols)
+    )
     # Stored → loaded gives the same layer; the stored bits are the formula's.
     back = VQWeight.from_tensors("l", lay.layer_config(False), lay.tensors())
     assert torch.equal(back.dequantize(), lay.dequantize())
@@ -98,8 +107,10 @@ def test_twelve_bit_indices_are_lsb_first():
     assert torch.equal(unpack_codes(pack_codes(codes, 12), 12, 3), codes)
 
 
-@pytest.mark.parametrize("d,bits,z,tile_rows,tile_cols,t", [
-    (4, 8, 1, 16, 16, 1), (8, 12, 2, None, None, 3), (2, 4, 2, 5, 6, 16), (4, 6, 1, None, 12, 7)])
+@pytest.mark.parametrize(
+    "d,bits,z,tile_rows,tile_cols,t",
+    [(4, 8, 1, 16, 16, 1), (8, 12, 2, None, None, 3), (2, 4, 2, 5, 6, 16), (4, 6, 1, None, 12, 7)],
+)
 def test_lookup_forward_matches_dequantized_matmul(d, bits, z, tile_rows, tile_cols, t):
     n, v = 37, 9 if d != 2 else 15
     codes, books = _random(n, v, d, bits, z, tile_rows, tile_cols, 1, skew=True)
@@ -141,20 +152,29 @@ def _nan(cfg, t):
     t["codebooks"][0, 0, 0, 0, 0] = float("nan")
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda c, t: c.update(entries=12), ["key 'entries' found 12", "power of two"]),
-    (lambda c, t: c.update(index_bits=8), ["key 'index_bits' found 8", "4 (log2 of entries 16)"]),
-    (lambda c, t: c.update(vector_size=5), ["key 'vector_size' found 5", "divisor of in_features 36"]),
-    (lambda c, t: c.update(tile_cols=18), ["key 'tile_cols' found 18", "multiple of vector_size 4"]),
-    (lambda c, t: c.update(reindexed="yes"), ["key 'reindexed' found 'yes'"]),
-    (lambda c, t: t.pop("codebooks"), ["tensor l.codebooks: missing"]),
-    (lambda c, t: t.update(codebooks=t["codebooks"].float()), ["tensor l.codebooks: found torch.float32"]),
-    (lambda c, t: t.update(indices=t["indices"][:, :5]), ["tensor l.indices: found torch.int32 [2, 5, 2]"]),
-    (_nan, ["tensor l.codebooks: found non-finite"]),
-    (_padding, ["tensor l.indices: found nonzero padding bits"]),
-    (_bad_tiers, ["tensor l.entry_tiers: found boundaries"]),
-    (_not_sorted, ["tensor l.indices: entries are not in descending order of use"]),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda c, t: c.update(entries=12), ["key 'entries' found 12", "power of two"]),
+        (lambda c, t: c.update(index_bits=8), ["key 'index_bits' found 8", "4 (log2 of entries 16)"]),
+        (lambda c, t: c.update(vector_size=5), ["key 'vector_size' found 5", "divisor of in_features 36"]),
+        (lambda c, t: c.update(tile_cols=18), ["key 'tile_cols' found 18", "multiple of vector_size 4"]),
+        (lambda c, t: c.update(reindexed="yes"), ["key 'reindexed' found 'yes'"]),
+        (lambda c, t: t.pop("codebooks"), ["tensor l.codebooks: missing"]),
+        (
+            lambda c, t: t.update(codebooks=t["codebooks"].float()),
+            ["tensor l.codebooks: found torch.float32"],
+        ),
+        (
+            lambda c, t: t.update(indices=t["indices"][:, :5]),
+            ["tensor l.indices: found torch.int32 [2, 5, 2]"],
+        ),
+        (_nan, ["tensor l.codebooks: found non-finite"]),
+        (_padding, ["tensor l.indices: found nonzero padding bits"]),
+        (_bad_tiers, ["tensor l.entry_tiers: found boundaries"]),
+        (_not_sorted, ["tensor l.indices: entries are not in descending order of use"]),
+    ],
+)
 def test_loader_errors_name_the_key_or_tensor(mutate, words):
     cfg, tensors = _good()
     mutate(cfg, tensors)

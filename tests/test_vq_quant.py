@@ -77,8 +77,9 @@ def test_encoders_against_brute_force():
 def test_error_feedback_lowers_the_output_error():
     w, x, h = _problem()
     out = vq_gptq(w, h, 4, 32, 1, iters=30, seed=0)  # per tensor: codebooks fitted on the original weights
-    torch.testing.assert_close(out.dequantized,
-                               decode(out.codes.reshape(1, -1), out.codebooks[0, 0]).reshape(w.shape))
+    torch.testing.assert_close(
+        out.dequantized, decode(out.codes.reshape(1, -1), out.codebooks[0, 0]).reshape(w.shape)
+    )
     plain = decode(encode(w.reshape(-1, 4), None, out.codebooks[0, 0]), out.codebooks[0, 0]).reshape(w.shape)
     assert _out_err(w, out.dequantized, x) < 0.8 * _out_err(w, plain, x)
     again = vq_gptq(w, h, 4, 32, 1, iters=30, seed=0)
@@ -104,6 +105,8 @@ def test_residual_codebooks_and_tiles():
     two = vq_gptq(w, h, 4, 16, 2, iters=20, beam=4)
     assert two.codes.shape == (2, 40, 12) and two.codebooks.shape == (1, 1, 2, 16, 4)
     assert _out_err(w, two.dequantized, x) < _out_err(w, one.dequantized, x)
-    tiled = vq_gptq(w, h, 4, 16, 1, tile_rows=16, tile_cols=32, iters=20)  # ragged: 16+16+8 rows, 32+16 columns
+    tiled = vq_gptq(
+        w, h, 4, 16, 1, tile_rows=16, tile_cols=32, iters=20
+    )  # ragged: 16+16+8 rows, 32+16 columns
     assert tiled.codebooks.shape == (3, 2, 1, 16, 4)
     assert bool((tiled.codebooks == tiled.codebooks.half().double()).all())  # float16 values

@@ -44,7 +44,9 @@ def test_unknown_task_lists_the_available_ones(cli):
 
 
 def test_missing_data_file_is_named(cli, tmp_path):
-    line = _fail(cli("eval", STORIES, "--tasks", "arc_easy", "--data-dir", tmp_path, "--device", "cpu"), code=4)
+    line = _fail(
+        cli("eval", STORIES, "--tasks", "arc_easy", "--data-dir", tmp_path, "--device", "cpu"), code=4
+    )
     assert str(tmp_path / "arc_easy.jsonl") in line and "not found" in line
 
 
@@ -57,12 +59,15 @@ def test_malformed_jsonl_line_names_file_and_line(cli, tmp_path):
     assert f"{d / 'piqa.jsonl'}:3:" in line and "expected keys query, choices, gold" in line
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--tasks", "piqa", "--limit", "0"], "--limit: found 0"),
-    (["--tasks", "piqa", "--limit", "-3"], "--limit: found -3"),
-    (["--tasks", "piqa", "--batch-size", "many"], "--batch-size: found 'many'"),
-    ([], "expected --text FILE (perplexity) and/or --tasks LIST"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--tasks", "piqa", "--limit", "0"], "--limit: found 0"),
+        (["--tasks", "piqa", "--limit", "-3"], "--limit: found -3"),
+        (["--tasks", "piqa", "--batch-size", "many"], "--batch-size: found 'many'"),
+        ([], "expected --text FILE (perplexity) and/or --tasks LIST"),
+    ],
+)
 def test_bad_options(cli, args, expected):
     assert expected in _fail(cli("eval", STORIES, "--device", "cpu", *args), code=2)
 
@@ -71,15 +76,22 @@ def test_task_yaml_rejected_by_lm_eval_is_one_line(cli, tmp_path):
     data = _data_dir(tmp_path, _piqa_lines(4)) / "piqa.jsonl"
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "bad.yaml").write_text(f"task: my_bad\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
-                                    "output_type: ranking\ntest_split: test\ndoc_to_text: q\n")
-    line = _fail(cli("eval", STORIES, "--tasks", "my_bad", "--include-path", tasks, "--device", "cpu"), code=4)
+    (tasks / "bad.yaml").write_text(
+        f"task: my_bad\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
+        "output_type: ranking\ntest_split: test\ndoc_to_text: q\n"
+    )
+    line = _fail(
+        cli("eval", STORIES, "--tasks", "my_bad", "--include-path", tasks, "--device", "cpu"), code=4
+    )
     assert "lm-eval cannot load my_bad" in line and "output_type 'ranking'" in line
 
 
 def test_recipe_eval_needs_text_or_tasks(cli, tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", f"model: {STORIES}\nstages: [{{stage: rtn, bits: 4}}]\n"
-                                               f"eval: {{limit: 5}}\noutput: {tmp_path / 'out'}\n")
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"model: {STORIES}\nstages: [{{stage: rtn, bits: 4}}]\n"
+        f"eval: {{limit: 5}}\noutput: {tmp_path / 'out'}\n",
+    )
     line = _fail(cli("quantize", recipe), code=3)
     assert "eval.text: missing" in line and "tasks" in line
     recipe.write_text(recipe.read_text().replace("{limit: 5}", "{tasks: piqa}"))
@@ -94,10 +106,13 @@ def quantized(tmp_path_factory):
     from qtool.cli import cli
 
     tmp = tmp_path_factory.mktemp("zs")
-    recipe = write_recipe(tmp / "r.yaml", f"model: {STORIES}\nstages: [{{stage: rtn, bits: 4, group_size: 32}}]\n"
-                                          f"eval:\n  tasks: [piqa, lambada_openai]\n  limit: 8\n"
-                                          f"  text: {TINY_SAMPLE}\n  seq_len: 128\n"
-                                          f"output: {tmp / 'ckpt'}\n")
+    recipe = write_recipe(
+        tmp / "r.yaml",
+        f"model: {STORIES}\nstages: [{{stage: rtn, bits: 4, group_size: 32}}]\n"
+        f"eval:\n  tasks: [piqa, lambada_openai]\n  limit: 8\n"
+        f"  text: {TINY_SAMPLE}\n  seq_len: 128\n"
+        f"output: {tmp / 'ckpt'}\n",
+    )
     res = CliRunner().invoke(cli, ["quantize", str(recipe), "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return tmp / "ckpt", json.loads(res.stdout)
@@ -132,11 +147,25 @@ def test_two_models_one_table(cli, quantized, tmp_path):
     tasks = tmp_path / "tasks"  # a user's task over local data, beside a standard one
     tasks.mkdir()
     data = _data_dir(tmp_path, _piqa_lines(6)) / "piqa.jsonl"
-    (tasks / "mine.yaml").write_text(f"task: my_piqa\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
-                                     "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}Answer:'\n"
-                                     "doc_to_target: gold\ndoc_to_choice: choices\nmetric_list: [{metric: acc}]\n")
-    res = cli("eval", STORIES, ckpt, "--tasks", "my_piqa,piqa", "--limit", "6", "--include-path", tasks,
-              "--device", "cpu", "--json")
+    (tasks / "mine.yaml").write_text(
+        f"task: my_piqa\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}Answer:'\n"
+        "doc_to_target: gold\ndoc_to_choice: choices\nmetric_list: [{metric: acc}]\n"
+    )
+    res = cli(
+        "eval",
+        STORIES,
+        ckpt,
+        "--tasks",
+        "my_piqa,piqa",
+        "--limit",
+        "6",
+        "--include-path",
+        tasks,
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     a, b = out["models"]
@@ -187,8 +216,19 @@ def test_lm_eval_loglikelihood_equals_perplexity_nll(cli, quantized, tmp_path):
     assert [lm.prefix_token_id, *lm.tok_encode(doc, add_special_tokens=False)] == ids
     # An empty context is lm-eval's "score the continuation after the prefix token (BOS)": the task path.
     ((ll, _),) = lm.loglikelihood([Instance("loglikelihood", {}, ("", doc), 0)])
-    res = cli("eval", ckpt, "--text", tmp_path / "doc.txt", "--separator", "<|endoftext|>", "--seq-len", len(ids),
-              "--device", "cpu", "--json")
+    res = cli(
+        "eval",
+        ckpt,
+        "--text",
+        tmp_path / "doc.txt",
+        "--separator",
+        "<|endoftext|>",
+        "--seq-len",
+        len(ids),
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     ppl = json.loads(res.stdout)
     assert ppl["scored_tokens"] == len(ids) - 1
@@ -200,7 +240,19 @@ def test_smollm2_piqa_above_chance(cli, smollm2, tmp_path):
     """SmolLM2-135M scores 0.645 on the first 200 PIQA items (MANIFEST.md); on the first 40 it must be clearly above
     the 0.5 of a scorer that does not read the model."""
     shutil.copy(ZEROSHOT / "piqa.jsonl", tmp_path / "piqa.jsonl")
-    res = cli("eval", smollm2, "--tasks", "piqa", "--limit", "40", "--data-dir", tmp_path, "--device", "cpu", "--json")
+    res = cli(
+        "eval",
+        smollm2,
+        "--tasks",
+        "piqa",
+        "--limit",
+        "40",
+        "--data-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)["zeroshot"]["results"]["piqa"]
     assert r["acc,none"] >= 0.6 and r["acc_norm,none"] >= 0.6

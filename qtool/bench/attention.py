@@ -34,8 +34,17 @@ def _sdpa_backend_name() -> str:
     return "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
 
 
-def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, gen: torch.Generator,
-           dev: torch.device) -> tuple[list[Callable[[], Any]], int]:
+def _cases(
+    row: str,
+    b: int,
+    h: int,
+    kvh: int,
+    d: int,
+    length: int,
+    sets: int,
+    gen: torch.Generator,
+    dev: torch.device,
+) -> tuple[list[Callable[[], Any]], int]:
     """The functions to time (one per cache set) and the bytes one call reads."""
     q = (torch.randn(b, h, 1, d, device=dev, generator=gen) * 0.5).half()
     pos = torch.tensor([length - 1], device=dev)
@@ -48,8 +57,11 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
             nbytes = 2 * k.numel() * 2
             if row == "fp16-sdpa":
                 gqa = h != kvh
-                fns.append(lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, enable_gqa=gqa))
+                fns.append(
+                    lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, enable_gqa=gqa
+                    )
+                )
             else:
                 from qtool.cuda.decode_attention import decode_attention
 
@@ -59,14 +71,21 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
             from qtool.cuda import vq_attention as vqa
 
             dv, form = CQ_ROWS[row]
-            books = [(torch.randn(kvh, d // dv, 256, dv, device=dev, generator=gen) * 0.3).half() for _ in range(2)]
+            books = [
+                (torch.randn(kvh, d // dv, 256, dv, device=dev, generator=gen) * 0.3).half() for _ in range(2)
+            ]
             cache = vqa.allocate(books[0], books[1], b, length, dev)
             for t in (cache.k, cache.v):
-                t.copy_(torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32)
-                        .to(torch.uint8))
+                t.copy_(
+                    torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32).to(
+                        torch.uint8
+                    )
+                )
             nbytes = cache.nbytes()
             out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
-            fns.append(lambda q=q, cache=cache, out=out, form=form: vqa.attention(q, cache, pos, out=out, form=form))
+            fns.append(
+                lambda q=q, cache=cache, out=out, form=form: vqa.attention(q, cache, pos, out=out, form=form)
+            )
         else:
             from qtool.cuda import kv_cache as kvc
 
@@ -75,19 +94,28 @@ def _cases(row: str, b: int, h: int, kvh: int, d: int, length: int, sets: int, g
             cache = kvc.allocate(mode, b, kvh, length, d, dev, k_scale=0.05, v_scale=0.05)
             for t in (cache.k, cache.v):
                 if row == "fp8":
-                    t.copy_((torch.randn(t.shape, device=dev, generator=gen) * 4).to(torch.float8_e4m3fn)
-                            .view(torch.uint8))
+                    t.copy_(
+                        (torch.randn(t.shape, device=dev, generator=gen) * 4)
+                        .to(torch.float8_e4m3fn)
+                        .view(torch.uint8)
+                    )
                 else:
-                    t.copy_(torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32)
-                            .to(torch.uint8))
+                    t.copy_(
+                        torch.randint(0, 256, t.shape, device=dev, generator=gen, dtype=torch.int32).to(
+                            torch.uint8
+                        )
+                    )
             for t in (cache.k_params, cache.v_params):
                 if t is not None:
                     t[..., 0] = 0.1
                     t[..., 1] = 7.5
             nbytes = cache.nbytes()
             out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
-            fns.append(lambda q=q, cache=cache, out=out, kernel=kernel: kvc.attention(q, cache, pos, out=out,
-                                                                                     kernel=kernel))
+            fns.append(
+                lambda q=q, cache=cache, out=out, kernel=kernel: kvc.attention(
+                    q, cache, pos, out=out, kernel=kernel
+                )
+            )
     return fns, nbytes
 
 
@@ -103,8 +131,16 @@ def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
     return b * length * bytes_per_token("int4" if row == "int4-fma" else row, kvh, d)
 
 
-def run_attention_bench(model: str, batches: list[int], contexts: list[int], rows: list[str], warmup: int,
-                        iters: int, timer: Timer, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run_attention_bench(
+    model: str,
+    batches: list[int],
+    contexts: list[int],
+    rows: list[str],
+    warmup: int,
+    iters: int,
+    timer: Timer,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     d = dims_for(model)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -117,8 +153,12 @@ def run_attention_bench(model: str, batches: list[int], contexts: list[int], row
                 sets = max(1, math.ceil(L2_ROTATE_BYTES / per_set))
                 fns, nbytes = _cases(row, b, d.heads, d.kv_heads, d.head_dim, length, sets, gen, dev)
                 s = stats.summarize(timer(fns, warmup, iters))
-                entry["rows"][row] = {**s.to_dict(), "bytes": nbytes, "tbps": nbytes / (s.median_us * 1e-6) / 1e12,
-                                      "sets": sets}
+                entry["rows"][row] = {
+                    **s.to_dict(),
+                    "bytes": nbytes,
+                    "tbps": nbytes / (s.median_us * 1e-6) / 1e12,
+                    "sets": sets,
+                }
                 del fns
                 torch.cuda.empty_cache()
             base = entry["rows"].get("fp16-sdpa", {}).get("median_us")
@@ -127,11 +167,22 @@ def run_attention_bench(model: str, batches: list[int], contexts: list[int], row
             kern = entry["rows"].get("fp16", {}).get("median_us")
             for r in entry["rows"].values():
                 r["speedup_vs_fp16_kernel"] = stats.speedup(kern, r["median_us"])
-            log(f"b{b} L{length}: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items()))
+            log(
+                f"b{b} L{length}: "
+                + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items())
+            )
             results.append(entry)
-    return {"schema": ATTENTION_SCHEMA, "model": model, "heads": d.heads, "kv_heads": d.kv_heads,
-            "head_dim": d.head_dim, "device": torch.cuda.get_device_name(dev), "sdpa_backend": _sdpa_backend_name(),
-            "torch": torch.__version__, "results": results}
+    return {
+        "schema": ATTENTION_SCHEMA,
+        "model": model,
+        "heads": d.heads,
+        "kv_heads": d.kv_heads,
+        "head_dim": d.head_dim,
+        "device": torch.cuda.get_device_name(dev),
+        "sdpa_backend": _sdpa_backend_name(),
+        "torch": torch.__version__,
+        "results": results,
+    }
 
 
 def report_parts(r: dict[str, Any]) -> list[Any]:
@@ -144,10 +195,15 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
             sp = v.get("speedup_vs_sdpa")
             cells.append(f"{v['median_us']:.1f} ({v['tbps']:.2f}){'' if sp is None else f' {sp:.2f}x'}")
         body.append([str(e["batch"]), str(e["context"]), *cells])
-    return [tables.table(
-        f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
-        f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
-        ["batch", "context", *rows], body, left=0)]
+    return [
+        tables.table(
+            f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
+            f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
+            ["batch", "context", *rows],
+            body,
+            left=0,
+        )
+    ]
 
 
 def format_attention(r: dict[str, Any]) -> str:
@@ -159,6 +215,9 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     x = [f"b{e['batch']} L{e['context']}" for e in r["results"]]
     names = [n for n in (list(r["results"][0]["rows"]) if r["results"] else []) if n != "fp16-sdpa"]
     series = {n: [e["rows"][n].get("speedup_vs_sdpa") for e in r["results"]] for n in names}
-    return plot.Figure(f"qtool bench attention {r['model']} on {r['device']}", "SDPA time / time",
-                       f"torch SDPA ({r.get('sdpa_backend')}) on an FP16 cache",
-                       [plot.Panel("decode attention, one step", x, series, kind="bar", xlabel="batch, context")])
+    return plot.Figure(
+        f"qtool bench attention {r['model']} on {r['device']}",
+        "SDPA time / time",
+        f"torch SDPA ({r.get('sdpa_backend')}) on an FP16 cache",
+        [plot.Panel("decode attention, one step", x, series, kind="bar", xlabel="batch, context")],
+    )

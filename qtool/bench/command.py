@@ -34,7 +34,9 @@ def _group_sizes(text: str, option: str = "--group-size") -> list[int | None]:
         elif part.isdigit() and int(part) > 0:
             out.append(int(part))
         else:
-            raise BenchError(f"{option}: found {part!r}, expected positive integers or 'channel', comma-separated")
+            raise BenchError(
+                f"{option}: found {part!r}, expected positive integers or 'channel', comma-separated"
+            )
     return out
 
 
@@ -49,7 +51,9 @@ def _fractions(text: str) -> list[float]:
         except ValueError:
             v = -1.0
         if not 0.0 <= v <= 0.005:
-            raise BenchError(f"--mixed: found {part.strip()!r}, expected fractions in [0, 0.005], comma-separated")
+            raise BenchError(
+                f"--mixed: found {part.strip()!r}, expected fractions in [0, 0.005], comma-separated"
+            )
         out.append(v)
     return out
 
@@ -57,10 +61,19 @@ def _fractions(text: str) -> list[float]:
 def report_options(f):
     """--json, --json-out and --plot on every bench subcommand, passed on as `out`."""
 
-    @click.option("--json", "json_mode", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
-    @click.option("--json-out", "json_out", default=None, metavar="PATH", help="Also write the report as JSON here.")
-    @click.option("--plot", "plot_path", default=None, metavar="PATH",
-                  help="Write a PNG of the ratios to cuBLAS FP16 (and the peers) here.")
+    @click.option(
+        "--json", "json_mode", is_flag=True, help="Print the report as JSON on stdout instead of tables."
+    )
+    @click.option(
+        "--json-out", "json_out", default=None, metavar="PATH", help="Also write the report as JSON here."
+    )
+    @click.option(
+        "--plot",
+        "plot_path",
+        default=None,
+        metavar="PATH",
+        help="Write a PNG of the ratios to cuBLAS FP16 (and the peers) here.",
+    )
     @functools.wraps(f)
     def wrapper(*args, json_mode: bool, json_out: str | None, plot_path: str | None, **kwargs):
         click.get_current_context().meta[JSON_KEY] = json_mode  # errors are then also JSON objects on stdout
@@ -99,8 +112,13 @@ class ReportOutput:
         for o in self.reserved.values():
             o.__exit__()
 
-    def finish(self, report: dict[str, Any], problems: list[str], parts: Callable[[dict], list],
-               figure: Callable[[dict], Any]) -> None:
+    def finish(
+        self,
+        report: dict[str, Any],
+        problems: list[str],
+        parts: Callable[[dict], list],
+        figure: Callable[[dict], Any],
+    ) -> None:
         """Refuse a report that breaks its own schema (a bug: exit code 70, one line), then write the JSON file
         and the PNG, then print the tables (or the JSON)."""
         from qtool.bench import plot, tables
@@ -126,8 +144,9 @@ def _torchao_group(text: str) -> int | None:
     if t in ("", "none-rows"):
         return None
     if not t.isdigit() or int(t) not in GROUP_SIZES:
-        raise BenchError(f"--torchao: found {text!r}, expected one of {', '.join(map(str, GROUP_SIZES))} or "
-                         "'none-rows'")
+        raise BenchError(
+            f"--torchao: found {text!r}, expected one of {', '.join(map(str, GROUP_SIZES))} or 'none-rows'"
+        )
     return int(t)
 
 
@@ -141,8 +160,9 @@ def _vq_presets(text: str) -> list[str]:
     for part in text.split(","):
         name = part.strip().lower()
         if name not in VQ_BITS:
-            raise BenchError(f"--vq: found {part.strip()!r}, expected presets among {', '.join(VQ_BITS)}, "
-                             "comma-separated")
+            raise BenchError(
+                f"--vq: found {part.strip()!r}, expected presets among {', '.join(VQ_BITS)}, comma-separated"
+            )
         out.append(name)
     return list(dict.fromkeys(out))
 
@@ -153,32 +173,84 @@ def bench() -> None:
 
 
 @bench.command("kernels")
-@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
-              help="Known model name (llama-2-7b, llama-3-8b, ...) or a config.json path; gives the KxN shapes.")
-@click.option("--shapes", default=None, help="Explicit KxN list (in_features x out_features), e.g. 4096x11008,11008x4096.")
+@click.option(
+    "--model-config",
+    "model_config",
+    default="llama-2-7b",
+    show_default=True,
+    help="Known model name (llama-2-7b, llama-3-8b, ...) or a config.json path; gives the KxN shapes.",
+)
+@click.option(
+    "--shapes",
+    default=None,
+    help="Explicit KxN list (in_features x out_features), e.g. 4096x11008,11008x4096.",
+)
 @click.option("--m", "ms", default="1,16,64,2048", show_default=True, help="Token counts M, comma-separated.")
 @click.option("--bits", default="4", show_default=True, help="Weight bits, comma-separated (4, 8).")
-@click.option("--group-size", "group_size", default="128", show_default=True,
-              help="Group sizes, comma-separated; 'channel' for one group per row.")
+@click.option(
+    "--group-size",
+    "group_size",
+    default="128",
+    show_default=True,
+    help="Group sizes, comma-separated; 'channel' for one group per row.",
+)
 @click.option("--asym", is_flag=True, help="Asymmetric (with zero points) instead of symmetric.")
-@click.option("--w4a8", "w4a8", default="ch,128", show_default=True,
-              help="Group sizes of the qoq W4A8 rows ('ch': per-channel; 'none-rows' or empty: no W4A8 rows).")
-@click.option("--mixed", "mixed", default="0,0.002", show_default=True,
-              help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
-                   "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.")
-@click.option("--vq", "vq", default="gptvq-2,aqlm-3", show_default=True,
-              help="Presets of the VQ rows: the GEMV at M <= 16 (each with the codebook in global memory, in shared "
-                   "memory and the tiered cache), the fused GEMM above (shapes with K a multiple of 64); "
-                   "comma-separated; 'none-rows' or empty: no VQ rows.")
+@click.option(
+    "--w4a8",
+    "w4a8",
+    default="ch,128",
+    show_default=True,
+    help="Group sizes of the qoq W4A8 rows ('ch': per-channel; 'none-rows' or empty: no W4A8 rows).",
+)
+@click.option(
+    "--mixed",
+    "mixed",
+    default="0,0.002",
+    show_default=True,
+    help="Outlier fractions of the mixed-2-4-16 rows (2/4/16-bit, block4, g1 = g2 = 16; shapes with K a "
+    "multiple of 64 and N of 16), comma-separated; 'none-rows' or empty: no mixed rows.",
+)
+@click.option(
+    "--vq",
+    "vq",
+    default="gptvq-2,aqlm-3",
+    show_default=True,
+    help="Presets of the VQ rows: the GEMV at M <= 16 (each with the codebook in global memory, in shared "
+    "memory and the tiered cache), the fused GEMM above (shapes with K a multiple of 64); "
+    "comma-separated; 'none-rows' or empty: no VQ rows.",
+)
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
-@click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None),
-              help="Timed samples per measurement (median reported; at least 50).")
-@click.option("--torchao", "torchao", default="128", show_default=True,
-              help="Group size of the torchao int4 peer (torch._weight_int4pack_mm, tinygemm; bfloat16 activations), "
-                   "timed beside cuBLAS for every shape and M; 'none-rows' or empty: not timed.")
+@click.option(
+    "--iters",
+    default=100,
+    show_default=True,
+    type=click.IntRange(50, None),
+    help="Timed samples per measurement (median reported; at least 50).",
+)
+@click.option(
+    "--torchao",
+    "torchao",
+    default="128",
+    show_default=True,
+    help="Group size of the torchao int4 peer (torch._weight_int4pack_mm, tinygemm; bfloat16 activations), "
+    "timed beside cuBLAS for every shape and M; 'none-rows' or empty: not timed.",
+)
 @report_options
-def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group_size: str, asym: bool, w4a8: str,
-                mixed: str, vq: str, warmup: int, iters: int, torchao: str, out: ReportOutput) -> None:
+def kernels_cmd(
+    model_config: str,
+    shapes: str | None,
+    ms: str,
+    bits: str,
+    group_size: str,
+    asym: bool,
+    w4a8: str,
+    mixed: str,
+    vq: str,
+    warmup: int,
+    iters: int,
+    torchao: str,
+    out: ReportOutput,
+) -> None:
     """Time the quantized matmuls against cuBLAS FP16/INT8/FP8 and torchao int4, with the card's measured ceilings."""
 
     def go() -> None:
@@ -187,10 +259,18 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 
         shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
         cfg = kb.KernelBenchConfig(
-            shapes=shape_list, ms=stats.parse_ints(ms, "--m"), bits=stats.parse_ints(bits, "--bits", 2),
-            group_sizes=_group_sizes(group_size), symmetric=not asym, warmup=warmup, iters=iters,
-            w4a8_group_sizes=[] if w4a8.strip().lower() in ("", "none-rows") else _group_sizes(w4a8, "--w4a8"),
-            mixed_outliers=_fractions(mixed), tinygemm_group_size=_torchao_group(torchao),
+            shapes=shape_list,
+            ms=stats.parse_ints(ms, "--m"),
+            bits=stats.parse_ints(bits, "--bits", 2),
+            group_sizes=_group_sizes(group_size),
+            symmetric=not asym,
+            warmup=warmup,
+            iters=iters,
+            w4a8_group_sizes=[]
+            if w4a8.strip().lower() in ("", "none-rows")
+            else _group_sizes(w4a8, "--w4a8"),
+            mixed_outliers=_fractions(mixed),
+            tinygemm_group_size=_torchao_group(torchao),
             vq_presets=_vq_presets(vq),
         )
         _need_gpu()
@@ -205,33 +285,88 @@ def kernels_cmd(model_config: str, shapes: str | None, ms: str, bits: str, group
 
 
 @bench.command("e2e")
-@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
-              help="Model dimensions (llama-2-7b, llama-3-8b, mistral-7b, tiny); weights are random.")
-@click.option("--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v))
+@click.option(
+    "--model-config",
+    "model_config",
+    default="llama-2-7b",
+    show_default=True,
+    help="Model dimensions (llama-2-7b, llama-3-8b, mistral-7b, tiny); weights are random.",
+)
+@click.option(
+    "--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v)
+)
 @click.option("--group-size", "group_size", default="128", show_default=True)
-@click.option("--prompt", default=None, type=click.IntRange(1, None),
-              help="Prefill tokens (default 2048; 1024 with --throughput).")
-@click.option("--batches", default=None, help="Decode batch sizes (default 1,16,64; with --throughput "
-                                               "16,64,256,max, max being the largest batch whose cache fits).")
-@click.option("--context", default=128, show_default=True, type=click.IntRange(2, None),
-              help="Static KV-cache length for decode (attention reads all of it).")
-@click.option("--throughput", is_flag=True, help="Batched generation throughput (prompt + --new-tokens per "
-                                                 "sequence) of the --variants instead of prefill/decode latency.")
-@click.option("--new-tokens", default=512, show_default=True, type=click.IntRange(2, None),
-              help="Generated tokens per sequence (--throughput).")
-@click.option("--variants", default="fp16,fp8,w4a16,w4a8kv4", show_default=True,
-              help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
-                   "w4a8cq2 (qoq + CQ-2 cache).")
+@click.option(
+    "--prompt",
+    default=None,
+    type=click.IntRange(1, None),
+    help="Prefill tokens (default 2048; 1024 with --throughput).",
+)
+@click.option(
+    "--batches",
+    default=None,
+    help="Decode batch sizes (default 1,16,64; with --throughput "
+    "16,64,256,max, max being the largest batch whose cache fits).",
+)
+@click.option(
+    "--context",
+    default=128,
+    show_default=True,
+    type=click.IntRange(2, None),
+    help="Static KV-cache length for decode (attention reads all of it).",
+)
+@click.option(
+    "--throughput",
+    is_flag=True,
+    help="Batched generation throughput (prompt + --new-tokens per "
+    "sequence) of the --variants instead of prefill/decode latency.",
+)
+@click.option(
+    "--new-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(2, None),
+    help="Generated tokens per sequence (--throughput).",
+)
+@click.option(
+    "--variants",
+    default="fp16,fp8,w4a16,w4a8kv4",
+    show_default=True,
+    help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
+    "w4a8cq2 (qoq + CQ-2 cache).",
+)
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
-@click.option("--torchao/--no-torchao", "torchao", default=True, show_default=True,
-              help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).")
-@click.option("--mixed", "mixed", default="none-rows", show_default=True,
-              help="Also run the decoder on mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit), one run per "
-                   "outlier fraction, comma-separated (e.g. 0,0.002); 'none-rows' or empty: none.")
+@click.option(
+    "--torchao/--no-torchao",
+    "torchao",
+    default=True,
+    show_default=True,
+    help="Also run the decoder on torchao int4 linears (torch._weight_int4pack_mm, W4 at --group-size).",
+)
+@click.option(
+    "--mixed",
+    "mixed",
+    default="none-rows",
+    show_default=True,
+    help="Also run the decoder on mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit), one run per "
+    "outlier fraction, comma-separated (e.g. 0,0.002); 'none-rows' or empty: none.",
+)
 @report_options
-def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, batches: str | None, context: int,
-            throughput: bool, new_tokens: int, variants: str, iters: int, torchao: bool, mixed: str,
-            out: ReportOutput) -> None:
+def e2e_cmd(
+    model_config: str,
+    bits: int,
+    group_size: str,
+    prompt: int | None,
+    batches: str | None,
+    context: int,
+    throughput: bool,
+    new_tokens: int,
+    variants: str,
+    iters: int,
+    torchao: bool,
+    mixed: str,
+    out: ReportOutput,
+) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs, peak GPU
     memory; with --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that
     fits."""
@@ -244,24 +379,49 @@ def e2e_cmd(model_config: str, bits: int, group_size: str, prompt: int | None, b
         if len(gs) != 1:
             raise BenchError(f"--group-size: found {group_size!r}, expected one value for e2e")
         if throughput:
-            _throughput(model_config, gs[0], prompt or 1024, new_tokens, batches or "16,64,256,max", variants,
-                        iters, out)
+            _throughput(
+                model_config,
+                gs[0],
+                prompt or 1024,
+                new_tokens,
+                batches or "16,64,256,max",
+                variants,
+                iters,
+                out,
+            )
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
         mixed_fractions = _fractions(mixed)
         _need_gpu()
         with out:
-            report = e2e.run_e2e(model_config, bits, gs[0], prompt_n, bl, context, iters,
-                                 log=lambda s: click.echo(s, err=True), torchao=torchao,
-                                 mixed=tuple(mixed_fractions))
+            report = e2e.run_e2e(
+                model_config,
+                bits,
+                gs[0],
+                prompt_n,
+                bl,
+                context,
+                iters,
+                log=lambda s: click.echo(s, err=True),
+                torchao=torchao,
+                mixed=tuple(mixed_fractions),
+            )
             out.finish(report, [], e2e.report_parts, e2e.figure)
 
     go()
 
 
-def _throughput(model_config: str, group_size: int | None, prompt: int, new_tokens: int, batches: str,
-                variants: str, iters: int, out: ReportOutput) -> None:
+def _throughput(
+    model_config: str,
+    group_size: int | None,
+    prompt: int,
+    new_tokens: int,
+    batches: str,
+    variants: str,
+    iters: int,
+    out: ReportOutput,
+) -> None:
     from qtool.bench import stats
     from qtool.bench import throughput as tp
 
@@ -269,32 +429,71 @@ def _throughput(model_config: str, group_size: int | None, prompt: int, new_toke
     bad = [v for v in names if v not in tp.VARIANTS]
     if bad or not names:
         raise BenchError(f"--variants: found {variants!r}, expected some of {', '.join(tp.VARIANTS)}")
-    sizes: list[int | str] = ["max" if b.strip().lower() == "max" else b for b in batches.split(",") if b.strip()]
+    sizes: list[int | str] = [
+        "max" if b.strip().lower() == "max" else b for b in batches.split(",") if b.strip()
+    ]
     nums = ",".join(str(b) for b in sizes if b != "max")
     sizes = [*stats.parse_ints(nums, "--batches"), *(["max"] if "max" in sizes else [])] if nums else ["max"]
     _need_gpu()
     with out:
-        report = tp.run_throughput(model_config, names, group_size, prompt, new_tokens, sizes, iters,
-                                   log=lambda s: click.echo(s, err=True))
+        report = tp.run_throughput(
+            model_config,
+            names,
+            group_size,
+            prompt,
+            new_tokens,
+            sizes,
+            iters,
+            log=lambda s: click.echo(s, err=True),
+        )
         out.finish(report, [], tp.report_parts, tp.figure)
 
 
 @bench.command("quik")
-@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
-              help="Known model name or a config.json path; gives the KxN shapes.")
+@click.option(
+    "--model-config",
+    "model_config",
+    default="llama-2-7b",
+    show_default=True,
+    help="Known model name or a config.json path; gives the KxN shapes.",
+)
 @click.option("--shapes", default=None, help="Explicit KxN list (in_features x out_features).")
 @click.option("--m", "m", default=2048, show_default=True, type=click.IntRange(1, None), help="Tokens M.")
-@click.option("--outliers", default="0,128,256,512,1024", show_default=True,
-              help="Outlier counts of the W4A4 sweep (Fig. 14), comma-separated.")
-@click.option("--ladder-outliers", "ladder_outliers", default=256, show_default=True, type=click.IntRange(0, None),
-              help="Outlier count of the fusion ladder (Fig. 5) and of the W8A8 row.")
+@click.option(
+    "--outliers",
+    default="0,128,256,512,1024",
+    show_default=True,
+    help="Outlier counts of the W4A4 sweep (Fig. 14), comma-separated.",
+)
+@click.option(
+    "--ladder-outliers",
+    "ladder_outliers",
+    default=256,
+    show_default=True,
+    type=click.IntRange(0, None),
+    help="Outlier count of the fusion ladder (Fig. 5) and of the W8A8 row.",
+)
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=100, show_default=True, type=click.IntRange(50, None))
-@click.option("--torchao", "torchao", default="128", show_default=True,
-              help="Group size of the torchao int4 (W4A16) peer; 'none-rows' or empty: not timed.")
+@click.option(
+    "--torchao",
+    "torchao",
+    default="128",
+    show_default=True,
+    help="Group size of the torchao int4 (W4A16) peer; 'none-rows' or empty: not timed.",
+)
 @report_options
-def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladder_outliers: int, warmup: int,
-             iters: int, torchao: str, out: ReportOutput) -> None:
+def quik_cmd(
+    model_config: str,
+    shapes: str | None,
+    m: int,
+    outliers: str,
+    ladder_outliers: int,
+    warmup: int,
+    iters: int,
+    torchao: str,
+    out: ReportOutput,
+) -> None:
     """Time the QUIK W4A4/W8A8 kernels (fusion ladder, outlier sweep) against cuBLAS FP16/INT8/FP8 and torchao
     int4."""
 
@@ -305,33 +504,55 @@ def quik_cmd(model_config: str, shapes: str | None, m: int, outliers: str, ladde
 
         shape_list = stats.parse_shapes(shapes) if shapes else kb.shapes_for_model(model_config)
         counts = tuple(stats.parse_ints(outliers, "--outliers", 0))
-        cfg = qb.QuikBenchConfig(shapes=shape_list, m=m, outlier_counts=counts, ladder_outliers=ladder_outliers,
-                                 warmup=warmup, iters=iters, tinygemm_group_size=_torchao_group(torchao))
+        cfg = qb.QuikBenchConfig(
+            shapes=shape_list,
+            m=m,
+            outlier_counts=counts,
+            ladder_outliers=ladder_outliers,
+            warmup=warmup,
+            iters=iters,
+            tinygemm_group_size=_torchao_group(torchao),
+        )
         _need_gpu()
         from qtool.bench.cuda_cases import QuikCudaCases
         from qtool.bench.timing import CudaTimer
 
         with out:
-            report = qb.run_quik_bench(cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True))
+            report = qb.run_quik_bench(
+                cfg, QuikCudaCases(), CudaTimer(), log=lambda s: click.echo(s, err=True)
+            )
             out.finish(report, qb.validate_report(report), qb.report_parts, qb.figure)
 
     go()
 
 
 @bench.command("attention")
-@click.option("--model-config", "model_config", default="llama-2-7b", show_default=True,
-              help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).")
+@click.option(
+    "--model-config",
+    "model_config",
+    default="llama-2-7b",
+    show_default=True,
+    help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).",
+)
 @click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
-@click.option("--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated.")
-@click.option("--rows", "rows", default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4", show_default=True,
-              help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
-                   "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
-                   "form), cq2-lut, cq2-direct (CQ-2 through each form).")
+@click.option(
+    "--contexts", default="1024", show_default=True, help="Cached tokens per sequence, comma-separated."
+)
+@click.option(
+    "--rows",
+    "rows",
+    default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4",
+    show_default=True,
+    help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
+    "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
+    "form), cq2-lut, cq2-direct (CQ-2 through each form).",
+)
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(0, None))
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @report_options
-def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int,
-                  out: ReportOutput) -> None:
+def attention_cmd(
+    model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int, out: ReportOutput
+) -> None:
     """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
     (vector-quantized) caches."""
 
@@ -350,8 +571,9 @@ def attention_cmd(model_config: str, batches: str, contexts: str, rows: str, war
         from qtool.bench.timing import CudaTimer
 
         with out:
-            report = ab.run_attention_bench(model_config, bl, cl, names, warmup, iters, CudaTimer(),
-                                            log=lambda s: click.echo(s, err=True))
+            report = ab.run_attention_bench(
+                model_config, bl, cl, names, warmup, iters, CudaTimer(), log=lambda s: click.echo(s, err=True)
+            )
             out.finish(report, [], ab.report_parts, ab.figure)
 
     go()

@@ -20,8 +20,10 @@ def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.d
     s4, s2 = s // 4, s - s // 4
     bits = torch.full((s // 4, 4), 2, dtype=torch.uint8)
     bits[torch.arange(s // 4), torch.randint(0, 4, (s // 4,))] = 4
-    rint = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=device,  # noqa: E731
-                                        generator=gen)
+
+    def rint(*shape):
+        return torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=device, generator=gen)
+
     nnz = int(outlier_fraction * n * k)
     flat = torch.unique(torch.randint(0, n * s2 * 16, (nnz,), device=device, generator=gen))
     rows, c2 = flat // (s2 * 16), flat % (s2 * 16)
@@ -30,19 +32,35 @@ def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.d
     rowptr = torch.zeros(n + 1, dtype=torch.int32, device=device)
     rowptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0).to(torch.int32)
     return MixedWeight(
-        group_size=16, scale_group_size=16, assign="block4", in_features=k, out_features=n,
-        qweight_a=rint(n, k // 16), qweight_b=rint(n, s4), stripe_bits=bits.reshape(-1).to(device),
-        scale_codes=rint(n, -(-s2 // 8)), zeros2=rint(n, -(-s2 // 16)),
+        group_size=16,
+        scale_group_size=16,
+        assign="block4",
+        in_features=k,
+        out_features=n,
+        qweight_a=rint(n, k // 16),
+        qweight_b=rint(n, s4),
+        stripe_bits=bits.reshape(-1).to(device),
+        scale_codes=rint(n, -(-s2 // 8)),
+        zeros2=rint(n, -(-s2 // 16)),
         scales_2nd=(torch.rand(n // 16, s2, device=device, generator=gen) * 0.004 + 0.0002).half(),
         zeros_2nd=torch.randint(0, 16, (n // 16, s2), device=device, generator=gen).to(torch.uint8),
         scales4=(torch.rand(n, s4, device=device, generator=gen) * 0.004 + 0.002).half(),
         zeros4=rint(n, -(-s4 // 8)),
         outlier_values=(torch.randn(len(flat), device=device, generator=gen) * 0.05).half(),
-        outlier_cols=torch.where(cols >= 1 << 15, cols - (1 << 16), cols).to(torch.int16), outlier_rowptr=rowptr)
+        outlier_cols=torch.where(cols >= 1 << 15, cols - (1 << 16), cols).to(torch.int16),
+        outlier_rowptr=rowptr,
+    )
 
 
-def random_packed(n: int, k: int, bits: int, group_size: int | None, symmetric: bool, device: torch.device,
-                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def random_packed(
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int | None,
+    symmetric: bool,
+    device: torch.device,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Random grouped_int tensors: every bit pattern of a word is a valid code, so qweight is random int32."""
     words = (k * bits + 31) // 32
     g = group_size or k
@@ -75,9 +93,14 @@ class CudaCases:
             cupy_v = None
         p = self.props
         return {
-            "name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
-            "l2_mb": round(self.l2 / 2**20, 1), "memory_gb": round(p.total_memory / 2**30, 1),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy_v,
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "l2_mb": round(self.l2 / 2**20, 1),
+            "memory_gb": round(p.total_memory / 2**30, 1),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cupy": cupy_v,
         }
 
     def _randn(self, *shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -119,7 +142,9 @@ class CudaCases:
             cands.insert(0, "gemv-fma")
         return cands, dispatched
 
-    def quant(self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str) -> Fns:
+    def quant(
+        self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str
+    ) -> Fns:
         from qtool.cuda import grouped_int as gi
 
         r = rotations(quant_bytes(m, n, k, bits, group_size, symmetric), self.l2)
@@ -163,7 +188,9 @@ class CudaCases:
 
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]:
         if (self.props.major, self.props.minor) < (8, 9):
-            raise RuntimeError(f"FP8 needs compute capability 8.9+, found {self.props.major}.{self.props.minor}")
+            raise RuntimeError(
+                f"FP8 needs compute capability 8.9+, found {self.props.major}.{self.props.minor}"
+            )
         m_eff = (m + 15) // 16 * 16  # _scaled_mm wants dimensions divisible by 16
         r = rotations(n * k + m_eff * k + 2 * m_eff * n, self.l2)
         one = torch.ones((), device=self.dev, dtype=torch.float32)
@@ -171,7 +198,9 @@ class CudaCases:
         for _ in range(r):
             a = self._randn(m_eff, k, dtype=torch.float32).to(torch.float8_e4m3fn)
             b = self._randn(n, k, dtype=torch.float32).to(torch.float8_e4m3fn).t()
-            fns.append(lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16))
+            fns.append(
+                lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16)
+            )
         fns[0]()
         return fns, m_eff
 
@@ -199,7 +228,9 @@ class CudaCases:
         from qtool.cuda import mixed
 
         # the checkpoint tensors too: the direct GEMV and dequant + cuBLAS are candidates of the same rows
-        return mixed.prepare(random_mixed_weight(k, n, outlier_fraction, self.dev, self.gen), keep_checkpoint=True)
+        return mixed.prepare(
+            random_mixed_weight(k, n, outlier_fraction, self.dev, self.gen), keep_checkpoint=True
+        )
 
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]:
         """(candidate paths, the dispatched one, bytes a call must move) of a mixed-2-4-16 row."""
@@ -238,14 +269,18 @@ class CudaCases:
             elif path == "mixed-gemv+spmv":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="spmv"))
             elif path == "mixed-gemv-direct":
-                fns.append(lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused", layout="direct"))
+                fns.append(
+                    lambda x=x, p=p, out=out: mixed.gemv(x, p, out=out, outliers="fused", layout="direct")
+                )
             elif path == "mixed-gemm":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemm(x, p, out=out))
             elif path == "mixed-dq+cublas":
                 fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
             else:
-                raise ValueError(f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct, "
-                                 "mixed-gemm or mixed-dq+cublas")
+                raise ValueError(
+                    f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct, "
+                    "mixed-gemm or mixed-dq+cublas"
+                )
         return fns
 
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):
@@ -276,8 +311,9 @@ class CudaCases:
         codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
         rt = torch.arange(n, device=self.dev) // (tr or n)
         ct = torch.arange(v, device=self.dev) * d // (tc or k)
-        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + \
-            torch.arange(z, device=self.dev)[:, None, None] * (r_tiles * c_tiles)
+        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + torch.arange(z, device=self.dev)[
+            :, None, None
+        ] * (r_tiles * c_tiles)
         flat = scope * e + codes
         counts = torch.bincount(flat.reshape(-1), minlength=z * r_tiles * c_tiles * e).reshape(-1, e)
         order = torch.argsort(-counts, dim=1, stable=True)
@@ -286,11 +322,22 @@ class CudaCases:
         codes = rank.reshape(-1)[flat]
         sorted_counts = torch.gather(counts, 1, order).cpu()
         hot = max(tier_bounds(c)[0] for c in sorted_counts)
-        books = (torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5).half()
-        p = vq.Prepared(indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1), codebooks=books,
-                        vector_size=d, index_bits=bits, residuals=z, tile_rows=n if tr is None else min(tr, n),
-                        tile_vecs=v if tc is None or tc >= k else tc // d, in_features=k, out_features=n, hot=hot,
-                        source_ptr=0)
+        books = (
+            torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5
+        ).half()
+        p = vq.Prepared(
+            indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1),
+            codebooks=books,
+            vector_size=d,
+            index_bits=bits,
+            residuals=z,
+            tile_rows=n if tr is None else min(tr, n),
+            tile_vecs=v if tc is None or tc >= k else tc // d,
+            in_features=k,
+            out_features=n,
+            hot=hot,
+            source_ptr=0,
+        )
         cache[key] = p
         return p
 
@@ -300,9 +347,24 @@ class CudaCases:
 
         p = self._vq_layer(k, n, preset, 0)
         plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
-        info = {f: getattr(plan, f) for f in ("form", "n_reg", "n_shared", "splits", "rows_per_block", "grid_x",
-                                                "smem", "balance", "wk", "tiles_per_split", "cluster", "prefetch",
-                                                "dependent")}
+        info = {
+            f: getattr(plan, f)
+            for f in (
+                "form",
+                "n_reg",
+                "n_shared",
+                "splits",
+                "rows_per_block",
+                "grid_x",
+                "smem",
+                "balance",
+                "wk",
+                "tiles_per_split",
+                "cluster",
+                "prefetch",
+                "dependent",
+            )
+        }
         return p.nbytes() + 2 * m * k + 2 * m * n, {**info, **plan.why, "hot": p.hot}
 
     def vq(self, k: int, n: int, m: int, preset: str, cache: str, form: str | None = None) -> Fns:
@@ -326,8 +388,17 @@ class CudaCases:
         from qtool.stages.vq import PRESETS
 
         c, p = PRESETS[preset], self._vq_layer(k, n, preset, copy)
-        return vq_gemm.prepare(p.indices, p.codebooks, c["vector_size"], c["entries"], c["residuals"], k, n,
-                               c["tile_rows"], c["tile_cols"])
+        return vq_gemm.prepare(
+            p.indices,
+            p.codebooks,
+            c["vector_size"],
+            c["entries"],
+            c["residuals"],
+            k,
+            n,
+            c["tile_rows"],
+            c["tile_cols"],
+        )
 
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
         """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
@@ -340,8 +411,12 @@ class CudaCases:
         fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
         default = vq_gemm.DEFAULT_FUSION[p.config]
         default = default if default in fusions else "direct"
-        return ([f"vq-gemm-{f}" for f in fusions], f"vq-gemm-{default}", nbytes,
-                p.residuals * p.index_bits // p.vector_size)
+        return (
+            [f"vq-gemm-{f}" for f in fusions],
+            f"vq-gemm-{default}",
+            nbytes,
+            p.residuals * p.index_bits // p.vector_size,
+        )
 
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
         from qtool.cuda import vq_gemm
@@ -367,12 +442,23 @@ class CudaCases:
         groups = k // group_size if group_size else 1
         fns = []
         for _ in range(rotations(n * k // 2 + 4 * n * groups + 3 * m * k + 2 * m * n, self.l2)):
-            qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=self.dev, generator=self.gen)
+            qw = torch.randint(
+                -(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=self.dev, generator=self.gen
+            )
             scales = (torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half()
-            zeros = torch.randint(0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=self.dev,
-                                  generator=self.gen)
-            s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=self.dev, generator=self.gen) \
-                if group_size else None
+            zeros = torch.randint(
+                0,
+                16,
+                (n, groups) if group_size else (n,),
+                dtype=torch.uint8,
+                device=self.dev,
+                generator=self.gen,
+            )
+            s1 = (
+                torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=self.dev, generator=self.gen)
+                if group_size
+                else None
+            )
             p = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
             x = self._randn(m, k)
             if path == "w4a8":
@@ -398,11 +484,19 @@ class QuikCudaCases(CudaCases):
         base_idx = torch.nonzero(keep)[:, 0].to(torch.int32)
         words = (k - outliers + 127) // 128 * 128 * bits // 32
         return quik.build(
-            bits, bits, k,
-            torch.randint(-(2**31), 2**31, (n, words), dtype=torch.int32, device=self.dev, generator=self.gen),
+            bits,
+            bits,
+            k,
+            torch.randint(
+                -(2**31), 2**31, (n, words), dtype=torch.int32, device=self.dev, generator=self.gen
+            ),
             (torch.rand(n, device=self.dev, generator=self.gen) * 0.004 + 0.002).half(),
             # Timing only: wreduced need not match the random codes (the kernels read it, never check it).
-            torch.randn(n, device=self.dev, generator=self.gen), self._randn(n, outliers) * 0.05, base_idx, idx, None,
+            torch.randn(n, device=self.dev, generator=self.gen),
+            self._randn(n, outliers) * 0.05,
+            base_idx,
+            idx,
+            None,
         )
 
     def quik(self, k: int, n: int, m: int, bits: int, outliers: int, rung: str) -> Fns:
@@ -423,12 +517,19 @@ class QuikCudaCases(CudaCases):
                     raise ValueError(reason)
                 fns.append(lambda x=x, p=p: quik.quantize_gemm(x, p)[0])
             elif rung == "fused-quant":
-                fns.append(lambda x=x, p=p: quik.epilogue_torch(quik.gemm(a := quik.quantize(x, p), p, fused=False),
-                                                                 a, p))
+                fns.append(
+                    lambda x=x, p=p: quik.epilogue_torch(
+                        quik.gemm(a := quik.quantize(x, p), p, fused=False), a, p
+                    )
+                )
             elif rung == "unfused":
-                fns.append(lambda x=x, p=p: quik.epilogue_torch(
-                    quik.gemm(a := quik.quantize_torch(x, p), p, fused=False), a, p))
+                fns.append(
+                    lambda x=x, p=p: quik.epilogue_torch(
+                        quik.gemm(a := quik.quantize_torch(x, p), p, fused=False), a, p
+                    )
+                )
             else:
-                raise ValueError(f"rung: found {rung!r}, expected unfused, fused-quant, fused, two-kernel or "
-                                 "one-kernel")
+                raise ValueError(
+                    f"rung: found {rung!r}, expected unfused, fused-quant, fused, two-kernel or one-kernel"
+                )
         return fns

@@ -114,7 +114,9 @@ class Block(nn.Module):
         self.n1 = RMSNorm(d.hidden, device)
         self.n2 = RMSNorm(d.hidden, device)
 
-    def _add_norm(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, norm(h + y)); y None: (h, norm(h))."""
         if self.fused_norm:
             from qtool.cuda.rms_norm import add_rms_norm
@@ -129,8 +131,9 @@ class Block(nn.Module):
         `codes_min_tokens` rows or more)."""
         return FUSED_QUANT and getattr(lin, "takes_codes", False) and rows >= lin.codes_min_tokens
 
-    def _norm_linear(self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm,
-                     lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_linear(
+        self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm, lin: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, lin(norm(h + y))), the codes of the normalized rows made by the normalization kernel where
         `lin` takes them."""
         if self.fused_norm and self._codes_for(lin, h.numel() // h.shape[-1]):
@@ -141,8 +144,15 @@ class Block(nn.Module):
         h, x = self._add_norm(h, y, norm)
         return h, lin(x)
 
-    def forward(self, h: torch.Tensor, y: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor],
-                cache, pos: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        y: torch.Tensor | None,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        cache,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
         quantized qtool.cuda.kv_cache.KVCache or qtool.cuda.vq_attention.VQCache; mask None for prefill from position 0. Returns (h, this block's
@@ -175,13 +185,21 @@ class Block(nn.Module):
         elif self.fused_attention and t == 1:
             from qtool.cuda.decode_attention import decode_attention
 
-            a = decode_attention(q, kc, vc, pos).transpose(1, 2)  # a view of [B, 1, H, D], as attention returns
+            a = decode_attention(q, kc, vc, pos).transpose(
+                1, 2
+            )  # a view of [B, 1, H, D], as attention returns
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
         return self._mlp(h, a, b, t)
 
-    def _quantized_cache_attention(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], cache,
-                                   pos: torch.Tensor, decode: bool) -> torch.Tensor:
+    def _quantized_cache_attention(
+        self,
+        qkv: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        cache,
+        pos: torch.Tensor,
+        decode: bool,
+    ) -> torch.Tensor:
         """RoPE + quantized cache write in one kernel; prefill attends to the dequantized keys and values of the
         prompt (what decode steps will read), decode to the cache through the quantized-cache kernel. A
         qtool.cuda.vq_attention.VQCache (codes into codebooks) runs through its own write and attention, which
@@ -237,8 +255,14 @@ class Decoder(nn.Module):
         ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None]
         return ang.cos().half(), ang.sin().half()
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, caches: list,
-                tables: tuple[torch.Tensor, torch.Tensor], decode: bool) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        caches: list,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        decode: bool,
+    ) -> torch.Tensor:
         """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
         (keys, values) float16 or a quantized KVCache. Returns the next token per sequence [B]."""
         mask = None
@@ -287,8 +311,13 @@ class TorchaoInt4Linear(nn.Module):
 
         codes, scales, zeros = tg.random_layer(k, n, group_size, device, gen)
         self.packed = tg.pack(codes, scales, zeros, group_size)
-        tg.check(self.packed, codes, scales, zeros,
-                 torch.randn(4, k, device=device, generator=gen).to(torch.bfloat16))
+        tg.check(
+            self.packed,
+            codes,
+            scales,
+            zeros,
+            torch.randn(4, k, device=device, generator=gen).to(torch.bfloat16),
+        )
         # as buffers, so that weight_bytes counts them
         self.register_buffer("weight", self.packed.weight, persistent=False)
         self.register_buffer("scales_and_zeros", self.packed.scales_and_zeros, persistent=False)
@@ -337,7 +366,9 @@ def _time_graph(step, iters: int) -> float:
     return t[len(t) // 2]
 
 
-def measure_model(model: Decoder, prompt: int, batches: list[int], context: int, iters: int) -> dict[str, Any]:
+def measure_model(
+    model: Decoder, prompt: int, batches: list[int], context: int, iters: int
+) -> dict[str, Any]:
     from qtool.cuda.graphs import GraphedStep
 
     dev = model.embed.weight.device
@@ -347,8 +378,13 @@ def measure_model(model: Decoder, prompt: int, batches: list[int], context: int,
 
     def caches(b: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (b, d.kv_heads, length, d.head_dim)
-        return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
-                 dtype=torch.float16)) for _ in range(d.layers)]
+        return [
+            (
+                torch.zeros(shape, device=dev, dtype=torch.float16),
+                torch.zeros(shape, device=dev, dtype=torch.float16),
+            )
+            for _ in range(d.layers)
+        ]
 
     with torch.inference_mode():
         # Prefill: one prompt of `prompt` tokens.
@@ -360,7 +396,12 @@ def measure_model(model: Decoder, prompt: int, batches: list[int], context: int,
         step = GraphedStep(fn, [ids, pos])
         capture_s = time.perf_counter() - t0
         us = _time_graph(step, max(5, iters // 10))
-        out["prefill"] = {"tokens": prompt, "us": us, "tokens_per_s": prompt / (us * 1e-6), "capture_s": capture_s}
+        out["prefill"] = {
+            "tokens": prompt,
+            "us": us,
+            "tokens_per_s": prompt / (us * 1e-6),
+            "capture_s": capture_s,
+        }
         del step, cache
         torch.cuda.empty_cache()
         out["decode"] = {}
@@ -372,8 +413,12 @@ def measure_model(model: Decoder, prompt: int, batches: list[int], context: int,
             step = GraphedStep(fn, [ids, pos])
             us = _time_graph(step, iters)
             kv_bytes = 2 * d.layers * b * d.kv_heads * context * d.head_dim * 2
-            out["decode"][str(b)] = {"batch": b, "us_per_step": us, "tokens_per_s": b / (us * 1e-6),
-                                     "kv_cache_bytes_read": kv_bytes}
+            out["decode"][str(b)] = {
+                "batch": b,
+                "us_per_step": us,
+                "tokens_per_s": b / (us * 1e-6),
+                "kv_cache_bytes_read": kv_bytes,
+            }
             del step, cache
             torch.cuda.empty_cache()
     return out
@@ -405,24 +450,44 @@ def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.d
     if bits != 4:
         return f"torchao int4 is a 4-bit format, found --bits {bits}"
     reason = tg.available(dev)
-    shapes = [(d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim), (d.heads * d.head_dim, d.hidden),
-              (d.hidden, 2 * d.intermediate), (d.intermediate, d.hidden)]
+    shapes = [
+        (d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim),
+        (d.heads * d.head_dim, d.hidden),
+        (d.hidden, 2 * d.intermediate),
+        (d.intermediate, d.hidden),
+    ]
     for k, n in shapes:
         reason = reason or tg.unsupported_reason(k, n, group_size)
     return reason
 
 
-def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, batches: list[int], context: int,
-            iters: int, log=lambda s: None, torchao: bool = True,
-            mixed: tuple[float, ...] = ()) -> dict[str, Any]:
+def run_e2e(
+    model_name: str,
+    bits: int,
+    group_size: int | None,
+    prompt: int,
+    batches: list[int],
+    context: int,
+    iters: int,
+    log=lambda s: None,
+    torchao: bool = True,
+    mixed: tuple[float, ...] = (),
+) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA
 
     d = dims_for(model_name)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
-        "schema": E2E_SCHEMA, "model": model_name, "dims": asdict(d), "bits": bits, "group_size": group_size,
-        "prompt_tokens": prompt, "decode_context": context, "batches": batches,
-        "device": torch.cuda.get_device_name(dev), "runs": {},
+        "schema": E2E_SCHEMA,
+        "model": model_name,
+        "dims": asdict(d),
+        "bits": bits,
+        "group_size": group_size,
+        "prompt_tokens": prompt,
+        "decode_context": context,
+        "batches": batches,
+        "device": torch.cuda.get_device_name(dev),
+        "runs": {},
     }
     gen = torch.Generator(device=dev).manual_seed(0)
     labels = ["fp16", f"w{bits}a16"]
@@ -438,24 +503,38 @@ def run_e2e(model_name: str, bits: int, group_size: int | None, prompt: int, bat
     for label in labels:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        make = (fp16_linear(dev) if label == "fp16" else torchao_linear(dev, group_size, gen) if label == TORCHAO
-                else mixed_linear(dev, fractions[label], gen) if label in fractions
-                else quant_linear(dev, bits, group_size, gen))
+        make = (
+            fp16_linear(dev)
+            if label == "fp16"
+            else torchao_linear(dev, group_size, gen)
+            if label == TORCHAO
+            else mixed_linear(dev, fractions[label], gen)
+            if label in fractions
+            else quant_linear(dev, bits, group_size, gen)
+        )
         model = Decoder(d, make, dev).eval()
         res = measure_model(model, prompt, batches, context, iters)
         res["weight_bytes"] = weight_bytes(model)
         res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
         report["runs"][label] = res
-        log(f"{label}: prefill {res['prefill']['tokens_per_s']:.0f} tok/s; decode "
+        log(
+            f"{label}: prefill {res['prefill']['tokens_per_s']:.0f} tok/s; decode "
             + ", ".join(f"b{b} {v['tokens_per_s']:.0f} tok/s" for b, v in res["decode"].items())
-            + f"; peak {res['peak_memory_bytes'] / 2**30:.1f} GiB")
+            + f"; peak {res['peak_memory_bytes'] / 2**30:.1f} GiB"
+        )
         del model
     f = report["runs"]["fp16"]
     report["speedups"] = {
-        label: {"prefill": q["prefill"]["tokens_per_s"] / f["prefill"]["tokens_per_s"],
-                **{f"decode_b{b}": q["decode"][str(b)]["tokens_per_s"] / f["decode"][str(b)]["tokens_per_s"]
-                   for b in batches}}
-        for label, q in report["runs"].items() if label != "fp16"}
+        label: {
+            "prefill": q["prefill"]["tokens_per_s"] / f["prefill"]["tokens_per_s"],
+            **{
+                f"decode_b{b}": q["decode"][str(b)]["tokens_per_s"] / f["decode"][str(b)]["tokens_per_s"]
+                for b in batches
+            },
+        }
+        for label, q in report["runs"].items()
+        if label != "fp16"
+    }
     report["speedup"] = report["speedups"][f"w{bits}a16"]
     return report
 
@@ -470,21 +549,40 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
     cols = ["run", "prefill tok/s", *[f"dec b{x} tok/s" for x in b], "weights GiB", "peak GiB"]
     rows = []
     for label, run in r["runs"].items():
-        rows.append([label, f"{run['prefill']['tokens_per_s']:.0f}",
-                     *[f"{run['decode'][str(x)]['tokens_per_s']:.1f}" for x in b],
-                     f"{run['weight_bytes'] / 2**30:.2f}", f"{run['peak_memory_bytes'] / 2**30:.2f}"])
+        rows.append(
+            [
+                label,
+                f"{run['prefill']['tokens_per_s']:.0f}",
+                *[f"{run['decode'][str(x)]['tokens_per_s']:.1f}" for x in b],
+                f"{run['weight_bytes'] / 2**30:.2f}",
+                f"{run['peak_memory_bytes'] / 2**30:.2f}",
+            ]
+        )
     for label, sp in _speedups(r).items():
-        rows.append([f"{label} / fp16", f"{sp['prefill']:.2f}", *[f"{sp[f'decode_b{x}']:.2f}" for x in b], "", ""])
+        rows.append(
+            [f"{label} / fp16", f"{sp['prefill']:.2f}", *[f"{sp[f'decode_b{x}']:.2f}" for x in b], "", ""]
+        )
     notes = []
     if TORCHAO in r["runs"]:
-        notes.append(f"{TORCHAO}: torch._weight_int4pack_mm g{r['group_size']}, bfloat16 activations cast from and "
-                     "to float16 around each linear (the decoder's other kernels are float16)")
+        notes.append(
+            f"{TORCHAO}: torch._weight_int4pack_mm g{r['group_size']}, bfloat16 activations cast from and "
+            "to float16 around each linear (the decoder's other kernels are float16)"
+        )
     if r.get("torchao_skipped"):
         notes.append(f"{TORCHAO} not run: {r['torchao_skipped']}")
     if any(label.startswith(MIXED) for label in r["runs"]):
-        notes.append(f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers")
-    return [tables.table(f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
-                         f"{r['decode_context']} (static cache), CUDA graphs, random weights", cols, rows), *notes]
+        notes.append(
+            f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers"
+        )
+    return [
+        tables.table(
+            f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
+            f"{r['decode_context']} (static cache), CUDA graphs, random weights",
+            cols,
+            rows,
+        ),
+        *notes,
+    ]
 
 
 def format_e2e(r: dict[str, Any]) -> str:
@@ -496,6 +594,17 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     x = [f"prefill {r['prompt_tokens']}", *[f"decode b{b}" for b in r["batches"]]]
     keys = ["prefill", *[f"decode_b{b}" for b in r["batches"]]]
     series = {label: [sp.get(k) for k in keys] for label, sp in _speedups(r).items()}
-    return plot.Figure(f"qtool bench e2e {r['model']} on {r['device']}", "tokens/s / FP16 tokens/s",
-                       "FP16 (cuBLAS)", [plot.Panel(f"W{r['bits']} g{r['group_size'] or 'ch'}, random weights", x,
-                                                   series, kind="bar", peers=(TORCHAO,))])
+    return plot.Figure(
+        f"qtool bench e2e {r['model']} on {r['device']}",
+        "tokens/s / FP16 tokens/s",
+        "FP16 (cuBLAS)",
+        [
+            plot.Panel(
+                f"W{r['bits']} g{r['group_size'] or 'ch'}, random weights",
+                x,
+                series,
+                kind="bar",
+                peers=(TORCHAO,),
+            )
+        ],
+    )

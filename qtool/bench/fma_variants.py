@@ -40,7 +40,9 @@ def _check(k: int, n: int, bits: int, gs: int, seed: int) -> dict[str, float]:
     p = gi.prepare(qw, sc, z, bits, gs, k, n)
     x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
     x[0, :8] *= 500.0  # a few large activations, as real decoders have
-    w = GroupedIntWeight(GridSpec(bits=bits, symmetric=False, group_size=gs), k, n, qw, sc, z).dequantize(torch.float32)
+    w = GroupedIntWeight(GridSpec(bits=bits, symmetric=False, group_size=gs), k, n, qw, sc, z).dequantize(
+        torch.float32
+    )
     ref = (x.double() @ w.double().T).cpu()
     out = {}
     default = gi.FMA_SCALE_AFTER
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     cases, timer, warm, it = CudaCases(), CudaTimer(), 10, args.iters
     default = gi.FMA_SCALE_AFTER
     info = cases.device_info()
-    copy = max(nbytes / (_median_us(timer, fns, warm, it) * 1e-6) / 1e12 for _, fns, nbytes in cases.copy_variants())
+    copy = max(
+        nbytes / (_median_us(timer, fns, warm, it) * 1e-6) / 1e12 for _, fns, nbytes in cases.copy_variants()
+    )
     print(f"device {info['name']} ({info['sms']} SMs), copy ceiling {copy:.2f} TB/s", flush=True)
     rows = []
     gs = args.group_size
@@ -83,32 +87,62 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for sa in (0, 1):
                     gi.FMA_SCALE_AFTER = sa
-                    t[f"s{sa}"].append(_median_us(timer, cases.quant(k, n, 1, bits, gs, True, "gemv-fma"), warm, it))
+                    t[f"s{sa}"].append(
+                        _median_us(timer, cases.quant(k, n, 1, bits, gs, True, "gemv-fma"), warm, it)
+                    )
             gi.FMA_SCALE_AFTER = default
             tc1 = _median_us(timer, cases.quant(k, n, 1, bits, gs, True, "gemv"), warm, it)
             tc16 = _median_us(timer, cases.quant(k, n, 16, bits, gs, True, "gemv"), warm, it)
-            row = {"KxN": f"{k}x{n}", "bits": bits, "fp16_m1_us": fp16_1, "fp16_m16_us": fp16_16,
-                   "dispatched_m1": gi.choose_path(1, torch.float16, bits, gs, k, n), "gemv_m1_us": tc1,
-                   "gemv_m16_us": tc16, "err": errs}
+            row = {
+                "KxN": f"{k}x{n}",
+                "bits": bits,
+                "fp16_m1_us": fp16_1,
+                "fp16_m16_us": fp16_16,
+                "dispatched_m1": gi.choose_path(1, torch.float16, bits, gs, k, n),
+                "gemv_m1_us": tc1,
+                "gemv_m16_us": tc16,
+                "err": errs,
+            }
             for v in ("s0", "s1"):
                 med = statistics.median(t[v])
-                row[v] = {"rounds_us": t[v], "median_us": med, "spread_us": max(t[v]) - min(t[v]),
-                          "x_fp16": fp16_1 / med, "pct_copy_bw": 100 * nbytes / (med * 1e-6) / 1e12 / copy}
+                row[v] = {
+                    "rounds_us": t[v],
+                    "median_us": med,
+                    "spread_us": max(t[v]) - min(t[v]),
+                    "x_fp16": fp16_1 / med,
+                    "pct_copy_bw": 100 * nbytes / (med * 1e-6) / 1e12 / copy,
+                }
             rows.append(row)
             print(json.dumps(row), flush=True)
     # a markdown table (rich's MARKDOWN box), pasted as is into kernels/NOTES.md
     table = Table(box=box.MARKDOWN)
-    for col in ("KxN", "w", "M=1 fp16 us", "fma s0 us (x, %BW)", "fma s1 us (x, %BW)", "s1/s0", "spread s0/s1",
-                "err s0/s1", "gemv M=1 us", "M=16 gemv us (x fp16)"):
+    for col in (
+        "KxN",
+        "w",
+        "M=1 fp16 us",
+        "fma s0 us (x, %BW)",
+        "fma s1 us (x, %BW)",
+        "s1/s0",
+        "spread s0/s1",
+        "err s0/s1",
+        "gemv M=1 us",
+        "M=16 gemv us (x fp16)",
+    ):
         table.add_column(col)
     for r in rows:
         a, b = r["s0"], r["s1"]
-        table.add_row(r["KxN"], str(r["bits"]), f"{r['fp16_m1_us']:.2f}",
-                      f"{a['median_us']:.2f} ({a['x_fp16']:.2f}x, {a['pct_copy_bw']:.0f}%)",
-                      f"{b['median_us']:.2f} ({b['x_fp16']:.2f}x, {b['pct_copy_bw']:.0f}%)",
-                      f"{b['median_us'] / a['median_us']:.3f}", f"{a['spread_us']:.2f}/{b['spread_us']:.2f}",
-                      f"{r['err']['s0']:.1e}/{r['err']['s1']:.1e}", f"{r['gemv_m1_us']:.2f}",
-                      f"{r['gemv_m16_us']:.2f} ({r['fp16_m16_us'] / r['gemv_m16_us']:.2f}x)")
+        table.add_row(
+            r["KxN"],
+            str(r["bits"]),
+            f"{r['fp16_m1_us']:.2f}",
+            f"{a['median_us']:.2f} ({a['x_fp16']:.2f}x, {a['pct_copy_bw']:.0f}%)",
+            f"{b['median_us']:.2f} ({b['x_fp16']:.2f}x, {b['pct_copy_bw']:.0f}%)",
+            f"{b['median_us'] / a['median_us']:.3f}",
+            f"{a['spread_us']:.2f}/{b['spread_us']:.2f}",
+            f"{r['err']['s0']:.1e}/{r['err']['s1']:.1e}",
+            f"{r['gemv_m1_us']:.2f}",
+            f"{r['gemv_m16_us']:.2f} ({r['fp16_m16_us'] / r['gemv_m16_us']:.2f}x)",
+        )
     print()
     tables.echo([table])
     if args.json:

@@ -44,11 +44,15 @@ def shapes_for_model(name: str) -> list[tuple[int, int]]:
         except KeyError as exc:
             raise stats.BenchError(f"--model-config {name}: config lacks {exc.args[0]!r}") from None
         except (ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:
-            raise stats.BenchError(f"--model-config {name}: cannot read the model's sizes ({type(exc).__name__}: "
-                                   f"{exc}); expected a Hugging Face config.json") from None
+            raise stats.BenchError(
+                f"--model-config {name}: cannot read the model's sizes ({type(exc).__name__}: "
+                f"{exc}); expected a Hugging Face config.json"
+            ) from None
         shapes = [(h, h), (h, kv * hd), (h, inter), (inter, h)]
         return list(dict.fromkeys(shapes))
-    raise stats.BenchError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_SHAPES)} or a config.json path")
+    raise stats.BenchError(
+        f"--model-config: found {name!r}, expected one of {sorted(MODEL_SHAPES)} or a config.json path"
+    )
 
 
 class Cases(Protocol):
@@ -58,7 +62,9 @@ class Cases(Protocol):
     def copy_variants(self) -> list[tuple[str, Fns, int]]: ...
     def matmul_peak(self) -> tuple[Fns, int]: ...
     def launch_floor(self) -> Fns: ...
-    def quant(self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str) -> Fns: ...
+    def quant(
+        self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str
+    ) -> Fns: ...
     def fp16(self, k: int, n: int, m: int) -> Fns: ...
     def int8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
     def fp8(self, k: int, n: int, m: int) -> tuple[Fns, int]: ...
@@ -141,14 +147,24 @@ PEERS = ("int8", "fp8", "tinygemm")
 PEER_LABELS = {"fp16": "cuBLAS FP16", "int8": "cuBLAS INT8", "fp8": "cuBLAS FP8", "tinygemm": "torchao int4"}
 
 
-def time_peers(cases: Cases, timer: Timer, k: int, n: int, m: int, warmup: int, iters: int,
-               tinygemm_group_size: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+def time_peers(
+    cases: Cases,
+    timer: Timer,
+    k: int,
+    n: int,
+    m: int,
+    warmup: int,
+    iters: int,
+    tinygemm_group_size: int | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """({peer: timing with m_eff, or None}, {peer: why it has no timing}): a peer the card or library lacks, or
     that fails its own check, is reported, not fatal."""
     base: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    makers: dict[str, Callable[[], tuple[Fns, int]]] = {"int8": lambda: cases.int8(k, n, m),
-                                                         "fp8": lambda: cases.fp8(k, n, m)}
+    makers: dict[str, Callable[[], tuple[Fns, int]]] = {
+        "int8": lambda: cases.int8(k, n, m),
+        "fp8": lambda: cases.fp8(k, n, m),
+    }
     if tinygemm_group_size is not None:
         makers["tinygemm"] = lambda: cases.tinygemm(k, n, m, tinygemm_group_size)
     for name, make in makers.items():
@@ -165,8 +181,9 @@ def time_peers(cases: Cases, timer: Timer, k: int, n: int, m: int, warmup: int, 
     return base, errors
 
 
-def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run_kernel_bench(
+    cfg: KernelBenchConfig, cases: Cases, timer: Timer, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
     """Measure every (shape, M, bits, group size) and return the report (schema stats.KERNELS_SCHEMA)."""
     ceilings = measure_ceilings(cases, timer, cfg.warmup, cfg.iters)
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, fp16 matmul {ceilings['fp16_tflops']:.0f} TFLOP/s")
@@ -174,44 +191,90 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
     for k, n in cfg.shapes:
         for m in cfg.ms:
             # The lambdas below run immediately inside _time (never later), so late binding is harmless.
-            first = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
-            peers, base_err = time_peers(cases, timer, k, n, m, cfg.warmup, cfg.iters, cfg.tinygemm_group_size)
+            first = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()
+            peers, base_err = time_peers(
+                cases, timer, k, n, m, cfg.warmup, cfg.iters, cfg.tinygemm_group_size
+            )
             base: dict[str, Any] = {"fp16": first, **peers}
             rows = []
 
-            def measure(bits: int, gs: int | None, symmetric: bool, paths: list[str], dispatched: str,
-                        make: Callable[[str], Fns], nbytes: int | None = None) -> dict[str, Any]:
+            def measure(
+                bits: int,
+                gs: int | None,
+                symmetric: bool,
+                paths: list[str],
+                dispatched: str,
+                make: Callable[[str], Fns],
+                nbytes: int | None = None,
+            ) -> dict[str, Any]:
                 cands = {p: _time(timer, lambda p=p: make(p), cfg.warmup, cfg.iters).to_dict() for p in paths}
                 again = _time(timer, lambda: make(dispatched), cfg.warmup, cfg.iters)
                 q = cands[dispatched]
                 us = q["median_us"]
                 if nbytes is None:
-                    nbytes = stats.quant_bytes(m, n, k, bits, gs, symmetric)  # noqa: B023
-                roof = stats.roofline(us, nbytes,
-                                      stats.gemm_flops(m, n, k), ceilings["copy_tbps"],  # noqa: B023
-                                      ceilings["fp16_tflops"])
+                    nbytes = stats.quant_bytes(m, n, k, bits, gs, symmetric)
+                roof = stats.roofline(
+                    us,
+                    nbytes,
+                    stats.gemm_flops(m, n, k),
+                    ceilings["copy_tbps"],
+                    ceilings["fp16_tflops"],
+                )
                 return {
-                    "k": k, "n": n, "m": m, "bits": bits, "group_size": gs, "symmetric": symmetric,  # noqa: B023
-                    "path": dispatched, "best_path": min(cands, key=lambda p: cands[p]["median_us"]), "quant": q,
-                    "candidates": cands, "baselines": base, "baseline_errors": base_err, "roofline": roof,  # noqa: B023
+                    "k": k,
+                    "n": n,
+                    "m": m,
+                    "bits": bits,
+                    "group_size": gs,
+                    "symmetric": symmetric,
+                    "path": dispatched,
+                    "best_path": min(cands, key=lambda p: cands[p]["median_us"]),
+                    "quant": q,
+                    "candidates": cands,
+                    "baselines": base,
+                    "baseline_errors": base_err,
+                    "roofline": roof,
                     "noise": stats.noise(us, again.median_us),
                 }
 
             for bits in cfg.bits:
                 for gs in cfg.group_sizes:
                     paths, dispatched = cases.paths(k, n, m, bits, gs)
-                    rows.append(measure(bits, gs, cfg.symmetric, paths, dispatched,
-                                        lambda p, bits=bits, gs=gs: cases.quant(k, n, m, bits, gs, cfg.symmetric, p)))  # noqa: B023
+                    rows.append(
+                        measure(
+                            bits,
+                            gs,
+                            cfg.symmetric,
+                            paths,
+                            dispatched,
+                            lambda p, bits=bits, gs=gs: cases.quant(k, n, m, bits, gs, cfg.symmetric, p),
+                        )
+                    )
             for gs in cfg.w4a8_group_sizes:
                 # weight bytes as an asymmetric 4-bit layer's (the group words stand in for scales and zeros)
-                rows.append(measure(4, gs, False, list(W4A8_PATHS), W4A8_PATHS[0],
-                                    lambda p, gs=gs: cases.w4a8(k, n, m, gs, p)))  # noqa: B023
+                rows.append(
+                    measure(
+                        4,
+                        gs,
+                        False,
+                        list(W4A8_PATHS),
+                        W4A8_PATHS[0],
+                        lambda p, gs=gs: cases.w4a8(k, n, m, gs, p),
+                    )
+                )
             # the bench's mixed layers: 64-channel blocks with one 4-bit stripe each, second-order groups of 16 rows
             for frac in cfg.mixed_outliers if k % 64 == 0 and n % 16 == 0 else []:
                 # bits 2, group size 16: the layout's 2-bit groups (its 4-bit stripes and outliers are in `layout`)
                 paths, dispatched, nbytes = cases.mixed_paths(k, n, m, frac)
-                row = measure(2, 16, False, paths, dispatched,
-                              lambda p, frac=frac: cases.mixed(k, n, m, frac, p), nbytes)  # noqa: B023
+                row = measure(
+                    2,
+                    16,
+                    False,
+                    paths,
+                    dispatched,
+                    lambda p, frac=frac: cases.mixed(k, n, m, frac, p),
+                    nbytes,
+                )
                 rows.append({**row, "layout": "mixed-2-4-16", "outlier_fraction": frac})
             for preset in cfg.vq_presets if m <= VQ_MAX_M else []:
                 for cache in VQ_CACHES:
@@ -219,22 +282,40 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
                     path = f"vq-{cache}"
                     # the tiered row also times the other GEMV form (`vq-tiered-fma`: CUDA-core products)
                     paths = [path, *([f"{path}-{VQ_OTHER_FORM}"] if cache == "tiered" else [])]
-                    row = measure(VQ_BITS[preset], None, True, paths, path,
-                                  lambda p, preset=preset, cache=cache: cases.vq(
-                                      k, n, m, preset, cache, form=p.split("-")[2] if p.count("-") == 2 else None),  # noqa: B023
-                                  nbytes)
+                    row = measure(
+                        VQ_BITS[preset],
+                        None,
+                        True,
+                        paths,
+                        path,
+                        lambda p, preset=preset, cache=cache: cases.vq(
+                            k, n, m, preset, cache, form=p.split("-")[2] if p.count("-") == 2 else None
+                        ),
+                        nbytes,
+                    )
                     rows.append({**row, "layout": "vq", "preset": preset, "cache": cache, "plan": plan})
             # the fused VQ GEMM above the GEMV's rows (stages of 64 columns), one candidate path per fusion
             for preset in cfg.vq_presets if m > VQ_MAX_M and k % 64 == 0 else []:
                 paths, dispatched, nbytes, bits = cases.vq_gemm_paths(k, n, m, preset)
-                row = measure(bits, None, True, paths, dispatched,
-                              lambda p, preset=preset: cases.vq_gemm(k, n, m, preset, p), nbytes)  # noqa: B023
+                row = measure(
+                    bits,
+                    None,
+                    True,
+                    paths,
+                    dispatched,
+                    lambda p, preset=preset: cases.vq_gemm(k, n, m, preset, p),
+                    nbytes,
+                )
                 rows.append({**row, "layout": "vq", "preset": preset})
-            last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()  # noqa: B023
+            last = _time(timer, lambda: cases.fp16(k, n, m), cfg.warmup, cfg.iters).to_dict()
             base["fp16"] = stats.faster_run(first, last)
             for row in rows:
                 row["speedup"] = {
-                    name: (stats.speedup(v["median_us"], row["quant"]["median_us"]) if isinstance(v, dict) else None)
+                    name: (
+                        stats.speedup(v["median_us"], row["quant"]["median_us"])
+                        if isinstance(v, dict)
+                        else None
+                    )
                     for name, v in base.items()
                 }
                 results.append(row)
@@ -244,11 +325,18 @@ def run_kernel_bench(cfg: KernelBenchConfig, cases: Cases, timer: Timer,
         "device": cases.device_info(),
         "ceilings": ceilings,
         "config": {
-            "shapes": [f"{k}x{n}" for k, n in cfg.shapes], "m": cfg.ms, "bits": cfg.bits,
-            "group_sizes": cfg.group_sizes, "symmetric": cfg.symmetric, "warmup": cfg.warmup,
-            "iters": cfg.iters, "shape_convention": "KxN = in_features x out_features",
-            "w4a8_group_sizes": cfg.w4a8_group_sizes, "mixed_outliers": cfg.mixed_outliers,
-            "tinygemm_group_size": cfg.tinygemm_group_size, "vq_presets": cfg.vq_presets,
+            "shapes": [f"{k}x{n}" for k, n in cfg.shapes],
+            "m": cfg.ms,
+            "bits": cfg.bits,
+            "group_sizes": cfg.group_sizes,
+            "symmetric": cfg.symmetric,
+            "warmup": cfg.warmup,
+            "iters": cfg.iters,
+            "shape_convention": "KxN = in_features x out_features",
+            "w4a8_group_sizes": cfg.w4a8_group_sizes,
+            "mixed_outliers": cfg.mixed_outliers,
+            "tinygemm_group_size": cfg.tinygemm_group_size,
+            "vq_presets": cfg.vq_presets,
         },
         "timer": getattr(timer, "graph_failures", None) and {"graph_failures": timer.graph_failures},
         "results": results,
@@ -277,26 +365,59 @@ def _alternatives(r: dict[str, Any]) -> list[str]:
 def format_row(r: dict[str, Any]) -> str:
     """One progress line per measured row (stderr while the bench runs)."""
     sp, roof = r["speedup"], r["roofline"]
-    ratios = ", ".join(f"x{PEER_LABELS.get(b, b).split()[-1]} {v:.2f}" for b, v in sp.items() if v is not None)
+    ratios = ", ".join(
+        f"x{PEER_LABELS.get(b, b).split()[-1]} {v:.2f}" for b, v in sp.items() if v is not None
+    )
     alts = _alternatives(r)
-    return (f"{r['k']}x{r['n']} M={r['m']} {row_label(r)} {r['path']}: {r['quant']['median_us']:.2f} us, "
-            f"{roof['tbps']:.2f} TB/s ({roof['pct_copy_bw']:.0f}% BW); {ratios}"
-            + (f"; other paths {' '.join(alts)}" if alts else ""))
+    return (
+        f"{r['k']}x{r['n']} M={r['m']} {row_label(r)} {r['path']}: {r['quant']['median_us']:.2f} us, "
+        f"{roof['tbps']:.2f} TB/s ({roof['pct_copy_bw']:.0f}% BW); {ratios}"
+        + (f"; other paths {' '.join(alts)}" if alts else "")
+    )
 
 
-COLUMNS = ("KxN", "M", "weights", "path", "us", "TB/s", "%BW", "TFLOP/s", "%pk", "fp16 us", "xFP16", "xINT8",
-           "xFP8", "xtorchao", "noise", "alt")
+COLUMNS = (
+    "KxN",
+    "M",
+    "weights",
+    "path",
+    "us",
+    "TB/s",
+    "%BW",
+    "TFLOP/s",
+    "%pk",
+    "fp16 us",
+    "xFP16",
+    "xINT8",
+    "xFP8",
+    "xtorchao",
+    "noise",
+    "alt",
+)
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
     roof, sp, num = r["roofline"], r["speedup"], tables.num
     alts = _alternatives(r)
     fp16 = r["baselines"].get("fp16")
-    return [f"{r['k']}x{r['n']}", str(r["m"]), row_label(r), r["path"], f"{r['quant']['median_us']:.2f}",
-            f"{roof['tbps']:.2f}", f"{roof['pct_copy_bw']:.0f}", f"{roof['tflops']:.1f}",
-            f"{roof['pct_fp16_peak']:.0f}", num(fp16 and fp16["median_us"], ".2f"), num(sp.get("fp16"), ".2f"),
-            num(sp.get("int8"), ".2f"), num(sp.get("fp8"), ".2f"), num(sp.get("tinygemm"), ".2f"),
-            num(r["noise"] if r["noise"] is None else 100 * r["noise"], ".1f", "%"), " ".join(alts)]
+    return [
+        f"{r['k']}x{r['n']}",
+        str(r["m"]),
+        row_label(r),
+        r["path"],
+        f"{r['quant']['median_us']:.2f}",
+        f"{roof['tbps']:.2f}",
+        f"{roof['pct_copy_bw']:.0f}",
+        f"{roof['tflops']:.1f}",
+        f"{roof['pct_fp16_peak']:.0f}",
+        num(fp16 and fp16["median_us"], ".2f"),
+        num(sp.get("fp16"), ".2f"),
+        num(sp.get("int8"), ".2f"),
+        num(sp.get("fp8"), ".2f"),
+        num(sp.get("tinygemm"), ".2f"),
+        num(r["noise"] if r["noise"] is None else 100 * r["noise"], ".1f", "%"),
+        " ".join(alts),
+    ]
 
 
 def _peer_errors(report: dict[str, Any]) -> list[str]:
@@ -317,11 +438,16 @@ def report_parts(report: dict[str, Any]) -> list[Any]:
         f"TFLOP/s, launch floor {c.get('launch_floor_us', float('nan')):.2f} us per kernel (tiny kernel, graph "
         "replay)",
         tables.table(
-            "quantized matmuls against cuBLAS FP16/INT8/FP8" + (f" and torchao int4 g{tg} (bfloat16)" if tg else ""),
-            COLUMNS, (_cells(r) for r in report["results"]), left=4, left_last=1,
+            "quantized matmuls against cuBLAS FP16/INT8/FP8"
+            + (f" and torchao int4 g{tg} (bfloat16)" if tg else ""),
+            COLUMNS,
+            (_cells(r) for r in report["results"]),
+            left=4,
+            left_last=1,
             caption="%BW: bytes the kernel must read+write / time vs copy bandwidth; xBASE: baseline time / our "
-                    "time (INT8/FP8 run at M padded to their minimum; cuBLAS FP16 timed before and after ours, the "
-                    "faster counts); noise: same path timed twice"),
+            "time (INT8/FP8 run at M padded to their minimum; cuBLAS FP16 timed before and after ours, the "
+            "faster counts); noise: same path timed twice",
+        ),
         *_peer_errors(report),
     ]
 
@@ -354,8 +480,12 @@ def figure(report: dict[str, Any]) -> plot.Figure:
                 series[label] = ys
                 peers.append(label)
         panels.append(plot.Panel(f"KxN {k}x{n}", ms, series, xlabel="tokens M", peers=tuple(peers)))
-    return plot.Figure(f"qtool bench kernels on {report['device'].get('name')}",
-                       "cuBLAS FP16 time / time", "cuBLAS FP16", panels)
+    return plot.Figure(
+        f"qtool bench kernels on {report['device'].get('name')}",
+        "cuBLAS FP16 time / time",
+        "cuBLAS FP16",
+        panels,
+    )
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
@@ -377,4 +507,3 @@ def write_json(report: dict[str, Any], path: str) -> None:
 def rotations(set_bytes: int, l2_bytes: int, cap: int = 64) -> int:
     """Buffer sets needed so one pass over them is well beyond L2 (so no call finds its inputs cached)."""
     return max(2, min(cap, math.ceil(2.5 * l2_bytes / max(1, set_bytes))))
-

@@ -41,14 +41,27 @@ def _draw(ax, p: Panel, reference: str) -> None:
         width = 0.8 / max(1, len(names))
         for i, name in enumerate(names):
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(p.x))]
-            ax.bar(xs, [_value(v) for v in p.series[name]], width, label=name,
-                   hatch="//" if name in p.peers else None, alpha=0.6 if name in p.peers else 1.0)
+            ax.bar(
+                xs,
+                [_value(v) for v in p.series[name]],
+                width,
+                label=name,
+                hatch="//" if name in p.peers else None,
+                alpha=0.6 if name in p.peers else 1.0,
+            )
         ax.set_xticks(range(len(p.x)))
         ax.set_xticklabels([str(x) for x in p.x], fontsize=7, rotation=30 if len(p.x) > 4 else 0)
     else:
         for name, ys in p.series.items():
-            ax.plot(p.x, [_value(v) for v in ys], label=name, marker="o", markersize=3,
-                    linestyle="--" if name in p.peers else "-", linewidth=1.0 if name in p.peers else 1.6)
+            ax.plot(
+                p.x,
+                [_value(v) for v in ys],
+                label=name,
+                marker="o",
+                markersize=3,
+                linestyle="--" if name in p.peers else "-",
+                linewidth=1.0 if name in p.peers else 1.6,
+            )
         if p.x and all(isinstance(x, (int, float)) and x > 0 for x in p.x):
             ax.set_xscale("log", base=2)
             ax.set_xticks(p.x)
@@ -69,7 +82,9 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BenchError("--plot: matplotlib is not installed (pip install matplotlib), or drop --plot") from None
+        raise BenchError(
+            "--plot: matplotlib is not installed (pip install matplotlib), or drop --plot"
+        ) from None
     return plt
 
 
@@ -80,14 +95,16 @@ def write(fig: Figure, path: str) -> None:
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
     widest = max(len(p.x) for p in panels)
-    figure, axes = plt.subplots(rows, cols, figsize=(max(6.0, 0.5 * widest) * cols, 3.6 * rows), squeeze=False)
+    figure, axes = plt.subplots(
+        rows, cols, figsize=(max(6.0, 0.5 * widest) * cols, 3.6 * rows), squeeze=False
+    )
     for ax, p in zip(axes.flat, panels, strict=False):
         _draw(ax, p, fig.reference)
         ax.set_ylabel(fig.ylabel, fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    for ax in list(axes.flat)[1:len(panels)]:
+    for ax in list(axes.flat)[1 : len(panels)]:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             if lab not in labels:
                 handles.append(h)

@@ -29,7 +29,9 @@ def variants(scheme: str, mt: int) -> list[tuple[str, str, int]]:
         for w in (8, 16) if not codes else (8,):
             for u in (4, 8):
                 for gs in (0, 1) if scheme != "pc" else (0,):
-                    label = f"{'codes' if codes else 'fused'} w{w} u{u}" + (f" gs{gs}" if scheme != "pc" else "")
+                    label = f"{'codes' if codes else 'fused'} w{w} u{u}" + (
+                        f" gs{gs}" if scheme != "pc" else ""
+                    )
                     out.append((label, f"qoq_gemv_tune_{scheme}_m{mt}_w{w}_c{codes}_u{u}_gs{gs}", w))
     return out
 
@@ -42,8 +44,12 @@ def _layer(k: int, n: int, group_size: int | None, gen: torch.Generator):
     groups = k // group_size if group_size else 1
     qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=dev, generator=gen)
     scales = (torch.rand(n, device=dev, generator=gen) * 0.004 + 0.002).half()
-    zeros = torch.randint(0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=dev, generator=gen)
-    s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=dev, generator=gen) if group_size else None
+    zeros = torch.randint(
+        0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=dev, generator=gen
+    )
+    s1 = (
+        torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=dev, generator=gen) if group_size else None
+    )
     bias = (torch.randn(n, device=dev, generator=gen) * 0.1).half()
     return qoq.build(4, group_size, k, qw, scales, zeros, s1, bias), (qw, zeros, s1)
 
@@ -66,8 +72,9 @@ def _reference(q: torch.Tensor, fields, k: int, group_size: int | None) -> torch
     if group_size is None:
         w -= zeros.to(torch.float64)[:, None]
     else:
-        w = (w - zeros.to(torch.float64).repeat_interleave(group_size, 1)) * \
-            s1.to(torch.float64).repeat_interleave(group_size, 1)
+        w = (w - zeros.to(torch.float64).repeat_interleave(group_size, 1)) * s1.to(
+            torch.float64
+        ).repeat_interleave(group_size, 1)
     return (q.to(torch.float64) @ w.t()).round().to(torch.int32)
 
 
@@ -130,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
                         for label, entry, w in variants(sch, mt):
                             v = (entry, w)
                             if label.startswith("fused"):
+
                                 def fn(o, raw, v=v, x=x, p=p):
                                     return qoq.gemv(x, p, out=o, raw=raw, variant=v)
                             else:
+
                                 def fn(o, raw, v=v, a=a, p=p):
                                     return qoq.gemv_codes(a, p, out=o, raw=raw, variant=v)
+
                             err = _check(fn, acc, a.scale, p)
                             if err:
                                 row["errors"][f"{sch} {label}"] = err
@@ -149,10 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         v = (entry, w)
                         if label.startswith("fused"):
-                            fns = [lambda s=s, v=v: qoq.gemv(s[1], s[0], out=s[3], variant=v) for s in sets[sch]]
+                            fns = [
+                                lambda s=s, v=v: qoq.gemv(s[1], s[0], out=s[3], variant=v) for s in sets[sch]
+                            ]
                         else:
-                            fns = [lambda s=s, v=v: qoq.gemv_codes(s[2], s[0], out=s[3], variant=v)
-                                   for s in sets[sch]]
+                            fns = [
+                                lambda s=s, v=v: qoq.gemv_codes(s[2], s[0], out=s[3], variant=v)
+                                for s in sets[sch]
+                            ]
                         times.setdefault(key, []).append(med(fns))
             row["us"] = {key: statistics.median(v) for key, v in times.items()}
             row["rounds_us"] = times
@@ -168,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         for sch in SCHEMES:
             fns = [lambda s=s: qoq.gemm(s[2], s[0], out=s[3], kernel="sync") for s in sets[sch]]
             row["us"][f"{sch} sync"] = us = med(fns)
-            print(f"{row['KxN']} M={row['m']} {sch} sync {us:.2f} us ({us / row['us']['w4a16'] - 1:+.1%})", flush=True)
+            print(
+                f"{row['KxN']} M={row['m']} {sch} sync {us:.2f} us ({us / row['us']['w4a16'] - 1:+.1%})",
+                flush=True,
+            )
         sets.clear()
     rows = [row for row, _ in rows]
     if args.json:

@@ -56,11 +56,14 @@ def _summ(timer: Timer, make: Callable[[], Fns], warmup: int, iters: int) -> dic
 
 
 def _ratios(base: dict[str, Any], us: float) -> dict[str, float | None]:
-    return {name: (stats.speedup(v["median_us"], us) if isinstance(v, dict) else None) for name, v in base.items()}
+    return {
+        name: (stats.speedup(v["median_us"], us) if isinstance(v, dict) else None) for name, v in base.items()
+    }
 
 
-def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
-                   log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run_quik_bench(
+    cfg: QuikBenchConfig, cases: QuikCases, timer: Timer, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
     ceilings = measure_ceilings(cases, timer, cfg.warmup, cfg.iters)
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, fp16 matmul {ceilings['fp16_tflops']:.0f} TFLOP/s")
     rows = []
@@ -72,8 +75,9 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
 
         timed: list[dict[str, Any]] = []
 
-        def t(bits: int, ko: int, rung: str, k: int = k, n: int = n,
-              timed: list[dict[str, Any]] = timed) -> dict[str, Any]:
+        def t(
+            bits: int, ko: int, rung: str, k: int = k, n: int = n, timed: list[dict[str, Any]] = timed
+        ) -> dict[str, Any]:
             s = _summ(timer, lambda: cases.quik(k, n, m, bits, ko, rung), cfg.warmup, cfg.iters)
             tops = stats.gemm_flops(m, n, k) / (s["median_us"] * 1e-6) / 1e12
             timed.append({**s, "tops": tops})
@@ -97,11 +101,20 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
         for v in timed:
             v["speedup"] = _ratios(base, v["median_us"])
         zero = sweep.get(0)
-        overhead = {str(ko): (v["median_us"] / zero["median_us"] - 1.0 if zero else None) for ko, v in sweep.items()}
+        overhead = {
+            str(ko): (v["median_us"] / zero["median_us"] - 1.0 if zero else None) for ko, v in sweep.items()
+        }
         row = {
-            "k": k, "n": n, "m": m, "baselines": base, "baseline_errors": errors,
-            "w4a4_ladder": ladder, "ladder_outliers": cfg.ladder_outliers, "w4a4_forms": forms,
-            "w4a4_outliers": {str(ko): v for ko, v in sweep.items()}, "outlier_overhead": overhead,
+            "k": k,
+            "n": n,
+            "m": m,
+            "baselines": base,
+            "baseline_errors": errors,
+            "w4a4_ladder": ladder,
+            "ladder_outliers": cfg.ladder_outliers,
+            "w4a4_forms": forms,
+            "w4a4_outliers": {str(ko): v for ko, v in sweep.items()},
+            "outlier_overhead": overhead,
             "w8a8": w8a8,
             "noise": stats.noise(ladder["fused"]["median_us"], again["median_us"]),
         }
@@ -111,38 +124,59 @@ def run_quik_bench(cfg: QuikBenchConfig, cases: QuikCases, timer: Timer,
         "schema": QUIK_SCHEMA,
         "device": cases.device_info(),
         "ceilings": ceilings,
-        "config": {"shapes": [f"{k}x{n}" for k, n in cfg.shapes], "m": m, "outliers": list(cfg.outlier_counts),
-                   "ladder_outliers": cfg.ladder_outliers, "warmup": cfg.warmup, "iters": cfg.iters,
-                   "tinygemm_group_size": cfg.tinygemm_group_size,
-                   "shape_convention": "KxN = in_features x out_features; TOPS counts 2*M*N*K"},
+        "config": {
+            "shapes": [f"{k}x{n}" for k, n in cfg.shapes],
+            "m": m,
+            "outliers": list(cfg.outlier_counts),
+            "ladder_outliers": cfg.ladder_outliers,
+            "warmup": cfg.warmup,
+            "iters": cfg.iters,
+            "tinygemm_group_size": cfg.tinygemm_group_size,
+            "shape_convention": "KxN = in_features x out_features; TOPS counts 2*M*N*K",
+        },
         "results": rows,
     }
 
 
 def _cells(label: str, v: dict[str, Any], overhead: float | None = None) -> list[str]:
     sp, num = v["speedup"], tables.num
-    return [label, f"{v['median_us']:.1f}", f"{v['tops']:.0f}", num(sp.get("fp16"), ".2f"), num(sp.get("int8"), ".2f"),
-            num(sp.get("fp8"), ".2f"), num(sp.get("tinygemm"), ".2f"),
-            "" if overhead is None else f"{100 * overhead:+.1f}%"]
+    return [
+        label,
+        f"{v['median_us']:.1f}",
+        f"{v['tops']:.0f}",
+        num(sp.get("fp16"), ".2f"),
+        num(sp.get("int8"), ".2f"),
+        num(sp.get("fp8"), ".2f"),
+        num(sp.get("tinygemm"), ".2f"),
+        "" if overhead is None else f"{100 * overhead:+.1f}%",
+    ]
 
 
 def _table(r: dict[str, Any]) -> Any:
     fp16 = r["baselines"]["fp16"]
     runs = fp16.get("runs_us")
     both = f" (faster of {runs[0]:.1f} before / {runs[1]:.1f} after ours)" if runs else ""
-    title = (f"{r['k']}x{r['n']} M={r['m']}: cuBLAS FP16 {fp16['median_us']:.1f} us{both}"
-             + "".join(f", {PEER_LABELS.get(b, b)} {tables.num(v and v['median_us'], '.1f')} us"
-                       for b, v in r["baselines"].items() if b != "fp16"))
+    title = f"{r['k']}x{r['n']} M={r['m']}: cuBLAS FP16 {fp16['median_us']:.1f} us{both}" + "".join(
+        f", {PEER_LABELS.get(b, b)} {tables.num(v and v['median_us'], '.1f')} us"
+        for b, v in r["baselines"].items()
+        if b != "fp16"
+    )
     ko = r["ladder_outliers"]
     rows = [_cells(f"w4a4 {rung} k={ko}", v) for rung, v in r["w4a4_ladder"].items()]
     for form, v in r.get("w4a4_forms", {}).items():
-        rows.append(_cells(f"w4a4 {form} k={ko}", v) if v is not None else
-                    [f"w4a4 {form}", "-", "-", "-", "-", "-", "-", r["baseline_errors"].get(form, "not run")])
-    rows += [_cells(f"w4a4 fused k={k}", v, r["outlier_overhead"].get(k)) for k, v in r["w4a4_outliers"].items()]
+        rows.append(
+            _cells(f"w4a4 {form} k={ko}", v)
+            if v is not None
+            else [f"w4a4 {form}", "-", "-", "-", "-", "-", "-", r["baseline_errors"].get(form, "not run")]
+        )
+    rows += [
+        _cells(f"w4a4 fused k={k}", v, r["outlier_overhead"].get(k)) for k, v in r["w4a4_outliers"].items()
+    ]
     if r.get("w8a8"):
         rows.append(_cells(f"w8a8 fused k={ko}", r["w8a8"]))
-    return tables.table(title, ("kernel", "us", "TOPS", "xFP16", "xINT8", "xFP8", "xtorchao", "outliers"), rows,
-                        left_last=1)
+    return tables.table(
+        title, ("kernel", "us", "TOPS", "xFP16", "xINT8", "xFP8", "xtorchao", "outliers"), rows, left_last=1
+    )
 
 
 def report_parts(report: dict[str, Any]) -> list[Any]:
@@ -155,8 +189,11 @@ def report_parts(report: dict[str, Any]) -> list[Any]:
     ]
     for r in report["results"]:
         parts.append(_table(r))
-        parts += [f"  {PEER_LABELS.get(b, b)} not timed: {why}" for b, why in r["baseline_errors"].items()
-                  if b in PEER_LABELS]
+        parts += [
+            f"  {PEER_LABELS.get(b, b)} not timed: {why}"
+            for b, why in r["baseline_errors"].items()
+            if b in PEER_LABELS
+        ]
     return parts
 
 
@@ -171,26 +208,45 @@ def figure(report: dict[str, Any]) -> plot.Figure:
     shapes = [f"{r['k']}x{r['n']}" for r in rs]
     ko = report["config"]["ladder_outliers"]
     series: dict[str, list[float | None]] = {
-        f"W4A4 {rung}": [r["w4a4_ladder"][rung]["speedup"].get("fp16") for r in rs] for rung in RUNGS}
+        f"W4A4 {rung}": [r["w4a4_ladder"][rung]["speedup"].get("fp16") for r in rs] for rung in RUNGS
+    }
     series["W8A8 fused"] = [(r.get("w8a8") or {}).get("speedup", {}).get("fp16") for r in rs]
     peers = []
     for name in ("int8", "fp8", "tinygemm"):
-        ys = [stats.speedup(r["baselines"]["fp16"]["median_us"], r["baselines"][name]["median_us"])
-              if isinstance(r["baselines"].get(name), dict) else None for r in rs]
+        ys = [
+            stats.speedup(r["baselines"]["fp16"]["median_us"], r["baselines"][name]["median_us"])
+            if isinstance(r["baselines"].get(name), dict)
+            else None
+            for r in rs
+        ]
         if any(y is not None for y in ys):
-            label = PEER_LABELS[name] + (f" g{report['config']['tinygemm_group_size']}" if name == "tinygemm" else "")
+            label = PEER_LABELS[name] + (
+                f" g{report['config']['tinygemm_group_size']}" if name == "tinygemm" else ""
+            )
             series[label] = ys
             peers.append(label)
     counts = sorted({int(k) for r in rs for k in r["w4a4_outliers"]})
-    sweep = {f"W4A4 fused {s}": [r["w4a4_outliers"].get(str(c), {}).get("speedup", {}).get("fp16") for c in counts]
-             for s, r in zip(shapes, rs, strict=True)}
+    sweep = {
+        f"W4A4 fused {s}": [r["w4a4_outliers"].get(str(c), {}).get("speedup", {}).get("fp16") for c in counts]
+        for s, r in zip(shapes, rs, strict=True)
+    }
     m = report["config"]["m"]
-    return plot.Figure(f"qtool bench quik on {report['device'].get('name')}, M={m}", "cuBLAS FP16 time / time",
-                       "cuBLAS FP16", [
-                           plot.Panel(f"QUIK layers, {ko} outlier columns", shapes, series, kind="bar",
-                                      xlabel="KxN", peers=tuple(peers)),
-                           plot.Panel("W4A4 fused against outlier columns", counts, sweep, xlabel="outlier columns"),
-                       ])
+    return plot.Figure(
+        f"qtool bench quik on {report['device'].get('name')}, M={m}",
+        "cuBLAS FP16 time / time",
+        "cuBLAS FP16",
+        [
+            plot.Panel(
+                f"QUIK layers, {ko} outlier columns",
+                shapes,
+                series,
+                kind="bar",
+                xlabel="KxN",
+                peers=tuple(peers),
+            ),
+            plot.Panel("W4A4 fused against outlier columns", counts, sweep, xlabel="outlier columns"),
+        ],
+    )
 
 
 def validate_report(report: dict[str, Any]) -> list[str]:

@@ -69,7 +69,10 @@ def noise(a_us: float, b_us: float) -> float:
 def faster_run(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     """A baseline timed before and after ours (summaries as dicts): the faster median, with both in `runs_us`.
     cuBLAS's own time moves between runs by more than ours, so the ratios can only come out lower for it."""
-    return {**min(first, last, key=lambda v: v["median_us"]), "runs_us": [first["median_us"], last["median_us"]]}
+    return {
+        **min(first, last, key=lambda v: v["median_us"]),
+        "runs_us": [first["median_us"], last["median_us"]],
+    }
 
 
 def speedup(baseline_us: float | None, us: float) -> float | None:
@@ -126,7 +129,9 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             continue
         bits = part.split("x")
         if len(bits) != 2 or not all(b.isdigit() and int(b) > 0 for b in bits):
-            raise BenchError(f"--shapes: found {part!r}, expected KxN with positive integers, e.g. 4096x11008")
+            raise BenchError(
+                f"--shapes: found {part!r}, expected KxN with positive integers, e.g. 4096x11008"
+            )
         out.append((int(bits[0]), int(bits[1])))
     if not out:
         raise BenchError(f"--shapes: found {text!r}, expected at least one KxN")

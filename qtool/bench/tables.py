@@ -17,8 +17,14 @@ from rich.text import Text
 PLAIN_WIDTH = 240
 
 
-def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[str]], caption: str | None = None,
-          left: int = 1, left_last: int = 0) -> RenderableType:
+def table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    caption: str | None = None,
+    left: int = 1,
+    left_last: int = 0,
+) -> RenderableType:
     """A table whose first `left` and last `left_last` columns are left-aligned text and the rest right-aligned
     numbers; the title above it and the caption below it as lines of their own (rich would wrap them to the
     table's width)."""

@@ -49,24 +49,36 @@ class Fp8Linear(nn.Module):
         pad = -m % 16
         if pad:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
-        y = torch._scaled_mm(x2.to(torch.float8_e4m3fn), self.weight.t(), scale_a=self.one, scale_b=self.one,
-                             out_dtype=torch.float16)
+        y = torch._scaled_mm(
+            x2.to(torch.float8_e4m3fn),
+            self.weight.t(),
+            scale_a=self.one,
+            scale_b=self.one,
+            out_dtype=torch.float16,
+        )
         return y[:m].reshape(*x.shape[:-1], self.out_features)
 
 
 class W4A8Linear(nn.Module):
     """The qoq W4A8 layer (qtool/cuda/qoq.py) on random valid fields: per-token INT8 activations, 4-bit weights."""
 
-    def __init__(self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator) -> None:
+    def __init__(
+        self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator
+    ) -> None:
         super().__init__()
         from qtool.cuda import qoq
 
         groups = k // group_size if group_size else 1
         qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=device, generator=gen)
         scales = (torch.rand(n, device=device, generator=gen) * 0.004 + 0.002).half()
-        zeros = torch.randint(0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=device,
-                              generator=gen)
-        s1 = torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=device, generator=gen) if group_size else None
+        zeros = torch.randint(
+            0, 16, (n, groups) if group_size else (n,), dtype=torch.uint8, device=device, generator=gen
+        )
+        s1 = (
+            torch.randint(1, 9, (n, groups), dtype=torch.uint8, device=device, generator=gen)
+            if group_size
+            else None
+        )
         self.prepared = qoq.build(4, group_size, k, qw, scales, zeros, s1, None)
         self.takes_codes = True
         # from one token: at decode sizes qoq.gemm runs the codes GEMV, which beat the GEMV that quantizes float16
@@ -119,24 +131,43 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
     mode = KV_MODE[variant]
     if mode == "fp16":
         shape = (batch, d.kv_heads, length, d.head_dim)
-        return [(torch.zeros(shape, device=dev, dtype=torch.float16), torch.zeros(shape, device=dev,
-                 dtype=torch.float16)) for _ in range(d.layers)]
+        return [
+            (
+                torch.zeros(shape, device=dev, dtype=torch.float16),
+                torch.zeros(shape, device=dev, dtype=torch.float16),
+            )
+            for _ in range(d.layers)
+        ]
     if mode in CQ_VECTOR_SIZE:
         from qtool.cuda import vq_attention as vqa
 
         dv = CQ_VECTOR_SIZE[mode]
         gen = torch.Generator(device=dev).manual_seed(0)  # codebooks per layer: random, 256 entries
         shape = (d.kv_heads, d.head_dim // dv, 256, dv)
-        return [vqa.allocate(torch.randn(shape, device=dev, generator=gen).half(),
-                             torch.randn(shape, device=dev, generator=gen).half(), batch, length, dev)
-                for _ in range(d.layers)]
+        return [
+            vqa.allocate(
+                torch.randn(shape, device=dev, generator=gen).half(),
+                torch.randn(shape, device=dev, generator=gen).half(),
+                batch,
+                length,
+                dev,
+            )
+            for _ in range(d.layers)
+        ]
     from qtool.cuda import kv_cache as kvc
 
     return [kvc.allocate(mode, batch, d.kv_heads, length, d.head_dim, dev) for _ in range(d.layers)]
 
 
-def measure_generation(model: Decoder, variant: str, prompt: int, new_tokens: int, batches: list[int | str],
-                       iters: int, log=lambda s: None) -> dict[str, Any]:
+def measure_generation(
+    model: Decoder,
+    variant: str,
+    prompt: int,
+    new_tokens: int,
+    batches: list[int | str],
+    iters: int,
+    log=lambda s: None,
+) -> dict[str, Any]:
     from qtool.cuda.graphs import GraphedStep
 
     dev = model.embed.weight.device
@@ -151,8 +182,12 @@ def measure_generation(model: Decoder, variant: str, prompt: int, new_tokens: in
         fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=False)  # noqa: E731
         step = GraphedStep(fn, [ids, pos])
         us = _time_graph(step, 5)
-        out["prefill"] = {"prompts": PREFILL_PROMPTS, "tokens": PREFILL_PROMPTS * prompt, "us": us,
-                          "us_per_prompt": us / PREFILL_PROMPTS}
+        out["prefill"] = {
+            "prompts": PREFILL_PROMPTS,
+            "tokens": PREFILL_PROMPTS * prompt,
+            "us": us,
+            "us_per_prompt": us / PREFILL_PROMPTS,
+        }
         del step, cache, fn
         torch.cuda.empty_cache()
         per_seq = cache_bytes_per_token(variant, d.layers, d.kv_heads, d.head_dim) * length
@@ -173,23 +208,45 @@ def measure_generation(model: Decoder, variant: str, prompt: int, new_tokens: in
             step = GraphedStep(fn, [ids, pos])
             step_us = _time_graph(step, iters)
             total_s = out["prefill"]["us_per_prompt"] * 1e-6 * b + new_tokens * step_us * 1e-6
-            out["decode"][str(b)] = {"batch": b, "fits": True, "step_us": step_us, "generation_s": total_s,
-                                     "tokens_per_s": b * new_tokens / total_s, "decode_tokens_per_s": b / (step_us * 1e-6),
-                                     "largest": b == largest}
-            log(f"{variant}: batch {b}: step {step_us / 1e3:.2f} ms, {b * new_tokens / total_s:.0f} generated tok/s")
+            out["decode"][str(b)] = {
+                "batch": b,
+                "fits": True,
+                "step_us": step_us,
+                "generation_s": total_s,
+                "tokens_per_s": b * new_tokens / total_s,
+                "decode_tokens_per_s": b / (step_us * 1e-6),
+                "largest": b == largest,
+            }
+            log(
+                f"{variant}: batch {b}: step {step_us / 1e3:.2f} ms, {b * new_tokens / total_s:.0f} generated tok/s"
+            )
             del step, cache, fn
             torch.cuda.empty_cache()
     return out
 
 
-def run_throughput(model_name: str, variants: list[str], group_size: int | None, prompt: int, new_tokens: int,
-                   batches: list[int | str], iters: int, log=lambda s: None) -> dict[str, Any]:
+def run_throughput(
+    model_name: str,
+    variants: list[str],
+    group_size: int | None,
+    prompt: int,
+    new_tokens: int,
+    batches: list[int | str],
+    iters: int,
+    log=lambda s: None,
+) -> dict[str, Any]:
     d = dims_for(model_name)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
-        "schema": THROUGHPUT_SCHEMA, "model": model_name, "dims": asdict(d), "group_size": group_size,
-        "prompt_tokens": prompt, "new_tokens": new_tokens, "batches": [str(b) for b in batches],
-        "device": torch.cuda.get_device_name(dev), "memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
+        "schema": THROUGHPUT_SCHEMA,
+        "model": model_name,
+        "dims": asdict(d),
+        "group_size": group_size,
+        "prompt_tokens": prompt,
+        "new_tokens": new_tokens,
+        "batches": [str(b) for b in batches],
+        "device": torch.cuda.get_device_name(dev),
+        "memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
         "runs": {},
     }
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -205,8 +262,9 @@ def run_throughput(model_name: str, variants: list[str], group_size: int | None,
     best = {v: max(rs, key=lambda r: r["tokens_per_s"]) for v, rs in fits.items() if rs}
     report["best"] = {v: {"batch": r["batch"], "tokens_per_s": r["tokens_per_s"]} for v, r in best.items()}
     if "fp16" in best:
-        report["speedup_vs_fp16_at_best"] = {v: r["tokens_per_s"] / best["fp16"]["tokens_per_s"]
-                                             for v, r in best.items()}
+        report["speedup_vs_fp16_at_best"] = {
+            v: r["tokens_per_s"] / best["fp16"]["tokens_per_s"] for v, r in best.items()
+        }
     return report
 
 
@@ -217,16 +275,33 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         cells = []
         for b in sizes:
             e = run["decode"].get(str(b))
-            cells.append("" if e is None else "-" if not e["fits"]
-                         else f"{e['tokens_per_s']:.0f}{'*' if e['largest'] else ''}")
+            cells.append(
+                ""
+                if e is None
+                else "-"
+                if not e["fits"]
+                else f"{e['tokens_per_s']:.0f}{'*' if e['largest'] else ''}"
+            )
         best = r["best"].get(v, {})
         sp = r.get("speedup_vs_fp16_at_best", {}).get(v)
-        rows.append([v, *cells, str(run["largest_batch"]), f"{best.get('tokens_per_s', 0):.0f}",
-                     tables.num(sp, ".2f", "x"), f"{run['weight_bytes'] / 2**30:.2f}"])
-    return [tables.table(
-        f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
-        f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
-        ["format", *[f"b{b}" for b in sizes], "largest", "best tok/s", "vs fp16", "weights GiB"], rows)]
+        rows.append(
+            [
+                v,
+                *cells,
+                str(run["largest_batch"]),
+                f"{best.get('tokens_per_s', 0):.0f}",
+                tables.num(sp, ".2f", "x"),
+                f"{run['weight_bytes'] / 2**30:.2f}",
+            ]
+        )
+    return [
+        tables.table(
+            f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
+            f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
+            ["format", *[f"b{b}" for b in sizes], "largest", "best tok/s", "vs fp16", "weights GiB"],
+            rows,
+        )
+    ]
 
 
 def format_throughput(r: dict[str, Any]) -> str:
@@ -245,12 +320,19 @@ def figure(r: dict[str, Any]) -> plot.Figure:
             return None
         return e["tokens_per_s"] / f["tokens_per_s"]
 
-    series = {v: [ratio(run["decode"].get(str(b)), b) for b in sizes] for v, run in r["runs"].items() if v != "fp16"}
+    series = {
+        v: [ratio(run["decode"].get(str(b)), b) for b in sizes] for v, run in r["runs"].items() if v != "fp16"
+    }
     best = r.get("speedup_vs_fp16_at_best", {})
     names = [v for v in r["runs"] if v != "fp16" and v in best]
-    return plot.Figure(f"qtool bench e2e --throughput {r['model']} on {r['device']}", "tokens/s / FP16 tokens/s",
-                       "FP16 (cuBLAS, FP16 cache)", [
-                           plot.Panel("same batch", sizes, series, xlabel="batch (sequences)"),
-                           plot.Panel("each at its best batch", names, {"best / FP16 best": [best[v] for v in names]},
-                                      kind="bar"),
-                       ])
+    return plot.Figure(
+        f"qtool bench e2e --throughput {r['model']} on {r['device']}",
+        "tokens/s / FP16 tokens/s",
+        "FP16 (cuBLAS, FP16 cache)",
+        [
+            plot.Panel("same batch", sizes, series, xlabel="batch (sequences)"),
+            plot.Panel(
+                "each at its best batch", names, {"best / FP16 best": [best[v] for v in names]}, kind="bar"
+            ),
+        ],
+    )

@@ -50,13 +50,17 @@ def available(device: torch.device) -> str | None:
             return "torchao int4 needs compute capability 8.0+"
         return None
     if device.type == "cpu":
-        return None if hasattr(torch, "_weight_int4pack_mm_for_cpu") else \
-            f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
+        return (
+            None
+            if hasattr(torch, "_weight_int4pack_mm_for_cpu")
+            else f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
+        )
     return f"torchao int4 runs on CUDA and CPU, found {device.type}"
 
 
-def random_layer(k: int, n: int, group_size: int, device: torch.device, gen: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_layer(
+    k: int, n: int, group_size: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 [N, K], scales [N, G], zeros [N, G]) of a random layer with weights of order 0.01."""
     groups = k // group_size
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device, generator=gen)
@@ -86,22 +90,29 @@ def matmul(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return torch._weight_int4pack_mm_for_cpu(x, p.weight, p.group_size, p.scales_and_zeros)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """The float32 weight [N, K] of codes [N, K], scales and zeros [N, K / group_size] (rounded to bfloat16, as
     the kernel holds them)."""
+
     def per_column(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)
 
     return (codes.float() - 8.0) * per_column(scales) + per_column(zeros)
 
 
-def check(p: Packed, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, x: torch.Tensor) -> float:
+def check(
+    p: Packed, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, x: torch.Tensor
+) -> float:
     """Relative error (Frobenius) of the kernel's x @ W^T against float32 math on the weight dequantized from the
     layer's own codes, scales and zeros (not from the packed tensors); ValueError beyond bfloat16 rounding."""
     ref = x.float() @ dequantize(codes, scales, zeros, p.group_size).t()
     y = matmul(x, p).float()
     err = float((y - ref).norm() / ref.norm().clamp_min(1e-30)) if torch.isfinite(y).all() else float("inf")
     if not err <= TOLERANCE:
-        raise ValueError(f"torchao int4 output differs from the dequantized reference by {err:.3g} (relative), "
-                         f"expected at most {TOLERANCE:g}")
+        raise ValueError(
+            f"torchao int4 output differs from the dequantized reference by {err:.3g} (relative), "
+            f"expected at most {TOLERANCE:g}"
+        )
     return err

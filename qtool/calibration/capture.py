@@ -23,8 +23,9 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
-def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, windows: torch.Tensor,
-                         device: torch.device, store=None) -> tuple[list[torch.Tensor], dict]:
+def capture_block_inputs(
+    model: nn.Module, blocks: nn.ModuleList, windows: torch.Tensor, device: torch.device, store=None
+) -> tuple[list[torch.Tensor], dict]:
     """Run the model up to its first block for each window; return ([1, T, H] hidden states per window on
     `device`, or appended to `store` (an ActivationStore), the block's keyword arguments on `device`)."""
     captured: dict[str, Any] = {"inputs": [] if store is None else store}

@@ -36,9 +36,11 @@ def _decode(path: Path, encoding: str) -> str:
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not {encoding} text: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason}); "
-                         f"expected {encoding} (set the encoding option for other encodings: calibration.encoding, "
-                         f"eval.encoding, eval --encoding)") from None
+        raise InputError(
+            f"{path}: not {encoding} text: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason}); "
+            f"expected {encoding} (set the encoding option for other encodings: calibration.encoding, "
+            f"eval.encoding, eval --encoding)"
+        ) from None
 
 
 def _read_jsonl(path: Path, field: str, encoding: str) -> list[str]:
@@ -50,17 +52,24 @@ def _read_jsonl(path: Path, field: str, encoding: str) -> list[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{lineno}: invalid JSON at column {e.colno} ({e.msg}); expected one JSON object "
-                             f"per line") from None
+            raise InputError(
+                f"{path}:{lineno}: invalid JSON at column {e.colno} ({e.msg}); expected one JSON object "
+                f"per line"
+            ) from None
         if not isinstance(row, dict):
-            raise InputError(f"{path}:{lineno}: found a JSON {type(row).__name__}, expected an object with field "
-                             f"'{field}'")
+            raise InputError(
+                f"{path}:{lineno}: found a JSON {type(row).__name__}, expected an object with field '{field}'"
+            )
         if field not in row:
-            raise InputError(f"{path}:{lineno}: no field '{field}' (found {', '.join(sorted(row)) or 'no fields'}); "
-                             f"expected the text in '{field}' (--text-field or text_field names it)")
+            raise InputError(
+                f"{path}:{lineno}: no field '{field}' (found {', '.join(sorted(row)) or 'no fields'}); "
+                f"expected the text in '{field}' (--text-field or text_field names it)"
+            )
         text = row[field]
         if text is not None and not isinstance(text, str):
-            raise InputError(f"{path}:{lineno}: field '{field}' is a {type(text).__name__}, expected a string")
+            raise InputError(
+                f"{path}:{lineno}: field '{field}' is a {type(text).__name__}, expected a string"
+            )
         if text:
             docs.append(text)
     return docs
@@ -89,13 +98,19 @@ def read_documents(src: TextSource) -> list[str]:
         else:
             ds = datasets.load_dataset(src.source, src.config, split=src.split)
     except Exception as e:  # datasets raises many types (hub, file, schema)
-        raise InputError(f"text source '{src.source}': cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise InputError(
+            f"text source '{src.source}': cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     if src.text_field not in ds.column_names:
-        raise InputError(f"text source '{src.source}': no field '{src.text_field}'; found {', '.join(ds.column_names)}")
+        raise InputError(
+            f"text source '{src.source}': no field '{src.text_field}'; found {', '.join(ds.column_names)}"
+        )
     return [t for t in ds[src.text_field] if t]
 
 
-def sample_windows(tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int) -> tuple[torch.Tensor, str]:
+def sample_windows(
+    tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int
+) -> tuple[torch.Tensor, str]:
     """`num_samples` random windows of `seq_len` tokens ([num_samples, seq_len] int64) and their sha256.
 
     Documents are joined with blank lines and tokenized once; window starts come from a seeded generator,
@@ -105,25 +120,30 @@ def sample_windows(tokenizer, src: TextSource, num_samples: int, seq_len: int, s
     check_not_empty(src, docs)
     ids = tokenizer("\n\n".join(docs), add_special_tokens=False, return_tensors="pt").input_ids[0]
     if ids.numel() < seq_len + 1:
-        raise InputError(f"text source '{src.source}': {ids.numel()} tokens, expected at least {seq_len + 1} "
-                         f"for windows of {seq_len}")
+        raise InputError(
+            f"text source '{src.source}': {ids.numel()} tokens, expected at least {seq_len + 1} "
+            f"for windows of {seq_len}"
+        )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
-    windows = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+    windows = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
     digest = hashlib.sha256(windows.to(torch.int32).numpy().tobytes()).hexdigest()
     return windows, digest
 
 
 def check_not_empty(src: TextSource, docs: list[str]) -> None:
     if not any(d.strip() for d in docs):
-        raise InputError(f"text source '{src.source}': no text (empty or only whitespace); expected text to "
-                         f"tokenize")
+        raise InputError(
+            f"text source '{src.source}': no text (empty or only whitespace); expected text to tokenize"
+        )
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, src: str, tokenizer) -> None:
     """A tokenizer from another model can produce ids beyond the embedding table, which fails deep in the forward
     pass (or, on CUDA, reads out of bounds)."""
     if ids.numel() and int(ids.max()) >= vocab_size:
-        raise InputError(f"text source '{src}': the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) gives token "
-                         f"id {int(ids.max())}, beyond the model's vocab_size {vocab_size}; expected the model's own "
-                         f"tokenizer")
+        raise InputError(
+            f"text source '{src}': the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) gives token "
+            f"id {int(ids.max())}, beyond the model's vocab_size {vocab_size}; expected the model's own "
+            f"tokenizer"
+        )

@@ -26,7 +26,9 @@ class LinearStats:
         self.tokens = 0
         self.absmax = torch.zeros(in_features, dtype=torch.float32, device=device)
         self.sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)
-        self._xtx = torch.zeros(in_features, in_features, dtype=torch.float32, device=device) if hessian else None
+        self._xtx = (
+            torch.zeros(in_features, in_features, dtype=torch.float32, device=device) if hessian else None
+        )
 
     @property
     def has_hessian(self) -> bool:
@@ -67,8 +69,11 @@ class LinearStats:
         return 2.0 * self.mean_sq
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"absmax": self.absmax.cpu(), "mean_sq": self.mean_sq.cpu(),
-               "tokens": torch.tensor([self.tokens], dtype=torch.int64)}
+        out = {
+            "absmax": self.absmax.cpu(),
+            "mean_sq": self.mean_sq.cpu(),
+            "tokens": torch.tensor([self.tokens], dtype=torch.int64),
+        }
         if self._xtx is not None:
             out["hessian"] = self.hessian().cpu()
         return out
@@ -85,13 +90,19 @@ class LinearStats:
         return s
 
 
-def save_stats(path: Path, stats: dict[str, LinearStats], stamp: dict, reserved: Output | None = None) -> None:
+def save_stats(
+    path: Path, stats: dict[str, LinearStats], stamp: dict, reserved: Output | None = None
+) -> None:
     """Write the stats file through a temporary sibling (`reserved`, or one made here), so `path` is whole or
     untouched."""
     if reserved is None:
         with reserve_output(path, directory=False, overwrite=True) as reserved:
             return save_stats(path, stats, stamp, reserved)
-    tensors = {f"{name}.{field}": v.contiguous() for name, s in sorted(stats.items()) for field, v in s.tensors().items()}
+    tensors = {
+        f"{name}.{field}": v.contiguous()
+        for name, s in sorted(stats.items())
+        for field, v in s.tensors().items()
+    }
     save_file(tensors, str(reserved.tmp), metadata={STATS_KEY: json.dumps(stamp, sort_keys=True)})
     reserved.publish()
 
@@ -103,7 +114,9 @@ def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
 
     from qtool.models.integrity import check_finite, read_header
 
-    header = read_header(Path(path), InputError)  # a truncated or garbled file is named before safetensors reads it
+    header = read_header(
+        Path(path), InputError
+    )  # a truncated or garbled file is named before safetensors reads it
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -122,7 +135,9 @@ def load_stats(path: Path) -> tuple[dict[str, LinearStats], dict]:
     for name, t in sorted(grouped.items()):
         missing = [k for k in ("absmax", "mean_sq", "tokens") if k not in t]
         if missing:
-            raise InputError(f"{path}: statistics of {name or '?'} lack {', '.join(missing)}; expected a stats file "
-                             f"written by qtool calibrate")
+            raise InputError(
+                f"{path}: statistics of {name or '?'} lack {', '.join(missing)}; expected a stats file "
+                f"written by qtool calibrate"
+            )
         check_finite(((f"{name}.{k}", v) for k, v in sorted(t.items())), InputError, header)
     return {name: LinearStats.from_tensors(t) for name, t in grouped.items()}, stamp

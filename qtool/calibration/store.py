@@ -66,8 +66,9 @@ class ActivationStore(Sequence):
     `place` is where they are kept between uses: "device", "host" (CPU memory) or "disk" (one raw file per
     tensor in `folder`, removed by `close`)."""
 
-    def __init__(self, device: torch.device, place: str = "device", folder: Path | None = None,
-                 owned: bool = False) -> None:
+    def __init__(
+        self, device: torch.device, place: str = "device", folder: Path | None = None, owned: bool = False
+    ) -> None:
         """`owned`: `folder` is this store's own, removed by `close`."""
         assert place in PLACES, place
         self.device, self.place = torch.device(device), place
@@ -75,14 +76,16 @@ class ActivationStore(Sequence):
         self._tmp = folder if owned else None
         if place == "disk":
             if folder is None:
-                self._tmp = folder = Path(tempfile.mkdtemp(prefix="qtool-activations-",
-                                                           dir=os.environ.get("QTOOL_OFFLOAD_DIR")))
+                self._tmp = folder = Path(
+                    tempfile.mkdtemp(prefix="qtool-activations-", dir=os.environ.get("QTOOL_OFFLOAD_DIR"))
+                )
             folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
 
     @classmethod
-    def for_budget(cls, need: int, device: torch.device, folder: Path | None = None,
-                   device_room: int | None = None) -> ActivationStore:
+    def for_budget(
+        cls, need: int, device: torch.device, folder: Path | None = None, device_room: int | None = None
+    ) -> ActivationStore:
         """A store in the first place that holds `need` bytes (`device_room`: what the device may give them;
         default its free memory, or the host's on the CPU)."""
         device = torch.device(device)

@@ -43,14 +43,19 @@ def _eval_rows(ev: dict) -> list[str]:
     rows = []
     if "protocol" in ev:
         p = ev["protocol"]
-        rows.append(f"| perplexity ({_name(p.get('text'))}, {ev['quantized'].get('windows')} windows x "
-                    f"{p.get('seq_len')} tokens) | {ev['original']['perplexity']:.4f} | "
-                    f"{ev['quantized']['perplexity']:.4f} |")
+        rows.append(
+            f"| perplexity ({_name(p.get('text'))}, {ev['quantized'].get('windows')} windows x "
+            f"{p.get('seq_len')} tokens) | {ev['original']['perplexity']:.4f} | "
+            f"{ev['quantized']['perplexity']:.4f} |"
+        )
     for task, metrics in ev.get("quantized", {}).get("tasks", {}).items():
         for metric, v in metrics.items():
             o = ev.get("original", {}).get("tasks", {}).get(task, {}).get(metric)
-            rows.append(f"| {task} {metric} | {o['value']:.4f} | {v['value']:.4f} |" if o else
-                        f"| {task} {metric} | - | {v['value']:.4f} |")
+            rows.append(
+                f"| {task} {metric} | {o['value']:.4f} | {v['value']:.4f} |"
+                if o
+                else f"| {task} {metric} | - | {v['value']:.4f} |"
+            )
     return rows
 
 
@@ -63,22 +68,37 @@ def model_card(manifest: dict, config: dict, recipe: dict | None) -> str:
     stages = (recipe or {}).get("stages") or [{"stage": s} for s in manifest.get("stages", [])]
     bpw = manifest.get("bits_per_weight") or {}
     cal = manifest.get("calibration")
-    lines = ["---", "library_name: qtool", f"base_model: {base}", "tags: [qtool, quantized"
-             + "".join(f", {s['stage']}" for s in stages) + "]", "---", "", f"# {base}, quantized by qtool", "",
-             f"`{base}` quantized with qtool {manifest.get('packages', {}).get('qtool', '')} "
-             f"(`recipe.yaml` holds the recipe as run; `qtool-manifest.json` the file hashes and provenance).", "",
-             "| | |", "|---|---|", f"| base model | `{base}` |",
-             f"| method | {'; '.join(_stage(s) for s in stages)} |",
-             f"| quantized layers | {_layouts(qcfg.get('layers', {}))} |"]
+    lines = [
+        "---",
+        "library_name: qtool",
+        f"base_model: {base}",
+        "tags: [qtool, quantized" + "".join(f", {s['stage']}" for s in stages) + "]",
+        "---",
+        "",
+        f"# {base}, quantized by qtool",
+        "",
+        f"`{base}` quantized with qtool {manifest.get('packages', {}).get('qtool', '')} "
+        f"(`recipe.yaml` holds the recipe as run; `qtool-manifest.json` the file hashes and provenance).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base}` |",
+        f"| method | {'; '.join(_stage(s) for s in stages)} |",
+        f"| quantized layers | {_layouts(qcfg.get('layers', {}))} |",
+    ]
     if "kv_cache" in qcfg:
         lines.append(f"| KV cache | {qcfg['kv_cache'].get('bits')}-bit |")
     if bpw:
-        lines.append(f"| bits per weight | {bpw.get('quantized_linears')} (quantized linears), "
-                     f"{bpw.get('all_parameters')} (all parameters) |")
+        lines.append(
+            f"| bits per weight | {bpw.get('quantized_linears')} (quantized linears), "
+            f"{bpw.get('all_parameters')} (all parameters) |"
+        )
     if cal:
-        lines.append(f"| calibration | {_name(cal.get('source'))}: {cal.get('num_samples')} windows x "
-                     f"{cal.get('seq_len')} tokens, seed {cal.get('seed')}, data sha256 "
-                     f"{str(cal.get('data_sha256', ''))[:16]} |")
+        lines.append(
+            f"| calibration | {_name(cal.get('source'))}: {cal.get('num_samples')} windows x "
+            f"{cal.get('seq_len')} tokens, seed {cal.get('seed')}, data sha256 "
+            f"{str(cal.get('data_sha256', ''))[:16]} |"
+        )
     else:
         lines.append("| calibration | none (no stage needed data) |")
     lines += ["", "## Measured quality", ""]
@@ -88,17 +108,34 @@ def model_card(manifest: dict, config: dict, recipe: dict | None) -> str:
         lines += ["| metric | original | quantized |", "|---|---|---|", *rows]
         tp = ev.get("tasks_protocol")
         if tp:
-            lines += ["", f"Tasks: limit {tp.get('limit') or 'none'}, {tp.get('num_fewshot')}-shot, lm-eval "
-                          f"{tp.get('lm_eval_version')}, {tp.get('runtime')} on {tp.get('device')}."]
+            lines += [
+                "",
+                f"Tasks: limit {tp.get('limit') or 'none'}, {tp.get('num_fewshot')}-shot, lm-eval "
+                f"{tp.get('lm_eval_version')}, {tp.get('runtime')} on {tp.get('device')}.",
+            ]
     else:
-        lines.append(f"Not measured when it was written: `qtool eval {name} --baseline {base} --text FILE` "
-                     f"measures it against the original.")
-    lines += ["", "## Load", "", "```python", "import qtool", "",
-              f'model = qtool.load("{name}")  # this folder; device="cuda" runs the packed layers\' CUDA kernels',
-              f'tokenizer = qtool.load_tokenizer("{name}")',
-              "```", "", "With qtool imported, transformers loads it through qtool's runtime as well "
-              f'(`import qtool` then `AutoModelForCausalLM.from_pretrained("{name}")`, `pipeline("text-generation", '
-              f'model="{name}")`, lm-eval\'s `hf` model).', "", "For clients without qtool (transformers, vLLM), schemes that compressed-tensors expresses "
-              f"export losslessly: `qtool export {name} --format compressed-tensors -o {name}-ct` (the command "
-              "refuses the others, naming the first layer; formats/compressed-tensors.md).", ""]
+        lines.append(
+            f"Not measured when it was written: `qtool eval {name} --baseline {base} --text FILE` "
+            f"measures it against the original."
+        )
+    lines += [
+        "",
+        "## Load",
+        "",
+        "```python",
+        "import qtool",
+        "",
+        f'model = qtool.load("{name}")  # this folder; device="cuda" runs the packed layers\' CUDA kernels',
+        f'tokenizer = qtool.load_tokenizer("{name}")',
+        "```",
+        "",
+        "With qtool imported, transformers loads it through qtool's runtime as well "
+        f'(`import qtool` then `AutoModelForCausalLM.from_pretrained("{name}")`, `pipeline("text-generation", '
+        f'model="{name}")`, lm-eval\'s `hf` model).',
+        "",
+        "For clients without qtool (transformers, vLLM), schemes that compressed-tensors expresses "
+        f"export losslessly: `qtool export {name} --format compressed-tensors -o {name}-ct` (the command "
+        "refuses the others, naming the first layer; formats/compressed-tensors.md).",
+        "",
+    ]
     return "\n".join(lines)

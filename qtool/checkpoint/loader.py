@@ -41,16 +41,24 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{mpath}: found a JSON {type(manifest).__name__}, expected an object")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{mpath}: format_version {manifest.get('format_version')!r} is unknown; "
-                              f"expected {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{mpath}: format_version {manifest.get('format_version')!r} is unknown; "
+            f"expected {FORMAT_VERSION}"
+        )
     files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        raise CheckpointError(f"{mpath}: files: found {type(files).__name__}, expected an object of file name to "
-                              f"sha256")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise CheckpointError(
+            f"{mpath}: files: found {type(files).__name__}, expected an object of file name to sha256"
+        )
     sizes = manifest.get("sizes", {})
-    if not isinstance(sizes, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
-        raise CheckpointError(f"{mpath}: sizes: found {type(sizes).__name__}, expected an object of file name to "
-                              f"bytes")
+    if not isinstance(sizes, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()
+    ):
+        raise CheckpointError(
+            f"{mpath}: sizes: found {type(sizes).__name__}, expected an object of file name to bytes"
+        )
     return manifest
 
 
@@ -64,8 +72,10 @@ def check_files(path: Path, manifest: dict) -> None:
         if not f.is_file():
             raise CheckpointError(f"{f}: missing; the manifest lists it")
         if name in sizes and f.stat().st_size != sizes[name]:
-            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest records {sizes[name]}; the file is "
-                                  f"truncated or was modified")
+            raise CheckpointError(
+                f"{f}: {f.stat().st_size} bytes, the manifest records {sizes[name]}; the file is "
+                f"truncated or was modified"
+            )
     for f in path.glob("*.safetensors"):
         if f.name not in manifest.get("files", {}):
             raise CheckpointError(f"{f}: not listed in the manifest")
@@ -77,7 +87,9 @@ def verify_files(path: Path, manifest: dict) -> None:
     for name, digest in sorted(manifest.get("files", {}).items()):
         f = path / name
         if file_sha256(f) != digest:
-            raise CheckpointError(f"{f}: sha256 does not match the manifest; the file is corrupt or was modified")
+            raise CheckpointError(
+                f"{f}: sha256 does not match the manifest; the file is corrupt or was modified"
+            )
 
 
 def read_tensors(path: Path, device: str | torch.device = "cpu") -> StoredTensors:
@@ -97,14 +109,19 @@ def read_config(path: Path) -> dict:
     qcfg = raw.get("quantization_config")
     if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
         found = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
-        raise CheckpointError(f"{cfile}: quantization_config.quant_method is {found!r}; expected {QUANT_METHOD!r}")
+        raise CheckpointError(
+            f"{cfile}: quantization_config.quant_method is {found!r}; expected {QUANT_METHOD!r}"
+        )
     if qcfg.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{cfile}: quantization_config.format_version {qcfg.get('format_version')!r} is "
-                              f"unknown; expected {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{cfile}: quantization_config.format_version {qcfg.get('format_version')!r} is "
+            f"unknown; expected {FORMAT_VERSION}"
+        )
     layers = qcfg.get("layers", {})
     if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
-        raise CheckpointError(f"{cfile}: quantization_config.layers: expected an object of module name to layer "
-                              f"config")
+        raise CheckpointError(
+            f"{cfile}: quantization_config.layers: expected an object of module name to layer config"
+        )
     return raw
 
 
@@ -122,37 +139,56 @@ def checkpoint_config(path: Path):
     return config
 
 
-def replace_layer(model, where: Path, name: str, lcfg: dict, fields: dict[str, torch.Tensor],
-                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+def replace_layer(
+    model,
+    where: Path,
+    name: str,
+    lcfg: dict,
+    fields: dict[str, torch.Tensor],
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> None:
     """Put the quantized module of layer `name` (its config `lcfg`, its stored `fields`) in place of the model's
     linear; the layout validates the tensors. Shared by `load_checkpoint` and transformers' loading
     (qtool/hf_integration.py), so both build the same modules."""
     fmt = lcfg.get("format")
     if fmt not in LAYOUTS:
-        raise CheckpointError(f"{where}: layer {name} has format {fmt!r}; expected one of {', '.join(LAYOUTS)}")
+        raise CheckpointError(
+            f"{where}: layer {name} has format {fmt!r}; expected one of {', '.join(LAYOUTS)}"
+        )
     layout_cls, module_cls = LAYOUTS[fmt]
     parent_name, _, child = name.rpartition(".")
     try:
         old = model.get_submodule(name)
     except AttributeError:
         raise CheckpointError(f"{where}: layer {name} is not a module of this model") from None
-    if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (lcfg.get("in_features"),
-                                                                                   lcfg.get("out_features")):
-        raise CheckpointError(f"{where}: layer {name} is {lcfg.get('out_features')}x{lcfg.get('in_features')}; the "
-                              f"model's module is {getattr(old, 'out_features', '?')}x{getattr(old, 'in_features', '?')}")
+    if (getattr(old, "in_features", None), getattr(old, "out_features", None)) != (
+        lcfg.get("in_features"),
+        lcfg.get("out_features"),
+    ):
+        raise CheckpointError(
+            f"{where}: layer {name} is {lcfg.get('out_features')}x{lcfg.get('in_features')}; the "
+            f"model's module is {getattr(old, 'out_features', '?')}x{getattr(old, 'in_features', '?')}"
+        )
     try:
         layout = layout_cls.from_tensors(name, lcfg, fields)
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: layer {name}: its {fmt} config is incomplete or of the wrong type "
-                              f"({type(e).__name__}: {describe(e)})") from None
+        raise CheckpointError(
+            f"{where}: layer {name}: its {fmt} config is incomplete or of the wrong type "
+            f"({type(e).__name__}: {describe(e)})"
+        ) from None
     for field in sorted(set(fields) - set(layout.tensors())):
         raise CheckpointError(f"tensor {name}.{field}: not a field of layout {fmt}")
     if lcfg.get("bias") and bias is None:
         raise CheckpointError(f"tensor {name}.bias: missing; the layer config says it has a bias")
-    setattr(model.get_submodule(parent_name), child, module_cls(layout, None if bias is None else bias.to(dtype)))
+    setattr(
+        model.get_submodule(parent_name), child, module_cls(layout, None if bias is None else bias.to(dtype))
+    )
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, verify: bool = False):
+def load_checkpoint(
+    path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, verify: bool = False
+):
     """Return the model (eval mode) on `device`; unquantized parameters in `dtype` (float32 on CPU, float16 on
     CUDA by default). Corrupt or mismatched checkpoints raise CheckpointError naming the file or tensor. Files are
     checked by size and safetensors header; `verify` also hashes every file against the manifest."""
@@ -174,16 +210,22 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
     except MemoryError:
         raise
     except Exception as e:  # a config that passed its own validation can still fail to build
-        raise CheckpointError(f"{path / 'config.json'}: cannot build {config.architectures[0]} from it "
-                              f"({describe(e)})") from None
+        raise CheckpointError(
+            f"{path / 'config.json'}: cannot build {config.architectures[0]} from it ({describe(e)})"
+        ) from None
 
     # Tensors are read one at a time, onto `device`: host memory holds one tensor beyond what is on the CPU.
     tensors = read_tensors(path, device)
     for name, lcfg in sorted(layers.items()):
         prefix = f"{name}."
-        fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
-                  if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
-        replace_layer(model, path / "config.json", name, lcfg, fields, tensors.pop(f"{name}.bias", None), dtype)
+        fields = {
+            k[len(prefix) :]: tensors.pop(k)
+            for k in list(tensors)
+            if k.startswith(prefix) and "." not in k[len(prefix) :] and k != f"{name}.bias"
+        }
+        replace_layer(
+            model, path / "config.json", name, lcfg, fields, tensors.pop(f"{name}.bias", None), dtype
+        )
 
     attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())
@@ -192,13 +234,16 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
         if name not in expected:
             raise CheckpointError(f"tensor {name}: not a parameter of {config.architectures[0]}")
         if info.shape != tuple(expected[name].shape):
-            raise CheckpointError(f"tensor {name}: found shape {list(info.shape)}, expected "
-                                  f"{list(expected[name].shape)}")
+            raise CheckpointError(
+                f"tensor {name}: found shape {list(info.shape)}, expected {list(expected[name].shape)}"
+            )
         if expected[name].is_floating_point() != (info.dtype in FLOAT_DTYPES):
-            raise CheckpointError(f"tensor {name}: found dtype "
-                                  f"{str(SAFETENSORS_DTYPES[info.dtype]).removeprefix('torch.')}, "
-                                  f"expected {'a floating-point' if expected[name].is_floating_point() else 'an integer'}"
-                                  f" tensor")
+            raise CheckpointError(
+                f"tensor {name}: found dtype "
+                f"{str(SAFETENSORS_DTYPES[info.dtype]).removeprefix('torch.')}, "
+                f"expected {'a floating-point' if expected[name].is_floating_point() else 'an integer'}"
+                f" tensor"
+            )
     for name in list(tensors):
         t = tensors.pop(name)
         mod_name, _, leaf = name.rpartition(".")

@@ -21,12 +21,16 @@ def file_sha256(path: Path) -> str:
 
 
 def hash_files(folder: Path) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    return {
+        p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
     """Bytes of every file `hash_files` hashes: loading checks these (fast), `qtool pack --verify` the hashes."""
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    return {
+        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def portable(obj):
@@ -46,8 +50,18 @@ def portable(obj):
 # Distributions whose versions can change what a run writes: the quantizer and its numerics (torch, numpy, the
 # CUDA kernels' cupy), the model classes and tokenizers, the safetensors encoding, the calibration data's reading
 # (datasets) and the recorded evaluation (lm-eval). Each is recorded when installed.
-_SHAPING = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "accelerate", "datasets", "lm-eval",
-            "cupy-cuda12x", "cupy-cuda13x")
+_SHAPING = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "accelerate",
+    "datasets",
+    "lm-eval",
+    "cupy-cuda12x",
+    "cupy-cuda13x",
+)
 
 
 def package_versions() -> dict[str, str]:

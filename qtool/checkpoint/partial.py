@@ -37,9 +37,16 @@ STATE = "state.json"
 
 # What must match for a resumed run to write the checkpoint the uninterrupted run would have written; the most
 # specific first (the recipe as run covers the seed and the data source too).
-IDENTITY = {"model": "model files", "data": "calibration data", "seed": "calibration seed",
-            "dtype": "compute dtype", "device": "compute device", "versions": "qtool/torch version",
-            "num_blocks": "number of blocks", "recipe": "recipe"}
+IDENTITY = {
+    "model": "model files",
+    "data": "calibration data",
+    "seed": "calibration seed",
+    "dtype": "compute dtype",
+    "device": "compute device",
+    "versions": "qtool/torch version",
+    "num_blocks": "number of blocks",
+    "recipe": "recipe",
+}
 
 
 def partial_path(out: Path) -> Path:
@@ -126,9 +133,11 @@ class Work:
         for key, what in IDENTITY.items():
             if found.get(key) != identity.get(key):
                 old, new = (str(v)[:16] for v in (found.get(key), identity.get(key)))
-                raise UsageError(f"--resume: '{folder}' was left by a run with another {what} ({old} there, {new} "
-                                 f"now); expected the same recipe, model, calibration data and settings (or "
-                                 f"--overwrite to start over)")
+                raise UsageError(
+                    f"--resume: '{folder}' was left by a run with another {what} ({old} there, {new} "
+                    f"now); expected the same recipe, model, calibration data and settings (or "
+                    f"--overwrite to start over)"
+                )
 
     @classmethod
     def resume(cls, folder: Path, identity: dict) -> Work:
@@ -147,9 +156,11 @@ class Work:
             keep.update(self.inputs_file(k, part).name for part in range(len(self._parts())))
         for name in sorted(keep - {STATE}):
             if not (self.folder / name).is_file():
-                raise CheckpointError(f"--resume: '{self.folder}' has lost {name}, which its {STATE} names; "
-                                      f"expected the work folder as the interrupted run left it (or --overwrite "
-                                      f"to start over)")
+                raise CheckpointError(
+                    f"--resume: '{self.folder}' has lost {name}, which its {STATE} names; "
+                    f"expected the work folder as the interrupted run left it (or --overwrite "
+                    f"to start over)"
+                )
         for p in self.folder.iterdir():
             if p.name not in keep:  # a block that was cut short
                 p.unlink()
@@ -187,7 +198,7 @@ class Work:
         first = 0
         for part, count in enumerate(self._parts()):
             mine = range(max(first, share.start), min(first + count, share.stop))
-            part_shapes = shapes[first: first + count]
+            part_shapes = shapes[first : first + count]
             first += count
             if not mine:
                 continue
@@ -195,8 +206,10 @@ class Work:
             path = self.inputs_file(self.next_block, part)
             expected = sum(sizes) * torch.empty((), dtype=dtype).element_size()
             if path.stat().st_size != expected:
-                raise CheckpointError(f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
-                                      f"expected the work folder as the interrupted run left it (or --overwrite)")
+                raise CheckpointError(
+                    f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
+                    f"expected the work folder as the interrupted run left it (or --overwrite)"
+                )
             flat = torch.from_file(str(path), shared=False, size=sum(sizes), dtype=dtype)
             xs = [x.view(s) for x, s in zip(flat.split(sizes), part_shapes, strict=True)]
             start = first - count
@@ -209,8 +222,9 @@ class Work:
 
     # ---- a finished block -----------------------------------------------------------------------------------
 
-    def commit(self, i: int, tensors: dict[str, torch.Tensor], record: dict,
-               inputs: list[torch.Tensor] | None) -> None:
+    def commit(
+        self, i: int, tensors: dict[str, torch.Tensor], record: dict, inputs: list[torch.Tensor] | None
+    ) -> None:
         """Block `i` is finished: its checkpoint tensors, what it recorded and the activations entering block
         i + 1 (None when no later block needs them).
 
@@ -225,7 +239,10 @@ class Work:
             _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         spec, pending = None, _Pending(i, record)
         if inputs is not None:
-            spec = {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shapes": [list(x.shape) for x in inputs]}
+            spec = {
+                "dtype": str(inputs[0].dtype).removeprefix("torch."),
+                "shapes": [list(x.shape) for x in inputs],
+            }
             path = self.inputs_file(i + 1, world.rank)
             host = self._host_copy(inputs)
             if host is None:
@@ -248,15 +265,24 @@ class Work:
         old_parts = len(self._parts())
         specs = world.all_gather_object(spec)
         if spec is not None and world.size > 1:
-            spec = {"dtype": spec["dtype"], "shapes": [s for p in specs for s in p["shapes"]],
-                    "parts": [len(p["shapes"]) for p in specs]}
-        self.state = {**self.state, "next_block": pending.block + 1, "blocks": [*self.blocks, pending.record],
-                      "inputs": spec}
+            spec = {
+                "dtype": spec["dtype"],
+                "shapes": [s for p in specs for s in p["shapes"]],
+                "parts": [len(p["shapes"]) for p in specs],
+            }
+        self.state = {
+            **self.state,
+            "next_block": pending.block + 1,
+            "blocks": [*self.blocks, pending.record],
+            "inputs": spec,
+        }
         if world.is_main:
             self._write_state()
             self._wait_deleting()
             stale = [self.inputs_file(pending.block, part) for part in range(old_parts)]
-            self._deleting = threading.Thread(target=_delete, args=(stale,), name="qtool-delete", daemon=False)
+            self._deleting = threading.Thread(
+                target=_delete, args=(stale,), name="qtool-delete", daemon=False
+            )
             self._deleting.start()
 
     def _wait_deleting(self) -> None:
@@ -283,7 +309,7 @@ class Work:
             self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         out, off = [], 0
         for x, n in zip(xs, sizes, strict=True):
-            dst = self._pinned[off:off + n]
+            dst = self._pinned[off : off + n]
             dst.copy_(x.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
             out.append(dst)
             off += n
@@ -374,5 +400,7 @@ class LazyTensors:
         try:
             return read_tensor(info)
         except OSError as e:
-            raise CheckpointError(f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the work "
-                                  f"folder as this run wrote it") from None
+            raise CheckpointError(
+                f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the work "
+                f"folder as this run wrote it"
+            ) from None

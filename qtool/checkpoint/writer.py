@@ -25,15 +25,25 @@ from qtool.output import Output, reserve_output
 from qtool.packing.grouped_int import GroupedIntWeight
 
 
-def collect_tensors(model: torch.nn.Module, packed: dict[str, GroupedIntWeight], dtype: torch.dtype, *,
-                    prefix: str = "", skip: str | None = None) -> dict[str, torch.Tensor]:
+def collect_tensors(
+    model: torch.nn.Module,
+    packed: dict[str, GroupedIntWeight],
+    dtype: torch.dtype,
+    *,
+    prefix: str = "",
+    skip: str | None = None,
+) -> dict[str, torch.Tensor]:
     """Every tensor to store: packed fields as they are, other floating tensors in `dtype`; tied weights once.
     `prefix` names `model` inside the whole model (one decoder block); names under `skip.` are left out (the
     blocks, when they are stored block by block)."""
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
     # Modules that mark themselves `stored_as_is` (the KV cache's float16 codebooks) keep their buffers' dtype.
-    packed_fields |= {f"{prefix}.{mname}.{b}" if prefix else f"{mname}.{b}" for mname, mod in model.named_modules()
-                      if getattr(mod, "stored_as_is", False) for b, _ in mod.named_buffers(recurse=False)}
+    packed_fields |= {
+        f"{prefix}.{mname}.{b}" if prefix else f"{mname}.{b}"
+        for mname, mod in model.named_modules()
+        if getattr(mod, "stored_as_is", False)
+        for b, _ in mod.named_buffers(recurse=False)
+    }
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(prefix=f"{prefix}." if prefix else "").items():
@@ -99,12 +109,26 @@ def write_checkpoint(
     tensors, config and tokenizer are written (a model loads from it) and returns the manifest's `eval` record."""
     if reserved is None:
         with reserve_output(out_dir, directory=True, overwrite=overwrite) as reserved:
-            return write_checkpoint(out_dir, tensors=tensors, config=config, layers=layers,
-                                    model_schemes=model_schemes, tokenizer=tokenizer, recipe_as_run=recipe_as_run,
-                                    manifest_extra=manifest_extra, max_shard_bytes=max_shard_bytes,
-                                    overwrite=overwrite, reserved=reserved, evaluate=evaluate)
+            return write_checkpoint(
+                out_dir,
+                tensors=tensors,
+                config=config,
+                layers=layers,
+                model_schemes=model_schemes,
+                tokenizer=tokenizer,
+                recipe_as_run=recipe_as_run,
+                manifest_extra=manifest_extra,
+                max_shard_bytes=max_shard_bytes,
+                overwrite=overwrite,
+                reserved=reserved,
+                evaluate=evaluate,
+            )
     tmp = reserved.tmp
-    config, recipe_as_run, manifest_extra = portable(config), portable(recipe_as_run), portable(manifest_extra)
+    config, recipe_as_run, manifest_extra = (
+        portable(config),
+        portable(recipe_as_run),
+        portable(manifest_extra),
+    )
     shards = _shards(tensors, max_shard_bytes)
     # One shard's tensors in memory at a time (a lazy `tensors` reads them from disk here).
     for fname, names in shards.items():
@@ -115,8 +139,12 @@ def write_checkpoint(
         (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
     config = dict(config)
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
-                                     **(model_schemes or {}), "layers": layers}
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        **(model_schemes or {}),
+        "layers": layers,
+    }
     (tmp / "config.json").write_text(dumps(config))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
@@ -125,31 +153,41 @@ def write_checkpoint(
     if evaluate is not None:
         # The loader reads a folder with a manifest; the final one replaces this one.
         sizes = file_sizes(tmp)
-        (tmp / MANIFEST_NAME).write_text(dumps({"format_version": FORMAT_VERSION, "files": dict.fromkeys(sizes, ""),
-                                                "sizes": sizes}))
+        (tmp / MANIFEST_NAME).write_text(
+            dumps({"format_version": FORMAT_VERSION, "files": dict.fromkeys(sizes, ""), "sizes": sizes})
+        )
         manifest_extra = {**manifest_extra, "eval": portable(evaluate(tmp))}
     from qtool.checkpoint.card import model_card
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
-    (tmp / "README.md").write_text(model_card({"packages": package_versions(), **manifest_extra}, config,
-                                              recipe_as_run))
-    manifest = {"format_version": FORMAT_VERSION, "files": hash_files(tmp), "sizes": file_sizes(tmp),
-                "packages": package_versions(),
-                **manifest_extra}
+    (tmp / "README.md").write_text(
+        model_card({"packages": package_versions(), **manifest_extra}, config, recipe_as_run)
+    )
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "files": hash_files(tmp),
+        "sizes": file_sizes(tmp),
+        "packages": package_versions(),
+        **manifest_extra,
+    }
     (tmp / MANIFEST_NAME).write_text(dumps(manifest))
     reserved.publish()
     return manifest
 
 
-def bits_per_weight(packed: dict[str, GroupedIntWeight], tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+def bits_per_weight(
+    packed: dict[str, GroupedIntWeight], tensors: dict[str, torch.Tensor]
+) -> dict[str, float]:
     qbits = sum(p.stored_bits() for p in packed.values())
     qweights = sum(p.in_features * p.out_features for p in packed.values())
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
     other = [t for name, t in tensors.items() if name not in packed_fields and t.is_floating_point()]
     all_bits = qbits + sum(t.numel() * t.element_size() * 8 for t in other)
     all_weights = qweights + sum(t.numel() for t in other)
-    out = {"quantized_linears": round(qbits / max(qweights, 1), 4),
-           "all_parameters": round(all_bits / max(all_weights, 1), 4)}
+    out = {
+        "quantized_linears": round(qbits / max(qweights, 1), 4),
+        "all_parameters": round(all_bits / max(all_weights, 1), 4),
+    }
     # Layouts whose paper counts bits differently from what is stored report both, per layer and for the model
     # (weighted by the layer's weights): `stored` is what the tensor files hold.
     reports = {name: p.bits_report() for name, p in sorted(packed.items()) if hasattr(p, "bits_report")}
@@ -157,6 +195,8 @@ def bits_per_weight(packed: dict[str, GroupedIntWeight], tensors: dict[str, torc
         sizes = {name: packed[name].in_features * packed[name].out_features for name in reports}
         total = sum(sizes.values())
         out["layers"] = {n: {k: round(v, 4) for k, v in r.items()} for n, r in reports.items()}
-        out["reported_layers"] = {key: round(sum(r[key] * sizes[n] for n, r in reports.items()) / total, 4)
-                                  for key in next(iter(reports.values()))}
+        out["reported_layers"] = {
+            key: round(sum(r[key] * sizes[n] for n, r in reports.items()) / total, 4)
+            for key in next(iter(reports.values()))
+        }
     return out

@@ -64,7 +64,9 @@ def env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise CudaUnavailableError(f"{name}: found {raw!r}, expected an integer (default {default})") from None
+        raise CudaUnavailableError(
+            f"{name}: found {raw!r}, expected an integer (default {default})"
+        ) from None
 
 
 def use_kernels(layout: str, reason: str | None) -> bool:
@@ -107,8 +109,10 @@ def check_f16(name: str, t: torch.Tensor, aligned: bool = False) -> None:
     """One-line error naming `name` unless `t` is a contiguous float16 CUDA tensor (with a 16-byte aligned start
     when `aligned`: the kernels' 16-byte loads)."""
     if t.dtype != torch.float16 or not t.is_cuda or not t.is_contiguous() or (aligned and t.data_ptr() % 16):
-        raise ValueError(f"{name}: found {t.dtype} {list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}), "
-                         f"expected contiguous {'16-byte aligned ' if aligned else ''}float16 on CUDA")
+        raise ValueError(
+            f"{name}: found {t.dtype} {list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}), "
+            f"expected contiguous {'16-byte aligned ' if aligned else ''}float16 on CUDA"
+        )
 
 
 def f16_rows(x: torch.Tensor, in_features: int, layout: str) -> torch.Tensor:
@@ -122,16 +126,23 @@ def f16_rows(x: torch.Tensor, in_features: int, layout: str) -> torch.Tensor:
     return x2.clone() if x2.data_ptr() % 16 else x2
 
 
-def f16_out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device,
-            aligned: bool = False) -> torch.Tensor:
+def f16_out(
+    out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, aligned: bool = False
+) -> torch.Tensor:
     """A kernel's float16 output: `out` checked against `shape` (one-line error), or a new tensor."""
     shape = tuple(shape)
     if out is None:
         return torch.empty(shape, dtype=torch.float16, device=device)
-    if out.dtype != torch.float16 or tuple(out.shape) != shape or not out.is_contiguous() \
-            or (aligned and out.data_ptr() % 16):
-        raise ValueError(f"out: found {out.dtype} {list(out.shape)}, expected contiguous "
-                         f"{'16-byte aligned ' if aligned else ''}float16 {list(shape)}")
+    if (
+        out.dtype != torch.float16
+        or tuple(out.shape) != shape
+        or not out.is_contiguous()
+        or (aligned and out.data_ptr() % 16)
+    ):
+        raise ValueError(
+            f"out: found {out.dtype} {list(out.shape)}, expected contiguous "
+            f"{'16-byte aligned ' if aligned else ''}float16 {list(shape)}"
+        )
     return out
 
 
@@ -171,8 +182,15 @@ def resident_blocks(fn: Any, threads: int, smem: int, device: int, cap: int = 8)
     if key not in _RESIDENT:
         props = torch.cuda.get_device_properties(device)
         regs = (int(fn.num_regs) + 7) // 8 * 8  # registers are allocated 256 per warp
-        _RESIDENT[key] = max(1, min(cap, 2048 // threads, 65536 // max(1, regs * threads),
-                                    int(props.shared_memory_per_multiprocessor) // (smem + 1024)))
+        _RESIDENT[key] = max(
+            1,
+            min(
+                cap,
+                2048 // threads,
+                65536 // max(1, regs * threads),
+                int(props.shared_memory_per_multiprocessor) // (smem + 1024),
+            ),
+        )
     return _RESIDENT[key]
 
 
@@ -228,14 +246,20 @@ def _headers() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(kernels_dir().glob("*.cuh"))}
 
 
-def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...], headers: dict[str, str]) -> bytes:
+def _compile_cubin(
+    cupy: Any, source: str, name: str, options: tuple[str, ...], headers: dict[str, str]
+) -> bytes:
     from cupy.cuda import nvrtc
 
     try:
         prog = nvrtc.createProgram(source, name, tuple(headers.values()), tuple(headers.keys()))
     except TypeError:  # CuPy 14 takes the headers and their names as bytes
-        prog = nvrtc.createProgram(source, name, tuple(t.encode() for t in headers.values()),
-                                   tuple(n.encode() for n in headers.keys()))
+        prog = nvrtc.createProgram(
+            source,
+            name,
+            tuple(t.encode() for t in headers.values()),
+            tuple(n.encode() for n in headers.keys()),
+        )
     try:
         try:
             nvrtc.compileProgram(prog, list(options))
@@ -247,7 +271,9 @@ def _compile_cubin(cupy: Any, source: str, name: str, options: tuple[str, ...], 
         nvrtc.destroyProgram(prog)
 
 
-def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: int | None = None) -> KernelModule:
+def load_module(
+    source_name: str, extra_options: tuple[str, ...] = (), device: int | None = None
+) -> KernelModule:
     """Compile (or load from the disk cache) `kernels/<source_name>` for the current CUDA device."""
     cupy = require_cupy()
     dev = torch.cuda.current_device() if device is None else int(device)
@@ -259,13 +285,22 @@ def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: i
             return mod
         src_path = kernels_dir() / source_name
         if not src_path.is_file():
-            raise CudaUnavailableError(f"kernel source {src_path}: not found; expected it under {kernels_dir()}")
+            raise CudaUnavailableError(
+                f"kernel source {src_path}: not found; expected it under {kernels_dir()}"
+            )
         source = src_path.read_text()
         headers = _headers()
         arch = target_arch(dev)
         all_opts = options + (f"--gpu-architecture={arch}",)
-        ident = "\0".join([source, *(f"{n}\0{t}" for n, t in headers.items()), *all_opts,
-                           torch.cuda.get_device_name(dev), _nvrtc_version(cupy)])
+        ident = "\0".join(
+            [
+                source,
+                *(f"{n}\0{t}" for n, t in headers.items()),
+                *all_opts,
+                torch.cuda.get_device_name(dev),
+                _nvrtc_version(cupy),
+            ]
+        )
         key = hashlib.sha256(ident.encode()).hexdigest()[:24]
         path = cache_dir() / f"{Path(source_name).stem}-{arch}-{key}.cubin"
         with cupy.cuda.Device(dev):
@@ -285,7 +320,9 @@ def load_module(source_name: str, extra_options: tuple[str, ...] = (), device: i
             except Exception as exc:  # NVRTC bindings moved between cupy versions: fall back
                 raw = cupy.RawModule(code=source, options=all_opts + (f"--include-path={kernels_dir()}",))
                 raw.compile()
-                info = BuildInfo(source_name, arch, key, None, False, f"cupy-rawmodule ({type(exc).__name__})")
+                info = BuildInfo(
+                    source_name, arch, key, None, False, f"cupy-rawmodule ({type(exc).__name__})"
+                )
         mod = KernelModule(raw, info)
         _MODULES[mkey] = mod
         return mod
@@ -342,8 +379,14 @@ def f32(v: float) -> Any:
     return np.float32(v)
 
 
-def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           device: int | None = None) -> None:
+def launch(
+    kernel: Any,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+    device: int | None = None,
+) -> None:
     global _HANDLE_OK
     dev = torch.cuda.current_device() if device is None else device
     if _HANDLE_OK:

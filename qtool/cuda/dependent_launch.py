@@ -32,14 +32,28 @@ class _Attribute(ctypes.Structure):
 
 class _Config(ctypes.Structure):
     # CUlaunchConfig
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+    _fields_ = [
+        ("grid_x", ctypes.c_uint),
+        ("grid_y", ctypes.c_uint),
+        ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint),
+        ("block_y", ctypes.c_uint),
+        ("block_z", ctypes.c_uint),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_Attribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
-_STATE: dict[str, Any] = {"fn": None, "ok": True, "why": "", "cluster_max": 16, "cluster_why": "",
-                          "set_attr": None}
+_STATE: dict[str, Any] = {
+    "fn": None,
+    "ok": True,
+    "why": "",
+    "cluster_max": 16,
+    "cluster_why": "",
+    "set_attr": None,
+}
 _NON_PORTABLE: set[int] = set()
 # The quik and grouped_int kernels and the decode step's fused kernels (norm, rotary, attention, SwiGLU) start as
 # programmatic dependents of the kernel ahead; False launches them the ordinary way (the tests' and the bench's A/B).
@@ -54,7 +68,12 @@ def _driver_launch() -> Any:
             _STATE.update(ok=False, why=f"no cuLaunchKernelEx in the driver ({exc})")
             return None
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        fn.argtypes = [
+            ctypes.POINTER(_Config),
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+        ]
         _STATE["fn"] = fn
     return _STATE["fn"]
 
@@ -116,9 +135,16 @@ def _allow_non_portable(handle: int) -> bool:
     return True
 
 
-def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           device: int | None = None, dependent: bool | None = None,
-           cluster: tuple[int, int, int] | None = None) -> None:
+def launch(
+    kernel: Any,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+    device: int | None = None,
+    dependent: bool | None = None,
+    cluster: tuple[int, int, int] | None = None,
+) -> None:
     """`compile.launch`, with the programmatic-stream-serialization attribute where the driver takes it and
     `dependent` (by default ENABLED) asks for it, and in thread-block clusters of `cluster` (x, y, z) blocks where
     given (each grid dimension a multiple of it). `args` are numpy scalars (what `compile.ptr` and `compile.i32`
@@ -145,16 +171,29 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
         c.value[0], c.value[1], c.value[2] = (tuple(cluster) + (1, 1))[:3]
         attrs.append(c)
     arr = (_Attribute * len(attrs))(*attrs)
-    cfg = _Config(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                  ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream), arr, len(attrs))
+    cfg = _Config(
+        g[0],
+        g[1],
+        g[2],
+        b[0],
+        b[1],
+        b[2],
+        shared_mem,
+        ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
+        arr,
+        len(attrs),
+    )
     values = [None if isinstance(a, TensorMap) else ctypes.create_string_buffer(a.tobytes()) for a in args]
-    params = (ctypes.c_void_p * len(args))(*[a.address if v is None else ctypes.addressof(v)
-                                               for a, v in zip(args, values, strict=True)])
+    params = (ctypes.c_void_p * len(args))(
+        *[a.address if v is None else ctypes.addressof(v) for a, v in zip(args, values, strict=True)]
+    )
     with torch.cuda.device(dev):  # the driver launches in the current context
         rc = fn(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
     if rc != 0:
         if cluster is not None:  # the cluster is what a launch that got this far most likely lacks
-            _cluster_refused(math.prod(cluster), f"cuLaunchKernelEx with cluster {cluster} returned CUresult {rc}")
+            _cluster_refused(
+                math.prod(cluster), f"cuLaunchKernelEx with cluster {cluster} returned CUresult {rc}"
+            )
             launch(kernel, grid, block, args, shared_mem, device, dependent)
             return
         # CUDA_ERROR_NOT_SUPPORTED and the like: the ordinary launch runs the same kernel (and reports a real

@@ -17,8 +17,13 @@ import torch
 class GraphedStep:
     """`fn(*static_inputs)` captured as one CUDA graph; calling copies inputs in and replays."""
 
-    def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], warmup: int = 2,
-                 pool: Any | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[torch.Tensor],
+        warmup: int = 2,
+        pool: Any | None = None,
+    ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("GraphedStep: found no CUDA device, expected one (CUDA graphs are GPU-only)")
         for i, t in enumerate(example_inputs):
@@ -49,6 +54,8 @@ class GraphedStep:
             raise ValueError(f"GraphedStep: found {len(inputs)} inputs, expected {len(self.static_inputs)}")
         for i, (dst, src) in enumerate(zip(self.static_inputs, inputs, strict=True)):
             if src.shape != dst.shape:
-                raise ValueError(f"input {i}: found shape {list(src.shape)}, expected {list(dst.shape)} (captured)")
+                raise ValueError(
+                    f"input {i}: found shape {list(src.shape)}, expected {list(dst.shape)} (captured)"
+                )
             dst.copy_(src)
         return self.replay()

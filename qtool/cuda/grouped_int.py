@@ -116,8 +116,15 @@ def unsupported_reason(bits: int, group_size: int | None, in_features: int) -> s
     return None
 
 
-def prepare(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-            group_size: int | None, in_features: int, out_features: int) -> Prepared:
+def prepare(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    in_features: int,
+    out_features: int,
+) -> Prepared:
     """Check the packed tensors and build the kernel view (pads `qweight` rows only when K % 128 != 0)."""
     k, n = in_features, out_features
     reason = unsupported_reason(bits, group_size, k)
@@ -127,11 +134,17 @@ def prepare(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     num_groups = (k + g - 1) // g
     words = (k * bits + 31) // 32
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, words):
-        raise ValueError(f"qweight: found {qweight.dtype} {list(qweight.shape)}, expected torch.int32 {[n, words]}")
+        raise ValueError(
+            f"qweight: found {qweight.dtype} {list(qweight.shape)}, expected torch.int32 {[n, words]}"
+        )
     if scales.dtype != torch.float16 or tuple(scales.shape) != (n, num_groups):
-        raise ValueError(f"scales: found {scales.dtype} {list(scales.shape)}, expected torch.float16 {[n, num_groups]}")
+        raise ValueError(
+            f"scales: found {scales.dtype} {list(scales.shape)}, expected torch.float16 {[n, num_groups]}"
+        )
     if zeros is not None and (zeros.dtype != torch.uint8 or tuple(zeros.shape) != (n, num_groups)):
-        raise ValueError(f"zeros: found {zeros.dtype} {list(zeros.shape)}, expected torch.uint8 {[n, num_groups]}")
+        raise ValueError(
+            f"zeros: found {zeros.dtype} {list(zeros.shape)}, expected torch.uint8 {[n, num_groups]}"
+        )
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
         if t is not None and not t.is_cuda:
             raise ValueError(f"{name}: found device {t.device}, expected a CUDA tensor")
@@ -144,10 +157,25 @@ def prepare(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
         qw = padded
     # One 4-byte word per (row, group) so the kernel fetches scale and zero point with a single aligned
     # asynchronous copy (costs 4 bytes per group: ~6% of a 4-bit g128 weight).
-    zero = zeros.to(torch.int32) if zeros is not None else torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    zero = (
+        zeros.to(torch.int32)
+        if zeros is not None
+        else torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    )
     meta = ((scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF) | (zero << 16)).contiguous()
-    return Prepared(qw, scales.contiguous(), None if zeros is None else zeros.contiguous(), meta, bits, g, k, n, kp,
-                    num_groups, qweight.data_ptr())
+    return Prepared(
+        qw,
+        scales.contiguous(),
+        None if zeros is None else zeros.contiguous(),
+        meta,
+        bits,
+        g,
+        k,
+        n,
+        kp,
+        num_groups,
+        qweight.data_ptr(),
+    )
 
 
 def _pad_activations(x2: torch.Tensor, kp: int) -> torch.Tensor:
@@ -185,8 +213,9 @@ def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
     return max(1, min(warps, 16, 96 // nt, spans))
 
 
-def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor | None,
-               max_m: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def _gemv_args(
+    x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor | None, max_m: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Checked (padded activations, output, M, device) for the skinny kernels."""
     if x.dtype != torch.float16:
         raise ValueError(f"x: found {x.dtype}, expected torch.float16 for the gemv kernels")
@@ -198,7 +227,9 @@ def _gemv_args(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: tor
         raise ValueError(f"x: found M={m} tokens, expected 1..{max_m} for this kernel")
     x2 = _pad_activations(x2, p.kp)
     if bias is not None and (bias.dtype != torch.float16 or bias.numel() != p.out_features):
-        raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{p.out_features}]")
+        raise ValueError(
+            f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{p.out_features}]"
+        )
     out = cc.f16_out(out, (m, p.out_features), x.device)
     dev = cc.device_index(x.device)
     return x2, out, m, dev
@@ -217,8 +248,14 @@ def gemv_dependent(nt: int, warps: int, blocks: int, sms: int) -> bool:
     return dependent_launch.ENABLED and nt <= GEMV_DEP_MAX_TILES and warps == 16 and blocks <= 2 * sms
 
 
-def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         warps: int | None = None, dependent: bool | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    warps: int | None = None,
+    dependent: bool | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) with the tensor-core skinny kernel; x fp16 [..., K] with at most 64 rows.
     `dependent` picks the dependent-launch entry (by default gemv_dependent's choice; at most 16 rows)."""
     lead = x.shape[:-1]
@@ -234,14 +271,35 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     if dependent is None:
         dependent = gemv_dependent(nt, warps, blocks, sms)
     elif dependent and nt > GEMV_DEP_MAX_TILES:
-        raise ValueError(f"dependent: found {m} rows, expected at most {8 * GEMV_DEP_MAX_TILES} for the "
-                         "dependent-launch entry")
+        raise ValueError(
+            f"dependent: found {m} rows, expected at most {8 * GEMV_DEP_MAX_TILES} for the "
+            "dependent-launch entry"
+        )
     name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else f"v{GEMV_VOLATILE}")
-    args = (cc.ptr(p.qweight), cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
-            cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_size), cc.i32(p.sym_zero))
+    args = (
+        cc.ptr(p.qweight),
+        cc.ptr(p.scales),
+        cc.ptr(p.zeros),
+        cc.ptr(x2),
+        cc.ptr(bias),
+        cc.ptr(out),
+        cc.i32(m),
+        cc.i32(p.out_features),
+        cc.i32(p.kp),
+        cc.i32(p.num_groups),
+        cc.i32(p.group_size),
+        cc.i32(p.sym_zero),
+    )
     # the dependent entry as a dependent launch wherever those are enabled; the ordinary entry never
-    dependent_launch.launch(mod.fn(name), (blocks,), (32 * warps,), args, shared_mem=warps * nt * 4 * 32 * 4,
-                            device=dev, dependent=None if dependent else False)
+    dependent_launch.launch(
+        mod.fn(name),
+        (blocks,),
+        (32 * warps,),
+        args,
+        shared_mem=warps * nt * 4 * 32 * 4,
+        device=dev,
+        dependent=None if dependent else False,
+    )
     return out.reshape(*lead, p.out_features)
 
 
@@ -252,8 +310,15 @@ _FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QT
 # faster on an H200 at M = 1, and no fp16 rounding of the weight. 0: it forms each weight as the reference does,
 # (c - z) * s rounded to fp16, then multiplies (kernels/NOTES.md, fma v5).
 FMA_SCALE_AFTER = cc.env_int("QTOOL_FMA_SCALE_AFTER", 1)
-def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             warps: int | None = None) -> torch.Tensor:
+
+
+def gemv_fma(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) with the CUDA-core kernel for 1..4 tokens (contiguous 512-byte row reads)."""
     lead = x.shape[:-1]
     x2, out, m, dev = _gemv_args(x, p, bias, out, 4)
@@ -267,7 +332,9 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
     if warps is None:
         warps = fma_warps(p.bits, mt, pipe, pieces)
     elif not 1 <= warps <= 16:
-        raise ValueError(f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)")
+        raise ValueError(
+            f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)"
+        )
     mod = cc.load_module(SOURCE, device=dev)
     fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}")
     threads = 32 * warps
@@ -282,8 +349,18 @@ def gemv_fma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out
         fn,
         (grid,),
         (threads,),
-        (cc.ptr(p.qweight), cc.ptr(p.meta), cc.ptr(x2), cc.ptr(bias), cc.ptr(out), cc.i32(m),
-         cc.i32(p.out_features), cc.i32(p.kp), cc.i32(p.num_groups), cc.i32(p.group_shift)),
+        (
+            cc.ptr(p.qweight),
+            cc.ptr(p.meta),
+            cc.ptr(x2),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(m),
+            cc.i32(p.out_features),
+            cc.i32(p.kp),
+            cc.i32(p.num_groups),
+            cc.i32(p.group_shift),
+        ),
         device=dev,
     )
     return out.reshape(*lead, p.out_features)
@@ -298,8 +375,12 @@ def fma_warps(bits: int, token_slots: int, pipe: bool, pieces: int) -> int:
     return warps
 
 
-def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None,
-               rows: tuple[int, int] | None = None) -> torch.Tensor:
+def dequantize(
+    p: Prepared,
+    dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """Dense weight rows [n0, n1) (all by default) as [n1 - n0, Kp] fp16 or bf16 (columns K..Kp-1 are padding),
     bit-identical to the reference's float32 dequantization cast to `dtype`."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -321,8 +402,17 @@ def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tenso
         mod.fn(name),
         ((octs + 255) // 256,),
         (256,),
-        (cc.ptr(p.qweight[n0:n1]), cc.ptr(p.scales[n0:n1]), cc.ptr(zeros), cc.ptr(out), cc.i32(n), cc.i32(p.kp),
-         cc.i32(p.num_groups), cc.i32(p.group_size), cc.i32(p.sym_zero)),
+        (
+            cc.ptr(p.qweight[n0:n1]),
+            cc.ptr(p.scales[n0:n1]),
+            cc.ptr(zeros),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.i32(p.kp),
+            cc.i32(p.num_groups),
+            cc.i32(p.group_size),
+            cc.i32(p.sym_zero),
+        ),
         device=dev,
     )
     return out
@@ -332,8 +422,16 @@ def dequantize(p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tenso
 MMA_TOKENS = (8, 16, 32, 64, 128, 256)  # token tile sizes the source instantiates
 # (token tile, weight rows per block) -> the shared-memory stage counts the source instantiates, the default first.
 # More stages keep more bytes in flight for small tiles; fewer fit the large ones.
-MMA_KERNELS = {(8, 128): (8,), (16, 128): (8,), (32, 128): (8,), (64, 128): (6, 8), (128, 128): (6, 4),
-               (256, 128): (5, 4), (64, 256): (6,), (128, 256): (5, 4)}
+MMA_KERNELS = {
+    (8, 128): (8,),
+    (16, 128): (8,),
+    (32, 128): (8,),
+    (64, 128): (6, 8),
+    (128, 128): (6, 4),
+    (256, 128): (5, 4),
+    (64, 256): (6,),
+    (128, 256): (5, 4),
+}
 _MMA_SPLIT_OVERRIDE = cc.env_int("QTOOL_MMA_SPLIT", 0)  # 0: the tuned choice
 
 
@@ -440,8 +538,9 @@ def wsp_full_tiles(tiles: int, grid: int) -> int:
     return tiles
 
 
-def _split_workspace(dev: int, split: int, tiles: int, rows: int, tn: int) -> tuple[int, torch.Tensor | None,
-                                                                                     torch.Tensor | None]:
+def _split_workspace(
+    dev: int, split: int, tiles: int, rows: int, tn: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
     """(split, partials, counters) for `tiles` output tiles split `split` ways; no split where the workspace
     cannot grow (during CUDA-graph capture)."""
     if split == 1:
@@ -450,10 +549,23 @@ def _split_workspace(dev: int, split: int, tiles: int, rows: int, tn: int) -> tu
     return (1, None, None) if bufs is None else (split, *bufs)
 
 
-def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch.Tensor, m: int, dev: int,
-            stages: int, kernel: str, blocks: int | None, tn: int = 256, split: int = 1, per_sm: int = 1) -> None:
-    fn = cc.load_module(MMA_SOURCE, device=dev).fn(f"grouped_int_{kernel}_b{p.bits}_n{tn}_s{stages}"
-                                                   + ("_x2" if per_sm == 2 else ""))
+def _mma_ws(
+    x2: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    m: int,
+    dev: int,
+    stages: int,
+    kernel: str,
+    blocks: int | None,
+    tn: int = 256,
+    split: int = 1,
+    per_sm: int = 1,
+) -> None:
+    fn = cc.load_module(MMA_SOURCE, device=dev).fn(
+        f"grouped_int_{kernel}_b{p.bits}_n{tn}_s{stages}" + ("_x2" if per_sm == 2 else "")
+    )
     smem = ws_smem(kernel, p.bits, stages, tn)
     cc.allow_shared_memory(fn, smem)
     mx = _WS_MAPS.get(x2, 128, tn, 128)
@@ -466,25 +578,65 @@ def _mma_ws(x2: torch.Tensor, p: Prepared, bias: torch.Tensor | None, out: torch
         mx64 = _WS_MAPS.get(x2, 128, 64, 128) if full < tiles else mx
         mo = _WS_MAPS.get(out, 128, 32, 128)
         cc.launch(
-            fn, (grid,), (384,),
-            (mx.arg, mx64.arg, mq.arg, mo.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift),
-             cc.ptr(bias), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64), cc.i32(full)),
-            shared_mem=smem, device=dev,
+            fn,
+            (grid,),
+            (384,),
+            (
+                mx.arg,
+                mx64.arg,
+                mq.arg,
+                mo.arg,
+                cc.ptr(p.meta),
+                cc.i32(p.num_groups),
+                cc.i32(p.group_shift),
+                cc.ptr(bias),
+                cc.i32(m),
+                cc.i32(n),
+                cc.i32(p.kp // 64),
+                cc.i32(full),
+            ),
+            shared_mem=smem,
+            device=dev,
         )
         return
     split, ws, cnt = _split_workspace(dev, split, tiles, 128, tn)
     cc.launch(
-        fn, (-(-n // 128), -(-m // tn), split), (384,),
-        (mx.arg, mq.arg, cc.ptr(p.meta), cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out),
-         cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(p.kp // 64)),
-        shared_mem=smem, device=dev,
+        fn,
+        (-(-n // 128), -(-m // tn), split),
+        (384,),
+        (
+            mx.arg,
+            mq.arg,
+            cc.ptr(p.meta),
+            cc.i32(p.num_groups),
+            cc.i32(p.group_shift),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(p.kp // 64),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
 
 
-def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-        tokens: int | None = None, rows: int | None = None, split: int | None = None,
-        stages: int | None = None, kernel: str | None = None, blocks: int | None = None,
-        per_sm: int | None = None) -> torch.Tensor:
+def mma(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    rows: int | None = None,
+    split: int | None = None,
+    stages: int | None = None,
+    kernel: str | None = None,
+    blocks: int | None = None,
+    per_sm: int | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) with the Hopper wgmma kernel; x fp16 [..., K], any number of rows.
 
     `tokens` (token tile), `rows` (weight rows per block), `split` (blocks per tile along K) and `stages` override
@@ -506,23 +658,33 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     tma_ok = rows in (None, 128) and tma.usable(x2) and tma.usable(p.qweight)
     long_ok = tma_ok and tokens in (None, 256) and split in (None, 1) and m > 128
     if kernel == "wsp" and not long_ok:
-        raise ValueError("kernel wsp: needs 256-token tiles of 128 rows without split-K, more than 128 tokens and "
-                         "16-byte aligned rows")
+        raise ValueError(
+            "kernel wsp: needs 256-token tiles of 128 rows without split-K, more than 128 tokens and "
+            "16-byte aligned rows"
+        )
     if kernel == "ws" and not tma_ok:
         raise ValueError("kernel ws: needs tiles of 128 rows and 16-byte aligned rows")
     if kernel == "wsp" and not tma.usable(out):
-        raise ValueError(f"kernel wsp: found output rows of {out.stride(0)} halves at {out.data_ptr():#x}, expected "
-                         "16-byte aligned rows (out_features a multiple of 8)")
+        raise ValueError(
+            f"kernel wsp: found output rows of {out.stride(0)} halves at {out.data_ptr():#x}, expected "
+            "16-byte aligned rows (out_features a multiple of 8)"
+        )
     if kernel is None:
         if long_ok and long_tiles_fill(m, p.out_features, cc.sm_count(dev)):
             kernel = "wsp" if tma.usable(out) else "ws"
-        elif (tma_ok and (WS_SHORT_MIN_M <= m or p.out_features >= WS_WIDE_MIN_N) and m <= WS_MID_MAX_M
-              and tokens in (None, *WS_TILE_STAGES)):
+        elif (
+            tma_ok
+            and (WS_SHORT_MIN_M <= m or p.out_features >= WS_WIDE_MIN_N)
+            and m <= WS_MID_MAX_M
+            and tokens in (None, *WS_TILE_STAGES)
+        ):
             kernel = "ws"
         else:
             kernel = "sync"
     if per_sm not in (None, 1) and kernel != "ws":
-        raise ValueError(f"per_sm: found {per_sm} for kernel {kernel}, expected 1 (only ws runs two blocks per SM)")
+        raise ValueError(
+            f"per_sm: found {per_sm} for kernel {kernel}, expected 1 (only ws runs two blocks per SM)"
+        )
     if blocks is not None and (kernel != "wsp" or blocks < 1):
         raise ValueError(f"blocks: found {blocks} for kernel {kernel}; only wsp takes a grid cap (>= 1)")
     nst = p.kp // 64
@@ -535,12 +697,16 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
         if tn not in WS_TILE_STAGES:
             raise ValueError(f"tokens: found {tn} for kernel ws, expected one of {tuple(WS_TILE_STAGES)}")
         if per_sm not in (1, 2) or (per_sm == 2 and (kernel != "ws" or tn != 64)):
-            raise ValueError(f"per_sm: found {per_sm} for kernel {kernel} with tokens={tn}, expected 1, or 2 for "
-                             "kernel ws with tokens=64")
+            raise ValueError(
+                f"per_sm: found {per_sm} for kernel {kernel} with tokens={tn}, expected 1, or 2 for "
+                "kernel ws with tokens=64"
+            )
         built = (4, 5) if kernel == "wsp" else WS_X2_STAGES if per_sm == 2 else WS_TILE_STAGES[tn]
         st = (WS_STAGES[kernel] if tn == 256 else built[0]) if stages is None else stages
         if st not in built:
-            raise ValueError(f"stages: found {st} for kernel {kernel} with tokens={tn}, expected one of {built}")
+            raise ValueError(
+                f"stages: found {st} for kernel {kernel} with tokens={tn}, expected one of {built}"
+            )
         if split is None:
             split = 1 if kernel == "wsp" else mma_split(p, m, tn, 128, per_sm, cc.sm_count(dev))
         if not 1 <= split <= nst:
@@ -552,8 +718,10 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
         raise ValueError(f"tokens: found {tn}, expected one of {MMA_TOKENS}")
     rows = 128 if rows is None else rows  # 256-row blocks measured slower on an H100 (kernels/NOTES.md)
     if (tn, rows) not in MMA_KERNELS:
-        raise ValueError(f"rows: found {rows} with tokens={tn}, expected one of "
-                         f"{sorted(r for t, r in MMA_KERNELS if t == tn)}")
+        raise ValueError(
+            f"rows: found {rows} with tokens={tn}, expected one of "
+            f"{sorted(r for t, r in MMA_KERNELS if t == tn)}"
+        )
     st = MMA_KERNELS[(tn, rows)][0] if stages is None else stages
     if st not in MMA_KERNELS[(tn, rows)]:
         raise ValueError(f"stages: found {st}, expected one of {MMA_KERNELS[(tn, rows)]}")
@@ -572,11 +740,28 @@ def mma(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: tor
     split, ws, cnt = _split_workspace(dev, split, tiles, rows, tn)
     grid = (-(-n // rows), -(-m // tn), split)
     cc.launch(
-        fn, grid, (256,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(p.qweight), cc.i32(p.qweight.stride(0)), cc.ptr(p.meta),
-         cc.i32(p.num_groups), cc.i32(p.group_shift), cc.ptr(bias), cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt),
-         cc.i32(m), cc.i32(n), cc.i32(nst)),
-        shared_mem=smem, device=dev,
+        fn,
+        grid,
+        (256,),
+        (
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.ptr(p.qweight),
+            cc.i32(p.qweight.stride(0)),
+            cc.ptr(p.meta),
+            cc.i32(p.num_groups),
+            cc.i32(p.group_shift),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nst),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
     return out.reshape(*lead, n)
 
@@ -627,12 +812,16 @@ def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = Non
     return y.reshape(*x.shape[:-1], n)
 
 
-def mma_eligible(dtype: torch.dtype, group_size: int | None, in_features: int, hopper: bool | None = None) -> bool:
+def mma_eligible(
+    dtype: torch.dtype, group_size: int | None, in_features: int, hopper: bool | None = None
+) -> bool:
     """Whether the wgmma kernel can run a kernel-supported layer: fp16, groups of >= 32 (or one per row), and a
     Hopper GPU (`hopper`; default: the current CUDA device builds for sm_90a)."""
     if hopper is None:
         hopper = torch.cuda.is_available() and cc.target_arch() == "sm_90a"
-    return bool(hopper) and dtype == torch.float16 and (group_size is None or group_size >= min(32, in_features))
+    return (
+        bool(hopper) and dtype == torch.float16 and (group_size is None or group_size >= min(32, in_features))
+    )
 
 
 def long_tiles_fill(m: int, out_features: int, sms: int) -> bool:
@@ -644,18 +833,33 @@ def long_tiles_fill(m: int, out_features: int, sms: int) -> bool:
 PATHS = ("gemv-fma", "gemv", "mma", "dequant+cublas", "reference")
 
 
-def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, in_features: int, out_features: int,
-                hopper: bool | None = None, sms: int | None = None) -> str:
+def choose_path(
+    m: int,
+    dtype: torch.dtype,
+    bits: int,
+    group_size: int | None,
+    in_features: int,
+    out_features: int,
+    hopper: bool | None = None,
+    sms: int | None = None,
+) -> str:
     """The path `linear` takes for M tokens: gemv-fma, gemv, mma, dequant+cublas or reference.
 
     `hopper` (default: whether the current CUDA device builds for sm_90a) enables the wgmma kernel; `sms` (default:
     the current CUDA device's, else an H100's 132) decides whether a long prefill's tiles fill the GPU."""
     if unsupported_reason(bits, group_size, in_features) is not None:
         return "reference"
-    if (MMA_MIN_M <= m and (m <= MMA_MAX_M or (m <= WS_MID_MAX_M and out_features >= WS_MID_MIN_N))
-            and mma_eligible(dtype, group_size, in_features, hopper)):
+    if (
+        MMA_MIN_M <= m
+        and (m <= MMA_MAX_M or (m <= WS_MID_MAX_M and out_features >= WS_MID_MIN_N))
+        and mma_eligible(dtype, group_size, in_features, hopper)
+    ):
         return "mma"
-    if m >= MMA_LONG_MIN_M and in_features >= MMA_LONG_MIN_K and mma_eligible(dtype, group_size, in_features, hopper):
+    if (
+        m >= MMA_LONG_MIN_M
+        and in_features >= MMA_LONG_MIN_K
+        and mma_eligible(dtype, group_size, in_features, hopper)
+    ):
         if sms is None:
             sms = cc.sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
         if long_tiles_fill(m, out_features, sms):
@@ -671,13 +875,21 @@ def choose_path(m: int, dtype: torch.dtype, bits: int, group_size: int | None, i
     return "reference"
 
 
-def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None
+) -> torch.Tensor:
     """y = x . W^T + bias on the fastest available path for this shape (`path`: what `choose_path` gave for it,
     when the caller has it already)."""
     m = x.numel() // max(1, x.shape[-1])
     if path is None:
-        path = choose_path(m, x.dtype, p.bits, p.group_size if p.group_size < p.in_features else None,
-                           p.in_features, p.out_features)
+        path = choose_path(
+            m,
+            x.dtype,
+            p.bits,
+            p.group_size if p.group_size < p.in_features else None,
+            p.in_features,
+            p.out_features,
+        )
     elif path not in PATHS:
         raise ValueError(f"path: found {path!r}, expected one of {', '.join(PATHS)}")
     if path == "gemv-fma":
@@ -688,7 +900,9 @@ def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path:
         return mma(x, p, None if bias is None else bias.to(torch.float16))
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
-    raise cc.CudaUnavailableError(f"grouped_int: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")
+    raise cc.CudaUnavailableError(
+        f"grouped_int: no CUDA path for M={m}, dtype={x.dtype}; use the reference path"
+    )
 
 
 def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -708,7 +922,14 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
         return None
     p = getattr(layer, "_qtool_prepared", None)
     if p is None or p.source_ptr != layer.qweight.data_ptr() or p.qweight.device != x.device:
-        p = prepare(layer.qweight, layer.scales, layer.zeros, spec.bits, spec.group_size, layer.in_features,
-                    layer.out_features)
+        p = prepare(
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            spec.bits,
+            spec.group_size,
+            layer.in_features,
+            layer.out_features,
+        )
         layer._qtool_prepared = p
     return linear(x, p, layer.bias, path)

@@ -61,8 +61,11 @@ class KVCache:
         return self.k.shape[2]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_params, self.v_params)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.k, self.v, self.k_params, self.v_params)
+            if t is not None
+        )
 
 
 def check_shape(mode: str, head_dim: int) -> None:
@@ -70,8 +73,9 @@ def check_shape(mode: str, head_dim: int) -> None:
         raise ValueError(f"KV cache mode: found {mode!r}, expected one of {', '.join(MODES)}")
     epw = 32 // BITS[mode]
     if head_dim % epw or head_dim // epw > 32 or head_dim % 2:
-        raise ValueError(f"KV cache {mode}: found head_dim {head_dim}, expected a multiple of {epw} up to "
-                         f"{32 * epw}")
+        raise ValueError(
+            f"KV cache {mode}: found head_dim {head_dim}, expected a multiple of {epw} up to {32 * epw}"
+        )
 
 
 def bytes_per_token(mode: str, kv_heads: int, head_dim: int) -> int:
@@ -80,13 +84,24 @@ def bytes_per_token(mode: str, kv_heads: int, head_dim: int) -> int:
     return 2 * kv_heads * (head_dim * BITS[mode] // 8 + params)
 
 
-def allocate(mode: str, batch: int, kv_heads: int, length: int, head_dim: int, device: torch.device,
-             k_scale: float = 1.0, v_scale: float = 1.0) -> KVCache:
+def allocate(
+    mode: str,
+    batch: int,
+    kv_heads: int,
+    length: int,
+    head_dim: int,
+    device: torch.device,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> KVCache:
     check_shape(mode, head_dim)
     width = head_dim * BITS[mode] // 8
     codes = [torch.zeros(batch, kv_heads, length, width, dtype=torch.uint8, device=device) for _ in range(2)]
-    params = [None, None] if mode == "fp8" else \
-        [torch.zeros(batch, kv_heads, length, 2, dtype=torch.float16, device=device) for _ in range(2)]
+    params = (
+        [None, None]
+        if mode == "fp8"
+        else [torch.zeros(batch, kv_heads, length, 2, dtype=torch.float16, device=device) for _ in range(2)]
+    )
     return KVCache(mode, codes[0], codes[1], params[0], params[1], head_dim, k_scale, v_scale)
 
 
@@ -95,8 +110,15 @@ def _check_arch(mode: str, device: torch.device) -> None:
         raise ValueError("KV cache fp8: needs e4m3 conversions (compute capability 8.9 or newer)")
 
 
-def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: KVCache, heads: int,
-          dequantized: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache: KVCache,
+    heads: int,
+    dequantized: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """qkv float16 [B, T, heads + 2 KVH, D]; cos/sin float16 [L', D/2] indexed by the int64 positions `pos` [T].
     Rotates queries and keys, quantizes keys and values into `cache` at the positions and returns the rotated
     queries [B, heads, T, D], plus the dequantized keys and values [B, KVH, T, D] when `dequantized` (what prefill
@@ -108,13 +130,18 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     for name, x in (("qkv", qkv), ("cos", cos), ("sin", sin)):
         cc.check_f16(name, x)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2:
-        raise ValueError(f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each")
+        raise ValueError(
+            f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each"
+        )
     if pos.dtype != torch.int64 or pos.shape != (t,) or pos.device != qkv.device:
-        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on "
-                         f"{qkv.device}")
+        raise ValueError(
+            f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on {qkv.device}"
+        )
     if heads % kvh or d > 256:
-        raise ValueError(f"heads: found {heads} query heads over {kvh} KV heads of {d}, expected a multiple and "
-                         f"head_dim <= 256")
+        raise ValueError(
+            f"heads: found {heads} query heads over {kvh} KV heads of {d}, expected a multiple and "
+            f"head_dim <= 256"
+        )
     _check_arch(cache.mode, qkv.device)
     q = torch.empty(b, heads, t, d, dtype=torch.float16, device=qkv.device)
     deq_k = deq_v = None
@@ -126,11 +153,33 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     warps = THREADS // 32
     blocks = max(1, min(-(-vectors // warps), cc.sm_count(dev) * 8))
     dependent_launch.launch(
-        cc.load_module(SOURCE, device=dev).fn(f"kv_write_{cache.mode}"), (blocks,), (THREADS,),
-        (cc.ptr(qkv), cc.ptr(cos), cc.ptr(sin), cc.ptr(pos), cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v),
-         cc.ptr(cache.k_params), cc.ptr(cache.v_params), cc.ptr(deq_k), cc.ptr(deq_v), cc.i32(b), cc.i32(t),
-         cc.i32(heads), cc.i32(kvh), cc.i32(d), cc.i32(cache.length), cc.f32(cache.k_scale), cc.f32(cache.v_scale)),
-        shared_mem=warps * d, device=dev)
+        cc.load_module(SOURCE, device=dev).fn(f"kv_write_{cache.mode}"),
+        (blocks,),
+        (THREADS,),
+        (
+            cc.ptr(qkv),
+            cc.ptr(cos),
+            cc.ptr(sin),
+            cc.ptr(pos),
+            cc.ptr(q),
+            cc.ptr(cache.k),
+            cc.ptr(cache.v),
+            cc.ptr(cache.k_params),
+            cc.ptr(cache.v_params),
+            cc.ptr(deq_k),
+            cc.ptr(deq_v),
+            cc.i32(b),
+            cc.i32(t),
+            cc.i32(heads),
+            cc.i32(kvh),
+            cc.i32(d),
+            cc.i32(cache.length),
+            cc.f32(cache.k_scale),
+            cc.f32(cache.v_scale),
+        ),
+        shared_mem=warps * d,
+        device=dev,
+    )
     return q, deq_k, deq_v
 
 
@@ -159,20 +208,37 @@ def attention_splits(pairs: int, length: int, sms: int) -> int:
     return max(1, min(-(-sms // pairs), length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
 
 
-def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Tensor | None = None,
-              wpl: int | None = None, kernel: str | None = None, splits: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    pos: torch.Tensor,
+    out: torch.Tensor | None = None,
+    wpl: int | None = None,
+    kernel: str | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
     kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc); `splits`
     the tensor-core form's parts along the cache (default: `attention_splits`)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
-    if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
-            or q.shape[1] // kvh > MAX_GROUP:
-        raise ValueError(f"q: found {list(q.shape)}, expected [{b}, H, 1, {d}] with H a multiple of {kvh} KV heads, "
-                         f"at most {MAX_GROUP} per KV head")
+    if (
+        q.dim() != 4
+        or q.shape[0] != b
+        or q.shape[2] != 1
+        or q.shape[3] != d
+        or q.shape[1] % kvh
+        or q.shape[1] // kvh > MAX_GROUP
+    ):
+        raise ValueError(
+            f"q: found {list(q.shape)}, expected [{b}, H, 1, {d}] with H a multiple of {kvh} KV heads, "
+            f"at most {MAX_GROUP} per KV head"
+        )
     if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
-        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
+        raise ValueError(
+            f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}"
+        )
     _check_arch(cache.mode, q.device)
     h = q.shape[1]
     g = h // kvh
@@ -184,8 +250,10 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
         raise ValueError(f"kernel: found {kernel!r}, expected one of {ATTENTION_KERNELS}")
     if kernel == "tc":
         if cache.mode != "int4" or d not in TC_HEAD_DIMS or wpl is not None:
-            raise ValueError(f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
-                             f"expected int4 and a head dim in {TC_HEAD_DIMS}")
+            raise ValueError(
+                f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
+                f"expected int4 and a head dim in {TC_HEAD_DIMS}"
+            )
         if splits is None:
             splits = attention_splits(b * kvh, length, _sm_count(dev))
         if not 1 <= splits <= TC_MAX_SPLITS:
@@ -194,17 +262,40 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
         fn = module.fn(f"kv_attention_tc_int4_d{d}")
         smem = 4 * TC_WARPS * 8 * (d + 2)
         cc.allow_shared_memory(fn, smem)
-        part = torch.empty(b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        part = torch.empty(
+            b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device
+        )
         dependent_launch.launch(
-            fn, (b * kvh, splits), (32 * TC_WARPS,),
-            (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_params), cc.ptr(cache.v_params),
-             cc.ptr(pos), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(g),
-             cc.f32(LOG2E / math.sqrt(d)), cc.i32(splits), cc.ptr(part)),
-            shared_mem=smem, device=dev)
+            fn,
+            (b * kvh, splits),
+            (32 * TC_WARPS,),
+            (
+                cc.ptr(q),
+                cc.ptr(cache.k),
+                cc.ptr(cache.v),
+                cc.ptr(cache.k_params),
+                cc.ptr(cache.v_params),
+                cc.ptr(pos),
+                cc.ptr(out),
+                cc.i32(h),
+                cc.i32(kvh),
+                cc.i32(length),
+                cc.i32(g),
+                cc.f32(LOG2E / math.sqrt(d)),
+                cc.i32(splits),
+                cc.ptr(part),
+            ),
+            shared_mem=smem,
+            device=dev,
+        )
         if splits > 1:
             dependent_launch.launch(
-                module.fn(f"kv_attention_tc_combine_d{d}"), (b * kvh,), (256,),
-                (cc.ptr(part), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(g), cc.i32(splits)), device=dev)
+                module.fn(f"kv_attention_tc_combine_d{d}"),
+                (b * kvh,),
+                (256,),
+                (cc.ptr(part), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(g), cc.i32(splits)),
+                device=dev,
+            )
         return out
     warps = THREADS // 32
     smem = 4 * max(g * d + g, warps * g * (d + 2))
@@ -213,18 +304,38 @@ def attention(q: torch.Tensor, cache: KVCache, pos: torch.Tensor, out: torch.Ten
         wpl = best
     elif wpl not in (1, best):
         raise ValueError(f"wpl: found {wpl}, expected 1 or {best} for {g} query heads per KV head of {d}")
-    fn = cc.load_module(SOURCE, device=dev).fn(f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else ""))
+    fn = cc.load_module(SOURCE, device=dev).fn(
+        f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else "")
+    )
     cc.allow_shared_memory(fn, smem)
     dependent_launch.launch(
-        fn, (b * kvh,), (THREADS,),
-        (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_params), cc.ptr(cache.v_params), cc.ptr(pos),
-         cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(d), cc.f32(LOG2E / math.sqrt(d)),
-         cc.f32(cache.k_scale), cc.f32(cache.v_scale)),
-        shared_mem=smem, device=dev)
+        fn,
+        (b * kvh,),
+        (THREADS,),
+        (
+            cc.ptr(q),
+            cc.ptr(cache.k),
+            cc.ptr(cache.v),
+            cc.ptr(cache.k_params),
+            cc.ptr(cache.v_params),
+            cc.ptr(pos),
+            cc.ptr(out),
+            cc.i32(h),
+            cc.i32(kvh),
+            cc.i32(length),
+            cc.i32(d),
+            cc.f32(LOG2E / math.sqrt(d)),
+            cc.f32(cache.k_scale),
+            cc.f32(cache.v_scale),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
     return out
 
 
 # -- torch forms (the reference) --------------------------------------------------------------------------------
+
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE in float16 arithmetic (each product and sum rounded, as torch's half ops and the kernel
@@ -234,7 +345,9 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _codes(x: torch.Tensor, mode: str, scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _codes(
+    x: torch.Tensor, mode: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """x float16 [..., D] -> (codes uint8 [..., D], params float16 [..., 2] or None, dequantized float16)."""
     if mode == "fp8":
         xf = x.float()
@@ -259,18 +372,21 @@ def unpack_codes(raw: torch.Tensor, mode: str) -> torch.Tensor:
     return torch.stack([raw & 0xF, raw >> 4], dim=-1).flatten(-2)
 
 
-def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                    heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_write(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: KVCache, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `write` does, in torch: returns (rotated queries, dequantized keys, dequantized values)."""
     kvh = cache.kv_heads
     x = qkv.transpose(1, 2)  # [B, heads + 2 KVH, T, D]
     c, s = cos[pos], sin[pos]
     q = rope_half(x[:, :heads], c, s)
-    k = rope_half(x[:, heads:heads + kvh], c, s)
-    v = x[:, heads + kvh:]
+    k = rope_half(x[:, heads : heads + kvh], c, s)
+    v = x[:, heads + kvh :]
     deq = []
-    for src, codes_t, params_t, scale in ((k, cache.k, cache.k_params, cache.k_scale),
-                                          (v, cache.v, cache.v_params, cache.v_scale)):
+    for src, codes_t, params_t, scale in (
+        (k, cache.k, cache.k_params, cache.k_scale),
+        (v, cache.v, cache.v_params, cache.v_scale),
+    ):
         codes, params, back = _codes(src, cache.mode, scale)
         codes_t[:, :, pos] = pack_codes(codes, cache.mode)
         if params_t is not None:
@@ -281,8 +397,9 @@ def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 
 def dequantize(cache: KVCache, which: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The cached keys or values [B, KVH, L, D] as `dtype`."""
-    raw, params, scale = (cache.k, cache.k_params, cache.k_scale) if which == "k" else \
-        (cache.v, cache.v_params, cache.v_scale)
+    raw, params, scale = (
+        (cache.k, cache.k_params, cache.k_scale) if which == "k" else (cache.v, cache.v_params, cache.v_scale)
+    )
     codes = unpack_codes(raw, cache.mode)
     if cache.mode == "fp8":
         return codes.view(torch.float8_e4m3fn).to(dtype) * scale

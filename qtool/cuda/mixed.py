@@ -111,21 +111,38 @@ class Prepared:
 
     def _need_checkpoint(self, what: str) -> None:
         if not self.has_checkpoint:
-            raise ValueError(f"{what}: this {LAYOUT} layer keeps only its tiled streams on the GPU (prepare it with "
-                             "keep_checkpoint=True)")
+            raise ValueError(
+                f"{what}: this {LAYOUT} layer keeps only its tiled streams on the GPU (prepare it with "
+                "keep_checkpoint=True)"
+            )
 
     def layer_args(self) -> tuple:
         self._need_checkpoint("the checkpoint-layout kernels")
         p = self
-        return (cc.ptr(p.qweight_a), cc.ptr(p.qweight_b), cc.ptr(p.scale_codes), cc.ptr(p.zeros2), cc.ptr(p.s2f),
-                cc.ptr(p.scales4), cc.ptr(p.zeros4), cc.ptr(p.binfo))
+        return (
+            cc.ptr(p.qweight_a),
+            cc.ptr(p.qweight_b),
+            cc.ptr(p.scale_codes),
+            cc.ptr(p.zeros2),
+            cc.ptr(p.s2f),
+            cc.ptr(p.scales4),
+            cc.ptr(p.zeros4),
+            cc.ptr(p.binfo),
+        )
 
     def shape_args(self) -> tuple:
         self._need_checkpoint("the checkpoint-layout kernels")
         p = self
-        return (cc.i32(p.out_features), cc.i32(p.in_features), cc.i32(p.s2), cc.i32(p.s4),
-                cc.i32(p.scale_codes.shape[1]), cc.i32(p.zeros2.shape[1]), cc.i32(p.zeros4.shape[1]),
-                cc.i32(p.scale_group_size))
+        return (
+            cc.i32(p.out_features),
+            cc.i32(p.in_features),
+            cc.i32(p.s2),
+            cc.i32(p.s4),
+            cc.i32(p.scale_codes.shape[1]),
+            cc.i32(p.zeros2.shape[1]),
+            cc.i32(p.zeros4.shape[1]),
+            cc.i32(p.scale_group_size),
+        )
 
     def nbytes(self, layout: str | None = None) -> int:
         """Bytes the GEMV reads of the layer (what it streams and what it looks up) on `layout` ("tiled" or
@@ -134,16 +151,35 @@ class Prepared:
             t = self.tiled
             ts = [t.ta, t.tm, t.tz, t.tt, self.binfo]
         else:
-            ts = [self.qweight_a, self.qweight_b, self.scale_codes, self.zeros2, self.s2f, self.scales4, self.zeros4,
-                  self.binfo]
+            ts = [
+                self.qweight_a,
+                self.qweight_b,
+                self.scale_codes,
+                self.zeros2,
+                self.s2f,
+                self.scales4,
+                self.zeros4,
+                self.binfo,
+            ]
         if self.nnz:
             ts += [self.rowptr, self.ocols, self.ovals]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the view (what it holds in GPU memory)."""
-        ts = [self.binfo, self.rowptr, self.ocols, self.ovals, self.qweight_a, self.qweight_b, self.scale_codes,
-              self.zeros2, self.s2f, self.scales4, self.zeros4]
+        ts = [
+            self.binfo,
+            self.rowptr,
+            self.ocols,
+            self.ovals,
+            self.qweight_a,
+            self.qweight_b,
+            self.scale_codes,
+            self.zeros2,
+            self.s2f,
+            self.scales4,
+            self.zeros4,
+        ]
         if self.tiled is not None:
             ts += [self.tiled.ta, self.tiled.tm, self.tiled.tz, self.tiled.tt]
         return [t for t in ts if t is not None]
@@ -153,8 +189,12 @@ class Prepared:
 class Tiled:
     """The tiled streams of a block4 layer (kernels/mixed_gemv.cu, "The tiled GEMV"), int32 words."""
 
-    ta: torch.Tensor  # [N, K/16]: per 64-channel block, its three 2-bit stripes, then its 4-bit stripe's first half
-    tm: torch.Tensor  # [N, K/32]: per block, its 4-bit stripe's second half; s4 | c0, c1, c2 << 16.. | z4 << 28
+    ta: (
+        torch.Tensor
+    )  # [N, K/16]: per 64-channel block, its three 2-bit stripes, then its 4-bit stripe's first half
+    tm: (
+        torch.Tensor
+    )  # [N, K/32]: per block, its 4-bit stripe's second half; s4 | c0, c1, c2 << 16.. | z4 << 28
     tz: torch.Tensor  # [ceil(N/4), K/64]: the 2-bit zeros of 4 rows
     tt: torch.Tensor  # [N/g2, K/32]: per block, s2 of its three 2-bit stripes and their u
 
@@ -172,7 +212,9 @@ def _fields(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first `count` `bits`-bit codes of each row of packed words [R, W] (LSB-first), int64 [R, count]."""
     per = 32 // bits
     shifts = torch.arange(per, device=words.device) * bits
-    return ((_words(words).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)[:, :count]
+    return ((_words(words).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)[
+        :, :count
+    ]
 
 
 def pair_order(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -185,9 +227,18 @@ def pair_order(words: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def tiled_streams(qweight_a: torch.Tensor, qweight_b: torch.Tensor, scale_codes: torch.Tensor,
-                  zeros2: torch.Tensor, scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor, scales4: torch.Tensor,
-                  zeros4: torch.Tensor, binfo: torch.Tensor, scale_group_size: int) -> Tiled:
+def tiled_streams(
+    qweight_a: torch.Tensor,
+    qweight_b: torch.Tensor,
+    scale_codes: torch.Tensor,
+    zeros2: torch.Tensor,
+    scales_2nd: torch.Tensor,
+    zeros_2nd: torch.Tensor,
+    scales4: torch.Tensor,
+    zeros4: torch.Tensor,
+    binfo: torch.Tensor,
+    scale_group_size: int,
+) -> Tiled:
     """The tiled streams of a block4 layer with group_size 16 (built where qweight_a lives): the same bits as the
     checkpoint tensors but the second-order zero, which takes 4 bits instead of 8, and each block's zeros, padded
     from 6 to 8 bits."""
@@ -195,7 +246,9 @@ def tiled_streams(qweight_a: torch.Tensor, qweight_b: torch.Tensor, scale_codes:
     nblk = k // 64
     dev = qweight_a.device
     info = _words(binfo.to(dev))
-    pos = torch.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)  # [nblk, 4]: 2-bit ones, then 4-bit
+    pos = torch.stack(
+        [(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1
+    )  # [nblk, 4]: 2-bit ones, then 4-bit
     qa = torch.gather(_words(qweight_a).reshape(n, nblk, 4), 2, pos.expand(n, nblk, 4))
     ta = torch.cat([pair_order(qa[..., :3], 2), pair_order(qa[..., 3:], 4)], dim=-1)
     s2 = 3 * nblk
@@ -212,11 +265,20 @@ def tiled_streams(qweight_a: torch.Tensor, qweight_b: torch.Tensor, scale_codes:
     h = scales_2nd.shape[0]
     sc2 = (scales_2nd.to(dev).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).reshape(h, nblk, 3)
     u = zeros_2nd.to(dev).to(torch.int64).reshape(h, nblk, 3)
-    tt = torch.stack([sc2[..., 0] | (sc2[..., 1] << 16),
-                      sc2[..., 2] | (u[..., 0] << 16) | (u[..., 1] << 20) | (u[..., 2] << 24)], dim=-1)
+    tt = torch.stack(
+        [
+            sc2[..., 0] | (sc2[..., 1] << 16),
+            sc2[..., 2] | (u[..., 0] << 16) | (u[..., 1] << 20) | (u[..., 2] << 24),
+        ],
+        dim=-1,
+    )
     del scale_group_size  # rows n..n+3 share tt row n // g2 (g2 a multiple of 4: checked by the caller)
-    return Tiled(ta=_int32(ta).reshape(n, k // 16).contiguous(), tm=_int32(tm).reshape(n, 2 * nblk).contiguous(),
-                 tz=_int32(tz).contiguous(), tt=_int32(tt).reshape(h, 2 * nblk).contiguous())
+    return Tiled(
+        ta=_int32(ta).reshape(n, k // 16).contiguous(),
+        tm=_int32(tm).reshape(n, 2 * nblk).contiguous(),
+        tz=_int32(tz).contiguous(),
+        tt=_int32(tt).reshape(h, 2 * nblk).contiguous(),
+    )
 
 
 def tiled_eligible(block4: bool, scale_group_size: int) -> bool:
@@ -226,8 +288,18 @@ def tiled_eligible(block4: bool, scale_group_size: int) -> bool:
 def add_tiled(p: Prepared, scales_2nd: torch.Tensor, zeros_2nd: torch.Tensor) -> Prepared:
     """`p` with its tiled streams (when the layer has a tiled GEMV)."""
     if tiled_eligible(p.block4, p.scale_group_size):
-        p.tiled = tiled_streams(p.qweight_a, p.qweight_b, p.scale_codes, p.zeros2, scales_2nd, zeros_2nd, p.scales4,
-                                p.zeros4, p.binfo, p.scale_group_size)
+        p.tiled = tiled_streams(
+            p.qweight_a,
+            p.qweight_b,
+            p.scale_codes,
+            p.zeros2,
+            scales_2nd,
+            zeros_2nd,
+            p.scales4,
+            p.zeros4,
+            p.binfo,
+            p.scale_group_size,
+        )
     return p
 
 
@@ -281,16 +353,44 @@ def prepare(layout, device: torch.device | None = None, keep_checkpoint: bool | 
     tiled = tiled_eligible(block4, layout.scale_group_size)
     keep = bool(KEEP_CHECKPOINT) if keep_checkpoint is None else keep_checkpoint
     keep = keep or not tiled or not gemm_capable(dev)
-    qa, qb, sc, z2, s4t, z4 = (on(t) for t in (layout.qweight_a, layout.qweight_b, layout.scale_codes,
-                                               layout.zeros2, layout.scales4, layout.zeros4))
+    qa, qb, sc, z2, s4t, z4 = (
+        on(t)
+        for t in (
+            layout.qweight_a,
+            layout.qweight_b,
+            layout.scale_codes,
+            layout.zeros2,
+            layout.scales4,
+            layout.zeros4,
+        )
+    )
     p = Prepared(
-        binfo=on(binfo), rowptr=on(layout.outlier_rowptr), ocols=on(layout.outlier_cols),
-        ovals=on(layout.outlier_values), in_features=k, out_features=n, scale_group_size=layout.scale_group_size,
-        s2=int(layout.scales_2nd.shape[1]), s4=int(layout.scales4.shape[1]), block4=block4,
-        nnz=int(layout.outlier_values.numel()), source_ptr=layout.qweight_a.data_ptr())
+        binfo=on(binfo),
+        rowptr=on(layout.outlier_rowptr),
+        ocols=on(layout.outlier_cols),
+        ovals=on(layout.outlier_values),
+        in_features=k,
+        out_features=n,
+        scale_group_size=layout.scale_group_size,
+        s2=int(layout.scales_2nd.shape[1]),
+        s4=int(layout.scales4.shape[1]),
+        block4=block4,
+        nnz=int(layout.outlier_values.numel()),
+        source_ptr=layout.qweight_a.data_ptr(),
+    )
     if tiled:
-        p.tiled = tiled_streams(qa, qb, sc, z2, on(layout.scales_2nd), on(layout.zeros_2nd), s4t, z4, p.binfo,
-                                layout.scale_group_size)
+        p.tiled = tiled_streams(
+            qa,
+            qb,
+            sc,
+            z2,
+            on(layout.scales_2nd),
+            on(layout.zeros_2nd),
+            s4t,
+            z4,
+            p.binfo,
+            layout.scale_group_size,
+        )
     if keep:
         p.qweight_a = qa if qa.data_ptr() % 16 == 0 else qa.clone()
         p.qweight_b, p.scale_codes, p.zeros2, p.scales4, p.zeros4 = qb, sc, z2, s4t, z4
@@ -340,9 +440,22 @@ def spmv(x2: torch.Tensor, p: Prepared, out: torch.Tensor) -> torch.Tensor:
     dev = cc.device_index(x2.device)
     fn = cc.load_module(SOURCE, device=dev).fn("mixed_spmv")
     m = x2.shape[0]
-    dependent_launch.launch(fn, (-(-p.out_features // 8),), (256,),
-                            (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(out), cc.i32(m),
-                             cc.i32(p.out_features), cc.i32(p.in_features)), device=dev)
+    dependent_launch.launch(
+        fn,
+        (-(-p.out_features // 8),),
+        (256,),
+        (
+            cc.ptr(p.rowptr),
+            cc.ptr(p.ocols),
+            cc.ptr(p.ovals),
+            cc.ptr(x2),
+            cc.ptr(out),
+            cc.i32(m),
+            cc.i32(p.out_features),
+            cc.i32(p.in_features),
+        ),
+        device=dev,
+    )
     return out
 
 
@@ -375,15 +488,25 @@ def gemv_layout(p: Prepared, layout: str | None = None) -> str:
     if layout not in ("tiled", "direct"):
         raise ValueError(f"layout: found {layout!r}, expected tiled or direct")
     if layout == "tiled" and p.tiled is None:
-        raise ValueError("layout: found 'tiled' for a layer without tiled streams (block4 with g2 a multiple of 4)")
+        raise ValueError(
+            "layout: found 'tiled' for a layer without tiled streams (block4 with g2 a multiple of 4)"
+        )
     if layout == "direct":
         p._need_checkpoint("layout 'direct'")
     return layout
 
 
-def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         outliers: str | None = None, warps: int | None = None, pipe: bool | None = None,
-         layout: str | None = None, rows: int | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    outliers: str | None = None,
+    warps: int | None = None,
+    pipe: bool | None = None,
+    layout: str | None = None,
+    rows: int | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
     `layout` "tiled" or "direct" (gemv_layout); `warps`, `pipe` and `rows` (tiled only) override the tuned
     choices."""
@@ -396,14 +519,30 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     out = cc.f16_out(out, (m, p.out_features), x.device)
     dev = cc.device_index(x.device)
     fuse = outliers == "fused" and p.nnz > 0
-    tail = (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(_bias(bias, p)), cc.ptr(out),
-            cc.i32(m))
+    tail = (
+        cc.ptr(p.rowptr),
+        cc.ptr(p.ocols),
+        cc.ptr(p.ovals),
+        cc.ptr(x2),
+        cc.ptr(_bias(bias, p)),
+        cc.ptr(out),
+        cc.i32(m),
+    )
     if layout == "tiled":
         r, w, piped = tiled_config(p.in_features, mt, rows, warps, pipe)
         name = f"mixed_gemv_tiled_r{r}_m{mt}_f{int(fuse)}_p{int(piped)}"
         t = p.tiled
-        args = (cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo), *tail,
-                cc.i32(p.out_features), cc.i32(p.in_features // 64), cc.i32(p.scale_group_size))
+        args = (
+            cc.ptr(t.ta),
+            cc.ptr(t.tm),
+            cc.ptr(t.tz),
+            cc.ptr(t.tt),
+            cc.ptr(p.binfo),
+            *tail,
+            cc.i32(p.out_features),
+            cc.i32(p.in_features // 64),
+            cc.i32(p.scale_group_size),
+        )
     else:
         if rows not in (None, ROWS):
             raise ValueError(f"rows: found {rows}, expected {ROWS} for the direct layout")
@@ -419,8 +558,9 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     return out.reshape(*lead, p.out_features)
 
 
-def tiled_config(k: int, token_slots: int, rows: int | None = None, warps: int | None = None,
-                 pipe: bool | None = None) -> tuple[int, int, bool]:
+def tiled_config(
+    k: int, token_slots: int, rows: int | None = None, warps: int | None = None, pipe: bool | None = None
+) -> tuple[int, int, bool]:
     """(rows per block, warps per block, prefetch) of the tiled GEMV: the tuned defaults unless given."""
     r = TILED_GEMV_ROWS if rows is None else rows
     if r not in TILED_ROWS or (r != 4 and token_slots != 1):
@@ -429,7 +569,9 @@ def tiled_config(k: int, token_slots: int, rows: int | None = None, warps: int |
     piped = bool(TILED_PIPE) if pipe is None else pipe
     if piped and token_slots != 1:
         if pipe:
-            raise ValueError(f"pipe: found True for {token_slots} token slots, expected it only for one token")
+            raise ValueError(
+                f"pipe: found True for {token_slots} token slots, expected it only for one token"
+            )
         piped = False
     return r, w, piped
 
@@ -442,12 +584,21 @@ def dequantize(p: Prepared, outliers: bool = True) -> torch.Tensor:
     dev = cc.device_index(out.device)
     mod = cc.load_module(SOURCE, device=dev)
     threads = n * (k // 64)
-    cc.launch(mod.fn(f"mixed_dequant_b{int(p.block4)}"), (-(-threads // 256),), (256,),
-              (*p.layer_args(), cc.ptr(out), *p.shape_args()), device=dev)
+    cc.launch(
+        mod.fn(f"mixed_dequant_b{int(p.block4)}"),
+        (-(-threads // 256),),
+        (256,),
+        (*p.layer_args(), cc.ptr(out), *p.shape_args()),
+        device=dev,
+    )
     if outliers and p.nnz:
-        cc.launch(mod.fn("mixed_outliers_into_dense"), (-(-n // 8),), (256,),
-                  (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(out), cc.i32(n), cc.i32(k)),
-                  device=dev)
+        cc.launch(
+            mod.fn("mixed_outliers_into_dense"),
+            (-(-n // 8),),
+            (256,),
+            (cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(out), cc.i32(n), cc.i32(k)),
+            device=dev,
+        )
     return out
 
 
@@ -490,8 +641,15 @@ def gemm_reason(p: Prepared) -> str | None:
     return None
 
 
-def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         tokens: int | None = None, split: int | None = None, outliers: str | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+    outliers: str | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) (+ the outliers) with the tensor-core GEMM on the tiled streams; x fp16 [..., K], any
     number of rows. `tokens` (token tile) and `split` (blocks per output tile along K) override the defaults;
     `outliers` "spmv" (a second kernel) or "fused" (the GEMM's epilogue), by default GEMM_OUTLIERS."""
@@ -532,12 +690,32 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
             ws, cnt = bufs
     t = p.tiled
     cc.launch(
-        fn, (-(-n // GEMM_ROWS), -(-m // tn), split), (256,),
-        (cc.ptr(x2), cc.i32(k), cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo),
-         cc.ptr(p.rowptr if p.nnz and fused else None), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(_bias(bias, p)),
-         cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt), cc.i32(m), cc.i32(n), cc.i32(nblk),
-         cc.i32(p.scale_group_size)),
-        shared_mem=smem, device=dev,
+        fn,
+        (-(-n // GEMM_ROWS), -(-m // tn), split),
+        (256,),
+        (
+            cc.ptr(x2),
+            cc.i32(k),
+            cc.ptr(t.ta),
+            cc.ptr(t.tm),
+            cc.ptr(t.tz),
+            cc.ptr(t.tt),
+            cc.ptr(p.binfo),
+            cc.ptr(p.rowptr if p.nnz and fused else None),
+            cc.ptr(p.ocols),
+            cc.ptr(p.ovals),
+            cc.ptr(_bias(bias, p)),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nblk),
+            cc.i32(p.scale_group_size),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
     if not fused:
         spmv(x2, p, out)
@@ -557,7 +735,9 @@ def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, g
     return "gemm" if gemm_ok else "dequant+cublas"
 
 
-def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path: str | None = None
+) -> torch.Tensor:
     m = x.numel() // max(1, x.shape[-1])
     if path is None:
         path = choose_path(m, x.dtype, 16, p.in_features, gemm_reason(p) is None)
@@ -567,7 +747,9 @@ def linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, path:
         return gemm(x, p, bias)
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
-    raise cc.CudaUnavailableError(f"{LAYOUT}: no CUDA path for M={m}, dtype={x.dtype}; use the reference path")
+    raise cc.CudaUnavailableError(
+        f"{LAYOUT}: no CUDA path for M={m}, dtype={x.dtype}; use the reference path"
+    )
 
 
 def swiglu_interleaved(gu: torch.Tensor) -> torch.Tensor:
@@ -579,31 +761,57 @@ def swiglu_interleaved(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gemv_swiglu(x: torch.Tensor, p: Prepared, out: torch.Tensor | None = None, outliers: str | None = None,
-                pipe: bool | None = None) -> torch.Tensor:
+def gemv_swiglu(
+    x: torch.Tensor,
+    p: Prepared,
+    out: torch.Tensor | None = None,
+    outliers: str | None = None,
+    pipe: bool | None = None,
+) -> torch.Tensor:
     """SwiGLU of a row-interleaved gate/up projection (swiglu_interleaved) for one token, in the tiled GEMV's
     epilogue: [..., K] -> [..., N/2]."""
     if p.tiled is None:
         raise ValueError("layer: found no tiled streams, expected a block4 layer with g2 a multiple of 4")
     if p.out_features % 4:
-        raise ValueError(f"out_features: found {p.out_features}, expected a multiple of 4 (gate/up in runs of four)")
+        raise ValueError(
+            f"out_features: found {p.out_features}, expected a multiple of 4 (gate/up in runs of four)"
+        )
     lead = x.shape[:-1]
     x2 = cc.f16_rows(x, p.in_features, LAYOUT)
     if x2.shape[0] != 1:
         raise ValueError(f"x: found M={x2.shape[0]} tokens, expected 1 for the SwiGLU GEMV")
     fuse = outlier_mode(outliers) == "fused" and p.nnz > 0
     if not fuse and p.nnz:
-        raise ValueError("outliers: found 'spmv', expected 'fused' for the SwiGLU GEMV (it stores no projection)")
+        raise ValueError(
+            "outliers: found 'spmv', expected 'fused' for the SwiGLU GEMV (it stores no projection)"
+        )
     _, w, piped = tiled_config(p.in_features, 1, 4, None, pipe)
     out = cc.f16_out(out, (1, p.out_features // 2), x.device)
     dev = cc.device_index(x.device)
     t = p.tiled
     fn = cc.load_module(SOURCE, device=dev).fn(f"mixed_gemv_tiled_swiglu_m1_f{int(fuse)}_p{int(piped)}")
-    dependent_launch.launch(fn, (p.out_features // 4,), (32 * w,),
-                            (cc.ptr(t.ta), cc.ptr(t.tm), cc.ptr(t.tz), cc.ptr(t.tt), cc.ptr(p.binfo),
-                             cc.ptr(p.rowptr), cc.ptr(p.ocols), cc.ptr(p.ovals), cc.ptr(x2), cc.ptr(out), cc.i32(1),
-                             cc.i32(p.out_features), cc.i32(p.in_features // 64), cc.i32(p.scale_group_size)),
-                            device=dev)
+    dependent_launch.launch(
+        fn,
+        (p.out_features // 4,),
+        (32 * w,),
+        (
+            cc.ptr(t.ta),
+            cc.ptr(t.tm),
+            cc.ptr(t.tz),
+            cc.ptr(t.tt),
+            cc.ptr(p.binfo),
+            cc.ptr(p.rowptr),
+            cc.ptr(p.ocols),
+            cc.ptr(p.ovals),
+            cc.ptr(x2),
+            cc.ptr(out),
+            cc.i32(1),
+            cc.i32(p.out_features),
+            cc.i32(p.in_features // 64),
+            cc.i32(p.scale_group_size),
+        ),
+        device=dev,
+    )
     return out.reshape(*lead, p.out_features // 2)
 
 

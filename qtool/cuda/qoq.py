@@ -26,10 +26,16 @@ from qtool.cuda import compile as cc
 from qtool.cuda import quik, split_k, tma
 from qtool.packing.bitpack import packed_words, unpack_codes
 
-GROUP_SIZES = (32, 64, 128)  # progressive group sizes with a GEMM entry (a k-step of 32 codes lies in one group)
+GROUP_SIZES = (
+    32,
+    64,
+    128,
+)  # progressive group sizes with a GEMM entry (a k-step of 32 codes lies in one group)
 KP_MULTIPLE = quik.KP_MULTIPLE  # activation rows and weight rows padded to whole stages of 128 codes
 ROWS = quik.ROWS
-INT_MM_MIN_ROWS = 32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
+INT_MM_MIN_ROWS = (
+    32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
+)
 # The 4-bit forms: `gemv` (kernels/qoq_gemv.cu) runs a warp per weight row on dp4a for decode (up to
 # GEMV_MAX_TOKENS tokens), from float16 rows it quantizes itself (gemv) or from the codes the producing kernel wrote
 # (gemv_codes); in kernels/quik_gemm.cu, `sync` is the block-synchronous cp.async GEMM with split-K for tiles of up
@@ -49,8 +55,12 @@ GEMV_MAX_TOKENS = 4
 # had them (the fused form at 64, two blocks of 16 rows) or cap them (the codes form at one token at 48: 40 rows per
 # multiprocessor in flight instead of 32).
 GEMV_CONFIG = {
-    ("fused", 1): (16, 4, 0, 2), ("fused", 2): (16, 4, 0, 2), ("fused", 4): (16, 4, 0, 1),
-    ("codes", 1): (8, 4, 1, 5), ("codes", 2): (8, 4, 0, 4), ("codes", 4): (8, 8, 0, 1),
+    ("fused", 1): (16, 4, 0, 2),
+    ("fused", 2): (16, 4, 0, 2),
+    ("fused", 4): (16, 4, 0, 1),
+    ("codes", 1): (8, 4, 1, 5),
+    ("codes", 2): (8, 4, 0, 4),
+    ("codes", 4): (8, 8, 0, 1),
 }
 # At 3-4 tokens the GEMV (its 4-token slot) lost to the GEMM on layers larger than 4096 x 4096 (kernels/NOTES.md):
 # there it takes at most 2 tokens.
@@ -70,8 +80,9 @@ def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
-def unsupported_reason(bits: int, group_size: int | None, in_features: int, out_features: int,
-                       device: torch.device) -> str | None:
+def unsupported_reason(
+    bits: int, group_size: int | None, in_features: int, out_features: int, device: torch.device
+) -> str | None:
     """Why the kernels cannot run this layer here (None when they can)."""
     if device.type != "cuda":
         return f"device {device} (the kernels run on CUDA)"
@@ -102,11 +113,15 @@ class QoQPrepared:
     in_features: int  # K
     out_features: int  # N
     kp: int  # K padded to KP_MULTIPLE: activation code row length
-    wq: torch.Tensor  # 4-bit: int32 [N, kp / 8] nibble streams; 8-bit: int8 [N rounded up to 8, kp] Q8 (signed)
+    wq: (
+        torch.Tensor
+    )  # 4-bit: int32 [N, kp / 8] nibble streams; 8-bit: int8 [N rounded up to 8, kp] Q8 (signed)
     scales: torch.Tensor  # fp16 [N]: s0 (s per-channel)
     zeros: torch.Tensor | None  # int32 [N]: z (W4 per-channel only)
     gwords: torch.Tensor | None  # int32 [N, kp / g]: (128 - z·s1) | s1 << 8 (W4 progressive only)
-    gstage: torch.Tensor | None  # the same words stage-major for the copy engine: [ceil(N / 128), kt, 128, 128 / g]
+    gstage: (
+        torch.Tensor | None
+    )  # the same words stage-major for the copy engine: [ceil(N / 128), kt, 128, 128 / g]
     dest: torch.Tensor  # int32 [K]: byte position of column b's code in an activation row
     oflag: torch.Tensor  # uint8 [ceil(K / 8)], zero: the quantize kernel's outlier bits (QoQ has none)
     bias: torch.Tensor | None  # fp16 [N]
@@ -125,14 +140,24 @@ def group_words(group_scales: torch.Tensor, zeros: torch.Tensor, qmax: torch.Ten
     bad = (s1 < 0) | (s1 > 255) | (c < 0) | (qmax.to(torch.int32) * s1 + c > 255)
     if bool(bad.any()):
         n, g = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"qoq layer: group ({n}, {g}) has s1 {int(s1[n, g])}, z {int(zeros[n, g])} and codes up "
-                         f"to {int(qmax[n, g])}: s1·(q - z) leaves [-128, 127]")
+        raise ValueError(
+            f"qoq layer: group ({n}, {g}) has s1 {int(s1[n, g])}, z {int(zeros[n, g])} and codes up "
+            f"to {int(qmax[n, g])}: s1·(q - z) leaves [-128, 127]"
+        )
     return c | (s1 << 8)
 
 
-def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
-          zeros: torch.Tensor | None, group_scales: torch.Tensor | None, bias: torch.Tensor | None,
-          source_ptr: int = 0) -> QoQPrepared:
+def build(
+    bits: int,
+    group_size: int | None,
+    in_features: int,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    source_ptr: int = 0,
+) -> QoQPrepared:
     """One layer's tensors for the kernels (once per layer), from the checkpoint's fields (formats/qoq.md)."""
     dev = qweight.device
     n, k = qweight.shape[0], in_features
@@ -156,7 +181,7 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
     if bits == 4 and group_size is None:
         zc = zeros.to(device=dev, dtype=torch.int32).reshape(n).contiguous()
     elif bits == 4:
-        codes = unpack_codes(qweight[:, :packed_words(k, 4)].contiguous(), 4, k)
+        codes = unpack_codes(qweight[:, : packed_words(k, 4)].contiguous(), 4, k)
         codes = codes.reshape(n, k // group_size, group_size)
         words = group_words(group_scales.to(dev), zeros.to(dev), codes.amax(dim=2))
         gw = torch.zeros(n, kp // group_size, dtype=torch.int32, device=dev)
@@ -164,11 +189,21 @@ def build(bits: int, group_size: int | None, in_features: int, qweight: torch.Te
         gs = stage_words(gw, group_size)
     dest = positions.to(torch.int32).contiguous()
     return QoQPrepared(
-        bits=bits, group_size=group_size, in_features=k, out_features=n, kp=kp, wq=wq,
-        scales=scales.to(device=dev, dtype=torch.float16).reshape(n).contiguous(), zeros=zc, gwords=gw, gstage=gs,
-        dest=dest, oflag=torch.zeros((k + 7) // 8, dtype=torch.uint8, device=dev),
+        bits=bits,
+        group_size=group_size,
+        in_features=k,
+        out_features=n,
+        kp=kp,
+        wq=wq,
+        scales=scales.to(device=dev, dtype=torch.float16).reshape(n).contiguous(),
+        zeros=zc,
+        gwords=gw,
+        gstage=gs,
+        dest=dest,
+        oflag=torch.zeros((k + 7) // 8, dtype=torch.uint8, device=dev),
         bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
-        source_ptr=source_ptr, maps=tma.MapCache(limit=4),
+        source_ptr=source_ptr,
+        maps=tma.MapCache(limit=4),
     )
 
 
@@ -190,9 +225,17 @@ def prepare(layer: torch.nn.Module) -> QoQPrepared:
     p = getattr(layer, "_qtool_prepared", None)
     if p is not None and p.source_ptr == layer.qweight.data_ptr() and p.wq.device == layer.qweight.device:
         return p
-    p = build(layer.bits, layer.group_size, layer.in_features, layer.qweight, layer.scales,
-              getattr(layer, "zeros", None), getattr(layer, "group_scales", None), layer.bias,
-              source_ptr=layer.qweight.data_ptr())
+    p = build(
+        layer.bits,
+        layer.group_size,
+        layer.in_features,
+        layer.qweight,
+        layer.scales,
+        getattr(layer, "zeros", None),
+        getattr(layer, "group_scales", None),
+        layer.bias,
+        source_ptr=layer.qweight.data_ptr(),
+    )
     layer._qtool_prepared = p
     return p
 
@@ -216,13 +259,17 @@ def _module(dev: torch.device) -> cc.KernelModule:
     return cc.load_module(quik.SOURCE, device=cc.device_index(dev))
 
 
-def quantize_activations(x2: torch.Tensor, p: QoQPrepared, out: QoQActivations | None = None) -> QoQActivations:
+def quantize_activations(
+    x2: torch.Tensor, p: QoQPrepared, out: QoQActivations | None = None
+) -> QoQActivations:
     """Per-token symmetric INT8 codes of fp16 `x2` [M, K], their scales and sums, in one read of each row (a block
     per row: quik's quantize kernel in its symmetric mode)."""
     if x2.dtype != torch.float16:
         raise ValueError(f"qoq quantize kernel: found activations {x2.dtype}, expected float16")
     if x2.dim() != 2 or x2.shape[1] != p.in_features:
-        raise ValueError(f"qoq quantize kernel: found activations {list(x2.shape)}, expected [M, {p.in_features}]")
+        raise ValueError(
+            f"qoq quantize kernel: found activations {list(x2.shape)}, expected [M, {p.in_features}]"
+        )
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
@@ -236,10 +283,24 @@ def quantize_activations(x2: torch.Tensor, p: QoQPrepared, out: QoQActivations |
     fn = _module(dev).fn(f"qoq_quantize_t{threads}_p{ppt}")
     cc.allow_shared_memory(fn, p.kp)
     quik._dependent_launch(
-        fn, (m,), (threads,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.i32(int(vec)), cc.ptr(p.dest), cc.ptr(p.oflag),
-         cc.i32(p.kp), cc.ptr(out.codes), cc.ptr(out.scale), cc.ptr(out.rowsum)),
-        shared_mem=p.kp, device=cc.device_index(dev),
+        fn,
+        (m,),
+        (threads,),
+        (
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.i32(m),
+            cc.i32(k),
+            cc.i32(int(vec)),
+            cc.ptr(p.dest),
+            cc.ptr(p.oflag),
+            cc.i32(p.kp),
+            cc.ptr(out.codes),
+            cc.ptr(out.scale),
+            cc.ptr(out.rowsum),
+        ),
+        shared_mem=p.kp,
+        device=cc.device_index(dev),
     )
     return out
 
@@ -266,8 +327,15 @@ def scheme(p: QoQPrepared) -> str:
     return "pc" if p.group_size is None else f"g{p.group_size}"
 
 
-def gemm_kernel(m: int, n: int, a: QoQActivations, p: QoQPrepared, tokens: int | None = None,
-                split: int | None = None, sms: int = 132) -> tuple[str, int, int | None, int | None]:
+def gemm_kernel(
+    m: int,
+    n: int,
+    a: QoQActivations,
+    p: QoQPrepared,
+    tokens: int | None = None,
+    split: int | None = None,
+    sms: int = 132,
+) -> tuple[str, int, int | None, int | None]:
     """(form, token tile, K split, whole tiles) for M tokens of quantized activations (None: the form's own
     choice). `sync` wherever the copy engine cannot address the operands, wherever a K split is asked for without
     a form, and up to GEMV_MAX_TOKENS (a model calls the GEMV there). The rule from the H100 sweep
@@ -291,8 +359,10 @@ def gemm_kernel(m: int, n: int, a: QoQActivations, p: QoQPrepared, tokens: int |
             tiles = rows * ((m + 63) // 64)
             kt = p.kp // KP_MULTIPLE
             return "ws", 64, max(1, min(sms // tiles, kt // WS_SPLIT_MIN_STAGES, WS_SPLIT_MAX)), 0
-        tn = min((t for t in WSP_STAGE_COST if t <= max(m, 128)),
-                 key=lambda t: (-(-rows * ((m + t - 1) // t) // sms) * WSP_STAGE_COST[t], t))
+        tn = min(
+            (t for t in WSP_STAGE_COST if t <= max(m, 128)),
+            key=lambda t: (-(-rows * ((m + t - 1) // t) // sms) * WSP_STAGE_COST[t], t),
+        )
         return "wsp", tn, None, None
     fits = [tn for tn in (64, 128, 256) if rows * ((m + tn - 1) // tn) <= sms]
     if not fits:
@@ -301,9 +371,18 @@ def gemm_kernel(m: int, n: int, a: QoQActivations, p: QoQPrepared, tokens: int |
     return ("wsp" if tn == 256 else "ws"), tn, None, None
 
 
-def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
-         tokens: int | None = None, split: int | None = None, kernel: str | None = None,
-         blocks: int | None = None, whole: int | None = None) -> torch.Tensor:
+def gemm(
+    a: QoQActivations,
+    p: QoQPrepared,
+    out: torch.Tensor | None = None,
+    *,
+    raw: bool = False,
+    tokens: int | None = None,
+    split: int | None = None,
+    kernel: str | None = None,
+    blocks: int | None = None,
+    whole: int | None = None,
+) -> torch.Tensor:
     """fp16 [M, N] = the layout's y from quantized activations; `raw`: the exact int32 products acc [M, N] instead.
     Up to gemv_tokens(p) tokens the codes GEMV runs (gemv_codes). `tokens` (tile: 64, 128, 256), `split` (blocks
     per tile along K: of `sync`, fp16 output at tiles of at most 128 tokens; of `ws`, any output, up to
@@ -319,8 +398,13 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
         return out
     if p.bits == 8:
         return _gemm_w8(a, p, out, raw)
-    if kernel == "gemv" or (kernel is None and tokens is None and split is None and m <= gemv_tokens(p)
-                            and gemv_codes_reason(a, p) is None):
+    if kernel == "gemv" or (
+        kernel is None
+        and tokens is None
+        and split is None
+        and m <= gemv_tokens(p)
+        and gemv_codes_reason(a, p) is None
+    ):
         return gemv_codes(a, p, out, raw=raw)
     if tokens is not None and tokens not in quik.GEMM_TILES:
         raise ValueError(f"tokens: found {tokens}, expected one of {sorted(quik.GEMM_TILES)}")
@@ -340,8 +424,10 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
         if split is not None and not 1 <= split <= WS_SPLIT_MAX:
             raise ValueError(f"split: found {split}, expected 1..{WS_SPLIT_MAX} blocks per tile")
         if (kernel, tn) not in WS_RINGS:
-            raise ValueError(f"tokens: found {tn} for kernel {kernel}, expected one of "
-                             f"{sorted(t for k, t in WS_RINGS if k == kernel)}")
+            raise ValueError(
+                f"tokens: found {tn} for kernel {kernel}, expected one of "
+                f"{sorted(t for k, t in WS_RINGS if k == kernel)}"
+            )
         return _gemm_ws(a, p, out, raw, kernel, tn, kt, idx, blocks, split or 1, whole)
     stages = quik.GEMM_TILES[tn]
     fn = _module(dev).fn(f"qoq_gemm_{scheme(p)}_n{tn}_s{stages}")
@@ -351,11 +437,16 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
     tiles = grid[0] * grid[1]
     splittable = not raw and tn <= quik.SPLIT_MAX_TOKENS
     if split is None:
-        split = quik.gemm_split(tiles, kt, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx)) if splittable \
+        split = (
+            quik.gemm_split(tiles, kt, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx))
+            if splittable
             else 1
+        )
     elif split != 1 and not splittable:
-        raise ValueError(f"split: found {split}; K is split only for the fp16 output at tiles of at most "
-                         f"{quik.SPLIT_MAX_TOKENS} tokens (here {tn}{', raw sums' if raw else ''})")
+        raise ValueError(
+            f"split: found {split}; K is split only for the fp16 output at tiles of at most "
+            f"{quik.SPLIT_MAX_TOKENS} tokens (here {tn}{', raw sums' if raw else ''})"
+        )
     if not 1 <= split <= kt:
         raise ValueError(f"split: found {split}, expected 1..{kt} (the layer's stages)")
     ws = cnt = None
@@ -367,12 +458,32 @@ def gemm(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, 
             ws, cnt = bufs
     gw = p.gwords
     quik._dependent_launch(
-        fn, grid + (split,), (256,),
-        (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)), cc.ptr(gw),
-         cc.i32(0 if gw is None else 4 * gw.stride(0)), cc.i32(m), cc.i32(n), cc.i32(kt), cc.ptr(a.scale),
-         cc.ptr(a.rowsum), cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out),
-         cc.i32(n), cc.i32(int(raw)), cc.ptr(ws), cc.ptr(cnt)),
-        shared_mem=smem, device=idx,
+        fn,
+        grid + (split,),
+        (256,),
+        (
+            cc.ptr(a.codes),
+            cc.i32(a.codes.stride(0)),
+            cc.ptr(p.wq),
+            cc.i32(4 * p.wq.stride(0)),
+            cc.ptr(gw),
+            cc.i32(0 if gw is None else 4 * gw.stride(0)),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(kt),
+            cc.ptr(a.scale),
+            cc.ptr(a.rowsum),
+            cc.ptr(p.scales),
+            cc.ptr(p.zeros),
+            cc.ptr(None if raw else p.bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.i32(int(raw)),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+        ),
+        shared_mem=smem,
+        device=idx,
     )
     return out
 
@@ -383,8 +494,19 @@ def ws_stage_bytes(tn: int, group_size: int | None) -> int:
     return tn * 128 + ROWS * 64 + gwb
 
 
-def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, kernel: str, tn: int, kt: int,
-             idx: int, blocks: int | None, split: int = 1, whole: int | None = None) -> torch.Tensor:
+def _gemm_ws(
+    a: QoQActivations,
+    p: QoQPrepared,
+    out: torch.Tensor,
+    raw: bool,
+    kernel: str,
+    tn: int,
+    kt: int,
+    idx: int,
+    blocks: int | None,
+    split: int = 1,
+    whole: int | None = None,
+) -> torch.Tensor:
     m, n = a.codes.shape[0], p.out_features
     stages = WS_RINGS[(kernel, tn)]
     sb = ws_stage_bytes(tn, p.group_size)
@@ -409,11 +531,33 @@ def _gemm_ws(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool, ke
         else:
             ws, cnt = bufs
     quik._dependent_launch(
-        fn, (dp + (tiles - dp) * split,), (384,),
-        (ma, mw, mo, cc.ptr(p.gstage), cc.i32(m), cc.i32(n), cc.i32(kt), cc.ptr(a.scale), cc.ptr(a.rowsum),
-         cc.ptr(p.scales), cc.ptr(p.zeros), cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n),
-         cc.i32(int(raw)), cc.i32(int(tmo)), cc.i32(dp), cc.i32(split), cc.ptr(ws), cc.ptr(cnt)),
-        shared_mem=smem, device=idx,
+        fn,
+        (dp + (tiles - dp) * split,),
+        (384,),
+        (
+            ma,
+            mw,
+            mo,
+            cc.ptr(p.gstage),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(kt),
+            cc.ptr(a.scale),
+            cc.ptr(a.rowsum),
+            cc.ptr(p.scales),
+            cc.ptr(p.zeros),
+            cc.ptr(None if raw else p.bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.i32(int(raw)),
+            cc.i32(int(tmo)),
+            cc.i32(dp),
+            cc.i32(split),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+        ),
+        shared_mem=smem,
+        device=idx,
     )
     return out
 
@@ -449,14 +593,27 @@ def gemv_codes_reason(a: QoQActivations, p: QoQPrepared) -> str | None:
 
 
 def _gemv_module(dev: torch.device, tuning: bool = False) -> cc.KernelModule:
-    opts = tuple(f"-DQG_{form[0].upper()}{mt}_{field}={v}" for (form, mt), cfg in GEMV_CONFIG.items()
-                 for field, v in zip(("W", "U", "GS", "B"), cfg, strict=True))
-    return cc.load_module(GEMV_SOURCE, extra_options=opts + (("-DQOQ_GEMV_TUNING=1",) if tuning else ()),
-                          device=cc.device_index(dev))
+    opts = tuple(
+        f"-DQG_{form[0].upper()}{mt}_{field}={v}"
+        for (form, mt), cfg in GEMV_CONFIG.items()
+        for field, v in zip(("W", "U", "GS", "B"), cfg, strict=True)
+    )
+    return cc.load_module(
+        GEMV_SOURCE,
+        extra_options=opts + (("-DQOQ_GEMV_TUNING=1",) if tuning else ()),
+        device=cc.device_index(dev),
+    )
 
 
-def _gemv_launch(form: str, x2: torch.Tensor | None, a: QoQActivations | None, p: QoQPrepared, out: torch.Tensor,
-                 raw: bool, variant: tuple[str, int] | None) -> torch.Tensor:
+def _gemv_launch(
+    form: str,
+    x2: torch.Tensor | None,
+    a: QoQActivations | None,
+    p: QoQPrepared,
+    out: torch.Tensor,
+    raw: bool,
+    variant: tuple[str, int] | None,
+) -> torch.Tensor:
     m = (x2 if x2 is not None else a.codes).shape[0]
     dev = out.device
     mt = next(t for t in GEMV_TOKENS if m <= t)
@@ -471,20 +628,53 @@ def _gemv_launch(form: str, x2: torch.Tensor | None, a: QoQActivations | None, p
     cc.allow_shared_memory(fn, smem)
     gw = p.gwords
     n = p.out_features
-    act = (cc.ptr(None), cc.i32(0), cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(a.scale), cc.ptr(a.rowsum)) \
-        if x2 is None else (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(None), cc.i32(0), cc.ptr(None), cc.ptr(None))
+    act = (
+        (
+            cc.ptr(None),
+            cc.i32(0),
+            cc.ptr(a.codes),
+            cc.i32(a.codes.stride(0)),
+            cc.ptr(a.scale),
+            cc.ptr(a.rowsum),
+        )
+        if x2 is None
+        else (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(None), cc.i32(0), cc.ptr(None), cc.ptr(None))
+    )
     quik._dependent_launch(
-        fn, ((n + warps - 1) // warps,), (32 * warps,),
-        act + (cc.i32(m), cc.i32(p.in_features), cc.i32(p.kp), cc.ptr(p.wq), cc.i32(p.wq.stride(0)), cc.ptr(gw),
-               cc.i32(0 if gw is None else gw.stride(0)), cc.i32(n), cc.ptr(p.scales), cc.ptr(p.zeros),
-               cc.ptr(None if raw else p.bias), cc.ptr(out), cc.i32(n), cc.i32(int(raw))),
-        shared_mem=smem, device=cc.device_index(dev),
+        fn,
+        ((n + warps - 1) // warps,),
+        (32 * warps,),
+        act
+        + (
+            cc.i32(m),
+            cc.i32(p.in_features),
+            cc.i32(p.kp),
+            cc.ptr(p.wq),
+            cc.i32(p.wq.stride(0)),
+            cc.ptr(gw),
+            cc.i32(0 if gw is None else gw.stride(0)),
+            cc.i32(n),
+            cc.ptr(p.scales),
+            cc.ptr(p.zeros),
+            cc.ptr(None if raw else p.bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.i32(int(raw)),
+        ),
+        shared_mem=smem,
+        device=cc.device_index(dev),
     )
     return out
 
 
-def gemv(x2: torch.Tensor, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
-         variant: tuple[str, int] | None = None) -> torch.Tensor:
+def gemv(
+    x2: torch.Tensor,
+    p: QoQPrepared,
+    out: torch.Tensor | None = None,
+    *,
+    raw: bool = False,
+    variant: tuple[str, int] | None = None,
+) -> torch.Tensor:
     """fp16 [M, N] (or `raw` int32 products) from float16 rows x2 [M, K], M <= GEMV_MAX_TOKENS, quantizing them
     inside the GEMV (the codes, s_x and sums are the quantize kernel's, bit for bit). `variant`: (entry, warps) of
     the measurement build instead of the dispatched entry."""
@@ -499,8 +689,14 @@ def gemv(x2: torch.Tensor, p: QoQPrepared, out: torch.Tensor | None = None, *, r
     return _gemv_launch("fused", x2, None, p, out, raw, variant)
 
 
-def gemv_codes(a: QoQActivations, p: QoQPrepared, out: torch.Tensor | None = None, *, raw: bool = False,
-               variant: tuple[str, int] | None = None) -> torch.Tensor:
+def gemv_codes(
+    a: QoQActivations,
+    p: QoQPrepared,
+    out: torch.Tensor | None = None,
+    *,
+    raw: bool = False,
+    variant: tuple[str, int] | None = None,
+) -> torch.Tensor:
     """fp16 [M, N] (or `raw` int32 products) from activation codes, s_x and sums made beforehand (by the kernel that
     produced the rows, or the quantize kernel), M <= GEMV_MAX_TOKENS: what gemm() runs at decode sizes."""
     reason = gemv_codes_reason(a, p)
@@ -526,9 +722,11 @@ def _gemm_w8(a: QoQActivations, p: QoQPrepared, out: torch.Tensor, raw: bool) ->
     m = a.codes.shape[0]
     codes = a.codes
     if m < INT_MM_MIN_ROWS or m % 8:
-        codes = torch.zeros(max(INT_MM_MIN_ROWS, _round_up(m, 8)), p.kp, dtype=torch.int8, device=codes.device)
+        codes = torch.zeros(
+            max(INT_MM_MIN_ROWS, _round_up(m, 8)), p.kp, dtype=torch.int8, device=codes.device
+        )
         codes[:m] = a.codes
-    acc = torch._int_mm(codes, p.wq.t())[:m, :p.out_features]
+    acc = torch._int_mm(codes, p.wq.t())[:m, : p.out_features]
     out.copy_(acc if raw else epilogue_torch(acc, a.scale, p))
     return out
 
@@ -537,7 +735,9 @@ def linear(x: torch.Tensor, p: QoQPrepared, bias: torch.Tensor | None = None) ->
     """y = x Wᵀ (+ bias) through the kernels; `bias` overrides the prepared one."""
     x2 = x.reshape(-1, p.in_features)
     if bias is not None:
-        p = QoQPrepared(**{**p.__dict__, "bias": bias.detach().to(device=x.device, dtype=torch.float16).contiguous()})
+        p = QoQPrepared(
+            **{**p.__dict__, "bias": bias.detach().to(device=x.device, dtype=torch.float16).contiguous()}
+        )
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if x2.shape[0] <= gemv_tokens(p) and gemv_reason(x2, p) is None:

@@ -54,7 +54,9 @@ WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile
 SPLIT_MAX_TOKENS = 128
 SPLIT_MIN_STAGES = 4  # stages (128 codes or 64 outlier columns) per split block, at least
 SPLIT_MAX = 16
-QUANT_MAX_K = 32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
+QUANT_MAX_K = (
+    32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
+)
 # (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
 # block: a block per row, row in registers; warp: a warp per row, rows staged in shared memory by bulk copies
@@ -78,7 +80,9 @@ WSQ_MIN_ROUNDS = 6
 WSQ_STAGES = 4
 WSQ_EPILOGUE_BUFFERS = 2
 WSQ_COPY_WARPS = 3
-SMEM_STATIC_SLACK = 5 * 1024  # the warp-specialized kernels' static shared arrays (s_x, z_x + h s_x, barriers)
+SMEM_STATIC_SLACK = (
+    5 * 1024
+)  # the warp-specialized kernels' static shared arrays (s_x, z_x + h s_x, barriers)
 
 
 def _byte_offsets(columns: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,12 @@ class QuikPrepared:
     outlier_idx: torch.Tensor  # int32 [ko]
     dest: torch.Tensor  # int32 [K]: byte position of a base column's code, -(1 + slot) for an outlier column
     oflag: torch.Tensor  # uint8 [ceil(K/8) rounded up to 128]: one bit per column, set for outliers
-    osrc: torch.Tensor  # int16 [kop]: byte offset (2 * column, as uint16 bits) of each outlier column, 0 past ko
-    src: torch.Tensor  # int16 [kp]: byte offset (2 * column, as uint16 bits) of the base column whose code sits at
+    osrc: (
+        torch.Tensor
+    )  # int16 [kop]: byte offset (2 * column, as uint16 bits) of each outlier column, 0 past ko
+    src: (
+        torch.Tensor
+    )  # int16 [kp]: byte offset (2 * column, as uint16 bits) of the base column whose code sits at
     # each position, -1 (0xFFFF) for a hole (code 0)
     omask: torch.Tensor  # int16 [8 * ceil(K/8)]: -1 (0xFFFF) for outlier columns, 0 for base columns
     bias: torch.Tensor | None  # fp16 [N]
@@ -142,9 +150,19 @@ def act_positions(kb: int, bits: int, device: torch.device | str | None = None) 
     return b
 
 
-def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
-          wreduced: torch.Tensor, outlier_weight: torch.Tensor, base_idx: torch.Tensor, outlier_idx: torch.Tensor,
-          bias: torch.Tensor | None, source_ptr: int = 0) -> QuikPrepared:
+def build(
+    bits: int,
+    act_bits: int,
+    in_features: int,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    wreduced: torch.Tensor,
+    outlier_weight: torch.Tensor,
+    base_idx: torch.Tensor,
+    outlier_idx: torch.Tensor,
+    bias: torch.Tensor | None,
+    source_ptr: int = 0,
+) -> QuikPrepared:
     """One layer's tensors for the kernels (once per layer): padded where needed, plus the quantize kernel's column
     map. `qweight` holds the checkpoint's int32 code words [N, >= kb*bits/32], `outlier_weight` [N, ko]."""
     dev = qweight.device
@@ -187,20 +205,44 @@ def build(bits: int, act_bits: int, in_features: int, qweight: torch.Tensor, sca
     if ko:
         osrc[:ko] = _byte_offsets(outlier_idx)
     return QuikPrepared(
-        bits=bits, act_bits=act_bits, in_features=k, out_features=n, kb=kb, kp=kp, ko=ko, kop=kop,
-        wq=wq, scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
+        bits=bits,
+        act_bits=act_bits,
+        in_features=k,
+        out_features=n,
+        kb=kb,
+        kp=kp,
+        ko=ko,
+        kop=kop,
+        wq=wq,
+        scales=scales.to(device=dev, dtype=torch.float16).contiguous(),
         wreduced=wreduced.to(device=dev, dtype=torch.float32).contiguous(),
         wo=wo,
-        base_idx=base_idx, outlier_idx=outlier_idx, dest=dest, oflag=oflag, osrc=osrc, src=src, omask=omask,
+        base_idx=base_idx,
+        outlier_idx=outlier_idx,
+        dest=dest,
+        oflag=oflag,
+        osrc=osrc,
+        src=src,
+        omask=omask,
         bias=None if bias is None else bias.detach().to(device=dev, dtype=torch.float16).contiguous(),
         source_ptr=source_ptr,
     )
 
 
 def prepare(layer: torch.nn.Module) -> QuikPrepared:
-    return build(layer.bits, layer.act_bits, layer.in_features, layer.qweight, layer.scales, layer.wreduced,
-                 layer.outlier_weight, layer.base_idx, layer.outlier_idx, layer.bias,
-                 source_ptr=layer.qweight.data_ptr())
+    return build(
+        layer.bits,
+        layer.act_bits,
+        layer.in_features,
+        layer.qweight,
+        layer.scales,
+        layer.wreduced,
+        layer.outlier_weight,
+        layer.base_idx,
+        layer.outlier_idx,
+        layer.bias,
+        source_ptr=layer.qweight.data_ptr(),
+    )
 
 
 def _module(dev: torch.device) -> cc.KernelModule:
@@ -235,8 +277,9 @@ def quant_shape(k: int) -> tuple[int, int]:
 
 def _smem_optin(device: int) -> int:
     if device not in _SMEM_OPTIN:
-        _SMEM_OPTIN[device] = int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
-                                          227 * 1024))
+        _SMEM_OPTIN[device] = int(
+            getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 227 * 1024)
+        )
     return _SMEM_OPTIN[device]
 
 
@@ -280,9 +323,17 @@ def quantize_kernel(m: int, k: int, vec: bool, sms: int, smem_optin: int) -> str
     return "warp" if vec and warp_plan(m, k, sms, smem_optin)[1] > 0 else "block"
 
 
-def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None = None, *,
-             kernel: str | None = None, stages: int = QUANT_WARP_STAGES, team: int | None = None,
-             teams: int | None = None, blocks: int | None = None) -> QuantizedActivations:
+def quantize(
+    x2: torch.Tensor,
+    p: QuikPrepared,
+    out: QuantizedActivations | None = None,
+    *,
+    kernel: str | None = None,
+    stages: int = QUANT_WARP_STAGES,
+    team: int | None = None,
+    teams: int | None = None,
+    blocks: int | None = None,
+) -> QuantizedActivations:
     """Fused split + per-token quantization of fp16 `x2` [M, K]: one read of each row. `kernel`, `stages`, `team`
     (warps per row), `teams` (per block) and `blocks` override the choice (the bench's A/B runs; tests: many rows
     per team on small inputs)."""
@@ -309,27 +360,56 @@ def quantize(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations | None
     cc.allow_shared_memory(fn, smem)
     # A block per row: a persistent grid with the next row prefetched was slower (kernels/NOTES.md).
     _dependent_launch(
-        fn, (m,), (threads,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.i32(int(vec)), cc.ptr(p.dest), cc.ptr(p.oflag),
-         cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes), cc.ptr(out.outliers),
-         cc.ptr(out.scale), cc.ptr(out.zero)),
-        shared_mem=smem, device=dev.index,
+        fn,
+        (m,),
+        (threads,),
+        (
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.i32(m),
+            cc.i32(k),
+            cc.i32(int(vec)),
+            cc.ptr(p.dest),
+            cc.ptr(p.oflag),
+            cc.i32(p.kb),
+            cc.i32(p.kp),
+            cc.i32(p.ko),
+            cc.i32(p.kop),
+            cc.ptr(out.codes),
+            cc.ptr(out.outliers),
+            cc.ptr(out.scale),
+            cc.ptr(out.zero),
+        ),
+        shared_mem=smem,
+        device=dev.index,
     )
     return out
 
 
-def _quantize_warp(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations, vec: bool, stages: int,
-                   team: int | None, teams: int | None, blocks: int | None) -> None:
+def _quantize_warp(
+    x2: torch.Tensor,
+    p: QuikPrepared,
+    out: QuantizedActivations,
+    vec: bool,
+    stages: int,
+    team: int | None,
+    teams: int | None,
+    blocks: int | None,
+) -> None:
     m, k = x2.shape
     dev = x2.device.index
     if not vec:
         raise ValueError("quik quantize kernel 'warp': rows must be 16-byte aligned with K % 8 == 0")
     if stages not in QUANT_WARP_STAGE_CHOICES:
-        raise ValueError(f"quik quantize kernel 'warp': found {stages} row buffers per team, expected one of "
-                         f"{QUANT_WARP_STAGE_CHOICES}")
+        raise ValueError(
+            f"quik quantize kernel 'warp': found {stages} row buffers per team, expected one of "
+            f"{QUANT_WARP_STAGE_CHOICES}"
+        )
     if team not in (None, *QUANT_WARP_TEAM_CHOICES):
-        raise ValueError(f"quik quantize kernel 'warp': found teams of {team} warps, expected one of "
-                         f"{QUANT_WARP_TEAM_CHOICES}")
+        raise ValueError(
+            f"quik quantize kernel 'warp': found teams of {team} warps, expected one of "
+            f"{QUANT_WARP_TEAM_CHOICES}"
+        )
     sms = cc.sm_count(dev)
     if team is None:
         team, planned = warp_plan(m, k, sms, _smem_optin(dev))
@@ -337,17 +417,36 @@ def _quantize_warp(x2: torch.Tensor, p: QuikPrepared, out: QuantizedActivations,
     most = quant_teams(k, _smem_optin(dev), stages, team)
     t = teams or min(most, -(-m // sms))
     if not 1 <= t <= most:
-        raise ValueError(f"quik quantize kernel 'warp': found {t} teams per block, expected 1..{most} for K = {k}")
+        raise ValueError(
+            f"quik quantize kernel 'warp': found {t} teams per block, expected 1..{most} for K = {k}"
+        )
     blocks = min(blocks or sms, -(-m // t))
     fn = _module(x2.device).fn(f"quik_quantize_warp_a{p.act_bits}_s{stages}_t{team}")
     smem = _round_up(2 * p.kp, 128) + _round_up(2 * k, 128) + t * stages * _round_up(2 * k, 128)
     cc.allow_shared_memory(fn, smem)
     _dependent_launch(
-        fn, (blocks,), (32 * team * t,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(m), cc.i32(k), cc.ptr(p.src), cc.ptr(p.omask),
-         cc.ptr(p.outlier_idx), cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(out.codes),
-         cc.ptr(out.outliers), cc.ptr(out.scale), cc.ptr(out.zero)),
-        shared_mem=smem, device=dev,
+        fn,
+        (blocks,),
+        (32 * team * t,),
+        (
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.i32(m),
+            cc.i32(k),
+            cc.ptr(p.src),
+            cc.ptr(p.omask),
+            cc.ptr(p.outlier_idx),
+            cc.i32(p.kb),
+            cc.i32(p.kp),
+            cc.i32(p.ko),
+            cc.i32(p.kop),
+            cc.ptr(out.codes),
+            cc.ptr(out.outliers),
+            cc.ptr(out.scale),
+            cc.ptr(out.zero),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
 
 
@@ -415,8 +514,9 @@ def gemm_split(tiles: int, steps: int, blocks_per_sm: int, sms: int) -> int:
     return max(1, min(blocks_per_sm * sms // max(1, tiles), steps // SPLIT_MIN_STAGES, SPLIT_MAX))
 
 
-def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
-                      device: int | None) -> None:
+def _dependent_launch(
+    fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int, device: int | None
+) -> None:
     """Every quik kernel waits for the kernel ahead (griddepcontrol) before it reads what that kernel may write or
     writes what it may read, so they are launched as dependents: a GEMM's launch, prologue and first weight copies
     overlap the quantize kernel, and a quantize kernel's launch and column-map loads overlap the end of whatever
@@ -424,9 +524,17 @@ def _dependent_launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
     dependent_launch.launch(fn, grid, block, args, shared_mem=shared_mem, device=device)
 
 
-def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torch.Tensor | None = None,
-         tokens: int | None = None, kernel: str | None = None, blocks: int | None = None,
-         split: int | None = None, stages: int | None = None) -> torch.Tensor:
+def gemm(
+    a: QuantizedActivations,
+    p: QuikPrepared,
+    fused: bool = True,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    kernel: str | None = None,
+    blocks: int | None = None,
+    split: int | None = None,
+    stages: int | None = None,
+) -> torch.Tensor:
     """`fused`: fp16 [M, N] = Eq. 1 epilogue of the integer product + outlier product + bias. Otherwise the raw
     int32 accumulators [M, N] (no outliers, no bias). `tokens` and `kernel` override the dispatch (tests, bench);
     `blocks` caps the persistent kernel's grid (tests: several tiles per block on small problems); `split` sets the
@@ -454,17 +562,37 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         raise ValueError(f"kernel gemv: found {m} tokens, expected at most {GEMV_MAX_TOKENS}")
     kt = p.kp // KP_MULTIPLE if p.kb > 0 else 0
     kto = p.kop // KO_MULTIPLE if fused else 0
-    tail = (cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto),
-            cc.ptr(a.scale), cc.ptr(a.zero), cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias if fused else None),
-            cc.ptr(out), cc.i32(n), cc.i32(0 if fused else 1))
+    tail = (
+        cc.i32(m),
+        cc.i32(n),
+        cc.i32(kt),
+        cc.i32(kto),
+        cc.ptr(a.scale),
+        cc.ptr(a.zero),
+        cc.ptr(p.scales),
+        cc.ptr(p.wreduced),
+        cc.ptr(p.bias if fused else None),
+        cc.ptr(out),
+        cc.i32(n),
+        cc.i32(0 if fused else 1),
+    )
     grid = ((n + ROWS - 1) // ROWS, (m + tn - 1) // tn)
     # the operands as pointers and byte strides, for the kernels that read them without tensor maps
-    operands = (cc.ptr(a.codes), cc.i32(a.codes.stride(0)), cc.ptr(p.wq), cc.i32(4 * p.wq.stride(0)),
-                cc.ptr(a.outliers), cc.i32(2 * a.outliers.stride(0)), cc.ptr(p.wo), cc.i32(2 * p.wo.stride(0)))
+    operands = (
+        cc.ptr(a.codes),
+        cc.i32(a.codes.stride(0)),
+        cc.ptr(p.wq),
+        cc.i32(4 * p.wq.stride(0)),
+        cc.ptr(a.outliers),
+        cc.i32(2 * a.outliers.stride(0)),
+        cc.ptr(p.wo),
+        cc.i32(2 * p.wo.stride(0)),
+    )
     if kernel == "gemv":
         fn = _module(dev).fn(f"quik_gemv_w{p.bits}_m{1 if m == 1 else 2}")
-        _dependent_launch(fn, (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,), operands + tail, shared_mem=0,
-                          device=dev.index)
+        _dependent_launch(
+            fn, (-(-n // GEMV_WARPS),), (32 * GEMV_WARPS,), operands + tail, shared_mem=0, device=dev.index
+        )
         return out
     if kernel in ("ws", "wsp"):
         tiles = grid[0] * grid[1]
@@ -473,9 +601,13 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         if stages is None:
             stages = ws_stages(kernel, p.bits, tn, kt + kto_ws)
         elif stages not in rings:
-            raise ValueError(f"stages: found {stages} for kernel {kernel} at {tn} tokens, w{p.bits}; expected one "
-                             f"of {rings}")
-        smem = stages * ws_stage_bytes(tn, p.bits) + 1024  # plus alignment slack for the 1024-byte swizzle atoms
+            raise ValueError(
+                f"stages: found {stages} for kernel {kernel} at {tn} tokens, w{p.bits}; expected one "
+                f"of {rings}"
+            )
+        smem = (
+            stages * ws_stage_bytes(tn, p.bits) + 1024
+        )  # plus alignment slack for the 1024-byte swizzle atoms
         if kernel == "wsp":
             smem += wsp_epilogue_bytes(tn, p.bits, stages)
             idx = cc.device_index(dev)
@@ -492,8 +624,14 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
         tmo = kernel == "wsp" and fused and TMA_STORE and tma.usable(out)
         mo = _OUT_MAPS.get(out, 128, 32, 128) if tmo else ma
         cc.allow_shared_memory(fn, smem)
-        _dependent_launch(fn, (tiles,), (384,), (ma, mw, mxo, mwo, mo) + tail + (cc.i32(int(tmo)),),
-                          shared_mem=smem, device=dev.index)
+        _dependent_launch(
+            fn,
+            (tiles,),
+            (384,),
+            (ma, mw, mxo, mwo, mo) + tail + (cc.i32(int(tmo)),),
+            shared_mem=smem,
+            device=dev.index,
+        )
         return out
     stages = GEMM_TILES[tn]
     fn = _module(dev).fn(f"quik_gemm_w{p.bits}_n{tn}_s{stages}")
@@ -504,10 +642,16 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
     tiles = grid[0] * grid[1]
     splittable = fused and tn <= SPLIT_MAX_TOKENS
     if split is None:
-        split = gemm_split(tiles, steps, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx)) if splittable else 1
+        split = (
+            gemm_split(tiles, steps, cc.resident_blocks(fn, 256, smem, idx), cc.sm_count(idx))
+            if splittable
+            else 1
+        )
     elif split != 1 and not splittable:
-        raise ValueError(f"split: found {split}; K is split only for the fused output at tiles of at most "
-                         f"{SPLIT_MAX_TOKENS} tokens (here {tn}{'' if fused else ', raw sums'})")
+        raise ValueError(
+            f"split: found {split}; K is split only for the fused output at tiles of at most "
+            f"{SPLIT_MAX_TOKENS} tokens (here {tn}{'' if fused else ', raw sums'})"
+        )
     if not 1 <= split <= max(1, steps):
         raise ValueError(f"split: found {split}, expected 1..{max(1, steps)} (the layer's stages)")
     ws = cnt = None
@@ -517,8 +661,14 @@ def gemm(a: QuantizedActivations, p: QuikPrepared, fused: bool = True, out: torc
             split = 1
         else:
             ws, cnt = bufs
-    _dependent_launch(fn, grid + (split,), (256,), operands + tail + (cc.ptr(ws), cc.ptr(cnt)), shared_mem=smem,
-                      device=dev.index)
+    _dependent_launch(
+        fn,
+        grid + (split,),
+        (256,),
+        operands + tail + (cc.ptr(ws), cc.ptr(cnt)),
+        shared_mem=smem,
+        device=dev.index,
+    )
     return out
 
 
@@ -526,13 +676,24 @@ def wsq_shared_bytes(p: QuikPrepared, copy_warps: int) -> int:
     """Dynamic shared memory of the fused form: the ring, its epilogue buffers, the column maps (src, oflag, osrc) and
     `copy_warps` row buffers (kernels/quik_gemm.cu ws_body, FUSED)."""
     k = p.in_features
-    return (WSQ_STAGES * ws_stage_bytes(256, p.bits) + 1024 + WSQ_EPILOGUE_BUFFERS * 8192 + _round_up(2 * p.kp, 128)
-            + _round_up(k // 8, 128) + 2 * p.kop + copy_warps * _round_up(2 * k, 128))
+    return (
+        WSQ_STAGES * ws_stage_bytes(256, p.bits)
+        + 1024
+        + WSQ_EPILOGUE_BUFFERS * 8192
+        + _round_up(2 * p.kp, 128)
+        + _round_up(k // 8, 128)
+        + 2 * p.kop
+        + copy_warps * _round_up(2 * k, 128)
+    )
 
 
 def wsq_copy_warps(p: QuikPrepared) -> int:
     """The copy warps whose row buffers fit beside the fused form's ring (0: the form cannot take this layer)."""
-    fit = [w for w in range(1, WSQ_COPY_WARPS + 1) if wsq_shared_bytes(p, w) <= SMEM_BLOCK_MAX - SMEM_STATIC_SLACK]
+    fit = [
+        w
+        for w in range(1, WSQ_COPY_WARPS + 1)
+        if wsq_shared_bytes(p, w) <= SMEM_BLOCK_MAX - SMEM_STATIC_SLACK
+    ]
     return fit[-1] if fit else 0
 
 
@@ -567,9 +728,16 @@ def fused_quantize_reason(x2: torch.Tensor, p: QuikPrepared) -> str | None:
     return None
 
 
-def quantize_gemm(x2: torch.Tensor, p: QuikPrepared, out: torch.Tensor | None = None,
-                  acts: QuantizedActivations | None = None, *, first_rows: int | None = None,
-                  copy_warps: int | None = None, blocks: int | None = None) -> tuple[torch.Tensor, QuantizedActivations]:
+def quantize_gemm(
+    x2: torch.Tensor,
+    p: QuikPrepared,
+    out: torch.Tensor | None = None,
+    acts: QuantizedActivations | None = None,
+    *,
+    first_rows: int | None = None,
+    copy_warps: int | None = None,
+    blocks: int | None = None,
+) -> tuple[torch.Tensor, QuantizedActivations]:
     """The fused form: fp16 [M, N] = `gemm(quantize(x2, p), p)`, bit for bit, from one kernel that writes the
     quantized activations (returned as well) and reads them back. `first_rows` (rows quantized before the first
     tiles; default wsq_first_rows), `copy_warps` (1..3) and `blocks` (grid cap) override the plan (tests)."""
@@ -609,14 +777,45 @@ def quantize_gemm(x2: torch.Tensor, p: QuikPrepared, out: torch.Tensor | None = 
     smem = wsq_shared_bytes(p, copy_warps)
     cc.allow_shared_memory(fn, smem)
     _dependent_launch(
-        fn, (grid,), (384,),
-        (ma, mw, mxo, mwo, mo, cc.i32(m), cc.i32(n), cc.i32(kt), cc.i32(kto), cc.ptr(acts.scale), cc.ptr(acts.zero),
-         cc.ptr(p.scales), cc.ptr(p.wreduced), cc.ptr(p.bias), cc.ptr(out), cc.i32(n),
-         cc.ptr(x2), cc.i32(x2.stride(0)), cc.i32(k), cc.ptr(p.src), cc.ptr(p.oflag), cc.ptr(p.osrc),
-         cc.ptr(p.outlier_idx),
-         cc.i32(p.kb), cc.i32(p.kp), cc.i32(p.ko), cc.i32(p.kop), cc.ptr(acts.codes), cc.ptr(acts.outliers),
-         cc.ptr(ready), cc.i32(first_rows), cc.i32(copy_warps)),
-        shared_mem=smem, device=idx,
+        fn,
+        (grid,),
+        (384,),
+        (
+            ma,
+            mw,
+            mxo,
+            mwo,
+            mo,
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(kt),
+            cc.i32(kto),
+            cc.ptr(acts.scale),
+            cc.ptr(acts.zero),
+            cc.ptr(p.scales),
+            cc.ptr(p.wreduced),
+            cc.ptr(p.bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.i32(k),
+            cc.ptr(p.src),
+            cc.ptr(p.oflag),
+            cc.ptr(p.osrc),
+            cc.ptr(p.outlier_idx),
+            cc.i32(p.kb),
+            cc.i32(p.kp),
+            cc.i32(p.ko),
+            cc.i32(p.kop),
+            cc.ptr(acts.codes),
+            cc.ptr(acts.outliers),
+            cc.ptr(ready),
+            cc.i32(first_rows),
+            cc.i32(copy_warps),
+        ),
+        shared_mem=smem,
+        device=idx,
     )
     return out, acts
 
@@ -663,8 +862,11 @@ def linear(x: torch.Tensor, p: QuikPrepared) -> torch.Tensor:
     x2 = x.reshape(-1, p.in_features)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if (FUSED_QUANTIZE and fused_quantize_pays(x2.shape[0], p.out_features, cc.sm_count(cc.device_index(x2.device)))
-            and fused_quantize_reason(x2, p) is None):
+    if (
+        FUSED_QUANTIZE
+        and fused_quantize_pays(x2.shape[0], p.out_features, cc.sm_count(cc.device_index(x2.device)))
+        and fused_quantize_reason(x2, p) is None
+    ):
         y = quantize_gemm(x2, p)[0]
     else:
         y = gemm(quantize(x2, p), p)

@@ -13,8 +13,9 @@ SOURCE = "rms_norm.cu"
 THREADS = 256
 
 
-def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + y, rms_norm(h + y) * weight) for float16 rows [..., D]; with y None, (h, rms_norm(h) * weight).
     `out` (like h) receives the normalized rows when given."""
     d = h.shape[-1]
@@ -22,8 +23,10 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     for name, x in named:
         cc.check_f16(name, x, aligned=True)
     if d % 8 or weight.shape != (d,) or (y is not None and y.shape != h.shape):
-        raise ValueError(f"add_rms_norm: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, weight "
-                         f"{list(weight.shape)}; expected rows of a multiple of 8, y like h, weight [D]")
+        raise ValueError(
+            f"add_rms_norm: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, weight "
+            f"{list(weight.shape)}; expected rows of a multiple of 8, y like h, weight [D]"
+        )
     rows = h.numel() // d
     hs = torch.empty_like(h) if y is not None else h
     out = cc.f16_out(out, h.shape, h.device, aligned=True)
@@ -31,18 +34,32 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
         return hs, out
     dev = cc.device_index(h.device)
     dependent_launch.launch(
-        cc.load_module(SOURCE, device=dev).fn("add_rms_norm_f16"), (rows,), (THREADS,),
-        (cc.ptr(h), cc.ptr(y), cc.ptr(weight), cc.ptr(hs if y is not None else None), cc.ptr(out), cc.i32(d),
-         cc.f32(eps)),
+        cc.load_module(SOURCE, device=dev).fn("add_rms_norm_f16"),
+        (rows,),
+        (THREADS,),
+        (
+            cc.ptr(h),
+            cc.ptr(y),
+            cc.ptr(weight),
+            cc.ptr(hs if y is not None else None),
+            cc.ptr(out),
+            cc.i32(d),
+            cc.f32(eps),
+        ),
         device=dev,
     )
     return hs, out
 
 
-def add_rms_norm_codes(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       p: qoq.QoQPrepared, with_rows: bool = False,
-                       a: qoq.QoQActivations | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, qoq.QoQActivations]:
+def add_rms_norm_codes(
+    h: torch.Tensor,
+    y: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    p: qoq.QoQPrepared,
+    with_rows: bool = False,
+    a: qoq.QoQActivations | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, qoq.QoQActivations]:
     """(h + y, the normalized rows or None, their QoQ INT8 codes for the W4A8 layer `p`) in one kernel: the codes,
     s_x and code sums are those of quantize_activations(rms_norm(h + y) * weight, p), bit for bit; the float16
     rows are written only with `with_rows`; `a` receives the codes when given."""
@@ -51,9 +68,11 @@ def add_rms_norm_codes(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Te
     for name, x in named:
         cc.check_f16(name, x, aligned=True)
     if d % 8 or weight.shape != (d,) or (y is not None and y.shape != h.shape) or p.in_features != d:
-        raise ValueError(f"add_rms_norm_codes: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, "
-                         f"weight {list(weight.shape)}, layer input {p.in_features}; expected rows of a multiple of "
-                         f"8 as wide as the layer's input, y like h, weight [D]")
+        raise ValueError(
+            f"add_rms_norm_codes: found h {list(h.shape)}, y {None if y is None else list(y.shape)}, "
+            f"weight {list(weight.shape)}, layer input {p.in_features}; expected rows of a multiple of "
+            f"8 as wide as the layer's input, y like h, weight [D]"
+        )
     rows = h.numel() // d
     hs = torch.empty_like(h) if y is not None else h
     out = cc.f16_out(None, h.shape, h.device, aligned=True) if with_rows else None
@@ -66,9 +85,24 @@ def add_rms_norm_codes(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Te
     smem = (2 * d + 15) // 16 * 16 + p.kp
     cc.allow_shared_memory(fn, smem)
     dependent_launch.launch(
-        fn, (rows,), (THREADS,),
-        (cc.ptr(h), cc.ptr(y), cc.ptr(weight), cc.ptr(hs if y is not None else None), cc.ptr(out), cc.i32(d),
-         cc.f32(eps), cc.ptr(p.dest), cc.i32(p.kp), cc.ptr(a.codes), cc.ptr(a.scale), cc.ptr(a.rowsum)),
-        shared_mem=smem, device=dev,
+        fn,
+        (rows,),
+        (THREADS,),
+        (
+            cc.ptr(h),
+            cc.ptr(y),
+            cc.ptr(weight),
+            cc.ptr(hs if y is not None else None),
+            cc.ptr(out),
+            cc.i32(d),
+            cc.f32(eps),
+            cc.ptr(p.dest),
+            cc.i32(p.kp),
+            cc.ptr(a.codes),
+            cc.ptr(a.scale),
+            cc.ptr(a.rowsum),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
     return hs, out, a

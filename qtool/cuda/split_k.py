@@ -21,8 +21,10 @@ def workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Te
     old_t = 0 if ws is None else ws[1].numel()
     if ws is not None:
         torch.cuda.current_stream(dev).synchronize()  # the old buffers may still be in use by queued kernels
-    ws = (torch.empty(max(floats, old_f), dtype=torch.float32, device=f"cuda:{dev}"),
-          torch.zeros(max(tiles, old_t, 1024), dtype=torch.int32, device=f"cuda:{dev}"))
+    ws = (
+        torch.empty(max(floats, old_f), dtype=torch.float32, device=f"cuda:{dev}"),
+        torch.zeros(max(tiles, old_t, 1024), dtype=torch.int32, device=f"cuda:{dev}"),
+    )
     _WORKSPACE[dev] = ws
     return ws
 

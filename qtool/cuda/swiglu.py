@@ -16,8 +16,10 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gu float16 [..., 2I] (gate columns, then up columns) -> silu(gate) * up [..., I] (into `out` if given)."""
     cc.check_f16("gu", gu, aligned=True)
     if gu.dim() == 0 or gu.shape[-1] % 16:
-        raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)}, expected a last dimension divisible by 16 (gate "
-                         f"columns, then up columns)")
+        raise ValueError(
+            f"gu: found {gu.dtype} {list(gu.shape)}, expected a last dimension divisible by 16 (gate "
+            f"columns, then up columns)"
+        )
     i = gu.shape[-1] // 2
     rows = gu.numel() // (2 * i)
     shape = (*gu.shape[:-1], i)
@@ -27,21 +29,31 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     dev = cc.device_index(gu.device)
     total = rows * (i // 8)
     blocks = max(1, min(-(-total // THREADS), cc.sm_count(dev) * 8))
-    dependent_launch.launch(cc.load_module(SOURCE, device=dev).fn("swiglu_f16"), (blocks,), (THREADS,),
-                            (cc.ptr(gu), cc.ptr(out), cc.i32(rows), cc.i32(i)), device=dev)
+    dependent_launch.launch(
+        cc.load_module(SOURCE, device=dev).fn("swiglu_f16"),
+        (blocks,),
+        (THREADS,),
+        (cc.ptr(gu), cc.ptr(out), cc.i32(rows), cc.i32(i)),
+        device=dev,
+    )
     return out
 
 
-def swiglu_codes(gu: torch.Tensor, p: qoq.QoQPrepared, with_rows: bool = False,
-                 a: qoq.QoQActivations | None = None,
-                 ) -> tuple[torch.Tensor | None, qoq.QoQActivations]:
+def swiglu_codes(
+    gu: torch.Tensor,
+    p: qoq.QoQPrepared,
+    with_rows: bool = False,
+    a: qoq.QoQActivations | None = None,
+) -> tuple[torch.Tensor | None, qoq.QoQActivations]:
     """(silu(gate) * up or None, its QoQ INT8 codes for the W4A8 layer `p`) in one kernel, a block per row: the
     codes, s_x and sums are those of quantize_activations(swiglu(gu), p), bit for bit; the float16 rows are written
     only with `with_rows`."""
     cc.check_f16("gu", gu, aligned=True)
     if gu.dim() == 0 or gu.shape[-1] % 16 or gu.shape[-1] // 2 != p.in_features:
-        raise ValueError(f"gu: found {gu.dtype} {list(gu.shape)}, expected a last dimension of 2 x the layer's input "
-                         f"({p.in_features}), divisible by 16")
+        raise ValueError(
+            f"gu: found {gu.dtype} {list(gu.shape)}, expected a last dimension of 2 x the layer's input "
+            f"({p.in_features}), divisible by 16"
+        )
     i = gu.shape[-1] // 2
     rows = gu.numel() // (2 * i)
     out = cc.f16_out(None, (*gu.shape[:-1], i), gu.device, aligned=True) if with_rows else None
@@ -53,7 +65,21 @@ def swiglu_codes(gu: torch.Tensor, p: qoq.QoQPrepared, with_rows: bool = False,
     fn = cc.load_module(SOURCE, device=dev).fn("swiglu_q8")
     smem = (2 * i + 15) // 16 * 16 + p.kp
     cc.allow_shared_memory(fn, smem)
-    dependent_launch.launch(fn, (rows,), (THREADS,),
-                            (cc.ptr(gu), cc.ptr(out), cc.i32(i), cc.ptr(p.dest), cc.i32(p.kp), cc.ptr(a.codes),
-                             cc.ptr(a.scale), cc.ptr(a.rowsum)), shared_mem=smem, device=dev)
+    dependent_launch.launch(
+        fn,
+        (rows,),
+        (THREADS,),
+        (
+            cc.ptr(gu),
+            cc.ptr(out),
+            cc.i32(i),
+            cc.ptr(p.dest),
+            cc.i32(p.kp),
+            cc.ptr(a.codes),
+            cc.ptr(a.scale),
+            cc.ptr(a.rowsum),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
     return out, a

@@ -31,12 +31,26 @@ def _encoder() -> Any:
             lib = ctypes.CDLL("libcuda.so.1")
             fn = lib.cuTensorMapEncodeTiled
         except (OSError, AttributeError) as exc:
-            raise CudaUnavailableError(f"tensor maps: the CUDA driver has no cuTensorMapEncodeTiled ({exc}); "
-                                       "a driver for CUDA 12 or newer is needed") from None
+            raise CudaUnavailableError(
+                f"tensor maps: the CUDA driver has no cuTensorMapEncodeTiled ({exc}); "
+                "a driver for CUDA 12 or newer is needed"
+            ) from None
         u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            u64p,
+            u64p,
+            u32p,
+            u32p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
         _ENCODE = fn
     return _ENCODE
 
@@ -72,8 +86,15 @@ def _launch_arg(m: TensorMap) -> Any:
 def usable(t: torch.Tensor) -> bool:
     """Whether the copy engine can address `t` as rows: 16-byte aligned start and row stride, rows contiguous."""
     es = t.element_size()
-    return (t.dim() == 2 and t.is_cuda and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * es) % 16 == 0 and t.shape[0] > 0 and t.shape[1] > 0)
+    return (
+        t.dim() == 2
+        and t.is_cuda
+        and t.stride(1) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * es) % 16 == 0
+        and t.shape[0] > 0
+        and t.shape[1] > 0
+    )
 
 
 def tiled(t: torch.Tensor, box_bytes: int, box_rows: int, swizzle: int) -> TensorMap:
@@ -81,7 +102,8 @@ def tiled(t: torch.Tensor, box_bytes: int, box_rows: int, swizzle: int) -> Tenso
     if not usable(t):
         raise CudaUnavailableError(
             f"tensor map: found a tensor of shape {tuple(t.shape)}, strides {t.stride()}, address {t.data_ptr():#x}; "
-            "expected 2-D CUDA rows, contiguous, 16-byte aligned start and stride")
+            "expected 2-D CUDA rows, contiguous, 16-byte aligned start and stride"
+        )
     if swizzle not in _SWIZZLE or (swizzle and box_bytes > swizzle) or not 0 < box_rows <= 256:
         raise ValueError(f"tensor map box: found {box_bytes} bytes x {box_rows} rows, swizzle {swizzle}")
     es = t.element_size()
@@ -92,10 +114,14 @@ def tiled(t: torch.Tensor, box_bytes: int, box_rows: int, swizzle: int) -> Tenso
     strides = (ctypes.c_uint64 * 1)(stride)
     box = (ctypes.c_uint32 * 2)(box_bytes, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _encoder()(m.address, _UINT8, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE[swizzle], _L2_256B, 0)
+    rc = _encoder()(
+        m.address, _UINT8, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE[swizzle], _L2_256B, 0
+    )
     if rc != 0:
-        raise CudaUnavailableError(f"tensor map: cuTensorMapEncodeTiled returned CUresult {rc} for rows {rows} x "
-                                   f"{row_bytes} bytes (stride {stride}), box {box_bytes} x {box_rows}")
+        raise CudaUnavailableError(
+            f"tensor map: cuTensorMapEncodeTiled returned CUresult {rc} for rows {rows} x "
+            f"{row_bytes} bytes (stride {stride}), box {box_bytes} x {box_rows}"
+        )
     m.arg = _launch_arg(m)
     return m
 

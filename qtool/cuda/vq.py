@@ -67,11 +67,13 @@ def knobs() -> tuple[int, int, int, int, int]:
     """(cluster cap, multicast cap, prefetch, dependent launch, warps along K cap) of the mma form, from the
     environment."""
     limit = min(CLUSTER_LIMIT, dependent_launch.cluster_limit())  # lower once the driver refused a size
-    return (max(1, min(limit, cc.env_int("QTOOL_VQ_CLUSTER", CLUSTER_MAX))),
-            max(1, min(limit, cc.env_int("QTOOL_VQ_MULTICAST", MULTICAST_MAX))),
-            1 if cc.env_int("QTOOL_VQ_PREFETCH", PREFETCH) else 0,
-            1 if cc.env_int("QTOOL_VQ_DEPENDENT", DEPENDENT) and dependent_launch.ENABLED else 0,
-            max(1, min(8, cc.env_int("QTOOL_VQ_MAX_WK", 8))))
+    return (
+        max(1, min(limit, cc.env_int("QTOOL_VQ_CLUSTER", CLUSTER_MAX))),
+        max(1, min(limit, cc.env_int("QTOOL_VQ_MULTICAST", MULTICAST_MAX))),
+        1 if cc.env_int("QTOOL_VQ_PREFETCH", PREFETCH) else 0,
+        1 if cc.env_int("QTOOL_VQ_DEPENDENT", DEPENDENT) and dependent_launch.ENABLED else 0,
+        max(1, min(8, cc.env_int("QTOOL_VQ_MAX_WK", 8))),
+    )
 
 
 def chunk_vectors(bits: int) -> int:
@@ -86,15 +88,23 @@ def rows_per_thread(mt: int, bits: int) -> int:
     return 2 if mt <= 4 else 1
 
 
-def unsupported_reason(vector_size: int, index_bits: int, tile_cols: int | None, in_features: int) -> str | None:
+def unsupported_reason(
+    vector_size: int, index_bits: int, tile_cols: int | None, in_features: int
+) -> str | None:
     """Why the kernel cannot run a layer of these parameters (None when it can)."""
     if vector_size not in VECTOR_SIZES:
         return f"vector_size={vector_size} (the kernel covers {', '.join(map(str, VECTOR_SIZES))})"
     if index_bits not in INDEX_BITS:
         return f"index_bits={index_bits} (the kernel covers {', '.join(map(str, INDEX_BITS))})"
-    if tile_cols is not None and tile_cols < in_features and (tile_cols // vector_size) % chunk_vectors(index_bits):
-        return (f"tile_cols={tile_cols} (the kernel needs column tiles of a multiple of "
-                f"{chunk_vectors(index_bits)} vectors at {index_bits}-bit indices)")
+    if (
+        tile_cols is not None
+        and tile_cols < in_features
+        and (tile_cols // vector_size) % chunk_vectors(index_bits)
+    ):
+        return (
+            f"tile_cols={tile_cols} (the kernel needs column tiles of a multiple of "
+            f"{chunk_vectors(index_bits)} vectors at {index_bits}-bit indices)"
+        )
     return None
 
 
@@ -114,10 +124,12 @@ def device_limits(dev: int) -> DeviceLimits:
     if dev not in _LIMITS:
         p = torch.cuda.get_device_properties(dev)
         _LIMITS[dev] = DeviceLimits(
-            sms=p.multi_processor_count, regs_per_sm=int(getattr(p, "regs_per_multiprocessor", 65536)),
+            sms=p.multi_processor_count,
+            regs_per_sm=int(getattr(p, "regs_per_multiprocessor", 65536)),
             threads_per_sm=int(getattr(p, "max_threads_per_multi_processor", 2048)),
             smem_per_sm=int(getattr(p, "shared_memory_per_multiprocessor", 233472)),
-            smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 232448)))
+            smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 232448)),
+        )
     return _LIMITS[dev]
 
 
@@ -125,12 +137,25 @@ def blocks_per_sm(num_regs: int, smem: int, lim: DeviceLimits, threads: int = TH
     """Blocks of `threads` threads using `num_regs` registers each and `smem` bytes of shared memory that one
     multiprocessor holds at once (registers are allocated 8 at a time per thread)."""
     regs = -(-num_regs // 8) * 8
-    return max(0, min(lim.threads_per_sm // threads, lim.regs_per_sm // (regs * threads),
-                      lim.smem_per_sm // (smem + RESERVED_SMEM)))
+    return max(
+        0,
+        min(
+            lim.threads_per_sm // threads,
+            lim.regs_per_sm // (regs * threads),
+            lim.smem_per_sm // (smem + RESERVED_SMEM),
+        ),
+    )
 
 
-def cache_tiers(vector_size: int, entries: int, hot: int, num_regs: int, smem: int, lim: DeviceLimits,
-                threads: int = THREADS) -> tuple[int, int, dict]:
+def cache_tiers(
+    vector_size: int,
+    entries: int,
+    hot: int,
+    num_regs: int,
+    smem: int,
+    lim: DeviceLimits,
+    threads: int = THREADS,
+) -> tuple[int, int, dict]:
     """(n_reg, n_shared, why) of the tiered cache from the GC build's measured registers per thread (`num_regs`)
     and shared memory per block (`smem`: its staged activations): the occupancy that build reaches stays, the
     registers and shared memory left at that occupancy hold entries. A register set of 32 entries costs d/2
@@ -145,13 +170,20 @@ def cache_tiers(vector_size: int, entries: int, hot: int, num_regs: int, smem: i
     smem_slack = max(0, min(lim.smem_per_sm // blocks - RESERVED_SMEM, lim.smem_per_block) - smem)
     fit = smem_slack // (2 * vector_size)
     n_shared = min(entries, n_reg + (1 << (fit.bit_length() - 1) if fit >= 32 else 0))
-    why = {"gc_regs": num_regs, "gc_smem": smem, "blocks_per_sm": blocks, "reg_slack": reg_slack,
-           "smem_slack": smem_slack, "hot": hot}
+    why = {
+        "gc_regs": num_regs,
+        "gc_smem": smem,
+        "blocks_per_sm": blocks,
+        "reg_slack": reg_slack,
+        "smem_slack": smem_slack,
+        "hot": hot,
+    }
     return n_reg, n_shared, why
 
 
-def cache_tiers_mma(vector_size: int, entries: int, num_regs: int, smem: int, lim: DeviceLimits,
-                    threads: int = THREADS) -> tuple[int, int, dict]:
+def cache_tiers_mma(
+    vector_size: int, entries: int, num_regs: int, smem: int, lim: DeviceLimits, threads: int = THREADS
+) -> tuple[int, int, dict]:
     """(n_rep, n_shared, why) of the mma form's tiered cache from its GC build's measured registers per thread and
     shared memory per block: at the occupancy that build reaches, the shared memory left holds single copies of
     entries [0, n_shared) first (the whole codebook where it fits, else the largest power of two of at least 32),
@@ -169,7 +201,9 @@ def cache_tiers_mma(vector_size: int, entries: int, num_regs: int, smem: int, li
     return n_rep, n_shared, why
 
 
-def traffic_split(codebook_bytes: int, blocks: int, out_bytes: int, limit: int, cost_ratio: float = 1.0) -> int:
+def traffic_split(
+    codebook_bytes: int, blocks: int, out_bytes: int, limit: int, cost_ratio: float = 1.0
+) -> int:
     """VQ-LLM's split factor along the codebook-switch axes of the reduction (Sec. VI-A): reduce traffic
     s·out_bytes against codebook traffic blocks·codebook_bytes/s, balanced at s* = sqrt(blocks·codebook_bytes·
     cost_ratio / out_bytes) (cost_ratio: cost of a codebook byte over a partial-sum byte), within [1, limit]."""
@@ -194,7 +228,10 @@ class Plan:
     balance: int  # the traffic balance's split factor s*
     form: str = "fma"
     wk: int = 1  # mma form: warps along K per row
-    cluster: tuple[int, int] = (1, 1)  # mma form: (blocks sharing a codebook by multicast, splits of a row block)
+    cluster: tuple[int, int] = (
+        1,
+        1,
+    )  # mma form: (blocks sharing a codebook by multicast, splits of a row block)
     prefetch: int = 0  # mma form: next column tile's codebook and index words loaded during the current one
     dependent: int = 0  # mma form: launched as a programmatic dependent of the kernel ahead
     why: dict = field(default_factory=dict)
@@ -250,17 +287,28 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def view(indices: torch.Tensor, codebooks: torch.Tensor, vector_size: int, entries: int, residuals: int,
-         in_features: int, out_features: int, tile_rows: int | None, tile_cols: int | None,
-         hot: int = 0) -> Prepared:
+def view(
+    indices: torch.Tensor,
+    codebooks: torch.Tensor,
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    in_features: int,
+    out_features: int,
+    tile_rows: int | None,
+    tile_cols: int | None,
+    hot: int = 0,
+) -> Prepared:
     """Check a layout's CUDA tensors against its parameters (`tile_rows`/`tile_cols` as stored: None for one tile)
     and build the kernel view."""
     bits = entries.bit_length() - 1
     d, k, n = vector_size, in_features, out_features
     words = -(-(k // d) * bits // 32)
     if indices.dtype != torch.int32 or tuple(indices.shape) != (residuals, n, words):
-        raise ValueError(f"indices: found {indices.dtype} {list(indices.shape)}, expected torch.int32 "
-                         f"{[residuals, n, words]}")
+        raise ValueError(
+            f"indices: found {indices.dtype} {list(indices.shape)}, expected torch.int32 "
+            f"{[residuals, n, words]}"
+        )
     r_tiles = 1 if tile_rows is None else -(-n // tile_rows)
     c_tiles = 1 if tile_cols is None else -(-k // tile_cols)
     want = (r_tiles, c_tiles, residuals, entries, d)
@@ -271,10 +319,19 @@ def view(indices: torch.Tensor, codebooks: torch.Tensor, vector_size: int, entri
             raise ValueError(f"{name}: found device {t.device}, expected a CUDA tensor")
     books = _aligned(codebooks.to(dtype=torch.float16))
     v = k // d
-    return Prepared(indices=_aligned(indices), codebooks=books, vector_size=d, index_bits=bits, residuals=residuals,
-                    tile_rows=n if tile_rows is None else min(tile_rows, n),
-                    tile_vecs=v if tile_cols is None or tile_cols >= k else tile_cols // d,
-                    in_features=k, out_features=n, hot=hot, source_ptr=indices.data_ptr())
+    return Prepared(
+        indices=_aligned(indices),
+        codebooks=books,
+        vector_size=d,
+        index_bits=bits,
+        residuals=residuals,
+        tile_rows=n if tile_rows is None else min(tile_rows, n),
+        tile_vecs=v if tile_cols is None or tile_cols >= k else tile_cols // d,
+        in_features=k,
+        out_features=n,
+        hot=hot,
+        source_ptr=indices.data_ptr(),
+    )
 
 
 def prepare(layout) -> Prepared:
@@ -282,8 +339,18 @@ def prepare(layout) -> Prepared:
     tiers = layout.entry_tiers
     hot = int(tiers[..., 0].max()) if layout.reindexed and tiers.numel() else 0
     books = layout.codebooks.to(device=layout.indices.device) if layout.indices.is_cuda else layout.codebooks
-    return view(layout.indices, books, layout.vector_size, layout.entries, layout.residuals, layout.in_features,
-                layout.out_features, layout.tile_rows, layout.tile_cols, hot)
+    return view(
+        layout.indices,
+        books,
+        layout.vector_size,
+        layout.entries,
+        layout.residuals,
+        layout.in_features,
+        layout.out_features,
+        layout.tile_rows,
+        layout.tile_cols,
+        hot,
+    )
 
 
 def layer_view(layer: torch.nn.Module, device: torch.device) -> Prepared:
@@ -302,9 +369,14 @@ def token_slots(m: int) -> int:
     raise ValueError(f"x: found M={m} tokens, expected 1..{GEMV_MAX_M} for the {LAYOUT} GEMV")
 
 
-def module_for(p: Prepared, n_reg: int, n_shared: int, dev: int, form: str = "fma",
-               prefetch: int = 1) -> cc.KernelModule:
-    hot = ("-DVQ_NREG=0", f"-DVQ_NREP={n_reg}", f"-DVQ_PF={prefetch}") if form == "mma" else (f"-DVQ_NREG={n_reg}",)
+def module_for(
+    p: Prepared, n_reg: int, n_shared: int, dev: int, form: str = "fma", prefetch: int = 1
+) -> cc.KernelModule:
+    hot = (
+        ("-DVQ_NREG=0", f"-DVQ_NREP={n_reg}", f"-DVQ_PF={prefetch}")
+        if form == "mma"
+        else (f"-DVQ_NREG={n_reg}",)
+    )
     opts = (f"-DVQ_D={p.vector_size}", f"-DVQ_B={p.index_bits}", *hot, f"-DVQ_NSH={n_shared}")
     return cc.load_module(SOURCE, extra_options=opts, device=dev)
 
@@ -363,14 +435,27 @@ def tiers_for(p: Prepared, cache: str, mt: int, dev: int, form: str = "fma") -> 
 def _check_tiers(p: Prepared, tiers: tuple[int, int], form: str) -> None:
     n_reg, n_shared = tiers
     top = p.entries if form == "mma" else 32 * MAX_REG_SETS
-    if n_reg % 32 or n_reg > top or n_shared % 32 or not (n_shared == 0 and (form == "fma" or n_reg == 0)
-                                                            or n_reg <= n_shared <= p.entries):
-        raise ValueError(f"tiers: found {tiers}, expected n_reg a multiple of 32 up to {top} and n_shared 0"
-                         f"{'' if form == 'fma' else ' (with n_reg 0)'} or a multiple of 32 in [n_reg, {p.entries}]")
+    if (
+        n_reg % 32
+        or n_reg > top
+        or n_shared % 32
+        or not (n_shared == 0 and (form == "fma" or n_reg == 0) or n_reg <= n_shared <= p.entries)
+    ):
+        raise ValueError(
+            f"tiers: found {tiers}, expected n_reg a multiple of 32 up to {top} and n_shared 0"
+            f"{'' if form == 'fma' else ' (with n_reg 0)'} or a multiple of 32 in [n_reg, {p.entries}]"
+        )
 
 
-def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] | None = None,
-             tiles_per_split: int | None = None, form: str = DEFAULT_FORM) -> Plan:
+def plan_for(
+    p: Prepared,
+    mt: int,
+    cache: str,
+    dev: int,
+    tiers: tuple[int, int] | None = None,
+    tiles_per_split: int | None = None,
+    form: str = DEFAULT_FORM,
+) -> Plan:
     """The launch geometry. The split along the reduction follows VQ-LLM's traffic balance: with the grid sized to
     fill the device (`target` blocks), a block that walks through more column tiles leaves fewer partial sums
     (s · 4·M·N bytes) but its row range shrinks, so the codebooks are loaded more often (target · C·z·E·d·2 / s
@@ -400,7 +485,9 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     split_vecs, ranges = _split(p, mt, form)
     z = p.residuals
     if p.col_tiles > 1:
-        splits_guess = z * p.col_tiles  # at most; the cluster's partial buffer is allotted whenever it may be used
+        splits_guess = (
+            z * p.col_tiles
+        )  # at most; the cluster's partial buffer is allotted whenever it may be used
     else:
         splits_guess = z * ranges
     xbytes = x_stage_bytes(p, mt, split_vecs, form)
@@ -412,8 +499,10 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     else:
         smem = max(0, n_shared - n_reg) * entry + xbytes
     if smem > lim.smem_per_block:
-        raise cc.CudaUnavailableError(f"{LAYOUT} layer: {smem} bytes of shared memory per block for n_shared="
-                                      f"{n_shared}, more than the {lim.smem_per_block} a block may hold")
+        raise cc.CudaUnavailableError(
+            f"{LAYOUT} layer: {smem} bytes of shared memory per block for n_shared="
+            f"{n_shared}, more than the {lim.smem_per_block} a block may hold"
+        )
     fn = module_for(p, n_reg, n_shared, dev, form, prefetch).fn(entry_name(form, mt))
     resident = max(1, blocks_per_sm(int(fn.num_regs), smem, lim))
     target = lim.sms * resident
@@ -431,7 +520,9 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     wk = 1
     if form == "mma":
         nch = -(-split_vecs // MMA_CHUNK)
-        while wk < max_wk and wk * 2 <= nch and p.row_tiles * -(-p.tile_rows // (256 // wk)) * splits < target:
+        while (
+            wk < max_wk and wk * 2 <= nch and p.row_tiles * -(-p.tile_rows // (256 // wk)) * splits < target
+        ):
             wk *= 2
         rows = 256 // wk
     else:
@@ -445,24 +536,54 @@ def plan_for(p: Prepared, mt: int, cache: str, dev: int, tiers: tuple[int, int] 
     if form == "mma":
         if 1 < splits <= cmax and xbytes >= 2 * 256 * mt * 4:
             cy = splits
-        if (mmax > 1 and n_reg == 0 and n_shared == p.entries and p.row_tiles == 1 and p.col_tiles == 1
-                and tps == 1):
-            while (cx * 2 <= mmax and cx * 2 * cy <= min(CLUSTER_LIMIT, dependent_launch.cluster_limit())
-                   and grid_x % (cx * 2) == 0
-                   and book % (cx * 2 * 16) == 0):
+        if (
+            mmax > 1
+            and n_reg == 0
+            and n_shared == p.entries
+            and p.row_tiles == 1
+            and p.col_tiles == 1
+            and tps == 1
+        ):
+            while (
+                cx * 2 <= mmax
+                and cx * 2 * cy <= min(CLUSTER_LIMIT, dependent_launch.cluster_limit())
+                and grid_x % (cx * 2) == 0
+                and book % (cx * 2 * 16) == 0
+            ):
                 cx *= 2
-    plan = Plan(n_reg=n_reg, n_shared=n_shared, split_vecs=split_vecs, tiles_per_split=tps, splits_k=splits_k,
-                splits=splits, rows_per_block=rows, rbpt=rbpt, grid_x=grid_x, smem=smem,
-                balance=balance, form=form, wk=wk, cluster=(cx, cy), prefetch=prefetch if form == "mma" else 0,
-                dependent=dependent if form == "mma" else 0,
-                why={**why, "regs": int(fn.num_regs), "blocks_per_sm": resident})
+    plan = Plan(
+        n_reg=n_reg,
+        n_shared=n_shared,
+        split_vecs=split_vecs,
+        tiles_per_split=tps,
+        splits_k=splits_k,
+        splits=splits,
+        rows_per_block=rows,
+        rbpt=rbpt,
+        grid_x=grid_x,
+        smem=smem,
+        balance=balance,
+        form=form,
+        wk=wk,
+        cluster=(cx, cy),
+        prefetch=prefetch if form == "mma" else 0,
+        dependent=dependent if form == "mma" else 0,
+        why={**why, "regs": int(fn.num_regs), "blocks_per_sm": resident},
+    )
     p.plans[key] = plan
     return plan
 
 
-def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         cache: str = "tiered", tiers: tuple[int, int] | None = None, tiles_per_split: int | None = None,
-         form: str = DEFAULT_FORM) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    cache: str = "tiered",
+    tiers: tuple[int, int] | None = None,
+    tiles_per_split: int | None = None,
+    form: str = DEFAULT_FORM,
+) -> torch.Tensor:
     """y = x · Wᵀ (+ bias) for 1..16 tokens through the `cache` variant of the `form` kernel; `tiers` = (n_reg,
     n_shared) and `tiles_per_split` override the derived values (tests)."""
     lead = x.shape[:-1]
@@ -482,23 +603,53 @@ def gemv(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     ws = cnt = None
     if plan.splits > 1:
         got = split_k.workspace(dev, plan.splits * m * p.out_features, plan.grid_x)
-        if got is None:  # growing it is not allowed while a graph is captured: a private one, captured with it
-            got = (torch.empty(plan.splits * m * p.out_features, dtype=torch.float32, device=x.device),
-                   torch.zeros(plan.grid_x, dtype=torch.int32, device=x.device))
+        if (
+            got is None
+        ):  # growing it is not allowed while a graph is captured: a private one, captured with it
+            got = (
+                torch.empty(plan.splits * m * p.out_features, dtype=torch.float32, device=x.device),
+                torch.zeros(plan.grid_x, dtype=torch.int32, device=x.device),
+            )
         ws, cnt = got
     fn = module_for(p, plan.n_reg, plan.n_shared, dev, form, plan.prefetch or 0).fn(entry_name(form, mt))
     if plan.smem + int(fn.shared_size_bytes) > 48 * 1024:  # dynamic + static beyond the default 48 KB
         cc.allow_shared_memory(fn, plan.smem)
     words = p.indices.shape[-1]
-    args = (cc.ptr(p.indices), cc.ptr(p.codebooks), cc.ptr(x2), cc.ptr(b), cc.ptr(out), cc.ptr(ws), cc.ptr(cnt),
-            cc.i32(m), cc.i32(p.out_features), cc.i32(p.in_features), cc.i32(words), cc.i32(p.residuals),
-            cc.i32(p.col_tiles), cc.i32(p.tile_rows), cc.i32(p.tile_vecs), cc.i32(plan.rows_per_block),
-            cc.i32(plan.rbpt), cc.i32(plan.split_vecs), cc.i32(plan.splits_k), cc.i32(plan.tiles_per_split))
+    args = (
+        cc.ptr(p.indices),
+        cc.ptr(p.codebooks),
+        cc.ptr(x2),
+        cc.ptr(b),
+        cc.ptr(out),
+        cc.ptr(ws),
+        cc.ptr(cnt),
+        cc.i32(m),
+        cc.i32(p.out_features),
+        cc.i32(p.in_features),
+        cc.i32(words),
+        cc.i32(p.residuals),
+        cc.i32(p.col_tiles),
+        cc.i32(p.tile_rows),
+        cc.i32(p.tile_vecs),
+        cc.i32(plan.rows_per_block),
+        cc.i32(plan.rbpt),
+        cc.i32(plan.split_vecs),
+        cc.i32(plan.splits_k),
+        cc.i32(plan.tiles_per_split),
+    )
     if form == "mma":
         args = (*args, cc.i32(plan.wk), cc.i32(1 if plan.cluster[0] > 1 else 0))
         cx, cy = plan.cluster
-        dependent_launch.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev,
-                                dependent=bool(plan.dependent), cluster=(cx, cy, 1) if cx * cy > 1 else None)
+        dependent_launch.launch(
+            fn,
+            (plan.grid_x, plan.splits),
+            (THREADS,),
+            args,
+            shared_mem=plan.smem,
+            device=dev,
+            dependent=bool(plan.dependent),
+            cluster=(cx, cy, 1) if cx * cy > 1 else None,
+        )
     else:
         cc.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev)
     return out.reshape(*lead, p.out_features)
@@ -513,8 +664,9 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
     m = x.numel() // max(1, x.shape[-1])
     if not 1 <= m <= GEMV_MAX_M:
         return None
-    reason = unsupported_reason(layer.vector_size, layer.entries.bit_length() - 1, layer.tile_cols,
-                                layer.in_features)
+    reason = unsupported_reason(
+        layer.vector_size, layer.entries.bit_length() - 1, layer.tile_cols, layer.in_features
+    )
     if reason is None and x.dtype != torch.float16:
         reason = f"dtype {x.dtype} (the GEMV takes float16)"
     if not cc.use_kernels(LAYOUT, reason):

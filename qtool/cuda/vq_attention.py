@@ -91,35 +91,52 @@ def kernel_books(codebooks: torch.Tensor) -> torch.Tensor:
 
 def check_books(name: str, books: torch.Tensor) -> None:
     if books.dim() != 4 or books.dtype != torch.float16 or not books.is_cuda:
-        raise ValueError(f"{name}: found {books.dtype} {list(books.shape)} on {books.device}, expected float16 "
-                         f"[KVH, G, E, d] on CUDA")
+        raise ValueError(
+            f"{name}: found {books.dtype} {list(books.shape)} on {books.device}, expected float16 "
+            f"[KVH, G, E, d] on CUDA"
+        )
     _, g, e, d = books.shape
     if d not in VECTOR_SIZES or g * d not in HEAD_DIMS or e > 256 or e < 8 or e & (e - 1):
-        raise ValueError(f"{name}: found {g} groups of {d} channels and {e} entries, expected d in {VECTOR_SIZES}, "
-                         f"head_dim G*d in {HEAD_DIMS} and 8 to 256 entries, a power of two")
+        raise ValueError(
+            f"{name}: found {g} groups of {d} channels and {e} entries, expected d in {VECTOR_SIZES}, "
+            f"head_dim G*d in {HEAD_DIMS} and 8 to 256 entries, a power of two"
+        )
 
 
-def allocate(key_books: torch.Tensor, value_books: torch.Tensor, batch: int, length: int,
-             device: torch.device) -> VQCache:
+def allocate(
+    key_books: torch.Tensor, value_books: torch.Tensor, batch: int, length: int, device: torch.device
+) -> VQCache:
     """A cache for `batch` sequences of at least `length` positions (rounded up to a multiple of 32) over the
     codebooks [KVH, G, E, d] float16 of one attention layer (keys after RoPE, values)."""
     check_books("key codebooks", key_books)
     check_books("value codebooks", value_books)
     if key_books.shape != value_books.shape:
-        raise ValueError(f"value codebooks: found {list(value_books.shape)}, expected the keys' "
-                         f"{list(key_books.shape)}")
+        raise ValueError(
+            f"value codebooks: found {list(value_books.shape)}, expected the keys' {list(key_books.shape)}"
+        )
     kvh, g = key_books.shape[:2]
     cap = -(-max(1, length) // ALIGN) * ALIGN
-    codes = [torch.zeros(batch, kvh, cap // TILE, g, TILE, dtype=torch.uint8, device=device) for _ in range(2)]
-    return VQCache(codes[0], codes[1], kernel_books(key_books).to(device), kernel_books(value_books).to(device))
+    codes = [
+        torch.zeros(batch, kvh, cap // TILE, g, TILE, dtype=torch.uint8, device=device) for _ in range(2)
+    ]
+    return VQCache(
+        codes[0], codes[1], kernel_books(key_books).to(device), kernel_books(value_books).to(device)
+    )
 
 
 def _module(head_dim: int, vector_size: int, dev: int):
     return cc.load_module(SOURCE, (f"-DVQ_D={head_dim}", f"-DVQ_DV={vector_size}"), device=dev)
 
 
-def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: VQCache, heads: int,
-          dequantized: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache: VQCache,
+    heads: int,
+    dequantized: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """qkv float16 [B, T, heads + 2 KVH, D]; cos/sin float16 [L', D/2] indexed by the int64 positions `pos` [T].
     Rotates queries and keys, encodes keys and values into `cache` at the positions and returns the rotated
     queries [B, heads, T, D], plus the entries chosen for the keys and values [B, KVH, T, D] when `dequantized`
@@ -131,10 +148,13 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     for name, x in (("qkv", qkv), ("cos", cos), ("sin", sin)):
         cc.check_f16(name, x)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2:
-        raise ValueError(f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each")
+        raise ValueError(
+            f"cos/sin: found {list(cos.shape)} and {list(sin.shape)}, expected [L, {d // 2}] each"
+        )
     if pos.dtype != torch.int64 or pos.shape != (t,) or pos.device != qkv.device:
-        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on "
-                         f"{qkv.device}")
+        raise ValueError(
+            f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [{t}] on {qkv.device}"
+        )
     if heads % kvh:
         raise ValueError(f"heads: found {heads} query heads over {kvh} KV heads, expected a multiple")
     q = torch.empty(b, heads, t, d, dtype=torch.float16, device=qkv.device)
@@ -146,11 +166,32 @@ def write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     items = b * t * (heads + 2 * kvh * cache.groups)
     blocks = max(1, min(-(-items // (THREADS // 32)), cc.sm_count(dev) * 8))
     dependent_launch.launch(
-        _module(d, cache.vector_size, dev).fn("vq_write"), (blocks,), (THREADS,),
-        (cc.ptr(qkv), cc.ptr(cos), cc.ptr(sin), cc.ptr(pos), cc.ptr(cache.k_book), cc.ptr(cache.v_book), cc.ptr(q),
-         cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(deq_k), cc.ptr(deq_v), cc.i32(b), cc.i32(t), cc.i32(heads),
-         cc.i32(kvh), cc.i32(d), cc.i32(cache.vector_size), cc.i32(cache.entries), cc.i32(cache.length)),
-        device=dev)
+        _module(d, cache.vector_size, dev).fn("vq_write"),
+        (blocks,),
+        (THREADS,),
+        (
+            cc.ptr(qkv),
+            cc.ptr(cos),
+            cc.ptr(sin),
+            cc.ptr(pos),
+            cc.ptr(cache.k_book),
+            cc.ptr(cache.v_book),
+            cc.ptr(q),
+            cc.ptr(cache.k),
+            cc.ptr(cache.v),
+            cc.ptr(deq_k),
+            cc.ptr(deq_v),
+            cc.i32(b),
+            cc.i32(t),
+            cc.i32(heads),
+            cc.i32(kvh),
+            cc.i32(d),
+            cc.i32(cache.vector_size),
+            cc.i32(cache.entries),
+            cc.i32(cache.length),
+        ),
+        device=dev,
+    )
     return q, deq_k, deq_v
 
 
@@ -187,19 +228,35 @@ def attention_splits(pairs: int, length: int, slots: int) -> int:
     return max(1, min(-(-slots // pairs), length // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
-def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Tensor | None = None,
-              form: str | None = None, splits: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    cache: VQCache,
+    pos: torch.Tensor,
+    out: torch.Tensor | None = None,
+    form: str | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `form` forces lut or direct,
     `splits` the parts along the cache (default: `attention_splits`)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
-    if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[3] != d or q.shape[1] % kvh \
-            or q.shape[1] // kvh not in GROUPS:
-        raise ValueError(f"q: found {list(q.shape)}, expected [{b}, H, 1, {d}] with H a multiple of {kvh} KV heads, "
-                         f"{'/'.join(map(str, GROUPS))} per KV head")
+    if (
+        q.dim() != 4
+        or q.shape[0] != b
+        or q.shape[2] != 1
+        or q.shape[3] != d
+        or q.shape[1] % kvh
+        or q.shape[1] // kvh not in GROUPS
+    ):
+        raise ValueError(
+            f"q: found {list(q.shape)}, expected [{b}, H, 1, {d}] with H a multiple of {kvh} KV heads, "
+            f"{'/'.join(map(str, GROUPS))} per KV head"
+        )
     if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != q.device:
-        raise ValueError(f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}")
+        raise ValueError(
+            f"pos: found {pos.dtype} {list(pos.shape)} on {pos.device}, expected int64 [1] on {q.device}"
+        )
     h = q.shape[1]
     r = h // kvh
     dv = cache.vector_size
@@ -207,8 +264,10 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
     if form is None:
         form = attention_form(r, d, dv, b * kvh, cc.sm_count(dev))
     if form not in FORMS or (form == "lut" and r not in LUT_GROUPS[(d, dv)]):
-        raise ValueError(f"form: found {form!r} for {r} query heads per KV head, expected direct, or lut for "
-                         f"{LUT_GROUPS[(d, dv)]}")
+        raise ValueError(
+            f"form: found {form!r} for {r} query heads per KV head, expected direct, or lut for "
+            f"{LUT_GROUPS[(d, dv)]}"
+        )
     smem = shared_bytes(form, r, d, dv, cache.entries)
     if smem > MAX_SHARED:
         raise ValueError(f"form {form}: needs {smem} bytes of shared memory, expected at most {MAX_SHARED}")
@@ -221,21 +280,45 @@ def attention(q: torch.Tensor, cache: VQCache, pos: torch.Tensor, out: torch.Ten
         splits = attention_splits(b * kvh, length, slots)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits: found {splits}, expected 1 to {MAX_SPLITS}")
-    part = torch.empty(b * kvh * splits * r * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    part = torch.empty(
+        b * kvh * splits * r * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device
+    )
     dependent_launch.launch(
-        fn, (b * kvh, splits), (threads(r),),
-        (cc.ptr(q), cc.ptr(cache.k), cc.ptr(cache.v), cc.ptr(cache.k_book), cc.ptr(cache.v_book), cc.ptr(pos),
-         cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(length), cc.i32(cache.entries), cc.f32(LOG2E / math.sqrt(d)),
-         cc.i32(splits), cc.ptr(part)),
-        shared_mem=smem, device=dev)
+        fn,
+        (b * kvh, splits),
+        (threads(r),),
+        (
+            cc.ptr(q),
+            cc.ptr(cache.k),
+            cc.ptr(cache.v),
+            cc.ptr(cache.k_book),
+            cc.ptr(cache.v_book),
+            cc.ptr(pos),
+            cc.ptr(out),
+            cc.i32(h),
+            cc.i32(kvh),
+            cc.i32(length),
+            cc.i32(cache.entries),
+            cc.f32(LOG2E / math.sqrt(d)),
+            cc.i32(splits),
+            cc.ptr(part),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
     if splits > 1:
         dependent_launch.launch(
-            module.fn("vq_attention_combine"), (b * kvh,), (256,),
-            (cc.ptr(part), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(r), cc.i32(d), cc.i32(splits)), device=dev)
+            module.fn("vq_attention_combine"),
+            (b * kvh,),
+            (256,),
+            (cc.ptr(part), cc.ptr(out), cc.i32(h), cc.i32(kvh), cc.i32(r), cc.i32(d), cc.i32(splits)),
+            device=dev,
+        )
     return out
 
 
 # -- torch forms (the reference) --------------------------------------------------------------------------------
+
 
 def token_major(codes: torch.Tensor) -> torch.Tensor:
     """Codes [B, KVH, L / 16, G, 16] -> [B, KVH, G, L] (a copy)."""
@@ -248,8 +331,9 @@ def checkpoint_books(cache: VQCache, which: str) -> torch.Tensor:
     return (cache.k_book if which == "k" else cache.v_book).transpose(1, 2)
 
 
-def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: VQCache,
-                    heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_write(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: VQCache, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `write` does, in torch (rotary embedding as qtool/cuda/kv_cache.py `rope_half`, codes by
     qtool/runtime/vq_kv_cache.py `encode`): returns (rotated queries, decoded keys, decoded values)."""
     from qtool.cuda.kv_cache import rope_half
@@ -259,8 +343,8 @@ def reference_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
     x = qkv.transpose(1, 2)  # [B, heads + 2 KVH, T, D]
     c, s = cos[pos], sin[pos]
     q = rope_half(x[:, :heads], c, s)
-    k = rope_half(x[:, heads:heads + kvh], c, s)
-    v = x[:, heads + kvh:]
+    k = rope_half(x[:, heads : heads + kvh], c, s)
+    v = x[:, heads + kvh :]
     out = []
     for src, codes_t, which in ((k, cache.k, "k"), (v, cache.v, "v")):
         books = checkpoint_books(cache, which)

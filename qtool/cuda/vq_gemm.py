@@ -39,8 +39,14 @@ FUSIONS = {"shfl": 1, "direct": 0, "replica": 2}
 DEFAULT_FUSION = {(4, 8, 1): "direct", (8, 12, 2): "direct"}
 
 
-def unsupported_reason(vector_size: int, entries: int, residuals: int, in_features: int, tile_rows: int | None,
-                       tile_cols: int | None) -> str | None:
+def unsupported_reason(
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    in_features: int,
+    tile_rows: int | None,
+    tile_cols: int | None,
+) -> str | None:
     """Why the GEMM cannot run a layer of these parameters (None when it can); the device is checked apart."""
     bits = entries.bit_length() - 1
     if (vector_size, bits, residuals) not in BUILT:
@@ -54,8 +60,10 @@ def unsupported_reason(vector_size: int, entries: int, residuals: int, in_featur
         return f"tile_rows {tile_rows} (the GEMM's {ROWS}-row blocks need a multiple)"
     cbytes = residuals * entries * vector_size * 2
     if cbytes > RESIDENT_BYTES and tile_cols is not None and tile_cols < in_features:
-        return (f"{cbytes // 1024} KiB codebooks switched along K (resident codebooks need one column tile, "
-                "tile_cols null)")
+        return (
+            f"{cbytes // 1024} KiB codebooks switched along K (resident codebooks need one column tile, "
+            "tile_cols null)"
+        )
     return None
 
 
@@ -64,20 +72,32 @@ def device_reason(device: int | None = None) -> str | None:
     return None if arch == "sm_90a" else f"the VQ GEMM needs a Hopper GPU (wgmma; found {arch})"
 
 
-def prepare(indices: torch.Tensor, codebooks: torch.Tensor, vector_size: int, entries: int, residuals: int,
-            in_features: int, out_features: int, tile_rows: int | None, tile_cols: int | None) -> Prepared:
+def prepare(
+    indices: torch.Tensor,
+    codebooks: torch.Tensor,
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    in_features: int,
+    out_features: int,
+    tile_rows: int | None,
+    tile_cols: int | None,
+) -> Prepared:
     """Check the layout's tensors against its parameters and build the kernel view (qtool/cuda/vq.py's, which the
     decode GEMV takes too)."""
     reason = unsupported_reason(vector_size, entries, residuals, in_features, tile_rows, tile_cols)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
-    return view(indices, codebooks, vector_size, entries, residuals, in_features, out_features, tile_rows, tile_cols)
+    return view(
+        indices, codebooks, vector_size, entries, residuals, in_features, out_features, tile_rows, tile_cols
+    )
 
 
 def prepare_layer(layer: torch.nn.Module) -> Prepared:
     """The kernel view of a VQLinear (its buffers, used in place), kept on the layer as the GEMV keeps it."""
-    reason = unsupported_reason(layer.vector_size, layer.entries, layer.residuals, layer.in_features,
-                                layer.tile_rows, layer.tile_cols)
+    reason = unsupported_reason(
+        layer.vector_size, layer.entries, layer.residuals, layer.in_features, layer.tile_rows, layer.tile_cols
+    )
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
     return layer_view(layer, layer.indices.device)
@@ -126,8 +146,15 @@ def plan_split(n: int, m: int, k: int, tokens: int, blocks_per_sm: int, sms: int
     return max(1, min(blocks_per_sm * sms // tiles, k // STAGE_COLS // 4, 16))
 
 
-def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         tokens: int | None = None, split: int | None = None, fusion: str | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+    fusion: str | None = None,
+) -> torch.Tensor:
     """y = x . W^T (+ bias) with the fused VQ GEMM; x fp16 [..., K], any number of rows. `tokens` (token tile),
     `split` (blocks per output tile along K) and `fusion` ("shfl" or "direct") override the defaults."""
     if x.dtype != torch.float16 or not x.is_cuda:
@@ -183,11 +210,29 @@ def gemm(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None, out: to
     cst = p.tile_vecs * p.vector_size // STAGE_COLS
     c_tiles = p.codebooks.shape[1]
     cc.launch(
-        fn, (-(-n // ROWS), -(-m // tn), split), (256,),
-        (cc.ptr(x2), cc.i32(x2.stride(0)), cc.ptr(p.indices), cc.i32(p.indices.shape[-1]), cc.ptr(p.codebooks),
-         cc.i32(c_tiles), cc.i32(trows), cc.i32(cst), cc.ptr(bias), cc.ptr(out), cc.i32(n), cc.ptr(ws), cc.ptr(cnt),
-         cc.i32(m), cc.i32(n), cc.i32(nst)),
-        shared_mem=smem, device=dev,
+        fn,
+        (-(-n // ROWS), -(-m // tn), split),
+        (256,),
+        (
+            cc.ptr(x2),
+            cc.i32(x2.stride(0)),
+            cc.ptr(p.indices),
+            cc.i32(p.indices.shape[-1]),
+            cc.ptr(p.codebooks),
+            cc.i32(c_tiles),
+            cc.i32(trows),
+            cc.i32(cst),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nst),
+        ),
+        shared_mem=smem,
+        device=dev,
     )
     return out.reshape(*lead, n)
 
@@ -196,8 +241,9 @@ def layer_reason(layer: torch.nn.Module, x: torch.Tensor) -> str | None:
     """Why a VQLinear's forward on `x` cannot take the GEMM (None when it can)."""
     if x.dtype != torch.float16:
         return f"dtype {x.dtype} (the VQ GEMM takes float16 activations)"
-    return unsupported_reason(layer.vector_size, layer.entries, layer.residuals, layer.in_features,
-                              layer.tile_rows, layer.tile_cols) or device_reason(cc.device_index(x.device))
+    return unsupported_reason(
+        layer.vector_size, layer.entries, layer.residuals, layer.in_features, layer.tile_rows, layer.tile_cols
+    ) or device_reason(cc.device_index(x.device))
 
 
 def module_forward(layer: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor | None:

@@ -98,8 +98,11 @@ class WindowForward:
         return step(x)
 
     def summary(self) -> dict:
-        return {"cuda_graphs": bool(self.graphs) and self.error is None, "graph_replays": self.replays,
-                "graph_error": self.error}
+        return {
+            "cuda_graphs": bool(self.graphs) and self.error is None,
+            "graph_replays": self.replays,
+            "graph_error": self.error,
+        }
 
 
 def window_groups(ids: torch.Tensor, spec: EvalSpec) -> tuple[list[tuple[int, int, int]], list[list]]:
@@ -109,10 +112,12 @@ def window_groups(ids: torch.Tensor, spec: EvalSpec) -> tuple[list[tuple[int, in
     if spec.max_windows is not None:
         spans = spans[: spec.max_windows]
     if not spans:
-        raise InputError(f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}")
+        raise InputError(
+            f"eval text '{spec.text}': {ids.numel()} tokens, too few for one window of {spec.seq_len}"
+        )
     groups = []
     for i in range(0, len(spans), spec.batch_size):
-        batch = spans[i:i + spec.batch_size]
+        batch = spans[i : i + spec.batch_size]
         groups.append([batch] if len({e - b for b, e, _ in batch}) == 1 else [[s] for s in batch])
     return spans, groups
 
@@ -126,8 +131,15 @@ def eval_tokens(model_config, tokenizer, spec: EvalSpec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, reporter: Reporter | None = None,
-               ids: torch.Tensor | None = None, graphs: bool = True) -> dict:
+def perplexity(
+    model,
+    tokenizer,
+    spec: EvalSpec,
+    device: torch.device | str,
+    reporter: Reporter | None = None,
+    ids: torch.Tensor | None = None,
+    graphs: bool = True,
+) -> dict:
     """`ids`: the text's tokens when the caller has them (`eval_tokens`). `graphs`: CUDA graphs allowed (not
     for a forward that returns something else at each call)."""
     t0 = time.perf_counter()
@@ -145,7 +157,7 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
             x = torch.stack([ids[b:e] for b, e, _ in group]).to(device)
             logits = forward(x).float()
             for row, (_, _, scored) in enumerate(group):
-                lg = logits[row, -scored - 1:-1]
+                lg = logits[row, -scored - 1 : -1]
                 tgt = x[row, -scored:]
                 total_nll += float(F.cross_entropy(lg, tgt, reduction="sum"))
                 total_tokens += scored
@@ -156,8 +168,14 @@ def perplexity(model, tokenizer, spec: EvalSpec, device: torch.device | str, rep
     protocol["stride"] = stride
     protocol["tokenizer"] = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     protocol["tokens_sha256"] = hashlib.sha256(ids.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
-    out = {"perplexity": math.exp(nll), "nll": nll, "scored_tokens": total_tokens, "windows": len(spans),
-           "protocol": protocol, "seconds": round(time.perf_counter() - t0, 3)}
+    out = {
+        "perplexity": math.exp(nll),
+        "nll": nll,
+        "scored_tokens": total_tokens,
+        "windows": len(spans),
+        "protocol": protocol,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
     if forward.use_graphs:
         out.update(forward.summary())
     return out

@@ -75,8 +75,9 @@ class _Replay(nn.Module):
 
 
 @torch.no_grad()
-def streamed_perplexity(ref: str, spec: EvalSpec, device: torch.device, reporter: Reporter,
-                        dtype: torch.dtype | None = None) -> tuple[dict, object]:
+def streamed_perplexity(
+    ref: str, spec: EvalSpec, device: torch.device, reporter: Reporter, dtype: torch.dtype | None = None
+) -> tuple[dict, object]:
     """(the perplexity result, the tokenizer) of the original model at `ref` (a local safetensors folder), its
     weights in `dtype` (default `eval_dtype`)."""
     t0 = time.perf_counter()
@@ -87,8 +88,10 @@ def streamed_perplexity(ref: str, spec: EvalSpec, device: torch.device, reporter
     skeleton = meta_model(config, f"model '{ref}' config", InputError)
     files = check_weight_files(ref, config, skeleton)
     if files is None:
-        raise InputError(f"model '{ref}': no safetensors weights to read block by block; expected a local folder "
-                         f"with model.safetensors (or shards with model.safetensors.index.json)")
+        raise InputError(
+            f"model '{ref}': no safetensors weights to read block by block; expected a local folder "
+            f"with model.safetensors (or shards with model.safetensors.index.json)"
+        )
     reader = ShardReader(ref, files, config)
     check_names(reader, skeleton, ref)
     skeleton.eval()
@@ -170,6 +173,9 @@ def _materialized_to(model: nn.Module, device: torch.device) -> None:
                 if t is None or t.device.type == "meta" or t.device == device:
                     continue
                 if id(t) not in moved:
-                    moved[id(t)] = (nn.Parameter(t.to(device), requires_grad=False) if kind == "_parameters"
-                                    else t.to(device))
+                    moved[id(t)] = (
+                        nn.Parameter(t.to(device), requires_grad=False)
+                        if kind == "_parameters"
+                        else t.to(device)
+                    )
                 table[name] = moved[id(t)]

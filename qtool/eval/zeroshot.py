@@ -70,9 +70,13 @@ def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise InputError(f"{path}: file not found; expected the task's JSONL (set --data-dir or {DATA_ENV})") from None
+        raise InputError(
+            f"{path}: file not found; expected the task's JSONL (set --data-dir or {DATA_ENV})"
+        ) from None
     except OSError as e:
-        raise InputError(f"{path}: cannot be read ({e.strerror or e}); expected a readable JSONL file") from None
+        raise InputError(
+            f"{path}: cannot be read ({e.strerror or e}); expected a readable JSONL file"
+        ) from None
     lines = 0
     for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -80,8 +84,10 @@ def check_data_file(path: Path, keys: tuple[str, ...]) -> str:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: found malformed JSON ({e.msg} at column {e.colno}), expected one JSON "
-                             f"object per line") from None
+            raise InputError(
+                f"{path}:{n}: found malformed JSON ({e.msg} at column {e.colno}), expected one JSON "
+                f"object per line"
+            ) from None
         if not isinstance(row, dict) or any(k not in row for k in keys):
             found = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
             raise InputError(f"{path}:{n}: found {found or 'no keys'}, expected keys {', '.join(keys)}")
@@ -122,16 +128,26 @@ class TaskSuite:
     """The requested tasks, checked and loadable by lm-eval's task manager. Use as a context manager: the generated
     task folder lives until the suite is closed."""
 
-    def __init__(self, tasks: list[str], *, limit: int | None = None, num_fewshot: int = 0,
-                 batch_size: int | str | None = None, seed: int = 1234, data_dir: str | Path | None = None,
-                 include_paths: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tasks: list[str],
+        *,
+        limit: int | None = None,
+        num_fewshot: int = 0,
+        batch_size: int | str | None = None,
+        seed: int = 1234,
+        data_dir: str | Path | None = None,
+        include_paths: list[str] | tuple[str, ...] = (),
+    ) -> None:
         if limit is not None and limit < 1:
             raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
         if num_fewshot < 0:
             raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
         names = [t.strip() for t in tasks if t.strip()]
         if not names:
-            raise UsageError("--tasks: found no task names, expected a comma-separated list such as piqa,arc_easy")
+            raise UsageError(
+                "--tasks: found no task names, expected a comma-separated list such as piqa,arc_easy"
+            )
         self.names = list(dict.fromkeys(names))
         self.limit = limit
         self.num_fewshot = num_fewshot
@@ -141,7 +157,9 @@ class TaskSuite:
         self.include_paths = [Path(p).expanduser().resolve() for p in include_paths]
         for p in self.include_paths:
             if not p.is_dir():
-                raise InputError(f"--include-path: '{p}' is not a directory; expected a folder of lm-eval task YAMLs")
+                raise InputError(
+                    f"--include-path: '{p}' is not a directory; expected a folder of lm-eval task YAMLs"
+                )
         self._tmp = tempfile.TemporaryDirectory(prefix="qtool-tasks-")
         self.data: dict[str, dict] = {}
         try:
@@ -163,8 +181,11 @@ class TaskSuite:
         _quiet_lm_eval()
         from lm_eval.tasks import TaskManager
 
-        user_tasks = TaskManager(include_path=[str(p) for p in self.include_paths], include_defaults=False) \
-            if self.include_paths else None
+        user_tasks = (
+            TaskManager(include_path=[str(p) for p in self.include_paths], include_defaults=False)
+            if self.include_paths
+            else None
+        )
         user_names = set(user_tasks.all_tasks) if user_tasks else set()
         # Standard tasks a user's folder redefines are the user's.
         standard = [n for n in STANDARD_TASKS if n not in user_names]
@@ -181,8 +202,11 @@ class TaskSuite:
             self.data[name] = {"file": str(path), "sha256": check_data_file(path, keys)}
             (gen / f"{name}.yaml").write_text(
                 f"include: {json.dumps(str(TASKS_DIR / f'{name}.yaml'))}\n"
-                f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(path))}\n")
-        self.manager = TaskManager(include_path=[str(gen), *map(str, self.include_paths)], include_defaults=False)
+                f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(path))}\n"
+            )
+        self.manager = TaskManager(
+            include_path=[str(gen), *map(str, self.include_paths)], include_defaults=False
+        )
         self.load()  # a config or data file lm-eval rejects fails here, before any model loads
 
     def load(self) -> dict:
@@ -193,13 +217,21 @@ class TaskSuite:
             except QtoolError:
                 raise
             except Exception as e:  # lm-eval and datasets raise many types; the reason is the message
-                raise InputError(f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
-                                 f"{_first_line(e)})") from None
+                raise InputError(
+                    f"--tasks: lm-eval cannot load {', '.join(self.names)} ({type(e).__name__}: "
+                    f"{_first_line(e)})"
+                ) from None
 
     def protocol(self) -> dict:
-        return {"tasks": self.names, "limit": self.limit, "num_fewshot": self.num_fewshot,
-                "batch_size": self.batch_size, "seed": self.seed, "data": self.data,
-                "include_paths": [str(p) for p in self.include_paths]}
+        return {
+            "tasks": self.names,
+            "limit": self.limit,
+            "num_fewshot": self.num_fewshot,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "data": self.data,
+            "include_paths": [str(p) for p in self.include_paths],
+        }
 
 
 def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
@@ -211,7 +243,9 @@ def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
         return "float (no packed layers)"
     from qtool.runtime.vq_linear import VQLinear  # no CUDA kernel yet
 
-    if device.type != "cuda" or all(isinstance(m, VQLinear) for m in model.modules() if isinstance(m, packed)):
+    if device.type != "cuda" or all(
+        isinstance(m, VQLinear) for m in model.modules() if isinstance(m, packed)
+    ):
         return "torch reference"
     from qtool.cuda.compile import cupy_available, kernel_mode
 
@@ -229,7 +263,9 @@ def wrap_model(model, tokenizer, batch_size: int | str = TASK_BATCH):
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
 
 
-def evaluate_tasks(model, tokenizer, suite: TaskSuite, device: torch.device, reporter: Reporter | None = None) -> dict:
+def evaluate_tasks(
+    model, tokenizer, suite: TaskSuite, device: torch.device, reporter: Reporter | None = None
+) -> dict:
     import lm_eval
     from lm_eval import simple_evaluate
 
@@ -240,24 +276,46 @@ def evaluate_tasks(model, tokenizer, suite: TaskSuite, device: torch.device, rep
         # which may be on meta (offloaded); the hooks move each module's weights to `device` for its forward.
         lm._device = torch.device(device)
     if reporter:
-        reporter.log(f"zero-shot tasks {', '.join(suite.names)} (limit {suite.limit}, {suite.num_fewshot}-shot)")
+        reporter.log(
+            f"zero-shot tasks {', '.join(suite.names)} (limit {suite.limit}, {suite.num_fewshot}-shot)"
+        )
     quiet = reporter is None or reporter.quiet
     # lm-eval prints (bootstrap notices) and draws tqdm bars; stdout carries only qtool's result (JSON with --json).
     sink = open(os.devnull, "w") if quiet else sys.stderr
     try:
         with redirect_stdout(sink), redirect_stderr(sink), _offline_datasets():
-            res = simple_evaluate(model=lm, tasks=list(suite.load().values()), num_fewshot=suite.num_fewshot,
-                                  limit=suite.limit, log_samples=False, task_manager=suite.manager,
-                                  random_seed=suite.seed, numpy_random_seed=suite.seed, torch_random_seed=suite.seed,
-                                  fewshot_random_seed=suite.seed)
+            res = simple_evaluate(
+                model=lm,
+                tasks=list(suite.load().values()),
+                num_fewshot=suite.num_fewshot,
+                limit=suite.limit,
+                log_samples=False,
+                task_manager=suite.manager,
+                random_seed=suite.seed,
+                numpy_random_seed=suite.seed,
+                torch_random_seed=suite.seed,
+                fewshot_random_seed=suite.seed,
+            )
     finally:
         if sink is not sys.stderr:
             sink.close()
-    protocol = {**suite.protocol(), "batch_size": lm.batch_size if suite.batch_size == "auto" else suite.batch_size,
-                "lm_eval_version": lm_eval.__version__, "task_versions": res["versions"], "device": str(device),
-                "runtime": runtime_of(model, device), "seconds": round(time.perf_counter() - t0, 3)}
-    return {"results": res["results"], "versions": res["versions"], "n-shot": res["n-shot"],
-            "higher_is_better": res["higher_is_better"], "n-samples": res["n-samples"], "protocol": protocol}
+    protocol = {
+        **suite.protocol(),
+        "batch_size": lm.batch_size if suite.batch_size == "auto" else suite.batch_size,
+        "lm_eval_version": lm_eval.__version__,
+        "task_versions": res["versions"],
+        "device": str(device),
+        "runtime": runtime_of(model, device),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return {
+        "results": res["results"],
+        "versions": res["versions"],
+        "n-shot": res["n-shot"],
+        "higher_is_better": res["higher_is_better"],
+        "n-samples": res["n-samples"],
+        "protocol": protocol,
+    }
 
 
 def metrics(results: dict) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -270,5 +328,7 @@ def metrics(results: dict) -> dict[str, dict[str, dict[str, float | None]]]:
                 continue
             stderr = row.get(f"{metric}_stderr,{filt}")
             out.setdefault(task, {})[metric] = {
-                "value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+                "value": float(value),
+                "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+            }
     return out

@@ -38,12 +38,22 @@ class LayerScheme:
     def scheme(self, targets: list[str]):
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        weights = QuantizationArgs(num_bits=self.bits, type="int", symmetric=self.symmetric,
-                                   strategy="group" if self.group_size else "channel", group_size=self.group_size)
+        weights = QuantizationArgs(
+            num_bits=self.bits,
+            type="int",
+            symmetric=self.symmetric,
+            strategy="group" if self.group_size else "channel",
+            group_size=self.group_size,
+        )
         acts = None
         if self.act_bits is not None:
-            acts = QuantizationArgs(num_bits=self.act_bits, type="int", symmetric=self.act_symmetric,
-                                    strategy="token", dynamic=True)
+            acts = QuantizationArgs(
+                num_bits=self.act_bits,
+                type="int",
+                symmetric=self.act_symmetric,
+                strategy="token",
+                dynamic=True,
+            )
         return QuantizationScheme(targets=targets, weights=weights, input_activations=acts)
 
     def describe(self) -> str:
@@ -53,8 +63,10 @@ class LayerScheme:
 
 
 def _refuse(where: str, found: str) -> UsageError:
-    return UsageError(f"{where}: {found}; compressed-tensors cannot express it, expected grouped or per-channel "
-                      f"integer weights (W2..W8, whole groups) with at most per-token dynamic INT activations")
+    return UsageError(
+        f"{where}: {found}; compressed-tensors cannot express it, expected grouped or per-channel "
+        f"integer weights (W2..W8, whole groups) with at most per-token dynamic INT activations"
+    )
 
 
 def layer_scheme(name: str, cfg: dict, where: str) -> LayerScheme:
@@ -65,16 +77,20 @@ def layer_scheme(name: str, cfg: dict, where: str) -> LayerScheme:
         raise _refuse(at, f"{fmt} layout ({_CANNOT[fmt]})")
     k, g = cfg.get("in_features"), cfg.get("group_size")
     if isinstance(g, int) and isinstance(k, int) and k % g:
-        raise UsageError(f"{at}: in_features {k} is not a multiple of group_size {g} (the last group of each row is "
-                         f"partial); compressed-tensors expects whole groups (quantize with `target: "
-                         f"compressed-tensors` in the recipe, or a group size dividing {k})")
+        raise UsageError(
+            f"{at}: in_features {k} is not a multiple of group_size {g} (the last group of each row is "
+            f"partial); compressed-tensors expects whole groups (quantize with `target: "
+            f"compressed-tensors` in the recipe, or a group size dividing {k})"
+        )
     if fmt == "grouped_int":
         return LayerScheme(bits=cfg["bits"], symmetric=bool(cfg["symmetric"]), group_size=g)
     if fmt == "qoq":
         if g is not None:
             raise _refuse(at, "qoq progressive groups (two-level scales: 8-bit levels times 4-bit groups)")
         # W8: symmetric codes; W4 per channel: one zero point per row. Activations: per-token symmetric INT8.
-        return LayerScheme(bits=cfg["bits"], symmetric=cfg["bits"] == 8, group_size=None, act_bits=cfg["act_bits"])
+        return LayerScheme(
+            bits=cfg["bits"], symmetric=cfg["bits"] == 8, group_size=None, act_bits=cfg["act_bits"]
+        )
     if fmt == "quik":
         if cfg.get("num_outliers"):
             raise _refuse(at, f"quik layout with {cfg['num_outliers']} float16 outlier input columns")
@@ -82,8 +98,9 @@ def layer_scheme(name: str, cfg: dict, where: str) -> LayerScheme:
             raise _refuse(at, f"quik layout with {cfg['sparsity']} sparse weights")
         # Per-token asymmetric activations (a float zero at the row minimum in qtool; an integer zero point in
         # compressed-tensors' runtime: formats/compressed-tensors.md).
-        return LayerScheme(bits=cfg["bits"], symmetric=True, group_size=None, act_bits=cfg["act_bits"],
-                           act_symmetric=False)
+        return LayerScheme(
+            bits=cfg["bits"], symmetric=True, group_size=None, act_bits=cfg["act_bits"], act_symmetric=False
+        )
     raise _refuse(at, f"layout {fmt!r}")
 
 
@@ -95,8 +112,10 @@ def _model_schemes(qcfg: dict, where: str) -> None:
             continue
         if key == "kv_cache":
             bits = value.get("bits") if isinstance(value, dict) else value
-            raise _refuse(f"{where}: quantization_config.kv_cache", f"a {bits}-bit KV cache quantized per token "
-                                                                      f"at run time")
+            raise _refuse(
+                f"{where}: quantization_config.kv_cache",
+                f"a {bits}-bit KV cache quantized per token at run time",
+            )
         raise _refuse(f"{where}: quantization_config.{key}", "a model scheme")
 
 
@@ -134,8 +153,9 @@ def _signed(codes: torch.Tensor, bits: int) -> torch.Tensor:
 SCALE_DTYPE = torch.float32
 
 
-def layer_state(name: str, cfg: dict, fields: dict[str, torch.Tensor],
-                dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def layer_state(
+    name: str, cfg: dict, fields: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(qtool's dequantized weight in float32, its compressed-tensors qparams: weight_scale in `dtype` and, when
     asymmetric, weight_zero_point in the library's signed convention) of one layer, validated by its layout."""
     from qtool.runtime.layouts import LAYOUTS
@@ -167,11 +187,17 @@ def compress_layer(name: str, weight: torch.Tensor, qparams: dict[str, torch.Ten
 
     compressor = BaseCompressor.get_value_from_registry(infer_module_format(torch.nn.Linear, scheme).value)
     out = compressor.compress({"weight": weight, **qparams}, scheme)
-    back = compressor.decompress({**out, "weight_scale": out["weight_scale"].to(torch.float32)}, scheme)["weight"]
+    back = compressor.decompress({**out, "weight_scale": out["weight_scale"].to(torch.float32)}, scheme)[
+        "weight"
+    ]
     if back.shape != weight.shape or not torch.equal(back.to(torch.float32), weight):
-        bad = (back.to(torch.float32) - weight).abs().max().item() if back.shape == weight.shape else back.shape
-        raise CheckpointError(f"layer {name}: the compressed-tensors round trip differs from the checkpoint's weight "
-                              f"({bad}); expected an exact copy")
+        bad = (
+            (back.to(torch.float32) - weight).abs().max().item() if back.shape == weight.shape else back.shape
+        )
+        raise CheckpointError(
+            f"layer {name}: the compressed-tensors round trip differs from the checkpoint's weight "
+            f"({bad}); expected an exact copy"
+        )
     return out
 
 
@@ -191,8 +217,12 @@ def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
         formats.add(scheme.format.value)
         config_groups[f"group_{i}"] = scheme
     fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
-    return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore,
-                              quantization_status=QuantizationStatus.COMPRESSED)
+    return QuantizationConfig(
+        config_groups=config_groups,
+        format=fmt,
+        ignore=ignore,
+        quantization_status=QuantizationStatus.COMPRESSED,
+    )
 
 
 def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
@@ -211,17 +241,25 @@ def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
     os.umask(umask)
     for f in folder.glob("*.safetensors"):
         f.chmod(0o666 & ~umask)
-    record = {"format": FORMAT, "source": {"checkpoint": checkpoint.name, "base_model": manifest.get("base_model"),
-                                           "manifest_sha256": file_sha256(checkpoint / SOURCE_MANIFEST),
-                                           "stages": manifest.get("stages"), "seed": manifest.get("seed"),
-                                           "bits_per_weight": manifest.get("bits_per_weight")},
-              "packages": {**package_versions(), "compressed-tensors": compressed_tensors.__version__},
-              "files": hash_files(folder)}
+    record = {
+        "format": FORMAT,
+        "source": {
+            "checkpoint": checkpoint.name,
+            "base_model": manifest.get("base_model"),
+            "manifest_sha256": file_sha256(checkpoint / SOURCE_MANIFEST),
+            "stages": manifest.get("stages"),
+            "seed": manifest.get("seed"),
+            "bits_per_weight": manifest.get("bits_per_weight"),
+        },
+        "packages": {**package_versions(), "compressed-tensors": compressed_tensors.__version__},
+        "files": hash_files(folder),
+    }
     (folder / EXPORT_RECORD).write_text(dumps(record))
 
 
-def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool,
-               reporter: Reporter) -> dict:
+def run_export(
+    checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool, reporter: Reporter
+) -> dict:
     from huggingface_hub import save_torch_state_dict
 
     from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
@@ -243,15 +281,19 @@ def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, ov
     tokenizer = load_tokenizer(checkpoint)
     layers = config["quantization_config"]["layers"]
 
-    with reserve_output(output, directory=True, overwrite=overwrite, needs_bytes=folder_bytes(checkpoint),
-                        log=reporter.log) as reserved:
+    with reserve_output(
+        output, directory=True, overwrite=overwrite, needs_bytes=folder_bytes(checkpoint), log=reporter.log
+    ) as reserved:
         tensors = read_tensors(checkpoint)
         built = {name: s.scheme(["Linear"]) for name, s in schemes.items()}
         out: dict[str, torch.Tensor] = {}
         for name in schemes:
             prefix = f"{name}."
-            fields = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
-                      if k.startswith(prefix) and "." not in k[len(prefix):] and k != f"{name}.bias"}
+            fields = {
+                k[len(prefix) :]: tensors.pop(k)
+                for k in list(tensors)
+                if k.startswith(prefix) and "." not in k[len(prefix) :] and k != f"{name}.bias"
+            }
             weight, qparams = layer_state(name, layers[name], fields, SCALE_DTYPE)
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
                 out[f"{prefix}{field}"] = t.contiguous()
@@ -273,6 +315,12 @@ def run_export(checkpoint: Path, output: Path, fmt: str, max_shard_size: str, ov
     for s in schemes.values():
         counts[s.describe()] = counts.get(s.describe(), 0) + 1
     reporter.log(f"wrote {output}")
-    return {"checkpoint": str(checkpoint), "output": str(output), "format": FORMAT,
-            "compression_format": qconfig.format, "quantized_layers": len(schemes), "schemes": counts,
-            "ignored": qconfig.ignore}
+    return {
+        "checkpoint": str(checkpoint),
+        "output": str(output),
+        "format": FORMAT,
+        "compression_format": qconfig.format,
+        "quantized_layers": len(schemes),
+        "schemes": counts,
+        "ignored": qconfig.ignore,
+    }

@@ -14,14 +14,31 @@ def _prospective_layer(stage, k: int) -> dict:
     """The layer config `stage` will write for a linear with `k` input columns, as far as its options fix it."""
     o = stage.options
     if stage.name in ("gptq", "rtn"):
-        return {"format": "grouped_int", "bits": o.bits, "group_size": o.group_size, "symmetric": o.symmetric,
-                "in_features": k}
+        return {
+            "format": "grouped_int",
+            "bits": o.bits,
+            "group_size": o.group_size,
+            "symmetric": o.symmetric,
+            "in_features": k,
+        }
     if stage.name == "progressive":
-        return {"format": "qoq", "bits": o.bits, "group_size": o.group_size, "act_bits": o.act_bits, "in_features": k}
+        return {
+            "format": "qoq",
+            "bits": o.bits,
+            "group_size": o.group_size,
+            "act_bits": o.act_bits,
+            "in_features": k,
+        }
     if stage.name == "outliers":
-        return {"format": "quik", "bits": o.bits, "act_bits": o.act_bits, "group_size": None, "in_features": k,
-                "num_outliers": o.outliers or any(getattr(v, "outliers", None) for v in o.overrides),
-                "sparsity": "2:4" if o.sparsity_24 else None}
+        return {
+            "format": "quik",
+            "bits": o.bits,
+            "act_bits": o.act_bits,
+            "group_size": None,
+            "in_features": k,
+            "num_outliers": o.outliers or any(getattr(v, "outliers", None) for v in o.overrides),
+            "sparsity": "2:4" if o.sparsity_24 else None,
+        }
     return {"format": stage.name, "in_features": k}
 
 
@@ -35,17 +52,21 @@ def check_target(recipe, config) -> None:
     for spec in recipe.stages:
         stage = spec.stage
         if stage.name == "kv_cache":
-            raise RecipeError(f"{where}: {recipe.target}, but {stage.label} quantizes the KV cache per token at run "
-                              f"time; expected no kv_cache stage (the format holds no such cache)")
+            raise RecipeError(
+                f"{where}: {recipe.target}, but {stage.label} quantizes the KV cache per token at run "
+                f"time; expected no kv_cache stage (the format holds no such cache)"
+            )
     for q in recipe.quantizers():
         for full, lin in q.targeted_linears(config):
             k = lin.in_features
             cfg = _prospective_layer(q, k)
             g = cfg.get("group_size")
             if isinstance(g, int) and k % g:
-                raise RecipeError(f"{where}: {recipe.target}, but {q.label} group_size {g} leaves a partial group "
-                                  f"in {full} (in_features {k}); expected a group size dividing every targeted "
-                                  f"linear's in_features (or exclude it in targets)")
+                raise RecipeError(
+                    f"{where}: {recipe.target}, but {q.label} group_size {g} leaves a partial group "
+                    f"in {full} (in_features {k}); expected a group size dividing every targeted "
+                    f"linear's in_features (or exclude it in targets)"
+                )
             try:
                 layer_scheme(full, cfg, q.label)
             except UsageError as e:

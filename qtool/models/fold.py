@@ -19,7 +19,7 @@ def _rows_times(param: torch.Tensor, q: torch.Tensor, chunk: int = 8192) -> None
     """param ← param @ q in place, a slab of rows at a time: a float64 copy of a whole embedding of a large
     vocabulary would take several times its memory."""
     for s in range(0, param.shape[0], chunk):
-        rows = param.data[s:s + chunk]
+        rows = param.data[s : s + chunk]
         rows.copy_((rows.double() @ q).to(param.dtype))
 
 

@@ -25,16 +25,40 @@ from qtool.errors import QtoolError
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 _MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 
 # Config keys that size a tensor or a loop: a string, a float or a non-positive value there fails deep inside
 # transformers or builds a model that silently ignores weights (num_hidden_layers: 0 loads nothing).
-_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "ffn_dim",
-                  "word_embed_proj_dim")
+_POSITIVE_INTS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "ffn_dim",
+    "word_embed_proj_dim",
+)
 _NULLABLE = frozenset({"num_key_value_heads", "head_dim"})  # null means "derive it", as transformers does
 
 # Context-length keys, in the order transformers' configs use them.
@@ -64,17 +88,23 @@ def read_header(path: Path, error: type[QtoolError]) -> dict[str, TensorInfo]:
     except OSError as e:
         raise error(f"{path}: cannot be read ({e.strerror or e})") from None
     if size < 8:
-        raise error(f"{path}: {size} bytes, too short for safetensors; expected an 8-byte header length, a JSON header "
-                    f"and the tensor data")
+        raise error(
+            f"{path}: {size} bytes, too short for safetensors; expected an 8-byte header length, a JSON header "
+            f"and the tensor data"
+        )
     if length > size - 8 or length > _MAX_HEADER or length == 0:
-        raise error(f"{path}: truncated or not safetensors: the header length field says {length} bytes, the file "
-                    f"has {size - 8} after it")
+        raise error(
+            f"{path}: truncated or not safetensors: the header length field says {length} bytes, the file "
+            f"has {size - 8} after it"
+        )
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise error(f"{path}: garbled safetensors header (not JSON); expected a safetensors file") from None
     if not isinstance(header, dict):
-        raise error(f"{path}: garbled safetensors header (a JSON {type(header).__name__}); expected an object")
+        raise error(
+            f"{path}: garbled safetensors header (a JSON {type(header).__name__}); expected an object"
+        )
     data = size - 8 - length
     out: dict[str, TensorInfo] = {}
     for name, entry in header.items():
@@ -85,18 +115,28 @@ def read_header(path: Path, error: type[QtoolError]) -> dict[str, TensorInfo]:
             shape = tuple(entry["shape"])
             begin, end = entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise error(f"{path}: tensor {name}: garbled header entry; expected dtype, shape and data_offsets") from None
+            raise error(
+                f"{path}: tensor {name}: garbled header entry; expected dtype, shape and data_offsets"
+            ) from None
         if dtype not in _DTYPE_BYTES:
-            raise error(f"{path}: tensor {name}: unknown dtype {dtype!r}; expected one of {', '.join(_DTYPE_BYTES)}")
+            raise error(
+                f"{path}: tensor {name}: unknown dtype {dtype!r}; expected one of {', '.join(_DTYPE_BYTES)}"
+            )
         if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
-            raise error(f"{path}: tensor {name}: garbled header entry (shape {entry['shape']!r}, offsets "
-                        f"{entry['data_offsets']!r}); expected non-negative integers")
+            raise error(
+                f"{path}: tensor {name}: garbled header entry (shape {entry['shape']!r}, offsets "
+                f"{entry['data_offsets']!r}); expected non-negative integers"
+            )
         need = math.prod(shape) * _DTYPE_BYTES[dtype]
         if end - begin != need:
-            raise error(f"{path}: tensor {name}: its offsets span {end - begin} bytes, its {dtype} shape {list(shape)} "
-                        f"needs {need}")
+            raise error(
+                f"{path}: tensor {name}: its offsets span {end - begin} bytes, its {dtype} shape {list(shape)} "
+                f"needs {need}"
+            )
         if end > data:
-            raise error(f"{path}: truncated: tensor {name} ends at byte {end} of the data, the file holds {data}")
+            raise error(
+                f"{path}: truncated: tensor {name} ends at byte {end} of the data, the file holds {data}"
+            )
         out[name] = TensorInfo(path, dtype, shape, 8 + length + begin, need)
     return out
 
@@ -106,12 +146,18 @@ def read_index(index: Path, error: type[QtoolError]) -> dict[str, str]:
     try:
         raw = json.loads(index.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{index}: invalid JSON ({_json_problem(e)}); expected a shard index with a weight_map") from None
+        raise error(
+            f"{index}: invalid JSON ({_json_problem(e)}); expected a shard index with a weight_map"
+        ) from None
     except OSError as e:
         raise error(f"{index}: cannot be read ({e.strerror or e})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
-        raise error(f"{index}: no weight_map of tensor names to shard files; expected the Hugging Face index format")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and "/" not in v for v in weight_map.values()
+    ):
+        raise error(
+            f"{index}: no weight_map of tensor names to shard files; expected the Hugging Face index format"
+        )
     return weight_map
 
 
@@ -126,12 +172,16 @@ def tensor_index(folder: Path, error: type[QtoolError]) -> dict[str, TensorInfo]
             shard = folder / fname
             if not shard.is_file():
                 first = next(k for k, v in sorted(weight_map.items()) if v == fname)
-                raise error(f"{shard}: missing; {INDEX_NAME} maps "
-                            f"{sum(v == fname for v in weight_map.values())} tensors to it (e.g. {first})")
+                raise error(
+                    f"{shard}: missing; {INDEX_NAME} maps "
+                    f"{sum(v == fname for v in weight_map.values())} tensors to it (e.g. {first})"
+                )
             for name, info in read_header(shard, error).items():
                 if name in found:
-                    raise error(f"tensor {name}: stored twice, in {found[name].file.name} and {fname}; expected each "
-                                f"tensor in one shard")
+                    raise error(
+                        f"tensor {name}: stored twice, in {found[name].file.name} and {fname}; expected each "
+                        f"tensor in one shard"
+                    )
                 found[name] = info
         for name, fname in sorted(weight_map.items()):
             info = found.get(name)
@@ -140,23 +190,40 @@ def tensor_index(folder: Path, error: type[QtoolError]) -> dict[str, TensorInfo]
                 raise error(f"tensor {name}: {index} maps it to {fname}{where}")
         for name, info in sorted(found.items()):
             if name not in weight_map:
-                raise error(f"tensor {name}: in {info.file}, but not in {INDEX_NAME}; expected every stored tensor "
-                            f"in the index")
+                raise error(
+                    f"tensor {name}: in {info.file}, but not in {INDEX_NAME}; expected every stored tensor "
+                    f"in the index"
+                )
         return found
     single = folder / WEIGHTS_NAME
     if single.is_file():
         return read_header(single, error)
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if shards:
-        raise error(f"{folder}: {shards[0]} without {INDEX_NAME} or {WEIGHTS_NAME}; expected the shard index beside "
-                    f"the shards")
+        raise error(
+            f"{folder}: {shards[0]} without {INDEX_NAME} or {WEIGHTS_NAME}; expected the shard index beside "
+            f"the shards"
+        )
     return None
 
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-                     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def read_tensor(info: TensorInfo, pinned: bool = False) -> torch.Tensor:
@@ -180,7 +247,9 @@ class StoredTensors(Mapping):
     so a caller holds one tensor beyond what it keeps. `pop` hands a tensor over and forgets its name; `device`
     moves each tensor there as it is read (the host copy is then freed)."""
 
-    def __init__(self, found: dict[str, TensorInfo], error: type[QtoolError], device: str | torch.device = "cpu"):
+    def __init__(
+        self, found: dict[str, TensorInfo], error: type[QtoolError], device: str | torch.device = "cpu"
+    ):
         self.files = dict(found)
         self.error = error
         self.device = torch.device(device)
@@ -200,7 +269,10 @@ class StoredTensors(Mapping):
     @property
     def meta(self) -> dict[str, torch.Tensor]:
         """Each tensor's shape and dtype, without its data."""
-        return {n: torch.empty(i.shape, dtype=SAFETENSORS_DTYPES[i.dtype], device="meta") for n, i in self.files.items()}
+        return {
+            n: torch.empty(i.shape, dtype=SAFETENSORS_DTYPES[i.dtype], device="meta")
+            for n, i in self.files.items()
+        }
 
     def __getitem__(self, name: str) -> torch.Tensor:
         info = self.files[name]
@@ -209,8 +281,10 @@ class StoredTensors(Mapping):
         except MemoryError:
             raise
         except (OSError, ValueError, RuntimeError) as e:
-            raise self.error(f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the file as "
-                             f"its header was checked (was it truncated or replaced meanwhile?)") from None
+            raise self.error(
+                f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the file as "
+                f"its header was checked (was it truncated or replaced meanwhile?)"
+            ) from None
         check_finite([(name, t)], self.error, self.files)
         return t.to(self.device) if self.device.type != "cpu" else t
 
@@ -235,7 +309,7 @@ def nonfinite_count(t: torch.Tensor) -> int:
     widen = t.element_size() == 1
     bad = 0
     for i in range(0, flat.numel(), _FINITE_CHUNK):
-        chunk = flat[i:i + _FINITE_CHUNK]
+        chunk = flat[i : i + _FINITE_CHUNK]
         if widen:
             chunk = chunk.float()
         ok = torch.isfinite(chunk)
@@ -244,16 +318,21 @@ def nonfinite_count(t: torch.Tensor) -> int:
     return bad
 
 
-def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], error: type[QtoolError],
-                 files: dict[str, TensorInfo] | None = None) -> None:
+def check_finite(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    error: type[QtoolError],
+    files: dict[str, TensorInfo] | None = None,
+) -> None:
     """Refuse the first tensor holding NaN or Inf, naming it (and its file when `files` knows it)."""
     for name, t in tensors:
         bad = nonfinite_count(t)
         if bad:
             where = f" ({files[name].file})" if files and name in files else ""
             dtype = str(t.dtype).removeprefix("torch.")
-            raise error(f"tensor {name}{where}: {bad} of {t.numel()} values are NaN or Inf (as {dtype}); expected "
-                        f"finite numbers")
+            raise error(
+                f"tensor {name}{where}: {bad} of {t.numel()} values are NaN or Inf (as {dtype}); expected "
+                f"finite numbers"
+            )
 
 
 def read_config_json(path: Path, error: type[QtoolError]) -> dict:
@@ -276,8 +355,10 @@ def read_config_json(path: Path, error: type[QtoolError]) -> dict:
             raise error(f"{path}: {key}: found {v!r}, expected a positive integer")
     arch = raw.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
-        raise error(f"{path}: architectures: found {arch!r}, expected a list of class names such as "
-                    f"[\"LlamaForCausalLM\"]")
+        raise error(
+            f"{path}: architectures: found {arch!r}, expected a list of class names such as "
+            f'["LlamaForCausalLM"]'
+        )
     return raw
 
 

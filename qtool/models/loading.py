@@ -76,12 +76,16 @@ def refuse_checkpoint(folder: Path, packed_tensor: str | None = None) -> None:
     from qtool.checkpoint.manifest import MANIFEST_NAME
 
     if (folder / MANIFEST_NAME).is_file():
-        raise InputError(f"model '{folder}': a packed qtool checkpoint; expected an original (float) model folder "
-                         f"or hub id")
+        raise InputError(
+            f"model '{folder}': a packed qtool checkpoint; expected an original (float) model folder "
+            f"or hub id"
+        )
     mark = checkpoint_mark(folder) or (f"it stores packed tensor {packed_tensor}" if packed_tensor else None)
     if mark:
-        raise CheckpointError(f"{folder}: looks like a qtool checkpoint ({mark}) but has no {MANIFEST_NAME}; "
-                              f"expected a complete checkpoint (write it again with qtool quantize or qtool pack)")
+        raise CheckpointError(
+            f"{folder}: looks like a qtool checkpoint ({mark}) but has no {MANIFEST_NAME}; "
+            f"expected a complete checkpoint (write it again with qtool quantize or qtool pack)"
+        )
 
 
 def load_config(ref: str) -> PretrainedConfig:
@@ -99,16 +103,20 @@ def load_config(ref: str) -> PretrainedConfig:
     except Exception as e:  # transformers and huggingface_hub raise many types for one bad config
         if local:
             raise InputError(f"{folder / 'config.json'}: not a usable model config ({describe(e)})") from None
-        raise InputError(f"model '{ref}': cannot read its config ({describe(e)}); expected a model directory "
-                         f"with config.json or a reachable hub id") from None
+        raise InputError(
+            f"model '{ref}': cannot read its config ({describe(e)}); expected a model directory "
+            f"with config.json or a reachable hub id"
+        ) from None
 
 
 def check_architecture(ref: str, config: PretrainedConfig) -> Adapter:
     adapter = adapter_for(getattr(config, "architectures", None))
     if adapter is None:
         found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
-        raise QtoolError(f"model '{ref}': architecture {found} is not supported; expected one of "
-                         f"{', '.join(supported_architectures())}")
+        raise QtoolError(
+            f"model '{ref}': architecture {found} is not supported; expected one of "
+            f"{', '.join(supported_architectures())}"
+        )
     return adapter
 
 
@@ -119,7 +127,9 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype:
     return dt
 
 
-def check_context(seq_len: int, allow: bool, config: PretrainedConfig, ref: str, where: str, allow_hint: str) -> None:
+def check_context(
+    seq_len: int, allow: bool, config: PretrainedConfig, ref: str, where: str, allow_hint: str
+) -> None:
     """Refuse windows longer than the model's context (positions it was never trained on give meaningless numbers,
     and a huge seq_len runs for minutes before anything fails), unless the user explicitly allowed it. `where` is
     the recipe key or the flag the value came from; a flag makes it a usage error."""
@@ -128,8 +138,10 @@ def check_context(seq_len: int, allow: bool, config: PretrainedConfig, ref: str,
         return
     key, n = found
     error = UsageError if where.startswith("--") else RecipeError
-    raise error(f"{where}: found {seq_len} tokens, beyond the context of '{ref}' ({key} {n} in its config.json); "
-                f"expected at most {n}, or {allow_hint} to run past it")
+    raise error(
+        f"{where}: found {seq_len} tokens, beyond the context of '{ref}' ({key} {n} in its config.json); "
+        f"expected at most {n}, or {allow_hint} to run past it"
+    )
 
 
 def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
@@ -144,8 +156,10 @@ def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise error(f"{f}: invalid JSON ({describe(e)}); expected a tokenizer file") from None
         if not any((folder / n).is_file() for n in TOKENIZER_FILES):
-            raise error(f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); expected the tokenizer "
-                        f"files beside config.json")
+            raise error(
+                f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); expected the tokenizer "
+                f"files beside config.json"
+            )
     try:
         return AutoTokenizer.from_pretrained(str(ref))
     except MemoryError:
@@ -164,8 +178,10 @@ def meta_model(config: PretrainedConfig, where: str, error: type[QtoolError]):
     except MemoryError:
         raise
     except Exception as e:  # a config that passed its own validation can still fail to build
-        raise error(f"{where}: cannot build {', '.join(config.architectures or [config.model_type])} from it "
-                    f"({describe(e)})") from None
+        raise error(
+            f"{where}: cannot build {', '.join(config.architectures or [config.model_type])} from it "
+            f"({describe(e)})"
+        ) from None
 
 
 def check_weight_files(ref: str, config: PretrainedConfig, meta=None) -> dict[str, TensorInfo] | None:
@@ -178,8 +194,10 @@ def check_weight_files(ref: str, config: PretrainedConfig, meta=None) -> dict[st
     found = tensor_index(folder, InputError)
     if found is None:
         if not any(folder.glob("pytorch_model*.bin")):
-            raise InputError(f"{folder}: no weights; expected model.safetensors (or shards with "
-                             f"model.safetensors.index.json)")
+            raise InputError(
+                f"{folder}: no weights; expected model.safetensors (or shards with "
+                f"model.safetensors.index.json)"
+            )
         return None
     packed = sorted(n for n in found if n.endswith(".qweight"))
     if packed:
@@ -190,30 +208,42 @@ def check_weight_files(ref: str, config: PretrainedConfig, meta=None) -> dict[st
     prefix = getattr(config, "base_model_prefix", None) or "model"
     # Checkpoints saved from the base model (facebook/opt-*) drop the prefix that the CausalLM's names carry;
     # transformers adds it back, so do the same before comparing.
-    add_prefix = bool(found) and not any(n.startswith(f"{prefix}.") for n in found) and any(
-        k.startswith(f"{prefix}.") for k in expected)
+    add_prefix = (
+        bool(found)
+        and not any(n.startswith(f"{prefix}.") for n in found)
+        and any(k.startswith(f"{prefix}.") for k in expected)
+    )
     for name, info in sorted(found.items()):
         want = expected.get(f"{prefix}.{name}" if add_prefix else name)
         if want is None:
             continue  # unexpected names are judged after loading, by transformers' own ignore lists
         if info.shape != tuple(want.shape):
-            raise InputError(f"tensor {name} ({info.file}): found shape {list(info.shape)}, expected "
-                             f"{list(want.shape)} from {folder / 'config.json'}")
+            raise InputError(
+                f"tensor {name} ({info.file}): found shape {list(info.shape)}, expected "
+                f"{list(want.shape)} from {folder / 'config.json'}"
+            )
         if want.is_floating_point() and info.dtype not in FLOAT_DTYPES:
-            raise InputError(f"tensor {name} ({info.file}): found dtype {info.dtype}, expected a floating-point "
-                             f"tensor")
+            raise InputError(
+                f"tensor {name} ({info.file}): found dtype {info.dtype}, expected a floating-point tensor"
+            )
     return found
 
 
-def check_loading_info(ref: str, info: dict, files: dict[str, TensorInfo] | None, config: PretrainedConfig) -> None:
+def check_loading_info(
+    ref: str, info: dict, files: dict[str, TensorInfo] | None, config: PretrainedConfig
+) -> None:
     arch = ", ".join(config.architectures or [config.model_type])
     for name in sorted(info.get("missing_keys") or ()):
-        raise InputError(f"tensor {name}: missing from the weights of '{ref}'; expected every parameter of {arch} "
-                         f"(it would be initialised randomly)")
+        raise InputError(
+            f"tensor {name}: missing from the weights of '{ref}'; expected every parameter of {arch} "
+            f"(it would be initialised randomly)"
+        )
     for name in sorted(info.get("unexpected_keys") or ()):
         where = f" ({files[name].file})" if files and name in files else ""
-        raise InputError(f"tensor {name}{where}: not a parameter of {arch} as {ref}/config.json describes it; "
-                         f"expected weights of this model")
+        raise InputError(
+            f"tensor {name}{where}: not a parameter of {arch} as {ref}/config.json describes it; "
+            f"expected weights of this model"
+        )
     for item in sorted(info.get("mismatched_keys") or (), key=str):
         name = item[0] if isinstance(item, (tuple, list)) else item
         raise InputError(f"tensor {name}: its shape does not match {ref}/config.json")
@@ -232,8 +262,12 @@ def unique_tensors(model: torch.nn.Module):
         yield name, t
 
 
-def load_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-               max_memory: int | None = None):
+def load_model(
+    ref: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    max_memory: int | None = None,
+):
     """Return (model in `dtype`, tokenizer, adapter, original parameter dtype): on the CPU, or read straight onto
     `device`. With `max_memory` (bytes on `device`), accelerate places what does not fit in host memory, then on
     disk (its hooks bring each module's weights to `device` for its forward)."""
@@ -251,16 +285,20 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: torch.devic
 
         from qtool.calibration.store import available_host
 
-        budget = {dev.index or 0: max_memory, "cpu": available_host()} if dev.type == "cuda" else \
-            {"cpu": max_memory}
+        budget = (
+            {dev.index or 0: max_memory, "cpu": available_host()}
+            if dev.type == "cuda"
+            else {"cpu": max_memory}
+        )
         folder = tempfile.mkdtemp(prefix="qtool-offload-", dir=os.environ.get("QTOOL_OFFLOAD_DIR"))
         atexit.register(shutil.rmtree, folder, True)
         placement = {"device_map": "auto", "max_memory": budget, "offload_folder": folder}
     elif dev.type != "cpu":
         placement = {"device_map": {"": str(dev)}}
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, low_cpu_mem_usage=True,
-                                                           output_loading_info=True, **placement)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            ref, dtype=dtype, low_cpu_mem_usage=True, output_loading_info=True, **placement
+        )
     except MemoryError:
         raise
     except Exception as e:  # the files were checked above; what is left is transformers' to describe

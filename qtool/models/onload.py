@@ -27,7 +27,7 @@ class ShardReader:
         self.files = files
         prefix = getattr(config, "base_model_prefix", None) or "model"
         # Checkpoints saved from the base model (facebook/opt-*) drop the prefix the CausalLM's names carry.
-        self._strip = (f"{prefix}." if files and not any(n.startswith(f"{prefix}.") for n in files) else "")
+        self._strip = f"{prefix}." if files and not any(n.startswith(f"{prefix}.") for n in files) else ""
 
     def stored_name(self, name: str) -> str:
         return name.removeprefix(self._strip) if self._strip else name
@@ -39,15 +39,19 @@ class ShardReader:
         stored = self.stored_name(name)
         info = self.files.get(stored)
         if info is None:
-            raise InputError(f"tensor {name}: missing from the weights of '{self.folder}'; expected every parameter "
-                             f"of the model (it would be initialised randomly)")
+            raise InputError(
+                f"tensor {name}: missing from the weights of '{self.folder}'; expected every parameter "
+                f"of the model (it would be initialised randomly)"
+            )
         try:
             t = read_tensor(info, pinned)
         except MemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise InputError(f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the file "
-                             f"as the pre-flight checked it (was it truncated or replaced during the run?)") from None
+            raise InputError(
+                f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the file "
+                f"as the pre-flight checked it (was it truncated or replaced during the run?)"
+            ) from None
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
         return t
@@ -64,14 +68,18 @@ def check_names(reader: ShardReader, meta: nn.Module, ref: str) -> None:
     arch = ", ".join(meta.config.architectures or [meta.config.model_type])
     for name in sorted(expected):
         if name not in tied and not reader.has(name):
-            raise InputError(f"tensor {name}: missing from the weights of '{ref}'; expected every parameter of "
-                             f"{arch} (it would be initialised randomly)")
+            raise InputError(
+                f"tensor {name}: missing from the weights of '{ref}'; expected every parameter of "
+                f"{arch} (it would be initialised randomly)"
+            )
     known = {reader.stored_name(n) for n in expected}
     ignore = getattr(meta, "_keys_to_ignore_on_load_unexpected", None) or []
     for name, info in sorted(reader.files.items()):
         if name not in known and not any(re.search(p, name) for p in ignore):
-            raise InputError(f"tensor {name} ({info.file}): not a parameter of {arch} as {ref}/config.json "
-                             f"describes it; expected weights of this model")
+            raise InputError(
+                f"tensor {name} ({info.file}): not a parameter of {arch} as {ref}/config.json "
+                f"describes it; expected weights of this model"
+            )
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -87,8 +95,15 @@ def _tied_names(model: nn.Module) -> set[str]:
     return set()
 
 
-def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torch.dtype, *, pinned: bool = False,
-                check: bool = True) -> None:
+def materialize(
+    module: nn.Module,
+    prefix: str,
+    reader: ShardReader,
+    dtype: torch.dtype,
+    *,
+    pinned: bool = False,
+    check: bool = True,
+) -> None:
     """Read the parameters and persistent buffers of `module` (named `prefix` in the model) that are on the meta
     device, in `dtype`, refusing any that is not finite (unless `check` is false: the caller then runs
     `check_module` where it is cheaper, on a GPU). `pinned`: into page-locked memory, for a copy to a GPU."""
@@ -113,8 +128,11 @@ def materialize(module: nn.Module, prefix: str, reader: ShardReader, dtype: torc
 def check_module(module: nn.Module, prefix: str, reader: ShardReader) -> None:
     """`materialize`'s check of the values read, run where `module` now is (the same values: they were moved,
     not computed on)."""
-    check_finite([(reader.stored_name(f"{prefix}.{n}" if prefix else n), t) for n, t in module.state_dict().items()],
-                 InputError, reader.files)
+    check_finite(
+        [(reader.stored_name(f"{prefix}.{n}" if prefix else n), t) for n, t in module.state_dict().items()],
+        InputError,
+        reader.files,
+    )
 
 
 def release(module: nn.Module) -> None:
@@ -156,8 +174,9 @@ def outer_modules(model: nn.Module, blocks_path: str) -> list[tuple[str, nn.Modu
     return out
 
 
-def load_outer(model: nn.Module, adapter, reader: ShardReader, dtype: torch.dtype, skip: tuple[str, ...] = ()
-               ) -> None:
+def load_outer(
+    model: nn.Module, adapter, reader: ShardReader, dtype: torch.dtype, skip: tuple[str, ...] = ()
+) -> None:
     """Materialize the modules outside the decoder blocks, but those named in `skip` (loaded later, when needed),
     then tie the head to the embedding as the config says."""
     tied = _tied_names(model)

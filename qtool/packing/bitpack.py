@@ -44,8 +44,10 @@ def unpack_codes(words: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor
         raise ValueError(f"packed words must be int32, got {words.dtype}")
     rows = words.shape[0]
     if words.shape[1] != packed_words(num_codes, bits):
-        raise ValueError(f"expected {packed_words(num_codes, bits)} words per row for {num_codes} codes of "
-                         f"{bits} bits, got {words.shape[1]}")
+        raise ValueError(
+            f"expected {packed_words(num_codes, bits)} words per row for {num_codes} codes of "
+            f"{bits} bits, got {words.shape[1]}"
+        )
     w = words.to(torch.int64) & 0xFFFFFFFF
     w = torch.cat([w, torch.zeros(rows, 1, dtype=torch.int64, device=w.device)], dim=1)
     word, offset = _positions(num_codes, bits, w.device)

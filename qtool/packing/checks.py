@@ -10,15 +10,18 @@ import torch
 from qtool.errors import CheckpointError
 
 
-def check_tensors(name: str, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  tensors: dict[str, torch.Tensor]) -> None:
+def check_tensors(
+    name: str, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], tensors: dict[str, torch.Tensor]
+) -> None:
     """Each expected field is present with its shape and dtype."""
     for field, (shape, dtype) in expected.items():
         t = tensors.get(field)
         if t is None:
             raise CheckpointError(f"tensor {name}.{field}: missing; expected {dtype} {list(shape)}")
         if tuple(t.shape) != shape or t.dtype != dtype:
-            raise CheckpointError(f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}")
+            raise CheckpointError(
+                f"tensor {name}.{field}: found {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}"
+            )
 
 
 def check_scales(name: str, scales: torch.Tensor) -> None:
@@ -70,8 +73,9 @@ class StoredLayout:
         problem = cls.scheme_problem(cfg)
         if problem is not None:
             key, found, expected = problem
-            raise CheckpointError(f"layer {name}: quantization_config key {key!r} found {found!r}, "
-                                  f"expected {expected}")
+            raise CheckpointError(
+                f"layer {name}: quantization_config key {key!r} found {found!r}, expected {expected}"
+            )
 
     @classmethod
     def checked(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]):

@@ -25,7 +25,9 @@ class GroupedIntWeight:
     zeros: torch.Tensor | None  # uint8 [N, G] when asymmetric
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: GridSpec) -> GroupedIntWeight:
+    def from_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: GridSpec
+    ) -> GroupedIntWeight:
         """Build from integer codes [N, K] and per-group scales/zeros [N, G] (any float dtype)."""
         n, k = codes.shape
         # Packed where the codes are (on the GPU in a CUDA run, where a 7B block's codes take seconds to pack on
@@ -35,7 +37,7 @@ class GroupedIntWeight:
             spec=spec,
             in_features=k,
             out_features=n,
-            qweight=torch.cat([pack_codes(codes[i:i + rows], spec.bits).cpu() for i in range(0, n, rows)]),
+            qweight=torch.cat([pack_codes(codes[i : i + rows], spec.bits).cpu() for i in range(0, n, rows)]),
             scales=scales.to(torch.float16).cpu().contiguous(),
             zeros=None if spec.symmetric else zeros.round().to(torch.uint8).cpu().contiguous(),
         )
@@ -47,11 +49,18 @@ class GroupedIntWeight:
         first = parts[0]
         for p in parts[1:]:
             if (p.spec, p.in_features) != (first.spec, first.in_features):
-                raise ValueError(f"grouped_int: row slices of different layers ({p.spec}, {p.in_features} inputs "
-                                 f"against {first.spec}, {first.in_features})")
-        return cls(first.spec, first.in_features, sum(p.out_features for p in parts),
-                   torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                   None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+                raise ValueError(
+                    f"grouped_int: row slices of different layers ({p.spec}, {p.in_features} inputs "
+                    f"against {first.spec}, {first.in_features})"
+                )
+        return cls(
+            first.spec,
+            first.in_features,
+            sum(p.out_features for p in parts),
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            None if first.zeros is None else torch.cat([p.zeros for p in parts]),
+        )
 
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.spec.bits, self.in_features)
@@ -60,7 +69,9 @@ class GroupedIntWeight:
         g = self.spec.group_size or self.in_features
         return torch.arange(self.in_features, device=self.qweight.device) // g
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    ) -> torch.Tensor:
         """`(code - zero)·scale` [N, K], computed on `device` (default: where the tensors are). Every device gives
         the same values: the unpacking is integer, then one exact subtraction and one rounded product per weight
         in float32, so the GPTQ stage dequantizes where it solved instead of unpacking on the host."""
@@ -70,19 +81,25 @@ class GroupedIntWeight:
         rows = max(1, PACK_CHUNK // max(1, self.in_features))
         out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=layer.qweight.device)
         for i in range(0, self.out_features, rows):
-            scales = layer.scales[i:i + rows].to(torch.float32)[:, idx]
+            scales = layer.scales[i : i + rows].to(torch.float32)[:, idx]
             if layer.zeros is None:
                 zeros = float(self.spec.sym_zero)
             else:
-                zeros = layer.zeros[i:i + rows].to(torch.float32)[:, idx]
-            codes = unpack_codes(layer.qweight[i:i + rows], self.spec.bits, self.in_features)
-            out[i:i + rows] = (codes.to(torch.float32) - zeros) * scales
+                zeros = layer.zeros[i : i + rows].to(torch.float32)[:, idx]
+            codes = unpack_codes(layer.qweight[i : i + rows], self.spec.bits, self.in_features)
+            out[i : i + rows] = (codes.to(torch.float32) - zeros) * scales
         return out
 
     def to(self, device: torch.device | str) -> GroupedIntWeight:
         """The same layer with its tensors on `device`."""
-        return GroupedIntWeight(self.spec, self.in_features, self.out_features, self.qweight.to(device),
-                                self.scales.to(device), None if self.zeros is None else self.zeros.to(device))
+        return GroupedIntWeight(
+            self.spec,
+            self.in_features,
+            self.out_features,
+            self.qweight.to(device),
+            self.scales.to(device),
+            None if self.zeros is None else self.zeros.to(device),
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales}
@@ -109,7 +126,10 @@ class GroupedIntWeight:
         spec = spec_from_config(cfg)
         n, k = cfg["out_features"], cfg["in_features"]
         g = spec.num_groups(k)
-        shapes = {"qweight": ((n, packed_words(k, spec.bits)), torch.int32), "scales": ((n, g), torch.float16)}
+        shapes = {
+            "qweight": ((n, packed_words(k, spec.bits)), torch.int32),
+            "scales": ((n, g), torch.float16),
+        }
         if not spec.symmetric:
             shapes["zeros"] = ((n, g), torch.uint8)
         return shapes
@@ -123,7 +143,9 @@ class GroupedIntWeight:
         check_scales(name, scales)
         zeros = tensors.get("zeros")
         if zeros is not None and int(zeros.max()) > spec.maxq:
-            raise CheckpointError(f"tensor {name}.zeros: found {int(zeros.max())}, expected at most {spec.maxq}")
+            raise CheckpointError(
+                f"tensor {name}.zeros: found {int(zeros.max())}, expected at most {spec.maxq}"
+            )
         return cls(spec, cfg["in_features"], cfg["out_features"], tensors["qweight"], scales, zeros)
 
 

@@ -23,8 +23,20 @@ ASSIGN_RULES = ("block4", "global")
 SCALE_BITS = 4  # N_s: bits of a 2-bit group's first-order scale code
 OUTLIER_BITS = 32  # float16 value + 16-bit column index
 MAX_COLUMNS = 1 << 16  # column indices are stored as unsigned 16-bit
-FIELDS = ("qweight_a", "qweight_b", "stripe_bits", "scale_codes", "zeros2", "scales_2nd", "zeros_2nd", "scales4",
-          "zeros4", "outlier_values", "outlier_cols", "outlier_rowptr")
+FIELDS = (
+    "qweight_a",
+    "qweight_b",
+    "stripe_bits",
+    "scale_codes",
+    "zeros2",
+    "scales_2nd",
+    "zeros_2nd",
+    "scales4",
+    "zeros4",
+    "outlier_values",
+    "outlier_cols",
+    "outlier_rowptr",
+)
 
 
 def stripe_counts(in_features: int, group_size: int, stripes_4bit: int) -> tuple[int, int, int]:
@@ -33,8 +45,14 @@ def stripe_counts(in_features: int, group_size: int, stripes_4bit: int) -> tuple
     return s, s - stripes_4bit, stripes_4bit
 
 
-def shapes_for(out_features: int, in_features: int, group_size: int, scale_group_size: int, stripes_4bit: int,
-               outliers: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def shapes_for(
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    scale_group_size: int,
+    stripes_4bit: int,
+    outliers: int,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every stored tensor of one layer."""
     n, k, g1, g2 = out_features, in_features, group_size, scale_group_size
     s, s2, s4 = stripe_counts(k, g1, stripes_4bit)
@@ -54,8 +72,14 @@ def shapes_for(out_features: int, in_features: int, group_size: int, scale_group
     }
 
 
-def bits_for(out_features: int, in_features: int, group_size: int, scale_group_size: int, stripes_4bit: int,
-             outliers: int) -> int:
+def bits_for(
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    scale_group_size: int,
+    stripes_4bit: int,
+    outliers: int,
+) -> int:
     """Stored bits of one layer (every tensor of the layout, padding included)."""
     shapes = shapes_for(out_features, in_features, group_size, scale_group_size, stripes_4bit, outliers)
     total = 0
@@ -67,8 +91,14 @@ def bits_for(out_features: int, in_features: int, group_size: int, scale_group_s
     return total
 
 
-def eq10_bits(in_features: int, group_size: int, scale_group_size: int, stripes_4bit: int, outliers: int,
-              out_features: int) -> float:
+def eq10_bits(
+    in_features: int,
+    group_size: int,
+    scale_group_size: int,
+    stripes_4bit: int,
+    outliers: int,
+    out_features: int,
+) -> float:
     """The paper's accounting (Eq. 10) of the same layer, plus its 30 bits per outlier ((16 + 16 - 2)·ratio)."""
     s, s2, _ = stripe_counts(in_features, group_size, stripes_4bit)
     alpha = s2 / s
@@ -98,7 +128,11 @@ def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
     if not isinstance(s4, int) or isinstance(s4, bool) or not 0 <= s4 <= s:
         return "stripes_4bit", s4, f"an integer in 0..{s}"
     if assign == "block4" and (s % 4 or s4 != s // 4):
-        return "stripes_4bit", s4, f"{s // 4} with assign block4 ({s} stripes, one 4-bit stripe in every four)"
+        return (
+            "stripes_4bit",
+            s4,
+            f"{s // 4} with assign block4 ({s} stripes, one 4-bit stripe in every four)",
+        )
     nnz = cfg.get("outliers")
     if not isinstance(nnz, int) or isinstance(nnz, bool) or not 0 <= nnz <= n * (s - s4) * g1:
         return "outliers", nnz, "a count of weights in 2-bit stripes"
@@ -133,11 +167,23 @@ class MixedWeight(StoredLayout):
     # ---- construction -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, is4: torch.Tensor, group_size: int, scale_group_size: int,
-                   assign: str, scale_codes: torch.Tensor, zeros2: torch.Tensor, scales_2nd: torch.Tensor,
-                   zeros_2nd: torch.Tensor, scales4: torch.Tensor, zeros4: torch.Tensor,
-                   outlier_rows: torch.Tensor, outlier_cols: torch.Tensor,
-                   outlier_values: torch.Tensor) -> MixedWeight:
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        is4: torch.Tensor,
+        group_size: int,
+        scale_group_size: int,
+        assign: str,
+        scale_codes: torch.Tensor,
+        zeros2: torch.Tensor,
+        scales_2nd: torch.Tensor,
+        zeros_2nd: torch.Tensor,
+        scales4: torch.Tensor,
+        zeros4: torch.Tensor,
+        outlier_rows: torch.Tensor,
+        outlier_cols: torch.Tensor,
+        outlier_values: torch.Tensor,
+    ) -> MixedWeight:
         """Build from the codes [N, K] (2-bit in 2-bit stripes, 4-bit in 4-bit stripes), the stripe mask `is4`
         [S], the 2-bit groups' scale codes and zeros [N, S2], the second-order scales and zeros [N/g2, S2], the
         4-bit groups' scales and zeros [N, S4] and the outliers (row, column, value) in any order."""
@@ -161,7 +207,11 @@ class MixedWeight(StoredLayout):
         rowptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0)
         u8 = lambda t: t.round().to(torch.uint8).cpu().contiguous()  # noqa: E731
         return cls(
-            group_size=g1, scale_group_size=scale_group_size, assign=assign, in_features=k, out_features=n,
+            group_size=g1,
+            scale_group_size=scale_group_size,
+            assign=assign,
+            in_features=k,
+            out_features=n,
             qweight_a=pack_codes(units.reshape(n, k), 2),
             qweight_b=pack_codes(hi, 4),
             stripe_bits=torch.where(is4, 4, 2).to(torch.uint8),
@@ -186,17 +236,33 @@ class MixedWeight(StoredLayout):
         key = (first.group_size, first.scale_group_size, first.assign, first.in_features)
         for p in parts[1:]:
             if (p.group_size, p.scale_group_size, p.assign, p.in_features) != key or not torch.equal(
-                    p.stripe_bits, first.stripe_bits):
+                p.stripe_bits, first.stripe_bits
+            ):
                 raise ValueError("mixed-2-4-16: row slices with different schemes or stripe widths")
         cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
         rowptr, at = [torch.zeros(1, dtype=torch.int32)], 0
         for p in parts:
             rowptr.append(p.outlier_rowptr[1:] + at)
             at += p.num_outliers
-        return cls(first.group_size, first.scale_group_size, first.assign, first.in_features,
-                   sum(p.out_features for p in parts), cat("qweight_a"), cat("qweight_b"), first.stripe_bits,
-                   cat("scale_codes"), cat("zeros2"), cat("scales_2nd"), cat("zeros_2nd"), cat("scales4"),
-                   cat("zeros4"), cat("outlier_values"), cat("outlier_cols"), torch.cat(rowptr))
+        return cls(
+            first.group_size,
+            first.scale_group_size,
+            first.assign,
+            first.in_features,
+            sum(p.out_features for p in parts),
+            cat("qweight_a"),
+            cat("qweight_b"),
+            first.stripe_bits,
+            cat("scale_codes"),
+            cat("zeros2"),
+            cat("scales_2nd"),
+            cat("zeros_2nd"),
+            cat("scales4"),
+            cat("zeros4"),
+            cat("outlier_values"),
+            cat("outlier_cols"),
+            torch.cat(rowptr),
+        )
 
     # ---- reading ------------------------------------------------------------------------------------------
 
@@ -283,14 +349,28 @@ class MixedWeight(StoredLayout):
     def bits_report(self) -> dict[str, float]:
         """Bits per weight of this layer: as stored, and as the paper's Eq. 10 counts it."""
         nk = self.in_features * self.out_features
-        return {"stored": self.stored_bits() / nk,
-                "eq10": eq10_bits(self.in_features, self.group_size, self.scale_group_size, self.stripes_4bit,
-                                  self.num_outliers, self.out_features)}
+        return {
+            "stored": self.stored_bits() / nk,
+            "eq10": eq10_bits(
+                self.in_features,
+                self.group_size,
+                self.scale_group_size,
+                self.stripes_4bit,
+                self.num_outliers,
+                self.out_features,
+            ),
+        }
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return shapes_for(cfg["out_features"], cfg["in_features"], cfg["group_size"], cfg["scale_group_size"],
-                          cfg["stripes_4bit"], cfg["outliers"])
+        return shapes_for(
+            cfg["out_features"],
+            cfg["in_features"],
+            cfg["group_size"],
+            cfg["scale_group_size"],
+            cfg["stripes_4bit"],
+            cfg["outliers"],
+        )
 
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> MixedWeight:
@@ -299,31 +379,42 @@ class MixedWeight(StoredLayout):
         k, g1 = cfg["in_features"], cfg["group_size"]
         bits = tensors["stripe_bits"]
         if bool(((bits != 2) & (bits != 4)).any()):
-            raise CheckpointError(f"tensor {name}.stripe_bits: found values {sorted(set(bits.tolist()))}, "
-                                  f"expected 2 or 4")
+            raise CheckpointError(
+                f"tensor {name}.stripe_bits: found values {sorted(set(bits.tolist()))}, expected 2 or 4"
+            )
         s4 = int((bits == 4).sum())
         if s4 != cfg["stripes_4bit"]:
-            raise CheckpointError(f"tensor {name}.stripe_bits: found {s4} stripes of 4 bits, expected "
-                                  f"{cfg['stripes_4bit']} (stripes_4bit)")
+            raise CheckpointError(
+                f"tensor {name}.stripe_bits: found {s4} stripes of 4 bits, expected "
+                f"{cfg['stripes_4bit']} (stripes_4bit)"
+            )
         if cfg["assign"] == "block4" and not bool(((bits == 4).reshape(-1, 4).sum(1) == 1).all()):
-            raise CheckpointError(f"tensor {name}.stripe_bits: expected one 4-bit stripe in every four (block4)")
+            raise CheckpointError(
+                f"tensor {name}.stripe_bits: expected one 4-bit stripe in every four (block4)"
+            )
         for field in ("scales_2nd", "scales4"):
             check_positive(name, field, tensors[field])
         if tensors["zeros_2nd"].numel() and int(tensors["zeros_2nd"].max()) > 15:
-            raise CheckpointError(f"tensor {name}.zeros_2nd: found {int(tensors['zeros_2nd'].max())}, expected "
-                                  f"at most 15")
+            raise CheckpointError(
+                f"tensor {name}.zeros_2nd: found {int(tensors['zeros_2nd'].max())}, expected at most 15"
+            )
         if not bool(torch.isfinite(tensors["outlier_values"]).all()):
             raise CheckpointError(f"tensor {name}.outlier_values: found non-finite values")
         rp = tensors["outlier_rowptr"].to(torch.int64)
         if int(rp[0]) != 0 or int(rp[-1]) != cfg["outliers"] or bool((rp[1:] < rp[:-1]).any()):
-            raise CheckpointError(f"tensor {name}.outlier_rowptr: expected non-decreasing offsets from 0 to "
-                                  f"{cfg['outliers']}")
+            raise CheckpointError(
+                f"tensor {name}.outlier_rowptr: expected non-decreasing offsets from 0 to {cfg['outliers']}"
+            )
         _, cols, _ = layout.outliers()
         if cols.numel():
             if int(cols.max()) >= k:
-                raise CheckpointError(f"tensor {name}.outlier_cols: found column {int(cols.max())}, expected "
-                                      f"columns below in_features {k}")
+                raise CheckpointError(
+                    f"tensor {name}.outlier_cols: found column {int(cols.max())}, expected "
+                    f"columns below in_features {k}"
+                )
             if bool(layout.is4[cols // g1].any()):
-                raise CheckpointError(f"tensor {name}.outlier_cols: found an outlier in a 4-bit stripe, expected "
-                                      f"outliers only in 2-bit stripes")
+                raise CheckpointError(
+                    f"tensor {name}.outlier_cols: found an outlier in a 4-bit stripe, expected "
+                    f"outliers only in 2-bit stripes"
+                )
         return layout

@@ -57,8 +57,15 @@ class QoQWeight:
         return self.group_size is not None
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int | None = None,
-                   group_scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> QoQWeight:
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bits: int,
+        group_size: int | None = None,
+        group_scales: torch.Tensor | None = None,
+        zeros: torch.Tensor | None = None,
+    ) -> QoQWeight:
         """Build from integer codes [N, K] (signed Q8 for bits 8; u4 q for bits 4), scales [N], and for bits 4 the
         zeros ([N] per channel, [N, K/g] progressive) and, progressive, the integer group scales [N, K/g]."""
         n, k = codes.shape
@@ -71,7 +78,10 @@ class QoQWeight:
             codes = codes + W8_OFFSET
         as_u8 = (lambda t: t.round().to(torch.uint8).cpu().contiguous()) if bits == 4 else (lambda t: None)
         return cls(
-            bits=bits, group_size=group_size, in_features=k, out_features=n,
+            bits=bits,
+            group_size=group_size,
+            in_features=k,
+            out_features=n,
             qweight=pack_codes(codes, bits),
             scales=scales.reshape(n).to(torch.float16).cpu().contiguous(),
             group_scales=as_u8(group_scales) if group_size is not None else None,
@@ -90,8 +100,16 @@ class QoQWeight:
         def cat(field: str) -> torch.Tensor | None:
             return None if getattr(first, field) is None else torch.cat([getattr(p, field) for p in parts])
 
-        return cls(first.bits, first.group_size, first.in_features, sum(p.out_features for p in parts),
-                   cat("qweight"), cat("scales"), cat("group_scales"), cat("zeros"))
+        return cls(
+            first.bits,
+            first.group_size,
+            first.in_features,
+            sum(p.out_features for p in parts),
+            cat("qweight"),
+            cat("scales"),
+            cat("group_scales"),
+            cat("zeros"),
+        )
 
     def codes(self) -> torch.Tensor:
         """The stored unsigned codes [N, K] (int64)."""
@@ -150,9 +168,11 @@ class QoQWeight:
     @staticmethod
     def check_config(name: str, cfg: dict) -> None:
         """Refuse layer parameters outside the layout's domain, naming the layer and key."""
+
         def bad(key: str, found: object, expected: str) -> CheckpointError:
-            return CheckpointError(f"layer {name}: quantization_config key {key!r} found {found!r}, "
-                                   f"expected {expected}")
+            return CheckpointError(
+                f"layer {name}: quantization_config key {key!r} found {found!r}, expected {expected}"
+            )
 
         for key in ("in_features", "out_features"):
             v = cfg.get(key)
@@ -170,26 +190,41 @@ class QoQWeight:
         cls.check_config(name, cfg)
         check_tensors(name, cls.expected_shapes(cfg), tensors)
         check_scales(name, tensors["scales"])
-        layout = cls(int(cfg["bits"]), cfg["group_size"], cfg["in_features"], cfg["out_features"],
-                     tensors["qweight"], tensors["scales"], tensors.get("group_scales"), tensors.get("zeros"))
+        layout = cls(
+            int(cfg["bits"]),
+            cfg["group_size"],
+            cfg["in_features"],
+            cfg["out_features"],
+            tensors["qweight"],
+            tensors["scales"],
+            tensors.get("group_scales"),
+            tensors.get("zeros"),
+        )
         if layout.bits == 8:
             lowest = int(layout.codes().min())
             if lowest < W8_OFFSET - W8_MAX:
-                raise CheckpointError(f"tensor {name}.qweight: found code {lowest} (Q8 = {lowest - W8_OFFSET}), "
-                                      f"expected codes {W8_OFFSET - W8_MAX}..255 (Q8 in -{W8_MAX}..{W8_MAX})")
+                raise CheckpointError(
+                    f"tensor {name}.qweight: found code {lowest} (Q8 = {lowest - W8_OFFSET}), "
+                    f"expected codes {W8_OFFSET - W8_MAX}..255 (Q8 in -{W8_MAX}..{W8_MAX})"
+                )
             return layout
         if int(layout.zeros.max()) > LEVEL1_MAX:
-            raise CheckpointError(f"tensor {name}.zeros: found {int(layout.zeros.max())}, expected at most "
-                                  f"{LEVEL1_MAX}")
+            raise CheckpointError(
+                f"tensor {name}.zeros: found {int(layout.zeros.max())}, expected at most {LEVEL1_MAX}"
+            )
         if layout.progressive:
             s1 = layout.group_scales
             if int(s1.min()) < 1 or int(s1.max()) > MAX_GROUP_SCALE:
-                raise CheckpointError(f"tensor {name}.group_scales: found values in [{int(s1.min())}, "
-                                      f"{int(s1.max())}], expected integers in 1..{MAX_GROUP_SCALE}")
+                raise CheckpointError(
+                    f"tensor {name}.group_scales: found values in [{int(s1.min())}, "
+                    f"{int(s1.max())}], expected integers in 1..{MAX_GROUP_SCALE}"
+                )
             wint = layout.integer_weight()
             lo, hi = int(wint.min()), int(wint.max())
             if lo < -128 or hi > 127:
                 r, c = divmod(int(torch.argmax((wint.clamp(-128, 127) - wint).abs())), layout.in_features)
-                raise CheckpointError(f"tensor {name}.qweight: row {r} column {c} dequantizes to the integer "
-                                      f"{int(wint[r, c])} (group_scales·(code - zeros)), expected -128..127")
+                raise CheckpointError(
+                    f"tensor {name}.qweight: row {r} column {c} dequantizes to the integer "
+                    f"{int(wint[r, c])} (group_scales·(code - zeros)), expected -128..127"
+                )
         return layout

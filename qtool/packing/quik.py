@@ -67,8 +67,16 @@ class QuikWeight:
         return self.in_features - self.num_outliers
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, outlier_idx: torch.Tensor,
-                   outlier_weight: torch.Tensor, bits: int, act_bits: int, sparsity_24: bool = False) -> QuikWeight:
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        outlier_idx: torch.Tensor,
+        outlier_weight: torch.Tensor,
+        bits: int,
+        act_bits: int,
+        sparsity_24: bool = False,
+    ) -> QuikWeight:
         """Build from unsigned codes [N, K-k] (base columns in ascending order), scales [N], outlier column indices
         [k] (any order; stored ascending) and outlier weights [N, k] in the order of `outlier_idx`."""
         order = torch.argsort(outlier_idx.cpu())
@@ -77,7 +85,11 @@ class QuikWeight:
         scales16 = scales.reshape(n).to(torch.float16).cpu().contiguous()
         codes = codes.to(torch.int64).cpu()
         return cls(
-            bits=bits, act_bits=act_bits, in_features=kb + idx.numel(), out_features=n, sparsity_24=sparsity_24,
+            bits=bits,
+            act_bits=act_bits,
+            in_features=kb + idx.numel(),
+            out_features=n,
+            sparsity_24=sparsity_24,
             qweight=pack_codes(codes, bits),
             scales=scales16,
             outlier_idx=idx,
@@ -92,13 +104,23 @@ class QuikWeight:
         first = parts[0]
         key = (first.bits, first.act_bits, first.in_features, first.sparsity_24)
         for p in parts[1:]:
-            if (p.bits, p.act_bits, p.in_features, p.sparsity_24) != key or not torch.equal(p.outlier_idx,
-                                                                                          first.outlier_idx):
+            if (p.bits, p.act_bits, p.in_features, p.sparsity_24) != key or not torch.equal(
+                p.outlier_idx, first.outlier_idx
+            ):
                 raise ValueError("quik: row slices with different schemes or outlier columns")
         cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
-        return cls(first.bits, first.act_bits, first.in_features, sum(p.out_features for p in parts),
-                   first.sparsity_24, cat("qweight"), cat("scales"), first.outlier_idx, cat("outlier_weight"),
-                   cat("wreduced"))
+        return cls(
+            first.bits,
+            first.act_bits,
+            first.in_features,
+            sum(p.out_features for p in parts),
+            first.sparsity_24,
+            cat("qweight"),
+            cat("scales"),
+            first.outlier_idx,
+            cat("outlier_weight"),
+            cat("wreduced"),
+        )
 
     def codes(self) -> torch.Tensor:
         """Unsigned codes [N, K-k] of the base columns."""
@@ -113,13 +135,20 @@ class QuikWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] in the original column order: `s_w·c` on base columns, the float16 outlier weights."""
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=self.qweight.device)
-        w[:, self.base_index()] = self.signed_codes().to(torch.float32) * self.scales.to(torch.float32)[:, None]
+        w[:, self.base_index()] = (
+            self.signed_codes().to(torch.float32) * self.scales.to(torch.float32)[:, None]
+        )
         w[:, self.outlier_idx.long()] = self.outlier_weight.to(torch.float32)
         return w.to(dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight, "scales": self.scales, "outlier_idx": self.outlier_idx,
-                "outlier_weight": self.outlier_weight, "wreduced": self.wreduced}
+        return {
+            "qweight": self.qweight,
+            "scales": self.scales,
+            "outlier_idx": self.outlier_idx,
+            "outlier_weight": self.outlier_weight,
+            "wreduced": self.wreduced,
+        }
 
     def layer_config(self, has_bias: bool) -> dict:
         return {
@@ -153,9 +182,11 @@ class QuikWeight:
     @staticmethod
     def check_config(name: str, cfg: dict) -> None:
         """Refuse layer parameters outside the layout's domain, naming the layer and key."""
+
         def bad(key: str, expected: str) -> CheckpointError:
-            return CheckpointError(f"layer {name}: quantization_config key {key!r} found {cfg.get(key)!r}, "
-                                   f"expected {expected}")
+            return CheckpointError(
+                f"layer {name}: quantization_config key {key!r} found {cfg.get(key)!r}, expected {expected}"
+            )
 
         for key, allowed in (("bits", WEIGHT_BITS), ("act_bits", ACT_BITS)):
             if cfg.get(key) not in allowed or isinstance(cfg.get(key), bool):
@@ -185,27 +216,51 @@ class QuikWeight:
         idx = tensors["outlier_idx"].to(torch.int64)
         if idx.numel():
             if int(idx.min()) < 0 or int(idx.max()) >= k:
-                raise CheckpointError(f"tensor {name}.outlier_idx: found values in [{int(idx.min())}, "
-                                      f"{int(idx.max())}], expected column indices in 0..{k - 1}")
+                raise CheckpointError(
+                    f"tensor {name}.outlier_idx: found values in [{int(idx.min())}, "
+                    f"{int(idx.max())}], expected column indices in 0..{k - 1}"
+                )
             if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
-                raise CheckpointError(f"tensor {name}.outlier_idx: found indices not strictly increasing, "
-                                      f"expected sorted unique column indices")
+                raise CheckpointError(
+                    f"tensor {name}.outlier_idx: found indices not strictly increasing, "
+                    f"expected sorted unique column indices"
+                )
         if not bool(torch.isfinite(tensors["outlier_weight"]).all()):
-            raise CheckpointError(f"tensor {name}.outlier_weight: found non-finite values, expected finite weights")
-        layout = cls(int(cfg["bits"]), int(cfg["act_bits"]), k, cfg["out_features"], cfg.get("sparsity") is not None,
-                     tensors["qweight"], scales, tensors["outlier_idx"], tensors["outlier_weight"], tensors["wreduced"])
+            raise CheckpointError(
+                f"tensor {name}.outlier_weight: found non-finite values, expected finite weights"
+            )
+        layout = cls(
+            int(cfg["bits"]),
+            int(cfg["act_bits"]),
+            k,
+            cfg["out_features"],
+            cfg.get("sparsity") is not None,
+            tensors["qweight"],
+            scales,
+            tensors["outlier_idx"],
+            tensors["outlier_weight"],
+            tensors["wreduced"],
+        )
         codes = layout.codes()
         expect = row_sums(codes, scales, layout.bits)
         diff = (tensors["wreduced"] - expect).abs()
-        tol = 1e-6 * (scales.to(torch.float32) * codes.to(torch.float32).sub(1 << (layout.bits - 1)).abs().sum(1)) + 1e-30
+        tol = (
+            1e-6
+            * (scales.to(torch.float32) * codes.to(torch.float32).sub(1 << (layout.bits - 1)).abs().sum(1))
+            + 1e-30
+        )
         if bool((diff > tol).any()):
             r = int(torch.argmax(diff - tol))
-            raise CheckpointError(f"tensor {name}.wreduced: row {r} found {float(tensors['wreduced'][r])!r}, expected "
-                                  f"{float(expect[r])!r} (scales · sum of the signed base codes)")
+            raise CheckpointError(
+                f"tensor {name}.wreduced: row {r} found {float(tensors['wreduced'][r])!r}, expected "
+                f"{float(expect[r])!r} (scales · sum of the signed base codes)"
+            )
         if layout.sparsity_24:
             v = violations_24(codes, layout.bits)
             if v is not None:
                 r, c, count = v
-                raise CheckpointError(f"tensor {name}.qweight: row {r}, base columns {c}..{c + 3} hold {count} "
-                                      f"non-zero codes, expected at most 2 (sparsity 2:4)")
+                raise CheckpointError(
+                    f"tensor {name}.qweight: row {r}, base columns {c}..{c + 3} hold {count} "
+                    f"non-zero codes, expected at most 2 (sparsity 2:4)"
+                )
         return layout

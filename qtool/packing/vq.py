@@ -33,16 +33,26 @@ def is_power_of_two(v: int) -> bool:
     return v >= 2 and v & (v - 1) == 0
 
 
-def tile_counts(out_features: int, in_features: int, tile_rows: int | None, tile_cols: int | None) -> tuple[int, int]:
+def tile_counts(
+    out_features: int, in_features: int, tile_rows: int | None, tile_cols: int | None
+) -> tuple[int, int]:
     """(row tiles, column tiles); None: one tile along that axis."""
+
     def count(size: int, tile: int | None) -> int:
         return 1 if tile is None else -(-size // tile)
 
     return count(out_features, tile_rows), count(in_features, tile_cols)
 
 
-def shapes_for(out_features: int, in_features: int, vector_size: int, entries: int, residuals: int,
-               tile_rows: int | None, tile_cols: int | None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def shapes_for(
+    out_features: int,
+    in_features: int,
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    tile_rows: int | None,
+    tile_cols: int | None,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     n, k, d, z = out_features, in_features, vector_size, residuals
     r, c = tile_counts(n, k, tile_rows, tile_cols)
     return {
@@ -52,12 +62,20 @@ def shapes_for(out_features: int, in_features: int, vector_size: int, entries: i
     }
 
 
-def bits_for(out_features: int, in_features: int, vector_size: int, entries: int, residuals: int,
-             tile_rows: int | None, tile_cols: int | None) -> int:
+def bits_for(
+    out_features: int,
+    in_features: int,
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    tile_rows: int | None,
+    tile_cols: int | None,
+) -> int:
     """Stored bits of one layer: indices (row padding included), codebooks and tier boundaries."""
     total = 0
-    for shape, dtype in shapes_for(out_features, in_features, vector_size, entries, residuals, tile_rows,
-                                   tile_cols).values():
+    for shape, dtype in shapes_for(
+        out_features, in_features, vector_size, entries, residuals, tile_rows, tile_cols
+    ).values():
         numel = 1
         for s in shape:
             numel *= s
@@ -122,8 +140,14 @@ class VQWeight(StoredLayout):
     # ---- construction -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, codebooks: torch.Tensor, tile_rows: int | None,
-                   tile_cols: int | None, reindex: bool = True) -> VQWeight:
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        codebooks: torch.Tensor,
+        tile_rows: int | None,
+        tile_cols: int | None,
+        reindex: bool = True,
+    ) -> VQWeight:
         """Build from the codes [z, N, K/d] and the codebooks [R, C, z, E, d] (any float dtype; rounded to float16),
         re-indexing every codebook by descending access frequency when `reindex` (ties: the lower index first)."""
         codes = codes.to(torch.int64).cpu().clone()
@@ -132,8 +156,10 @@ class VQWeight(StoredLayout):
         _, n, v = codes.shape
         k = v * d
         if (r_tiles, c_tiles) != tile_counts(n, k, tile_rows, tile_cols):
-            raise ValueError(f"vq layout: {r_tiles}x{c_tiles} codebook scopes for {n}x{k} weights and tiles "
-                             f"{tile_rows}x{tile_cols}")
+            raise ValueError(
+                f"vq layout: {r_tiles}x{c_tiles} codebook scopes for {n}x{k} weights and tiles "
+                f"{tile_rows}x{tile_cols}"
+            )
         tiers = torch.zeros(r_tiles, c_tiles, z, 2, dtype=torch.int32)
         if reindex:
             counts = entry_counts(codes, e, d, tile_rows, tile_cols)
@@ -148,8 +174,19 @@ class VQWeight(StoredLayout):
                         codes[r][sel] = new[codes[r][sel]]
                         tiers[ri, ci, r] = torch.tensor(tier_bounds(counts[ri, ci, r][order]))
         b = index_bits(e)
-        return cls(d, e, z, tile_rows, tile_cols, reindex, k, n,
-                   pack_codes(codes.reshape(z * n, v), b).reshape(z, n, -1), books.contiguous(), tiers)
+        return cls(
+            d,
+            e,
+            z,
+            tile_rows,
+            tile_cols,
+            reindex,
+            k,
+            n,
+            pack_codes(codes.reshape(z * n, v), b).reshape(z, n, -1),
+            books.contiguous(),
+            tiers,
+        )
 
     # ---- reading ------------------------------------------------------------------------------------------
 
@@ -180,10 +217,18 @@ class VQWeight(StoredLayout):
     # ---- storage ------------------------------------------------------------------------------------------
 
     def config(self) -> dict:
-        return {"format": FORMAT, "vector_size": self.vector_size, "entries": self.entries,
-                "index_bits": self.index_bits, "residuals": self.residuals, "tile_rows": self.tile_rows,
-                "tile_cols": self.tile_cols, "reindexed": self.reindexed, "in_features": self.in_features,
-                "out_features": self.out_features}
+        return {
+            "format": FORMAT,
+            "vector_size": self.vector_size,
+            "entries": self.entries,
+            "index_bits": self.index_bits,
+            "residuals": self.residuals,
+            "tile_rows": self.tile_rows,
+            "tile_cols": self.tile_cols,
+            "reindexed": self.reindexed,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+        }
 
     def notation(self) -> str:
         """VQ-LLM's VQ<x, y, z>, with y written as index bits as the paper's examples do."""
@@ -193,53 +238,78 @@ class VQWeight(StoredLayout):
         """Bits per weight of this layer: as stored (indices, codebooks and tiers), and the indices alone (the
         paper's z·y/x)."""
         nk = self.in_features * self.out_features
-        return {"stored": self.stored_bits() / nk, "indices": self.residuals * self.index_bits / self.vector_size}
+        return {
+            "stored": self.stored_bits() / nk,
+            "indices": self.residuals * self.index_bits / self.vector_size,
+        }
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return shapes_for(cfg["out_features"], cfg["in_features"], cfg["vector_size"], cfg["entries"],
-                          cfg["residuals"], cfg.get("tile_rows"), cfg.get("tile_cols"))
+        return shapes_for(
+            cfg["out_features"],
+            cfg["in_features"],
+            cfg["vector_size"],
+            cfg["entries"],
+            cfg["residuals"],
+            cfg.get("tile_rows"),
+            cfg.get("tile_cols"),
+        )
 
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> VQWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
         layout = cls.checked(name, cfg, tensors)
         if not bool(torch.isfinite(layout.codebooks).all()):
-            raise CheckpointError(f"tensor {name}.codebooks: found non-finite entries, expected finite float16")
+            raise CheckpointError(
+                f"tensor {name}.codebooks: found non-finite entries, expected finite float16"
+            )
         v = layout.in_features // layout.vector_size
-        words = layout.indices.reshape(layout.residuals * layout.out_features, -1).to(torch.int64) & 0xFFFFFFFF
+        words = (
+            layout.indices.reshape(layout.residuals * layout.out_features, -1).to(torch.int64) & 0xFFFFFFFF
+        )
         spare = words.shape[1] * 32 - v * layout.index_bits
         if spare and bool((words[:, -1] >> (32 - spare)).any()):
-            raise CheckpointError(f"tensor {name}.indices: found nonzero padding bits after the last index of a "
-                                  f"row, expected zeros")
+            raise CheckpointError(
+                f"tensor {name}.indices: found nonzero padding bits after the last index of a "
+                f"row, expected zeros"
+            )
         tiers = layout.entry_tiers
         if not layout.reindexed:
             if bool(tiers.any()):
-                raise CheckpointError(f"tensor {name}.entry_tiers: found nonzero boundaries without re-indexed "
-                                      f"entries, expected zeros")
+                raise CheckpointError(
+                    f"tensor {name}.entry_tiers: found nonzero boundaries without re-indexed "
+                    f"entries, expected zeros"
+                )
             return layout
         # On the CPU: tensors may be loaded straight onto a GPU, the tile indices are built on the CPU.
-        counts = entry_counts(layout.codes().cpu(), layout.entries, layout.vector_size, layout.tile_rows,
-                              layout.tile_cols)
+        counts = entry_counts(
+            layout.codes().cpu(), layout.entries, layout.vector_size, layout.tile_rows, layout.tile_cols
+        )
         if bool((counts[..., 1:] > counts[..., :-1]).any()):
-            raise CheckpointError(f"tensor {name}.indices: entries are not in descending order of use, expected "
-                                  f"re-indexed codebooks (reindexed: true)")
+            raise CheckpointError(
+                f"tensor {name}.indices: entries are not in descending order of use, expected "
+                f"re-indexed codebooks (reindexed: true)"
+            )
         expect = torch.tensor([tier_bounds(c) for c in counts.reshape(-1, layout.entries)], dtype=torch.int32)
         if not torch.equal(tiers.reshape(-1, 2).cpu(), expect):
-            raise CheckpointError(f"tensor {name}.entry_tiers: found boundaries that the indices' access counts do "
-                                  f"not give, expected (hot, warm) = (count > mean + 3 std, count > mean)")
+            raise CheckpointError(
+                f"tensor {name}.entry_tiers: found boundaries that the indices' access counts do "
+                f"not give, expected (hot, warm) = (count > mean + 3 std, count > mean)"
+            )
         return layout
 
 
-def _scope_mask(n: int, v: int, d: int, tile_rows: int | None, tile_cols: int | None, ri: int,
-                ci: int) -> torch.Tensor:
+def _scope_mask(
+    n: int, v: int, d: int, tile_rows: int | None, tile_cols: int | None, ri: int, ci: int
+) -> torch.Tensor:
     rows = _tile_index(n, tile_rows) == ri
     cols = _tile_index(v * d, tile_cols)[::d] == ci
     return rows[:, None] & cols[None, :]
 
 
-def entry_counts(codes: torch.Tensor, entries: int, vector_size: int, tile_rows: int | None,
-                 tile_cols: int | None) -> torch.Tensor:
+def entry_counts(
+    codes: torch.Tensor, entries: int, vector_size: int, tile_rows: int | None, tile_cols: int | None
+) -> torch.Tensor:
     """How often each entry of each codebook is used [R, C, z, E] (int64), from the codes [z, N, K/d]."""
     z, n, v = codes.shape
     rt = _tile_index(n, tile_rows)

@@ -21,8 +21,17 @@ class AttentionProbe:
     """The calls the block makes to its attention module on the calibration inputs, and the per-head output of each
     with the weights the block has now (the reference)."""
 
-    def __init__(self, block: nn.Module, attention: nn.Module, o_proj: nn.Module, inputs: list[torch.Tensor],
-                 kwargs: dict, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        attention: nn.Module,
+        o_proj: nn.Module,
+        inputs: list[torch.Tensor],
+        kwargs: dict,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> None:
         self.attention, self.o_proj = attention, o_proj
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.calls: list[tuple[tuple, dict]] = []
@@ -85,8 +94,10 @@ class AttentionProbe:
                 err = err.view(self.kv_heads, group).sum(dim=1)
             rows = err.repeat_interleave(self.head_dim)
             if rows.numel() != weight.shape[0]:
-                raise ValueError(f"attention objective: found {weight.shape[0]} rows, expected {rows.numel()} "
-                                 f"({'query' if kind == 'q' else 'key'} heads x head_dim {self.head_dim})")
+                raise ValueError(
+                    f"attention objective: found {weight.shape[0]} rows, expected {rows.numel()} "
+                    f"({'query' if kind == 'q' else 'key'} heads x head_dim {self.head_dim})"
+                )
             return rows.to(device=weight.device, dtype=weight.dtype)
 
         return score

@@ -25,8 +25,13 @@ class TuneResult:
     kept: bool  # False: tuning did not lower the error and the starting parameters were restored
 
 
-def _relative_error(block: nn.Module, weights: dict[str, torch.Tensor], inputs: list[torch.Tensor], kwargs: dict,
-                    targets: list[torch.Tensor]) -> float:
+def _relative_error(
+    block: nn.Module,
+    weights: dict[str, torch.Tensor],
+    inputs: list[torch.Tensor],
+    kwargs: dict,
+    targets: list[torch.Tensor],
+) -> float:
     num = den = 0.0
     with torch.no_grad():
         for x, t in zip(inputs, targets, strict=True):
@@ -36,9 +41,18 @@ def _relative_error(block: nn.Module, weights: dict[str, torch.Tensor], inputs: 
     return num / max(den, 1e-30)
 
 
-def tune_block(block: nn.Module, weight_fns: dict[str, Callable[[], torch.Tensor]], params: list[nn.Parameter],
-               inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor], *, steps: int, lr: float,
-               samples: int) -> TuneResult:
+def tune_block(
+    block: nn.Module,
+    weight_fns: dict[str, Callable[[], torch.Tensor]],
+    params: list[nn.Parameter],
+    inputs: list[torch.Tensor],
+    kwargs: dict,
+    targets: list[torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    samples: int,
+) -> TuneResult:
     """Train `params` for `steps` Adam steps on the mean squared error between the block's output, with each
     named weight (`"<linear>.weight"`) given by its function of `params`, and `targets` (the float block's
     outputs on `inputs`). Step t uses the calibration windows t·samples .. t·samples + samples - 1 (mod their

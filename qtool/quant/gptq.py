@@ -19,8 +19,9 @@ class ColumnGrid(Protocol):
         """Per-row (scale, zero) of the group whose (error-updated) columns are `w` [rows, cols]."""
         ...
 
-    def quantize_column(self, w: torch.Tensor, scale: torch.Tensor,
-                        zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_column(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, the weights they dequantize to) of one column `w` [rows] with its group's parameters."""
         ...
 
@@ -37,8 +38,13 @@ def inverse_hessian_factor(h: torch.Tensor) -> torch.Tensor:
     return torch.flip(torch.linalg.solve_triangular(lower, eye, upper=False), (0, 1))
 
 
-def _group_params(w: torch.Tensor, spec: GridSpec, ratios: list[float] | None, h_block: torch.Tensor | None,
-                  grid: ColumnGrid | None = None):
+def _group_params(
+    w: torch.Tensor,
+    spec: GridSpec,
+    ratios: list[float] | None,
+    h_block: torch.Tensor | None,
+    grid: ColumnGrid | None = None,
+):
     if grid is not None:
         return grid.group_params(w, h_block)
     if ratios is None:
@@ -70,8 +76,16 @@ def gptq_quantize(
     original column order; with `act_order` that requires `static_groups` (scales fixed before the loop), so the
     packed layout needs no per-column group index.
     """
-    out = gptq_run(weight, hessian, spec, damp=damp, block_size=block_size, act_order=act_order,
-                   static_groups=static_groups, clip_ratios=clip_ratios)
+    out = gptq_run(
+        weight,
+        hessian,
+        spec,
+        damp=damp,
+        block_size=block_size,
+        act_order=act_order,
+        static_groups=static_groups,
+        clip_ratios=clip_ratios,
+    )
     return out.codes, out.scales, out.zeros
 
 
@@ -115,7 +129,9 @@ def gptq_run(
     if act_order and spec.group_size is not None and not static_groups:
         raise ValueError("act_order with groups needs static_groups")
     if act_order and (keep_last or sparsity_24):
-        raise ValueError("act_order cannot be combined with keep_last or sparsity_24 (both fix the column order)")
+        raise ValueError(
+            "act_order cannot be combined with keep_last or sparsity_24 (both fix the column order)"
+        )
     if grid is not None and sparsity_24:
         raise ValueError("sparsity_24 needs the affine grid (its pruned weights are the zero point)")
 
@@ -178,15 +194,17 @@ def gptq_run(
                 j = col // g
                 # The group's columns as a view of the [N, B] batch, the layout the range search always read
                 # (its sums may be ordered by layout on a GPU, where the batch kernel passes that view too).
-                rows = w1t.T.contiguous()[:, i:i + (e - col)]
+                rows = w1t.T.contiguous()[:, i : i + (e - col)]
                 scales[:, j], zeros[:, j] = _group_params(rows, spec, clip_ratios, h[col:e, col:e], grid)
                 cur_j = -1  # the group's scale and zero point just changed
             if pruned is not None and i % 4 == 0:
                 m = min(4, i2 - i1 - i)
                 if m > 2:
-                    score = w1t[i:i + m].T.contiguous() ** 2 / torch.diagonal(hinv1)[i:i + m][None, :] ** 2
+                    score = (
+                        w1t[i : i + m].T.contiguous() ** 2 / torch.diagonal(hinv1)[i : i + m][None, :] ** 2
+                    )
                     drop = torch.topk(score, m - 2, dim=1, largest=False).indices
-                    pruned[:, i:i + m].scatter_(1, drop, True)
+                    pruned[:, i : i + m].scatter_(1, drop, True)
             j = group_list[col]
             if j != cur_j:
                 cur_j, s, z = j, scales[:, j].contiguous(), zeros[:, j].contiguous()
@@ -201,7 +219,9 @@ def gptq_run(
                 if pruned is not None:
                     q.copy_(torch.where(pruned[:, i], z, q))  # the zero point dequantizes to exactly 0
                 torch.sub(wcol, s * (q - z), out=e_col)
-            e_col.div_(dinv[i])  # a 0-d tensor, not a Python float: torch may turn x / float into x * (1 / float)
+            e_col.div_(
+                dinv[i]
+            )  # a 0-d tensor, not a Python float: torch may turn x / float into x * (1 / float)
             w1t[i:] -= hinv1[i, i:][:, None] * e_col[None, :]
         codes[:, i1:i2] = q1t.T.to(torch.int64)
         w[:, i2:] -= err1t.T.contiguous() @ hinv[i1:i2, i2:]
@@ -219,9 +239,21 @@ def _batch_kernel_usable(w: torch.Tensor, bs: int) -> bool:
     return gptq_cuda.usable(w, bs)
 
 
-def _batched_on_gpu(w: torch.Tensor, hinv: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor, group_of: torch.Tensor, spec: GridSpec, clip_ratios: list[float] | None,
-                    kq: int, bs: int, g: int, dynamic: bool) -> None:
+def _batched_on_gpu(
+    w: torch.Tensor,
+    hinv: torch.Tensor,
+    h: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_of: torch.Tensor,
+    spec: GridSpec,
+    clip_ratios: list[float] | None,
+    kq: int,
+    bs: int,
+    g: int,
+    dynamic: bool,
+) -> None:
     """`gptq_run`'s loop for the affine grid with the column walk of each lazy batch in one kernel
     (qtool/cuda/gptq.py): the same operations in the same order, so the same codes, scales and zeros bit for bit.
     A dynamic group's range is still taken in torch when the walk reaches the group, from the updated weights."""
@@ -239,9 +271,11 @@ def _batched_on_gpu(w: torch.Tensor, hinv: torch.Tensor, h: torch.Tensor, codes:
         for a, b in zip(starts, [*starts[1:], i2], strict=True):
             if dynamic:
                 e = min(a + g, kq)
-                scales[:, a // g], zeros[:, a // g] = _group_params(w1[:, a - i1:e - i1], spec, clip_ratios,
-                                                                    h[a:e, a:e])
-            gptq_cuda.columns(w1, q1, err1, hinv1, scales, zeros, groups[i1:i2].contiguous(), a - i1, b - i1,
-                              maxq)
+                scales[:, a // g], zeros[:, a // g] = _group_params(
+                    w1[:, a - i1 : e - i1], spec, clip_ratios, h[a:e, a:e]
+                )
+            gptq_cuda.columns(
+                w1, q1, err1, hinv1, scales, zeros, groups[i1:i2].contiguous(), a - i1, b - i1, maxq
+            )
         codes[:, i1:i2] = q1.to(torch.int64)
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]

@@ -37,7 +37,9 @@ class GridSpec:
         return [(s, min(s + g, in_features)) for s in range(0, in_features, g)]
 
 
-def grid_params(w: torch.Tensor, spec: GridSpec, ratio: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_params(
+    w: torch.Tensor, spec: GridSpec, ratio: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero (both [rows], float) for the columns of `w` [rows, cols] treated as one group each row.
 
     `ratio` shrinks the range (clipping); a tensor gives one ratio per row.

@@ -101,7 +101,9 @@ def _paley(kind: int, q: int) -> torch.Tensor:
 
 def _kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # torch.kron on integer tensors is an order of magnitude slower than this broadcast.
-    return (a[:, None, :, None] * b[None, :, None, :]).reshape(a.shape[0] * b.shape[0], a.shape[1] * b.shape[1])
+    return (a[:, None, :, None] * b[None, :, None, :]).reshape(
+        a.shape[0] * b.shape[0], a.shape[1] * b.shape[1]
+    )
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -135,7 +137,9 @@ def random_signs(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
 
 
-def rotation(n: int, *, fallback: str = "error", seed: int = 0, signs: bool = False) -> tuple[torch.Tensor, str]:
+def rotation(
+    n: int, *, fallback: str = "error", seed: int = 0, signs: bool = False
+) -> tuple[torch.Tensor, str]:
     """An orthogonal [n, n] float64 matrix for block-input rotation and a description of what it is: H/√n, with
     its rows multiplied by seeded ±1 when `signs` (QuaRot's randomized Hadamard), or with `fallback="random"` a
     seeded random orthogonal matrix where no Hadamard of order n is known."""

@@ -18,7 +18,7 @@ from qtool.packing.mixed import SCALE_BITS, MixedWeight, bits_for, eq10_bits
 
 MAX2 = 3  # 2-bit codes
 MAX4 = 15  # 4-bit codes, and the 4-bit scale codes and second-order zeros
-MIN_SCALE = 2.0 ** -14  # smallest normal float16: no stored scale is zero or subnormal
+MIN_SCALE = 2.0**-14  # smallest normal float16: no stored scale is zero or subnormal
 
 
 def inverse_hessian_diag(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -69,14 +69,23 @@ def assign_stripes(sens: torch.Tensor, rule: str, count: int) -> torch.Tensor:
     return is4
 
 
-def outlier_count(out_features: int, in_features: int, group_size: int, stripes_4bit: int, fraction: float) -> int:
+def outlier_count(
+    out_features: int, in_features: int, group_size: int, stripes_4bit: int, fraction: float
+) -> int:
     """floor(fraction·N·K), at most the number of weights in 2-bit stripes."""
     cap = out_features * (in_features - stripes_4bit * group_size)
     return min(math.floor(fraction * out_features * in_features + 1e-9), cap)
 
 
-def stripes_for_target(out_features: int, in_features: int, group_size: int, scale_group_size: int,
-                       outlier_fraction: float, target_bits: float, counts: str = "stored") -> int | None:
+def stripes_for_target(
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    scale_group_size: int,
+    outlier_fraction: float,
+    target_bits: float,
+    counts: str = "stored",
+) -> int | None:
     """The most 4-bit stripes whose bits per weight stay at or below `target_bits`, counted as stored (`counts`
     "stored") or as the paper's Eq. 10 with 30 bits per outlier ("eq10"); None when even no 4-bit stripe exceeds
     it."""
@@ -139,7 +148,9 @@ def quantize_4bit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.to(torch.int64), scale, zero.to(torch.int64), (q - zero[..., None]) * scale[..., None]
 
 
-def second_order(scale: torch.Tensor, g2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def second_order(
+    scale: torch.Tensor, g2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first-order scales [N, S2] at 4 bits over `g2` output rows: (codes c [N, S2], s2 [N/g2, S2], u
     [N/g2, S2], ŝ [N, S2]) with ŝ = (c + u)·s2 > 0. s2 = max((max - min)/15, max/30), u = min(round(min/s2),
     15), c = clamp(round(s/s2) - u, max(0, 1 - u), 15) (formats/mixed-2-4-16.md, "Second order")."""
@@ -164,8 +175,9 @@ def quantize_2bit(w: torch.Tensor, g2: int, keep: torch.Tensor | None = None):
     return q.to(torch.int64), c, zero.to(torch.int64), s2, u, (q - zero[..., None]) * shat[..., None]
 
 
-def mixed_quantize(weight: torch.Tensor, is4: torch.Tensor, group_size: int, scale_group_size: int,
-                   outliers: int) -> MixedCodes:
+def mixed_quantize(
+    weight: torch.Tensor, is4: torch.Tensor, group_size: int, scale_group_size: int, outliers: int
+) -> MixedCodes:
     """Round-to-nearest of `weight` [N, K] under the stripe assignment `is4` [S]. The `outliers` weights of the
     2-bit stripes with the largest error of a first pass are excluded from their groups' ranges in the second
     (final) pass, and their residuals `w - dense` become the sparse part."""
@@ -205,7 +217,9 @@ class _MixedGrid:
     outlier positions are left out of their group's range and keep their error-updated value exactly (up to the
     float16 rounding of the residual), so GPTQ feeds back no error for them."""
 
-    def __init__(self, is4: torch.Tensor, group_size: int, scale_group_size: int, outliers: torch.Tensor | None):
+    def __init__(
+        self, is4: torch.Tensor, group_size: int, scale_group_size: int, outliers: torch.Tensor | None
+    ):
         self.is4 = is4.tolist()
         self.g1, self.g2 = group_size, scale_group_size
         self.outliers = outliers  # bool [N, K] or None
@@ -226,7 +240,7 @@ class _MixedGrid:
             self.maxq = MAX4
             self.params4.append((scale, zero))
             return scale, zero
-        keep = None if self.outliers is None else ~self.outliers[:, j * g1:(j + 1) * g1].to(w.device)
+        keep = None if self.outliers is None else ~self.outliers[:, j * g1 : (j + 1) * g1].to(w.device)
         lo, hi = _range(w, keep)
         c, s2, u, shat = second_order(((hi - lo) / MAX2)[:, None], self.g2)
         shat = shat[:, 0]
@@ -235,8 +249,9 @@ class _MixedGrid:
         self.params2.append((c[:, 0], zero, s2[:, 0], u[:, 0]))
         return shat, zero
 
-    def quantize_column(self, w: torch.Tensor, scale: torch.Tensor,
-                        zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_column(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.col += 1
         q = torch.clamp(torch.round(w / scale) + zero, 0, self.maxq)
         wq = (q - zero) * scale
@@ -250,9 +265,18 @@ class _MixedGrid:
         return q, wq
 
 
-def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.Tensor, group_size: int,
-                        scale_group_size: int, outliers: int, *, damp: float = 0.01,
-                        block_size: int = 128, rows: range | None = None) -> MixedCodes:
+def mixed_quantize_gptq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    is4: torch.Tensor,
+    group_size: int,
+    scale_group_size: int,
+    outliers: int,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    rows: range | None = None,
+) -> MixedCodes:
     """GPTQ over the mixed grid (a deviation from the paper, which rounds to nearest): columns in their original
     order, each group's parameters chosen when GPTQ reaches it from the error-updated weights, every rounding
     error fed back through the inverse Hessian. The outlier positions are those of the round-to-nearest first
@@ -279,14 +303,22 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
         mask = torch.zeros(n, k, dtype=torch.bool)
         mask[at_rows, cols] = True
     if rows is not None and len(rows) < n:
-        w = w[rows.start:rows.stop]
-        mask = None if mask is None else mask[rows.start:rows.stop]
+        w = w[rows.start : rows.stop]
+        mask = None if mask is None else mask[rows.start : rows.stop]
         n = w.shape[0]
     grid = _MixedGrid(is4, g1, scale_group_size, mask)
-    out = gptq_run(w, hessian.to(torch.float32).cpu(), GridSpec(bits=2, symmetric=False, group_size=g1),
-                   damp=damp, block_size=block_size, grid=grid)
-    stack = lambda items, i: (torch.stack([t[i] for t in items], dim=1) if items  # noqa: E731
-                              else torch.zeros(n, 0))
+    out = gptq_run(
+        w,
+        hessian.to(torch.float32).cpu(),
+        GridSpec(bits=2, symmetric=False, group_size=g1),
+        damp=damp,
+        block_size=block_size,
+        grid=grid,
+    )
+
+    def stack(items, i):
+        return torch.stack([t[i] for t in items], dim=1) if items else torch.zeros(n, 0)
+
     c, z2 = stack(grid.params2, 0), stack(grid.params2, 1)
     s2 = stack([(p[2],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
     u = stack([(p[3],) for p in grid.params2], 0) if grid.params2 else torch.zeros(n // scale_group_size, 0)
@@ -297,8 +329,19 @@ def mixed_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, is4: torch.
     else:
         at_rows = cols = torch.zeros(0, dtype=torch.int64)
         values = torch.zeros(0)
-    return MixedCodes(out.codes.cpu(), is4, c.to(torch.int64), z2.to(torch.int64), s2, u.to(torch.int64),
-                      stack(grid.params4, 0), stack(grid.params4, 1).to(torch.int64), at_rows, cols, values)
+    return MixedCodes(
+        out.codes.cpu(),
+        is4,
+        c.to(torch.int64),
+        z2.to(torch.int64),
+        s2,
+        u.to(torch.int64),
+        stack(grid.params4, 0),
+        stack(grid.params4, 1).to(torch.int64),
+        at_rows,
+        cols,
+        values,
+    )
 
 
 class TunableScales(nn.Module):

@@ -86,7 +86,9 @@ def progressive_codes(w: torch.Tensor, s0: torch.Tensor, group_size: int) -> tup
     return q.reshape(n, k), s1.reshape(n, -1), z.reshape(n, -1)
 
 
-def progressive_dequantize(q: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def progressive_dequantize(
+    q: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, z: torch.Tensor
+) -> torch.Tensor:
     """`s0·(s1·(q - z))`: the integer `s1·(q - z)` first (exact), then one rounding to w's dtype."""
     n, k = q.shape
     g = k // s1.shape[1]
@@ -106,8 +108,9 @@ def _fake_progressive(group_size: int):
     return fake
 
 
-def clipped_level0_scales(w: torch.Tensor, qmax: int, fake, ratios: list[float],
-                          hessian: torch.Tensor | None, score=None) -> torch.Tensor:
+def clipped_level0_scales(
+    w: torch.Tensor, qmax: int, fake, ratios: list[float], hessian: torch.Tensor | None, score=None
+) -> torch.Tensor:
     """The level-0 scale per row whose ratio (of `ratios`) minimises the output error of `fake(w, s0)`, weighted
     by `hessian` ([K, K] or its diagonal; None: plain squared error) as in quant/clip.py, or scored by `score`
     (a function of the fake-quantized rows giving each row's error)."""
@@ -186,11 +189,19 @@ def qoq_quantize(
         raise ValueError("the gptq solver needs the [K, K] Hessian")
     if bits == 4 and group_size is None:
         if solver == "gptq":
-            codes, scales, zeros = gptq_quantize(weight, hessian, W4_CHANNEL, damp=damp, block_size=block_size,
-                                                 act_order=act_order, clip_ratios=clip_ratios)
+            codes, scales, zeros = gptq_quantize(
+                weight,
+                hessian,
+                W4_CHANNEL,
+                damp=damp,
+                block_size=block_size,
+                act_order=act_order,
+                clip_ratios=clip_ratios,
+            )
         else:
-            codes, scales, zeros = rtn_quantize(weight, W4_CHANNEL, clip_ratios=clip_ratios, hessian=hessian,
-                                                score=score)
+            codes, scales, zeros = rtn_quantize(
+                weight, W4_CHANNEL, clip_ratios=clip_ratios, hessian=hessian, score=score
+            )
         return QoQCodes(codes, scales[:, 0], None, zeros[:, 0])
 
     qmax = W8_MAX if bits == 8 else PROTECT
@@ -202,8 +213,16 @@ def qoq_quantize(
     if solver == "gptq":
         grid = Level0Grid(s0, W8_MAX) if bits == 8 else ProgressiveGrid(s0)
         spec = GridSpec(bits=bits, symmetric=bits == 8, group_size=group_size)
-        out = gptq_run(weight, hessian, spec, damp=damp, block_size=block_size, act_order=act_order,
-                       static_groups=static_groups, grid=grid)
+        out = gptq_run(
+            weight,
+            hessian,
+            spec,
+            damp=damp,
+            block_size=block_size,
+            act_order=act_order,
+            static_groups=static_groups,
+            grid=grid,
+        )
         if bits == 8:
             return QoQCodes(out.codes, s0, None, None)
         return QoQCodes(out.codes, s0, out.scales, out.zeros)

@@ -31,7 +31,9 @@ def _chunks(n: int, entries: int) -> range:
     return range(0, n, step)
 
 
-def distances(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor, exact: bool = True) -> torch.Tensor:
+def distances(
+    x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor, exact: bool = True
+) -> torch.Tensor:
     """Weighted squared distances [n, E] of vectors `x` [n, d] (per-dimension weights `w` [n, d] or [d], or None
     for 1) to the entries `codebook` [E, d]. Without `exact` the per-vector constant Σ w x² is left out (the
     argmin over entries is the same)."""
@@ -47,7 +49,9 @@ def distances(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor, e
     return d
 
 
-def nearest(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest(
+    x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [n] int64, weighted squared error [n]) of the nearest entry to every vector, in chunks (ties: the
     lower index)."""
     n = x.shape[0]
@@ -62,7 +66,9 @@ def nearest(x: torch.Tensor, w: torch.Tensor | None, codebook: torch.Tensor) -> 
     return idx, err
 
 
-def kmeans(x: torch.Tensor, w: torch.Tensor | None, entries: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+def kmeans(
+    x: torch.Tensor, w: torch.Tensor | None, entries: int, iters: int, generator: torch.Generator
+) -> torch.Tensor:
     """Weighted k-means (Lloyd) of the vectors `x` [n, d] into `entries` centroids [E, d], each dimension of each
     vector weighted by `w` (assignment and means alike). Initialised with `entries` distinct vectors drawn by
     `generator`; an entry left empty takes the vector with the largest error; stops early when no assignment
@@ -85,13 +91,19 @@ def kmeans(x: torch.Tensor, w: torch.Tensor | None, entries: int, iters: int, ge
         c = torch.where(filled, num / den.clamp_min(torch.finfo(x.dtype).tiny), c)
         empty = (~filled).all(dim=1).nonzero().flatten()
         if empty.numel():
-            worst = torch.argsort(err, descending=True, stable=True)[:empty.numel()]
+            worst = torch.argsort(err, descending=True, stable=True)[: empty.numel()]
             c[empty] = x[worst]
     return c
 
 
-def fit_residual_codebooks(x: torch.Tensor, w: torch.Tensor | None, entries: int, residuals: int, iters: int,
-                           generator: torch.Generator) -> torch.Tensor:
+def fit_residual_codebooks(
+    x: torch.Tensor,
+    w: torch.Tensor | None,
+    entries: int,
+    residuals: int,
+    iters: int,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """Greedy residual k-means (AQLM's initialisation): codebook r is fitted to what codebooks 0..r-1 leave, each
     rounded to float16 before the next is fitted. Returns [residuals, E, d] (float16 values in x's dtype)."""
     res = x.clone()
@@ -135,7 +147,9 @@ def encode(x: torch.Tensor, w: torch.Tensor | None, codebooks: torch.Tensor, bea
             err, flat = torch.topk(dist, keep, dim=1, largest=False, sorted=True)
             parent, entry = flat // entries, flat % entries
             res = torch.gather(res, 1, parent[..., None].expand(-1, -1, res.shape[-1])) - codebooks[r][entry]
-            codes = torch.cat([torch.gather(codes, 1, parent[..., None].expand(-1, -1, r)), entry[..., None]], -1)
+            codes = torch.cat(
+                [torch.gather(codes, 1, parent[..., None].expand(-1, -1, r)), entry[..., None]], -1
+            )
         out[:, s:e] = codes[:, 0, :].T  # topk is sorted: beam 0 has the least error
     return out
 
@@ -159,9 +173,21 @@ def tile_bounds(size: int, tile: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + tile, size)) for s in range(0, size, tile)]
 
 
-def vq_gptq(weight: torch.Tensor, hessian: torch.Tensor, vector_size: int, entries: int, residuals: int, *,
-            tile_rows: int | None = None, tile_cols: int | None = None, iters: int = 20, beam: int = 1,
-            damp: float = 0.01, block_size: int = 128, seed: int = 0) -> VQOutput:
+def vq_gptq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    vector_size: int,
+    entries: int,
+    residuals: int,
+    *,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    iters: int = 20,
+    beam: int = 1,
+    damp: float = 0.01,
+    block_size: int = 128,
+    seed: int = 0,
+) -> VQOutput:
     """GPTVQ: quantize `weight` [N, K] vector column by vector column (d input columns at a time), folding each
     column's error into the columns not yet quantized through the inverse Hessian, as GPTQ does.
 
@@ -202,11 +228,11 @@ def vq_gptq(weight: torch.Tensor, hessian: torch.Tensor, vector_size: int, entri
             hinv1 = hinv[i1:i2, i1:i2]
             for i in range(0, i2 - i1, d):
                 col = i1 + i
-                wd = weights[col:col + d]
+                wd = weights[col : col + d]
                 for ri, (r0, r1) in enumerate(rows):
-                    c = encode(w1[r0:r1, i:i + d], wd, books[ri, ci], beam)
+                    c = encode(w1[r0:r1, i : i + d], wd, books[ri, ci], beam)
                     codes[:, r0:r1, col // d] = c
-                    q[r0:r1, col:col + d] = decode(c, books[ri, ci])
+                    q[r0:r1, col : col + d] = decode(c, books[ri, ci])
                 for j in range(i, i + d):
                     e = (w1[:, j] - q[:, i1 + j]) / hinv1[j, j]
                     w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
@@ -275,14 +301,16 @@ def kmeans_batched(x: torch.Tensor, entries: int, iters: int, generator: torch.G
             break
         prev = idx
         flat = (idx + base).reshape(-1)
-        num = torch.zeros(p * entries, d, dtype=x.dtype, device=x.device).index_add_(0, flat, x.reshape(-1, d))
+        num = torch.zeros(p * entries, d, dtype=x.dtype, device=x.device).index_add_(
+            0, flat, x.reshape(-1, d)
+        )
         cnt = torch.bincount(flat, minlength=p * entries).to(x.dtype)[:, None]
         new = (num / cnt.clamp_min(1)).reshape(p, entries, d)
         filled = (cnt > 0).reshape(p, entries, 1)
         c = torch.where(filled, new, c)
         for i in (~filled[..., 0]).any(dim=1).nonzero().flatten().tolist():
             empty = (~filled[i, :, 0]).nonzero().flatten()
-            worst = torch.argsort(err[i], descending=True, stable=True)[:empty.numel()]
+            worst = torch.argsort(err[i], descending=True, stable=True)[: empty.numel()]
             c[i, empty] = x[i, worst]
     return c
 
@@ -296,8 +324,8 @@ def nearest_batched(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, tor
     # As in `distances`: the entry-dependent terms -2 x·c + |c|² as one batched matmul of inner dimension d + 1.
     rhs = torch.cat([-2 * c, c.pow(2).sum(-1, keepdim=True)], dim=-1).transpose(1, 2)
     for s in range(0, n, step):
-        xs = x[:, s:s + step]
+        xs = x[:, s : s + step]
         lhs = torch.cat([xs, torch.ones_like(xs[..., :1])], dim=-1)
-        err[:, s:s + step], idx[:, s:s + step] = torch.bmm(lhs, rhs).min(dim=-1)
+        err[:, s : s + step], idx[:, s : s + step] = torch.bmm(lhs, rhs).min(dim=-1)
     err += x.pow(2).sum(-1)
     return idx, err

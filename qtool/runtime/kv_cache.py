@@ -61,7 +61,9 @@ def _attention(base: str):
         bits = getattr(module, "qtool_kv_bits", None)
         if bits is not None:
             key, value = fake_quantize_kv(key, bits), fake_quantize_kv(value, bits)
-        codebooks = getattr(module, "kv_codebooks", None)  # the vector-quantized cache (runtime/vq_kv_cache.py)
+        codebooks = getattr(
+            module, "kv_codebooks", None
+        )  # the vector-quantized cache (runtime/vq_kv_cache.py)
         if codebooks is not None:
             key, value = codebooks(key, value)
         if base == "eager":
@@ -89,17 +91,27 @@ def _register() -> None:
 
 
 def check_scheme(cfg, where: str) -> int:
-    if not isinstance(cfg, dict) or cfg.get("bits") not in KV_BITS or cfg.get("granularity", "head") != "head" \
-            or cfg.get("symmetric", False) is not False:
-        raise CheckpointError(f"{where}: found {cfg!r}, expected {{bits: 4 or 8, granularity: head, "
-                              f"symmetric: false}}")
+    if (
+        not isinstance(cfg, dict)
+        or cfg.get("bits") not in KV_BITS
+        or cfg.get("granularity", "head") != "head"
+        or cfg.get("symmetric", False) is not False
+    ):
+        raise CheckpointError(
+            f"{where}: found {cfg!r}, expected {{bits: 4 or 8, granularity: head, symmetric: false}}"
+        )
     return int(cfg["bits"])
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The modules transformers hands to the attention function (they carry `layer_idx`)."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")
-            and any(hasattr(m, p) for p in ("k_proj", "qkv_proj"))]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx")
+        and hasattr(m, "config")
+        and any(hasattr(m, p) for p in ("k_proj", "qkv_proj"))
+    ]
 
 
 def install_kv_cache(model: nn.Module, cfg: dict, where: str) -> None:
@@ -107,8 +119,10 @@ def install_kv_cache(model: nn.Module, cfg: dict, where: str) -> None:
     bits = check_scheme(cfg, where)
     modules = attention_modules(model)
     if not modules:
-        raise CheckpointError(f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
-                              f"apply to; expected Llama-style self_attn modules")
+        raise CheckpointError(
+            f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
+            f"apply to; expected Llama-style self_attn modules"
+        )
     for m in modules:
         m.qtool_kv_bits = bits
     use_qtool_attention(model)

@@ -68,5 +68,7 @@ class MixedLinear(PackedLinear):
         self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, 2/4-bit stripes of {self.group_size} "
-                f"({self.layout.stripes_4bit} at 4 bits, {self.assign}), {self.outlier_values.numel()} outliers")
+        return (
+            f"in={self.in_features}, out={self.out_features}, 2/4-bit stripes of {self.group_size} "
+            f"({self.layout.stripes_4bit} at 4 bits, {self.assign}), {self.outlier_values.numel()} outliers"
+        )

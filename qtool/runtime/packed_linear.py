@@ -37,8 +37,10 @@ class PackedLinear(nn.Module):
 
     def layout_with(self, move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         """The layout over this module's tensors, each passed through `move`."""
-        return self.layout_cls(**{p: getattr(self, p) for p in self.params()},
-                               **{f: move(getattr(self, f)) for f in self.layout_cls.FIELDS})
+        return self.layout_cls(
+            **{p: getattr(self, p) for p in self.params()},
+            **{f: move(getattr(self, f)) for f in self.layout_cls.FIELDS},
+        )
 
     @property
     def layout(self):

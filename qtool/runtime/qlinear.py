@@ -30,7 +30,9 @@ class GroupedIntLinear(nn.Module):
 
     @property
     def layout(self) -> GroupedIntWeight:
-        return GroupedIntWeight(self.spec, self.in_features, self.out_features, self.qweight, self.scales, self.zeros)
+        return GroupedIntWeight(
+            self.spec, self.in_features, self.out_features, self.qweight, self.scales, self.zeros
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.layout.dequantize(dtype)
@@ -66,4 +68,3 @@ class GroupedIntLinear(nn.Module):
         g = self.spec.group_size or "channel"
         kind = "sym" if self.spec.symmetric else "asym"
         return f"in={self.in_features}, out={self.out_features}, w{self.spec.bits} g={g} {kind}"
-

@@ -58,8 +58,16 @@ class QoQLinear(nn.Module):
 
     @property
     def layout(self) -> QoQWeight:
-        return QoQWeight(self.bits, self.group_size, self.in_features, self.out_features, self.qweight,
-                         self.scales, self.group_scales, self.zeros)
+        return QoQWeight(
+            self.bits,
+            self.group_size,
+            self.in_features,
+            self.out_features,
+            self.qweight,
+            self.scales,
+            self.group_scales,
+            self.zeros,
+        )
 
     @property
     def per_channel_zeros(self) -> bool:

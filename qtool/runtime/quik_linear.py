@@ -65,7 +65,9 @@ class QuikLinear(nn.Module):
         self.register_buffer("outlier_weight", weight.outlier_weight)
         self.register_buffer("wreduced", weight.wreduced)
         # Derived once (not stored): the base column indices and the signed codes.
-        self.register_buffer("base_idx", base_indices(weight.in_features, weight.outlier_idx), persistent=False)
+        self.register_buffer(
+            "base_idx", base_indices(weight.in_features, weight.outlier_idx), persistent=False
+        )
         self.register_buffer("wcodes", weight.signed_codes().to(torch.int32), persistent=False)
         if bias is not None:
             self.bias = nn.Parameter(bias, requires_grad=False)
@@ -75,8 +77,18 @@ class QuikLinear(nn.Module):
 
     @property
     def layout(self) -> QuikWeight:
-        return QuikWeight(self.bits, self.act_bits, self.in_features, self.out_features, self.sparsity_24,
-                          self.qweight, self.scales, self.outlier_idx, self.outlier_weight, self.wreduced)
+        return QuikWeight(
+            self.bits,
+            self.act_bits,
+            self.in_features,
+            self.out_features,
+            self.sparsity_24,
+            self.qweight,
+            self.scales,
+            self.outlier_idx,
+            self.outlier_weight,
+            self.wreduced,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.layout.dequantize(dtype)
@@ -129,13 +141,18 @@ class QuikLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         # `model.to(dtype)` casts floating buffers; the packed fields keep their specified dtypes.
         super()._apply(fn, recurse)
-        for field, dtype in (("scales", torch.float16), ("outlier_weight", torch.float16),
-                             ("wreduced", torch.float32)):
+        for field, dtype in (
+            ("scales", torch.float16),
+            ("outlier_weight", torch.float16),
+            ("wreduced", torch.float32),
+        ):
             if getattr(self, field).dtype != dtype:
                 setattr(self, field, getattr(self, field).to(dtype))
         return self
 
     def extra_repr(self) -> str:
         sparse = ", 2:4" if self.sparsity_24 else ""
-        return (f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits}, "
-                f"outliers={self.outlier_idx.numel()}{sparse}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, w{self.bits}a{self.act_bits}, "
+            f"outliers={self.outlier_idx.numel()}{sparse}"
+        )

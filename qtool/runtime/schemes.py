@@ -25,8 +25,10 @@ def apply_model_schemes(model: nn.Module, qcfg: dict, where: str) -> None:
 
             install_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
         else:
-            raise CheckpointError(f"{where}: quantization_config.{key} is not a scheme this qtool knows; expected "
-                                  f"one of {', '.join(RESERVED)}, kv_cache")
+            raise CheckpointError(
+                f"{where}: quantization_config.{key} is not a scheme this qtool knows; expected "
+                f"one of {', '.join(RESERVED)}, kv_cache"
+            )
 
 
 def attach_scheme_tensors(model: nn.Module, qcfg: dict, tensors: dict, where: str) -> None:

@@ -21,8 +21,14 @@ FIELDS = ("key", "value")
 
 
 def kv_vq_scheme(vector_size: int, entries: int) -> dict:
-    return {"format": FORMAT, "vector_size": vector_size, "entries": entries, "index_bits": index_bits(entries),
-            "keys": "post_rope", "bits_per_element": index_bits(entries) / vector_size}
+    return {
+        "format": FORMAT,
+        "vector_size": vector_size,
+        "entries": entries,
+        "index_bits": index_bits(entries),
+        "keys": "post_rope",
+        "bits_per_element": index_bits(entries) / vector_size,
+    }
 
 
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
@@ -86,11 +92,21 @@ def check_scheme(cfg, where: str) -> tuple[int, int]:
     """(vector_size, entries) of a vq KV cache scheme; a malformed one is a CheckpointError naming `where`."""
     ok = isinstance(cfg, dict) and cfg.get("format") == FORMAT and cfg.get("keys") == "post_rope"
     d, e = (cfg.get("vector_size"), cfg.get("entries")) if isinstance(cfg, dict) else (None, None)
-    ok = ok and isinstance(d, int) and not isinstance(d, bool) and d >= 1 and isinstance(e, int) \
-        and is_power_of_two(e) and e <= 256 and cfg.get("index_bits") == index_bits(e)
+    ok = (
+        ok
+        and isinstance(d, int)
+        and not isinstance(d, bool)
+        and d >= 1
+        and isinstance(e, int)
+        and is_power_of_two(e)
+        and e <= 256
+        and cfg.get("index_bits") == index_bits(e)
+    )
     if not ok:
-        raise CheckpointError(f"{where}: found {cfg!r}, expected {{format: vq, vector_size: d >= 1, entries: a power "
-                              f"of two up to 256, index_bits: log2 entries, keys: post_rope}}")
+        raise CheckpointError(
+            f"{where}: found {cfg!r}, expected {{format: vq, vector_size: d >= 1, entries: a power "
+            f"of two up to 256, index_bits: log2 entries, keys: post_rope}}"
+        )
     return d, e
 
 
@@ -109,8 +125,10 @@ def attach_codebooks(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tenso
     d, e = check_scheme(cfg, where)
     named = [(n, m) for n, m in model.named_modules() if m in set(attention_modules(model))]
     if not named:
-        raise CheckpointError(f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
-                              f"apply to; expected Llama-style self_attn modules")
+        raise CheckpointError(
+            f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
+            f"apply to; expected Llama-style self_attn modules"
+        )
     for name, m in named:
         shape = codebook_shape(m, d, e)
         got = {}
@@ -118,11 +136,13 @@ def attach_codebooks(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tenso
             key = f"{name}.kv_codebooks.{f}"
             t = tensors.pop(key, None)
             if t is None:
-                raise CheckpointError(f"tensor {key}: missing; the KV cache scheme (vq) expects float16 "
-                                      f"{list(shape)}")
+                raise CheckpointError(
+                    f"tensor {key}: missing; the KV cache scheme (vq) expects float16 {list(shape)}"
+                )
             if tuple(t.shape) != shape or t.dtype != torch.float16:
-                raise CheckpointError(f"tensor {key}: found {t.dtype} {list(t.shape)}, expected torch.float16 "
-                                      f"{list(shape)}")
+                raise CheckpointError(
+                    f"tensor {key}: found {t.dtype} {list(t.shape)}, expected torch.float16 {list(shape)}"
+                )
             got[f] = t
         m.kv_codebooks = KVCodebooks(got["key"], got["value"])
 
@@ -133,10 +153,14 @@ def install_vq_kv_cache(model: nn.Module, cfg: dict, where: str) -> None:
     check_scheme(cfg, where)
     modules = attention_modules(model)
     if not modules:
-        raise CheckpointError(f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
-                              f"apply to; expected Llama-style self_attn modules")
+        raise CheckpointError(
+            f"{where}: {type(model).__name__} has no attention module the KV cache scheme can "
+            f"apply to; expected Llama-style self_attn modules"
+        )
     for m in modules:
         if not isinstance(getattr(m, "kv_codebooks", None), KVCodebooks):
-            raise CheckpointError(f"{where}: an attention module (layer {getattr(m, 'layer_idx', '?')}) has no "
-                                  f"codebooks; expected kv_codebooks.key/value tensors for every layer")
+            raise CheckpointError(
+                f"{where}: an attention module (layer {getattr(m, 'layer_idx', '?')}) has no "
+                f"codebooks; expected kv_codebooks.key/value tensors for every layer"
+            )
     use_qtool_attention(model)

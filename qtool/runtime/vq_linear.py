@@ -92,7 +92,12 @@ class VQLinear(PackedLinear):
         self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
 
     def extra_repr(self) -> str:
-        scope = "tensor" if self.tile_rows is None and self.tile_cols is None else \
-            f"tiles {self.tile_rows or self.out_features}x{self.tile_cols or self.in_features}"
-        return (f"in={self.in_features}, out={self.out_features}, {self.layout.notation()} per {scope}"
-                f"{', re-indexed' if self.reindexed else ''}")
+        scope = (
+            "tensor"
+            if self.tile_rows is None and self.tile_cols is None
+            else f"tiles {self.tile_rows or self.out_features}x{self.tile_cols or self.in_features}"
+        )
+        return (
+            f"in={self.in_features}, out={self.out_features}, {self.layout.notation()} per {scope}"
+            f"{', re-indexed' if self.reindexed else ''}"
+        )

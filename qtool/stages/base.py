@@ -25,7 +25,9 @@ from qtool.quant.rtn import rtn_quantize
 
 @dataclass
 class Targets:
-    include: list[str] = option(default_factory=lambda: ["*"], help="glob patterns of module names to quantize")
+    include: list[str] = option(
+        default_factory=lambda: ["*"], help="glob patterns of module names to quantize"
+    )
     exclude: list[str] = option(default_factory=list, help="glob patterns of module names to leave alone")
 
     def matches(self, name: str) -> bool:
@@ -38,7 +40,9 @@ class Targets:
 class WeightScheme:
     bits: int = option(4, min=2, max=8, help="bits per weight")
     symmetric: bool = option(True, help="zero point fixed at 2^(bits-1); false stores a zero point per group")
-    group_size: int | None = option(128, min=1, help="input columns per scale; null for one scale per output row")
+    group_size: int | None = option(
+        128, min=1, help="input columns per scale; null for one scale per output row"
+    )
     clip: bool = option(False, help="search the range shrink ratio minimising the layer output error")
     clip_grid: int = option(20, min=2, max=200, help="number of shrink ratios tried by clip")
     clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
@@ -108,11 +112,13 @@ class QuantizerStage(Stage):
         (qtool/distributed.py)."""
         return None
 
-    def quantize_rows(self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range) -> QuantResult:
+    def quantize_rows(
+        self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range
+    ) -> QuantResult:
         """The output rows `rows` (from and to multiples of `row_split()`) of `quantize(name, weight, stats)`.
         By default `quantize` of those rows of `weight`: a stage whose rows depend on their own weights and the
         shared statistics alone; a stage that makes choices from the whole matrix makes them here too."""
-        return self.quantize(name, weight[rows.start:rows.stop], stats)
+        return self.quantize(name, weight[rows.start : rows.stop], stats)
 
     def preview(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [N, K] as round-to-nearest under this stage's scheme leaves it (float32): what transforms that
@@ -121,7 +127,11 @@ class QuantizerStage(Stage):
         if spec is None:
             return weight
         codes, scales, zeros = rtn_quantize(weight.float(), spec())
-        return GroupedIntWeight.from_codes(codes, scales, zeros, spec()).dequantize(torch.float32).to(weight.device)
+        return (
+            GroupedIntWeight.from_codes(codes, scales, zeros, spec())
+            .dequantize(torch.float32)
+            .to(weight.device)
+        )
 
     def preview_activations(self, x: torch.Tensor) -> torch.Tensor:
         """The input rows [T, K] as this stage's run-time activation quantization leaves them (identity for
@@ -159,8 +169,11 @@ class QuantizerStage(Stage):
             problem = self.layer_problem(lin.out_features, lin.in_features)
             if problem is not None:
                 key, msg = problem
-                raise RecipeError(f"{where}.{key}: " + msg.format(f"targeted linear {full}") +
-                                  " (or exclude the linear in targets)" * ("exclude" not in msg))
+                raise RecipeError(
+                    f"{where}.{key}: "
+                    + msg.format(f"targeted linear {full}")
+                    + " (or exclude the linear in targets)" * ("exclude" not in msg)
+                )
 
     def refuse_layer(self, name: str, n: int, k: int) -> None:
         """Refuse linear `name` of `n` x `k` if `layer_problem` names it (models whose config did not show it)."""
@@ -170,7 +183,7 @@ class QuantizerStage(Stage):
             raise RecipeError(f"stages[{self.index}].{key}: " + msg.format(f"linear {name}"))
 
     def attention_objective(self, rel: str, adapter) -> str | None:
-        """"q"/"k" when the linear `rel` of a block should be quantized against the attention output's error (the
+        """ "q"/"k" when the linear `rel` of a block should be quantized against the attention output's error (the
         pipeline then passes `quantize` a per-row `score`), else None."""
         return None
 
@@ -179,9 +192,15 @@ class QuantizerStage(Stage):
         block's outputs on the calibration inputs)."""
         return False
 
-    def finetune_block(self, block: nn.Module, layouts: dict[str, object], originals: dict[str, torch.Tensor],
-                       inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor]
-                       ) -> tuple[dict[str, object], dict | None]:
+    def finetune_block(
+        self,
+        block: nn.Module,
+        layouts: dict[str, object],
+        originals: dict[str, torch.Tensor],
+        inputs: list[torch.Tensor],
+        kwargs: dict,
+        targets: list[torch.Tensor],
+    ) -> tuple[dict[str, object], dict | None]:
         """Refine the packed layers of this stage's linears in `block` (by name relative to it; `originals`: their
         float weights before quantization) so that the block's outputs on `inputs` come closer to `targets`,
         the float block's. Return the new layouts by the same names and what to record in the manifest."""
@@ -195,8 +214,18 @@ class BlockContext:
     """What a transform sees of one decoder block in the block-wise pipeline: the block (on the compute device),
     its calibration inputs and keyword arguments, and the quantizer stage claiming each of its linears."""
 
-    def __init__(self, block: nn.Module, index: int, prefix: str, adapter, config, inputs: list[torch.Tensor],
-                 kwargs: dict, quantizers: dict[str, QuantizerStage], world=None) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        index: int,
+        prefix: str,
+        adapter,
+        config,
+        inputs: list[torch.Tensor],
+        kwargs: dict,
+        quantizers: dict[str, QuantizerStage],
+        world=None,
+    ) -> None:
         self.block = block
         self.index = index
         self.prefix = prefix

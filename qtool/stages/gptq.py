@@ -21,13 +21,19 @@ class GPTQOptions(WeightScheme):
     block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
     act_order: bool = option(False, help="quantize columns in order of decreasing diag(H)")
     static_groups: bool = option(False, help="fix every group's scale before the column loop")
-    sequential: bool = option(True, help="within a block, q/k/v then o then gate/up then down, each calibrated "
-                                         "on the outputs of the already quantized linears")
+    sequential: bool = option(
+        True,
+        help="within a block, q/k/v then o then gate/up then down, each calibrated "
+        "on the outputs of the already quantized linears",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if self.act_order and self.group_size is not None and not self.static_groups:
-            return ("static_groups", "found false with act_order and group_size set; expected true (the grouped_int "
-                    "layout keeps columns in their original order and has no per-column group index)")
+            return (
+                "static_groups",
+                "found false with act_order and group_size set; expected true (the grouped_int "
+                "layout keeps columns in their original order and has no per-column group index)",
+            )
         return None
 
 
@@ -48,8 +54,13 @@ class GPTQStage(HessianStage):
         o: GPTQOptions = self.options
         spec = o.grid_spec()
         codes, scales, zeros = gptq_quantize(
-            weight.float(), stats.hessian().to(weight.device), spec, damp=o.damp, block_size=o.block_size,
-            act_order=o.act_order, static_groups=o.static_groups,
+            weight.float(),
+            stats.hessian().to(weight.device),
+            spec,
+            damp=o.damp,
+            block_size=o.block_size,
+            act_order=o.act_order,
+            static_groups=o.static_groups,
             clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
         )
         packed = GroupedIntWeight.from_codes(codes, scales, zeros, spec)

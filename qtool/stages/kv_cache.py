@@ -18,7 +18,9 @@ from qtool.stages.base import TransformStage
 
 @dataclass
 class KVCacheOptions:
-    bits: Literal[4, 8] = option(4, help="bits per cached key/value element (per token and KV head, asymmetric)")
+    bits: Literal[4, 8] = option(
+        4, help="bits per cached key/value element (per token and KV head, asymmetric)"
+    )
 
 
 @register
@@ -29,8 +31,10 @@ class KVCacheStage(TransformStage):
 
     def check_config(self, config, where: str) -> None:
         if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise RecipeError(f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
-                              f"here; expected llama, mistral or qwen2")
+            raise RecipeError(
+                f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
+                f"here; expected llama, mistral or qwen2"
+            )
 
     def apply_outer(self, model: nn.Module, adapter) -> dict | None:
         install_kv_cache(model, kv_scheme(self.options.bits), self.label)

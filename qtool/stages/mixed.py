@@ -64,64 +64,107 @@ def eq10_floor(group_size: int, scale_group_size: int, outlier_fraction: float) 
 
 
 @lru_cache(maxsize=256)
-def _stripes_for_target(n: int, k: int, g1: int, g2: int, outlier_fraction: float, target: float,
-                        counts: str) -> int | None:
+def _stripes_for_target(
+    n: int, k: int, g1: int, g2: int, outlier_fraction: float, target: float, counts: str
+) -> int | None:
     return stripes_for_target(n, k, g1, g2, outlier_fraction, target, counts)
 
 
 @dataclass
 class MixedOptions:
-    group_size: int = option(16, min=8, help="g1: input channels per stripe and per first-order group (multiple "
-                                             "of 8)")
-    scale_group_size: int = option(16, min=1, help="g2: output rows per second-order group of the 2-bit groups' "
-                                                   "scales")
-    fraction_4bit: float = option(0.25, min=0.0, max=1.0, help="fraction of the stripes at 4 bits (block4: 0.25)")
-    target_bits: float | None = option(None, min=2.0, max=4.0, help="assign global: stored bits per weight per "
-                                                                    "layer, picks the 4-bit stripes instead of "
-                                                                    "fraction_4bit")
-    target_counts: Literal["stored", "eq10"] = option("stored", help="what target_bits counts: the stored "
-                                                                      "tensors, or the paper's Eq. 10 (with 30 "
-                                                                      "bits per outlier)")
-    assign: Literal["block4", "global"] = option("block4", help="block4: the most sensitive stripe of every four; "
-                                                                "global: the most sensitive of the matrix")
-    sensitivity: Literal["eq9", "obs", "random"] = option("eq9", help="score that picks the 4-bit stripes: "
-                                                                       "eq9 (Eq. 9 as printed, H⁻¹ diagonal "
-                                                                       "squared), obs (w²/[H⁻¹]_qq), random "
-                                                                       "(a control, seeded by layer name)")
-    outlier_fraction: float = option(0.002, min=0.0, max=0.005, help="weights kept as float16 outliers (2-bit "
-                                                                     "stripes only), as a fraction of all weights")
-    solver: Literal["rtn", "gptq"] = option("rtn", help="rtn: asymmetric min/max round to nearest (the paper's); "
-                                                        "gptq: the same grids with GPTQ error feedback")
-    damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H) before inverting, as a "
-                                                      "fraction of its mean")
+    group_size: int = option(
+        16, min=8, help="g1: input channels per stripe and per first-order group (multiple of 8)"
+    )
+    scale_group_size: int = option(
+        16, min=1, help="g2: output rows per second-order group of the 2-bit groups' scales"
+    )
+    fraction_4bit: float = option(
+        0.25, min=0.0, max=1.0, help="fraction of the stripes at 4 bits (block4: 0.25)"
+    )
+    target_bits: float | None = option(
+        None,
+        min=2.0,
+        max=4.0,
+        help="assign global: stored bits per weight per "
+        "layer, picks the 4-bit stripes instead of "
+        "fraction_4bit",
+    )
+    target_counts: Literal["stored", "eq10"] = option(
+        "stored",
+        help="what target_bits counts: the stored tensors, or the paper's Eq. 10 (with 30 bits per outlier)",
+    )
+    assign: Literal["block4", "global"] = option(
+        "block4",
+        help="block4: the most sensitive stripe of every four; global: the most sensitive of the matrix",
+    )
+    sensitivity: Literal["eq9", "obs", "random"] = option(
+        "eq9",
+        help="score that picks the 4-bit stripes: "
+        "eq9 (Eq. 9 as printed, H⁻¹ diagonal "
+        "squared), obs (w²/[H⁻¹]_qq), random "
+        "(a control, seeded by layer name)",
+    )
+    outlier_fraction: float = option(
+        0.002,
+        min=0.0,
+        max=0.005,
+        help="weights kept as float16 outliers (2-bit stripes only), as a fraction of all weights",
+    )
+    solver: Literal["rtn", "gptq"] = option(
+        "rtn",
+        help="rtn: asymmetric min/max round to nearest (the paper's); "
+        "gptq: the same grids with GPTQ error feedback",
+    )
+    damp: float = option(
+        0.01, min=0.0, max=1.0, help="dampening added to diag(H) before inverting, as a fraction of its mean"
+    )
     block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
-    finetune_steps: int = option(0, min=0, max=100000, help="block-wise fine-tuning: Adam steps per block on the "
-                                                            "scales (codes fixed) against the float block's "
-                                                            "output; 0 is off")
-    finetune_lr: float = option(0.005, min=1e-6, max=1.0, help="fine-tuning: Adam learning rate on the log of "
-                                                               "each scale")
+    finetune_steps: int = option(
+        0,
+        min=0,
+        max=100000,
+        help="block-wise fine-tuning: Adam steps per block on the "
+        "scales (codes fixed) against the float block's "
+        "output; 0 is off",
+    )
+    finetune_lr: float = option(
+        0.005, min=1e-6, max=1.0, help="fine-tuning: Adam learning rate on the log of each scale"
+    )
     finetune_samples: int = option(1, min=1, max=4096, help="fine-tuning: calibration windows per step")
 
     def validate(self) -> tuple[str, str] | None:
         if self.group_size % 8:
-            return ("group_size", f"found {self.group_size}; expected a multiple of 8 (a 4-bit stripe is split in "
-                                  f"two halves of whole 16-bit units)")
+            return (
+                "group_size",
+                f"found {self.group_size}; expected a multiple of 8 (a 4-bit stripe is split in "
+                f"two halves of whole 16-bit units)",
+            )
         if self.assign == "block4" and self.target_bits is not None:
-            return ("target_bits", f"found {self.target_bits} with assign block4; expected null, or assign global "
-                                   f"(block4 fixes one 4-bit stripe in every four)")
+            return (
+                "target_bits",
+                f"found {self.target_bits} with assign block4; expected null, or assign global "
+                f"(block4 fixes one 4-bit stripe in every four)",
+            )
         if self.assign == "block4" and self.fraction_4bit != BLOCK4_FRACTION:
-            return ("fraction_4bit", f"found {self.fraction_4bit} with assign block4; expected {BLOCK4_FRACTION} "
-                                     f"(one 4-bit stripe in every four), or assign global")
+            return (
+                "fraction_4bit",
+                f"found {self.fraction_4bit} with assign block4; expected {BLOCK4_FRACTION} "
+                f"(one 4-bit stripe in every four), or assign global",
+            )
         if self.target_bits is not None:
             stored = self.target_counts == "stored"
-            floor = (bits_floor if stored else eq10_floor)(self.group_size, self.scale_group_size,
-                                                             self.outlier_fraction)
+            floor = (bits_floor if stored else eq10_floor)(
+                self.group_size, self.scale_group_size, self.outlier_fraction
+            )
             if self.target_bits < floor:
-                return ("target_bits", f"found {self.target_bits}, which cannot be met: with every stripe at 2 bits "
-                                       f"this scheme {'stores' if stored else 'counts (Eq. 10)'} at least "
-                                       f"{floor:.4f} bits per weight (group_size "
-                                       f"{self.group_size}, scale_group_size {self.scale_group_size}, "
-                                       f"outlier_fraction {self.outlier_fraction}); expected at least that")
+                return (
+                    "target_bits",
+                    f"found {self.target_bits}, which cannot be met: with every stripe at 2 bits "
+                    f"this scheme {'stores' if stored else 'counts (Eq. 10)'} at least "
+                    f"{floor:.4f} bits per weight (group_size "
+                    f"{self.group_size}, scale_group_size {self.scale_group_size}, "
+                    f"outlier_fraction {self.outlier_fraction}); expected at least that",
+                )
         return None
 
 
@@ -146,12 +189,16 @@ class MixedStage(HessianStage):
             return "scale_group_size", f"found {g2}, but {{}} has out_features {n}; expected a divisor of it"
         s = k // g1
         if o.assign == "block4" and s % 4:
-            return "assign", (f"found 'block4', but {{}} has {s} stripes of {g1} input channels (in_features {k}), "
-                              f"fewer than a whole number of blocks of four; expected in_features a multiple of "
-                              f"{4 * g1}, or assign global")
+            return "assign", (
+                f"found 'block4', but {{}} has {s} stripes of {g1} input channels (in_features {k}), "
+                f"fewer than a whole number of blocks of four; expected in_features a multiple of "
+                f"{4 * g1}, or assign global"
+            )
         if o.outlier_fraction > 0 and k > MAX_COLUMNS:
-            return "outlier_fraction", (f"found {o.outlier_fraction}, but {{}} has in_features {k} > {MAX_COLUMNS} "
-                                        f"(16-bit outlier columns); expected 0")
+            return "outlier_fraction", (
+                f"found {o.outlier_fraction}, but {{}} has in_features {k} > {MAX_COLUMNS} "
+                f"(16-bit outlier columns); expected 0"
+            )
         if o.target_bits is not None:
             if _stripes_for_target(n, k, g1, g2, o.outlier_fraction, o.target_bits, o.target_counts) is None:
                 nout = outlier_count(n, k, g1, 0, o.outlier_fraction)
@@ -159,12 +206,18 @@ class MixedStage(HessianStage):
                     least, verb = eq10_bits(k, g1, g2, 0, nout, n), "counts (Eq. 10)"
                 else:
                     least, verb = bits_for(n, k, g1, g2, 0, nout) / (n * k), "stores"
-                return "target_bits", (f"found {o.target_bits}, which cannot be met: {{}} {verb} {least:.4f} "
-                                       f"bits per weight with every stripe at 2 bits; expected at least that")
-        elif o.assign == "global" and o.fraction_4bit > 0 and stripes_for_fraction(k, g1, o.fraction_4bit) == 0:
-            return "fraction_4bit", (f"found {o.fraction_4bit}, but {{}} has only {s} stripes of {g1} input "
-                                     f"channels, too few for any 4-bit stripe; expected at least {0.5 / s:.4g}, "
-                                     f"0, or the linear excluded in targets")
+                return "target_bits", (
+                    f"found {o.target_bits}, which cannot be met: {{}} {verb} {least:.4f} "
+                    f"bits per weight with every stripe at 2 bits; expected at least that"
+                )
+        elif (
+            o.assign == "global" and o.fraction_4bit > 0 and stripes_for_fraction(k, g1, o.fraction_4bit) == 0
+        ):
+            return "fraction_4bit", (
+                f"found {o.fraction_4bit}, but {{}} has only {s} stripes of {g1} input "
+                f"channels, too few for any 4-bit stripe; expected at least {0.5 / s:.4g}, "
+                f"0, or the linear excluded in targets"
+            )
         return None
 
     def check_config(self, config, where: str) -> None:
@@ -172,25 +225,47 @@ class MixedStage(HessianStage):
 
     def distributed_problem(self) -> tuple[str, str] | None:
         if self.options.finetune_steps > 0:
-            return "finetune_steps", (f"found {self.options.finetune_steps}: mixed fine-tunes each block on the "
-                                      f"windows of one process; expected 0 with several processes (or one process)")
+            return "finetune_steps", (
+                f"found {self.options.finetune_steps}: mixed fine-tunes each block on the "
+                f"windows of one process; expected 0 with several processes (or one process)"
+            )
         return None
 
     def finetunes(self) -> bool:
         return self.options.finetune_steps > 0
 
-    def finetune_block(self, block, layouts: dict[str, MixedWeight], originals: dict[str, torch.Tensor],
-                       inputs: list[torch.Tensor], kwargs: dict, targets: list[torch.Tensor]
-                       ) -> tuple[dict[str, MixedWeight], dict]:
+    def finetune_block(
+        self,
+        block,
+        layouts: dict[str, MixedWeight],
+        originals: dict[str, torch.Tensor],
+        inputs: list[torch.Tensor],
+        kwargs: dict,
+        targets: list[torch.Tensor],
+    ) -> tuple[dict[str, MixedWeight], dict]:
         o: MixedOptions = self.options
         device = inputs[0].device
         tunables = {rel: TunableScales(layout, originals[rel], device) for rel, layout in layouts.items()}
         params = [p for t in tunables.values() for p in t.parameters()]
-        res = tune_block(block, {f"{rel}.weight": t for rel, t in tunables.items()}, params, inputs, kwargs,
-                         targets, steps=o.finetune_steps, lr=o.finetune_lr, samples=o.finetune_samples)
+        res = tune_block(
+            block,
+            {f"{rel}.weight": t for rel, t in tunables.items()},
+            params,
+            inputs,
+            kwargs,
+            targets,
+            steps=o.finetune_steps,
+            lr=o.finetune_lr,
+            samples=o.finetune_samples,
+        )
         tuned = {rel: t.layout() for rel, t in tunables.items()} if res.kept else layouts
-        return tuned, {"finetune": {"error_before": round(res.error_before, 8),
-                                    "error_after": round(res.error_after, 8), "kept": res.kept}}
+        return tuned, {
+            "finetune": {
+                "error_before": round(res.error_before, 8),
+                "error_after": round(res.error_after, 8),
+                "kept": res.kept,
+            }
+        }
 
     def row_split(self) -> int | None:
         # GPTQ's solve is per row, its second-order scales per `scale_group_size` rows; the stripe widths and the
@@ -200,7 +275,9 @@ class MixedStage(HessianStage):
     def quantize(self, name: str, weight: torch.Tensor, stats: LinearStats | None) -> QuantResult:
         return self.quantize_rows(name, weight, stats, range(weight.shape[0]))
 
-    def quantize_rows(self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range) -> QuantResult:
+    def quantize_rows(
+        self, name: str, weight: torch.Tensor, stats: LinearStats | None, rows: range
+    ) -> QuantResult:
         o: MixedOptions = self.options
         if stats is None or not stats.has_hessian:
             raise RuntimeError(f"mixed needs the Hessian of {name}")
@@ -211,22 +288,49 @@ class MixedStage(HessianStage):
         if o.sensitivity == "random":
             sens = random_sensitivity(name, k // o.group_size)
         else:
-            sens = (sensitivity if o.sensitivity == "eq9" else obs_sensitivity)(weight.cpu(), hinv, o.group_size)
+            sens = (sensitivity if o.sensitivity == "eq9" else obs_sensitivity)(
+                weight.cpu(), hinv, o.group_size
+            )
         if o.target_bits is not None:
-            count = _stripes_for_target(n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits,
-                                        o.target_counts)
+            count = _stripes_for_target(
+                n, k, o.group_size, o.scale_group_size, o.outlier_fraction, o.target_bits, o.target_counts
+            )
         else:
             count = stripes_for_fraction(k, o.group_size, o.fraction_4bit)
         is4 = assign_stripes(sens, o.assign, count)
         nout = outlier_count(n, k, o.group_size, int(is4.sum()), o.outlier_fraction)
         if o.solver == "gptq":
-            mc = mixed_quantize_gptq(weight, hessian, is4, o.group_size, o.scale_group_size, nout, damp=o.damp,
-                                     block_size=o.block_size, rows=rows)
+            mc = mixed_quantize_gptq(
+                weight,
+                hessian,
+                is4,
+                o.group_size,
+                o.scale_group_size,
+                nout,
+                damp=o.damp,
+                block_size=o.block_size,
+                rows=rows,
+            )
         elif len(rows) < n:
-            raise ValueError(f"mixed: solver rtn solves every row of {name} at once (its outliers are refitted)")
+            raise ValueError(
+                f"mixed: solver rtn solves every row of {name} at once (its outliers are refitted)"
+            )
         else:
             mc = mixed_quantize(weight, is4, o.group_size, o.scale_group_size, nout)
-        packed = MixedWeight.from_codes(mc.codes, mc.is4, o.group_size, o.scale_group_size, o.assign,
-                                        mc.scale_codes, mc.zeros2, mc.scales_2nd, mc.zeros_2nd, mc.scales4,
-                                        mc.zeros4, mc.outlier_rows, mc.outlier_cols, mc.outlier_values)
+        packed = MixedWeight.from_codes(
+            mc.codes,
+            mc.is4,
+            o.group_size,
+            o.scale_group_size,
+            o.assign,
+            mc.scale_codes,
+            mc.zeros2,
+            mc.scales_2nd,
+            mc.zeros_2nd,
+            mc.scales4,
+            mc.zeros4,
+            mc.outlier_rows,
+            mc.outlier_cols,
+            mc.outlier_values,
+        )
         return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))

@@ -51,10 +51,12 @@ class OutlierOverride:
     pattern: str = option(help="glob over module names, e.g. '*.down_proj'")
     bits: Literal[4, 8] | None = option(None, help="weight bits for the matching linears")
     act_bits: Literal[4, 8] | None = option(None, help="activation bits for the matching linears")
-    outliers: int | float | None = option(None, min=0, help=f"outlier columns: {_COUNT_HELP}; replaces the "
-                                                            f"stage's value")
-    outlier_multiplier: float | None = option(None, min=0.0, max=1000.0,
-                                              help="multiplies the outlier count (after `outliers`)")
+    outliers: int | float | None = option(
+        None, min=0, help=f"outlier columns: {_COUNT_HELP}; replaces the stage's value"
+    )
+    outlier_multiplier: float | None = option(
+        None, min=0.0, max=1000.0, help="multiplies the outlier count (after `outliers`)"
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if not self.pattern:
@@ -68,20 +70,31 @@ class OutliersOptions:
     bits: Literal[4, 8] = option(4, help="weight bits (symmetric, one scale per output channel)")
     act_bits: Literal[4, 8] = option(4, help="activation bits at run time (asymmetric, per token)")
     outliers: int | float = option(256, min=0, help=f"outlier input columns kept in float16: {_COUNT_HELP}")
-    threshold: float = option(0.0, min=0.0, help="no outliers for linears whose largest calibration activation "
-                                                 "magnitude is below this (0: off)")
-    overrides: list[OutlierOverride] = option(default_factory=list,
-                                              help="per-target rules {pattern, bits, act_bits, outliers, "
-                                                   "outlier_multiplier}; the first matching pattern wins")
-    clip: bool = option(True, help="search the weight range shrink minimising the (Hessian-weighted) squared error")
+    threshold: float = option(
+        0.0,
+        min=0.0,
+        help="no outliers for linears whose largest calibration activation magnitude is below this (0: off)",
+    )
+    overrides: list[OutlierOverride] = option(
+        default_factory=list,
+        help="per-target rules {pattern, bits, act_bits, outliers, "
+        "outlier_multiplier}; the first matching pattern wins",
+    )
+    clip: bool = option(
+        True, help="search the weight range shrink minimising the (Hessian-weighted) squared error"
+    )
     clip_grid: int = option(20, min=2, max=200, help="number of shrink ratios tried by clip")
     clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
-    sparsity_24: bool = option(False, help="prune the base weights to 2:4 in the same GPTQ pass (outliers stay "
-                                           "dense)")
+    sparsity_24: bool = option(
+        False, help="prune the base weights to 2:4 in the same GPTQ pass (outliers stay dense)"
+    )
     damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H), as a fraction of its mean")
     block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
-    sequential: bool = option(True, help="within a block, q/k/v then o then gate/up then down, each calibrated "
-                                         "on the outputs of the already quantized linears")
+    sequential: bool = option(
+        True,
+        help="within a block, q/k/v then o then gate/up then down, each calibrated "
+        "on the outputs of the already quantized linears",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         problem = _count_problem(self.outliers)
@@ -108,8 +121,10 @@ def select_outliers(absmax: torch.Tensor, k: int) -> torch.Tensor:
 class OutliersStage(HessianStage):
     name = "outliers"
     options_cls = OutliersOptions
-    help = "QUIK: W4/W8 + per-token A4/A8 with float16 outlier columns chosen by calibration ℓ∞, GPTQ with the " \
-           "outliers last"
+    help = (
+        "QUIK: W4/W8 + per-token A4/A8 with float16 outlier columns chosen by calibration ℓ∞, GPTQ with the "
+        "outliers last"
+    )
 
     def plan(self, name: str, in_features: int, absmax: torch.Tensor | None) -> LayerPlan:
         """Bits, activation bits and outlier count of the linear `name` (rules, then the threshold)."""
@@ -153,9 +168,16 @@ class OutliersStage(HessianStage):
         else:
             perm = torch.cat([base, idx])
             h = stats.hessian().to(weight.device)
-            out = gptq_run(w[:, perm], h[perm][:, perm], spec, damp=o.damp, block_size=o.block_size,
-                           clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
-                           keep_last=idx.numel(), sparsity_24=o.sparsity_24)
+            out = gptq_run(
+                w[:, perm],
+                h[perm][:, perm],
+                spec,
+                damp=o.damp,
+                block_size=o.block_size,
+                clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
+                keep_last=idx.numel(),
+                sparsity_24=o.sparsity_24,
+            )
             codes, scales, kept = out.codes, out.scales[:, 0], out.kept
         packed = QuikWeight.from_codes(codes, scales, idx, kept, plan.bits, plan.act_bits, o.sparsity_24)
         return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))

@@ -33,31 +33,46 @@ from qtool.stages.base import QuantizerStage, QuantResult
 
 @dataclass
 class ProgressiveOptions:
-    bits: Literal[4, 8] = option(4, help="weight bits: 8 (per channel) or 4 (per channel, or progressive groups)")
-    group_size: int | None = option(128, min=1, help="input columns per level-1 group (bits 4); null: one "
-                                                     "scale per output channel")
+    bits: Literal[4, 8] = option(
+        4, help="weight bits: 8 (per channel) or 4 (per channel, or progressive groups)"
+    )
+    group_size: int | None = option(
+        128, min=1, help="input columns per level-1 group (bits 4); null: one scale per output channel"
+    )
     act_bits: Literal[8] = option(8, help="activation bits at run time (symmetric per token, dynamic)")
     solver: Literal["rtn", "gptq"] = option("rtn", help="round to nearest, or GPTQ on the same grid")
     clip: bool = option(False, help="search the level-0 range shrink minimising the layer output error")
     clip_grid: int = option(20, min=2, max=200, help="number of shrink ratios tried by clip")
     clip_min_ratio: float = option(0.5, min=0.05, max=1.0, help="smallest shrink ratio tried by clip")
     clip_qk: Literal["attention", "layer"] = option(
-        "attention", help="what clip minimises for q_proj/k_proj: the attention output's error per head (QServe "
-                          "Eq. 10), or their own output's, like every other linear")
-    damp: float = option(0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean")
+        "attention",
+        help="what clip minimises for q_proj/k_proj: the attention output's error per head (QServe "
+        "Eq. 10), or their own output's, like every other linear",
+    )
+    damp: float = option(
+        0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean"
+    )
     block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
     act_order: bool = option(False, help="gptq: quantize columns in order of decreasing diag(H)")
     static_groups: bool = option(False, help="gptq: choose every group's s1 and z before the column loop")
-    sequential: bool = option(True, help="gptq: within a block, q/k/v then o then gate/up then down, each "
-                                         "calibrated on the outputs of the already quantized linears")
+    sequential: bool = option(
+        True,
+        help="gptq: within a block, q/k/v then o then gate/up then down, each "
+        "calibrated on the outputs of the already quantized linears",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if self.bits == 8 and self.group_size is not None:
-            return ("group_size", f"found {self.group_size} with bits 8; expected null (W8 has one scale per "
-                                  f"output channel)")
+            return (
+                "group_size",
+                f"found {self.group_size} with bits 8; expected null (W8 has one scale per output channel)",
+            )
         if self.act_order and self.group_size is not None and not self.static_groups:
-            return ("static_groups", "found false with act_order and group_size set; expected true (the qoq "
-                    "layout keeps columns in their original order and has no per-column group index)")
+            return (
+                "static_groups",
+                "found false with act_order and group_size set; expected true (the qoq "
+                "layout keeps columns in their original order and has no per-column group index)",
+            )
         return None
 
 
@@ -82,15 +97,20 @@ class ProgressiveStage(QuantizerStage):
             return
         for full, lin in self.targeted_linears(config):
             if lin.in_features % g:
-                raise RecipeError(f"{where}.group_size: found {g}, but targeted linear {full} has "
-                                  f"in_features {lin.in_features}; expected a divisor of every targeted linear's "
-                                  f"in_features (or exclude it in targets)")
+                raise RecipeError(
+                    f"{where}.group_size: found {g}, but targeted linear {full} has "
+                    f"in_features {lin.in_features}; expected a divisor of every targeted linear's "
+                    f"in_features (or exclude it in targets)"
+                )
 
     def preview(self, weight: torch.Tensor) -> torch.Tensor:
         o: ProgressiveOptions = self.options
         out = qoq_quantize(weight.float(), o.bits, o.group_size, solver="rtn")
-        return QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales,
-                                    out.zeros).dequantize(torch.float32).to(weight.device)
+        return (
+            QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros)
+            .dequantize(torch.float32)
+            .to(weight.device)
+        )
 
     def preview_activations(self, x: torch.Tensor) -> torch.Tensor:
         act = quantize_activations(x.float())
@@ -104,12 +124,14 @@ class ProgressiveStage(QuantizerStage):
 
     def distributed_problem(self) -> tuple[str, str] | None:
         if self.options.clip and self.options.clip_qk == "attention":
-            return "clip_qk", ("found 'attention': progressive scores the clip ratios of q_proj/k_proj on the "
-                               "windows of one process; expected 'layer' with several processes (or one process)")
+            return "clip_qk", (
+                "found 'attention': progressive scores the clip ratios of q_proj/k_proj on the "
+                "windows of one process; expected 'layer' with several processes (or one process)"
+            )
         return None
 
     def attention_objective(self, rel: str, adapter) -> str | None:
-        """"q" or "k" when `rel` is the block's q_proj or k_proj and clip scores it by the attention output."""
+        """ "q" or "k" when `rel` is the block's q_proj or k_proj and clip scores it by the attention output."""
         if not self.options.clip or self.options.clip_qk != "attention":
             return None
         return {adapter.q_proj: "q", adapter.k_proj: "k"}.get(rel)
@@ -123,9 +145,20 @@ class ProgressiveStage(QuantizerStage):
             hessian = stats.hessian().to(weight.device)
         elif o.clip and stats is not None:
             hessian = (stats.hessian() if stats.has_hessian else stats.hessian_diag()).to(weight.device)
-        out = qoq_quantize(weight.float(), o.bits, o.group_size, solver=o.solver, hessian=hessian,
-                           clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
-                           damp=o.damp, block_size=o.block_size, act_order=o.act_order,
-                           static_groups=o.static_groups, score=score)
-        packed = QoQWeight.from_codes(out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros)
+        out = qoq_quantize(
+            weight.float(),
+            o.bits,
+            o.group_size,
+            solver=o.solver,
+            hessian=hessian,
+            clip_ratios=clip_ratios(o.clip_grid, o.clip_min_ratio) if o.clip else None,
+            damp=o.damp,
+            block_size=o.block_size,
+            act_order=o.act_order,
+            static_groups=o.static_groups,
+            score=score,
+        )
+        packed = QoQWeight.from_codes(
+            out.codes, out.scales, o.bits, o.group_size, out.group_scales, out.zeros
+        )
         return QuantResult(packed, packed.dequantize(torch.float32).to(weight.device))

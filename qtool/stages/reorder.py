@@ -80,6 +80,16 @@ def _producers(ctx: BlockContext, out_name: str) -> tuple[str, ...]:
     producers = ctx.adapter.smooth_producers[out_name]
     width = ctx.block.get_submodule(producers[0]).out_features
     siblings = [n for group in ctx.adapter.linear_groups for n in group if producers[0] in group]
-    return tuple(dict.fromkeys([*producers, *(n for n in siblings
-                                              if ctx.block.get_submodule(n).out_features == width
-                                              and n not in (ctx.adapter.q_proj, ctx.adapter.k_proj))]))
+    return tuple(
+        dict.fromkeys(
+            [
+                *producers,
+                *(
+                    n
+                    for n in siblings
+                    if ctx.block.get_submodule(n).out_features == width
+                    and n not in (ctx.adapter.q_proj, ctx.adapter.k_proj)
+                ),
+            ]
+        )
+    )

@@ -29,10 +29,14 @@ from qtool.stages.base import Targets, TransformStage
 @dataclass
 class RotateOptions:
     fallback: Literal["error", "random"] = option(
-        "error", help="where no Hadamard matrix of the hidden size is known: refuse, or use a seeded random "
-                      "orthogonal matrix")
-    random_signs: bool = option(False, help="multiply the Hadamard matrix by a seeded random ±1 diagonal "
-                                            "(QuaRot's randomized Hadamard)")
+        "error",
+        help="where no Hadamard matrix of the hidden size is known: refuse, or use a seeded random "
+        "orthogonal matrix",
+    )
+    random_signs: bool = option(
+        False,
+        help="multiply the Hadamard matrix by a seeded random ±1 diagonal (QuaRot's randomized Hadamard)",
+    )
     seed: int = option(0, min=0, help="seed of the random signs and of the random orthogonal fallback")
 
 
@@ -50,24 +54,32 @@ class RotateStage(TransformStage):
     def check_config(self, config, where: str) -> None:
         if self.targets != Targets():
             found = {k: v for k, v in dataclasses.asdict(self.targets).items() if v != getattr(Targets(), k)}
-            raise RecipeError(f"{where}.targets: found {found}; expected no targets (rotate turns the whole "
-                              f"residual stream, every block at once)")
+            raise RecipeError(
+                f"{where}.targets: found {found}; expected no targets (rotate turns the whole "
+                f"residual stream, every block at once)"
+            )
         archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
         adapter = adapter_for(archs)
         if adapter is None:
-            raise RecipeError(f"{where}: architecture {', '.join(archs)} is not known to rotate; expected one of "
-                              f"{', '.join(supported_architectures())}")
+            raise RecipeError(
+                f"{where}: architecture {', '.join(archs)} is not known to rotate; expected one of "
+                f"{', '.join(supported_architectures())}"
+            )
         if adapter.norm_kind != "rms":
             norm = f"{adapter.block_prefix(0)}.{next(iter(adapter.norm_feeds))}"
-            raise RecipeError(f"{where}: {norm} of {archs[0]} is a LayerNorm; rotate needs RMSNorm (a LayerNorm "
-                              f"subtracts the mean, which does not commute with a rotation)")
+            raise RecipeError(
+                f"{where}: {norm} of {archs[0]} is a LayerNorm; rotate needs RMSNorm (a LayerNorm "
+                f"subtracts the mean, which does not commute with a rotation)"
+            )
         n = _hidden_size(config)
         if not isinstance(n, int):
             raise RecipeError(f"{where}: the model config has no hidden_size; expected an integer")
         if self.options.fallback == "error" and hadamard_plan(n) is None:
-            raise RecipeError(f"{where}: hidden size {n} has no Hadamard matrix here (orders m·2^k with m = 1 or a "
-                              f"Paley order q+1, 2(q+1) for a prime q); expected such a size, or fallback: random "
-                              f"for a seeded random orthogonal matrix")
+            raise RecipeError(
+                f"{where}: hidden size {n} has no Hadamard matrix here (orders m·2^k with m = 1 or a "
+                f"Paley order q+1, 2(q+1) for a prime q); expected such a size, or fallback: random "
+                f"for a seeded random orthogonal matrix"
+            )
 
     def apply_outer(self, model: nn.Module, adapter: Adapter) -> dict:
         o: RotateOptions = self.options

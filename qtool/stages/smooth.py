@@ -27,9 +27,13 @@ SEARCH_TOKENS = 4096
 
 @dataclass
 class SmoothOptions:
-    alpha: float | None = option(None, min=0.0, max=1.0, help="fixed migration strength; null searches alpha_grid")
-    alpha_grid: list[float] = option(default_factory=lambda: [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5],
-                                     help="strengths tried per output module when alpha is null")
+    alpha: float | None = option(
+        None, min=0.0, max=1.0, help="fixed migration strength; null searches alpha_grid"
+    )
+    alpha_grid: list[float] = option(
+        default_factory=lambda: [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5],
+        help="strengths tried per output module when alpha is null",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if not self.alpha_grid or any(not 0.0 <= a <= 1.0 for a in self.alpha_grid):
@@ -74,8 +78,9 @@ class SmoothStage(TransformStage):
             share = _shared_channels(ctx, out_name, producers, out.in_features)
             xmax = _group_max(x.abs().amax(dim=0), share)
             wmax = _group_max(out.weight.detach().float().abs().amax(dim=0), share)
-            alpha, err = self._choose(x, out.weight.detach().float(), xmax, wmax, share,
-                                      ctx.quantizers.get(out_name))
+            alpha, err = self._choose(
+                x, out.weight.detach().float(), xmax, wmax, share, ctx.quantizers.get(out_name)
+            )
             lam = smoothing_factors(xmax, wmax, alpha)
             with torch.no_grad():
                 w = out.weight
@@ -85,8 +90,15 @@ class SmoothStage(TransformStage):
             done[out_name] = {"alpha": alpha, "error": err}
         return done or None
 
-    def _choose(self, x: torch.Tensor, w: torch.Tensor, xmax: torch.Tensor, wmax: torch.Tensor,
-                share: torch.Tensor, quantizer: QuantizerStage | None) -> tuple[float, float | None]:
+    def _choose(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        xmax: torch.Tensor,
+        wmax: torch.Tensor,
+        share: torch.Tensor,
+        quantizer: QuantizerStage | None,
+    ) -> tuple[float, float | None]:
         if self.options.alpha is not None:
             return self.options.alpha, None
         if x.shape[0] > SEARCH_TOKENS:
@@ -104,7 +116,9 @@ class SmoothStage(TransformStage):
         return best[1], best[0]
 
 
-def _shared_channels(ctx: BlockContext, out_name: str, producers: tuple[str, ...], width: int) -> torch.Tensor:
+def _shared_channels(
+    ctx: BlockContext, out_name: str, producers: tuple[str, ...], width: int
+) -> torch.Tensor:
     """For each input channel of the output module, the index of the producer row that makes it."""
     rows = ctx.block.get_submodule(producers[0]).out_features
     if rows == width:
@@ -113,8 +127,10 @@ def _shared_channels(ctx: BlockContext, out_name: str, producers: tuple[str, ...
     if producers == (ctx.adapter.v_proj,) and rows == kv * dim and width == heads * dim:
         head = torch.arange(width) // dim
         return (head // (heads // kv)) * dim + torch.arange(width) % dim
-    raise RecipeError(f"{ctx.prefix}.{out_name}: {width} input channels made by {producers[0]} with {rows} outputs; "
-                      f"expected equal widths or attention value heads shared by query heads")
+    raise RecipeError(
+        f"{ctx.prefix}.{out_name}: {width} input channels made by {producers[0]} with {rows} outputs; "
+        f"expected equal widths or attention value heads shared by query heads"
+    )
 
 
 def _group_max(v: torch.Tensor, share: torch.Tensor) -> torch.Tensor:

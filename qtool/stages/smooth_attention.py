@@ -37,8 +37,10 @@ def check_attention_groups(config, where: str) -> None:
     permutation) to every query head of its group."""
     heads, kv, _ = attention_shape(config)
     if heads % kv:
-        raise RecipeError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
-                          f"expected query heads in equal groups per KV head")
+        raise RecipeError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+            f"expected query heads in equal groups per KV head"
+        )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +67,9 @@ def key_absmax(ctx: BlockContext, kv_heads: int, dim: int) -> torch.Tensor:
 class SmoothAttentionStage(TransformStage):
     name = "smooth_attention"
     options_cls = SmoothAttentionOptions
-    help = "SmoothAttention: scale key channels by max|K|^-alpha (RoPE pairs shared) and queries by the inverse"
+    help = (
+        "SmoothAttention: scale key channels by max|K|^-alpha (RoPE pairs shared) and queries by the inverse"
+    )
 
     def needs_calibration(self) -> bool:
         return True
@@ -74,8 +78,10 @@ class SmoothAttentionStage(TransformStage):
         check_attention_groups(config, where)
         _, _, dim = attention_shape(config)
         if dim % 2 and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
-            raise RecipeError(f"{where}: head_dim {dim} is odd; expected an even head dim (RoPE pairs channel i "
-                              f"with i + head_dim/2)")
+            raise RecipeError(
+                f"{where}: head_dim {dim} is odd; expected an even head dim (RoPE pairs channel i "
+                f"with i + head_dim/2)"
+            )
 
     def apply_block(self, ctx: BlockContext) -> dict | None:
         heads, kv, dim = attention_shape(ctx.config)

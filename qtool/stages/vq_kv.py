@@ -31,10 +31,14 @@ PRESETS = {"cq-2": 4, "cq-4": 2}  # vector size; both with 256 entries
 
 @dataclass
 class VQKVOptions:
-    preset: Literal["cq-2", "cq-4"] | None = option("cq-2", help="cq-2 (groups of 4 channels) or cq-4 (groups of "
-                                                                  "2): the vector_size the recipe leaves out")
+    preset: Literal["cq-2", "cq-4"] | None = option(
+        "cq-2",
+        help="cq-2 (groups of 4 channels) or cq-4 (groups of 2): the vector_size the recipe leaves out",
+    )
     vector_size: int | None = option(None, min=1, max=16, help="adjacent channels per coded group")
-    entries: int = option(256, min=2, max=256, help="entries per codebook, a power of two (8-bit codes at most)")
+    entries: int = option(
+        256, min=2, max=256, help="entries per codebook, a power of two (8-bit codes at most)"
+    )
     kmeans_iters: int = option(20, min=1, max=1000, help="Lloyd iterations per codebook")
     seed: int = option(0, min=0, help="seed of the k-means initialisation (mixed with each layer's index)")
 
@@ -44,8 +48,9 @@ class VQKVOptions:
                 return "vector_size", "missing; expected a value, or a preset (cq-2, cq-4) that sets it"
             self.vector_size = PRESETS[self.preset]
         if not is_power_of_two(self.entries):
-            return "entries", (f"found {self.entries}; expected a power of two >= 2 (codes are stored at "
-                               f"log2(entries) bits)")
+            return "entries", (
+                f"found {self.entries}; expected a power of two >= 2 (codes are stored at log2(entries) bits)"
+            )
         return None
 
 
@@ -53,35 +58,45 @@ class VQKVOptions:
 class VQKVStage(TransformStage):
     name = "vq_kv"
     options_cls = VQKVOptions
-    help = "vector-quantize the KV cache: per KV head and channel group, k-means codebooks fitted on calibration"
+    help = (
+        "vector-quantize the KV cache: per KV head and channel group, k-means codebooks fitted on calibration"
+    )
 
     def needs_calibration(self) -> bool:
         return True
 
     def check_config(self, config, where: str) -> None:
         if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise RecipeError(f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
-                              f"here; expected llama, mistral or qwen2")
+            raise RecipeError(
+                f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
+                f"here; expected llama, mistral or qwen2"
+            )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         d = self.options.vector_size
         if head_dim % d:
-            raise RecipeError(f"{where}.vector_size: found {d}, but the model's head_dim is {head_dim}; expected a "
-                              f"divisor of it")
+            raise RecipeError(
+                f"{where}.vector_size: found {d}, but the model's head_dim is {head_dim}; expected a "
+                f"divisor of it"
+            )
 
     def check_calibration(self, calibration, where: str) -> None:
         """Every codebook is fitted on one vector per calibration token: at least `entries` tokens are needed."""
         tokens = calibration.num_samples * calibration.seq_len
         if tokens < self.options.entries:
-            raise RecipeError(f"{where}.entries: found {self.options.entries}, but the calibration holds "
-                              f"{tokens} tokens (num_samples {calibration.num_samples} x seq_len "
-                              f"{calibration.seq_len}), one vector per codebook each, too few to fit it; expected "
-                              f"at least {self.options.entries} calibration tokens")
+            raise RecipeError(
+                f"{where}.entries: found {self.options.entries}, but the calibration holds "
+                f"{tokens} tokens (num_samples {calibration.num_samples} x seq_len "
+                f"{calibration.seq_len}), one vector per codebook each, too few to fit it; expected "
+                f"at least {self.options.entries} calibration tokens"
+            )
 
     def apply_outer(self, model: nn.Module, adapter) -> dict | None:
         if not attention_modules(model):
-            raise RecipeError(f"{self.label}: {type(model).__name__} has no attention module whose KV cache can be "
-                              f"quantized; expected Llama-style self_attn modules")
+            raise RecipeError(
+                f"{self.label}: {type(model).__name__} has no attention module whose KV cache can be "
+                f"quantized; expected Llama-style self_attn modules"
+            )
         # The blocks are calibrated through the quantizing attention wrapper; a module without codebooks yet (its
         # block not reached) passes its keys and values through unchanged.
         use_qtool_attention(model)
@@ -102,11 +117,18 @@ class VQKVStage(TransformStage):
             captured = books.captured
         finally:
             books.captured = None
-        gen = torch.Generator().manual_seed((o.seed * 1_000_003 + zlib.crc32(ctx.prefix.encode())) % (1 << 63))
+        gen = torch.Generator().manual_seed(
+            (o.seed * 1_000_003 + zlib.crc32(ctx.prefix.encode())) % (1 << 63)
+        )
         fitted = []
         for which in range(2):  # keys, then values: [B, H, T, D] per sample, of every rank
-            x = torch.cat([c.permute(1, 0, 2, 3).reshape(h, -1, g * d)
-                           for c in ctx.gather([c[which] for c in captured])], dim=1)
+            x = torch.cat(
+                [
+                    c.permute(1, 0, 2, 3).reshape(h, -1, g * d)
+                    for c in ctx.gather([c[which] for c in captured])
+                ],
+                dim=1,
+            )
             x = x.reshape(h, -1, g, d).permute(0, 2, 1, 3).reshape(h * g, -1, d).cpu()
             fitted.append(kmeans_batched(x, e, o.kmeans_iters, gen).reshape(h, g, e, d).to(torch.float16))
         books.key.copy_(fitted[0])

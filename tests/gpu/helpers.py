@@ -31,13 +31,24 @@ def tinystories_perplexity(ckpt, device: str, dtype: torch.dtype) -> dict:
 
     from conftest import TINYSTORIES
 
-    spec = EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4)
+    spec = EvalSpec(
+        text=str(TINYSTORIES), seq_len=512, max_windows=32, separator="<|endoftext|>", batch_size=4
+    )
     model = qtool.load(ckpt, device=device, dtype=dtype).eval()
     return perplexity(model, load_tokenizer(ckpt), spec, device)
 
 
-def random_layer(n: int, k: int, bits: int, group_size: int | None, symmetric: bool, *, seed: int,
-                 bias: bool = False, device: str = "cuda") -> GroupedIntLinear:
+def random_layer(
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int | None,
+    symmetric: bool,
+    *,
+    seed: int,
+    bias: bool = False,
+    device: str = "cuda",
+) -> GroupedIntLinear:
     """Uniform random codes and zero points; scales sized so outputs are O(1) for unit-variance inputs."""
     gen = torch.Generator().manual_seed(seed)
     spec = GridSpec(bits=bits, symmetric=symmetric, group_size=group_size)
@@ -100,8 +111,15 @@ class QoQFieldLayer(torch.nn.Module):
     Q8 + 128 byte streams; W4: nibble streams with per-channel s, z or progressive s0, s1, z), plus its integer weight
     Wint [N, K] for the checks. Some rows take the extremes (Q8 = ±127; s1 = 16, z = 8 with q = 0 and 15)."""
 
-    def __init__(self, n: int, k: int, bits: int, group_size: int | None, bias: bool,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        bits: int,
+        group_size: int | None,
+        bias: bool,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__()
         gen = generator
         self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, group_size
@@ -209,7 +227,9 @@ def check_bench_decoder_under_graphs(variant: str, tokens_last) -> None:
         assert torch.equal(t_eager, t_graph)
         for c in eager:
             k = tokens_last(c.k)
-            assert not bool((k[..., :20] == KV_POISON).all(-2).any()) and bool((k[..., 20:] == KV_POISON).all())
+            assert not bool((k[..., :20] == KV_POISON).all(-2).any()) and bool(
+                (k[..., 20:] == KV_POISON).all()
+            )
         step_ids, pos = t_eager[:, None].clone(), torch.tensor([20], device=dev)
         step = GraphedStep(lambda i, p: model(i, p, graphed, tables, decode=True), [step_ids, pos])
         for p in range(20, 24):

@@ -16,18 +16,61 @@ from bad_input import run_cli
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
 
-@pytest.mark.parametrize("name, args, check", [
-    ("kernels", ["kernels", "--shapes", "4096x4096", "--m", "1,16", "--w4a8", "none-rows", "--iters", "50"],
-     lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0),
-    ("quik", ["quik", "--shapes", "1024x1024", "--m", "64", "--outliers", "0,128", "--ladder-outliers", "128",
-              "--iters", "50"], lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0),
-    ("e2e", ["e2e", "--model-config", "tiny", "--prompt", "64", "--batches", "1,4", "--iters", "10"],
-     lambda r: r["speedups"]["torchao-int4"]["decode_b1"] > 0),
-    ("throughput", ["e2e", "--throughput", "--model-config", "tiny", "--prompt", "32", "--new-tokens", "8",
-                    "--batches", "4", "--iters", "10"], lambda r: r["best"]),
-    ("attention", ["attention", "--model-config", "tiny", "--batches", "1", "--contexts", "256", "--iters", "10"],
-     lambda r: r["results"][0]["rows"]["fp16-sdpa"]["median_us"] > 0),
-])
+@pytest.mark.parametrize(
+    "name, args, check",
+    [
+        (
+            "kernels",
+            ["kernels", "--shapes", "4096x4096", "--m", "1,16", "--w4a8", "none-rows", "--iters", "50"],
+            lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0,
+        ),
+        (
+            "quik",
+            [
+                "quik",
+                "--shapes",
+                "1024x1024",
+                "--m",
+                "64",
+                "--outliers",
+                "0,128",
+                "--ladder-outliers",
+                "128",
+                "--iters",
+                "50",
+            ],
+            lambda r: r["results"][0]["baselines"]["tinygemm"]["median_us"] > 0,
+        ),
+        (
+            "e2e",
+            ["e2e", "--model-config", "tiny", "--prompt", "64", "--batches", "1,4", "--iters", "10"],
+            lambda r: r["speedups"]["torchao-int4"]["decode_b1"] > 0,
+        ),
+        (
+            "throughput",
+            [
+                "e2e",
+                "--throughput",
+                "--model-config",
+                "tiny",
+                "--prompt",
+                "32",
+                "--new-tokens",
+                "8",
+                "--batches",
+                "4",
+                "--iters",
+                "10",
+            ],
+            lambda r: r["best"],
+        ),
+        (
+            "attention",
+            ["attention", "--model-config", "tiny", "--batches", "1", "--contexts", "256", "--iters", "10"],
+            lambda r: r["results"][0]["rows"]["fp16-sdpa"]["median_us"] > 0,
+        ),
+    ],
+)
 def test_bench_subcommand_writes_plot_and_json(tmp_path, monkeypatch, name, args, check):
     from qtool.bench import e2e
 

@@ -26,8 +26,10 @@ from conftest import STORIES, TINYSTORIES, write_recipe
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready())),
-    pytest.mark.skipif(not STORIES.is_dir() or not TINYSTORIES.is_file(),
-                       reason=f"stories260K assets not found under {STORIES.parent.parent} (set QTOOL_ASSETS)"),
+    pytest.mark.skipif(
+        not STORIES.is_dir() or not TINYSTORIES.is_file(),
+        reason=f"stories260K assets not found under {STORIES.parent.parent} (set QTOOL_ASSETS)",
+    ),
 ]
 
 RECIPE = f"""
@@ -62,8 +64,9 @@ def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stories-gpu")
     recipe = write_recipe(tmp / "gptq4.yaml", RECIPE)
     out = tmp / "ckpt"
-    res = CliRunner().invoke(cli, ["quantize", str(recipe), "-o", str(out), "--no-eval", "--json"],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        cli, ["quantize", str(recipe), "-o", str(out), "--no-eval", "--json"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["quantized_linears"] > 0
     return out
@@ -72,7 +75,9 @@ def checkpoint(tmp_path_factory):
 def _spec():
     from qtool.recipe import EvalSpec
 
-    return EvalSpec(text=str(TINYSTORIES), seq_len=512, max_windows=64, separator="<|endoftext|>", batch_size=4)
+    return EvalSpec(
+        text=str(TINYSTORIES), seq_len=512, max_windows=64, separator="<|endoftext|>", batch_size=4
+    )
 
 
 def _load(ckpt, device: str, dtype: torch.dtype):
@@ -109,7 +114,9 @@ def _decode_ids(tokenizer, batch: int, steps: int) -> torch.Tensor:
 @torch.no_grad()
 def _full_nll(model, ids: torch.Tensor, device: str) -> float:
     logits = model(ids.to(device), use_cache=False).logits.float()
-    return float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).to(device)))
+    return float(
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).to(device))
+    )
 
 
 @torch.no_grad()
@@ -119,7 +126,7 @@ def _decode_nll(model, ids: torch.Tensor, device: str) -> float:
     past = None
     total = 0.0
     for t in range(ids.shape[1] - 1):
-        out = model(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        out = model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
         past = out.past_key_values
         total += float(F.cross_entropy(out.logits[:, -1].float(), ids[:, t + 1], reduction="sum"))
     return total / (ids.shape[0] * (ids.shape[1] - 1))
@@ -150,7 +157,9 @@ def test_perplexity_gpu_matches_cpu(checkpoint, cpu_reference, kernels, monkeypa
             pytest.skip(f"the warp-specialized wgmma kernels need a Hopper GPU (found {target_arch()})")
         monkeypatch.setattr(gi, "MMA_LONG_MIN_K", 0)
         monkeypatch.setattr(gi, "WS_MIN_WAVE", 0)
-    monkeypatch.setenv("QTOOL_KERNELS", "auto" if kernels == "auto" else "cuda")  # cuda: a fallback raises instead
+    monkeypatch.setenv(
+        "QTOOL_KERNELS", "auto" if kernels == "auto" else "cuda"
+    )  # cuda: a fallback raises instead
     calls = _count_paths(monkeypatch)
     ref, _ = cpu_reference
     model, tok = _load(checkpoint, "cuda", torch.float16)
@@ -159,8 +168,10 @@ def test_perplexity_gpu_matches_cpu(checkpoint, cpu_reference, kernels, monkeypa
     long_path = "_mma_ws" if kernels == "persistent" else "dequant_matmul"
     assert calls[long_path] > 0, f"no quantized linear ran the {long_path} kernel: {dict(calls)}"
     rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
-    print(f"\nperplexity cpu fp32 {ref['perplexity']:.6f} cuda fp16 {got['perplexity']:.6f} rel {rel:.2e} "
-          f"({kernels}, {got['windows']} windows, kernel calls {dict(calls)})")
+    print(
+        f"\nperplexity cpu fp32 {ref['perplexity']:.6f} cuda fp16 {got['perplexity']:.6f} rel {rel:.2e} "
+        f"({kernels}, {got['windows']} windows, kernel calls {dict(calls)})"
+    )
     assert math.isfinite(got["perplexity"]) and rel < REL_TOL
     assert got["cuda_graphs"] and got["graph_replays"] == -(-got["windows"] // 4), got
 
@@ -174,8 +185,10 @@ def test_perplexity_cuda_graphs_equal_eager(checkpoint, monkeypatch):
     graphed = perplexity(model, tok, _spec(), "cuda")
     monkeypatch.setenv("QTOOL_CUDA_GRAPHS", "0")
     eager = perplexity(model, tok, _spec(), "cuda")
-    print(f"\nperplexity cuda graphs {graphed['perplexity']:.6f} eager {eager['perplexity']:.6f} "
-          f"({graphed['seconds']} s vs {eager['seconds']} s)")
+    print(
+        f"\nperplexity cuda graphs {graphed['perplexity']:.6f} eager {eager['perplexity']:.6f} "
+        f"({graphed['seconds']} s vs {eager['seconds']} s)"
+    )
     assert graphed["cuda_graphs"] and "cuda_graphs" not in eager
     assert abs(graphed["nll"] - eager["nll"]) <= 1e-4 * abs(eager["nll"])
 
@@ -193,8 +206,10 @@ def test_decode_gpu_matches_cpu(checkpoint, cpu_reference, batch, kernel, monkey
     got = _decode_nll(model, _decode_ids(tok, batch, 64), "cuda")
     assert calls[kernel] > 0 and calls["dequant_matmul"] == 0, f"paths taken: {dict(calls)}"
     rel = abs(math.exp(got) - math.exp(ref[batch])) / math.exp(ref[batch])
-    print(f"\ndecode batch {batch}: ppl cpu fp32 {math.exp(ref[batch]):.6f} cuda fp16 {math.exp(got):.6f} "
-          f"rel {rel:.2e} (kernel calls {dict(calls)})")
+    print(
+        f"\ndecode batch {batch}: ppl cpu fp32 {math.exp(ref[batch]):.6f} cuda fp16 {math.exp(got):.6f} "
+        f"rel {rel:.2e} (kernel calls {dict(calls)})"
+    )
     assert math.isfinite(got) and rel < REL_TOL
 
 
@@ -219,4 +234,6 @@ def test_clients_generate_through_the_kernels(checkpoint, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float16, device_map="cuda")
     assert next(hf.parameters()).device.type == "cuda"
     torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=0)
-    assert tok.decode(hf.generate(ids, max_new_tokens=16, do_sample=False)[0], skip_special_tokens=True) == text
+    assert (
+        tok.decode(hf.generate(ids, max_new_tokens=16, do_sample=False)[0], skip_special_tokens=True) == text
+    )

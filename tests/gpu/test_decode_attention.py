@@ -11,13 +11,16 @@ from tests.gpu.helpers import gpu_ready, rel_err, synced
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
 
-@pytest.mark.parametrize("b,h,kvh,length,d", [
-    (1, 32, 32, 128, 128),   # Llama-2-7B, context 128
-    (3, 32, 8, 200, 128),    # grouped-query attention, a batch, L not a multiple of the warps
-    (2, 6, 2, 37, 64),
-    (1, 4, 4, 1, 32),        # a one-position cache
-    (2, 3, 1, 300, 96),
-])
+@pytest.mark.parametrize(
+    "b,h,kvh,length,d",
+    [
+        (1, 32, 32, 128, 128),  # Llama-2-7B, context 128
+        (3, 32, 8, 200, 128),  # grouped-query attention, a batch, L not a multiple of the warps
+        (2, 6, 2, 37, 64),
+        (1, 4, 4, 1, 32),  # a one-position cache
+        (2, 3, 1, 300, 96),
+    ],
+)
 def test_decode_attention_matches_reference(b, h, kvh, length, d):
     from qtool.cuda.decode_attention import decode_attention
 
@@ -39,7 +42,9 @@ def test_decode_attention_matches_reference(b, h, kvh, length, d):
         worst = float(((got.double() - ref).abs() - tol).max())
         assert worst <= 0, f"beyond float16 rounding at pos {p}: excess {worst:.3e}"
         mask = (torch.arange(length, device="cuda")[None, :] <= pos[:, None])[None, None]
-        sdpa = torch.nn.functional.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=kvh != h)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q, kc, vc, attn_mask=mask, enable_gqa=kvh != h
+        )
         assert rel_err(got.transpose(1, 2).double(), sdpa.double()) < 2e-3
 
 

@@ -34,9 +34,13 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
     assert blk.fused_norm and blk.fused_rope and blk.fused_swiglu and blk.fused_attention
     length = 16
     tables = model.rope_tables(length, dev)
-    caches = [(torch.randn(batch, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
-               torch.randn(batch, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half())
-              for _ in range(d.layers)]
+    caches = [
+        (
+            torch.randn(batch, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
+            torch.randn(batch, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
+        )
+        for _ in range(d.layers)
+    ]
     x = torch.randn(batch, tokens, d.hidden, device=dev, generator=gen).half()
     if tokens == 1:  # a decode step at position 9 of the cache
         pos = torch.tensor([9], device=dev)
@@ -49,11 +53,13 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
         for b, (kc, vc) in zip(model.blocks, caches, strict=True):
             h, y = b(h, y, tables, (kc, vc), pos, mask)
         # the caches are part of the result: the rotary kernel writes them, the attention kernel reads them
-        return torch.cat([h.flatten(), y.flatten()] + [c[:, :, : tokens + 9].flatten() for kv in caches for c in kv])
+        return torch.cat(
+            [h.flatten(), y.flatten()] + [c[:, :, : tokens + 9].flatten() for kv in caches for c in kv]
+        )
 
     with torch.inference_mode():
         plain, outs = dependent_chain_runs(chain)
     n = batch * tokens * d.hidden
-    assert bool(torch.isfinite(plain).all()) and float(plain[n: 2 * n].abs().amax()) > 0, f"seed {seed}"
+    assert bool(torch.isfinite(plain).all()) and float(plain[n : 2 * n].abs().amax()) > 0, f"seed {seed}"
     for i, y in enumerate(outs):
         assert torch.equal(y, plain), f"seed {seed}, run {i}: {int((y != plain).sum())} elements differ"

@@ -25,8 +25,12 @@ pytestmark = [
 
 def gpu_recipe(folder):
     r = recipe(folder, samples=6)
-    r.write_text(r.read_text().replace("group_size: 32", "group_size: 32\n    act_order: true\n    static_groups: true")
-                 + "settings:\n  device: cuda\n")
+    r.write_text(
+        r.read_text().replace(
+            "group_size: 32", "group_size: 32\n    act_order: true\n    static_groups: true"
+        )
+        + "settings:\n  device: cuda\n"
+    )
     return r
 
 
@@ -39,8 +43,9 @@ def test_nccl_group_of_one_writes_the_plain_run(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["world_size"] == 1 and summary["ranks"][0]["device"] == "cuda:0"
-    assert ((tmp_path / "plain" / "model.safetensors").read_bytes()
-            == (tmp_path / "nccl" / "model.safetensors").read_bytes())
+    assert (tmp_path / "plain" / "model.safetensors").read_bytes() == (
+        tmp_path / "nccl" / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two GPUs")
@@ -52,5 +57,6 @@ def test_two_gpus_write_the_bytes_of_one_summing_in_their_order(tmp_path, monkey
     summed_like_two_ranks(monkeypatch)
     one = run_cli(["quantize", r, "-q", "-o", tmp_path / "one"], cwd=tmp_path)
     assert one.exit_code == 0, one.output
-    assert ((tmp_path / "one" / "model.safetensors").read_bytes()
-            == (tmp_path / "two" / "model.safetensors").read_bytes())
+    assert (tmp_path / "one" / "model.safetensors").read_bytes() == (
+        tmp_path / "two" / "model.safetensors"
+    ).read_bytes()

@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 def _problem(n: int, k: int, seed: int, dead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=gen)
-    x = torch.randn(2 * k + 3, k, device="cuda", generator=gen) * (torch.rand(k, device="cuda", generator=gen) + 0.1)
+    x = torch.randn(2 * k + 3, k, device="cuda", generator=gen) * (
+        torch.rand(k, device="cuda", generator=gen) + 0.1
+    )
     if dead:
         x[:, :dead] = 0  # input channels that never fire: zero Hessian rows
     return w, x.T @ x
@@ -55,7 +57,9 @@ def test_batch_kernel_is_the_torch_loop_bit_for_bit(monkeypatch, n, k, bits, gro
     w, h = _problem(n, k, seed=n * 31 + k, dead=3 if n < 100 else 0)
     spec = GridSpec(bits=bits, symmetric=symmetric, group_size=group)
     fused, loop = _both(monkeypatch, w, h, spec, **options)
-    assert torch.equal(fused.codes, loop.codes), f"codes differ in {int((fused.codes != loop.codes).sum())} places"
+    assert torch.equal(fused.codes, loop.codes), (
+        f"codes differ in {int((fused.codes != loop.codes).sum())} places"
+    )
     assert torch.equal(fused.scales, loop.scales) and torch.equal(fused.zeros, loop.zeros)
     assert torch.equal(fused.kept, loop.kept)
     assert int(fused.codes.min()) >= 0 and int(fused.codes.max()) <= spec.maxq
@@ -77,9 +81,13 @@ def test_columns_write_only_their_columns():
     before = w1.clone()
     gptq_cuda.columns(w1, q1, err1, hinv1, scales, zeros, groups, c0, c1, 15.0)
     synced(q1)
-    assert bool(torch.isfinite(q1[:, c0:c1]).all()) and bool(torch.isfinite(err1[:, c0:c1]).all()), "unwritten"
+    assert bool(torch.isfinite(q1[:, c0:c1]).all()) and bool(torch.isfinite(err1[:, c0:c1]).all()), (
+        "unwritten"
+    )
     assert bool(torch.isnan(q1[:, :c0]).all() and torch.isnan(q1[:, c1:]).all()), "wrote outside its columns"
-    assert bool(torch.isnan(err1[:, :c0]).all() and torch.isnan(err1[:, c1:]).all()), "wrote outside its columns"
+    assert bool(torch.isnan(err1[:, :c0]).all() and torch.isnan(err1[:, c1:]).all()), (
+        "wrote outside its columns"
+    )
     assert torch.equal(w1[:, :c1], before[:, :c1]), "changed columns it does not own"
     assert not torch.equal(w1[:, c1:], before[:, c1:]), "later columns got no error feedback"
     # The first column by hand, in float64: its code and its error's effect on the next column.

@@ -23,6 +23,7 @@ def _fresh_inputs():
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
 
+
 # fp16 weights (one rounding of the exact value), fp16 inputs, fp32 accumulation, fp16 output: ~5e-4 typical.
 TOL = 3e-3
 
@@ -37,12 +38,20 @@ def _x(m: int, k: int) -> torch.Tensor:
 def _prep(layer):
     from qtool.cuda.grouped_int import prepare
 
-    return prepare(layer.qweight, layer.scales, layer.zeros, layer.spec.bits, layer.spec.group_size,
-                   layer.in_features, layer.out_features)
+    return prepare(
+        layer.qweight,
+        layer.scales,
+        layer.zeros,
+        layer.spec.bits,
+        layer.spec.group_size,
+        layer.in_features,
+        layer.out_features,
+    )
 
 
-def _check_gemv(layer, m: int, seed: int, warps: int | None = None, with_bias: bool = False,
-                kernel: str = "gemv") -> None:
+def _check_gemv(
+    layer, m: int, seed: int, warps: int | None = None, with_bias: bool = False, kernel: str = "gemv"
+) -> None:
     from qtool.cuda import grouped_int
 
     gemv = getattr(grouped_int, kernel)
@@ -52,7 +61,9 @@ def _check_gemv(layer, m: int, seed: int, warps: int | None = None, with_bias: b
     bias = layer.bias if with_bias else None
     y = synced(gemv(x, p, bias, out=out, warps=warps))
     assert y.data_ptr() == out.data_ptr()
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     ref = reference64(layer, x)
     if not with_bias and layer.bias is not None:
         ref = ref - layer.bias.double().cpu()
@@ -233,7 +244,9 @@ def test_module_forward_dispatch(m, dtype):
     assert bool(torch.isfinite(y).all())
     ref = reference64(layer, x.reshape(m, 1000).float()).reshape(1, m, 200)
     tol = TOL if dtype == torch.float16 else 1.5e-2
-    assert rel_err(y, ref) < tol, f"path {choose_path(m, dtype, 4, 128, 1000, 200)} error {rel_err(y, ref):.2e}"
+    assert rel_err(y, ref) < tol, (
+        f"path {choose_path(m, dtype, 4, 128, 1000, 200)} error {rel_err(y, ref):.2e}"
+    )
     from qtool.cuda.compile import target_arch
     from qtool.cuda.grouped_int import GEMV_MAX_M, MMA_MAX_M, MMA_MIN_M
 
@@ -306,8 +319,11 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(ValueError, match="^warps: found 16"):
         gemv(torch.randn(64, 256, device="cuda", dtype=torch.float16), p, warps=16)
     with pytest.raises(ValueError, match="^out: found"):
-        gemv(torch.randn(1, 256, device="cuda", dtype=torch.float16), p,
-             out=torch.empty(2, 64, device="cuda", dtype=torch.float16))
+        gemv(
+            torch.randn(1, 256, device="cuda", dtype=torch.float16),
+            p,
+            out=torch.empty(2, 64, device="cuda", dtype=torch.float16),
+        )
 
 
 def test_kernel_cache_reuses_binary(tmp_path, monkeypatch):
@@ -357,8 +373,10 @@ def test_launch_follows_torch_stream():
     assert rel_err(y, reference64(layer, x)) < TOL
 
 
-@pytest.mark.parametrize("kernels,m", [("gemv_fma", 1), ("gemv_fma", 2), ("gemv_fma", 3), ("gemv_fma,gemv", 1),
-                                       ("gemv", 5), ("gemv", 16)])
+@pytest.mark.parametrize(
+    "kernels,m",
+    [("gemv_fma", 1), ("gemv_fma", 2), ("gemv_fma", 3), ("gemv_fma,gemv", 1), ("gemv", 5), ("gemv", 16)],
+)
 def test_dependent_launches_give_the_bits_of_ordinary_launches(kernels, m):
     """Layers chained through their outputs (4- and 8-bit, so both the one-row-group and the persistent CUDA-core
     grids run; with `gemv` between, the tensor-core kernel runs dependent where its grid is one wave of 16-warp
@@ -372,15 +390,27 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(kernels, m):
 
     # (N, K, bits); K a multiple of 128, so no padding copy runs between the kernels
     shapes = [(2048, 1024, 4), (1024, 2048, 8), (1536, 1024, 4), (1024, 1536, 8)] * 2
-    if kernels == "gemv":  # layers whose tensor-core grid is one wave of 16-warp blocks: all dependent launches
+    if (
+        kernels == "gemv"
+    ):  # layers whose tensor-core grid is one wave of 16-warp blocks: all dependent launches
         shapes = [(2048, 1024, 8), (1024, 2048, 4)] * 4
     seed = int.from_bytes(os.urandom(4), "little")
-    ps = [_prep(random_layer(n, k, bits, 128, False, seed=seed + i, bias=True)) for i, (n, k, bits) in enumerate(shapes)]
+    ps = [
+        _prep(random_layer(n, k, bits, 128, False, seed=seed + i, bias=True))
+        for i, (n, k, bits) in enumerate(shapes)
+    ]
     if kernels == "gemv":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         nt = grouped_int._n_tiles(m)
-        assert all(grouped_int.gemv_dependent(nt, grouped_int.gemv_warps(p.out_features, nt, p.kp, p.bits, sms),
-                                              (p.out_features + 15) // 16, sms) for p in ps)
+        assert all(
+            grouped_int.gemv_dependent(
+                nt,
+                grouped_int.gemv_warps(p.out_features, nt, p.kp, p.bits, sms),
+                (p.out_features + 15) // 16,
+                sms,
+            )
+            for p in ps
+        )
     ops = [getattr(grouped_int, name) for name in kernels.split(",")]
     x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
 

@@ -34,8 +34,15 @@ def _hopper_and_fresh_inputs():
 def _prep(layer):
     from qtool.cuda.grouped_int import prepare
 
-    return prepare(layer.qweight, layer.scales, layer.zeros, layer.spec.bits, layer.spec.group_size,
-                   layer.in_features, layer.out_features)
+    return prepare(
+        layer.qweight,
+        layer.scales,
+        layer.zeros,
+        layer.spec.bits,
+        layer.spec.group_size,
+        layer.in_features,
+        layer.out_features,
+    )
 
 
 def _check(layer, m: int, *, with_bias: bool = False, sample: int | None = None, **kw) -> torch.Tensor:
@@ -48,7 +55,9 @@ def _check(layer, m: int, *, with_bias: bool = False, sample: int | None = None,
     bias = layer.bias if with_bias else None
     y = synced(mma(x, p, bias, out=out, **kw))
     assert y.data_ptr() == out.data_ptr()
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     idx = torch.arange(m) if sample is None or sample >= m else torch.randperm(m)[:sample]
     ref = reference64(layer, x[idx.cuda()])
     if not with_bias and layer.bias is not None:
@@ -64,7 +73,9 @@ def _check(layer, m: int, *, with_bias: bool = False, sample: int | None = None,
 @pytest.mark.parametrize("nk", ODD_SHAPES)
 def test_mma_odd_shapes(bits, group_size, symmetric, nk):
     n, k = nk
-    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    layer = random_layer(
+        n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True
+    )
     for m in (1, 7, 9, 64, 100, 257):
         _check(layer, m, with_bias=(m % 2 == 1))
 
@@ -158,7 +169,9 @@ def test_mma_warp_specialized_equals_block_synchronous(bits, group_size, symmetr
     from qtool.cuda.grouped_int import mma
 
     n, k = nk
-    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    layer = random_layer(
+        n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True
+    )
     p = _prep(layer)
     for m in (129, 300, 777):
         y = _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=256, split=1)
@@ -183,13 +196,24 @@ def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size,
     from qtool.cuda.grouped_int import mma
 
     n, k = nk
-    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    layer = random_layer(
+        n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True
+    )
     p = _prep(layer)
     # tokens past M in the last tile (17, 100, 300), every share one 64-code stage (split = stages), 2-wave grids,
     # 64-token tiles two blocks per SM
-    for m, tn, split, per_sm in ((17, 64, 3, 1), (64, 64, 1, 1), (100, 128, 2, 1), (100, 64, p.kp // 64, 1),
-                                 (256, 256, 4, 1), (300, 128, 1, 1), (300, 256, 2, 1), (20, 64, 3, 2),
-                                 (64, 64, 1, 2), (130, 64, p.kp // 64, 2)):
+    for m, tn, split, per_sm in (
+        (17, 64, 3, 1),
+        (64, 64, 1, 1),
+        (100, 128, 2, 1),
+        (100, 64, p.kp // 64, 1),
+        (256, 256, 4, 1),
+        (300, 128, 1, 1),
+        (300, 256, 2, 1),
+        (20, 64, 3, 2),
+        (64, 64, 1, 2),
+        (130, 64, p.kp // 64, 2),
+    ):
         split = min(split, p.kp // 64)
         _check(layer, m, with_bias=True, sample=64, kernel="ws", tokens=tn, split=split, per_sm=per_sm)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -197,8 +221,9 @@ def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size,
         b = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
         synced(mma(x, p, layer.bias, out=a, kernel="ws", tokens=tn, split=split, per_sm=per_sm))
         synced(mma(x, p, layer.bias, out=b, kernel="sync", tokens=tn, split=split))
-        assert torch.equal(a, b), (f"ws and sync differ (M={m}, tokens={tn}, split={split}, per_sm={per_sm}): "
-                                   f"{int((a != b).sum())}")
+        assert torch.equal(a, b), (
+            f"ws and sync differ (M={m}, tokens={tn}, split={split}, per_sm={per_sm}): {int((a != b).sum())}"
+        )
     for m in (65, 200, 512):
         _check(layer, m, sample=64, kernel="ws")
         _check(layer, m, sample=64)  # the default path for this many tokens
@@ -212,7 +237,9 @@ def test_mma_warp_specialized_split_k_in_a_cuda_graph():
     layer = random_layer(4096, 4096, 4, 128, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     p = _prep(layer)
     assert ws_plan(4096, 200, p.kp, 132)[1] > 1  # this case splits K
-    step = GraphedStep(lambda x: mma(x, p, layer.bias, kernel="ws"), [torch.randn(200, 4096, device="cuda").half()])
+    step = GraphedStep(
+        lambda x: mma(x, p, layer.bias, kernel="ws"), [torch.randn(200, 4096, device="cuda").half()]
+    )
     for _ in range(3):
         x = torch.randn(200, 4096, device="cuda", dtype=torch.float16)
         y = synced(step(x))
@@ -225,15 +252,21 @@ def test_mma_warp_specialized_refuses_bad_tiles():
 
     p = _prep(random_layer(256, 512, 4, 128, True, seed=7))
     x = torch.randn(100, 512, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"^tokens: found 32 for kernel ws, expected one of \(64, 128, 256\)$"):
+    with pytest.raises(
+        ValueError, match=r"^tokens: found 32 for kernel ws, expected one of \(64, 128, 256\)$"
+    ):
         mma(x, p, kernel="ws", tokens=32)
-    with pytest.raises(ValueError, match=r"^stages: found 5 for kernel ws with tokens=64, expected one of \(8,\)$"):
+    with pytest.raises(
+        ValueError, match=r"^stages: found 5 for kernel ws with tokens=64, expected one of \(8,\)$"
+    ):
         mma(x, p, kernel="ws", tokens=64, stages=5)
     with pytest.raises(ValueError, match="^kernel ws: needs tiles of 128 rows"):
         mma(x, p, kernel="ws", tokens=128, rows=256)
     with pytest.raises(ValueError, match="^split: found 9, expected 1..8"):
         mma(x, p, kernel="ws", split=9)
-    with pytest.raises(ValueError, match="^per_sm: found 2 for kernel ws with tokens=128, expected 1, or 2 for"):
+    with pytest.raises(
+        ValueError, match="^per_sm: found 2 for kernel ws with tokens=128, expected 1, or 2 for"
+    ):
         mma(x, p, kernel="ws", tokens=128, per_sm=2)
     with pytest.raises(ValueError, match="^per_sm: found 2 for kernel sync, expected 1"):
         mma(x, p, kernel="sync", per_sm=2)
@@ -242,7 +275,9 @@ def test_mma_warp_specialized_refuses_bad_tiles():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 128, None])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("nk", [(72, 4000), (200, 520), (136, 1000), (4096, 4096)])  # N % 8 == 0: aligned rows
+@pytest.mark.parametrize(
+    "nk", [(72, 4000), (200, 520), (136, 1000), (4096, 4096)]
+)  # N % 8 == 0: aligned rows
 def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, nk):
     """The persistent warp-specialized kernel (blocks walk several tiles through one ring, copy-engine epilogue)
     against the float64 reference, and bit for bit against the one-tile-per-block kernel, at every ring depth and
@@ -251,7 +286,9 @@ def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, n
     from qtool.cuda.grouped_int import mma, wsp_full_tiles
 
     n, k = nk
-    layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
+    layer = random_layer(
+        n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"), bias=True
+    )
     p = _prep(layer)
     quartered = 0
     for m in (129, 777, 2048):
@@ -265,8 +302,10 @@ def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, n
                 quartered += wsp_full_tiles(tiles, min(tiles, blocks or 10**6)) < tiles
                 y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                 synced(mma(x, p, layer.bias, out=y, kernel="wsp", stages=stages, blocks=blocks))
-                assert torch.equal(y, ref), (f"wsp and ws differ (M={m}, stages={stages}, blocks={blocks}): "
-                                             f"{int((y != ref).sum())} elements")
+                assert torch.equal(y, ref), (
+                    f"wsp and ws differ (M={m}, stages={stages}, blocks={blocks}): "
+                    f"{int((y != ref).sum())} elements"
+                )
     assert quartered > 0, "no grid of this test ran the last round as 64-token quarters"
 
 

@@ -34,13 +34,16 @@ def _poisoned(mode, b, kvh, length, d):
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8", "fp8"])
-@pytest.mark.parametrize("b,t,h,kvh,d,positions", [
-    (1, 3, 32, 32, 128, [0, 1, 2]),     # Llama-2-7B head shape, a short prompt
-    (2, 4, 9, 3, 64, [5, 9, 10, 30]),   # SmolLM2's heads, scattered positions
-    (3, 1, 8, 2, 128, [17]),            # one decode token
-    (1, 2, 4, 4, 32, [0, 63]),
-    (2, 5, 6, 1, 96, [1, 2, 3, 4, 40]),  # head_dim 96: lanes idle in each row
-])
+@pytest.mark.parametrize(
+    "b,t,h,kvh,d,positions",
+    [
+        (1, 3, 32, 32, 128, [0, 1, 2]),  # Llama-2-7B head shape, a short prompt
+        (2, 4, 9, 3, 64, [5, 9, 10, 30]),  # SmolLM2's heads, scattered positions
+        (3, 1, 8, 2, 128, [17]),  # one decode token
+        (1, 2, 4, 4, 32, [0, 63]),
+        (2, 5, 6, 1, 96, [1, 2, 3, 4, 40]),  # head_dim 96: lanes idle in each row
+    ],
+)
 def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positions):
     from qtool.cuda import kv_cache as kvc
 
@@ -50,11 +53,11 @@ def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positio
     length = 64
     cos, sin = rope_tables(length, d)
     qkv = (torch.randn(b, t, h + 2 * kvh, d, device="cuda", generator=gen) * 3).half()
-    qkv[0, 0, h] = 1.25                       # a constant key: scale 1, zero -min
+    qkv[0, 0, h] = 1.25  # a constant key: scale 1, zero -min
     qkv[-1, -1, h + kvh, :] = 0.5
-    qkv[-1, -1, h + kvh, 1] = 0.5 + 2 ** -11  # a value range whose scale rounds to a float16 subnormal
+    qkv[-1, -1, h + kvh, 1] = 0.5 + 2**-11  # a value range whose scale rounds to a float16 subnormal
     qkv[0, 0, -1] = 0.0
-    qkv[0, 0, -1, 0] = 2 ** -24               # ... and to zero: the scale becomes 2^-24
+    qkv[0, 0, -1, 0] = 2**-24  # ... and to zero: the scale becomes 2^-24
     pos = torch.tensor(positions, device="cuda")
     got_c, ref_c = _poisoned(mode, b, kvh, length, d), _poisoned(mode, b, kvh, length, d)
     q, dk, dv = kvc.write(qkv, cos, sin, pos, got_c, h, dequantized=True)
@@ -67,7 +70,9 @@ def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positio
         if a is None:
             continue
         written = a[:, :, pos]
-        assert torch.equal(written.view(torch.uint8), r[:, :, pos].view(torch.uint8)), f"{name} at the positions"
+        assert torch.equal(written.view(torch.uint8), r[:, :, pos].view(torch.uint8)), (
+            f"{name} at the positions"
+        )
         others = torch.ones(length, dtype=torch.bool, device="cuda")
         others[pos] = False
         rest = a[:, :, others]
@@ -85,7 +90,11 @@ def _random_cache(mode, b, kvh, length, d, gen):
             vals = torch.randn(*t.shape, device="cuda", generator=gen) * 4
             t.copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
         else:
-            t.copy_(torch.randint(0, 256, t.shape, device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8))
+            t.copy_(
+                torch.randint(0, 256, t.shape, device="cuda", generator=gen, dtype=torch.int32).to(
+                    torch.uint8
+                )
+            )
     for t in (cache.k_params, cache.v_params):
         if t is not None:
             maxq = 15 if mode == "int4" else 255
@@ -95,15 +104,18 @@ def _random_cache(mode, b, kvh, length, d, gen):
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8", "fp8"])
-@pytest.mark.parametrize("b,h,kvh,length,d", [
-    (2, 32, 32, 300, 128),   # Llama-2-7B heads, L not a multiple of the rows a block takes
-    (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
-    (2, 9, 3, 77, 64),       # SmolLM2: 3
-    (1, 8, 1, 1024, 64),     # 8 per KV head (the most one block holds)
-    (3, 4, 2, 129, 64),      # 2 per KV head: two words a lane
-    (1, 4, 4, 1, 32),        # a one-position cache
-    (2, 6, 3, 45, 96),       # idle lanes in each row
-])
+@pytest.mark.parametrize(
+    "b,h,kvh,length,d",
+    [
+        (2, 32, 32, 300, 128),  # Llama-2-7B heads, L not a multiple of the rows a block takes
+        (3, 32, 8, 200, 128),  # Llama-3-8B: 4 query heads per KV head
+        (2, 9, 3, 77, 64),  # SmolLM2: 3
+        (1, 8, 1, 1024, 64),  # 8 per KV head (the most one block holds)
+        (3, 4, 2, 129, 64),  # 2 per KV head: two words a lane
+        (1, 4, 4, 1, 32),  # a one-position cache
+        (2, 6, 3, 45, 96),  # idle lanes in each row
+    ],
+)
 def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
     from qtool.cuda import kv_cache as kvc
 
@@ -123,17 +135,22 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
             got = synced(kvc.attention(q, cache, pos, out=out, wpl=wpl))
             assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {wpl} words a lane)"
             worst = attention_excess(got, ref)
-            assert worst <= 0, f"{mode}: beyond float16 rounding at pos {p}, {wpl} words a lane: excess {worst:.3e}"
+            assert worst <= 0, (
+                f"{mode}: beyond float16 rounding at pos {p}, {wpl} words a lane: excess {worst:.3e}"
+            )
 
 
-@pytest.mark.parametrize("b,h,kvh,length,d", [
-    (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
-    (2, 9, 3, 77, 64),       # SmolLM2: 3
-    (1, 8, 1, 1024, 64),     # 8 per KV head
-    (3, 4, 2, 129, 64),      # 2 per KV head
-    (2, 16, 2, 1, 128),      # a one-position cache
-    (2, 56, 8, 333, 128),    # 7 per KV head, a partial last step of every warp
-])
+@pytest.mark.parametrize(
+    "b,h,kvh,length,d",
+    [
+        (3, 32, 8, 200, 128),  # Llama-3-8B: 4 query heads per KV head
+        (2, 9, 3, 77, 64),  # SmolLM2: 3
+        (1, 8, 1, 1024, 64),  # 8 per KV head
+        (3, 4, 2, 129, 64),  # 2 per KV head
+        (2, 16, 2, 1, 128),  # a one-position cache
+        (2, 56, 8, 333, 128),  # 7 per KV head, a partial last step of every warp
+    ],
+)
 def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
     """The KV4 tensor-core form (float16 products of the exact codes with the query, P·s rounded to float16) stays
     within the CUDA-core form's bound against float64, at every position of the cache, and it is what the dispatch
@@ -159,8 +176,8 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
 def test_tensor_core_attention_splits_the_cache_when_pairs_are_few():
     from qtool.cuda import kv_cache as kvc
 
-    assert kvc.attention_splits(8, 1024, 132) == 16      # Llama-3-8B, batch 1: 128 blocks
-    assert kvc.attention_splits(8, 100, 132) == 1        # a short cache stays one block per pair
+    assert kvc.attention_splits(8, 1024, 132) == 16  # Llama-3-8B, batch 1: 128 blocks
+    assert kvc.attention_splits(8, 100, 132) == 1  # a short cache stays one block per pair
     assert kvc.attention_splits(64 * 8, 1024, 132) == 1  # batch 64 fills the GPU already
     with pytest.raises(ValueError, match="splits: found 0"):
         cache = kvc.allocate("int4", 1, 2, 64, 64, torch.device("cuda"))
@@ -173,7 +190,8 @@ def test_write_then_attention_under_dependent_launches_and_a_graph():
     from qtool.cuda import kv_cache as kvc
 
     check_write_then_attention_chain(
-        kvc, lambda gen, b, kvh, length, d: kvc.allocate("int4", b, kvh, length, d, torch.device("cuda")))
+        kvc, lambda gen, b, kvh, length, d: kvc.allocate("int4", b, kvh, length, d, torch.device("cuda"))
+    )
 
 
 def test_kv_cache_kernels_refuse_bad_input_in_one_line():

@@ -36,8 +36,9 @@ def _fresh_inputs():
     print(f"torch seed {seed}")
 
 
-def random_mixed(n: int, k: int, g2: int, assign: str, outlier_fraction: float, seed: int,
-                 bias: bool = False) -> MixedLinear:
+def random_mixed(
+    n: int, k: int, g2: int, assign: str, outlier_fraction: float, seed: int, bias: bool = False
+) -> MixedLinear:
     """Uniform random codes, scale codes and zeros; second-order and 4-bit scales sized for O(1) outputs; outliers
     at random positions of the 2-bit stripes."""
     g = torch.Generator().manual_seed(seed)
@@ -64,11 +65,16 @@ def random_mixed(n: int, k: int, g2: int, assign: str, outlier_fraction: float, 
     zeros4 = torch.randint(0, 16, (n, s4), generator=g)
     cols2 = torch.nonzero(~cols4)[:, 0]
     nnz = int(outlier_fraction * n * k) if len(cols2) else 0
-    flat = torch.unique(torch.randint(0, n * len(cols2), (nnz,), generator=g)) if nnz else torch.zeros(0, dtype=torch.long)
+    flat = (
+        torch.unique(torch.randint(0, n * len(cols2), (nnz,), generator=g))
+        if nnz
+        else torch.zeros(0, dtype=torch.long)
+    )
     rows, cols = flat // len(cols2), cols2[flat % len(cols2)]
     vals = torch.randn(len(flat), generator=g) / k**0.5
-    w = MixedWeight.from_codes(codes, is4, 16, g2, assign, scale_codes, zeros2, s2nd, u, scales4, zeros4, rows, cols,
-                               vals)
+    w = MixedWeight.from_codes(
+        codes, is4, 16, g2, assign, scale_codes, zeros2, s2nd, u, scales4, zeros4, rows, cols, vals
+    )
     b = (torch.randn(n, generator=g) * 0.1).half() if bias else None
     return MixedLinear(w, b).to("cuda")
 
@@ -107,7 +113,9 @@ def _check(layer, p, m: int, seed: int, with_bias: bool = False, **kw) -> None:
     out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
     y = synced(mixed.gemv(x, p, layer.bias if with_bias else None, out=out, **kw))
     assert y.data_ptr() == out.data_ptr()
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     err = rel_err(y, reference64(layer, x, with_bias))
     assert err < TOL, f"relative error {err:.2e} (seed {seed}, M={m}, {kw})"
 
@@ -140,8 +148,18 @@ def _check_tiled(layer, p, seed: int) -> None:
         for warps in (1, 2, 4, 8):
             for pipe in (False, True):
                 for outliers in ("fused", "spmv"):
-                    _check(layer, p, 1, seed, with_bias=True, outliers=outliers, layout="tiled", rows=rows,
-                           warps=warps, pipe=pipe)
+                    _check(
+                        layer,
+                        p,
+                        1,
+                        seed,
+                        with_bias=True,
+                        outliers=outliers,
+                        layout="tiled",
+                        rows=rows,
+                        warps=warps,
+                        pipe=pipe,
+                    )
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02])
@@ -268,9 +286,13 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
     model = e2e.Decoder(d, e2e.mixed_linear(dev, 0.002, gen), dev).eval()
     length = 16
     tables = model.rope_tables(length, dev)
-    caches = [(torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
-               torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half())
-              for _ in range(d.layers)]
+    caches = [
+        (
+            torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
+            torch.randn(1, d.kv_heads, length, d.head_dim, device=dev, generator=gen).half(),
+        )
+        for _ in range(d.layers)
+    ]
     x = torch.randn(1, 1, d.hidden, device=dev, generator=gen).half()
     pos = torch.tensor([9], device=dev)
     mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
@@ -320,8 +342,10 @@ def test_gemm_matches_the_reference(fraction, nkg):
             y = synced(mixed.gemm(x, p, bias, out=out, tokens=tokens, split=split, outliers=outliers))
             assert bool(torch.isfinite(y).all()), f"unwritten outputs (seed {seed}, M={m})"
             err = rel_err(y, reference64(layer, x, bias is not None))
-            assert err < TOL, (f"relative error {err:.2e} (seed {seed}, M={m}, tokens {tokens}, split {split}, "
-                               f"outliers {outliers})")
+            assert err < TOL, (
+                f"relative error {err:.2e} (seed {seed}, M={m}, tokens {tokens}, split {split}, "
+                f"outliers {outliers})"
+            )
     from qtool.cuda import split_k
 
     cnt = split_k.counters(torch.cuda.current_device())

@@ -19,8 +19,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 CUDA_RECIPE = RECIPE.replace("stages:", "settings:\n  device: cuda\nstages:")
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.layers.3.mlp.down_proj.weight",
-                                  "model.layers.2.post_attention_layernorm.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.3.mlp.down_proj.weight",
+        "model.layers.2.post_attention_layernorm.weight",
+    ],
+)
 def test_a_nan_read_onto_the_gpu_is_refused_naming_the_tensor(tmp_path, name):
     model = copy_model(tmp_path)
     edit_tensors(model, poison(name, float("nan"), (0,) if "norm" in name else (1, 2)))
@@ -36,6 +42,8 @@ def test_the_onloaded_gpu_run_writes_the_bytes_of_the_whole_model_run(tmp_path):
     assert json.loads(res.stdout)["mode"] == "blocks"
     res = run_cli(["quantize", recipe, "-o", tmp_path / "whole", "--whole-model", "-q"])
     assert res.exit_code == 0, res.output
-    blocks, whole = (sorted((p.name, p.read_bytes()) for p in f.iterdir()) for f in (recipe.parent / "out",
-                                                                                    tmp_path / "whole"))
+    blocks, whole = (
+        sorted((p.name, p.read_bytes()) for p in f.iterdir())
+        for f in (recipe.parent / "out", tmp_path / "whole")
+    )
     assert blocks == whole

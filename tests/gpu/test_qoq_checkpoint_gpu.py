@@ -22,9 +22,13 @@ from conftest import STORIES, TINYSTORIES, write_recipe
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready())),
-    pytest.mark.skipif(gpu_ready() is None and torch.cuda.get_device_capability() != (9, 0),
-                       reason="qoq kernels need Hopper (wgmma)"),
-    pytest.mark.skipif(not STORIES.is_dir() or not TINYSTORIES.is_file(), reason="stories260K assets not found"),
+    pytest.mark.skipif(
+        gpu_ready() is None and torch.cuda.get_device_capability() != (9, 0),
+        reason="qoq kernels need Hopper (wgmma)",
+    ),
+    pytest.mark.skipif(
+        not STORIES.is_dir() or not TINYSTORIES.is_file(), reason="stories260K assets not found"
+    ),
 ]
 
 REL_TOL = 1e-2
@@ -58,10 +62,15 @@ def checkpoint(request, tmp_path_factory):
     from qtool.cli import cli
 
     tmp = tmp_path_factory.mktemp(f"qoq-gpu-{request.param}")
-    text = (f"model: {STORIES}\ncalibration: {{source: {TINYSTORIES}, num_samples: 16, seq_len: 256}}\n"
-            f"stages:{STAGES[request.param]}settings: {{device: cpu}}\noutput: {tmp / 'ckpt'}\n")
-    res = CliRunner().invoke(cli, ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
-                             catch_exceptions=False)
+    text = (
+        f"model: {STORIES}\ncalibration: {{source: {TINYSTORIES}, num_samples: 16, seq_len: 256}}\n"
+        f"stages:{STAGES[request.param]}settings: {{device: cpu}}\noutput: {tmp / 'ckpt'}\n"
+    )
+    res = CliRunner().invoke(
+        cli,
+        ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["quantized_linears"] == 35
     return tmp / "ckpt"
@@ -83,8 +92,10 @@ def test_qoq_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
     got = tinystories_perplexity(checkpoint, "cuda", torch.float16)
     assert calls["linear"] > 0, "no qoq layer ran the CUDA kernels"
     rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
-    print(f"\nqoq perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
-          f"(cuda graphs {got.get('cuda_graphs')}, {got['windows']} windows)")
+    print(
+        f"\nqoq perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
+        f"(cuda graphs {got.get('cuda_graphs')}, {got['windows']} windows)"
+    )
     assert rel <= REL_TOL
 
 

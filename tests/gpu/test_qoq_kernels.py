@@ -28,7 +28,9 @@ def _hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-needs_hopper = pytest.mark.skipif(gpu_ready() is None and not _hopper(), reason="qoq kernels need Hopper (wgmma)")
+needs_hopper = pytest.mark.skipif(
+    gpu_ready() is None and not _hopper(), reason="qoq kernels need Hopper (wgmma)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +68,9 @@ def _check_y(y: torch.Tensor, acc: torch.Tensor, sx: torch.Tensor, layer: FieldL
         y64 = y64 + layer.bias.double()
     # one float16 rounding (plus the float32 roundings before it): half a float16 ulp at |y64|, with slack
     ulp = torch.exp2(torch.floor(torch.log2(y64.abs().clamp_min(2.0**-14))) - 10)
-    assert bool(((y.double() - y64).abs() <= 0.75 * ulp).all()), "output off by more than one float16 rounding"
+    assert bool(((y.double() - y64).abs() <= 0.75 * ulp).all()), (
+        "output off by more than one float16 rounding"
+    )
 
 
 def _acc_ref(codes: torch.Tensor, layer: FieldLayer) -> torch.Tensor:
@@ -86,8 +90,9 @@ def _quantized(x: torch.Tensor, p):
     return a
 
 
-def _check_products(launch, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor,
-                    raw: bool = True) -> torch.Tensor:
+def _check_products(
+    launch, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True
+) -> torch.Tensor:
     """`launch(out=, raw=)` (a GEMM or GEMV on fixed operands): the exact int32 products (unless `raw` is False),
     then the layout's float16 output, each into a poisoned buffer. Returns the float16 output."""
     m, n = acc_ref.shape
@@ -101,7 +106,9 @@ def _check_products(launch, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.
     return y
 
 
-def _check_gemm(a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw) -> None:
+def _check_gemm(
+    a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw
+) -> None:
     """qoq.gemm with the dispatch overrides `kw`: _check_products."""
     from qtool.cuda import qoq
 
@@ -124,7 +131,10 @@ def test_quantize_kernel_equals_reference(k, m, bits):
         pytest.skip("w8 layers have K % 8 == 0")
     p = qoq.prepare(layer)
     x = _x(m, k)
-    for xin in (x, torch.cat([x, x[:, :1]], 1)[:, :k]):  # contiguous, and rows with a stride not a multiple of 8
+    for xin in (
+        x,
+        torch.cat([x, x[:, :1]], 1)[:, :k],
+    ):  # contiguous, and rows with a stride not a multiple of 8
         a = _quantized(xin, p)
         codes, sx, rs = qoq.quantize_torch(xin)
         pos = p.dest.long()
@@ -138,8 +148,9 @@ def test_quantize_kernel_equals_reference(k, m, bits):
 
 SMALL = [(64, 256), (200, 576), (72, 128), (136, 4096)]
 LARGE = [(4096, 4096), (11008, 4096), (4096, 11008)]
-CASES = [(n, k, m) for n, k in SMALL for m in (1, 7, 16, 64, 129, 512, 2048)] + \
-        [(n, k, m) for n, k in LARGE for m in (1, 16, 64, 129, 512, 2048)]
+CASES = [(n, k, m) for n, k in SMALL for m in (1, 7, 16, 64, 129, 512, 2048)] + [
+    (n, k, m) for n, k in LARGE for m in (1, 16, 64, 129, 512, 2048)
+]
 
 
 @needs_hopper
@@ -270,8 +281,12 @@ GEMV_SHAPES = [(64, 256), (200, 576), (72, 128), (13, 136), (4096, 4096), (11008
 
 def _gemv_cases(test):
     """The decode GEMV's cases, for both of its forms: the 4-bit schemes, real and odd shapes, 1 to 4 tokens."""
-    for mark in (pytest.mark.parametrize("m", [1, 2, 3, 4]), pytest.mark.parametrize("n,k", GEMV_SHAPES),
-                 pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:]), needs_hopper):
+    for mark in (
+        pytest.mark.parametrize("m", [1, 2, 3, 4]),
+        pytest.mark.parametrize("n,k", GEMV_SHAPES),
+        pytest.mark.parametrize("bits,group_size", SCHEMES[1:], ids=SCHEME_IDS[1:]),
+        needs_hopper,
+    ):
         test = mark(test)
     return test
 
@@ -358,6 +373,8 @@ def test_gemv_declines_what_it_cannot_take():
     layer = FieldLayer(64, 256, 4, None, False).cuda()
     p = qoq.prepare(layer)
     assert "tokens" in qoq.gemv_reason(_x(5, 256), p)
-    y = qoq.linear(_x(1, 100), qoq.prepare(FieldLayer(64, 100, 4, None, False).cuda()))  # falls back to the GEMM
+    y = qoq.linear(
+        _x(1, 100), qoq.prepare(FieldLayer(64, 100, 4, None, False).cuda())
+    )  # falls back to the GEMM
     synced(y)
     assert y.shape == (1, 64)

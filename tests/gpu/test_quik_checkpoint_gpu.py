@@ -24,9 +24,13 @@ from conftest import STORIES, TINYSTORIES, write_recipe
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready())),
-    pytest.mark.skipif(gpu_ready() is None and torch.cuda.get_device_capability() != (9, 0),
-                       reason="quik kernels need Hopper (wgmma)"),
-    pytest.mark.skipif(not STORIES.is_dir() or not TINYSTORIES.is_file(), reason="stories260K assets not found"),
+    pytest.mark.skipif(
+        gpu_ready() is None and torch.cuda.get_device_capability() != (9, 0),
+        reason="quik kernels need Hopper (wgmma)",
+    ),
+    pytest.mark.skipif(
+        not STORIES.is_dir() or not TINYSTORIES.is_file(), reason="stories260K assets not found"
+    ),
 ]
 
 REL_TOL = 2e-2
@@ -40,10 +44,22 @@ def checkpoint(request, tmp_path_factory):
 
     bits = request.param
     tmp = tmp_path_factory.mktemp(f"quik-gpu-{bits}")
-    text = recipe_text(STORIES, tmp / "ckpt", bits=bits, act_bits=bits, outliers=8, text=TINYSTORIES, samples=32,
-                       seq=256, windows=16)
-    res = CliRunner().invoke(cli, ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
-                             catch_exceptions=False)
+    text = recipe_text(
+        STORIES,
+        tmp / "ckpt",
+        bits=bits,
+        act_bits=bits,
+        outliers=8,
+        text=TINYSTORIES,
+        samples=32,
+        seq=256,
+        windows=16,
+    )
+    res = CliRunner().invoke(
+        cli,
+        ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["quantized_linears"] > 0
     return tmp / "ckpt"
@@ -65,11 +81,12 @@ def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
     got = tinystories_perplexity(checkpoint, "cuda", torch.float16)
     assert calls["gemm"] > 0, "no quik layer ran the CUDA kernels"
     rel = abs(got["perplexity"] - ref["perplexity"]) / ref["perplexity"]
-    print(f"\nquik perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
-          f"(cuda graphs {got.get('cuda_graphs')}, {got['windows']} windows)")
+    print(
+        f"\nquik perplexity cpu fp32 {ref['perplexity']:.5f} cuda fp16 {got['perplexity']:.5f} rel {rel:.2e} "
+        f"(cuda graphs {got.get('cuda_graphs')}, {got['windows']} windows)"
+    )
     assert got["scored_tokens"] == ref["scored_tokens"]
     assert math.isfinite(got["perplexity"]) and rel < REL_TOL
-
 
 
 # The GEMV, the split and the unsplit GEMM round differently in the last bits (float32 sums of shares or of
@@ -129,8 +146,10 @@ def test_quik_checkpoint_decode_gemv_and_split_k(checkpoint, batch, monkeypatch)
     assert "split" not in seen["whole"] and "gemv" not in seen["whole"], seen
     if batch <= defaults[2]:
         assert seen["default"].get("gemv", 0) > 0 and "sync" not in seen["default"], seen
-    print(f"\nquik W{act_bits} decode batch {batch}: ppl default {got['default']:.5f} split {got['split']:.5f} "
-          f"whole {got['whole']:.5f}, cpu fp32 {ref:.5f} (launches {seen['default']})")
+    print(
+        f"\nquik W{act_bits} decode batch {batch}: ppl default {got['default']:.5f} split {got['split']:.5f} "
+        f"whole {got['whole']:.5f}, cpu fp32 {ref:.5f} (launches {seen['default']})"
+    )
     for name in ("default", "split"):
         rel = abs(got[name] - got["whole"]) / got["whole"]
         assert math.isfinite(got[name]) and rel < SPLIT_TOL, f"{name}: {got[name]} vs whole {got['whole']}"

@@ -18,8 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 
 # (N, K, outliers): Llama-2-7B 4096 x 4096 and 4096 x 11008, then odd ones (N % 128 != 0, kb % 128 != 0, no outliers,
 # rows of 6000 columns: two per ring slot, two copy warps)
-SHAPES = [(4096, 4096, 256), (11008, 4096, 256), (1000, 520, 130), (72, 4000, 37), (104, 1000, 0),
-          (264, 6000, 8)]
+SHAPES = [
+    (4096, 4096, 256),
+    (11008, 4096, 256),
+    (1000, 520, 130),
+    (72, 4000, 37),
+    (104, 1000, 0),
+    (264, 6000, 8),
+]
 
 
 def _poisoned(m: int, n: int, p):
@@ -52,7 +58,9 @@ def _check(x: torch.Tensor, p, ref, where: str, **plan) -> None:
     ref_out, ref_a = ref
     assert torch.equal(a.codes, ref_a.codes), f"codes differ ({where}, {plan})"
     assert torch.equal(a.outliers, ref_a.outliers), f"outlier columns differ ({where}, {plan})"
-    assert torch.equal(a.scale, ref_a.scale) and torch.equal(a.zero, ref_a.zero), f"s_x / z_x differ ({where})"
+    assert torch.equal(a.scale, ref_a.scale) and torch.equal(a.zero, ref_a.zero), (
+        f"s_x / z_x differ ({where})"
+    )
     assert bool(torch.isfinite(out).all()), f"unwritten outputs ({where}, {plan})"
     bad = int((out != ref_out).sum())
     assert bad == 0, f"{bad} outputs differ from the two-kernel path ({where}, {plan})"
@@ -75,8 +83,14 @@ def test_fused_form_gives_the_bits_of_quantize_then_gemm(n, k, ko, m):
     _check(x, p, ref, where)
     most = quik.wsq_copy_warps(p)
     # every row quantized before the first tiles / every row by the copy warps / a split inside a token tile
-    for plan in ({"first_rows": m}, {"first_rows": 0}, {"first_rows": m // 3, "copy_warps": 1},
-                 {"blocks": 3, "copy_warps": most}, {"blocks": 1, "first_rows": 0}, {"blocks": 7, "first_rows": m}):
+    for plan in (
+        {"first_rows": m},
+        {"first_rows": 0},
+        {"first_rows": m // 3, "copy_warps": 1},
+        {"blocks": 3, "copy_warps": most},
+        {"blocks": 1, "first_rows": 0},
+        {"blocks": 7, "first_rows": m},
+    ):
         _check(x, p, ref, where, **plan)
     y = synced(layer(x))  # the module path, through either form: the same bits
     assert torch.equal(y, ref[0])
@@ -118,8 +132,11 @@ def test_fused_form_in_a_chain_of_dependent_launches(monkeypatch):
     shapes = [(2048, 1024, 64), (1024, 2048, 128), (1536, 1024, 40), (1024, 1536, 96)] * 2
     ps = [quik.prepare(random_quik(n, k, ko, 4, bias=True)) for n, k, ko in shapes]
     x = torch.randn(700, 1024, device="cuda").half()
-    assert all(quik.fused_quantize_reason(x if i == 0 else torch.empty(700, p.in_features, device="cuda").half(),
-                                          p) is None for i, p in enumerate(ps))
+    assert all(
+        quik.fused_quantize_reason(x if i == 0 else torch.empty(700, p.in_features, device="cuda").half(), p)
+        is None
+        for i, p in enumerate(ps)
+    )
     assert_linear_chain_bits(ps, x)
 
 

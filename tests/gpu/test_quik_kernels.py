@@ -25,7 +25,9 @@ def _hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-needs_hopper = pytest.mark.skipif(gpu_ready() is None and not _hopper(), reason="quik kernels need Hopper (wgmma)")
+needs_hopper = pytest.mark.skipif(
+    gpu_ready() is None and not _hopper(), reason="quik kernels need Hopper (wgmma)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +38,9 @@ def _fresh_seed():
     return seed
 
 
-def random_quik(n: int, k: int, ko: int, bits: int, *, bias: bool = False, sparse: bool = False) -> QuikLinear:
+def random_quik(
+    n: int, k: int, ko: int, bits: int, *, bias: bool = False, sparse: bool = False
+) -> QuikLinear:
     """Uniform random codes, random outlier columns and weights; scales keep outputs O(1)."""
     codes = torch.randint(0, 1 << bits, (n, k - ko))
     if sparse:  # zero two of every four base codes (signed zero = 2^(b-1))
@@ -57,8 +61,14 @@ def _x(m: int, k: int, outlier_idx: torch.Tensor) -> torch.Tensor:
 
 
 SHAPES = [  # (N, K, outliers): Llama-2-7B projections, then odd ones (N % 128 != 0, K - k % 128 != 0)
-    (4096, 4096, 256), (11008, 4096, 256), (4096, 11008, 896),
-    (100, 1000, 0), (72, 4000, 37), (17, 136, 8), (200, 520, 130), (130, 300, 300),
+    (4096, 4096, 256),
+    (11008, 4096, 256),
+    (4096, 11008, 896),
+    (100, 1000, 0),
+    (72, 4000, 37),
+    (17, 136, 8),
+    (200, 520, 130),
+    (130, 300, 300),
 ]
 
 
@@ -199,8 +209,10 @@ def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
         out = torch.full((m, n), POISON, dtype=torch.int32, device="cuda")
         synced(quik.gemm(a, p, fused=False, out=out, tokens=tokens, kernel=kernel, stages=stages))
         bad = (out != ref).sum().item()
-        assert bad == 0, (f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens}, "
-                          f"{kernel}, ring {stages})")
+        assert bad == 0, (
+            f"{bad} of {out.numel()} accumulators differ (M={m}, N={n}, K={k}, k={ko}, tile {tokens}, "
+            f"{kernel}, ring {stages})"
+        )
 
 
 @needs_hopper
@@ -214,7 +226,9 @@ def test_fused_output_matches_reference(bits, n, k, ko, m, bias):
     y = synced(layer(x))
     assert y.dtype == torch.float16 and y.shape == (m, n)
     assert hasattr(layer, "_qtool_prepared"), "the CUDA path was not taken"
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     ref = layer.reference_forward(x.float()).double()
     err = rel_err(y, ref)
     assert err < 2e-3, f"relative error {err:.2e} (M={m}, N={n}, K={k}, k={ko}, w{bits}a{bits})"
@@ -268,8 +282,9 @@ def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
 
 @needs_hopper
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k,ko,m", [(4096, 4096, 256, 300), (200, 520, 130, 77), (72, 4000, 37, 1000),
-                                      (1000, 520, 130, 700)])
+@pytest.mark.parametrize(
+    "n,k,ko,m", [(4096, 4096, 256, 300), (200, 520, 130, 77), (72, 4000, 37, 1000), (1000, 520, 130, 700)]
+)
 def test_persistent_epilogue_stores_through_the_copy_engine_bit_for_bit(bits, n, k, ko, m, monkeypatch):
     """The persistent kernel's epilogue through bulk tensor stores (tiles clipped at M and N, its buffers reused
     in turn over several tiles per block, at every ring depth and so every buffer count) writes exactly the bits
@@ -287,7 +302,9 @@ def test_persistent_epilogue_stores_through_the_copy_engine_bit_for_bit(bits, n,
             for tma_store in (True, False):
                 monkeypatch.setattr(quik, "TMA_STORE", tma_store)
                 y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-                outs[tma_store] = synced(quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks, stages=st))
+                outs[tma_store] = synced(
+                    quik.gemm(a, p, out=y, tokens=tn, kernel="wsp", blocks=blocks, stages=st)
+                )
             where = f"tile {tn}, ring {st}, {blocks} blocks"
             assert bool(torch.isfinite(outs[True]).all()), f"unwritten outputs ({where})"
             assert torch.equal(outs[True], outs[False]), f"epilogues differ ({where})"
@@ -374,7 +391,9 @@ def test_fused_gemm_kernels_agree(bits, n, k, ko):
     outs = {}
     for tokens, kernel, stages in _variants(bits):
         out = torch.full((300, n), float("nan"), device="cuda", dtype=torch.float16)
-        outs[(tokens, kernel, stages)] = synced(quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel, stages=stages))
+        outs[(tokens, kernel, stages)] = synced(
+            quik.gemm(a, p, out=out, tokens=tokens, kernel=kernel, stages=stages)
+        )
     first = outs[(256, "sync", None)]
     assert bool(torch.isfinite(first).all())
     for key, y in outs.items():
@@ -430,8 +449,9 @@ def test_unsupported_widths_fall_back_or_fail_in_one_line(monkeypatch):
     from qtool.cuda.compile import CudaUnavailableError
 
     codes = torch.randint(0, 16, (64, 192))
-    w = QuikWeight.from_codes(codes, torch.rand(64) + 0.1, torch.arange(64, dtype=torch.int32), torch.randn(64, 64),
-                              4, 8)
+    w = QuikWeight.from_codes(
+        codes, torch.rand(64) + 0.1, torch.arange(64, dtype=torch.int32), torch.randn(64, 64), 4, 8
+    )
     layer = QuikLinear(w).cuda()
     x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
     y = layer(x)  # auto: the reference path

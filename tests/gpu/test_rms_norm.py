@@ -29,7 +29,9 @@ def test_add_rms_norm_matches_torch_and_float64(rows, d, with_y):
     x = ref_h.double()
     exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     err = (got.double() - exact).abs()
-    assert bool((err <= exact.abs() * 2**-10 + 2**-24).all()), f"beyond float16 rounding: {float(err.max()):.3e}"
+    assert bool((err <= exact.abs() * 2**-10 + 2**-24).all()), (
+        f"beyond float16 rounding: {float(err.max()):.3e}"
+    )
     torch_out = torch.nn.functional.rms_norm(ref_h, (d,), w, 1e-5)
     assert float((got.double() - torch_out.double()).abs().max()) <= float(exact.abs().max()) * 2**-9
 
@@ -41,5 +43,9 @@ def test_add_rms_norm_refuses_bad_input_in_one_line():
     with pytest.raises(ValueError, match=r"add_rms_norm: found h \[2, 12\]"):
         add_rms_norm(h, None, torch.zeros(12, dtype=torch.float16, device="cuda"), 1e-5)
     with pytest.raises(ValueError, match="y: found torch.float32"):
-        add_rms_norm(h[:, :8].contiguous(), torch.zeros(2, 8, device="cuda"),
-                     torch.zeros(8, dtype=torch.float16, device="cuda"), 1e-5)
+        add_rms_norm(
+            h[:, :8].contiguous(),
+            torch.zeros(2, 8, device="cuda"),
+            torch.zeros(8, dtype=torch.float16, device="cuda"),
+            1e-5,
+        )

@@ -25,13 +25,16 @@ def _torch_form(qkv, cos, sin, pos, kc, vc, heads, kv_heads):
     return qk[:, :heads]
 
 
-@pytest.mark.parametrize("b,t,heads,kv_heads,d", [
-    (1, 1, 32, 32, 128),   # Llama-2-7B decode
-    (3, 1, 32, 8, 128),    # grouped-query attention, a batch
-    (2, 5, 6, 2, 64),
-    (1, 37, 4, 4, 32),     # a short prefill, odd length
-    (2, 3, 3, 1, 96),      # odd head counts
-])
+@pytest.mark.parametrize(
+    "b,t,heads,kv_heads,d",
+    [
+        (1, 1, 32, 32, 128),  # Llama-2-7B decode
+        (3, 1, 32, 8, 128),  # grouped-query attention, a batch
+        (2, 5, 6, 2, 64),
+        (1, 37, 4, 4, 32),  # a short prefill, odd length
+        (2, 3, 3, 1, 96),  # odd head counts
+    ],
+)
 def test_rope_cache_bit_identical_to_torch_form(b, t, heads, kv_heads, d):
     from qtool.cuda.rope_cache import rope_cache
 
@@ -41,7 +44,9 @@ def test_rope_cache_bit_identical_to_torch_form(b, t, heads, kv_heads, d):
     ang = torch.rand(table, d // 2, device="cuda", generator=gen) * 6.3
     cos, sin = ang.cos().half(), ang.sin().half()
     pos = torch.randperm(length, device="cuda", generator=gen)[:t].sort().values  # distinct, not contiguous
-    caches = [torch.full((b, kv_heads, length, d), SENTINEL, dtype=torch.float16, device="cuda") for _ in range(4)]
+    caches = [
+        torch.full((b, kv_heads, length, d), SENTINEL, dtype=torch.float16, device="cuda") for _ in range(4)
+    ]
     q = synced(rope_cache(qkv, cos, sin, pos, caches[0], caches[1], heads, kv_heads))
     q_ref = _torch_form(qkv, cos, sin, pos, caches[2], caches[3], heads, kv_heads)
     assert q.shape == (b, heads, t, d)
@@ -50,7 +55,9 @@ def test_rope_cache_bit_identical_to_torch_form(b, t, heads, kv_heads, d):
     assert torch.equal(caches[1].view(torch.int16), caches[3].view(torch.int16)), "value caches differ"
     untouched = torch.ones(length, dtype=torch.bool, device="cuda")
     untouched[pos] = False
-    assert bool((caches[0][:, :, untouched] == SENTINEL).all()) and bool((caches[1][:, :, untouched] == SENTINEL).all())
+    assert bool((caches[0][:, :, untouched] == SENTINEL).all()) and bool(
+        (caches[1][:, :, untouched] == SENTINEL).all()
+    )
 
 
 def test_rope_cache_refuses_bad_input_in_one_line():
@@ -73,12 +80,24 @@ def _decode_run(e2e, d, dev):
     model = e2e.Decoder(d, e2e.fp16_linear(dev), dev)
     tables = model.rope_tables(64, dev)
     shape = (2, d.kv_heads, 32, d.head_dim)
-    cache = [(torch.zeros(shape, dtype=torch.float16, device=dev), torch.zeros(shape, dtype=torch.float16,
-              device=dev)) for _ in range(d.layers)]
+    cache = [
+        (
+            torch.zeros(shape, dtype=torch.float16, device=dev),
+            torch.zeros(shape, dtype=torch.float16, device=dev),
+        )
+        for _ in range(d.layers)
+    ]
     with torch.inference_mode():
-        prefill = model(torch.arange(32, device=dev).remainder(d.vocab)[None].repeat(2, 1),
-                        torch.arange(32, device=dev), cache, tables, decode=False)
-        step = model(torch.tensor([[3], [5]], device=dev), torch.tensor([9], device=dev), cache, tables, decode=True)
+        prefill = model(
+            torch.arange(32, device=dev).remainder(d.vocab)[None].repeat(2, 1),
+            torch.arange(32, device=dev),
+            cache,
+            tables,
+            decode=False,
+        )
+        step = model(
+            torch.tensor([[3], [5]], device=dev), torch.tensor([9], device=dev), cache, tables, decode=True
+        )
     return model, synced(prefill).tolist(), step.tolist(), [c[0].clone() for c in cache]
 
 
@@ -106,7 +125,9 @@ def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     d = e2e.dims_for("tiny")
     dev = torch.device("cuda")
     tokens = {}
-    monkeypatch.setattr(e2e, "FUSED_ATTENTION", False)  # it needs the fused rotary kernel's layout: off in both
+    monkeypatch.setattr(
+        e2e, "FUSED_ATTENTION", False
+    )  # it needs the fused rotary kernel's layout: off in both
     for fused in (True, False):
         monkeypatch.setattr(e2e, "FUSED_ROPE", fused)
         model, *tokens[fused] = _decode_run(e2e, d, dev)

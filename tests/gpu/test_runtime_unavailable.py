@@ -50,7 +50,9 @@ def test_dispatch_rule():
     assert choose_path(1, torch.float16, 4, 128, 4096, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 8, 128, 4096, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 4, 128, 11008, 4096, hopper=False) == "gemv-fma"  # 344 pieces
-    assert choose_path(1, torch.float16, 8, 128, 11008, 4096, hopper=False) == "gemv"  # 688 pieces: tensor-core kernel
+    assert (
+        choose_path(1, torch.float16, 8, 128, 11008, 4096, hopper=False) == "gemv"
+    )  # 688 pieces: tensor-core kernel
     assert choose_path(1, torch.float16, 4, 128, 16384, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 4, 128, 16512, 4096, hopper=False) == "gemv"
     assert choose_path(4, torch.float16, 4, 128, 4096, 4096, hopper=False) == "gemv"
@@ -73,7 +75,9 @@ def test_dispatch_rule():
     assert choose_path(257, torch.float16, 4, 128, 4096, 1024, hopper=True) == "dequant+cublas"
     assert choose_path(513, torch.float16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
     assert choose_path(64, torch.bfloat16, 4, 128, 4096, 4096, hopper=True) == "dequant+cublas"
-    assert choose_path(64, torch.float16, 8, 16, 4096, 4096, hopper=True) == "dequant+cublas"  # groups below 32
+    assert (
+        choose_path(64, torch.float16, 8, 16, 4096, 4096, hopper=True) == "dequant+cublas"
+    )  # groups below 32
     for n, nt, kp in [(4096, 1, 4096), (11008, 2, 4096), (17, 8, 128), (4096, 8, 11008)]:
         w = gemv_warps(n, nt, kp, 4, 132)
         assert 1 <= w <= 16 and w * nt * 4 * 32 * 4 <= 48 * 1024
@@ -84,9 +88,14 @@ def test_device_index_takes_the_ordinal_given():
 
 
 def test_f16_checks_are_one_line_errors_naming_the_tensor():
-    with pytest.raises(ValueError, match=r"^x: found torch.float16 \[2, 8\] on cpu .*expected contiguous float16 on CUDA$"):
+    with pytest.raises(
+        ValueError, match=r"^x: found torch.float16 \[2, 8\] on cpu .*expected contiguous float16 on CUDA$"
+    ):
         cc.check_f16("x", torch.zeros(2, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"^out: found torch.float32 \[3\], expected contiguous 16-byte aligned float16 \[3\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^out: found torch.float32 \[3\], expected contiguous 16-byte aligned float16 \[3\]$",
+    ):
         cc.f16_out(torch.zeros(3), (3,), torch.device("cpu"), aligned=True)
     with pytest.raises(ValueError, match=r"expected contiguous float16 \[2, 4\]$"):
         cc.f16_out(torch.zeros(4, 2, dtype=torch.float16).t(), (2, 4), torch.device("cpu"))

@@ -11,7 +11,9 @@ from tests.gpu.helpers import gpu_ready, synced
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
 
 
-@pytest.mark.parametrize("lead,i", [((1, 1), 11008), ((4, 1), 11008), ((1, 2048), 11008), ((3,), 8), ((2, 5), 264)])
+@pytest.mark.parametrize(
+    "lead,i", [((1, 1), 11008), ((4, 1), 11008), ((1, 2048), 11008), ((3,), 8), ((2, 5), 264)]
+)
 def test_swiglu_bit_identical_to_torch(lead, i):
     from qtool.cuda.swiglu import swiglu
 
@@ -23,7 +25,8 @@ def test_swiglu_bit_identical_to_torch(lead, i):
     ref = torch.nn.functional.silu(gate) * up
     assert bool(torch.isfinite(got).all()), "unwritten outputs"
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (
-        f"{int((got != ref).sum())} of {got.numel()} differ, max {float((got.float() - ref.float()).abs().max()):.3e}")
+        f"{int((got != ref).sum())} of {got.numel()} differ, max {float((got.float() - ref.float()).abs().max()):.3e}"
+    )
 
 
 def test_swiglu_refuses_bad_input_in_one_line():

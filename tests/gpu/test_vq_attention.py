@@ -25,17 +25,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 def _books(kvh, d, dv, gen, entries=256):
     """Random codebooks [KVH, G, E, dv] for keys and values (keys wider, as rotated keys are)."""
     shape = (kvh, d // dv, entries, dv)
-    return ((torch.randn(shape, device="cuda", generator=gen) * 2).half(),
-            (torch.randn(shape, device="cuda", generator=gen)).half())
+    return (
+        (torch.randn(shape, device="cuda", generator=gen) * 2).half(),
+        (torch.randn(shape, device="cuda", generator=gen)).half(),
+    )
 
 
 @pytest.mark.parametrize("dv", [4, 2])
-@pytest.mark.parametrize("b,t,h,kvh,d,positions", [
-    (1, 3, 32, 32, 128, [0, 1, 2]),      # Llama-2-7B heads, a short prompt
-    (2, 4, 9, 3, 64, [5, 9, 10, 30]),    # SmolLM2's heads, scattered positions
-    (3, 1, 8, 1, 128, [17]),             # one decode token, 8 query heads per KV head
-    (2, 5, 8, 2, 64, [1, 2, 3, 4, 40]),
-])
+@pytest.mark.parametrize(
+    "b,t,h,kvh,d,positions",
+    [
+        (1, 3, 32, 32, 128, [0, 1, 2]),  # Llama-2-7B heads, a short prompt
+        (2, 4, 9, 3, 64, [5, 9, 10, 30]),  # SmolLM2's heads, scattered positions
+        (3, 1, 8, 1, 128, [17]),  # one decode token, 8 query heads per KV head
+        (2, 5, 8, 2, 64, [1, 2, 3, 4, 40]),
+    ],
+)
 def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
     from qtool.cuda import vq_attention as vqa
 
@@ -49,8 +54,10 @@ def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
     qkv = (torch.randn(b, t, h + 2 * kvh, d, device="cuda", generator=gen) * 2).half()
     qkv[0, 0, h + kvh] = vb[0, :, 5].reshape(d)
     pos = torch.tensor(positions, device="cuda")
-    got_c, ref_c = vqa.allocate(kb, vb, b, length, torch.device("cuda")), vqa.allocate(kb, vb, b, length,
-                                                                                        torch.device("cuda"))
+    got_c, ref_c = (
+        vqa.allocate(kb, vb, b, length, torch.device("cuda")),
+        vqa.allocate(kb, vb, b, length, torch.device("cuda")),
+    )
     for c in (got_c, ref_c):
         c.k.fill_(POISON)
         c.v.fill_(POISON)
@@ -59,13 +66,17 @@ def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
     rq, rk, rv = vqa.reference_write(qkv, cos, sin, pos, ref_c, h)
     assert torch.equal(q, rq), "rotated queries differ from the float16 torch form"
     assert torch.equal(dk, rk) and torch.equal(dv_, rv), "decoded keys/values differ from the torch form"
-    assert bool((vqa.token_major(got_c.v)[0, 0, :, positions[0]] == 5).all()), "a tie did not go to the lower index"
+    assert bool((vqa.token_major(got_c.v)[0, 0, :, positions[0]] == 5).all()), (
+        "a tie did not go to the lower index"
+    )
     for name in ("k", "v"):
         a, r = vqa.token_major(getattr(got_c, name)), vqa.token_major(getattr(ref_c, name))
         assert torch.equal(a[..., pos], r[..., pos]), f"{name} codes at the positions differ from encode"
         others = torch.ones(a.shape[-1], dtype=torch.bool, device="cuda")
         others[pos] = False
-        assert bool((a[..., others] == POISON).all()), f"{name}: the write touched positions outside {positions}"
+        assert bool((a[..., others] == POISON).all()), (
+            f"{name}: the write touched positions outside {positions}"
+        )
 
 
 def _random_cache(b, kvh, length, d, dv, gen, entries=256):
@@ -75,18 +86,25 @@ def _random_cache(b, kvh, length, d, dv, gen, entries=256):
     kb, vb = _books(kvh, d, dv, gen, entries)
     cache = vqa.allocate(kb * 0.25, vb, b, length, torch.device("cuda"))
     for t in (cache.k, cache.v):
-        t.copy_(torch.randint(0, entries, t.shape, device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8))
+        t.copy_(
+            torch.randint(0, entries, t.shape, device="cuda", generator=gen, dtype=torch.int32).to(
+                torch.uint8
+            )
+        )
     return cache
 
 
 @pytest.mark.parametrize("dv", [4, 2])
-@pytest.mark.parametrize("b,h,kvh,length,d", [
-    (1, 32, 32, 300, 128),   # Llama-2-7B heads, batch 1 (split along the cache)
-    (3, 32, 8, 200, 128),    # Llama-3-8B: 4 query heads per KV head
-    (16, 8, 1, 77, 64),      # 8 per KV head, batch 16
-    (3, 9, 3, 45, 64),       # SmolLM2: 3
-    (1, 4, 4, 1, 128),       # a one-position cache
-])
+@pytest.mark.parametrize(
+    "b,h,kvh,length,d",
+    [
+        (1, 32, 32, 300, 128),  # Llama-2-7B heads, batch 1 (split along the cache)
+        (3, 32, 8, 200, 128),  # Llama-3-8B: 4 query heads per KV head
+        (16, 8, 1, 77, 64),  # 8 per KV head, batch 16
+        (3, 9, 3, 45, 64),  # SmolLM2: 3
+        (1, 4, 4, 1, 128),  # a one-position cache
+    ],
+)
 def test_attention_matches_float64_reference(dv, b, h, kvh, length, d):
     from qtool.cuda import vq_attention as vqa
 
@@ -102,9 +120,13 @@ def test_attention_matches_float64_reference(dv, b, h, kvh, length, d):
             for splits in (None, 1, 3, vqa.MAX_SPLITS):
                 out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
                 got = synced(vqa.attention(q, cache, pos, out=out, form=form, splits=splits))
-                assert bool(torch.isfinite(got).all()), f"unwritten outputs ({form}, pos {p}, {splits} splits)"
+                assert bool(torch.isfinite(got).all()), (
+                    f"unwritten outputs ({form}, pos {p}, {splits} splits)"
+                )
                 worst = attention_excess(got, ref)
-                assert worst <= 0, f"{form}: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+                assert worst <= 0, (
+                    f"{form}: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+                )
 
 
 def test_attention_with_fewer_entries():
@@ -123,13 +145,13 @@ def test_attention_with_fewer_entries():
 def test_attention_splits_the_cache_when_pairs_are_few():
     from qtool.cuda import vq_attention as vqa
 
-    assert vqa.attention_form(1, 128, 4, 16 * 32, 132) == "lut"     # Llama-2-7B, batch 16: score tables
-    assert vqa.attention_form(1, 128, 4, 32, 132) == "direct"       # batch 1: split, the direct form
+    assert vqa.attention_form(1, 128, 4, 16 * 32, 132) == "lut"  # Llama-2-7B, batch 16: score tables
+    assert vqa.attention_form(1, 128, 4, 32, 132) == "direct"  # batch 1: split, the direct form
     assert vqa.attention_form(8, 128, 4, 16 * 32, 132) == "direct"  # 8 tables do not fit
 
-    assert vqa.attention_splits(32, 1024, 264) == 4      # Llama-2-7B, batch 1: 4 parts of 256 tokens
+    assert vqa.attention_splits(32, 1024, 264) == 4  # Llama-2-7B, batch 1: 4 parts of 256 tokens
     assert vqa.attention_splits(32, 8192, 264) == 9
-    assert vqa.attention_splits(32, 100, 264) == 1       # a short cache stays one block per pair
+    assert vqa.attention_splits(32, 100, 264) == 1  # a short cache stays one block per pair
     assert vqa.attention_splits(16 * 32, 4096, 264) == 1  # batch 16 fills the GPU already
 
 

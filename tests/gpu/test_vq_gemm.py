@@ -37,8 +37,16 @@ def _hopper_and_fresh_inputs():
     print(f"torch seed {seed}")
 
 
-def vq_layer(n: int, k: int, preset: str, *, reindex: bool, bias: bool = False, seed: int | None = None,
-             tiles: tuple[int | None, int | None] | None = None):
+def vq_layer(
+    n: int,
+    k: int,
+    preset: str,
+    *,
+    reindex: bool,
+    bias: bool = False,
+    seed: int | None = None,
+    tiles: tuple[int | None, int | None] | None = None,
+):
     """A random VQLinear on CUDA: skewed codes (so re-indexing permutes entries), codebook entries sized so that
     outputs are O(1) for unit-variance inputs."""
     from qtool.packing.vq import VQWeight, tile_counts
@@ -65,7 +73,9 @@ def run(layer, x: torch.Tensor, bias=None, **kw) -> torch.Tensor:
     out = torch.full((x.shape[0], layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
     y = synced(gemm(x, prepare_layer(layer), bias, out=out, **kw))
     assert y.data_ptr() == out.data_ptr()
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     return y
 
 

@@ -90,7 +90,9 @@ def _check(layer: VQLinear, p, m: int, seed: int, with_bias: bool, **kw) -> None
         plans = {k: v for k, v in p.plans.items() if k[0] == vq.token_slots(m)}
         raise AssertionError(f"{case}: {type(exc).__name__}: {exc}; plans {plans}") from exc
     assert y.data_ptr() == out.data_ptr()
-    assert bool(torch.isfinite(y).all()), f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    assert bool(torch.isfinite(y).all()), (
+        f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
+    )
     err = rel_err(y, reference64(layer, x, with_bias))
     assert err < TOL, f"relative error {err:.2e} ({case})"
     cnt = split_k.counters(torch.cuda.current_device())
@@ -122,13 +124,23 @@ def test_gemv_every_cache_variant(preset, reindex, form):
 # blocks adding their splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks,
 # next-tile prefetch, dependent launch), then each switched off; "portable" caps clusters at 8 blocks with an
 # ordinary launch; "off" is what the module's defaults give today.
-ALL_ON = {"QTOOL_VQ_CLUSTER": "16", "QTOOL_VQ_MULTICAST": "4", "QTOOL_VQ_PREFETCH": "1", "QTOOL_VQ_DEPENDENT": "1"}
+ALL_ON = {
+    "QTOOL_VQ_CLUSTER": "16",
+    "QTOOL_VQ_MULTICAST": "4",
+    "QTOOL_VQ_PREFETCH": "1",
+    "QTOOL_VQ_DEPENDENT": "1",
+}
 KNOBS = {
     "all-on": ALL_ON,
     "global-split-k": {**ALL_ON, "QTOOL_VQ_CLUSTER": "1"},
     "no-multicast-no-prefetch": {**ALL_ON, "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0"},
     "portable-ordinary-launch": {**ALL_ON, "QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_DEPENDENT": "0"},
-    "off": {"QTOOL_VQ_CLUSTER": "1", "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0", "QTOOL_VQ_DEPENDENT": "0"},
+    "off": {
+        "QTOOL_VQ_CLUSTER": "1",
+        "QTOOL_VQ_MULTICAST": "1",
+        "QTOOL_VQ_PREFETCH": "0",
+        "QTOOL_VQ_DEPENDENT": "0",
+    },
 }
 # Beside SHAPES: 17 column tiles (a cluster of 9 splits: non-portable; 8 with the portable cap) with a ragged row
 # tile; AQLM rows in 8 row blocks (multicast to 4) with a ragged last block and 49-word index rows.
@@ -299,10 +311,15 @@ def checkpoint(tmp_path_factory):
     if not STORIES.is_dir() or not TINY_SAMPLE.is_file():
         pytest.skip("stories260K assets not found")
     tmp = tmp_path_factory.mktemp("vq-gpu")
-    text = (f"model: {STORIES}\ncalibration:\n  source: {TINY_SAMPLE}\n  num_samples: 2\n  seq_len: 64\n  seed: 0\n"
-            f"stages:\n  - stage: vq\n    preset: gptvq-2\n    kmeans_iters: 2\noutput: {tmp / 'ckpt'}\n")
-    res = CliRunner().invoke(cli, ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
-                             catch_exceptions=False)
+    text = (
+        f"model: {STORIES}\ncalibration:\n  source: {TINY_SAMPLE}\n  num_samples: 2\n  seq_len: 64\n  seed: 0\n"
+        f"stages:\n  - stage: vq\n    preset: gptvq-2\n    kmeans_iters: 2\noutput: {tmp / 'ckpt'}\n"
+    )
+    res = CliRunner().invoke(
+        cli,
+        ["quantize", str(write_recipe(tmp / "r.yaml", text)), "--no-eval", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["quantized_linears"] > 0
     return tmp / "ckpt"
@@ -333,6 +350,6 @@ def test_checkpoint_layers_through_the_kernel(checkpoint, monkeypatch):
         got = model(ids[:, :1].cuda(), use_cache=True)
         past = got.past_key_values
         for i in range(1, 12):  # one token at a time: every linear sees M = 1 (the kernel)
-            got = model(ids[:, i:i + 1].cuda(), past_key_values=past, use_cache=True)
+            got = model(ids[:, i : i + 1].cuda(), past_key_values=past, use_cache=True)
             past = got.past_key_values
     assert rel_err(got.logits[0, -1], ref) < 2e-2
