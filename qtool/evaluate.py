@@ -96,7 +96,7 @@ def evaluate_loaded(
 ) -> dict:
     """Perplexity on `spec` and/or lm-eval tasks of `suite` (a TaskSuite) for a loaded model."""
     from qtool.eval.perplexity import perplexity
-    from qtool.runtime.cache import reference_cache
+    from qtool.layouts.cache import reference_cache
 
     out: dict = {}
     with reference_cache(model) if dev.type == "cpu" else nullcontext():

@@ -129,7 +129,7 @@ class QtoolHfQuantizer(HfQuantizer):
             self._hold(model, name, folder / "config.json")
         kv = qcfg.get("kv_cache")
         if isinstance(kv, dict) and "format" in kv:  # a vector-quantized cache stores codebooks per attention
-            from qtool.runtime.kv_cache import attention_modules
+            from qtool.kv_cache.quantized import attention_modules
 
             attention = set(attention_modules(model))
             for name, m in list(model.named_modules()):
@@ -161,8 +161,8 @@ class QtoolHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from qtool.checkpoint.loader import replace_layer
+        from qtool.kv_cache.schemes import apply_model_schemes, attach_scheme_tensors
         from qtool.models.integrity import check_finite
-        from qtool.runtime.schemes import apply_model_schemes, attach_scheme_tensors
 
         device_map = getattr(model, "hf_device_map", None)
         if device_map is not None and not _single_device(device_map):

@@ -27,6 +27,8 @@ from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter, peak_rss_mb
 from qtool.distributed import World, describe_device
 from qtool.errors import InputError, RecipeError, ResourceError
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.registry import module_for
 from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.integrity import read_header
 from qtool.models.loading import (
@@ -39,9 +41,7 @@ from qtool.models.loading import (
     load_tokenizer,
     meta_model,
 )
-from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.recipe import Recipe
-from qtool.runtime.layouts import module_for
 from qtool.stages.base import BlockContext, QuantizerStage
 
 

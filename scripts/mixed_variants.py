@@ -16,7 +16,7 @@ from qtool.bench import stats
 from qtool.bench.cuda_cases import CudaCases
 from qtool.bench.kernels import rotations
 from qtool.bench.timing import CudaTimer
-from qtool.cuda import mixed
+from qtool.layouts.mixed import cuda as mixed
 
 
 def main() -> None:

@@ -146,8 +146,8 @@ def compare(model: Path, checkpoints: dict[int, Path], device: str) -> dict:
     import torch
     from safetensors import safe_open
 
+    from qtool.layouts.grouped_int.layout import GroupedIntWeight
     from qtool.models.integrity import read_header, read_tensor
-    from qtool.packing.grouped_int import GroupedIntWeight
 
     dev = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     base_n = min(checkpoints)

@@ -180,7 +180,7 @@ def quality_rows(g: int) -> list[tuple[str, list[dict], dict]]:
 def float_weights(model: nn.Module) -> int:
     """Replace every QoQ linear of `model` by a float linear with its dequantized weight (activations stay float);
     returns how many were replaced."""
-    from qtool.runtime.qoq_linear import QoQLinear
+    from qtool.layouts.qoq.module import QoQLinear
 
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, QoQLinear)]
     for name, m in swaps:

@@ -18,7 +18,7 @@ from qtool.bench import stats
 from qtool.bench.cuda_cases import CudaCases
 from qtool.bench.kernels import rotations
 from qtool.bench.timing import CudaTimer
-from qtool.cuda import qoq
+from qtool.layouts.qoq import cuda as qoq
 
 
 def forms(m: int, n: int, kt: int, sms: int) -> list[tuple[str, int, int | None, int | None]]:

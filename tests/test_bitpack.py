@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.quant.grid import GridSpec
 
 
@@ -74,5 +74,5 @@ def test_grouped_int_dequantize_matches_definition(bits, n, k, group, symmetric,
             z = (1 << (bits - 1)) if symmetric else int(zeros[r, c // gs])
             expected[r, c] = (int(codes[r, c]) - z) * float(scales[r, c // gs].half())
     torch.testing.assert_close(layout.dequantize(torch.float64), expected, rtol=0, atol=0)
-    with mock.patch("qtool.packing.grouped_int.PACK_CHUNK", 2 * k):  # unpacked two rows at a time
+    with mock.patch("qtool.layouts.grouped_int.layout.PACK_CHUNK", 2 * k):  # unpacked two rows at a time
         torch.testing.assert_close(layout.dequantize(torch.float64), expected, rtol=0, atol=0)

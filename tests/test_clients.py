@@ -61,7 +61,7 @@ def greedy(model, tokenizer, n: int = 8) -> str:
 def test_every_scheme_generates_and_loads_in_transformers(checkpoints, scheme):
     from transformers import AutoModelForCausalLM, pipeline
 
-    from qtool.runtime.layouts import LAYOUTS
+    from qtool.layouts.registry import LAYOUTS
 
     path = checkpoints[scheme]
     model, tokenizer = qtool.load(path), qtool.load_tokenizer(path)

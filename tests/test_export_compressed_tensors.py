@@ -127,7 +127,7 @@ def test_asymmetric_export_loads_with_dequantize_only(stories):
 
 def test_w8a8_export_has_qtools_weights_and_compressed_tensors_activation_rounding(stories):
     import qtool
-    from qtool.runtime.qoq_linear import QoQLinear
+    from qtool.layouts.qoq.module import QoQLinear
 
     ref = qtool.load(stories / "w8a8")
     dense = hf(stories / "w8a8-ct", dequantize=True)

@@ -77,8 +77,8 @@ def test_gptq_w4_g64_and_w8a8_export_matches_qtool_in_transformers(exported):
     from transformers import AutoModelForCausalLM
 
     import qtool
-    from qtool.runtime.qlinear import GroupedIntLinear
-    from qtool.runtime.qoq_linear import QoQLinear
+    from qtool.layouts.grouped_int.module import GroupedIntLinear
+    from qtool.layouts.qoq.module import QoQLinear
 
     ids = _windows(qtool.load_tokenizer(exported / "q"))
     ref = qtool.load(exported / "q")

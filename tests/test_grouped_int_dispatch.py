@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda.grouped_int import choose_path, fma_warps, ws_plan
+from qtool.layouts.grouped_int.cuda import choose_path, fma_warps, ws_plan
 
 F16 = torch.float16
 
@@ -106,7 +106,7 @@ def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
 
 def test_linear_refuses_an_unknown_path_in_one_line():
     # Refused before anything touches a GPU, so CPU tensors stand in for the prepared layer.
-    from qtool.cuda.grouped_int import PATHS, Prepared, linear
+    from qtool.layouts.grouped_int.cuda import PATHS, Prepared, linear
 
     p = Prepared(
         torch.zeros(8, 16, dtype=torch.int32),
@@ -143,7 +143,7 @@ def test_tensor_core_gemv_is_a_dependent_launch_only_where_its_grid_is_one_wave_
     monkeypatch,
 ):
     from qtool.cuda import dependent_launch
-    from qtool.cuda.grouped_int import gemv_dependent, gemv_warps
+    from qtool.layouts.grouped_int.cuda import gemv_dependent, gemv_warps
 
     sms = 132
     nt = 2  # M = 9..16

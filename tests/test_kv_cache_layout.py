@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda import kv_cache as kvc
-from qtool.runtime.kv_cache import fake_quantize_kv
+from qtool.kv_cache import cuda as kvc
+from qtool.kv_cache.quantized import fake_quantize_kv
 
 
 def test_int4_codes_pack_low_nibble_first_and_round_trip():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.cuda import mixed
+from qtool.layouts.mixed import cuda as mixed
 
 
 def _decode(info: int) -> tuple[int, int, list[int]]:
@@ -85,7 +85,7 @@ def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -
 
 @pytest.mark.parametrize("n,k,g2", [(36, 320, 4), (64, 1024, 16), (24, 64, 12)])
 def test_tiled_streams_hold_the_checkpoint_layer(n, k, g2):
-    from qtool.packing.mixed import MixedWeight
+    from qtool.layouts.mixed.layout import MixedWeight
 
     g = torch.Generator().manual_seed(n * k + g2)
     s = k // 16
@@ -208,7 +208,7 @@ def test_gemm_path_tiles_and_shared_memory():
 def test_swiglu_of_a_row_interleaved_gate_up_layer_on_the_reference_path():
     """MixedLinear.forward_swiglu reads its rows as gate 2j, 2j + 1, up 2j, 2j + 1 in each run of four."""
     from qtool.bench.cuda_cases import random_mixed_weight
-    from qtool.runtime.mixed_linear import MixedLinear
+    from qtool.layouts.mixed.module import MixedLinear
 
     layer = MixedLinear(
         random_mixed_weight(128, 48, 0.01, torch.device("cpu"), torch.Generator().manual_seed(1))

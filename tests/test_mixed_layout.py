@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qtool.errors import CheckpointError
-from qtool.packing.mixed import MixedWeight
-from qtool.runtime.layouts import LAYOUTS
-from qtool.runtime.mixed_linear import MixedLinear
+from qtool.layouts.mixed.layout import MixedWeight
+from qtool.layouts.mixed.module import MixedLinear
+from qtool.layouts.registry import LAYOUTS
 
 
 def _random_fields(seed: int, n: int, k: int, g1: int, g2: int, s4: int, nnz: int, block4: bool):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.packing.mixed import MixedWeight, bits_for, eq10_bits
+from qtool.layouts.mixed.layout import MixedWeight, bits_for, eq10_bits
 from qtool.quant.mixed import (
     MAX4,
     assign_stripes,

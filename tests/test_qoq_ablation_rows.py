@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from qtool.errors import RecipeError
-from qtool.packing.qoq import QoQWeight
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.qoq.module import QoQLinear
 from qtool.quant.progressive import qoq_quantize
 from qtool.recipe import validate_recipe
-from qtool.runtime.qoq_linear import QoQLinear
 
 from conftest import C4, ROOT, STORIES
 

@@ -65,7 +65,7 @@ def test_attention_clipping_is_no_worse_than_none_per_head(block_and_inputs, kin
     score = probe.row_score(lin, kind)
 
     def deq(out):
-        from qtool.packing.qoq import QoQWeight
+        from qtool.layouts.qoq.layout import QoQWeight
 
         return QoQWeight.from_codes(
             out.codes, out.scales, 4, group_size, out.group_scales, out.zeros

@@ -165,7 +165,7 @@ def stories(tmp_path_factory):
 @pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 def test_stories260k_checkpoint_loads_and_matches_the_in_memory_perplexity(cli, stories):
     import qtool
-    from qtool.runtime.qoq_linear import QoQLinear
+    from qtool.layouts.qoq.module import QoQLinear
 
     tmp, summary, w8_model, w8 = stories
     ev = summary["eval"]

@@ -1,7 +1,7 @@
 """The operand order and arithmetic the qoq W4A8 GEMM relies on (kernels/quik_gemm.cu, qoq_frags and qoq_correct),
 checked on the CPU: the weight words and group words read the way the kernel builds its u8 wgmma A fragments,
 multiplied with the activation codes at the MMA k positions, less zc·rowsum, must give the layout's exact integer
-products. The GPU tests check the kernel itself; this pins the contract between `qtool.cuda.qoq.build`,
+products. The GPU tests check the kernel itself; this pins the contract between `qtool.layouts.qoq.cuda.build`,
 `quantize_torch` and the kernel, and runs everywhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from qtool.cuda import qoq
+from qtool.layouts.qoq import cuda as qoq
 from tests.gpu.helpers import QoQFieldLayer
 
 
@@ -98,7 +98,7 @@ def test_unsupported_reasons_are_one_line():
 def test_stage_words_are_the_group_words_stage_major(n, k, g):
     """The warp-specialized GEMM copies one (row tile, stage) of group words at a time: stage_words must hold word
     (f, s·128/g + w) at [f // 128, s, f % 128, w], and zeros for the rows past N."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     words = torch.randint(0, 2**15, (n, k // g), dtype=torch.int32)
     st = qoq.stage_words(words, g)
@@ -115,7 +115,7 @@ def test_gemm_form_dispatch(monkeypatch):
     `ws` tiles split along K into shares of at least 10 stages within one wave where 128-token tiles would leave
     half the GPU idle, the persistent form at 128 or 256 tokens where they would not, the H200 rule above 512
     tokens, `sync` at GEMV sizes, whenever a split is asked for without a form and for unaligned operands."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     monkeypatch.setattr(qoq.tma, "usable", lambda t: True)
     a = qoq.QoQActivations(codes=torch.zeros(1, 1), scale=torch.zeros(1), rowsum=torch.zeros(1))

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from qtool.errors import CheckpointError
-from qtool.packing.qoq import QoQWeight
-from qtool.runtime.layouts import LAYOUTS
-from qtool.runtime.qoq_linear import QoQLinear, quantize_activations
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.qoq.module import QoQLinear, quantize_activations
+from qtool.layouts.registry import LAYOUTS
 
 SCHEMES = [(8, None), (4, None), (4, 4), (4, 43)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.packing.qoq import QoQWeight
+from qtool.layouts.qoq.layout import QoQWeight
 from qtool.quant.progressive import (
     PROTECT,
     W8_MAX,

@@ -13,10 +13,10 @@ import torch
 from qtool.calibration.capture import block_output
 from qtool.console import Reporter
 from qtool.errors import CheckpointError
+from qtool.kv_cache.quantized import dequantize_kv, install_kv_cache, kv_scheme, quantize_kv
 from qtool.models.loading import load_model
 from qtool.pipeline import quantize_model
 from qtool.recipe import load_recipe
-from qtool.runtime.kv_cache import dequantize_kv, install_kv_cache, kv_scheme, quantize_kv
 
 from conftest import STORIES, TINY_SAMPLE, TINYSTORIES, WIKITEXT, write_recipe
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.layouts.quik.layout import QuikWeight, violations_24
+from qtool.layouts.quik.module import QuikLinear, int_matmul, quantize_activations
 from qtool.options import parse_options
-from qtool.packing.quik import QuikWeight, violations_24
 from qtool.quant.gptq import gptq_quantize, gptq_run
 from qtool.quant.grid import GridSpec
-from qtool.runtime.quik_linear import QuikLinear, int_matmul, quantize_activations
 from qtool.stages.base import Targets
 from qtool.stages.outliers import OutliersOptions, OutliersStage, select_outliers
 

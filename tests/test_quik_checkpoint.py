@@ -104,9 +104,9 @@ def llama_quik(tmp_path_factory, tiny_llama):
 def test_llama_round_trip_same_logits_as_in_memory(llama_quik):
     import qtool
     from qtool.console import Reporter
+    from qtool.layouts.quik.module import QuikLinear
     from qtool.pipeline import quantize_model
     from qtool.recipe import load_recipe
-    from qtool.runtime.quik_linear import QuikLinear
 
     ckpt, summary, recipe = llama_quik
     loaded = qtool.load(ckpt)
@@ -141,7 +141,7 @@ def test_zero_outlier_checkpoint_keeps_every_empty_tensor(cli, tiny_llama, tmp_p
     """Layers without outliers store empty `outlier_idx` / `outlier_weight` tensors; all of them share one (null)
     address, which once made the writer drop all but the first as 'tied' and the loader refuse the checkpoint."""
     import qtool
-    from qtool.runtime.quik_linear import QuikLinear
+    from qtool.layouts.quik.module import QuikLinear
 
     recipe = write_recipe(tmp_path / "r.yaml", recipe_text(tiny_llama, tmp_path / "ckpt", outliers=0))
     quantize(cli, recipe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qtool.cuda import quik
+from qtool.layouts.quik import cuda as quik
 
 SMS, PER_SM = 132, 2
 

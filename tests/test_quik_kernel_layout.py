@@ -1,15 +1,15 @@
 """The operand order the quik GEMM kernel relies on (kernels/quik_gemm.cu, runtime contract), checked on the CPU:
 reading the weight words the way the kernel builds its wgmma A fragments, against the activation bytes at the MMA
 k positions of each stage, must give the reference's integer sums. The GPU tests check the kernel itself; this
-pins the contract it shares with `qtool.cuda.quik.build` and `quantize_torch`, and runs everywhere."""
+pins the contract it shares with `qtool.layouts.quik.cuda.build` and `quantize_torch`, and runs everywhere."""
 
 from __future__ import annotations
 
 import torch
 
-from qtool.cuda import quik
-from qtool.packing.quik import QuikWeight
-from qtool.runtime.quik_linear import QuikLinear
+from qtool.layouts.quik import cuda as quik
+from qtool.layouts.quik.layout import QuikWeight
+from qtool.layouts.quik.module import QuikLinear
 
 
 def _layer(n: int, k: int, ko: int, bits: int, seed: int) -> QuikLinear:

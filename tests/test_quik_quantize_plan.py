@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from qtool.cuda import quik
+from qtool.layouts.quik import cuda as quik
 
 SMS, OPTIN = 132, 232448
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from qtool.cuda import vq_attention as vqa
-from qtool.cuda.kv_cache import rope_half
-from qtool.runtime.vq_kv_cache import encode
+from qtool.kv_cache import vq_cuda as vqa
+from qtool.kv_cache.cuda import rope_half
+from qtool.kv_cache.vq import encode
 
 
 def _cache(b, kvh, d, dv, cap, gen):

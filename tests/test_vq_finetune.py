@@ -38,7 +38,7 @@ output: out
 
 
 def _layout(seed=0, n=40, k=24, d=4, e=8, z=2):
-    from qtool.packing.vq import VQWeight
+    from qtool.layouts.vq.layout import VQWeight
 
     g = torch.Generator().manual_seed(seed)
     # Ragged tiles (40 = 32 + 8 rows, 24 = 16 + 8 columns) and codes that leave some entries unused.

@@ -9,7 +9,7 @@ import pytest
 from qtool.bench import kernels as kb
 from qtool.bench import stats
 from qtool.bench.command import _vq_presets
-from qtool.cuda import vq
+from qtool.layouts.vq import cuda as vq
 from tests.test_bench_stats import FakeCases, FakeTimer
 
 H100 = vq.DeviceLimits(sms=132)
@@ -137,8 +137,8 @@ def test_bench_layers_are_reindexed_vq_layers(preset, k, n):
     import torch
 
     from qtool.bench.cuda_cases import CudaCases
-    from qtool.packing.bitpack import unpack_codes
-    from qtool.packing.vq import entry_counts, tier_bounds
+    from qtool.layouts.bitpack import unpack_codes
+    from qtool.layouts.vq.layout import entry_counts, tier_bounds
     from qtool.stages.vq import PRESETS
 
     class Where:

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qtool.errors import CheckpointError
-from qtool.runtime.schemes import apply_model_schemes, attach_scheme_tensors
-from qtool.runtime.vq_kv_cache import KVCodebooks, decode, encode, kv_vq_scheme
+from qtool.kv_cache.schemes import apply_model_schemes, attach_scheme_tensors
+from qtool.kv_cache.vq import KVCodebooks, decode, encode, kv_vq_scheme
 
 
 def _books(h=2, g=4, e=16, d=2, seed=0):

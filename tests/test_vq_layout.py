@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qtool.errors import CheckpointError
-from qtool.packing.bitpack import pack_codes, unpack_codes
-from qtool.packing.vq import VQWeight, bits_for, entry_counts, tier_bounds, tile_counts
-from qtool.runtime.vq_linear import VQLinear
+from qtool.layouts.bitpack import pack_codes, unpack_codes
+from qtool.layouts.vq.layout import VQWeight, bits_for, entry_counts, tier_bounds, tile_counts
+from qtool.layouts.vq.module import VQLinear
 
 
 def _random(n, v, d, bits, z, tile_rows, tile_cols, seed, skew=False):

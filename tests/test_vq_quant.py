@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.quant.gptq import gptq_run
 from qtool.quant.grid import GridSpec
 from qtool.quant.vq import decode, encode, kmeans, kmeans_batched, nearest, vq_gptq

@@ -186,7 +186,7 @@ def test_two_models_one_table(cli, quantized, tmp_path):
 
 def test_reference_cache_keeps_results_and_is_dropped(quantized):
     from qtool.checkpoint.loader import load_checkpoint
-    from qtool.runtime.cache import reference_cache
+    from qtool.layouts.cache import reference_cache
 
     model = load_checkpoint(quantized[0])
     x = torch.randint(0, 512, (2, 40))

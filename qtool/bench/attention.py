@@ -68,7 +68,7 @@ def _cases(
                 out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
                 fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
         elif row in CQ_ROWS:
-            from qtool.cuda import vq_attention as vqa
+            from qtool.kv_cache import vq_cuda as vqa
 
             dv, form = CQ_ROWS[row]
             books = [
@@ -87,7 +87,7 @@ def _cases(
                 lambda q=q, cache=cache, out=out, form=form: vqa.attention(q, cache, pos, out=out, form=form)
             )
         else:
-            from qtool.cuda import kv_cache as kvc
+            from qtool.kv_cache import cuda as kvc
 
             # int4-fma: the KV4 cache through the CUDA-core kernel, whatever the dispatch picks for int4
             mode, kernel = ("int4", "fma") if row == "int4-fma" else (row, None)
@@ -123,10 +123,10 @@ def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
     if row in ("fp16-sdpa", "fp16"):
         return 2 * b * kvh * length * d * 2
     if row in CQ_ROWS:
-        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes
+        from qtool.kv_cache.vq_cuda import bytes_per_token as vq_bytes
 
         return b * length * vq_bytes(kvh, d, CQ_ROWS[row][0])
-    from qtool.cuda.kv_cache import bytes_per_token
+    from qtool.kv_cache.cuda import bytes_per_token
 
     return b * length * bytes_per_token("int4" if row == "int4-fma" else row, kvh, d)
 

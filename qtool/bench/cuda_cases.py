@@ -14,7 +14,7 @@ from qtool.bench.timing import Fns
 def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.device, gen: torch.Generator):
     """A random mixed-2-4-16 layer built on the GPU (block4, g1 = g2 = 16): every code word is valid; the outliers
     sit at random positions of the 2-bit stripes."""
-    from qtool.packing.mixed import MixedWeight
+    from qtool.layouts.mixed.layout import MixedWeight
 
     s = k // 16
     s4, s2 = s // 4, s - s // 4
@@ -128,7 +128,7 @@ class CudaCases:
         return [lambda: torch.neg(a, out=b) for _ in range(32)]
 
     def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
-        from qtool.cuda.grouped_int import GEMV_MAX_M, choose_path, mma_eligible, unsupported_reason
+        from qtool.layouts.grouped_int.cuda import GEMV_MAX_M, choose_path, mma_eligible, unsupported_reason
 
         dispatched = choose_path(m, torch.float16, bits, group_size, k, n)
         if unsupported_reason(bits, group_size, k) is not None:
@@ -145,7 +145,7 @@ class CudaCases:
     def quant(
         self, k: int, n: int, m: int, bits: int, group_size: int | None, symmetric: bool, path: str
     ) -> Fns:
-        from qtool.cuda import grouped_int as gi
+        from qtool.layouts.grouped_int import cuda as gi
 
         r = rotations(quant_bytes(m, n, k, bits, group_size, symmetric), self.l2)
         fns = []
@@ -225,7 +225,7 @@ class CudaCases:
 
     def _mixed_layer(self, k: int, n: int, outlier_fraction: float):
         """A random mixed-2-4-16 layer (random_mixed_weight) prepared for the kernels."""
-        from qtool.cuda import mixed
+        from qtool.layouts.mixed import cuda as mixed
 
         # the checkpoint tensors too: the direct GEMV and dequant + cuBLAS are candidates of the same rows
         return mixed.prepare(
@@ -234,7 +234,7 @@ class CudaCases:
 
     def mixed_paths(self, k: int, n: int, m: int, outlier_fraction: float) -> tuple[list[str], str, int]:
         """(candidate paths, the dispatched one, bytes a call must move) of a mixed-2-4-16 row."""
-        from qtool.cuda import mixed
+        from qtool.layouts.mixed import cuda as mixed
 
         cands = []
         if m <= mixed.GEMV_MAX_M:
@@ -256,7 +256,7 @@ class CudaCases:
         return cands, dispatched, nbytes
 
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns:
-        from qtool.cuda import mixed
+        from qtool.layouts.mixed import cuda as mixed
 
         first = self._mixed_layer(k, n, outlier_fraction)
         fns = []
@@ -289,9 +289,9 @@ class CudaCases:
         then every codebook is re-indexed by its scope's access counts as the `vq` stage does; codebook entries are
         random normal. Layers are kept per (shape, preset) and copy, so every M and cache variant times the same
         weights."""
-        from qtool.cuda import vq
-        from qtool.packing.bitpack import pack_codes
-        from qtool.packing.vq import tier_bounds, tile_counts
+        from qtool.layouts.bitpack import pack_codes
+        from qtool.layouts.vq import cuda as vq
+        from qtool.layouts.vq.layout import tier_bounds, tile_counts
 
         key = (k, n, preset, copy)
         cache = self.__dict__.setdefault("_vq_layers", {})
@@ -343,7 +343,7 @@ class CudaCases:
 
     def vq_info(self, k: int, n: int, m: int, preset: str, cache: str) -> tuple[int, dict[str, Any]]:
         """(bytes a call must move: indices, codebooks, x and y once; the launch plan with its measured inputs)."""
-        from qtool.cuda import vq
+        from qtool.layouts.vq import cuda as vq
 
         p = self._vq_layer(k, n, preset, 0)
         plan = vq.plan_for(p, vq.token_slots(m), cache, self.dev.index)
@@ -369,7 +369,7 @@ class CudaCases:
 
     def vq(self, k: int, n: int, m: int, preset: str, cache: str, form: str | None = None) -> Fns:
         """The GEMV of the `cache` variant, in the dispatched form unless `form` names the other."""
-        from qtool.cuda import vq
+        from qtool.layouts.vq import cuda as vq
 
         form = form or vq.DEFAULT_FORM
 
@@ -384,7 +384,7 @@ class CudaCases:
 
     def _vq_gemm_layer(self, k: int, n: int, preset: str, copy: int):
         """The GEMV's random layer of that copy (above) as the fused GEMM takes it."""
-        from qtool.cuda import vq_gemm
+        from qtool.layouts.vq import cuda_gemm as vq_gemm
         from qtool.stages.vq import PRESETS
 
         c, p = PRESETS[preset], self._vq_layer(k, n, preset, copy)
@@ -403,7 +403,7 @@ class CudaCases:
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
         """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
         path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
-        from qtool.cuda import vq_gemm
+        from qtool.layouts.vq import cuda_gemm as vq_gemm
 
         p = self._vq_gemm_layer(k, n, preset, 0)
         nbytes = p.indices.numel() * 4 + p.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
@@ -419,7 +419,7 @@ class CudaCases:
         )
 
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
-        from qtool.cuda import vq_gemm
+        from qtool.layouts.vq import cuda_gemm as vq_gemm
 
         fusion = path.removeprefix("vq-gemm-")
         if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
@@ -437,7 +437,7 @@ class CudaCases:
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:
         """The qoq W4A8 layer on random valid fields (s1 <= 8 keeps every z in [0, 15] valid): "w4a8" is the
         float16 layer call (qoq.linear), "w4a8-gemm" qoq.gemm on codes quantized beforehand (kernels/NOTES.md)."""
-        from qtool.cuda import qoq
+        from qtool.layouts.qoq import cuda as qoq
 
         groups = k // group_size if group_size else 1
         fns = []
@@ -475,7 +475,7 @@ class QuikCudaCases(CudaCases):
     """Adds the quik kernels: random packed layers built on the GPU (every code word is valid)."""
 
     def _quik_layer(self, k: int, n: int, bits: int, outliers: int):
-        from qtool.cuda import quik
+        from qtool.layouts.quik import cuda as quik
 
         perm = torch.randperm(k, device=self.dev, generator=self.gen)
         idx = perm[:outliers].sort().values.to(torch.int32)
@@ -500,7 +500,7 @@ class QuikCudaCases(CudaCases):
         )
 
     def quik(self, k: int, n: int, m: int, bits: int, outliers: int, rung: str) -> Fns:
-        from qtool.cuda import quik
+        from qtool.layouts.quik import cuda as quik
 
         set_bytes = n * k * bits // 8 + 2 * n * outliers + 2 * m * k + 2 * m * n
         fns = []

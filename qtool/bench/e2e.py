@@ -155,7 +155,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
-        quantized qtool.cuda.kv_cache.KVCache or qtool.cuda.vq_attention.VQCache; mask None for prefill from position 0. Returns (h, this block's
+        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask None for prefill from position 0. Returns (h, this block's
         output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
@@ -202,10 +202,10 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """RoPE + quantized cache write in one kernel; prefill attends to the dequantized keys and values of the
         prompt (what decode steps will read), decode to the cache through the quantized-cache kernel. A
-        qtool.cuda.vq_attention.VQCache (codes into codebooks) runs through its own write and attention, which
+        qtool.kv_cache.vq_cuda.VQCache (codes into codebooks) runs through its own write and attention, which
         take the same arguments."""
-        from qtool.cuda import kv_cache as kvc
-        from qtool.cuda import vq_attention as vqa
+        from qtool.kv_cache import cuda as kvc
+        from qtool.kv_cache import vq_cuda as vqa
 
         d = self.d
         if isinstance(cache, vqa.VQCache):
@@ -288,9 +288,9 @@ def fp16_linear(device: torch.device):
 
 def quant_linear(device: torch.device, bits: int, group_size: int | None, gen: torch.Generator):
     from qtool.bench.cuda_cases import random_packed
-    from qtool.packing.grouped_int import GroupedIntWeight
+    from qtool.layouts.grouped_int.layout import GroupedIntWeight
+    from qtool.layouts.grouped_int.module import GroupedIntLinear
     from qtool.quant.grid import GridSpec
-    from qtool.runtime.qlinear import GroupedIntLinear
 
     spec = GridSpec(bits=bits, symmetric=True, group_size=group_size)
 
@@ -345,7 +345,7 @@ def mixed_label(outlier_fraction: float) -> str:
 def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Generator):
     """Random mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit stripes; qtool/cuda/mixed.py runs them)."""
     from qtool.bench.cuda_cases import random_mixed_weight
-    from qtool.runtime.mixed_linear import MixedLinear
+    from qtool.layouts.mixed.module import MixedLinear
 
     return lambda k, n: MixedLinear(random_mixed_weight(k, n, outlier_fraction, device, gen))
 

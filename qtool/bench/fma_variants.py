@@ -31,8 +31,8 @@ def _median_us(timer, fns, warmup: int, iters: int) -> float:
 def _check(k: int, n: int, bits: int, gs: int, seed: int) -> dict[str, float]:
     """Relative error of each variant against float64 on random inputs (the kernel test's measure)."""
     from qtool.bench.cuda_cases import random_packed
-    from qtool.cuda import grouped_int as gi
-    from qtool.packing.grouped_int import GroupedIntWeight
+    from qtool.layouts.grouped_int import cuda as gi
+    from qtool.layouts.grouped_int.layout import GroupedIntWeight
     from qtool.quant.grid import GridSpec
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qtool.bench.cuda_cases import CudaCases
     from qtool.bench.timing import CudaTimer
-    from qtool.cuda import grouped_int as gi
+    from qtool.layouts.grouped_int import cuda as gi
 
     cases, timer, warm, it = CudaCases(), CudaTimer(), 10, args.iters
     default = gi.FMA_SCALE_AFTER

@@ -38,7 +38,7 @@ def variants(scheme: str, mt: int) -> list[tuple[str, str, int]]:
 
 def _layer(k: int, n: int, group_size: int | None, gen: torch.Generator):
     """Random valid fields (s1 <= 8 keeps every z in [0, 15] valid), as the bench's W4A8 rows build them."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     dev = torch.device("cuda")
     groups = k // group_size if group_size else 1
@@ -56,7 +56,7 @@ def _layer(k: int, n: int, group_size: int | None, gen: torch.Generator):
 
 def _codes(x: torch.Tensor, p):
     """The activation codes at the layer's positions, s_x and sums, by the layout's torch arithmetic."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     q, sx, rs = qoq.quantize_torch(x)
     codes = torch.zeros(x.shape[0], p.kp, dtype=torch.int8, device=x.device)
@@ -65,7 +65,7 @@ def _codes(x: torch.Tensor, p):
 
 
 def _reference(q: torch.Tensor, fields, k: int, group_size: int | None) -> torch.Tensor:
-    from qtool.packing.bitpack import unpack_codes
+    from qtool.layouts.bitpack import unpack_codes
 
     qw, zeros, s1 = fields
     w = unpack_codes(qw, 4, k).to(torch.float64)
@@ -79,7 +79,7 @@ def _reference(q: torch.Tensor, fields, k: int, group_size: int | None) -> torch
 
 
 def _check(fn, acc: torch.Tensor, sx: torch.Tensor, p) -> str | None:
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     raw = torch.full(acc.shape, -0x5A5A5A5A, dtype=torch.int32, device=acc.device)
     fn(raw, True)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from qtool.bench.cuda_cases import CudaCases
     from qtool.bench.stats import summarize
     from qtool.bench.timing import CudaTimer
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     cases, timer, warm = CudaCases(), CudaTimer(), 5
     gen = torch.Generator(device="cuda").manual_seed(0)

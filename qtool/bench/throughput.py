@@ -66,7 +66,7 @@ class W4A8Linear(nn.Module):
         self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator
     ) -> None:
         super().__init__()
-        from qtool.cuda import qoq
+        from qtool.layouts.qoq import cuda as qoq
 
         groups = k // group_size if group_size else 1
         qw = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=device, generator=gen)
@@ -90,13 +90,13 @@ class W4A8Linear(nn.Module):
                 self.register_buffer(f"p_{name}", t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qtool.cuda import qoq
+        from qtool.layouts.qoq import cuda as qoq
 
         return qoq.linear(x, self.prepared)
 
     def forward_codes(self, a, lead: tuple[int, ...]) -> torch.Tensor:
         """y from activation codes made by the kernel that produced the input (qtool/bench/e2e.py FUSED_QUANT)."""
-        from qtool.cuda import qoq
+        from qtool.layouts.qoq import cuda as qoq
 
         return qoq.gemm(a, self.prepared).reshape(*lead, self.prepared.out_features)
 
@@ -118,10 +118,10 @@ def cache_bytes_per_token(variant: str, layers: int, kv_heads: int, head_dim: in
     if mode == "fp16":
         return layers * 2 * kv_heads * head_dim * 2
     if mode in CQ_VECTOR_SIZE:
-        from qtool.cuda.vq_attention import bytes_per_token as vq_bytes
+        from qtool.kv_cache.vq_cuda import bytes_per_token as vq_bytes
 
         return layers * vq_bytes(kv_heads, head_dim, CQ_VECTOR_SIZE[mode])
-    from qtool.cuda.kv_cache import bytes_per_token
+    from qtool.kv_cache.cuda import bytes_per_token
 
     return layers * bytes_per_token(mode, kv_heads, head_dim)
 
@@ -139,7 +139,7 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
             for _ in range(d.layers)
         ]
     if mode in CQ_VECTOR_SIZE:
-        from qtool.cuda import vq_attention as vqa
+        from qtool.kv_cache import vq_cuda as vqa
 
         dv = CQ_VECTOR_SIZE[mode]
         gen = torch.Generator(device=dev).manual_seed(0)  # codebooks per layer: random, 256 entries
@@ -154,7 +154,7 @@ def _caches(variant: str, model: Decoder, batch: int, length: int, dev: torch.de
             )
             for _ in range(d.layers)
         ]
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     return [kvc.allocate(mode, batch, d.kv_heads, length, d.head_dim, dev) for _ in range(d.layers)]
 

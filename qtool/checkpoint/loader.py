@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, file_sha256
 from qtool.errors import CheckpointError
+from qtool.kv_cache.schemes import apply_model_schemes, attach_scheme_tensors
+from qtool.layouts.registry import LAYOUTS
 from qtool.models.integrity import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPES,
@@ -22,8 +24,6 @@ from qtool.models.integrity import (
 )
 from qtool.models.loading import check_architecture
 from qtool.models.loading import load_tokenizer as _load_tokenizer
-from qtool.runtime.layouts import LAYOUTS
-from qtool.runtime.schemes import apply_model_schemes, attach_scheme_tensors
 
 
 def is_checkpoint(path: str | Path) -> bool:

@@ -20,9 +20,9 @@ from qtool.checkpoint.manifest import (
     package_versions,
     portable,
 )
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
-from qtool.packing.grouped_int import GroupedIntWeight
 
 
 def collect_tensors(

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch, qoq
+from qtool.cuda import dependent_launch
+from qtool.layouts.qoq import cuda as qoq
 
 SOURCE = "rms_norm.cu"
 THREADS = 256

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch, qoq
+from qtool.cuda import dependent_launch
+from qtool.layouts.qoq import cuda as qoq
 
 SOURCE = "swiglu.cu"
 THREADS = 256

@@ -236,12 +236,12 @@ class TaskSuite:
 
 def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
     """Which forward the quantized linears take: their CUDA kernels, or the torch reference path."""
-    from qtool.runtime.layouts import LAYOUTS
+    from qtool.layouts.registry import LAYOUTS
 
     packed = tuple(m for _, m in LAYOUTS.values())
     if not any(isinstance(m, packed) for m in model.modules()):
         return "float (no packed layers)"
-    from qtool.runtime.vq_linear import VQLinear  # no CUDA kernel yet
+    from qtool.layouts.vq.module import VQLinear  # no CUDA kernel yet
 
     if device.type != "cuda" or all(
         isinstance(m, VQLinear) for m in model.modules() if isinstance(m, packed)

@@ -105,7 +105,7 @@ def layer_scheme(name: str, cfg: dict, where: str) -> LayerScheme:
 
 
 def _model_schemes(qcfg: dict, where: str) -> None:
-    from qtool.runtime.schemes import RESERVED
+    from qtool.kv_cache.schemes import RESERVED
 
     for key, value in sorted(qcfg.items()):
         if key in RESERVED:
@@ -158,7 +158,7 @@ def layer_state(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(qtool's dequantized weight in float32, its compressed-tensors qparams: weight_scale in `dtype` and, when
     asymmetric, weight_zero_point in the library's signed convention) of one layer, validated by its layout."""
-    from qtool.runtime.layouts import LAYOUTS
+    from qtool.layouts.registry import LAYOUTS
 
     layout = LAYOUTS[cfg["format"]][0].from_tensors(name, cfg, fields)
     weight = layout.dequantize(torch.float32)

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qtool.packing.bitpack import unpack_codes
-from qtool.packing.mixed import SCALE_BITS, MixedWeight, bits_for, eq10_bits
+from qtool.layouts.bitpack import unpack_codes
+from qtool.layouts.mixed.layout import SCALE_BITS, MixedWeight, bits_for, eq10_bits
 
 MAX2 = 3  # 2-bit codes
 MAX4 = 15  # 4-bit codes, and the 4-bit scale codes and second-order zeros

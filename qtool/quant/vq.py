@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qtool.packing.vq import VQWeight
+from qtool.layouts.vq.layout import VQWeight
 from qtool.quant.gptq import inverse_hessian_factor
 
 # Vectors per assignment chunk times entries: bounds the distance matrix to 2^24 elements (64 MiB in float32).

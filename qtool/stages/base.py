@@ -13,12 +13,12 @@ from torch import nn
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.mixed.layout import MixedWeight
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.quik.layout import QuikWeight
+from qtool.layouts.vq.layout import VQWeight
 from qtool.options import option
-from qtool.packing.grouped_int import GroupedIntWeight
-from qtool.packing.mixed import MixedWeight
-from qtool.packing.qoq import QoQWeight
-from qtool.packing.quik import QuikWeight
-from qtool.packing.vq import VQWeight
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
 

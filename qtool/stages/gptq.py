@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.options import option
-from qtool.packing.grouped_int import GroupedIntWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_quantize
 from qtool.stages import register

@@ -10,8 +10,8 @@ from typing import Literal
 from torch import nn
 
 from qtool.errors import RecipeError
+from qtool.kv_cache.quantized import install_kv_cache, kv_scheme
 from qtool.options import option
-from qtool.runtime.kv_cache import install_kv_cache, kv_scheme
 from qtool.stages import register
 from qtool.stages.base import TransformStage
 

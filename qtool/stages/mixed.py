@@ -27,8 +27,8 @@ from typing import Literal
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.layouts.mixed.layout import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
 from qtool.options import option
-from qtool.packing.mixed import MAX_COLUMNS, SCALE_BITS, MixedWeight, bits_for, eq10_bits
 from qtool.quant.blockwise import tune_block
 from qtool.quant.mixed import (
     TunableScales,

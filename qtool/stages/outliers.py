@@ -29,8 +29,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.layouts.quik.layout import QuikWeight
 from qtool.options import option
-from qtool.packing.quik import QuikWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_run
 from qtool.quant.grid import GridSpec

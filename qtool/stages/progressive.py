@@ -22,11 +22,11 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.qoq.module import quantize_activations
 from qtool.options import option
-from qtool.packing.qoq import QoQWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.progressive import qoq_quantize
-from qtool.runtime.qoq_linear import quantize_activations
 from qtool.stages import register
 from qtool.stages.base import QuantizerStage, QuantResult
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qtool.calibration.stats import LinearStats
-from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.rtn import rtn_quantize
 from qtool.stages import register

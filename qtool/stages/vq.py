@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.layouts.vq.layout import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWeight, is_power_of_two
 from qtool.options import option
-from qtool.packing.vq import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWeight, is_power_of_two
 from qtool.quant.blockwise import tune_block
 from qtool.quant.vq import TunableCodebooks, vq_gptq
 from qtool.stages import register

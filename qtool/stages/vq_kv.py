@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from qtool.errors import RecipeError
+from qtool.kv_cache.quantized import attention_modules, use_qtool_attention
+from qtool.kv_cache.vq import KVCodebooks, codebook_shape, kv_vq_scheme
+from qtool.layouts.vq.layout import is_power_of_two
 from qtool.options import option
-from qtool.packing.vq import is_power_of_two
 from qtool.quant.vq import kmeans_batched
-from qtool.runtime.kv_cache import attention_modules, use_qtool_attention
-from qtool.runtime.vq_kv_cache import KVCodebooks, codebook_shape, kv_vq_scheme
 from qtool.stages import register
 from qtool.stages.base import BlockContext, TransformStage
 

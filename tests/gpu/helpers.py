@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from qtool.packing.bitpack import pack_codes
-from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.layouts.bitpack import pack_codes
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.grouped_int.module import GroupedIntLinear
 from qtool.quant.grid import GridSpec
-from qtool.runtime.qlinear import GroupedIntLinear
 
 
 def gpu_ready() -> str | None:
@@ -175,10 +175,10 @@ def attention_excess(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_write_then_attention_chain(kv, new_cache) -> None:
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it, by a cache module
-    `kv` (qtool.cuda.kv_cache, qtool.cuda.vq_attention: write, attention, reference_attention) on the cache that
+    `kv` (qtool.kv_cache.cuda, qtool.kv_cache.vq_cuda: write, attention, reference_attention) on the cache that
     `new_cache(gen, b, kvh, length, d)` makes, after a 40-token prompt: dependent launches and graph replays give
     the ordinary launches' output, within float16 rounding of float64 attention."""
-    from qtool.cuda.kv_cache import rope_half
+    from qtool.kv_cache.cuda import rope_half
 
     b, h, kvh, d, length = 4, 8, 2, 128, 96
     gen = torch.Generator(device="cuda").manual_seed(7)

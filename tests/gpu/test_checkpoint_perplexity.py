@@ -89,7 +89,7 @@ def _load(ckpt, device: str, dtype: torch.dtype):
 
 def _count_paths(monkeypatch) -> Counter:
     """Count the kernel launches `linear` dispatches (proves the kernels, not the reference, ran)."""
-    from qtool.cuda import grouped_int as gi
+    from qtool.layouts.grouped_int import cuda as gi
 
     calls: Counter = Counter()
     for name in ("gemv_fma", "gemv", "mma", "_mma_ws", "dequant_matmul"):
@@ -147,9 +147,9 @@ def test_perplexity_gpu_matches_cpu(checkpoint, cpu_reference, kernels, monkeypa
     """4 windows of 512 tokens per forward (M = 2048): stories260K's layers are too narrow and short for the
     warp-specialized wgmma kernels, so they take dequantize + cuBLAS; `persistent` lowers the thresholds so that
     the same real checkpoint runs through those kernels on Hopper."""
-    from qtool.cuda import grouped_int as gi
     from qtool.cuda.compile import target_arch
     from qtool.eval.perplexity import perplexity
+    from qtool.layouts.grouped_int import cuda as gi
 
     hopper = target_arch() == "sm_90a"
     if kernels == "persistent":

@@ -36,7 +36,7 @@ def _x(m: int, k: int) -> torch.Tensor:
 
 
 def _prep(layer):
-    from qtool.cuda.grouped_int import prepare
+    from qtool.layouts.grouped_int.cuda import prepare
 
     return prepare(
         layer.qweight,
@@ -52,7 +52,7 @@ def _prep(layer):
 def _check_gemv(
     layer, m: int, seed: int, warps: int | None = None, with_bias: bool = False, kernel: str = "gemv"
 ) -> None:
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     gemv = getattr(grouped_int, kernel)
     p = _prep(layer)
@@ -77,7 +77,7 @@ def _check_gemv(
 @pytest.mark.parametrize("nk", ODD_SHAPES)
 @pytest.mark.parametrize("volatile", [0, 1])
 def test_gemv_odd_shapes(bits, group_size, symmetric, nk, volatile, monkeypatch):
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     monkeypatch.setattr(grouped_int, "GEMV_VOLATILE", volatile)
     n, k = nk
@@ -105,7 +105,7 @@ def test_gemv_real_shapes(bits, symmetric, nk):
 @pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("scale_after", [0, 1])
 def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, scale_after, monkeypatch):
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
     monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
@@ -124,7 +124,7 @@ def test_gemv_fma_odd_shapes(bits, group_size, symmetric, nk, pipe, scale_after,
 @pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("scale_after", [0, 1])
 def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, scale_after, monkeypatch):
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", pipe)
     monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
@@ -142,7 +142,7 @@ def test_gemv_fma_real_shapes(bits, symmetric, nk, pipe, scale_after, monkeypatc
 @pytest.mark.parametrize("scale_after", [0, 1])
 def test_gemv_fma_long_rows(group_size, symmetric, nk, scale_after, monkeypatch):
     """Rows longer than 128 pieces at one token: by default each thread of a 4-warp block walks several pieces."""
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     monkeypatch.setattr(grouped_int, "_FMA_PIPE", False)
     monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
@@ -160,8 +160,8 @@ def test_gemv_fma_long_rows(group_size, symmetric, nk, scale_after, monkeypatch)
 @pytest.mark.parametrize("scale_after", [0, 1])
 def test_gemv_fma_large_activations(bits, scale_after, monkeypatch):
     """A few activations in the thousands (as real decoders have) stay finite and accurate on both variants."""
-    from qtool.cuda import grouped_int
-    from qtool.cuda.grouped_int import gemv_fma
+    from qtool.layouts.grouped_int import cuda as grouped_int
+    from qtool.layouts.grouped_int.cuda import gemv_fma
 
     monkeypatch.setattr(grouped_int, "FMA_SCALE_AFTER", scale_after)
     seed = int.from_bytes(os.urandom(4), "little")
@@ -182,7 +182,7 @@ def test_gemv_dependent_entry_gives_the_bits_of_the_ordinary_one(bits, group_siz
     """The dependent-launch entry (weights loaded before the wait, coherent activation loads, 64 registers) against
     the ordinary one at the same split of K: the same bits, every output written (poisoned), and within the float64
     reference's tolerance."""
-    from qtool.cuda.grouped_int import gemv
+    from qtool.layouts.grouped_int.cuda import gemv
 
     n, k = nk
     seed = int.from_bytes(os.urandom(4), "little")
@@ -219,7 +219,7 @@ def test_gemv_any_split_k(warps):
 @pytest.mark.parametrize("nk", ODD_SHAPES[:2] + REAL_SHAPES[:1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_is_bit_exact(bits, group_size, symmetric, nk, dtype):
-    from qtool.cuda.grouped_int import dequantize
+    from qtool.layouts.grouped_int.cuda import dequantize
 
     n, k = nk
     layer = random_layer(n, k, bits, group_size, symmetric, seed=int.from_bytes(os.urandom(4), "little"))
@@ -234,7 +234,7 @@ def test_dequant_is_bit_exact(bits, group_size, symmetric, nk, dtype):
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 300])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_module_forward_dispatch(m, dtype):
-    from qtool.cuda.grouped_int import choose_path
+    from qtool.layouts.grouped_int.cuda import choose_path
 
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_layer(200, 1000, 4, 128, False, seed=seed, bias=True)
@@ -248,7 +248,7 @@ def test_module_forward_dispatch(m, dtype):
         f"path {choose_path(m, dtype, 4, 128, 1000, 200)} error {rel_err(y, ref):.2e}"
     )
     from qtool.cuda.compile import target_arch
-    from qtool.cuda.grouped_int import GEMV_MAX_M, MMA_MAX_M, MMA_MIN_M
+    from qtool.layouts.grouped_int.cuda import GEMV_MAX_M, MMA_MAX_M, MMA_MIN_M
 
     hopper = target_arch() == "sm_90a"
     if dtype != torch.float16:
@@ -264,8 +264,8 @@ def test_module_forward_dispatch(m, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_overlapped_dequant_matmul(dtype, monkeypatch):
-    from qtool.cuda import grouped_int
-    from qtool.cuda.grouped_int import PREFILL_OVERLAP_MIN_M, dequant_matmul
+    from qtool.layouts.grouped_int import cuda as grouped_int
+    from qtool.layouts.grouped_int.cuda import PREFILL_OVERLAP_MIN_M, dequant_matmul
 
     monkeypatch.setattr(grouped_int, "PREFILL_CHUNKS", 4)
     seed = int.from_bytes(os.urandom(4), "little")
@@ -279,7 +279,7 @@ def test_prefill_overlapped_dequant_matmul(dtype, monkeypatch):
 
 
 def test_dequant_row_slices_match_whole():
-    from qtool.cuda.grouped_int import dequantize
+    from qtool.layouts.grouped_int.cuda import dequantize
 
     layer = random_layer(300, 520, 8, 32, False, seed=int.from_bytes(os.urandom(4), "little"))
     p = _prep(layer)
@@ -306,7 +306,7 @@ def test_unsupported_layout_falls_back_and_strict_mode_names_reference(monkeypat
 
 
 def test_bad_inputs_name_the_tensor():
-    from qtool.cuda.grouped_int import gemv
+    from qtool.layouts.grouped_int.cuda import gemv
 
     layer = random_layer(64, 256, 4, 64, True, seed=2)
     p = _prep(layer)
@@ -357,7 +357,7 @@ def test_kernel_cache_key_follows_headers(tmp_path, monkeypatch):
 
 
 def test_launch_follows_torch_stream():
-    from qtool.cuda.grouped_int import gemv
+    from qtool.layouts.grouped_int.cuda import gemv
 
     layer = random_layer(256, 512, 4, 128, True, seed=3)
     p = _prep(layer)
@@ -386,7 +386,7 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(kernels, m):
     from a CUDA graph, the chain gives the bits of ordinary launches every time: an activation read or output
     write placed before a kernel's wait, or an activation read through the non-coherent cache, would race and
     differ (the latter gave zeros at M = 1)."""
-    from qtool.cuda import grouped_int
+    from qtool.layouts.grouped_int import cuda as grouped_int
 
     # (N, K, bits); K a multiple of 128, so no padding copy runs between the kernels
     shapes = [(2048, 1024, 4), (1024, 2048, 8), (1536, 1024, 4), (1024, 1536, 8)] * 2

@@ -32,7 +32,7 @@ def _hopper_and_fresh_inputs():
 
 
 def _prep(layer):
-    from qtool.cuda.grouped_int import prepare
+    from qtool.layouts.grouped_int.cuda import prepare
 
     return prepare(
         layer.qweight,
@@ -47,7 +47,7 @@ def _prep(layer):
 
 def _check(layer, m: int, *, with_bias: bool = False, sample: int | None = None, **kw) -> torch.Tensor:
     """Run the kernel on fresh inputs; compare all rows (or `sample` random ones) with the float64 reference."""
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     p = _prep(layer)
     x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.float16)
@@ -92,7 +92,7 @@ def test_mma_real_shapes(bits, symmetric, nk):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mma_every_kernel_split_and_stage_count(bits):
-    from qtool.cuda.grouped_int import MMA_KERNELS
+    from qtool.layouts.grouped_int.cuda import MMA_KERNELS
 
     layer = random_layer(300, 1500, bits, 64, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     for (tn, rows), stage_counts in MMA_KERNELS.items():
@@ -107,7 +107,7 @@ def test_mma_every_kernel_split_and_stage_count(bits):
 
 def test_mma_split_k_is_deterministic_and_leaves_counters_zero():
     from qtool.cuda import split_k
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     layer = random_layer(1000, 4096, 4, 128, True, seed=int.from_bytes(os.urandom(4), "little"))
     p = _prep(layer)
@@ -123,7 +123,7 @@ def test_mma_split_k_is_deterministic_and_leaves_counters_zero():
 
 def test_mma_in_a_cuda_graph():
     from qtool.cuda.graphs import GraphedStep
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     layer = random_layer(4096, 4096, 4, 128, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     p = _prep(layer)
@@ -138,7 +138,7 @@ def test_mma_in_a_cuda_graph():
 
 def test_mma_refuses_small_groups_and_bad_arguments():
     from qtool.cuda.compile import CudaUnavailableError
-    from qtool.cuda.grouped_int import choose_path, mma
+    from qtool.layouts.grouped_int.cuda import choose_path, mma
 
     layer = random_layer(64, 256, 8, 16, True, seed=5)
     x = torch.randn(32, 256, device="cuda", dtype=torch.float16)
@@ -166,7 +166,7 @@ def test_mma_refuses_small_groups_and_bad_arguments():
 def test_mma_warp_specialized_equals_block_synchronous(bits, group_size, symmetric, nk):
     """The warp-specialized kernel (bulk tensor copies, mbarrier ring) against the float64 reference, and bit for
     bit against the block-synchronous kernel with the same 256-token tiles: same fragments, same wgmma order."""
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     n, k = nk
     layer = random_layer(
@@ -193,7 +193,7 @@ def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size,
     tile's last block) against the float64 reference, bit for bit against the block-synchronous kernel at the same
     tile and split, and with its own choice of tile and split (ws_plan); the tile counters end at zero."""
     from qtool.cuda import split_k
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     n, k = nk
     layer = random_layer(
@@ -232,7 +232,7 @@ def test_mma_warp_specialized_split_k_equals_block_synchronous(bits, group_size,
 
 def test_mma_warp_specialized_split_k_in_a_cuda_graph():
     from qtool.cuda.graphs import GraphedStep
-    from qtool.cuda.grouped_int import mma, ws_plan
+    from qtool.layouts.grouped_int.cuda import mma, ws_plan
 
     layer = random_layer(4096, 4096, 4, 128, False, seed=int.from_bytes(os.urandom(4), "little"), bias=True)
     p = _prep(layer)
@@ -248,7 +248,7 @@ def test_mma_warp_specialized_split_k_in_a_cuda_graph():
 
 
 def test_mma_warp_specialized_refuses_bad_tiles():
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     p = _prep(random_layer(256, 512, 4, 128, True, seed=7))
     x = torch.randn(100, 512, device="cuda", dtype=torch.float16)
@@ -283,7 +283,7 @@ def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, n
     against the float64 reference, and bit for bit against the one-tile-per-block kernel, at every ring depth and
     with grids capped so that blocks take 1, 2, 3 or many tiles (the last ones partial in tokens and rows), and
     such that the last partial round runs as 64-token quarters (those past M skipped)."""
-    from qtool.cuda.grouped_int import mma, wsp_full_tiles
+    from qtool.layouts.grouped_int.cuda import mma, wsp_full_tiles
 
     n, k = nk
     layer = random_layer(
@@ -310,7 +310,7 @@ def test_mma_persistent_equals_one_tile_per_block(bits, group_size, symmetric, n
 
 
 def test_mma_persistent_refuses_unaligned_output_rows_and_stray_grid_caps():
-    from qtool.cuda.grouped_int import mma
+    from qtool.layouts.grouped_int.cuda import mma
 
     layer = random_layer(100, 512, 4, 128, True, seed=int.from_bytes(os.urandom(4), "little"))
     p = _prep(layer)

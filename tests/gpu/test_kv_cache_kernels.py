@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 
 
 def _poisoned(mode, b, kvh, length, d):
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     cache = kvc.allocate(mode, b, kvh, length, d, torch.device("cuda"), k_scale=0.05, v_scale=0.02)
     for t in (cache.k, cache.v):
@@ -45,7 +45,7 @@ def _poisoned(mode, b, kvh, length, d):
     ],
 )
 def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positions):
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     if mode == "int4" and d % 8:
         pytest.skip("int4 needs head_dim % 8 == 0")
@@ -82,7 +82,7 @@ def test_write_is_bit_identical_to_the_torch_form(mode, b, t, h, kvh, d, positio
 
 def _random_cache(mode, b, kvh, length, d, gen):
     """A cache of random codes and params (not a write's output: every code and zero point value occurs)."""
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     cache = kvc.allocate(mode, b, kvh, length, d, torch.device("cuda"), k_scale=0.5, v_scale=0.25)
     for t in (cache.k, cache.v):
@@ -117,7 +117,7 @@ def _random_cache(mode, b, kvh, length, d, gen):
     ],
 )
 def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     if mode == "int4" and d % 8:
         pytest.skip("int4 needs head_dim % 8 == 0")
@@ -155,7 +155,7 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
     """The KV4 tensor-core form (float16 products of the exact codes with the query, P·s rounded to float16) stays
     within the CUDA-core form's bound against float64, at every position of the cache, and it is what the dispatch
     takes for these caches."""
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     assert kvc.attention_kernel("int4", h // kvh, d) == "tc"
     gen = torch.Generator(device="cuda").manual_seed(b * 100 + h + length + d + 7)
@@ -174,7 +174,7 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
 
 
 def test_tensor_core_attention_splits_the_cache_when_pairs_are_few():
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     assert kvc.attention_splits(8, 1024, 132) == 16  # Llama-3-8B, batch 1: 128 blocks
     assert kvc.attention_splits(8, 100, 132) == 1  # a short cache stays one block per pair
@@ -187,7 +187,7 @@ def test_tensor_core_attention_splits_the_cache_when_pairs_are_few():
 
 def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     check_write_then_attention_chain(
         kvc, lambda gen, b, kvh, length, d: kvc.allocate("int4", b, kvh, length, d, torch.device("cuda"))
@@ -195,7 +195,7 @@ def test_write_then_attention_under_dependent_launches_and_a_graph():
 
 
 def test_kv_cache_kernels_refuse_bad_input_in_one_line():
-    from qtool.cuda import kv_cache as kvc
+    from qtool.kv_cache import cuda as kvc
 
     with pytest.raises(ValueError, match="found head_dim 36, expected a multiple of 8"):
         kvc.allocate("int4", 1, 1, 8, 36, torch.device("cuda"))

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from qtool.packing.mixed import MixedWeight
-from qtool.runtime.mixed_linear import MixedLinear
+from qtool.layouts.mixed.layout import MixedWeight
+from qtool.layouts.mixed.module import MixedLinear
 from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
@@ -95,19 +95,19 @@ def reference64(layer: MixedLinear, x: torch.Tensor, with_bias: bool) -> torch.T
 
 
 def _prep(layer):
-    from qtool.cuda.mixed import prepare
+    from qtool.layouts.mixed.cuda import prepare
 
     return prepare(layer, keep_checkpoint=True)  # both layouts: the direct GEMV and the dequantize kernel too
 
 
 def mixed_layout(p) -> str:
-    from qtool.cuda.mixed import gemv_layout
+    from qtool.layouts.mixed.cuda import gemv_layout
 
     return gemv_layout(p)
 
 
 def _check(layer, p, m: int, seed: int, with_bias: bool = False, **kw) -> None:
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.float16)
     out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
@@ -193,7 +193,7 @@ def test_gemv_real_shapes(nkg):
 
 
 def test_dequantize_matches_the_reference_cast_bit_for_bit():
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     for assign in ("block4", "global"):
         layer = random_mixed(48, 1088, 16, assign, 0.01, 7)
@@ -207,7 +207,7 @@ def test_dequantize_matches_the_reference_cast_bit_for_bit():
 
 @pytest.mark.parametrize("m", [17, 64, 200])
 def test_dequant_cublas_path(m):
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     layer = random_mixed(264, 1024, 8, "global", 0.005, m, bias=True)
     p = _prep(layer)
@@ -236,7 +236,7 @@ def test_module_forward_takes_the_kernels_and_agrees_with_the_reference(monkeypa
 
 
 def test_gemv_and_spmv_replayed_from_one_cuda_graph():
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     layer = random_mixed(512, 1024, 16, "block4", 0.01, 11)
     p = _prep(layer)
@@ -256,7 +256,7 @@ def test_gemv_and_spmv_replayed_from_one_cuda_graph():
 
 
 def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     layer = random_mixed(1024, 4096, 16, "block4", 0.002, 5)
     p = _prep(layer)
@@ -277,7 +277,7 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
     """`qtool bench e2e --mixed`: the bench decoder on mixed-2-4-16 projections (tiled GEMV, fused outliers) gives the
     same bits eagerly with ordinary and dependent launches and replayed from a CUDA graph."""
     from qtool.bench import e2e
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     seed = int.from_bytes(os.urandom(4), "little")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -312,7 +312,7 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
 
 
 def _gemm_ready():
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     return mixed.gemm_capable(torch.device("cuda"))
 
@@ -322,7 +322,7 @@ def _gemm_ready():
 def test_gemm_matches_the_reference(fraction, nkg):
     """The tiled-stream GEMM (prefill): every token tile, split-K on and off, rows past N and tokens past the tile,
     bias, outliers in the epilogue or by the second kernel; outputs poisoned before each launch."""
-    from qtool.cuda import mixed
+    from qtool.layouts.mixed import cuda as mixed
 
     if not _gemm_ready():
         pytest.skip("the mixed-2-4-16 GEMM needs a Hopper GPU")
@@ -381,8 +381,8 @@ def test_module_keeps_only_the_tiled_streams_on_the_gpu(monkeypatch):
 def test_gemv_swiglu_epilogue_gives_the_bits_of_gemv_then_swiglu(fraction):
     """The tiled GEMV with the SwiGLU epilogue (a row-interleaved gate/up layer) against the GEMV's projection
     followed by the SwiGLU kernel on the de-interleaved halves: the same bits."""
-    from qtool.cuda import mixed
     from qtool.cuda.swiglu import swiglu
+    from qtool.layouts.mixed import cuda as mixed
 
     seed = int.from_bytes(os.urandom(4), "little")
     n, k = 2 * 1408, 2048

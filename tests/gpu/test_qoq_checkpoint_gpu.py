@@ -77,7 +77,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_qoq_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")  # a fallback to the reference raises instead
     calls: Counter = Counter()
@@ -101,7 +101,7 @@ def test_qoq_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
 
 def test_qoq_layers_kernel_equals_reference(checkpoint):
     import qtool
-    from qtool.runtime.qoq_linear import QoQLinear
+    from qtool.layouts.qoq.module import QoQLinear
 
     model = qtool.load(checkpoint, device="cuda", dtype=torch.float16)
     layers = [m for m in model.modules() if isinstance(m, QoQLinear)]

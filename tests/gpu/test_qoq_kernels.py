@@ -79,7 +79,7 @@ def _acc_ref(codes: torch.Tensor, layer: FieldLayer) -> torch.Tensor:
 
 
 def _quantized(x: torch.Tensor, p):
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     a = qoq.empty_activations(x.shape[0], p, x.device)
     a.codes.fill_(0x5A)
@@ -110,7 +110,7 @@ def _check_gemm(
     a, p, layer: FieldLayer, acc_ref: torch.Tensor, sx: torch.Tensor, raw: bool = True, **kw
 ) -> None:
     """qoq.gemm with the dispatch overrides `kw`: _check_products."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     _check_products(partial(qoq.gemm, a, p, **kw), layer, acc_ref, sx, raw)
 
@@ -124,7 +124,7 @@ SCHEME_IDS = ["w8", "w4pc", "w4g32", "w4g64", "w4g128"]
 @pytest.mark.parametrize("m", [1, 7, 129, 2048])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantize_kernel_equals_reference(k, m, bits):
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer = FieldLayer(8, k, bits, None, False).cuda() if bits == 4 or k % 8 == 0 else None
     if layer is None:
@@ -157,7 +157,7 @@ CASES = [(n, k, m) for n, k in SMALL for m in (1, 7, 16, 64, 129, 512, 2048)] + 
 @pytest.mark.parametrize("bits,group_size", SCHEMES, ids=SCHEME_IDS)
 @pytest.mark.parametrize("n,k,m", CASES)
 def test_gemm_exact(bits, group_size, n, k, m):
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     if group_size and k % group_size:
         pytest.skip(f"K {k} is not a multiple of g {group_size}")
@@ -176,7 +176,7 @@ def test_gemm_exact(bits, group_size, n, k, m):
 @pytest.mark.parametrize("m", [1, 33, 300])
 def test_gemm_tiles_and_splits(bits, group_size, tokens, m):
     """Every token tile on several tiles of tokens and weight rows, and split-K shares (exact integer sums)."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     n, k = 328, 2048
     layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
@@ -194,7 +194,7 @@ def test_gemm_tiles_and_splits(bits, group_size, tokens, m):
 @pytest.mark.parametrize("bits,group_size", SCHEMES, ids=SCHEME_IDS)
 def test_module_forward(bits, group_size, monkeypatch):
     """module_forward on a 3-D input equals quantize + gemm; it declines CPU inputs and the reference mode."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     n, k = 264, 1024
     layer = FieldLayer(n, k, bits, group_size, bias=True).cuda()
@@ -222,7 +222,7 @@ WS_CASES = [("sync", 64), ("sync", 128), ("ws", 64), ("ws", 128), ("ws", 256), (
 def test_gemm_forms_exact(bits, group_size, kernel, tokens, n, k, m):
     """Every 4-bit form (block-synchronous, warp-specialized, persistent) gives the exact int32 products and the
     layout's float16 output; the persistent one also with fewer blocks than tiles (each block walks several)."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     if group_size and k % group_size:
         pytest.skip(f"K {k} is not a multiple of g {group_size}")
@@ -248,7 +248,8 @@ def test_gemm_ws_split_exact(bits, group_size, tokens, split, whole, n, k, m):
     (more than the layer has: none split): exact int32 sums and the layout's float16 output on odd shapes, uneven
     shares (16 stages in 3), more blocks than the layer has stages (K = 128: one stage, so all but one share are
     empty), twice in a row: the tile counters are back at zero after each."""
-    from qtool.cuda import qoq, split_k
+    from qtool.cuda import split_k
+    from qtool.layouts.qoq import cuda as qoq
 
     if group_size and k % group_size:
         pytest.skip(f"K {k} is not a multiple of g {group_size}")
@@ -265,7 +266,7 @@ def test_gemm_ws_split_exact(bits, group_size, tokens, split, whole, n, k, m):
 
 @needs_hopper
 def test_gemm_split_arguments():
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer = FieldLayer(136, 256, 4, None, False).cuda()
     p = qoq.prepare(layer)
@@ -293,7 +294,7 @@ def _gemv_cases(test):
 
 def _gemv_layer(bits: int, group_size: int | None, n: int, k: int, bias: bool):
     """A random field layer and its prepared operands (skips schemes whose group size does not divide K)."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     if group_size and k % group_size:
         pytest.skip(f"K {k} is not a multiple of g {group_size}")
@@ -305,7 +306,7 @@ def _gemv_layer(bits: int, group_size: int | None, n: int, k: int, bias: bool):
 def test_gemv_fused_quantization_exact(bits, group_size, n, k, m):
     """The decode GEMV quantizes its own rows: its int32 products and float16 outputs equal those of the quantize
     kernel + the layout's arithmetic, on contiguous rows and on rows with a longer stride."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer, p = _gemv_layer(bits, group_size, n, k, bias=m % 2 == 1)
     base = _x(m, k + 24)
@@ -318,7 +319,7 @@ def test_gemv_fused_quantization_exact(bits, group_size, n, k, m):
 def _torch_codes(x: torch.Tensor, p, pad: int = 0):
     """QoQActivations from the layout's torch arithmetic (codes at the layer's positions, zero padding), in rows of
     p.kp + pad bytes (pad > 0: a row stride longer than the row)."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     q, sx, rs = qoq.quantize_torch(x)
     buf = torch.zeros(x.shape[0], p.kp + pad, dtype=torch.int8, device="cuda")
@@ -331,7 +332,7 @@ def test_gemv_codes_exact(bits, group_size, n, k, m):
     """The decode GEMV on codes made beforehand (what gemm() dispatches at decode sizes): int32 products and float16
     outputs equal to the layout's arithmetic, on contiguous code rows and rows with a longer stride; gemm() gives
     the same float16 output whichever form it picks."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer, p = _gemv_layer(bits, group_size, n, k, bias=m % 2 == 0)
     x = _x(m, k)
@@ -348,7 +349,7 @@ def test_gemv_codes_exact(bits, group_size, n, k, m):
 def test_gemv_codes_declines_what_it_cannot_take():
     """Code rows whose stride is not a whole number of 16-byte pieces are refused (no launch); more than 4 tokens
     go to the GEMM."""
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer = FieldLayer(64, 256, 4, 128, bias=True).cuda()
     p = qoq.prepare(layer)
@@ -365,7 +366,7 @@ def test_gemv_codes_declines_what_it_cannot_take():
 
 @needs_hopper
 def test_gemv_declines_what_it_cannot_take():
-    from qtool.cuda import qoq
+    from qtool.layouts.qoq import cuda as qoq
 
     layer = FieldLayer(64, 100, 4, None, False).cuda()
     p = qoq.prepare(layer)

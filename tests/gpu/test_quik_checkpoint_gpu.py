@@ -66,7 +66,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_quik_checkpoint_perplexity_gpu_matches_cpu(checkpoint, monkeypatch):
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")  # a fallback to the reference raises instead
     calls: Counter = Counter()
@@ -107,8 +107,8 @@ def test_quik_checkpoint_decode_gemv_and_split_k(checkpoint, batch, monkeypatch)
     tokens its 4-bit activation grid turns the fp16-vs-fp32 differences of the hidden states into code flips that
     moved the perplexity by 1.5-7.8% on an H200, whatever the kernel; the prefill test above compares it over
     16,000 tokens."""
-    from qtool.cuda import quik
-    from qtool.runtime.quik_linear import QuikLinear
+    from qtool.layouts.quik import cuda as quik
+    from qtool.layouts.quik.module import QuikLinear
     from tests.gpu.test_checkpoint_perplexity import _decode_ids, _decode_nll, _full_nll, _load
 
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")

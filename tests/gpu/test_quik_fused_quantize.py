@@ -29,7 +29,7 @@ SHAPES = [
 
 
 def _poisoned(m: int, n: int, p):
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     a = quik.empty_activations(m, p, torch.device("cuda"))
@@ -41,7 +41,7 @@ def _poisoned(m: int, n: int, p):
 
 
 def _two_kernels(x: torch.Tensor, p):
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     out, a = _poisoned(x.shape[0], p.out_features, p)
     quik.quantize(x, p, out=a)
@@ -50,7 +50,8 @@ def _two_kernels(x: torch.Tensor, p):
 
 
 def _check(x: torch.Tensor, p, ref, where: str, **plan) -> None:
-    from qtool.cuda import quik, split_k
+    from qtool.cuda import split_k
+    from qtool.layouts.quik import cuda as quik
 
     out, a = _poisoned(x.shape[0], p.out_features, p)
     quik.quantize_gemm(x, p, out=out, acts=a, **plan)
@@ -72,7 +73,7 @@ def _check(x: torch.Tensor, p, ref, where: str, **plan) -> None:
 @pytest.mark.parametrize("n,k,ko", SHAPES)
 @pytest.mark.parametrize("m", [129, 300, 2048])
 def test_fused_form_gives_the_bits_of_quantize_then_gemm(n, k, ko, m):
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(n, k, ko, 4, bias=True)
     p = quik.prepare(layer)
@@ -100,7 +101,7 @@ def test_fused_form_gives_the_bits_of_quantize_then_gemm(n, k, ko, m):
 
 @needs_hopper
 def test_fused_form_reads_strided_rows_and_a_graph_replays_it():
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(1000, 520, 130, 4, bias=False)
     p = quik.prepare(layer)
@@ -125,7 +126,7 @@ def test_fused_form_reads_strided_rows_and_a_graph_replays_it():
 def test_fused_form_in_a_chain_of_dependent_launches(monkeypatch):
     """Layers chained through their outputs: each fused kernel quantizes what the kernel ahead wrote, as a
     programmatic dependent (eagerly and from a CUDA graph), and gives the bits of ordinary launches."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     monkeypatch.setattr(quik, "FUSED_QUANTIZE", True)
     monkeypatch.setattr(quik, "WSQ_MIN_ROUNDS", 0)  # `linear` takes the fused form at these small shapes
@@ -142,7 +143,7 @@ def test_fused_form_in_a_chain_of_dependent_launches(monkeypatch):
 
 @needs_hopper
 def test_fused_form_refuses_in_one_line():
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     p4 = quik.prepare(random_quik(256, 512, 64, 4))
     p8 = quik.prepare(random_quik(256, 512, 64, 8))

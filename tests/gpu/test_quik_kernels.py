@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from qtool.packing.quik import QuikWeight
-from qtool.runtime.quik_linear import QuikLinear
+from qtool.layouts.quik.layout import QuikWeight
+from qtool.layouts.quik.module import QuikLinear
 from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
@@ -75,7 +75,7 @@ SHAPES = [  # (N, K, outliers): Llama-2-7B projections, then odd ones (N % 128 !
 def _check_quantize(x: torch.Tensor, p, **kernel) -> None:
     """The kernel's codes, scales, zeros and outlier values equal the torch split + quantize, under two poisons
     (an unwritten byte differs from the reference in one of them)."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     m = x.shape[0]
     ref = quik.quantize_torch(x, p)
@@ -98,8 +98,8 @@ def _check_quantize(x: torch.Tensor, p, **kernel) -> None:
 @pytest.mark.parametrize("m", [1, 7, 128, 333])
 @pytest.mark.parametrize("kernel", ["block", "warp"])
 def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m, kernel):
-    from qtool.cuda import quik
-    from qtool.runtime.quik_linear import quantize_activations
+    from qtool.layouts.quik import cuda as quik
+    from qtool.layouts.quik.module import quantize_activations
 
     if kernel == "warp" and k % 8:
         pytest.skip("the warp-per-row kernel takes whole 16-byte pieces (K % 8 == 0)")
@@ -123,7 +123,7 @@ def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m, kernel):
 def test_quantize_warp_kernel_reuses_its_row_buffers(bits, stages, team, teams, blocks):
     """Few row teams over many rows: every team refills each of its buffers many times (the mbarrier parity
     flips), on shapes with and without holes in the last group of 32 code positions, and with no base column."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     for n, k, ko in ((64, 4096, 256), (40, 1000, 37), (24, 512, 0), (16, 64, 64)):
         layer = random_quik(n, k, ko, bits)
@@ -136,7 +136,7 @@ def test_quantize_warp_kernel_reuses_its_row_buffers(bits, stages, team, teams, 
 def test_quantize_warp_kernel_constant_rows_and_ties():
     """Rows whose base columns are all equal (scale 1, every code -2^(b-1)) and rows of small integers, whose
     quotients land on exact halves, so rounding ties to even must match the reference."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     for bits in (4, 8):
         layer = random_quik(48, 2048, 64, bits)
@@ -154,7 +154,7 @@ def test_quantize_warp_kernel_constant_rows_and_ties():
 @needs_hopper
 def test_quantize_kernel_strided_and_unaligned_rows():
     """Rows that are not 16-byte aligned (K % 8 != 0, or a strided view) take the element-wise loads."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     for n, k, ko in ((64, 300, 20), (64, 4096, 256)):
         layer = random_quik(n, k, ko, 4)
@@ -171,7 +171,7 @@ def test_quantize_kernel_strided_and_unaligned_rows():
 def _variants(bits: int, m: int = 1 << 30) -> list[tuple[int | None, str, int | None]]:
     """Every GEMM build for M tokens: each token tile, with each kernel (cp.async + block barrier, warp-specialized,
     and its persistent form, at each ring depth built), and the GEMV where M allows it: (tokens, kernel, stages)."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     out: list[tuple[int | None, str, int | None]] = [(tn, "sync", None) for tn in sorted(quik.GEMM_TILES)]
     for kernel, tiles in (("ws", quik.WS_TILES), ("wsp", quik.WSP_TILES)):
@@ -181,7 +181,7 @@ def _variants(bits: int, m: int = 1 << 30) -> list[tuple[int | None, str, int | 
 
 def _wsp_rings(bits: int) -> list[tuple[int, int]]:
     """(tokens, ring stages) of every persistent GEMM build."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     return [(tn, st) for tn in sorted(quik.WSP_TILES) for st in quik.ws_rings("wsp", bits, tn)]
 
@@ -196,7 +196,7 @@ def _acc_reference(layer: QuikLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k,ko", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 16, 200, 2048])
 def test_gemm_integer_accumulators_exact(bits, n, k, ko, m):
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     if m == 2048 and n * k > 4096 * 4096:
         m = 512  # keep the int64 reference product small; 2048 rows run on the 4096x4096 shape
@@ -240,7 +240,7 @@ def test_fused_output_matches_reference(bits, n, k, ko, m, bias):
 
 @needs_hopper
 def test_fused_output_poisoned_buffer_fully_written():
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(200, 520, 130, 4, bias=True)
     p = quik.prepare(layer)
@@ -261,7 +261,7 @@ def test_fused_output_poisoned_buffer_fully_written():
 def test_persistent_gemm_walks_several_tiles_per_block(bits, blocks):
     """The persistent kernel with fewer blocks than tiles: every block runs several tiles through one ring
     (stage phases carry over between tiles), and the integer sums and fused outputs stay exact."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     n, k, ko, m = 1000, 520, 130, 700  # 8 x 3 tiles of 128 x 256, 16 x 6 of 128 x 128
     layer = random_quik(n, k, ko, bits, bias=True)
@@ -290,7 +290,7 @@ def test_persistent_epilogue_stores_through_the_copy_engine_bit_for_bit(bits, n,
     in turn over several tiles per block, at every ring depth and so every buffer count) writes exactly the bits
     of its thread-store epilogue, and an output whose rows the copy engine cannot address takes the thread
     stores."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(n, k, ko, bits, bias=True)
     p = quik.prepare(layer)
@@ -324,7 +324,8 @@ def test_split_k_gemm_matches_reference_deterministic_counters_zero(bits, n, k, 
     (shares that end inside the integer stages, start in the outlier stages or straddle the switch), gives the
     reference's output within fp16 rounding, the same bits when launched again, every element written, and
     leaves the tile counters at zero."""
-    from qtool.cuda import quik, split_k
+    from qtool.cuda import split_k
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(n, k, ko, bits, bias=True)
     p = quik.prepare(layer)
@@ -356,7 +357,7 @@ def test_split_k_gemm_matches_reference_deterministic_counters_zero(bits, n, k, 
 def test_gemv_is_the_decode_path_and_matches_the_gemm(bits, n, k, ko, m):
     """At 1-2 tokens the dispatch takes the CUDA-core GEMV; its fused output (poisoned before) equals the
     block-synchronous GEMM's within fp16 rounding, and more tokens are refused in one line."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(n, k, ko, bits, bias=True)
     p = quik.prepare(layer)
@@ -382,7 +383,7 @@ def test_gemv_is_the_decode_path_and_matches_the_gemm(bits, n, k, ko, m):
 def test_fused_gemm_kernels_agree(bits, n, k, ko):
     """Both GEMM kernels at every tile give the same fused output for one set of activations: the same integer
     sums, the same Eq. 1 arithmetic, outlier products that differ only in float32 summation order."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     layer = random_quik(n, k, ko, bits, bias=True)
     p = quik.prepare(layer)
@@ -410,7 +411,7 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
     ordinary launches every time: a read or write placed before a kernel's wait, or a read of the kernel ahead's
     output through the non-coherent cache, would race and differ. M = 1, 2 run the GEMV, 5 the block-synchronous
     GEMM, 700 the persistent one; K = 1002 (rows not 16-byte aligned) the block quantize kernel."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     # (N, K, outliers)
     shapes = [(2048, 1024, 64), (1024, 2048, 128), (1002, 1024, 0), (1536, 1002, 40), (1024, 1536, 96)] * 2
@@ -421,7 +422,7 @@ def test_dependent_launches_give_the_bits_of_ordinary_launches(m):
 def assert_linear_chain_bits(ps: list, x: torch.Tensor) -> None:
     """`quik.linear` through the layers `ps` in turn: dependent launches (eager and replayed) give the bits of
     ordinary ones, finite and not all zero."""
-    from qtool.cuda import quik
+    from qtool.layouts.quik import cuda as quik
 
     def chain() -> torch.Tensor:
         y = x

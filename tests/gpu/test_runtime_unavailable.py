@@ -13,8 +13,8 @@ from qtool.cuda import compile as cc
 
 def test_package_imports_do_not_import_cupy():
     code = (
-        "import sys; import qtool.cuda.compile, qtool.cuda.grouped_int, qtool.cuda.graphs, qtool.bench.command, "
-        "qtool.runtime.qlinear; print('cupy' in sys.modules)"
+        "import sys; import qtool.cuda.compile, qtool.layouts.grouped_int.cuda, qtool.cuda.graphs, qtool.bench.command, "
+        "qtool.layouts.grouped_int.module; print('cupy' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -45,7 +45,7 @@ def test_bad_kernel_mode_is_named(monkeypatch):
 
 
 def test_dispatch_rule():
-    from qtool.cuda.grouped_int import choose_path, gemv_warps
+    from qtool.layouts.grouped_int.cuda import choose_path, gemv_warps
 
     assert choose_path(1, torch.float16, 4, 128, 4096, 4096, hopper=False) == "gemv-fma"
     assert choose_path(1, torch.float16, 8, 128, 4096, 4096, hopper=False) == "gemv-fma"

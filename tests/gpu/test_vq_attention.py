@@ -42,7 +42,7 @@ def _books(kvh, d, dv, gen, entries=256):
     ],
 )
 def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     gen = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + d + dv)
     length = 64
@@ -81,7 +81,7 @@ def test_write_gives_the_codes_of_encode(dv, b, t, h, kvh, d, positions):
 
 def _random_cache(b, kvh, length, d, dv, gen, entries=256):
     """A cache of random codes (every entry occurs) over random codebooks."""
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     kb, vb = _books(kvh, d, dv, gen, entries)
     cache = vqa.allocate(kb * 0.25, vb, b, length, torch.device("cuda"))
@@ -106,7 +106,7 @@ def _random_cache(b, kvh, length, d, dv, gen, entries=256):
     ],
 )
 def test_attention_matches_float64_reference(dv, b, h, kvh, length, d):
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     gen = torch.Generator(device="cuda").manual_seed(b * 100 + h + length + d + dv)
     cache = _random_cache(b, kvh, length, d, dv, gen)
@@ -131,7 +131,7 @@ def test_attention_matches_float64_reference(dv, b, h, kvh, length, d):
 
 def test_attention_with_fewer_entries():
     """16-entry codebooks (4-bit codes stored a byte each): the tables hold only the entries there are."""
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     cache = _random_cache(2, 2, 100, 64, 4, gen, entries=16)
@@ -143,7 +143,7 @@ def test_attention_with_fewer_entries():
 
 
 def test_attention_splits_the_cache_when_pairs_are_few():
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     assert vqa.attention_form(1, 128, 4, 16 * 32, 132) == "lut"  # Llama-2-7B, batch 16: score tables
     assert vqa.attention_form(1, 128, 4, 32, 132) == "direct"  # batch 1: split, the direct form
@@ -157,7 +157,7 @@ def test_attention_splits_the_cache_when_pairs_are_few():
 
 def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     def new_cache(gen, b, kvh, length, d):
         kb, vb = _books(kvh, d, 4, gen)
@@ -167,7 +167,7 @@ def test_write_then_attention_under_dependent_launches_and_a_graph():
 
 
 def test_vq_cache_kernels_refuse_bad_input_in_one_line():
-    from qtool.cuda import vq_attention as vqa
+    from qtool.kv_cache import vq_cuda as vqa
 
     dev = torch.device("cuda")
     books = torch.zeros(2, 16, 256, 4, dtype=torch.float16, device=dev)
@@ -191,6 +191,6 @@ def test_vq_cache_kernels_refuse_bad_input_in_one_line():
 
 def test_bench_decoder_runs_cq_caches_under_graphs():
     """The throughput bench's decoder on CQ-2 caches: check_bench_decoder_under_graphs."""
-    from qtool.cuda.vq_attention import token_major
+    from qtool.kv_cache.vq_cuda import token_major
 
     check_bench_decoder_under_graphs("w4a8cq2", token_major)

@@ -49,8 +49,8 @@ def vq_layer(
 ):
     """A random VQLinear on CUDA: skewed codes (so re-indexing permutes entries), codebook entries sized so that
     outputs are O(1) for unit-variance inputs."""
-    from qtool.packing.vq import VQWeight, tile_counts
-    from qtool.runtime.vq_linear import VQLinear
+    from qtool.layouts.vq.layout import VQWeight, tile_counts
+    from qtool.layouts.vq.module import VQLinear
 
     d, e, z, tr, tc = PRESETS[preset]
     if tiles is not None:
@@ -68,7 +68,7 @@ def reference64(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def run(layer, x: torch.Tensor, bias=None, **kw) -> torch.Tensor:
-    from qtool.cuda.vq_gemm import gemm, prepare_layer
+    from qtool.layouts.vq.cuda_gemm import gemm, prepare_layer
 
     out = torch.full((x.shape[0], layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
     y = synced(gemm(x, prepare_layer(layer), bias, out=out, **kw))
@@ -101,7 +101,7 @@ def test_odd_shapes(preset, fusion, n, k):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_token_tile_and_split(preset):
     from qtool.cuda import split_k
-    from qtool.cuda.vq_gemm import BUILT
+    from qtool.layouts.vq.cuda_gemm import BUILT
 
     cfg = {"gptvq-2": (4, 8, 1), "aqlm-3": (8, 12, 2)}[preset]
     layer = vq_layer(384, 1024, preset, reindex=True)
@@ -150,7 +150,7 @@ def test_replica_buffers_with_short_column_tiles():
     """128-column tiles at the 4-stage ring: a tile's replica buffer is refilled two stages ahead, right after the
     tile before the last is decoded (the shortest tiles the replicas allow); with split-K the shares start inside
     tiles. Where a ring is deeper than the tiles allow, the default falls back to direct lookups."""
-    from qtool.cuda.vq_gemm import fusion_reason, prepare_layer
+    from qtool.layouts.vq.cuda_gemm import fusion_reason, prepare_layer
 
     layer = vq_layer(384, 1024, "gptvq-2", reindex=True, tiles=(256, 128))
     for tn in (128, 256):
@@ -162,7 +162,7 @@ def test_replica_buffers_with_short_column_tiles():
 
 def test_layer_forward_dispatches_the_gemm(monkeypatch):
     """VQLinear on CUDA with more than 16 rows runs the GEMM (counted), matching the reference path."""
-    from qtool.cuda import vq_gemm
+    from qtool.layouts.vq import cuda_gemm as vq_gemm
 
     calls = []
     real = vq_gemm.gemm

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from qtool.packing.vq import VQWeight, tile_counts
-from qtool.runtime.vq_linear import VQLinear
+from qtool.layouts.vq.layout import VQWeight, tile_counts
+from qtool.layouts.vq.module import VQLinear
 from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
@@ -79,7 +79,8 @@ def reference64(layer: VQLinear, x: torch.Tensor, with_bias: bool) -> torch.Tens
 
 
 def _check(layer: VQLinear, p, m: int, seed: int, with_bias: bool, **kw) -> None:
-    from qtool.cuda import split_k, vq
+    from qtool.cuda import split_k
+    from qtool.layouts.vq import cuda as vq
 
     x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.float16)
     out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.float16)
@@ -103,7 +104,7 @@ def _check(layer: VQLinear, p, m: int, seed: int, with_bias: bool, **kw) -> None
 @pytest.mark.parametrize("reindex", [True, False], ids=["reindexed", "original-order"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_gemv_every_cache_variant(preset, reindex, form):
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     for i, (n, k) in enumerate(SHAPES[preset]):
         seed = int.from_bytes(os.urandom(4), "little")
@@ -154,7 +155,8 @@ def test_mma_cluster_multicast_prefetch_options(preset, knob, monkeypatch):
     one, the codebook multicast and per-block fills, tile prefetch on and off, dependent and ordinary launches;
     every cache variant, both index orders, M = 1, 3, 16. The plans use what the option asks for, and no cluster
     launch fell back to an ordinary one."""
-    from qtool.cuda import dependent_launch, vq
+    from qtool.cuda import dependent_launch
+    from qtool.layouts.vq import cuda as vq
 
     for name, value in KNOBS[knob].items():
         monkeypatch.setenv(name, value)
@@ -183,7 +185,7 @@ def test_chained_calls_read_the_previous_output(monkeypatch):
     """Three calls back to back, each reading the previous call's output and the third writing over what the first
     wrote (and the second read): with ordinary launches, with dependent ones eagerly and replayed from a CUDA graph,
     the outputs are the same bits and equal the reference chain (every launch option on)."""
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     for name, value in ALL_ON.items():
         monkeypatch.setenv(name, value)
@@ -216,7 +218,7 @@ def test_mma_form_warps_along_k():
     """AQLM-3's per-tensor range has several 64-vector chunks: the mma plan shares rows between warps along K (wk >
     1) when the grid would not fill the device otherwise, and every wk gives the reference's outputs; M = 1..16
     token slots, one of them partly filled."""
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_vq(200, 2048, "aqlm-3", True, seed, bias=True)
@@ -231,7 +233,7 @@ def test_mma_form_warps_along_k():
 def test_plans_follow_the_layout():
     """GPTVQ splits along its column tiles, AQLM along its residuals (and along K only at many tokens); the
     derived tiers stay inside the codebook and the block's shared memory."""
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     dev = torch.cuda.current_device()
     g = vq.prepare(random_vq(300, 576, "gptvq-2", True, 1))
@@ -254,7 +256,7 @@ def test_plans_follow_the_layout():
 
 
 def test_bad_calls_name_the_argument():
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     layer = random_vq(64, 256, "gptvq-2", True, 3)
     p = vq.prepare(layer)
@@ -278,7 +280,7 @@ def test_bad_calls_name_the_argument():
 def test_vqlinear_dispatch(monkeypatch):
     """VQLinear on CUDA: up to 16 float16 rows through the kernel (QTOOL_KERNELS=cuda: no silent fallback), more
     rows and other dtypes through the torch paths, all equal to the reference."""
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     layer = random_vq(96, 576, "gptvq-2", True, 4, bias=True)
     calls = []
@@ -329,7 +331,7 @@ def test_checkpoint_layers_through_the_kernel(checkpoint, monkeypatch):
     """Every VQLinear of a real gptvq-2 checkpoint (stories260K: K = 64 and 172, one ragged tile each) through the
     kernel equals the float64 reference, and the model's logits on CUDA equal the CPU reference's."""
     import qtool
-    from qtool.cuda import vq
+    from qtool.layouts.vq import cuda as vq
 
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     model = qtool.load(checkpoint, device="cuda", dtype=torch.float16).eval()

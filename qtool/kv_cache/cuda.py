@@ -353,7 +353,7 @@ def _codes(
         xf = x.float()
         f8 = (xf / torch.full_like(xf, scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         return f8.view(torch.uint8), None, (f8.float() * torch.full_like(xf, scale)).half()
-    from qtool.runtime.kv_cache import dequantize_kv, quantize_kv
+    from qtool.kv_cache.quantized import dequantize_kv, quantize_kv
 
     c = quantize_kv(x, BITS[mode])
     return c.codes, torch.cat([c.scale, c.zero], dim=-1), dequantize_kv(c, torch.float16)

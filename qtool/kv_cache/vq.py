@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from qtool.errors import CheckpointError
-from qtool.packing.vq import index_bits, is_power_of_two
-from qtool.runtime.kv_cache import attention_modules, use_qtool_attention
+from qtool.kv_cache.quantized import attention_modules, use_qtool_attention
+from qtool.layouts.vq.layout import index_bits, is_power_of_two
 
 FORMAT = "vq"
 FIELDS = ("key", "value")

@@ -17,11 +17,11 @@ def apply_model_schemes(model: nn.Module, qcfg: dict, where: str) -> None:
         if key in RESERVED:
             continue
         if key == "kv_cache" and isinstance(value, dict) and "format" in value:
-            from qtool.runtime.vq_kv_cache import install_vq_kv_cache
+            from qtool.kv_cache.vq import install_vq_kv_cache
 
             install_vq_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
         elif key == "kv_cache":
-            from qtool.runtime.kv_cache import install_kv_cache
+            from qtool.kv_cache.quantized import install_kv_cache
 
             install_kv_cache(model, value, f"{where}: quantization_config.kv_cache")
         else:
@@ -36,6 +36,6 @@ def attach_scheme_tensors(model: nn.Module, qcfg: dict, tensors: dict, where: st
     `tensors` into the model, before the remaining tensors are matched against the model's parameters."""
     value = qcfg.get("kv_cache")
     if isinstance(value, dict) and "format" in value:
-        from qtool.runtime.vq_kv_cache import attach_codebooks
+        from qtool.kv_cache.vq import attach_codebooks
 
         attach_codebooks(model, value, tensors, f"{where}: quantization_config.kv_cache")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qtool.packing.vq import VQWeight
-from qtool.runtime.packed_linear import PackedLinear
+from qtool.layouts.module import PackedLinear
+from qtool.layouts.vq.layout import VQWeight
 
 LOOKUP_ROWS = 16
 
@@ -39,7 +39,7 @@ class VQLinear(PackedLinear):
         if x.is_cuda:
             # The CUDA GEMV (qtool/cuda/vq.py) for up to LOOKUP_ROWS rows; imported here so CPU-only use never
             # loads the GPU runtime. None: the paths below.
-            from qtool.cuda.vq import module_forward
+            from qtool.layouts.vq.cuda import module_forward
 
             y = module_forward(self, x)
             if y is not None:
@@ -59,7 +59,7 @@ class VQLinear(PackedLinear):
         weight in a dense matmul."""
         if x.is_cuda:
             # Imported here so CPU-only use never loads the GPU runtime.
-            from qtool.cuda.vq_gemm import module_forward
+            from qtool.layouts.vq.cuda_gemm import module_forward
 
             y = module_forward(self, x)
             if y is not None:

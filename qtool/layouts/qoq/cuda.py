@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import quik, split_k, tma
-from qtool.packing.bitpack import packed_words, unpack_codes
+from qtool.cuda import split_k, tma
+from qtool.layouts.bitpack import packed_words, unpack_codes
+from qtool.layouts.quik import cuda as quik
 
 GROUP_SIZES = (
     32,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.checks import StoredLayout, check_positive, posint
+from qtool.layouts.base import StoredLayout, check_positive, posint
+from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
 
 FORMAT = "mixed-2-4-16"
 ASSIGN_RULES = ("block4", "global")

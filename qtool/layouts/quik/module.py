@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qtool.packing.quik import QuikWeight, base_indices
+from qtool.layouts.quik.layout import QuikWeight, base_indices
 
 # Partial sums of integer products are exact in float32 below 2^24 and in float64 below 2^53.
 _EXACT_F32 = 1 << 24
@@ -115,7 +115,7 @@ class QuikLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from qtool.cuda.quik import module_forward  # CPU use never loads the GPU runtime
+            from qtool.layouts.quik.cuda import module_forward  # CPU use never loads the GPU runtime
 
             y = module_forward(self, x)
             if y is not None:

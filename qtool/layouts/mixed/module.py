@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qtool.packing.mixed import MixedWeight
-from qtool.runtime.packed_linear import PackedLinear
+from qtool.layouts.mixed.layout import MixedWeight
+from qtool.layouts.module import PackedLinear
 
 
 class MixedLinear(PackedLinear):
@@ -30,7 +30,7 @@ class MixedLinear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             # Imported here so CPU-only use never loads the GPU runtime.
-            from qtool.cuda.mixed import module_forward
+            from qtool.layouts.mixed.cuda import module_forward
 
             y = module_forward(self, x)
             if y is not None:
@@ -41,8 +41,8 @@ class MixedLinear(PackedLinear):
         """SwiGLU of this layer's output read as a row-interleaved gate/up projection (in each run of four output
         rows: gate 2j, 2j + 1, then up 2j, 2j + 1): [..., K] -> [..., N/2]. On CUDA the one-token GEMV computes it in
         its epilogue, so no projection output is written and no SwiGLU kernel runs after it."""
-        # qtool.cuda.mixed imports no GPU runtime by itself; swiglu_interleaved is plain torch
-        from qtool.cuda.mixed import module_forward_swiglu, swiglu_interleaved
+        # qtool.layouts.mixed.cuda imports no GPU runtime by itself; swiglu_interleaved is plain torch
+        from qtool.layouts.mixed.cuda import module_forward_swiglu, swiglu_interleaved
 
         if x.is_cuda:
             y = module_forward_swiglu(self, x)

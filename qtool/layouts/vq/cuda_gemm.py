@@ -14,7 +14,7 @@ import torch
 
 from qtool.cuda import compile as cc
 from qtool.cuda import split_k
-from qtool.cuda.vq import Prepared, layer_view, view
+from qtool.layouts.vq.cuda import Prepared, layer_view, view
 
 SOURCE = "vq_gemm.cu"
 LAYOUT = "vq"

@@ -823,7 +823,7 @@ def quantize_gemm(
 def quantize_torch(x2: torch.Tensor, p: QuikPrepared) -> QuantizedActivations:
     """The unfused split + quantize (torch ops: gather, min/max, divide, round, scatter): the bench's first rung,
     and the layout the kernel must write."""
-    from qtool.runtime.quik_linear import quantize_activations
+    from qtool.layouts.quik.module import quantize_activations
 
     xf = x2.to(torch.float32)
     m = x2.shape[0]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qtool.packing.grouped_int import GroupedIntWeight
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.quant.grid import GridSpec
 
 
@@ -40,7 +40,7 @@ class GroupedIntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             # Imported here so CPU-only use never loads the GPU runtime (which imports cupy lazily anyway).
-            from qtool.cuda.grouped_int import module_forward
+            from qtool.layouts.grouped_int.cuda import module_forward
 
             y = module_forward(self, x)
             if y is not None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.checks import check_scales, check_tensors, stored_bits
+from qtool.layouts.base import check_scales, check_tensors, stored_bits
+from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
 
 FORMAT = "quik"
 WEIGHT_BITS = (4, 8)

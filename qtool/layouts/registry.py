@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from qtool.packing.grouped_int import FORMAT as GROUPED_INT
-from qtool.packing.grouped_int import GroupedIntWeight
-from qtool.packing.mixed import FORMAT as MIXED
-from qtool.packing.mixed import MixedWeight
-from qtool.packing.qoq import FORMAT as QOQ
-from qtool.packing.qoq import QoQWeight
-from qtool.packing.quik import FORMAT as QUIK
-from qtool.packing.quik import QuikWeight
-from qtool.packing.vq import FORMAT as VQ
-from qtool.packing.vq import VQWeight
-from qtool.runtime.mixed_linear import MixedLinear
-from qtool.runtime.qlinear import GroupedIntLinear
-from qtool.runtime.qoq_linear import QoQLinear
-from qtool.runtime.quik_linear import QuikLinear
-from qtool.runtime.vq_linear import VQLinear
+from qtool.layouts.grouped_int.layout import FORMAT as GROUPED_INT
+from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.grouped_int.module import GroupedIntLinear
+from qtool.layouts.mixed.layout import FORMAT as MIXED
+from qtool.layouts.mixed.layout import MixedWeight
+from qtool.layouts.mixed.module import MixedLinear
+from qtool.layouts.qoq.layout import FORMAT as QOQ
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.qoq.module import QoQLinear
+from qtool.layouts.quik.layout import FORMAT as QUIK
+from qtool.layouts.quik.layout import QuikWeight
+from qtool.layouts.quik.module import QuikLinear
+from qtool.layouts.vq.layout import FORMAT as VQ
+from qtool.layouts.vq.layout import VQWeight
+from qtool.layouts.vq.module import VQLinear
 
 LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
     GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),

@@ -336,8 +336,8 @@ def reference_write(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `write` does, in torch (rotary embedding as qtool/cuda/kv_cache.py `rope_half`, codes by
     qtool/runtime/vq_kv_cache.py `encode`): returns (rotated queries, decoded keys, decoded values)."""
-    from qtool.cuda.kv_cache import rope_half
-    from qtool.runtime.vq_kv_cache import decode, encode
+    from qtool.kv_cache.cuda import rope_half
+    from qtool.kv_cache.vq import decode, encode
 
     kvh = cache.kv_heads
     x = qkv.transpose(1, 2)  # [B, heads + 2 KVH, T, D]
@@ -356,7 +356,7 @@ def reference_write(
 
 def decoded(cache: VQCache, which: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The cached keys or values [B, KVH, L, D] as `dtype`."""
-    from qtool.runtime.vq_kv_cache import decode
+    from qtool.kv_cache.vq import decode
 
     codes = token_major(cache.k if which == "k" else cache.v).permute(0, 1, 3, 2).long()
     return decode(codes, checkpoint_books(cache, which).to(dtype), dtype)

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qtool.packing.qoq import ACT_BITS, QoQWeight
-from qtool.runtime.quik_linear import int_matmul
+from qtool.layouts.qoq.layout import ACT_BITS, QoQWeight
+from qtool.layouts.quik.module import int_matmul
 
 ACT_MAX = (1 << (ACT_BITS - 1)) - 1  # 127: symmetric, -128 unused
 
@@ -98,7 +98,7 @@ class QoQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             try:  # CPU use never loads the GPU runtime; a build without it runs the reference
-                from qtool.cuda.qoq import module_forward
+                from qtool.layouts.qoq.cuda import module_forward
             except ImportError:
                 module_forward = None
             if module_forward is not None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.packing.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.packing.checks import StoredLayout, posint
+from qtool.layouts.base import StoredLayout, posint
+from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
 
 FORMAT = "vq"
 FIELDS = ("indices", "codebooks", "entry_tiers")
