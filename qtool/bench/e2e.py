@@ -137,7 +137,7 @@ class Block(nn.Module):
         """(h + y, lin(norm(h + y))), the codes of the normalized rows made by the normalization kernel where
         `lin` takes them."""
         if self.fused_norm and self._codes_for(lin, h.numel() // h.shape[-1]):
-            from qtool.cuda.rms_norm import add_rms_norm_codes
+            from qtool.layouts.qoq.producers import add_rms_norm_codes
 
             h, _, a = add_rms_norm_codes(h, y, norm.weight, norm.eps, lin.prepared)
             return h, lin.forward_codes(a, h.shape[:-1])
@@ -224,7 +224,7 @@ class Block(nn.Module):
             return h, self.down(self.gate_up.forward_swiglu(x))
         h, gu = self._norm_linear(h, o, self.n2, self.gate_up)
         if self.fused_swiglu and self._codes_for(self.down, b * t):
-            from qtool.cuda.swiglu import swiglu_codes
+            from qtool.layouts.qoq.producers import swiglu_codes
 
             _, codes = swiglu_codes(gu, self.down.prepared)
             return h, self.down.forward_codes(codes, gu.shape[:-1])

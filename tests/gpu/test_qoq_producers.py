@@ -41,8 +41,9 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_codes_equal_norm_then_quantize(d, rows, residual):
-    from qtool.cuda.rms_norm import add_rms_norm, add_rms_norm_codes
+    from qtool.cuda.rms_norm import add_rms_norm
     from qtool.layouts.qoq import cuda as qoq
+    from qtool.layouts.qoq.producers import add_rms_norm_codes
 
     p = qoq.prepare(QoQFieldLayer(64, d, 4, None, False).cuda())
     h = (torch.randn(rows, d, device="cuda") * 3).half()
@@ -64,8 +65,9 @@ def test_rms_norm_codes_equal_norm_then_quantize(d, rows, residual):
 @pytest.mark.parametrize("i", [136, 576, 11008, 14336])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_swiglu_codes_equal_swiglu_then_quantize(i, rows):
-    from qtool.cuda.swiglu import swiglu, swiglu_codes
+    from qtool.cuda.swiglu import swiglu
     from qtool.layouts.qoq import cuda as qoq
+    from qtool.layouts.qoq.producers import swiglu_codes
 
     p = qoq.prepare(QoQFieldLayer(64, i, 4, None, False).cuda())
     gu = (torch.randn(rows, 2 * i, device="cuda") * 2).half()
@@ -80,9 +82,8 @@ def test_swiglu_codes_equal_swiglu_then_quantize(i, rows):
 
 
 def test_producers_refuse_a_layer_of_another_width():
-    from qtool.cuda.rms_norm import add_rms_norm_codes
-    from qtool.cuda.swiglu import swiglu_codes
     from qtool.layouts.qoq import cuda as qoq
+    from qtool.layouts.qoq.producers import add_rms_norm_codes, swiglu_codes
 
     p = qoq.prepare(QoQFieldLayer(64, 256, 4, None, False).cuda())
     x = torch.zeros(2, 512, dtype=torch.float16, device="cuda")
