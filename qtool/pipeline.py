@@ -27,7 +27,7 @@ from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter, peak_rss_mb
 from qtool.distributed import World, describe_device
 from qtool.errors import InputError, RecipeError, ResourceError
-from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.base import StoredLayout
 from qtool.layouts.registry import module_for
 from qtool.models.adapters import Adapter, adapter_for
 from qtool.models.integrity import read_header
@@ -51,7 +51,7 @@ class QuantizedModel:
     tokenizer: object
     adapter: Adapter
     original_dtype: torch.dtype
-    packed: dict[str, GroupedIntWeight]
+    packed: dict[str, StoredLayout]
     calibration: dict | None
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
@@ -440,8 +440,9 @@ def layer_summary(layout, has_bias: bool) -> dict:
         "out_features": layout.out_features,
         "fields": sorted(layout.tensors()),
     }
-    if hasattr(layout, "bits_report"):
-        out["bits_report"] = layout.bits_report()
+    report = layout.bits_report()
+    if report is not None:
+        out["bits_report"] = report
     return out
 
 
@@ -452,8 +453,6 @@ class LayerSummary:
         self.summary = summary
         self.in_features = summary["in_features"]
         self.out_features = summary["out_features"]
-        if "bits_report" in summary:
-            self.bits_report = lambda: summary["bits_report"]
 
     def stored_bits(self) -> int:
         return self.summary["stored_bits"]
@@ -463,6 +462,9 @@ class LayerSummary:
 
     def layer_config(self, has_bias: bool) -> dict:
         return self.summary["layer"]
+
+    def bits_report(self) -> dict[str, float] | None:
+        return self.summary.get("bits_report")
 
 
 def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None = None) -> QuantizedModel:
@@ -492,7 +494,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
         inputs, kwargs, calibration_info = work.calibrate(model, prepared, tokenizer, reporter)
         timings["calibration_s"] = time.perf_counter() - t
 
-    packed: dict[str, GroupedIntWeight] = {}
+    packed: dict[str, StoredLayout] = {}
     t = time.perf_counter()
     for i in reporter.track(range(len(blocks)), total=len(blocks), description="quantizing blocks"):
         for tr in work.transforms:

@@ -1,4 +1,4 @@
-"""Times the W4A8 GEMM's forms (qtool/cuda/qoq.py: `sync` with its split-K, `ws` at 64/128/256-token tiles with K
+"""Times the W4A8 GEMM's forms (qtool/layouts/qoq/cuda.py: `sync` with its split-K, `ws` at 64/128/256-token tiles with K
 split over 1..16 blocks per tile, the persistent `wsp` at 128/256) on codes quantized beforehand, beside cuBLAS
 FP16 and FP8 `_scaled_mm` in the same process (needs a Hopper GPU and cupy). Graph replays over rotated layers
 (qtool.bench.timing), medians; prints one line per (shape, M, scheme) with the dispatched form first, then every

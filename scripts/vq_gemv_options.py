@@ -1,4 +1,4 @@
-"""Times the VQ GEMV's launch options (qtool/cuda/vq.py `knobs`) on the bench's random re-indexed layers (needs a
+"""Times the VQ GEMV's launch options (qtool/layouts/vq/cuda.py `knobs`) on the bench's random re-indexed layers (needs a
 CUDA GPU and cupy): clusters adding the splits through distributed shared memory (capped at 16 or 8 blocks, or
 off: the global split-K reduction), AQLM's codebook multicast, the next column tile's prefetch, the dependent
 launch; beside cuBLAS FP16, same process, in interleaved rounds with the order rotated. Graph replays over

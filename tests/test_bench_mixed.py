@@ -120,6 +120,6 @@ def test_e2e_weight_bytes_counts_each_storage_on_the_model_device_once():
         def tensors(self):
             return [lin.weight, view]
 
-    lin._qtool_prepared = Prepared()
+    lin.prepared = Prepared()
     lin.register_buffer("host_copy", torch.zeros(5, device="meta"))
     assert e2e.weight_bytes(lin) == 8 * 4 * 4 + 3 * 4

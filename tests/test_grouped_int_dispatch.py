@@ -1,4 +1,4 @@
-"""The grouped_int path choice per token count (qtool/cuda/grouped_int.py `choose_path`), without a GPU: the
+"""The grouped_int path choice per token count (qtool/layouts/grouped_int/cuda.py `choose_path`), without a GPU: the
 thresholds measured in kernels/NOTES.md, and the fallbacks for other cards and dtypes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The quantized KV cache's storage (qtool/cuda/kv_cache.py torch forms, formats/qoq.md "KV cache"): codes packed
+"""The quantized KV cache's storage (qtool/kv_cache/cuda.py torch forms, formats/qoq.md "KV cache"): codes packed
 two per byte, low nibble first; the stored (codes, scale, zero) dequantize to exactly what the reference attention
-path (qtool/runtime/kv_cache.py) feeds attention; a write touches only its positions."""
+path (qtool/kv_cache/quantized.py) feeds attention; a write touches only its positions."""
 
 from __future__ import annotations
 

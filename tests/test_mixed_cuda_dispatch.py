@@ -1,4 +1,4 @@
-"""The CPU side of the mixed-2-4-16 kernels' dispatch (qtool/cuda/mixed.py): the per-block table the kernels read,
+"""The CPU side of the mixed-2-4-16 kernels' dispatch (qtool/layouts/mixed/cuda.py): the per-block table the kernels read,
 which layers and calls they take, and the reference forward still used without a GPU."""
 
 from __future__ import annotations

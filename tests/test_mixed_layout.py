@@ -1,4 +1,4 @@
-"""The `mixed-2-4-16` layout (qtool/packing/mixed.py, formats/mixed-2-4-16.md): pack → unpack round trips on random
+"""The `mixed-2-4-16` layout (qtool/layouts/mixed/layout.py, formats/mixed-2-4-16.md): pack → unpack round trips on random
 fields, the bit positions of the two code matrices, the torch reference forward, and the loader's one-line
 errors naming the tensor."""
 
@@ -124,7 +124,7 @@ def test_reference_forward_equals_dequantize(dtype):
     layout = MixedWeight.from_codes(**f)
     bias = torch.randn(n)
     mod = MixedLinear(layout, bias)
-    assert LAYOUTS["mixed-2-4-16"] == (MixedWeight, MixedLinear)
+    assert LAYOUTS["mixed-2-4-16"] is MixedLinear and MixedLinear.layout_cls is MixedWeight
     x = torch.randn(2, 5, k, dtype=dtype)
     y = mod.to(dtype)(x)
     ref = x @ layout.dequantize(dtype).T + bias.to(dtype)

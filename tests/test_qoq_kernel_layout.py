@@ -111,7 +111,7 @@ def test_stage_words_are_the_group_words_stage_major(n, k, g):
 
 
 def test_gemm_form_dispatch(monkeypatch):
-    """The 4-bit GEMM forms by token count and shape (qtool/cuda/qoq.py gemm_kernel, from the H100 sweep): 64-token
+    """The 4-bit GEMM forms by token count and shape (qtool/layouts/qoq/cuda.py gemm_kernel, from the H100 sweep): 64-token
     `ws` tiles split along K into shares of at least 10 stages within one wave where 128-token tiles would leave
     half the GPU idle, the persistent form at 128 or 256 tokens where they would not, the H200 rule above 512
     tokens, `sync` at GEMV sizes, whenever a split is asked for without a form and for unaligned operands."""

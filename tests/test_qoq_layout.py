@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from qtool.errors import CheckpointError
-from qtool.layouts.qoq.layout import QoQWeight
-from qtool.layouts.qoq.module import QoQLinear, quantize_activations
+from qtool.layouts.qoq.layout import QoQWeight, quantize_activations
+from qtool.layouts.qoq.module import QoQLinear
 from qtool.layouts.registry import LAYOUTS
 
 SCHEMES = [(8, None), (4, None), (4, 4), (4, 43)]
@@ -71,7 +71,7 @@ def test_pack_load_dequantize_round_trip(bits, g, n, k):
     assert torch.equal(loaded.dequantize(), expect)
     assert loaded.stored_bits() == sum(t.numel() * t.element_size() * 8 for t in loaded.tensors().values())
     assert set(loaded.tensors()) == set(QoQWeight.expected_shapes(cfg))
-    assert LAYOUTS["qoq"][0] is QoQWeight
+    assert LAYOUTS["qoq"].layout_cls is QoQWeight
 
 
 def _numpy_forward(x: torch.Tensor, wint: torch.Tensor, scales16: torch.Tensor, bias: torch.Tensor | None):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from qtool.calibration.stats import LinearStats
-from qtool.layouts.quik.layout import QuikWeight, violations_24
-from qtool.layouts.quik.module import QuikLinear, int_matmul, quantize_activations
+from qtool.layouts.base import int_matmul
+from qtool.layouts.quik.layout import QuikWeight, quantize_activations, violations_24
+from qtool.layouts.quik.module import QuikLinear
 from qtool.options import parse_options
 from qtool.quant.gptq import gptq_quantize, gptq_run
 from qtool.quant.grid import GridSpec

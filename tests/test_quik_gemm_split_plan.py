@@ -1,4 +1,4 @@
-"""How many blocks the quik block-synchronous GEMM splits K into at decode sizes (qtool/cuda/quik.py gemm_split),
+"""How many blocks the quik block-synchronous GEMM splits K into at decode sizes (qtool/layouts/quik/cuda.py gemm_split),
 on the CPU. H100/H200: 132 SMs, two 64-token decode blocks per SM."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The quik quantize kernel's launch plan (qtool/cuda/quik.py), on the CPU: which kernel takes a row, how many row
+"""The quik quantize kernel's launch plan (qtool/layouts/quik/cuda.py), on the CPU: which kernel takes a row, how many row
 teams a block holds in shared memory, and how rows spread over the SMs. H100/H200 numbers: 132 SMs, 232448 bytes
 of opt-in shared memory per block."""
 

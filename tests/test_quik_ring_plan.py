@@ -1,4 +1,4 @@
-"""Ring depth of the quik warp-specialized GEMMs (qtool/cuda/quik.py ws_rings, ws_stages, wsp_epilogue_bytes), on
+"""Ring depth of the quik warp-specialized GEMMs (qtool/layouts/quik/cuda.py ws_rings, ws_stages, wsp_epilogue_bytes), on
 the CPU: which depth a layer gets, that every depth fits a block's shared memory with its epilogue buffers, and
 the one-line refusal of a depth that was not built."""
 

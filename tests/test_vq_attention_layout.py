@@ -1,4 +1,4 @@
-"""The CUDA CQ cache's torch side (qtool/cuda/vq_attention.py), on the CPU: the tiled code layout the write fills
+"""The CUDA CQ cache's torch side (qtool/kv_cache/vq_cuda.py), on the CPU: the tiled code layout the write fills
 is what `token_major` and the float64 reference read, and every attention kernel the dispatch can name fits one
 block's shared memory."""
 

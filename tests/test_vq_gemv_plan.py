@@ -1,4 +1,4 @@
-"""CPU side of the VQ GEMV (qtool/cuda/vq.py): the codebook cache's tiers from a build's measured registers and
+"""CPU side of the VQ GEMV (qtool/layouts/vq/cuda.py): the codebook cache's tiers from a build's measured registers and
 shared memory, the traffic-balanced split factor, which layers the kernel takes, and the bench's VQ rows (fake
 cases and timer, no GPU)."""
 

@@ -1,4 +1,4 @@
-"""The vector-quantized KV cache (qtool/runtime/vq_kv_cache.py): codes against brute-force nearest entries, the
+"""The vector-quantized KV cache (qtool/kv_cache/vq.py): codes against brute-force nearest entries, the
 cache read back is a fixed point (re-encoding cached tokens at every step changes nothing), the attention path
 reads the codes, and the loader's one-line errors for the codebook tensors and the scheme."""
 

@@ -343,7 +343,7 @@ def mixed_label(outlier_fraction: float) -> str:
 
 
 def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Generator):
-    """Random mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit stripes; qtool/cuda/mixed.py runs them)."""
+    """Random mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit stripes; qtool/layouts/mixed/cuda.py runs them)."""
     from qtool.bench.cuda_cases import random_mixed_weight
     from qtool.layouts.mixed.module import MixedLinear
 
@@ -433,7 +433,7 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     tensors = list(model.parameters()) + list(model.buffers())
     for m in model.modules():
-        prep = getattr(m, "_qtool_prepared", None)
+        prep = getattr(m, "prepared", None)
         if prep is not None and hasattr(prep, "tensors"):
             tensors += prep.tensors()
     for t in tensors:

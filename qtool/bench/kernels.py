@@ -103,7 +103,9 @@ class KernelBenchConfig:
 # The VQ rows: index bits per weight of each preset (z·b/d), the GEMV's cache variants, the largest M the GEMV takes
 # (the fused GEMM's rows above it).
 VQ_BITS = {"gptvq-2": 2, "aqlm-3": 3}
-VQ_OTHER_FORM = "fma"  # qtool/cuda/vq.py's GEMV form that is not dispatched, timed beside the tiered rows
+VQ_OTHER_FORM = (
+    "fma"  # qtool/layouts/vq/cuda.py's GEMV form that is not dispatched, timed beside the tiered rows
+)
 VQ_CACHES = ("gc", "sc", "tiered")
 VQ_MAX_M = 16
 

@@ -60,7 +60,7 @@ class Fp8Linear(nn.Module):
 
 
 class W4A8Linear(nn.Module):
-    """The qoq W4A8 layer (qtool/cuda/qoq.py) on random valid fields: per-token INT8 activations, 4-bit weights."""
+    """The qoq W4A8 layer (qtool/layouts/qoq/cuda.py) on random valid fields: per-token INT8 activations, 4-bit weights."""
 
     def __init__(
         self, k: int, n: int, group_size: int | None, device: torch.device, gen: torch.Generator

@@ -156,7 +156,8 @@ def replace_layer(
         raise CheckpointError(
             f"{where}: layer {name} has format {fmt!r}; expected one of {', '.join(LAYOUTS)}"
         )
-    layout_cls, module_cls = LAYOUTS[fmt]
+    module_cls = LAYOUTS[fmt]
+    layout_cls = module_cls.layout_cls
     parent_name, _, child = name.rpartition(".")
     try:
         old = model.get_submodule(name)

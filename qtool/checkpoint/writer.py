@@ -20,14 +20,14 @@ from qtool.checkpoint.manifest import (
     package_versions,
     portable,
 )
-from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.base import StoredLayout
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
 
 
 def collect_tensors(
     model: torch.nn.Module,
-    packed: dict[str, GroupedIntWeight],
+    packed: dict[str, StoredLayout],
     dtype: torch.dtype,
     *,
     prefix: str = "",
@@ -175,9 +175,7 @@ def write_checkpoint(
     return manifest
 
 
-def bits_per_weight(
-    packed: dict[str, GroupedIntWeight], tensors: dict[str, torch.Tensor]
-) -> dict[str, float]:
+def bits_per_weight(packed: dict[str, StoredLayout], tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     qbits = sum(p.stored_bits() for p in packed.values())
     qweights = sum(p.in_features * p.out_features for p in packed.values())
     packed_fields = {f"{name}.{field}" for name, layout in packed.items() for field in layout.tensors()}
@@ -190,7 +188,7 @@ def bits_per_weight(
     }
     # Layouts whose paper counts bits differently from what is stored report both, per layer and for the model
     # (weighted by the layer's weights): `stored` is what the tensor files hold.
-    reports = {name: p.bits_report() for name, p in sorted(packed.items()) if hasattr(p, "bits_report")}
+    reports = {name: r for name, p in sorted(packed.items()) if (r := p.bits_report()) is not None}
     if reports:
         sizes = {name: packed[name].in_features * packed[name].out_features for name in reports}
         total = sum(sizes.values())

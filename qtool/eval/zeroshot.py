@@ -236,9 +236,8 @@ class TaskSuite:
 
 def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
     """Which forward the quantized linears take: their CUDA kernels, or the torch reference path."""
-    from qtool.layouts.registry import LAYOUTS
+    from qtool.layouts.module import PackedLinear as packed
 
-    packed = tuple(m for _, m in LAYOUTS.values())
     if not any(isinstance(m, packed) for m in model.modules()):
         return "float (no packed layers)"
     from qtool.layouts.vq.module import VQLinear  # no CUDA kernel yet

@@ -158,9 +158,9 @@ def layer_state(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(qtool's dequantized weight in float32, its compressed-tensors qparams: weight_scale in `dtype` and, when
     asymmetric, weight_zero_point in the library's signed convention) of one layer, validated by its layout."""
-    from qtool.layouts.registry import LAYOUTS
+    from qtool.layouts.registry import layout_class
 
-    layout = LAYOUTS[cfg["format"]][0].from_tensors(name, cfg, fields)
+    layout = layout_class(cfg["format"]).from_tensors(name, cfg, fields)
     weight = layout.dequantize(torch.float32)
     fmt, bits = cfg["format"], cfg["bits"]
     if fmt == "grouped_int":

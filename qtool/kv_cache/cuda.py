@@ -1,6 +1,6 @@
 """The quantized KV cache on CUDA (kernels/kv_cache.cu, formats/qoq.md "KV cache"): a static cache of 4- or 8-bit
 codes with a float16 (scale, zero) per token and KV head, the write that fills it (rotary embedding fused with the
-quantization, bit-identical to qtool/runtime/kv_cache.py `quantize_kv`) and one decode step's attention that reads
+quantization, bit-identical to qtool/kv_cache/quantized.py `quantize_kv`) and one decode step's attention that reads
 it. An FP8 (e4m3, one scale per tensor) cache runs through the same kernels as the baseline.
 
 The torch forms here (`reference_write`, `dequantize`, `reference_attention`) are what the kernels are tested

@@ -61,9 +61,7 @@ def _attention(base: str):
         bits = getattr(module, "qtool_kv_bits", None)
         if bits is not None:
             key, value = fake_quantize_kv(key, bits), fake_quantize_kv(value, bits)
-        codebooks = getattr(
-            module, "kv_codebooks", None
-        )  # the vector-quantized cache (runtime/vq_kv_cache.py)
+        codebooks = getattr(module, "kv_codebooks", None)  # the vector-quantized cache (qtool/kv_cache/vq.py)
         if codebooks is not None:
             key, value = codebooks(key, value)
         if base == "eager":

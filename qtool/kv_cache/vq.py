@@ -3,7 +3,7 @@ D channels of every cached key (after RoPE) and value vector of one token and on
 `d` adjacent channels; each group is stored as a `b`-bit index into its own codebook of float16 entries, one
 codebook per (layer, KV head, channel group, keys or values), fitted offline on calibration keys and values.
 
-As the scalar cache (runtime/kv_cache.py) does, the reference encodes inside the attention function: the keys and
+As the scalar cache (qtool/kv_cache/quantized.py) does, the reference encodes inside the attention function: the keys and
 values it receives are replaced by the entries their codes select. An entry's nearest entry is itself, so
 re-encoding earlier tokens at every decode step gives what a cache holding the codes gives."""
 

@@ -1,7 +1,7 @@
 """The vector-quantized KV cache on CUDA (kernels/vq_attention.cu, formats/vq.md "KV cache"): a static cache of
 8-bit codes, one per group of `d` channels of every cached key (after RoPE) and value vector, into codebooks per KV
 head and channel group (CQ-2: d 4, CQ-4: d 2, 256 entries); the write that fills it (rotary embedding fused with
-the nearest-entry encoding, exactly qtool/runtime/vq_kv_cache.py `encode`) and one decode step's attention over
+the nearest-entry encoding, exactly qtool/kv_cache/vq.py `encode`) and one decode step's attention over
 the codes.
 
 The torch forms here (`reference_write`, `decoded`, `reference_attention`) are what the kernels are tested
@@ -334,8 +334,8 @@ def checkpoint_books(cache: VQCache, which: str) -> torch.Tensor:
 def reference_write(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cache: VQCache, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What `write` does, in torch (rotary embedding as qtool/cuda/kv_cache.py `rope_half`, codes by
-    qtool/runtime/vq_kv_cache.py `encode`): returns (rotated queries, decoded keys, decoded values)."""
+    """What `write` does, in torch (rotary embedding as qtool/kv_cache/cuda.py `rope_half`, codes by
+    qtool/kv_cache/vq.py `encode`): returns (rotated queries, decoded keys, decoded values)."""
     from qtool.kv_cache.cuda import rope_half
     from qtool.kv_cache.vq import decode, encode
 

@@ -1,8 +1,10 @@
-"""Checks every packed layout applies to its stored tensors; errors name the tensor."""
+"""The contract every packed layout keeps (`StoredLayout`), the checks the layouts share on their stored tensors
+(errors name the tensor), and the exact integer product their reference paths share."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -44,29 +46,69 @@ def check_positive(name: str, field: str, t: torch.Tensor) -> None:
 
 
 class StoredLayout:
-    """What a packed layout dataclass shares with the others as stored: its parameters (the dataclass fields
-    before the tensors, read from the layer's config under the same names) and its tensors (`FIELDS`), the
-    config check that names the key (`scheme_problem`), and the shape and dtype check of every tensor
-    (`expected_shapes`). A layout's own value checks follow `checked` in its `from_tensors`."""
+    """A packed layer as stored: the dataclass fields before the tensors are its parameters (`params`), read from
+    the layer's JSON config (`quantization_config.layers[name]`) under the same names unless the layout says
+    otherwise (`params_from_config`); `FIELDS` are its tensors, in storage order (a field may be None where the
+    layer's scheme has no such tensor). What the pipeline, the checkpoint writer and loader, the exporter and
+    `qtool pack` need of a layer, they ask this contract, never the stage that made it:
 
+    - `FORMAT`: the format name (`layers[name].format`), the registry's key (qtool/layouts/registry.py);
+    - `config()` / `layer_config(has_bias)`: the layer's JSON config; `scheme_problem(cfg)` names the first key
+      outside the layout's domain and `expected_shapes(cfg)` the shape and dtype of every tensor, so that
+      `from_tensors` (through `checked`, then the layout's own value checks) refuses a bad checkpoint naming the
+      key or tensor;
+    - `tensors()`, `stored_bits()`, `bits_report()` (None, or the layout's own bits-per-weight accounting);
+    - `dequantize(dtype)`: the weight [N, K] the layer computes with, the ground truth of every kernel;
+    - `concat_rows(parts)`: one layer from consecutive row slices quantized apart (several processes)."""
+
+    FORMAT: ClassVar[str]
     FIELDS: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def params(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name not in cls.FIELDS]
 
     @staticmethod
     def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
-        raise NotImplementedError
+        """(key, found, expected) for the first layer parameter outside the layout's domain, else None."""
+        return None
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f: getattr(self, f) for f in self.FIELDS}
+    @classmethod
+    def params_from_config(cls, cfg: dict) -> dict:
+        return {p: cfg.get(p) for p in cls.params()}
+
+    def config(self) -> dict:
+        raise NotImplementedError
 
     def layer_config(self, has_bias: bool) -> dict:
         return {**self.config(), "bias": has_bias}
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f: t for f in self.FIELDS if (t := getattr(self, f)) is not None}
+
     def stored_bits(self) -> int:
         return stored_bits(self.tensors())
+
+    def bits_report(self) -> dict[str, float] | None:
+        return None
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """The same layer with every stored tensor passed through `fn` (absent ones stay absent)."""
+        return type(self)(
+            **{p: getattr(self, p) for p in self.params()},
+            **{f: None if (t := getattr(self, f)) is None else fn(t) for f in self.FIELDS},
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def concat_rows(cls, parts: list):
+        raise NotImplementedError
 
     @classmethod
     def check_config(cls, name: str, cfg: dict) -> None:
@@ -82,5 +124,24 @@ class StoredLayout:
         """The layout of layer `name` from its config and stored tensors, once both pass the common checks."""
         cls.check_config(name, cfg)
         check_tensors(name, cls.expected_shapes(cfg), tensors)
-        params = [f.name for f in dataclasses.fields(cls) if f.name not in cls.FIELDS]
-        return cls(**{p: cfg.get(p) for p in params}, **{f: tensors[f] for f in cls.FIELDS})
+        return cls(**cls.params_from_config(cfg), **{f: tensors.get(f) for f in cls.FIELDS})
+
+    @classmethod
+    def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]):
+        """Validate stored tensors against the layer config; errors name the key or tensor."""
+        return cls.checked(name, cfg, tensors)
+
+
+# Partial sums of integer products are exact in float32 below 2^24 and in float64 below 2^53.
+EXACT_F32 = 1 << 24
+EXACT_F64 = 1 << 53
+
+
+def int_matmul(a: torch.Tensor, b: torch.Tensor, bound: int) -> torch.Tensor:
+    """`a @ b.T` for int32 codes with int32 accumulation. `bound` ≥ Σ|a||b| over any row pair: below 2^24 (2^53) a
+    float32 (float64) matmul is exact and much faster than an integer one, so the result is identical."""
+    if bound < EXACT_F32:
+        return (a.to(torch.float32) @ b.to(torch.float32).T).to(torch.int32)
+    if bound < EXACT_F64:
+        return (a.to(torch.float64) @ b.to(torch.float64).T).to(torch.int32)
+    return a @ b.T

@@ -1,38 +1,29 @@
-"""Registry of packed layouts: format name (as in `quantization_config.layers[*].format`) → (layout dataclass,
-module that executes it). The pipeline, the writer and the loader go through it, so a new layout is one entry."""
+"""The packed formats by name (`quantization_config.layers[*].format`): each format's module class, whose
+`layout_cls` is its stored layout. The pipeline, the checkpoint writer and loader, the exporter and `qtool pack`
+find a format here and then ask its layout; a sixth format is a folder beside the others and one entry below."""
 
 from __future__ import annotations
 
-from torch import nn
-
-from qtool.layouts.grouped_int.layout import FORMAT as GROUPED_INT
-from qtool.layouts.grouped_int.layout import GroupedIntWeight
+from qtool.layouts.base import StoredLayout
 from qtool.layouts.grouped_int.module import GroupedIntLinear
-from qtool.layouts.mixed.layout import FORMAT as MIXED
-from qtool.layouts.mixed.layout import MixedWeight
 from qtool.layouts.mixed.module import MixedLinear
-from qtool.layouts.qoq.layout import FORMAT as QOQ
-from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.module import PackedLinear
 from qtool.layouts.qoq.module import QoQLinear
-from qtool.layouts.quik.layout import FORMAT as QUIK
-from qtool.layouts.quik.layout import QuikWeight
 from qtool.layouts.quik.module import QuikLinear
-from qtool.layouts.vq.layout import FORMAT as VQ
-from qtool.layouts.vq.layout import VQWeight
 from qtool.layouts.vq.module import VQLinear
 
-LAYOUTS: dict[str, tuple[type, type[nn.Module]]] = {
-    GROUPED_INT: (GroupedIntWeight, GroupedIntLinear),
-    QUIK: (QuikWeight, QuikLinear),
-    QOQ: (QoQWeight, QoQLinear),
-    MIXED: (MixedWeight, MixedLinear),
-    VQ: (VQWeight, VQLinear),
+LAYOUTS: dict[str, type[PackedLinear]] = {
+    m.layout_cls.FORMAT: m for m in (GroupedIntLinear, QuikLinear, QoQLinear, MixedLinear, VQLinear)
 }
 
 
-def module_for(layout, bias) -> nn.Module:
+def layout_class(fmt: str) -> type[StoredLayout]:
+    return LAYOUTS[fmt].layout_cls
+
+
+def module_for(layout: StoredLayout, bias) -> PackedLinear:
     """The quantized module executing `layout` (an instance of one of the registered layout classes)."""
-    for layout_cls, module_cls in LAYOUTS.values():
-        if isinstance(layout, layout_cls):
-            return module_cls(layout, bias)
-    raise TypeError(f"no module registered for layout {type(layout).__name__}")
+    module_cls = LAYOUTS.get(getattr(layout, "FORMAT", None))
+    if module_cls is None or not isinstance(layout, module_cls.layout_cls):
+        raise TypeError(f"no module registered for layout {type(layout).__name__}")
+    return module_cls(layout, bias)

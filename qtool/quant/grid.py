@@ -6,35 +6,12 @@ scale the quantizer used and the reference forward reproduces the pipeline's fak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from qtool.layouts.grouped_int.layout import GridSpec
 
 # Smallest float16 subnormal: keeps all-zero groups from producing a zero scale.
 _MIN_SCALE = 2.0**-24
-
-
-@dataclass(frozen=True)
-class GridSpec:
-    bits: int
-    symmetric: bool
-    group_size: int | None  # None: one group per output row
-
-    @property
-    def maxq(self) -> int:
-        return (1 << self.bits) - 1
-
-    @property
-    def sym_zero(self) -> int:
-        return 1 << (self.bits - 1)
-
-    def num_groups(self, in_features: int) -> int:
-        g = self.group_size or in_features
-        return (in_features + g - 1) // g
-
-    def group_bounds(self, in_features: int) -> list[tuple[int, int]]:
-        g = self.group_size or in_features
-        return [(s, min(s + g, in_features)) for s in range(0, in_features, g)]
 
 
 def grid_params(

@@ -13,11 +13,8 @@ from torch import nn
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
+from qtool.layouts.base import StoredLayout
 from qtool.layouts.grouped_int.layout import GroupedIntWeight
-from qtool.layouts.mixed.layout import MixedWeight
-from qtool.layouts.qoq.layout import QoQWeight
-from qtool.layouts.quik.layout import QuikWeight
-from qtool.layouts.vq.layout import VQWeight
 from qtool.options import option
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
@@ -53,7 +50,7 @@ class WeightScheme:
 
 @dataclass
 class QuantResult:
-    packed: GroupedIntWeight | QuikWeight | QoQWeight | MixedWeight | VQWeight
+    packed: StoredLayout
     dequantized: torch.Tensor  # [N, K] float32, what the packed layer computes with
 
 

@@ -22,8 +22,7 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.errors import RecipeError
-from qtool.layouts.qoq.layout import QoQWeight
-from qtool.layouts.qoq.module import quantize_activations
+from qtool.layouts.qoq.layout import QoQWeight, quantize_activations
 from qtool.options import option
 from qtool.quant.clip import clip_ratios
 from qtool.quant.progressive import qoq_quantize

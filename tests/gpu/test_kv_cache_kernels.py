@@ -1,5 +1,5 @@
-"""Quantized KV cache kernels (qtool/cuda/kv_cache.py): the write is bit-identical to the torch form (rotary
-embedding in float16 arithmetic, then qtool/runtime/kv_cache.py `quantize_kv`) and touches only its positions; the
+"""Quantized KV cache kernels (qtool/kv_cache/cuda.py): the write is bit-identical to the torch form (rotary
+embedding in float16 arithmetic, then qtool/kv_cache/quantized.py `quantize_kv`) and touches only its positions; the
 decode attention over a cache of random codes matches float64 attention over the dequantized cache within float16
 rounding, for every mode, grouped-query ratio and odd lengths, with every output written."""
 

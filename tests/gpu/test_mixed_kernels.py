@@ -222,7 +222,7 @@ def test_module_forward_takes_the_kernels_and_agrees_with_the_reference(monkeypa
     x = torch.randn(2, 3, 2048, device="cuda", dtype=torch.float16)
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     y = synced(layer(x))
-    assert getattr(layer, "_qtool_prepared", None) is not None
+    assert layer.prepared is not None
     ref = layer.reference_forward(x)
     assert y.shape == ref.shape == (2, 3, 256)
     assert rel_err(y, ref) < TOL
@@ -305,7 +305,7 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
 
     with torch.inference_mode():
         plain, outs = dependent_chain_runs(chain)
-    assert all(mixed.gemv_layout(b.qkv._qtool_prepared) == "tiled" for b in model.blocks)
+    assert all(mixed.gemv_layout(b.qkv.prepared) == "tiled" for b in model.blocks)
     assert bool(torch.isfinite(plain).all()) and float(plain.abs().amax()) > 0, f"seed {seed}"
     for i, y in enumerate(outs):
         assert torch.equal(y, plain), f"seed {seed}, run {i}: {int((y != plain).sum())} elements differ"
@@ -364,17 +364,17 @@ def test_module_keeps_only_the_tiled_streams_on_the_gpu(monkeypatch):
         x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
         y = synced(layer(x))
         assert rel_err(y, reference64(layer, x, True)) < TOL, m
-    p = layer._qtool_prepared
+    p = layer.prepared
     assert not p.has_checkpoint and p.tiled is not None
     assert all(not t.is_cuda for t in layer.buffers())
     assert all(torch.equal(v.cpu(), before[k]) for k, v in layer.state_dict().items())
-    assert layer._qtool_prepared is p  # not rebuilt per call
+    assert layer.prepared is p  # not rebuilt per call
     monkeypatch.setenv("QTOOL_KERNELS", "auto")
     x = torch.randn(2, 2048, device="cuda", dtype=torch.float16)
     assert rel_err(layer(x.bfloat16()).float(), reference64(layer, x, True)) < 2e-2
     layer.to("cuda")  # moves the tensors back; the next forward prepares (and moves them) again
     assert rel_err(synced(layer(x)), reference64(layer, x, True)) < TOL
-    assert not layer._qtool_prepared.has_checkpoint
+    assert not layer.prepared.has_checkpoint
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.002])

@@ -1,4 +1,4 @@
-"""The qoq CUDA kernels (qtool/cuda/qoq.py) against the layout's arithmetic (formats/qoq.md), on fresh random
+"""The qoq CUDA kernels (qtool/layouts/qoq/cuda.py) against the layout's arithmetic (formats/qoq.md), on fresh random
 inputs, real and odd shapes: the activation codes, scales and row sums and the int32 products must be identical,
 the float16 output equal to the layout's float32 order and within one float16 rounding of float64.
 

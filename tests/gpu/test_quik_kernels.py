@@ -99,7 +99,7 @@ def _check_quantize(x: torch.Tensor, p, **kernel) -> None:
 @pytest.mark.parametrize("kernel", ["block", "warp"])
 def test_quantize_kernel_codes_equal_reference(bits, n, k, ko, m, kernel):
     from qtool.layouts.quik import cuda as quik
-    from qtool.layouts.quik.module import quantize_activations
+    from qtool.layouts.quik.layout import quantize_activations
 
     if kernel == "warp" and k % 8:
         pytest.skip("the warp-per-row kernel takes whole 16-byte pieces (K % 8 == 0)")
@@ -225,7 +225,7 @@ def test_fused_output_matches_reference(bits, n, k, ko, m, bias):
     x = _x(m, k, layer.outlier_idx)
     y = synced(layer(x))
     assert y.dtype == torch.float16 and y.shape == (m, n)
-    assert hasattr(layer, "_qtool_prepared"), "the CUDA path was not taken"
+    assert layer.prepared is not None, "the CUDA path was not taken"
     assert bool(torch.isfinite(y).all()), (
         f"unwritten or non-finite outputs: {int((~torch.isfinite(y)).sum())}"
     )
@@ -456,7 +456,7 @@ def test_unsupported_widths_fall_back_or_fail_in_one_line(monkeypatch):
     layer = QuikLinear(w).cuda()
     x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
     y = layer(x)  # auto: the reference path
-    assert not hasattr(layer, "_qtool_prepared")
+    assert layer.prepared is None
     assert torch.allclose(y.float(), layer.reference_forward(x.float()), atol=1e-2, rtol=1e-2)
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     with pytest.raises(CudaUnavailableError, match="w4a8"):

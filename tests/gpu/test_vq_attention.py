@@ -1,5 +1,5 @@
-"""Vector-quantized KV cache kernels (qtool/cuda/vq_attention.py, CQ-2 and CQ-4): the write gives exactly the codes
-of qtool/runtime/vq_kv_cache.py `encode` on the rotated keys and the values (ties to the lower index) and touches
+"""Vector-quantized KV cache kernels (qtool/kv_cache/vq_cuda.py, CQ-2 and CQ-4): the write gives exactly the codes
+of qtool/kv_cache/vq.py `encode` on the rotated keys and the values (ties to the lower index) and touches
 only its positions; decode attention over a cache of random codes and random codebooks matches float64 attention
 over the decoded cache within float16 rounding, for both forms, head dims 64 and 128, 1 to 8 query heads per KV
 head, odd lengths and splits along the cache, with every output written."""

@@ -121,7 +121,7 @@ def test_gemv_every_cache_variant(preset, reindex, form):
                     _check(layer, p, m, seed, with_bias=True, cache="tiered", tiles_per_split=tps, form=form)
 
 
-# The mma form's launch options (qtool/cuda/vq.py `knobs`), each set explicitly: all on (clusters of up to 16
+# The mma form's launch options (qtool/layouts/vq/cuda.py `knobs`), each set explicitly: all on (clusters of up to 16
 # blocks adding their splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks,
 # next-tile prefetch, dependent launch), then each switched off; "portable" caps clusters at 8 blocks with an
 # ordinary launch; "off" is what the module's defaults give today.

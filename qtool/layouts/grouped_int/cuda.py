@@ -920,9 +920,9 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
         reason = unsupported_reason(spec.bits, spec.group_size, layer.in_features) or f"dtype {x.dtype}"
     if not cc.use_kernels("grouped_int", reason):
         return None
-    p = getattr(layer, "_qtool_prepared", None)
-    if p is None or p.source_ptr != layer.qweight.data_ptr() or p.qweight.device != x.device:
-        p = prepare(
+    p = layer.derived(
+        "cuda",
+        lambda: prepare(
             layer.qweight,
             layer.scales,
             layer.zeros,
@@ -930,6 +930,7 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
             spec.group_size,
             layer.in_features,
             layer.out_features,
-        )
-        layer._qtool_prepared = p
+        ),
+        valid=lambda p: p.source_ptr == layer.qweight.data_ptr() and p.qweight.device == x.device,
+    )
     return linear(x, p, layer.bias, path)

@@ -7,16 +7,44 @@ from dataclasses import dataclass
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.layouts.base import check_scales, check_tensors, stored_bits
+from qtool.layouts.base import StoredLayout, check_scales
 from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
-from qtool.quant.grid import GridSpec
 
 FORMAT = "grouped_int"
 PACK_CHUNK = 1 << 24  # codes per packing step (three int64 temporaries of 128 MiB)
 
 
+@dataclass(frozen=True)
+class GridSpec:
+    """The integer grid of a grouped_int layer: codes in 0..2^bits - 1, a scale per group of `group_size` input
+    columns (None: one group per output row), a zero point per group unless symmetric."""
+
+    bits: int
+    symmetric: bool
+    group_size: int | None  # None: one group per output row
+
+    @property
+    def maxq(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def sym_zero(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def num_groups(self, in_features: int) -> int:
+        g = self.group_size or in_features
+        return (in_features + g - 1) // g
+
+    def group_bounds(self, in_features: int) -> list[tuple[int, int]]:
+        g = self.group_size or in_features
+        return [(s, min(s + g, in_features)) for s in range(0, in_features, g)]
+
+
 @dataclass
-class GroupedIntWeight:
+class GroupedIntWeight(StoredLayout):
+    FORMAT = FORMAT
+    FIELDS = ("qweight", "scales", "zeros")
+
     spec: GridSpec
     in_features: int
     out_features: int
@@ -92,22 +120,9 @@ class GroupedIntWeight:
 
     def to(self, device: torch.device | str) -> GroupedIntWeight:
         """The same layer with its tensors on `device`."""
-        return GroupedIntWeight(
-            self.spec,
-            self.in_features,
-            self.out_features,
-            self.qweight.to(device),
-            self.scales.to(device),
-            None if self.zeros is None else self.zeros.to(device),
-        )
+        return self.map_tensors(lambda t: t.to(device))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"qweight": self.qweight, "scales": self.scales}
-        if self.zeros is not None:
-            out["zeros"] = self.zeros
-        return out
-
-    def layer_config(self, has_bias: bool) -> dict:
+    def config(self) -> dict:
         return {
             "format": FORMAT,
             "bits": self.spec.bits,
@@ -115,11 +130,15 @@ class GroupedIntWeight:
             "symmetric": self.spec.symmetric,
             "in_features": self.in_features,
             "out_features": self.out_features,
-            "bias": has_bias,
         }
 
-    def stored_bits(self) -> int:
-        return stored_bits(self.tensors())
+    @classmethod
+    def params_from_config(cls, cfg: dict) -> dict:
+        return {
+            "spec": spec_from_config(cfg),
+            "in_features": cfg["in_features"],
+            "out_features": cfg["out_features"],
+        }
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -137,16 +156,14 @@ class GroupedIntWeight:
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> GroupedIntWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        check_tensors(name, cls.expected_shapes(cfg), tensors)
-        spec = spec_from_config(cfg)
-        scales = tensors["scales"]
-        check_scales(name, scales)
-        zeros = tensors.get("zeros")
+        layout = cls.checked(name, cfg, tensors)
+        check_scales(name, layout.scales)
+        zeros, spec = layout.zeros, layout.spec
         if zeros is not None and int(zeros.max()) > spec.maxq:
             raise CheckpointError(
                 f"tensor {name}.zeros: found {int(zeros.max())}, expected at most {spec.maxq}"
             )
-        return cls(spec, cfg["in_features"], cfg["out_features"], tensors["qweight"], scales, zeros)
+        return layout
 
 
 def spec_from_config(cfg: dict) -> GridSpec:

@@ -826,13 +826,17 @@ def _layer_path(layer: torch.nn.Module, x: torch.Tensor) -> tuple[str, Prepared 
         reason = unsupported_reason(layer.group_size, layer.in_features) or f"dtype {x.dtype}"
     if not cc.use_kernels(LAYOUT, reason):
         return "reference", None
-    p = getattr(layer, "_qtool_prepared", None)
-    if p is None or p.source_ptr != layer.qweight_a.data_ptr() or p.device != x.device:
+
+    def make() -> Prepared:
         p = prepare(layer, device=x.device)
-        layer._qtool_prepared = p
         if not p.has_checkpoint:
             offload_checkpoint(layer)
             p.source_ptr = layer.qweight_a.data_ptr()
+        return p
+
+    p = layer.derived(
+        "cuda", make, valid=lambda p: p.source_ptr == layer.qweight_a.data_ptr() and p.device == x.device
+    )
     if path == "dequant+cublas" and gemm_reason(p) is None:
         path = "gemm"
     return path, p

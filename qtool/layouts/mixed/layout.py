@@ -143,6 +143,7 @@ def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
 
 @dataclass
 class MixedWeight(StoredLayout):
+    FORMAT = FORMAT
     FIELDS = FIELDS
     scheme_problem = staticmethod(scheme_problem)
 

@@ -1,4 +1,4 @@
-"""Executes the `mixed-2-4-16` layout (formats/mixed-2-4-16.md). On CUDA the kernels of qtool/cuda/mixed.py run
+"""Executes the `mixed-2-4-16` layout (formats/mixed-2-4-16.md). On CUDA the kernels of qtool/layouts/mixed/cuda.py run
 it (QTOOL_KERNELS picks, as for every layout); elsewhere, and where they do not apply, the torch reference: the
 dense part `(q - z)·ŝ` as one matmul, then the CSR outliers as a separate sparse product added to its output. The
 reference is what the kernels are checked against."""
@@ -14,7 +14,8 @@ from qtool.layouts.module import PackedLinear
 
 class MixedLinear(PackedLinear):
     layout_cls = MixedWeight
-    float16_fields = ("scales_2nd", "scales4", "outlier_values")
+    cuda_module = "qtool.layouts.mixed.cuda"
+    pinned_dtypes = {"scales_2nd": torch.float16, "scales4": torch.float16, "outlier_values": torch.float16}
 
     def cpu_layout(self) -> MixedWeight:
         """The layout on the CPU, where its unpacking runs (it builds CPU index tensors)."""
@@ -26,16 +27,6 @@ class MixedLinear(PackedLinear):
     def dense_float32(self) -> torch.Tensor:
         # Without the outliers: the reference adds them as a separate sparse product.
         return self.cpu_layout().dense()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # Imported here so CPU-only use never loads the GPU runtime.
-            from qtool.layouts.mixed.cuda import module_forward
-
-            y = module_forward(self, x)
-            if y is not None:
-                return y
-        return self.reference_forward(x)
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of this layer's output read as a row-interleaved gate/up projection (in each run of four output
@@ -62,10 +53,6 @@ class MixedLinear(PackedLinear):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
-
-    def drop_caches(self) -> None:
-        super().drop_caches()
-        self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
 
     def extra_repr(self) -> str:
         return (

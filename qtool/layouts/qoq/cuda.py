@@ -11,7 +11,7 @@ The arithmetic is the layout's (formats/qoq.md), so the kernels reproduce the in
 
 The 4-bit GEMM consumes the checkpoint's nibble streams as stored (code k at nibble k % 8 of word k / 8): a word's
 low nibbles feed wgmma k positions 4t..4t+3 of its 32-code step and the high nibbles 16 + 4t.., so the activation
-codes sit at quik's 4-bit positions (qtool/cuda/quik.py act_positions). Progressive groups travel as one int32
+codes sit at quik's 4-bit positions (qtool/layouts/quik/cuda.py act_positions). Progressive groups travel as one int32
 "group word" per (row, group): byte 0 = 128 - z·s1 in [2, 128], byte 1 = s1, from which the kernel forms
 Q8hat + 128 = q·s1 + (128 - z·s1) with one IMAD per 4 codes and takes 128·rowsum off in the epilogue.
 """
@@ -223,22 +223,21 @@ def stage_words(gwords: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def prepare(layer: torch.nn.Module) -> QoQPrepared:
     """The layer's prepared tensors, cached on it (rebuilt when its qweight storage changes)."""
-    p = getattr(layer, "_qtool_prepared", None)
-    if p is not None and p.source_ptr == layer.qweight.data_ptr() and p.wq.device == layer.qweight.device:
-        return p
-    p = build(
-        layer.bits,
-        layer.group_size,
-        layer.in_features,
-        layer.qweight,
-        layer.scales,
-        getattr(layer, "zeros", None),
-        getattr(layer, "group_scales", None),
-        layer.bias,
-        source_ptr=layer.qweight.data_ptr(),
+    return layer.derived(
+        "cuda",
+        lambda: build(
+            layer.bits,
+            layer.group_size,
+            layer.in_features,
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            layer.group_scales,
+            layer.bias,
+            source_ptr=layer.qweight.data_ptr(),
+        ),
+        valid=lambda p: p.source_ptr == layer.qweight.data_ptr() and p.wq.device == layer.qweight.device,
     )
-    layer._qtool_prepared = p
-    return p
 
 
 @dataclass

@@ -8,11 +8,12 @@ and W4 progressive (`scales` = s0, `group_scales` = s1 and `zeros` = z per group
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.layouts.base import check_scales, check_tensors, stored_bits
+from qtool.layouts.base import StoredLayout, check_scales, posint
 from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
 
 FORMAT = "qoq"
@@ -24,7 +25,7 @@ LEVEL1_MAX = 15
 MAX_GROUP_SCALE = 16  # s1 = round(238/15) at most (formats/qoq.md, "Protective range")
 
 
-def scheme_problem(bits: object, group_size: object, in_features: int) -> tuple[str, object, str] | None:
+def grid_problem(bits: object, group_size: object, in_features: int) -> tuple[str, object, str] | None:
     """(key, found, expected) for parameters outside the layout's domain, else None."""
     if bits not in WEIGHT_BITS or isinstance(bits, bool):
         return "bits", bits, "4 or 8"
@@ -39,8 +40,22 @@ def scheme_problem(bits: object, group_size: object, in_features: int) -> tuple[
     return None
 
 
+def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
+    """(key, found, expected) for layer parameters outside the layout's domain, else None."""
+    for key in ("in_features", "out_features"):
+        if not posint(cfg.get(key)):
+            return key, cfg.get(key), "a positive integer"
+    if cfg.get("act_bits") != ACT_BITS or isinstance(cfg.get("act_bits"), bool):
+        return "act_bits", cfg.get("act_bits"), str(ACT_BITS)
+    return grid_problem(cfg.get("bits"), cfg.get("group_size"), cfg["in_features"])
+
+
 @dataclass
-class QoQWeight:
+class QoQWeight(StoredLayout):
+    FORMAT = FORMAT
+    FIELDS = ("qweight", "scales", "group_scales", "zeros")
+    scheme_problem = staticmethod(scheme_problem)
+
     bits: int  # 4 or 8
     group_size: int | None  # None: per channel; g: progressive groups of g input columns (bits 4 only)
     in_features: int  # K
@@ -69,7 +84,7 @@ class QoQWeight:
         """Build from integer codes [N, K] (signed Q8 for bits 8; u4 q for bits 4), scales [N], and for bits 4 the
         zeros ([N] per channel, [N, K/g] progressive) and, progressive, the integer group scales [N, K/g]."""
         n, k = codes.shape
-        problem = scheme_problem(bits, group_size, k)
+        problem = grid_problem(bits, group_size, k)
         if problem is not None:
             key, found, expected = problem
             raise ValueError(f"qoq layout: {key} found {found!r}, expected {expected}")
@@ -132,15 +147,7 @@ class QoQWeight:
         w = self.scales.to(torch.float32)[:, None] * self.integer_weight().to(torch.float32)
         return w.to(dtype)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"qweight": self.qweight, "scales": self.scales}
-        if self.group_scales is not None:
-            out["group_scales"] = self.group_scales
-        if self.zeros is not None:
-            out["zeros"] = self.zeros
-        return out
-
-    def layer_config(self, has_bias: bool) -> dict:
+    def config(self) -> dict:
         return {
             "format": FORMAT,
             "bits": self.bits,
@@ -148,11 +155,16 @@ class QoQWeight:
             "group_size": self.group_size,
             "in_features": self.in_features,
             "out_features": self.out_features,
-            "bias": has_bias,
         }
 
-    def stored_bits(self) -> int:
-        return stored_bits(self.tensors())
+    @classmethod
+    def params_from_config(cls, cfg: dict) -> dict:
+        return {
+            "bits": int(cfg["bits"]),
+            "group_size": cfg["group_size"],
+            "in_features": cfg["in_features"],
+            "out_features": cfg["out_features"],
+        }
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -165,41 +177,11 @@ class QoQWeight:
             shapes["zeros"] = ((n,), torch.uint8)
         return shapes
 
-    @staticmethod
-    def check_config(name: str, cfg: dict) -> None:
-        """Refuse layer parameters outside the layout's domain, naming the layer and key."""
-
-        def bad(key: str, found: object, expected: str) -> CheckpointError:
-            return CheckpointError(
-                f"layer {name}: quantization_config key {key!r} found {found!r}, expected {expected}"
-            )
-
-        for key in ("in_features", "out_features"):
-            v = cfg.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(key, v, "a positive integer")
-        if cfg.get("act_bits") != ACT_BITS or isinstance(cfg.get("act_bits"), bool):
-            raise bad("act_bits", cfg.get("act_bits"), str(ACT_BITS))
-        problem = scheme_problem(cfg.get("bits"), cfg.get("group_size"), cfg["in_features"])
-        if problem is not None:
-            raise bad(*problem)
-
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> QoQWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        cls.check_config(name, cfg)
-        check_tensors(name, cls.expected_shapes(cfg), tensors)
-        check_scales(name, tensors["scales"])
-        layout = cls(
-            int(cfg["bits"]),
-            cfg["group_size"],
-            cfg["in_features"],
-            cfg["out_features"],
-            tensors["qweight"],
-            tensors["scales"],
-            tensors.get("group_scales"),
-            tensors.get("zeros"),
-        )
+        layout = cls.checked(name, cfg, tensors)
+        check_scales(name, layout.scales)
         if layout.bits == 8:
             lowest = int(layout.codes().min())
             if lowest < W8_OFFSET - W8_MAX:
@@ -228,3 +210,29 @@ class QoQWeight:
                     f"{int(wint[r, c])} (group_scales·(code - zeros)), expected -128..127"
                 )
         return layout
+
+
+ACT_MAX = (1 << (ACT_BITS - 1)) - 1  # 127: symmetric, -128 unused
+
+
+class ActInt8(NamedTuple):
+    codes: torch.Tensor  # int32 [T, K] in -127..127
+    scale: torch.Tensor  # float32 [T]: s_x
+    rowsum: torch.Tensor  # int32 [T]: Σ_k codes
+
+
+def quantize_activations(x: torch.Tensor) -> ActInt8:
+    """Per-token symmetric INT8 of `x` [T, K] (float32): `a = max|x|`, `r = 127/a`, `s_x = a/127` (both IEEE
+    float32 divisions; `r = s_x = 1` when a = 0), `q = clamp(round_half_even(x·r), -127, 127)` with `x·r` one
+    float32 multiply."""
+    amax = x.abs().amax(dim=1)
+    empty = amax == 0
+    one = torch.ones_like(amax)
+    top = torch.full_like(amax, float(ACT_MAX))
+    # Divide by a tensor, not a Python number: torch on CUDA turns division by a scalar into multiplication by its
+    # reciprocal, which is not the IEEE quotient the format specifies.
+    safe = torch.where(empty, one, amax)
+    recip = torch.where(empty, one, top / safe)
+    scale = torch.where(empty, one, safe / top)
+    codes = torch.clamp(torch.round(x * recip[:, None]), -ACT_MAX, ACT_MAX).to(torch.int32)
+    return ActInt8(codes, scale, codes.sum(dim=1, dtype=torch.int32))

@@ -3,7 +3,7 @@ tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16 o
 
 Paths (`linear`, `module_forward`): ``fused`` (the two kernels, or for W4A4 prefills one kernel that quantizes
 its own rows under the GEMM: `quantize_gemm`; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
-(the torch path of qtool/runtime/quik_linear.py: other GPUs, bf16/float32 activations, mixed weight/activation
+(the torch path of qtool/layouts/quik/module.py: other GPUs, bf16/float32 activations, mixed weight/activation
 widths). The unfused pieces (`quantize_torch`, raw int32 `gemm`, `epilogue_torch`) exist for the bench ladder.
 """
 
@@ -823,7 +823,7 @@ def quantize_gemm(
 def quantize_torch(x2: torch.Tensor, p: QuikPrepared) -> QuantizedActivations:
     """The unfused split + quantize (torch ops: gather, min/max, divide, round, scatter): the bench's first rung,
     and the layout the kernel must write."""
-    from qtool.layouts.quik.module import quantize_activations
+    from qtool.layouts.quik.layout import quantize_activations
 
     xf = x2.to(torch.float32)
     m = x2.shape[0]
@@ -884,8 +884,9 @@ def module_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | No
         reason = f"activations {x.dtype} (the kernels read float16)"
     if not cc.use_kernels("quik", reason):
         return None
-    p = getattr(layer, "_qtool_prepared", None)
-    if p is None or p.source_ptr != layer.qweight.data_ptr() or p.wq.device != x.device:
-        p = prepare(layer)
-        layer._qtool_prepared = p
+    p = layer.derived(
+        "cuda",
+        lambda: prepare(layer),
+        valid=lambda p: p.source_ptr == layer.qweight.data_ptr() and p.wq.device == x.device,
+    )
     return linear(x, p)

@@ -5,11 +5,12 @@ weights (the zero-point correction of per-token asymmetric activation quantizati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from qtool.errors import CheckpointError
-from qtool.layouts.base import check_scales, check_tensors, stored_bits
+from qtool.layouts.base import StoredLayout, check_scales, posint
 from qtool.layouts.bitpack import pack_codes, packed_words, unpack_codes
 
 FORMAT = "quik"
@@ -45,8 +46,32 @@ def violations_24(codes: torch.Tensor, bits: int) -> tuple[int, int, int] | None
     return r, 4 * g, int(nz[r, g])
 
 
+def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
+    """(key, found, expected) for layer parameters outside the layout's domain, else None."""
+    for key, allowed in (("bits", WEIGHT_BITS), ("act_bits", ACT_BITS)):
+        if cfg.get(key) not in allowed or isinstance(cfg.get(key), bool):
+            return key, cfg.get(key), " or ".join(map(str, allowed))
+    for key in ("in_features", "out_features"):
+        if not posint(cfg.get(key)):
+            return key, cfg.get(key), "a positive integer"
+    kk = cfg.get("num_outliers")
+    if not isinstance(kk, int) or isinstance(kk, bool) or not 0 <= kk <= cfg["in_features"]:
+        return "num_outliers", kk, f"an integer in 0..{cfg['in_features']}"
+    if cfg.get("group_size") is not None:
+        return "group_size", cfg.get("group_size"), "null (one scale per output channel)"
+    if cfg.get("symmetric") is not True:
+        return "symmetric", cfg.get("symmetric"), "true"
+    if cfg.get("sparsity") not in (None, SPARSITY_24):
+        return "sparsity", cfg.get("sparsity"), f"null or {SPARSITY_24!r}"
+    return None
+
+
 @dataclass
-class QuikWeight:
+class QuikWeight(StoredLayout):
+    FORMAT = FORMAT
+    FIELDS = ("qweight", "scales", "outlier_idx", "outlier_weight", "wreduced")
+    scheme_problem = staticmethod(scheme_problem)
+
     bits: int  # weight bits, 4 or 8
     act_bits: int  # activation bits, 4 or 8
     in_features: int  # K
@@ -141,16 +166,7 @@ class QuikWeight:
         w[:, self.outlier_idx.long()] = self.outlier_weight.to(torch.float32)
         return w.to(dtype)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "qweight": self.qweight,
-            "scales": self.scales,
-            "outlier_idx": self.outlier_idx,
-            "outlier_weight": self.outlier_weight,
-            "wreduced": self.wreduced,
-        }
-
-    def layer_config(self, has_bias: bool) -> dict:
+    def config(self) -> dict:
         return {
             "format": FORMAT,
             "bits": self.bits,
@@ -162,11 +178,17 @@ class QuikWeight:
             "sparsity": SPARSITY_24 if self.sparsity_24 else None,
             "in_features": self.in_features,
             "out_features": self.out_features,
-            "bias": has_bias,
         }
 
-    def stored_bits(self) -> int:
-        return stored_bits(self.tensors())
+    @classmethod
+    def params_from_config(cls, cfg: dict) -> dict:
+        return {
+            "bits": int(cfg["bits"]),
+            "act_bits": int(cfg["act_bits"]),
+            "in_features": cfg["in_features"],
+            "out_features": cfg["out_features"],
+            "sparsity_24": cfg.get("sparsity") is not None,
+        }
 
     @staticmethod
     def expected_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -179,37 +201,10 @@ class QuikWeight:
             "wreduced": ((n,), torch.float32),
         }
 
-    @staticmethod
-    def check_config(name: str, cfg: dict) -> None:
-        """Refuse layer parameters outside the layout's domain, naming the layer and key."""
-
-        def bad(key: str, expected: str) -> CheckpointError:
-            return CheckpointError(
-                f"layer {name}: quantization_config key {key!r} found {cfg.get(key)!r}, expected {expected}"
-            )
-
-        for key, allowed in (("bits", WEIGHT_BITS), ("act_bits", ACT_BITS)):
-            if cfg.get(key) not in allowed or isinstance(cfg.get(key), bool):
-                raise bad(key, " or ".join(map(str, allowed)))
-        for key in ("in_features", "out_features"):
-            v = cfg.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(key, "a positive integer")
-        kk = cfg.get("num_outliers")
-        if not isinstance(kk, int) or isinstance(kk, bool) or not 0 <= kk <= cfg["in_features"]:
-            raise bad("num_outliers", f"an integer in 0..{cfg['in_features']}")
-        if cfg.get("group_size") is not None:
-            raise bad("group_size", "null (one scale per output channel)")
-        if cfg.get("symmetric") is not True:
-            raise bad("symmetric", "true")
-        if cfg.get("sparsity") not in (None, SPARSITY_24):
-            raise bad("sparsity", f"null or {SPARSITY_24!r}")
-
     @classmethod
     def from_tensors(cls, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> QuikWeight:
         """Validate stored tensors against the layer config; errors name the tensor."""
-        cls.check_config(name, cfg)
-        check_tensors(name, cls.expected_shapes(cfg), tensors)
+        layout = cls.checked(name, cfg, tensors)
         k = cfg["in_features"]
         scales = tensors["scales"]
         check_scales(name, scales)
@@ -229,18 +224,6 @@ class QuikWeight:
             raise CheckpointError(
                 f"tensor {name}.outlier_weight: found non-finite values, expected finite weights"
             )
-        layout = cls(
-            int(cfg["bits"]),
-            int(cfg["act_bits"]),
-            k,
-            cfg["out_features"],
-            cfg.get("sparsity") is not None,
-            tensors["qweight"],
-            scales,
-            tensors["outlier_idx"],
-            tensors["outlier_weight"],
-            tensors["wreduced"],
-        )
         codes = layout.codes()
         expect = row_sums(codes, scales, layout.bits)
         diff = (tensors["wreduced"] - expect).abs()
@@ -264,3 +247,27 @@ class QuikWeight:
                     f"non-zero codes, expected at most 2 (sparsity 2:4)"
                 )
         return layout
+
+
+class ActQuant(NamedTuple):
+    codes: torch.Tensor  # int32 [T, Kb], signed: q - 2^(act_bits-1)
+    scale: torch.Tensor  # float32 [T]
+    zero: torch.Tensor  # float32 [T]: the row minimum
+
+
+def quantize_activations(xb: torch.Tensor, act_bits: int) -> ActQuant:
+    """Per-token asymmetric quantization of `xb` [T, Kb] (float32): `s = (max - min) / (2^b - 1)` (IEEE division;
+    1 when the row is constant), `y = 1 / s` (IEEE division), `q = clamp(round_half_even((x - min) · y), 0, 2^b - 1)`
+    with `x - min` rounded to float32 and the product exact (not rounded to float32 first), stored signed."""
+    maxq = (1 << act_bits) - 1
+    lo = xb.amin(dim=1)
+    hi = xb.amax(dim=1)
+    # Divide by a tensor, not a Python number: torch on CUDA turns division by a scalar into multiplication by its
+    # reciprocal, which is not the IEEE quotient the format specifies.
+    scale = torch.where(hi > lo, (hi - lo) / torch.full_like(lo, maxq), torch.ones_like(lo))
+    recip = torch.ones_like(scale) / scale
+    # Two float32 significands multiply exactly in float64 (48 of 53 bits), so rounding the float64 product to an
+    # integer is the one rounding a kernel's fused multiply-add performs.
+    q = torch.round((xb - lo[:, None]).double() * recip.double()[:, None])
+    q = torch.clamp(q, 0, maxq)
+    return ActQuant((q - (1 << (act_bits - 1))).to(torch.int32), scale, lo)

@@ -1,6 +1,6 @@
 """CUDA execution of the `vq` layout: the device view of a layer that both its kernels take (`Prepared`, from
 `prepare`), and the decode GEMV for 1..GEMV_MAX_M tokens (kernels/vq_gemv.cu) with VQ-LLM's codebook cache, its
-launch plan and the dispatch rule. The prefill GEMM (qtool/cuda/vq_gemm.py) takes the same view.
+launch plan and the dispatch rule. The prefill GEMM (qtool/layouts/vq/cuda_gemm.py) takes the same view.
 
 Two forms of the GEMV, one template (formats/vq.md "For the CUDA kernels"): `mma` (the default) puts every
 looked-up entry into a tensor-core A fragment (mma.sync m16n8k16, fp32 accumulation); `fma` multiplies entries and
@@ -240,7 +240,7 @@ class Plan:
 @dataclass
 class Prepared:
     """Device-side view of one `vq` layer (the checkpoint tensors in place, 16-byte aligned) that the GEMV and the
-    GEMM (qtool/cuda/vq_gemm.py) take, and the GEMV's launch plans. Tiles along an axis that has one are given
+    GEMM (qtool/layouts/vq/cuda_gemm.py) take, and the GEMV's launch plans. Tiles along an axis that has one are given
     by their size (`tile_rows` = N, `tile_vecs` = K/d), never None."""
 
     indices: torch.Tensor  # int32 [z, N, W]
@@ -355,11 +355,11 @@ def prepare(layout) -> Prepared:
 
 def layer_view(layer: torch.nn.Module, device: torch.device) -> Prepared:
     """A VQLinear's view, kept on the layer (rebuilt when its tensors move or are replaced)."""
-    p = getattr(layer, "_qtool_prepared", None)
-    if p is None or p.source_ptr != layer.indices.data_ptr() or p.indices.device != device:
-        p = prepare(layer)
-        layer._qtool_prepared = p
-    return p
+    return layer.derived(
+        "cuda",
+        lambda: prepare(layer),
+        valid=lambda p: p.source_ptr == layer.indices.data_ptr() and p.indices.device == device,
+    )
 
 
 def token_slots(m: int) -> int:

@@ -83,7 +83,7 @@ def prepare(
     tile_rows: int | None,
     tile_cols: int | None,
 ) -> Prepared:
-    """Check the layout's tensors against its parameters and build the kernel view (qtool/cuda/vq.py's, which the
+    """Check the layout's tensors against its parameters and build the kernel view (qtool/layouts/vq/cuda.py's, which the
     decode GEMV takes too)."""
     reason = unsupported_reason(vector_size, entries, residuals, in_features, tile_rows, tile_cols)
     if reason is not None:

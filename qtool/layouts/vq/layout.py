@@ -122,6 +122,7 @@ def scheme_problem(cfg: dict) -> tuple[str, object, str] | None:
 
 @dataclass
 class VQWeight(StoredLayout):
+    FORMAT = FORMAT
     FIELDS = FIELDS
     scheme_problem = staticmethod(scheme_problem)
 

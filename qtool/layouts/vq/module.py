@@ -3,8 +3,8 @@ built for: with few input rows (decode, at most `LOOKUP_ROWS`), the codebook-cen
 input vector by every entry of its codebook once and then sums the products the indices select (no weight is
 dequantized); with more rows (prefill), the dequantized weight in a dense matmul, as a GEMM that decodes codes into
 its tiles computes. The tests check the lookup path against `dequantize()`. On CUDA (QTOOL_KERNELS picks, as for every
-layout), up to LOOKUP_ROWS float16 rows run the GEMV kernel of qtool/cuda/vq.py and more rows the fused GEMM of
-qtool/cuda/vq_gemm.py, where they apply."""
+layout), up to LOOKUP_ROWS float16 rows run the GEMV kernel of qtool/layouts/vq/cuda.py and more rows the fused GEMM of
+qtool/layouts/vq/cuda_gemm.py, where they apply."""
 
 from __future__ import annotations
 
@@ -19,52 +19,41 @@ LOOKUP_ROWS = 16
 
 class VQLinear(PackedLinear):
     layout_cls = VQWeight
-    float16_fields = ("codebooks",)
-
-    def __init__(self, weight: VQWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight, bias)
-        # Unpacked indices, built on first use per device; a kernel never needs them.
-        self._codes: dict[torch.device, torch.Tensor] = {}
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.layout.dequantize(dtype)
+    cuda_module = "qtool.layouts.vq.cuda"
+    pinned_dtypes = {"codebooks": torch.float16}
 
     def codes(self, device: torch.device) -> torch.Tensor:
-        c = self._codes.get(device)
-        if c is None:
-            c = self._codes[device] = self.layout.codes().to(device)
-        return c
+        """The unpacked indices on `device`, built on first use there; a kernel never needs them."""
+        return self.derived(("codes", device), lambda: self.layout.codes().to(device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # The CUDA GEMV (qtool/cuda/vq.py) for up to LOOKUP_ROWS rows; imported here so CPU-only use never
-            # loads the GPU runtime. None: the paths below.
-            from qtool.layouts.vq.cuda import module_forward
+    def cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        # The GEMV (qtool/layouts/vq/cuda.py) takes up to LOOKUP_ROWS rows; above them the fused GEMM
+        # (qtool/layouts/vq/cuda_gemm.py), where it applies.
+        y = super().cuda_forward(x)
+        if y is not None:
+            return y
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= LOOKUP_ROWS:
+            return None
+        from qtool.layouts.vq.cuda_gemm import module_forward
 
-            y = module_forward(self, x)
-            if y is not None:
-                return y
+        y = module_forward(self, x2)
+        if y is None:
+            return None
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= LOOKUP_ROWS:
             y = self.lookup_forward(x2)
         else:
-            y = self.gemm_forward(x2)
+            y = F.linear(x2, self.dense_weight(x.device, x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
-
-    def gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """y [T, N] for more than LOOKUP_ROWS rows: the fused VQ GEMM on CUDA where it applies, else the dequantized
-        weight in a dense matmul."""
-        if x.is_cuda:
-            # Imported here so CPU-only use never loads the GPU runtime.
-            from qtool.layouts.vq.cuda_gemm import module_forward
-
-            y = module_forward(self, x)
-            if y is not None:
-                return y
-        return F.linear(x, self.dense_weight(x.device, x.dtype))
 
     def lookup_forward(self, x: torch.Tensor) -> torch.Tensor:
         """y [T, N] = x [T, K] Wᵀ without dequantizing W: products of every input vector with every entry of its
@@ -85,11 +74,6 @@ class VQLinear(PackedLinear):
             for r in range(self.residuals):
                 y += prod[rt[:, None], r, vi, codes[r][:, vs]].sum(dim=1)
         return y.T.to(x.dtype)
-
-    def drop_caches(self) -> None:
-        super().drop_caches()
-        self._codes = {}
-        self.__dict__.pop("_qtool_prepared", None)  # the kernel view of the old tensors
 
     def extra_repr(self) -> str:
         scope = (
