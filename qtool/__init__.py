@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__version__ = "0.1.0"
+from qtool.version import __version__
 
 __all__ = ["__version__", "load", "load_tokenizer", "quantize"]
 

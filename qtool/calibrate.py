@@ -8,7 +8,8 @@ import torch
 
 from qtool.console import Reporter
 from qtool.errors import RecipeError, UsageError
-from qtool.output import Output, reserve_output, stats_bytes
+from qtool.estimate import stats_bytes
+from qtool.output import Output, reserve_output
 
 
 def run_calibrate(

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from qtool import __version__
 from qtool.console import Reporter
 from qtool.errors import NotImplementedYet
 from qtool.failure import JSON_KEY, QtoolGroup
+from qtool.version import __version__
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -209,12 +209,12 @@ def quantize(
     if summary is None:  # a rank other than 0 of a run over several processes: rank 0 reports
         return
     if dry_run:
-        from qtool.output import _size
+        from qtool.units import format_size
 
         est = summary["estimate"]
 
         def gb(v) -> str:
-            return "-" if v is None else _size(v)
+            return "-" if v is None else format_size(v)
 
         rows = [
             ("model", summary["model"]),
@@ -435,7 +435,7 @@ def eval_cmd(
     from qtool.errors import GateFailed, UsageError
     from qtool.evaluate import run_eval
     from qtool.gate import Gate, describe_failure, parse_percent
-    from qtool.recipe import parse_size
+    from qtool.units import parse_size
 
     gate = Gate(
         parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop")

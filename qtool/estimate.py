@@ -13,8 +13,10 @@ rough figure.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 from qtool.calibration.store import choose_place
 from qtool.errors import ResourceError
 from qtool.models.loading import config_dtype
-from qtool.output import _size, checkpoint_bytes
+from qtool.units import format_size
 
 _GB = 1e9
 
@@ -54,6 +56,103 @@ class Estimate:
                 "terms": self.terms,
             }
         }
+
+
+_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError("header too large")
+        return json.loads(f.read(n))
+
+
+def model_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
+    """{name: (dtype, shape)} of a local model's safetensors files, read from their headers only; None when the
+    model is not a local folder of readable safetensors files (the estimate is then skipped, not guessed)."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    if not files:
+        return None
+    out: dict[str, tuple[str, list[int]]] = {}
+    try:
+        for f in files:
+            for name, info in _safetensors_header(f).items():
+                if name != "__metadata__":
+                    out[name] = (info["dtype"], list(info["shape"]))
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # a broken model file is reported by the loader, with its own message
+    return out
+
+
+def _shape_numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _block_linears(config) -> tuple[object, list[str]] | None:
+    from qtool.models.adapters import adapter_for
+
+    adapter = adapter_for(getattr(config, "architectures", None))
+    layers = getattr(config, "num_hidden_layers", None)
+    if adapter is None or not isinstance(layers, int):
+        return None
+    return adapter, [
+        f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()
+    ]
+
+
+def checkpoint_bytes(recipe, config) -> int | None:
+    """At least how many bytes the checkpoint of `recipe` takes: the model's tensors as stored, with the linears
+    each quantizer claims at its bits per weight (scales and outlier columns left out)."""
+    shapes = model_tensor_shapes(recipe.model)
+    found = _block_linears(config)
+    if shapes is None or found is None:
+        return None
+    _, linears = found
+    bits: dict[str, int] = {}
+    for name in linears:
+        for q in recipe.quantizers():
+            if q.targets.matches(name):
+                b = getattr(q.options, "bits", None) or 2
+                bits[f"{name}.weight"] = min(b, 4) if getattr(q.options, "overrides", None) else b
+                break
+    total = 0
+    for name, (dtype, shape) in shapes.items():
+        n = _shape_numel(shape)
+        total += n * bits[name] // 8 if name in bits else n * _DTYPE_BYTES.get(dtype, 1)
+    return total
+
+
+def stats_bytes(model: str, config, hessians: bool) -> int | None:
+    """At least how many bytes a stats file takes: per linear two float32 vectors, and the K x K Hessian."""
+    shapes = model_tensor_shapes(model)
+    found = _block_linears(config)
+    if shapes is None or found is None:
+        return None
+    total = 0
+    for name in found[1]:
+        if f"{name}.weight" in shapes:
+            k = shapes[f"{name}.weight"][1][-1]
+            total += 8 * k + (4 * k * k if hessians else 0)
+    return total
 
 
 def current_rss() -> int:
@@ -208,22 +307,22 @@ def check_fits(est: Estimate, recipe, out: Path) -> None:
         free = shutil.disk_usage(where).free
         if est.activation_bytes > free:
             raise ResourceError(
-                f"needs about {_size(est.activation_bytes)} for the activations of {shape}, more "
-                f"than the host memory ({_size(have)}) and the free disk beside the output "
-                f"({_size(free)} in {where}) hold; lower --num-samples or --seq-len"
+                f"needs about {format_size(est.activation_bytes)} for the activations of {shape}, more "
+                f"than the host memory ({format_size(have)}) and the free disk beside the output "
+                f"({format_size(free)} in {where}) hold; lower --num-samples or --seq-len"
             )
     if est.host_bytes > have:
         raise ResourceError(
-            f"needs about {_size(est.host_bytes)} host memory ({_size(est.activation_bytes)} of "
-            f"activations for {shape}, {_size(est.block_bytes)} per block, "
-            f"{_size(est.hessian_bytes)} of Hessians); this machine has {_size(have)}; lower "
+            f"needs about {format_size(est.host_bytes)} host memory ({format_size(est.activation_bytes)} of "
+            f"activations for {shape}, {format_size(est.block_bytes)} per block, "
+            f"{format_size(est.hessian_bytes)} of Hessians); this machine has {format_size(have)}; lower "
             f"--num-samples or --seq-len"
         )
     if est.gpu_bytes is not None:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if est.gpu_bytes > total:
             raise ResourceError(
-                f"needs about {_size(est.gpu_bytes)} GPU memory for one block's weights, Hessians "
-                f"and the activations of {shape}; this GPU has {_size(total)}; lower "
+                f"needs about {format_size(est.gpu_bytes)} GPU memory for one block's weights, Hessians "
+                f"and the activations of {shape}; this GPU has {format_size(total)}; lower "
                 f"--num-samples or --seq-len"
             )

@@ -72,7 +72,7 @@ def load_for_eval(
 
 def memory_for_model(dev: torch.device, max_memory: int | None) -> int:
     """What an evaluated model may take: `max_memory`, else the device's free memory (the host's on the CPU)."""
-    from qtool.calibration.store import available_host
+    from qtool.units import available_host
 
     if max_memory is not None:
         return max_memory
@@ -96,7 +96,7 @@ def evaluate_loaded(
 ) -> dict:
     """Perplexity on `spec` and/or lm-eval tasks of `suite` (a TaskSuite) for a loaded model."""
     from qtool.eval.perplexity import perplexity
-    from qtool.layouts.cache import reference_cache
+    from qtool.layouts.module import reference_cache
 
     out: dict = {}
     with reference_cache(model) if dev.type == "cpu" else nullcontext():

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from qtool import __version__
 from qtool.calibration.store import ActivationStore
 from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
 from qtool.checkpoint.writer import collect_tensors
@@ -38,6 +37,7 @@ from qtool.pipeline import (
     resolve_device,
 )
 from qtool.recipe import Recipe
+from qtool.version import __version__
 
 
 @dataclass

@@ -8,15 +8,14 @@ same output finds it by name and by its dead PID."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 from qtool.checkpoint.manifest import MANIFEST_NAME
 from qtool.errors import ResourceError, UsageError
+from qtool.units import format_size
 
 _TMP, _OLD = ".tmp-", ".old-"
 # Files that mark a folder as qtool's own output, which --overwrite may replace: a checkpoint's manifest, an
@@ -65,14 +64,6 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
     else:
         p.unlink(missing_ok=True)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 class Output:
@@ -210,109 +201,13 @@ def reserve_output(
         if free < needs_bytes:
             out.discard()
             raise ResourceError(
-                f"output '{path}': needs at least {_size(needs_bytes)}, but its file system "
-                f"has {_size(free)} free"
+                f"output '{path}': needs at least {format_size(needs_bytes)}, but its file system "
+                f"has {format_size(free)} free"
             )
     return out
 
 
 # ---- size estimates: lower bounds, so a run that fits is never refused ------------------------------------------
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "F32": 4,
-    "I32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100_000_000:
-            raise ValueError("header too large")
-        return json.loads(f.read(n))
-
-
-def model_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
-    """{name: (dtype, shape)} of a local model's safetensors files, read from their headers only; None when the
-    model is not a local folder of readable safetensors files (the estimate is then skipped, not guessed)."""
-    d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
-    if not files:
-        return None
-    out: dict[str, tuple[str, list[int]]] = {}
-    try:
-        for f in files:
-            for name, info in _safetensors_header(f).items():
-                if name != "__metadata__":
-                    out[name] = (info["dtype"], list(info["shape"]))
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None  # a broken model file is reported by the loader, with its own message
-    return out
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _block_linears(config) -> tuple[object, list[str]] | None:
-    from qtool.models.adapters import adapter_for
-
-    adapter = adapter_for(getattr(config, "architectures", None))
-    layers = getattr(config, "num_hidden_layers", None)
-    if adapter is None or not isinstance(layers, int):
-        return None
-    return adapter, [
-        f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()
-    ]
-
-
-def checkpoint_bytes(recipe, config) -> int | None:
-    """At least how many bytes the checkpoint of `recipe` takes: the model's tensors as stored, with the linears
-    each quantizer claims at its bits per weight (scales and outlier columns left out)."""
-    shapes = model_tensor_shapes(recipe.model)
-    found = _block_linears(config)
-    if shapes is None or found is None:
-        return None
-    _, linears = found
-    bits: dict[str, int] = {}
-    for name in linears:
-        for q in recipe.quantizers():
-            if q.targets.matches(name):
-                b = getattr(q.options, "bits", None) or 2
-                bits[f"{name}.weight"] = min(b, 4) if getattr(q.options, "overrides", None) else b
-                break
-    total = 0
-    for name, (dtype, shape) in shapes.items():
-        n = _numel(shape)
-        total += n * bits[name] // 8 if name in bits else n * _DTYPE_BYTES.get(dtype, 1)
-    return total
-
-
-def stats_bytes(model: str, config, hessians: bool) -> int | None:
-    """At least how many bytes a stats file takes: per linear two float32 vectors, and the K x K Hessian."""
-    shapes = model_tensor_shapes(model)
-    found = _block_linears(config)
-    if shapes is None or found is None:
-        return None
-    total = 0
-    for name in found[1]:
-        if f"{name}.weight" in shapes:
-            k = shapes[f"{name}.weight"][1][-1]
-            total += 8 * k + (4 * k * k if hessians else 0)
-    return total
 
 
 def folder_bytes(folder: Path) -> int:

@@ -17,14 +17,13 @@ import yaml
 
 from qtool.calibration.data import check_encoding
 from qtool.errors import InputError, RecipeError
-from qtool.export.targets import TARGETS
 from qtool.models.loading import is_hub_id
 from qtool.options import option, parse_options
 from qtool.stages import STAGES
 from qtool.stages.base import QuantizerStage, Targets, TransformStage
+from qtool.units import parse_size
 
 _TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
 
 
 @dataclass
@@ -135,14 +134,9 @@ class Recipe:
         return parse_size(self.settings.max_shard_size)
 
 
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(text)
-    unit = (m.group(2) or "B").upper()
-    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}[unit])
-
-
+# What a checkpoint must stay exportable to (qtool/export/targets.py checks it before the run); "vllm" is
+# compressed-tensors by the name of the engine that reads it.
+TARGETS = ("qtool", "compressed-tensors", "vllm")
 TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings", "target")
 # Overrides whose command-line flag is not named after the key.
 _FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--eval-windows"}

@@ -21,7 +21,7 @@ def run_pack(
     """`verify`: hash every file and read every tensor; otherwise (`--quick`) only what every load checks."""
     from qtool.errors import UsageError
     from qtool.output import folder_bytes, reserve_output
-    from qtool.recipe import parse_size
+    from qtool.units import parse_size
 
     if not verify:
         if output is not None:

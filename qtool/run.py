@@ -14,7 +14,8 @@ import torch
 from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
 from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
-from qtool.output import Output, checkpoint_bytes, reserve_output
+from qtool.estimate import checkpoint_bytes
+from qtool.output import Output, reserve_output
 from qtool.recipe import load_recipe
 
 

@@ -186,7 +186,7 @@ def test_two_models_one_table(cli, quantized, tmp_path):
 
 def test_reference_cache_keeps_results_and_is_dropped(quantized):
     from qtool.checkpoint.loader import load_checkpoint
-    from qtool.layouts.cache import reference_cache
+    from qtool.layouts.module import PackedLinear, reference_cache
 
     model = load_checkpoint(quantized[0])
     x = torch.randint(0, 512, (2, 40))
@@ -194,10 +194,11 @@ def test_reference_cache_keeps_results_and_is_dropped(quantized):
         plain = model(x).logits
         with reference_cache(model) as n:
             cached = [model(x).logits for _ in range(2)]
-            filled = [m for m in model.modules() if getattr(m, "reference_cache", None)]
+            filled = [m for m in model.modules() if isinstance(m, PackedLinear) and m._scoped]
     assert n == 35 and len(filled) == 35
     assert all(torch.equal(plain, c) for c in cached)
-    assert all(m.reference_cache is None for m in model.modules() if hasattr(m, "reference_cache"))
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(not m._keep_scoped and not any(k[0] == "dense" for k in m._derived) for m in packed)
 
 
 def test_lm_eval_loglikelihood_equals_perplexity_nll(cli, quantized, tmp_path):

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from qtool.errors import UsageError
+from qtool.units import available_host, parse_size
+
 PLACES = ("device", "host", "disk")
 BUDGET_ENV = "QTOOL_ACTIVATION_BUDGET"
 
@@ -27,25 +30,10 @@ def budget_cap() -> int | None:
     raw = os.environ.get(BUDGET_ENV)
     if raw is None or not raw.strip():
         return None
-    from qtool.errors import UsageError
-    from qtool.recipe import parse_size
-
     try:
         return 0 if raw.strip() == "0" else parse_size(raw)
     except ValueError:
         raise UsageError(f"{BUDGET_ENV}: found {raw!r}, expected a size such as 2GB, or 0") from None
-
-
-def available_host() -> int:
-    """Host memory available to this process now (MemAvailable), or all of it when /proc/meminfo is unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def choose_place(need: int, device: torch.device, device_room: int, host_room: int) -> str:

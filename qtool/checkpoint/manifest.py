@@ -67,9 +67,9 @@ _SHAPING = (
 def package_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    import qtool
+    from qtool.version import __version__
 
-    out = {"qtool": qtool.__version__}
+    out = {"qtool": __version__}
     for name in _SHAPING:
         try:
             out[name] = version(name)

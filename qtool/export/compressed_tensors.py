@@ -264,7 +264,7 @@ def run_export(
 
     from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
     from qtool.output import folder_bytes, reserve_output
-    from qtool.recipe import parse_size
+    from qtool.units import parse_size
 
     if fmt != FORMAT:
         raise UsageError(f"--format: found {fmt!r}, expected {FORMAT!r}")

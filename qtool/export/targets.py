@@ -1,65 +1,36 @@
 """The recipe's `target`: the format a checkpoint must later be exportable to. With `target: compressed-tensors`
 (or its alias `vllm`), a recipe whose quantizers would produce a layer that format cannot hold (a partial group,
-outlier columns, mixed precision, two-level scales, a quantized KV cache) is refused before the model loads,
-naming the stage and the first such linear, instead of after the run by `qtool export`."""
+outlier columns, mixed precision, two-level scales) or whose transforms set a run-time scheme it has no place for
+(a quantized KV cache) is refused before the model loads, naming the stage and the first such linear, instead of
+after the run by `qtool export`. Each quantizer says what layer it will write (`planned_layer`); the exporter
+judges it, as it judges a written checkpoint's."""
 
 from __future__ import annotations
 
 from qtool.errors import RecipeError, UsageError
-
-TARGETS = ("qtool", "compressed-tensors", "vllm")
-
-
-def _prospective_layer(stage, k: int) -> dict:
-    """The layer config `stage` will write for a linear with `k` input columns, as far as its options fix it."""
-    o = stage.options
-    if stage.name in ("gptq", "rtn"):
-        return {
-            "format": "grouped_int",
-            "bits": o.bits,
-            "group_size": o.group_size,
-            "symmetric": o.symmetric,
-            "in_features": k,
-        }
-    if stage.name == "progressive":
-        return {
-            "format": "qoq",
-            "bits": o.bits,
-            "group_size": o.group_size,
-            "act_bits": o.act_bits,
-            "in_features": k,
-        }
-    if stage.name == "outliers":
-        return {
-            "format": "quik",
-            "bits": o.bits,
-            "act_bits": o.act_bits,
-            "group_size": None,
-            "in_features": k,
-            "num_outliers": o.outliers or any(getattr(v, "outliers", None) for v in o.overrides),
-            "sparsity": "2:4" if o.sparsity_24 else None,
-        }
-    return {"format": stage.name, "in_features": k}
+from qtool.stages.base import TransformStage
 
 
 def check_target(recipe, config) -> None:
     """Refuse, before any weight is read, a recipe whose checkpoint its `target` format could not hold."""
     from qtool.export.compressed_tensors import layer_scheme
 
-    if getattr(recipe, "target", "qtool") == "qtool":
+    if recipe.target == "qtool":
         return
     where = f"{recipe.path}:target"
     for spec in recipe.stages:
         stage = spec.stage
-        if stage.name == "kv_cache":
+        scheme = stage.model_scheme() if isinstance(stage, TransformStage) else None
+        if scheme and "kv_cache" in scheme:
+            how = "with codebooks" if "format" in scheme["kv_cache"] else "per token at run time"
             raise RecipeError(
-                f"{where}: {recipe.target}, but {stage.label} quantizes the KV cache per token at run "
-                f"time; expected no kv_cache stage (the format holds no such cache)"
+                f"{where}: {recipe.target}, but {stage.label} quantizes the KV cache {how}; expected no "
+                f"{stage.name} stage (the format holds no such cache)"
             )
     for q in recipe.quantizers():
         for full, lin in q.targeted_linears(config):
             k = lin.in_features
-            cfg = _prospective_layer(q, k)
+            cfg = q.planned_layer(k)
             g = cfg.get("group_size")
             if isinstance(g, int) and k % g:
                 raise RecipeError(

@@ -283,7 +283,7 @@ def load_model(
         import shutil
         import tempfile
 
-        from qtool.calibration.store import available_host
+        from qtool.units import available_host
 
         budget = (
             {dev.index or 0: max_memory, "cpu": available_host()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +18,41 @@ from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.options import option
 from qtool.quant.grid import GridSpec
 from qtool.quant.rtn import rtn_quantize
+
+
+def _for(text: str, solver: str) -> str:
+    return f"{solver}: {text}" if solver else text
+
+
+# GPTQ's solver options, declared once: every stage that solves with GPTQ takes them under these names, defaults
+# and ranges (`solver` prefixes the help where the stage has another solver too).
+def damp_option(solver: str = "") -> Any:
+    return option(
+        0.01, min=0.0, max=1.0, help=_for("dampening added to diag(H), as a fraction of its mean", solver)
+    )
+
+
+def block_size_option(solver: str = "") -> Any:
+    return option(128, min=1, max=8192, help=_for("columns per lazy batch update", solver))
+
+
+def act_order_option(solver: str = "") -> Any:
+    return option(False, help=_for("quantize columns in order of decreasing diag(H)", solver))
+
+
+def static_groups_option(solver: str = "") -> Any:
+    return option(False, help=_for("fix every group's scale (and zero) before the column loop", solver))
+
+
+def sequential_option(solver: str = "") -> Any:
+    return option(
+        True,
+        help=_for(
+            "within a block, q/k/v then o then gate/up then down, each calibrated on the outputs of the already "
+            "quantized linears",
+            solver,
+        ),
+    )
 
 
 @dataclass
@@ -46,6 +81,16 @@ class WeightScheme:
 
     def grid_spec(self) -> GridSpec:
         return GridSpec(bits=self.bits, symmetric=self.symmetric, group_size=self.group_size)
+
+    def planned_layer(self, in_features: int) -> dict:
+        """The grouped_int layer config these options give a linear of `in_features` inputs."""
+        return {
+            "format": GroupedIntWeight.FORMAT,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "in_features": in_features,
+        }
 
 
 @dataclass
@@ -93,7 +138,16 @@ class Stage(ABC):
 
 
 class QuantizerStage(Stage):
-    """Chooses the representation of each targeted linear and produces its packed layer."""
+    """Chooses the representation of each targeted linear and produces its packed layer (of `layout_cls`)."""
+
+    layout_cls: ClassVar[type[StoredLayout]]
+
+    def planned_layer(self, in_features: int) -> dict:
+        """The layer config this stage will write for a linear of `in_features` inputs, as far as its options fix
+        it before any weight is read (options that fix a scheme say so with their own `planned_layer`): what a
+        recipe's `target:` checks against the export format."""
+        plan = getattr(self.options, "planned_layer", None)
+        return plan(in_features) if plan else {"format": self.layout_cls.FORMAT, "in_features": in_features}
 
     def needs_hessian(self) -> bool:
         return False

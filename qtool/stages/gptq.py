@@ -8,24 +8,27 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.layouts.grouped_int.layout import GroupedIntWeight
-from qtool.options import option
 from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_quantize
-from qtool.stages import register
-from qtool.stages.base import HessianStage, QuantResult, WeightScheme
+from qtool.stages.base import (
+    HessianStage,
+    QuantResult,
+    WeightScheme,
+    act_order_option,
+    block_size_option,
+    damp_option,
+    sequential_option,
+    static_groups_option,
+)
 
 
 @dataclass
 class GPTQOptions(WeightScheme):
-    damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H), as a fraction of its mean")
-    block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
-    act_order: bool = option(False, help="quantize columns in order of decreasing diag(H)")
-    static_groups: bool = option(False, help="fix every group's scale before the column loop")
-    sequential: bool = option(
-        True,
-        help="within a block, q/k/v then o then gate/up then down, each calibrated "
-        "on the outputs of the already quantized linears",
-    )
+    damp: float = damp_option()
+    block_size: int = block_size_option()
+    act_order: bool = act_order_option()
+    static_groups: bool = static_groups_option()
+    sequential: bool = sequential_option()
 
     def validate(self) -> tuple[str, str] | None:
         if self.act_order and self.group_size is not None and not self.static_groups:
@@ -37,10 +40,10 @@ class GPTQOptions(WeightScheme):
         return None
 
 
-@register
 class GPTQStage(HessianStage):
     name = "gptq"
     options_cls = GPTQOptions
+    layout_cls = GroupedIntWeight
     help = "GPTQ: column-wise quantization with inverse-Hessian error feedback"
 
     def row_split(self) -> int | None:

@@ -12,7 +12,6 @@ from torch import nn
 from qtool.errors import RecipeError
 from qtool.kv_cache.quantized import install_kv_cache, kv_scheme
 from qtool.options import option
-from qtool.stages import register
 from qtool.stages.base import TransformStage
 
 
@@ -23,7 +22,6 @@ class KVCacheOptions:
     )
 
 
-@register
 class KVCacheStage(TransformStage):
     name = "kv_cache"
     options_cls = KVCacheOptions

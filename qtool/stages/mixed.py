@@ -43,8 +43,7 @@ from qtool.quant.mixed import (
     stripes_for_fraction,
     stripes_for_target,
 )
-from qtool.stages import register
-from qtool.stages.base import HessianStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult, block_size_option, damp_option
 
 BLOCK4_FRACTION = 0.25
 
@@ -115,10 +114,8 @@ class MixedOptions:
         help="rtn: asymmetric min/max round to nearest (the paper's); "
         "gptq: the same grids with GPTQ error feedback",
     )
-    damp: float = option(
-        0.01, min=0.0, max=1.0, help="dampening added to diag(H) before inverting, as a fraction of its mean"
-    )
-    block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
+    damp: float = damp_option()
+    block_size: int = block_size_option("gptq")
     finetune_steps: int = option(
         0,
         min=0,
@@ -168,10 +165,10 @@ class MixedOptions:
         return None
 
 
-@register
 class MixedStage(HessianStage):
     name = "mixed"
     options_cls = MixedOptions
+    layout_cls = MixedWeight
     help = "2/4-bit mixed stripes by Eq. 9 sensitivity, second-order 4-bit scales, sparse float16 outliers"
 
     def sequential(self) -> bool:

@@ -34,8 +34,7 @@ from qtool.options import option
 from qtool.quant.clip import clip_ratios
 from qtool.quant.gptq import gptq_run
 from qtool.quant.grid import GridSpec
-from qtool.stages import register
-from qtool.stages.base import HessianStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult, block_size_option, damp_option, sequential_option
 
 _COUNT_HELP = "an integer count >= 0 or a fraction of in_features in [0, 1)"
 
@@ -88,13 +87,21 @@ class OutliersOptions:
     sparsity_24: bool = option(
         False, help="prune the base weights to 2:4 in the same GPTQ pass (outliers stay dense)"
     )
-    damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H), as a fraction of its mean")
-    block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
-    sequential: bool = option(
-        True,
-        help="within a block, q/k/v then o then gate/up then down, each calibrated "
-        "on the outputs of the already quantized linears",
-    )
+    damp: float = damp_option()
+    block_size: int = block_size_option()
+    sequential: bool = sequential_option()
+
+    def planned_layer(self, in_features: int) -> dict:
+        """The quik layer config these options give a linear of `in_features` inputs (outliers: whether any)."""
+        return {
+            "format": QuikWeight.FORMAT,
+            "bits": self.bits,
+            "act_bits": self.act_bits,
+            "group_size": None,
+            "in_features": in_features,
+            "num_outliers": self.outliers or any(getattr(v, "outliers", None) for v in self.overrides),
+            "sparsity": "2:4" if self.sparsity_24 else None,
+        }
 
     def validate(self) -> tuple[str, str] | None:
         problem = _count_problem(self.outliers)
@@ -117,10 +124,10 @@ def select_outliers(absmax: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order[:k]).values
 
 
-@register
 class OutliersStage(HessianStage):
     name = "outliers"
     options_cls = OutliersOptions
+    layout_cls = QuikWeight
     help = (
         "QUIK: W4/W8 + per-token A4/A8 with float16 outlier columns chosen by calibration ℓ∞, GPTQ with the "
         "outliers last"

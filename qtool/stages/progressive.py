@@ -26,8 +26,15 @@ from qtool.layouts.qoq.layout import QoQWeight, quantize_activations
 from qtool.options import option
 from qtool.quant.clip import clip_ratios
 from qtool.quant.progressive import qoq_quantize
-from qtool.stages import register
-from qtool.stages.base import QuantizerStage, QuantResult
+from qtool.stages.base import (
+    QuantizerStage,
+    QuantResult,
+    act_order_option,
+    block_size_option,
+    damp_option,
+    sequential_option,
+    static_groups_option,
+)
 
 
 @dataclass
@@ -48,17 +55,21 @@ class ProgressiveOptions:
         help="what clip minimises for q_proj/k_proj: the attention output's error per head (QServe "
         "Eq. 10), or their own output's, like every other linear",
     )
-    damp: float = option(
-        0.01, min=0.0, max=1.0, help="gptq: dampening added to diag(H), as a fraction of its mean"
-    )
-    block_size: int = option(128, min=1, max=8192, help="gptq: columns per lazy batch update")
-    act_order: bool = option(False, help="gptq: quantize columns in order of decreasing diag(H)")
-    static_groups: bool = option(False, help="gptq: choose every group's s1 and z before the column loop")
-    sequential: bool = option(
-        True,
-        help="gptq: within a block, q/k/v then o then gate/up then down, each "
-        "calibrated on the outputs of the already quantized linears",
-    )
+    damp: float = damp_option("gptq")
+    block_size: int = block_size_option("gptq")
+    act_order: bool = act_order_option("gptq")
+    static_groups: bool = static_groups_option("gptq")
+    sequential: bool = sequential_option("gptq")
+
+    def planned_layer(self, in_features: int) -> dict:
+        """The qoq layer config these options give a linear of `in_features` inputs."""
+        return {
+            "format": QoQWeight.FORMAT,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "act_bits": self.act_bits,
+            "in_features": in_features,
+        }
 
     def validate(self) -> tuple[str, str] | None:
         if self.bits == 8 and self.group_size is not None:
@@ -75,10 +86,10 @@ class ProgressiveOptions:
         return None
 
 
-@register
 class ProgressiveStage(QuantizerStage):
     name = "progressive"
     options_cls = ProgressiveOptions
+    layout_cls = QoQWeight
     help = "QoQ W4A8: W8 or W4 per channel, or W4 progressive groups on a protective-range INT8 level"
 
     def needs_calibration(self) -> bool:

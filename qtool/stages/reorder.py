@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.stages import register
 from qtool.stages.base import BlockContext, TransformStage
 from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
@@ -30,7 +29,6 @@ def salience_order(xmax: torch.Tensor) -> torch.Tensor:
     return torch.argsort(xmax.float().cpu(), descending=True, stable=True)
 
 
-@register
 class ReorderStage(TransformStage):
     name = "reorder"
     options_cls = ReorderOptions

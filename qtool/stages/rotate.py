@@ -22,7 +22,6 @@ from qtool.models.adapters import Adapter, adapter_for, supported_architectures
 from qtool.models.fold import fold_norm_scale, rotate_embedding, rotate_input, rotate_output, untie_head
 from qtool.options import option
 from qtool.quant.hadamard import hadamard_plan, rotation
-from qtool.stages import register
 from qtool.stages.base import Targets, TransformStage
 
 
@@ -45,7 +44,6 @@ def _hidden_size(config) -> int | None:
     return getattr(text, "hidden_size", None)
 
 
-@register
 class RotateStage(TransformStage):
     name = "rotate"
     options_cls = RotateOptions

@@ -10,7 +10,6 @@ from qtool.calibration.stats import LinearStats
 from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.quant.clip import clip_ratios
 from qtool.quant.rtn import rtn_quantize
-from qtool.stages import register
 from qtool.stages.base import QuantizerStage, QuantResult, WeightScheme
 
 
@@ -19,10 +18,10 @@ class RTNOptions(WeightScheme):
     pass
 
 
-@register
 class RTNStage(QuantizerStage):
     name = "rtn"
     options_cls = RTNOptions
+    layout_cls = GroupedIntWeight
     help = "round-to-nearest; with clip, the shrink search weights errors by calibration statistics"
 
     def needs_calibration(self) -> bool:

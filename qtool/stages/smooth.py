@@ -17,7 +17,6 @@ import torch
 
 from qtool.errors import RecipeError
 from qtool.options import option
-from qtool.stages import register
 from qtool.stages.base import BlockContext, QuantizerStage, TransformStage
 from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
@@ -49,7 +48,6 @@ def smoothing_factors(xmax: torch.Tensor, wmax: torch.Tensor, alpha: float) -> t
     return torch.where((xmax > 0) & (wmax > 0), lam, torch.ones_like(lam))
 
 
-@register
 class SmoothStage(TransformStage):
     name = "smooth"
     options_cls = SmoothOptions

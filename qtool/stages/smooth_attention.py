@@ -15,7 +15,6 @@ import torch
 
 from qtool.errors import RecipeError
 from qtool.options import option
-from qtool.stages import register
 from qtool.stages.base import BlockContext, TransformStage
 
 
@@ -63,7 +62,6 @@ def key_absmax(ctx: BlockContext, kv_heads: int, dim: int) -> torch.Tensor:
     return amax
 
 
-@register
 class SmoothAttentionStage(TransformStage):
     name = "smooth_attention"
     options_cls = SmoothAttentionOptions

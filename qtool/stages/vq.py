@@ -27,8 +27,7 @@ from qtool.layouts.vq.layout import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWei
 from qtool.options import option
 from qtool.quant.blockwise import tune_block
 from qtool.quant.vq import TunableCodebooks, vq_gptq
-from qtool.stages import register
-from qtool.stages.base import HessianStage, QuantResult
+from qtool.stages.base import HessianStage, QuantResult, block_size_option, damp_option, sequential_option
 
 PRESETS: dict[str, dict] = {
     "gptvq-2": {
@@ -75,13 +74,10 @@ class VQOptions:
     reindex: bool = option(
         True, help="sort every codebook's entries by access frequency (the codebook cache)"
     )
-    damp: float = option(0.01, min=0.0, max=1.0, help="dampening added to diag(H), as a fraction of its mean")
-    block_size: int = option(128, min=1, max=8192, help="columns per lazy batch update")
+    damp: float = damp_option()
+    block_size: int = block_size_option()
     seed: int = option(0, min=0, help="seed of the k-means initialisation (mixed with each layer's name)")
-    sequential: bool = option(
-        True,
-        help="q/k/v, then o, then gate/up, then down, each on the outputs of the already quantized linears",
-    )
+    sequential: bool = sequential_option()
     finetune_steps: int = option(
         0,
         min=0,
@@ -140,10 +136,10 @@ class VQOptions:
         return None
 
 
-@register
 class VQStage(HessianStage):
     name = "vq"
     options_cls = VQOptions
+    layout_cls = VQWeight
     help = "vector quantization: Hessian-weighted (residual) k-means codebooks with GPTQ error feedback"
 
     def layer_problem(self, n: int, k: int) -> tuple[str, str] | None:

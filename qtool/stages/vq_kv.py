@@ -23,7 +23,6 @@ from qtool.kv_cache.vq import KVCodebooks, codebook_shape, kv_vq_scheme
 from qtool.layouts.vq.layout import is_power_of_two
 from qtool.options import option
 from qtool.quant.vq import kmeans_batched
-from qtool.stages import register
 from qtool.stages.base import BlockContext, TransformStage
 
 PRESETS = {"cq-2": 4, "cq-4": 2}  # vector size; both with 256 entries
@@ -54,7 +53,6 @@ class VQKVOptions:
         return None
 
 
-@register
 class VQKVStage(TransformStage):
     name = "vq_kv"
     options_cls = VQKVOptions

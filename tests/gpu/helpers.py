@@ -7,6 +7,8 @@ import torch
 from qtool.layouts.bitpack import pack_codes
 from qtool.layouts.grouped_int.layout import GroupedIntWeight
 from qtool.layouts.grouped_int.module import GroupedIntLinear
+from qtool.layouts.qoq.layout import QoQWeight
+from qtool.layouts.qoq.module import QoQLinear
 from qtool.quant.grid import GridSpec
 
 
@@ -106,10 +108,11 @@ def dependent_chain_runs(chain) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return plain, outs
 
 
-class QoQFieldLayer(torch.nn.Module):
-    """A random layer holding the qoq layout's fields under their names (what QoQLinear holds: formats/qoq.md; W8:
-    Q8 + 128 byte streams; W4: nibble streams with per-channel s, z or progressive s0, s1, z), plus its integer weight
-    Wint [N, K] for the checks. Some rows take the extremes (Q8 = ±127; s1 = 16, z = 8 with q = 0 and 15)."""
+class QoQFieldLayer(QoQLinear):
+    """A QoQLinear over random tensors built from the qoq layout's field definitions (formats/qoq.md; W8: Q8 + 128
+    byte streams; W4: nibble streams with per-channel s, z or progressive s0, s1, z), not by the quantizer, plus its
+    integer weight Wint [N, K] for the checks. Some rows take the extremes (Q8 = ±127; s1 = 16, z = 8 with q = 0
+    and 15)."""
 
     def __init__(
         self,
@@ -120,19 +123,18 @@ class QoQFieldLayer(torch.nn.Module):
         bias: bool,
         generator: torch.Generator | None = None,
     ) -> None:
-        super().__init__()
         gen = generator
-        self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, group_size
+        group_scales = zeros = None
         if bits == 8:
             q8 = torch.randint(-127, 128, (n, k), generator=gen)
             q8[0, : min(k, 4)] = torch.tensor([-127, 127, -127, 127])[: min(k, 4)]
-            self.register_buffer("qweight", pack_codes(q8 + 128, 8))
+            qweight = pack_codes(q8 + 128, 8)
             wint = q8
         elif group_size is None:
             q = torch.randint(0, 16, (n, k), generator=gen)
             z = torch.randint(0, 16, (n,), generator=gen)
-            self.register_buffer("qweight", pack_codes(q, 4))
-            self.register_buffer("zeros", z.to(torch.uint8))
+            qweight = pack_codes(q, 4)
+            zeros = z.to(torch.uint8)
             wint = q - z[:, None]
         else:
             g = k // group_size
@@ -144,13 +146,14 @@ class QoQFieldLayer(torch.nn.Module):
             s1[0, 0], z[0, 0] = 16, 8  # the extremes: -128 and 112
             q = torch.randint(0, 16, (n, k), generator=gen)
             q[0, :2] = torch.tensor([0, 15])
-            self.register_buffer("qweight", pack_codes(q, 4))
-            self.register_buffer("group_scales", s1.to(torch.uint8))
-            self.register_buffer("zeros", z.to(torch.uint8))
+            qweight = pack_codes(q, 4)
+            group_scales = s1.to(torch.uint8)
+            zeros = z.to(torch.uint8)
             wint = s1.repeat_interleave(group_size, 1) * (q - z.repeat_interleave(group_size, 1))
             assert int(wint.min()) >= -128 and int(wint.max()) <= 127
-        self.register_buffer("scales", ((torch.rand(n, generator=gen) + 0.5) / (127 * 16 * k**0.5)).half())
-        self.register_buffer("bias", (torch.randn(n, generator=gen) * 0.1).half() if bias else None)
+        scales = ((torch.rand(n, generator=gen) + 0.5) / (127 * 16 * k**0.5)).half()
+        b = (torch.randn(n, generator=gen) * 0.1).half() if bias else None
+        super().__init__(QoQWeight(bits, group_size, k, n, qweight, scales, group_scales, zeros), b)
         self.wint = wint.to(torch.int32)
 
 
