@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bad_input import assert_nothing_at, assert_one_line_error, run_cli
-from conftest import STORIES, write_recipe
+from conftest import STORIES, TINY_SAMPLE, write_recipe
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
@@ -279,6 +279,22 @@ def test_overwrite_replaces_an_earlier_export(stories, tmp_path):
                 "stages:\n", "stages:\n  - stage: kv_cache\n    bits: 4\n"
             ),
             ["target: vllm", "stages[0] (kv_cache)"],
+        ),
+        (
+            rtn_recipe(
+                "o", extra=f"target: compressed-tensors\ncalibration: {{source: {TINY_SAMPLE}}}\n"
+            ).replace("stages:\n", "stages:\n  - stage: vq_kv\n"),
+            [
+                "target: compressed-tensors",
+                "stages[0] (vq_kv)",
+                "KV cache with codebooks",
+                "expected no vq_kv",
+            ],
+        ),
+        (
+            f"model: {STORIES}\ntarget: compressed-tensors\ncalibration: {{source: {TINY_SAMPLE}}}\n"
+            "stages:\n  - stage: mixed\n    targets:\n      include: ['*q_proj']\noutput: o\n",
+            ["target: compressed-tensors", "stages[0] (mixed)", "layout 'mixed-2-4-16'"],
         ),
         (rtn_recipe("o", extra="target: tensorrt\n"), ["target: found 'tensorrt'", "compressed-tensors"]),
     ],
