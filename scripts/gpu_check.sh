@@ -25,7 +25,7 @@ tests_rc=$?
     --json-out "$OUT_DIR/kernels.json" --plot "$OUT_DIR/kernels.png" >"$OUT_DIR/kernels.txt" 2>"$OUT_DIR/kernels.log"
 kernels_rc=$?
 
-"$PY" -m qtool.bench.fma_variants --json "$OUT_DIR/fma-variants.json" >"$OUT_DIR/fma-variants.txt" \
+"$PY" scripts/fma_variants.py --json "$OUT_DIR/fma-variants.json" >"$OUT_DIR/fma-variants.txt" \
     2>"$OUT_DIR/fma-variants.log"
 fma_rc=$?
 

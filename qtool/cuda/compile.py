@@ -57,7 +57,8 @@ def kernel_mode() -> str:
 
 
 def env_int(name: str, default: int) -> int:
-    """An integer setting from the environment (tuning thresholds); a value that is not one is a one-line error."""
+    """An integer setting from the environment (docs/environment.md lists every one); a value that is not an
+    integer is a one-line error rather than silently the default."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default

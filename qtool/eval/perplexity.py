@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from qtool.calibration.data import TextSource, check_token_ids, read_documents
 from qtool.console import Reporter
+from qtool.cuda.compile import env_int
 from qtool.errors import InputError
 from qtool.recipe import EvalSpec
 
@@ -69,7 +69,7 @@ class WindowForward:
     def __init__(self, model, device: torch.device | str) -> None:
         self.model = model
         dev = torch.device(device)
-        self.use_graphs = dev.type == "cuda" and os.environ.get("QTOOL_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = dev.type == "cuda" and env_int("QTOOL_CUDA_GRAPHS", 1) != 0
         self.graphs: dict[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]] = {}
         self.error: str | None = None
         self.replays = 0

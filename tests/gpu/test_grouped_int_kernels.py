@@ -262,35 +262,6 @@ def test_module_forward_dispatch(m, dtype):
     assert choose_path(m, dtype, 4, 128, 1000, 200) == expected
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_overlapped_dequant_matmul(dtype, monkeypatch):
-    from qtool.layouts.grouped_int import cuda as grouped_int
-    from qtool.layouts.grouped_int.cuda import PREFILL_OVERLAP_MIN_M, dequant_matmul
-
-    monkeypatch.setattr(grouped_int, "PREFILL_CHUNKS", 4)
-    seed = int.from_bytes(os.urandom(4), "little")
-    layer = random_layer(1040, 1000, 4, 64, False, seed=seed, bias=True)  # N, K odd: uneven row slices
-    p = _prep(layer)
-    x = torch.randn(PREFILL_OVERLAP_MIN_M + 44, 1000, device="cuda", dtype=dtype)
-    y = synced(dequant_matmul(x, p, layer.bias))
-    assert bool(torch.isfinite(y).all())
-    tol = TOL if dtype == torch.float16 else 1.5e-2
-    assert rel_err(y, reference64(layer, x.float())) < tol
-
-
-def test_dequant_row_slices_match_whole():
-    from qtool.layouts.grouped_int.cuda import dequantize
-
-    layer = random_layer(300, 520, 8, 32, False, seed=int.from_bytes(os.urandom(4), "little"))
-    p = _prep(layer)
-    whole = synced(dequantize(p, torch.float16))
-    part = torch.full((100, p.kp), float("nan"), device="cuda", dtype=torch.float16)
-    synced(dequantize(p, torch.float16, out=part, rows=(150, 250)))
-    assert torch.equal(part, whole[150:250])
-    with pytest.raises(ValueError, match="^rows: found"):
-        dequantize(p, torch.float16, rows=(250, 150))
-
-
 def test_unsupported_layout_falls_back_and_strict_mode_names_reference(monkeypatch):
     from qtool.cuda.compile import CudaUnavailableError
 

@@ -376,19 +376,13 @@ def fma_warps(bits: int, token_slots: int, pipe: bool, pieces: int) -> int:
 
 
 def dequantize(
-    p: Prepared,
-    dtype: torch.dtype = torch.float16,
-    out: torch.Tensor | None = None,
-    rows: tuple[int, int] | None = None,
+    p: Prepared, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Dense weight rows [n0, n1) (all by default) as [n1 - n0, Kp] fp16 or bf16 (columns K..Kp-1 are padding),
-    bit-identical to the reference's float32 dequantization cast to `dtype`."""
+    """The dense weight as [N, Kp] fp16 or bf16 (columns K..Kp-1 are padding), bit-identical to the reference's
+    float32 dequantization cast to `dtype`."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype: found {dtype}, expected torch.float16 or torch.bfloat16")
-    n0, n1 = rows if rows is not None else (0, p.out_features)
-    if not 0 <= n0 < n1 <= p.out_features:
-        raise ValueError(f"rows: found ({n0}, {n1}), expected 0 <= n0 < n1 <= {p.out_features}")
-    n = n1 - n0
+    n = p.out_features
     if out is None:
         out = torch.empty(n, p.kp, dtype=dtype, device=p.qweight.device)
     elif out.dtype != dtype or tuple(out.shape) != (n, p.kp) or not out.is_contiguous():
@@ -397,15 +391,14 @@ def dequantize(
     mod = cc.load_module(SOURCE, device=dev)
     octs = n * (p.kp // 8)  # one thread per 8 codes
     name = f"grouped_int_dequant_b{p.bits}_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
-    zeros = None if p.zeros is None else p.zeros[n0:n1]
     cc.launch(
         mod.fn(name),
         ((octs + 255) // 256,),
         (256,),
         (
-            cc.ptr(p.qweight[n0:n1]),
-            cc.ptr(p.scales[n0:n1]),
-            cc.ptr(zeros),
+            cc.ptr(p.qweight),
+            cc.ptr(p.scales),
+            cc.ptr(p.zeros),
             cc.ptr(out),
             cc.i32(n),
             cc.i32(p.kp),
@@ -766,50 +759,9 @@ def mma(
     return out.reshape(*lead, n)
 
 
-# Prefill can dequantize the weight in PREFILL_CHUNKS slices of rows on a side stream while cuBLAS multiplies
-# the slices already done. Off by default: on an H200 the narrower GEMMs lost what the overlap hid (0.71-0.88x
-# of FP16 chunked vs 0.76-0.83x whole, kernels/NOTES.md).
-PREFILL_OVERLAP_MIN_M = 256
-PREFILL_CHUNKS = cc.env_int("QTOOL_PREFILL_CHUNKS", 1)
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(dev: int) -> torch.cuda.Stream:
-    if dev not in _SIDE_STREAMS:
-        _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
-    return _SIDE_STREAMS[dev]
-
-
 def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
-    k, n = p.in_features, p.out_features
     bias = None if bias is None else bias.to(x.dtype)
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if PREFILL_CHUNKS <= 1 or m < PREFILL_OVERLAP_MIN_M or n < 256 * PREFILL_CHUNKS:
-        return F.linear(x, dequantize(p, x.dtype)[:, :k], bias)
-    dev = cc.device_index(x.device)
-    main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev)
-    per_chunk = -(-n // PREFILL_CHUNKS)
-    step = -(-per_chunk // 64) * 64
-    bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bufs = [torch.empty(b - a, p.kp, dtype=x.dtype, device=x.device) for a, b in bounds]
-    side.wait_stream(main)  # the activations, the weight buffers' previous users
-    done = []
-    with torch.cuda.stream(side):
-        for (a, b), buf in zip(bounds, bufs, strict=True):
-            dequantize(p, x.dtype, out=buf, rows=(a, b))
-            ev = torch.cuda.Event()
-            ev.record(side)
-            done.append(ev)
-    for (a, b), buf, ev in zip(bounds, bufs, done, strict=True):
-        main.wait_event(ev)
-        # A column slice of y is a valid cuBLAS output (leading dimension n): no copy.
-        torch.mm(x2, buf[:, :k].t(), out=y[:, a:b])
-    if bias is not None:
-        y += bias
-    return y.reshape(*x.shape[:-1], n)
+    return F.linear(x, dequantize(p, x.dtype)[:, : p.in_features], bias)
 
 
 def mma_eligible(

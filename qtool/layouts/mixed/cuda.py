@@ -56,8 +56,6 @@ OUTLIERS = "fused"
 # outliers on an H100, kernels/NOTES.md).
 GEMM_OUTLIERS = "spmv"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
-# 1 (default): block4 layers with g2 a multiple of 4 run the GEMV on the tiled streams; 0: on the checkpoint layout.
-GEMV_TILED = cc.env_int("QTOOL_MIXED_TILED", 1)
 TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token only)
 # At one token on an H100, 4-row blocks of 2 warps with the prefetch were best or within noise of the best at the
 # Llama-2-7B shapes and 8192x28672 (4096x4096: 4.21 us, without the prefetch 4.88, 1 warp 6.44, 8-row blocks
@@ -481,10 +479,10 @@ def outlier_mode(outliers: str | None = None, default: str = OUTLIERS) -> str:
 
 
 def gemv_layout(p: Prepared, layout: str | None = None) -> str:
-    """Which streams the GEMV reads: "tiled" (where the layer has them, unless QTOOL_MIXED_TILED=0) or "direct"
-    (the checkpoint tensors); `layout` forces one."""
+    """Which streams the GEMV reads: "tiled" where the layer has them (1.22-1.30x faster at one token on an H100,
+    kernels/NOTES.md), else "direct" (the checkpoint tensors); `layout` forces one."""
     if layout is None:
-        return "tiled" if p.tiled is not None and (GEMV_TILED or not p.has_checkpoint) else "direct"
+        return "tiled" if p.tiled is not None else "direct"
     if layout not in ("tiled", "direct"):
         raise ValueError(f"layout: found {layout!r}, expected tiled or direct")
     if layout == "tiled" and p.tiled is None:

@@ -52,7 +52,7 @@ GEMV_MAX_TOKENS = 4
 # The GEMV build (kernels/qoq_gemv.cu QG_F* / QG_C*), per form and token slots: (weight rows = warps per block,
 # 16-byte weight chunks in flight per lane, group sums (0: one IMAD per 4 codes; 1: two per 32-code chunk on the
 # chunk's code sum), minimum blocks per multiprocessor). Rows, chunks and group sums from the sweep in
-# kernels/NOTES.md (python -m qtool.bench.qoq_gemv_variants); the minimum blocks keep the registers where the sweep
+# kernels/NOTES.md (python scripts/qoq_gemv_variants.py); the minimum blocks keep the registers where the sweep
 # had them (the fused form at 64, two blocks of 16 rows) or cap them (the codes form at one token at 48: 40 rows per
 # multiprocessor in flight instead of 32).
 GEMV_CONFIG = {
@@ -620,7 +620,7 @@ def _gemv_launch(
     if variant is None:
         fn = _gemv_module(dev).fn(f"qoq_gemv_{'codes_' if form == 'codes' else ''}{scheme(p)}_m{mt}")
         warps, _, sums, _ = GEMV_CONFIG[(form, mt)]
-    else:  # a measurement build's entry and its warps per block (qtool/bench/qoq_gemv_variants.py)
+    else:  # a measurement build's entry and its warps per block (scripts/qoq_gemv_variants.py)
         fn = _gemv_module(dev, tuning=True).fn(variant[0])
         warps, sums = variant[1], int(variant[0].endswith("gs1"))
     # code rows of kp rounded up to 1024 bytes (kernels/qoq_gemv.cu qg_at), then the chunk sums

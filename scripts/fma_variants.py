@@ -1,9 +1,11 @@
-"""A/B bench of the CUDA-core decode kernel's variants (`python -m qtool.bench.fma_variants`).
+"""A/B bench of the CUDA-core decode kernel's variants (grouped_int `gemv-fma`; needs a CUDA GPU and cupy).
 
 For each Llama-2-7B shape and bit width at M = 1 it times cuBLAS FP16, the tensor-core `gemv`, and `gemv-fma`
 with FMA_SCALE_AFTER = 0 and 1, alternating the two variants over several rounds (the spread between rounds of
 one variant is the noise), and checks both variants against the float64 reference on the bench's own inputs.
 M = 16 is timed for `gemv` and FP16 only (no variant there). Same timer as `qtool bench kernels`.
+
+    python scripts/fma_variants.py [--model-config llama-2-7b] [--bits 4,8] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations

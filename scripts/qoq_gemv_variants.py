@@ -1,4 +1,4 @@
-"""A/B sweep of the qoq W4A8 decode GEMV's forms (`python -m qtool.bench.qoq_gemv_variants`).
+"""A/B sweep of the qoq W4A8 decode GEMV's forms (needs a CUDA GPU and cupy).
 
 For each Llama-2-7B shape and M in 1, 2, 4 it times every entry of the measurement build of kernels/qoq_gemv.cu
 (fused quantization or codes from the producer; warps per block; weight chunks in flight per lane; the group
@@ -6,6 +6,8 @@ arithmetic) beside our W4A16 decode kernel (the dispatched grouped_int path) and
 over rounds that alternate the variants. Before timing, each variant's int32 products and float16 outputs are
 checked against the layout's arithmetic on the sweep's own inputs (a mismatch is reported and the variant not
 timed). Same timer and rotated buffer sets as `qtool bench kernels`.
+
+    python scripts/qoq_gemv_variants.py [--model-config llama-2-7b] [--m 1,2,4] [--rounds 2] [--json sweep.json]
 """
 
 from __future__ import annotations
