@@ -84,6 +84,43 @@ def identity(
     }
 
 
+def _commit_block(
+    block: torch.nn.Module,
+    i: int,
+    prefix: str,
+    packed: dict,
+    records: list[dict],
+    inputs,
+    run: _Blocks,
+    work: Work,
+    world: World,
+    original_dtype: torch.dtype,
+) -> None:
+    """Commit quantized block `i` to the work folder (rank 0 alone holds the packed layouts and writes their
+    tensors and summaries; every rank commits the next block's inputs) and drop the block."""
+    tensors, summaries, linears = {}, {}, {}
+    if world.is_main:
+        linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
+        install_packed(block, packed, prefix)
+        tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
+        summaries = {
+            full: layer_summary(layout, linears[full].bias is not None) for full, layout in packed.items()
+        }
+    with run.timed("commit_s"):
+        work.commit(
+            i,
+            tensors,
+            {"records": records, "linears": summaries},
+            inputs if i < run.last_needing else None,
+        )
+    # The packed modules hold their layouts outside their parameters: put the linears back, so that dropping the
+    # block to the meta device frees everything it held.
+    for full, linear in linears.items():
+        parent, _, child = full.removeprefix(prefix + ".").rpartition(".")
+        setattr(block.get_submodule(parent), child, linear)
+    release(block)
+
+
 def quantize_onloaded(
     recipe: Recipe,
     reporter: Reporter,
@@ -113,11 +150,7 @@ def quantize_onloaded(
     later = () if run.transforms else (adapter.final_norm_path, adapter.head_path)
     reporter.log(f"onloading {recipe.model} block by block ({dtype}, blocks on {device})")
     load_outer(skeleton, adapter, reader, dtype, skip=later)
-    records: list[dict] = []
-    for tr in run.transforms:
-        info = tr.apply_outer(skeleton, adapter)
-        if info:
-            records.append({"stage": tr.name, **info})
+    records = run.apply_outer(skeleton)
     timings = {"load_s": time.perf_counter() - t0}
 
     inputs: list[torch.Tensor] = []
@@ -184,30 +217,9 @@ def quantize_onloaded(
             packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
             with run.timed("share_s"):
                 packed = world.collect(packed)  # the slices other ranks solved, sent while the block went on
-            tensors, summaries, linears = {}, {}, {}
-            if world.is_main:  # the other ranks hold no packed layout: rank 0 writes
-                linears = {full: block.get_submodule(full.removeprefix(prefix + ".")) for full in packed}
-                install_packed(block, packed, prefix)
-                tensors = collect_tensors(block, packed, original_dtype, prefix=prefix)
-                summaries = {
-                    full: layer_summary(layout, linears[full].bias is not None)
-                    for full, layout in packed.items()
-                }
-            with run.timed("commit_s"):
-                work.commit(
-                    i,
-                    tensors,
-                    {"records": mine, "linears": summaries},
-                    inputs if i < run.last_needing else None,
-                )
+            _commit_block(block, i, prefix, packed, mine, inputs, run, work, world, original_dtype)
             records.extend(mine)
-            # The packed modules hold their layouts outside their parameters: put the linears back, so that
-            # dropping the block to the meta device frees everything it held.
-            for full, linear in linears.items():
-                parent, _, child = full.removeprefix(prefix + ".").rpartition(".")
-                setattr(block.get_submodule(parent), child, linear)
-            release(block)
-            del tensors, packed, linears
+            del packed
             progress.advance(i + 1)
         with run.timed("commit_s"):
             work.flush()
@@ -242,20 +254,19 @@ def quantize_onloaded(
     if not world.is_main:  # rank 0 writes the checkpoint
         reader.close()
         return Onloaded(
-            LazyTensors([], {}),
-            {},
-            {},
-            {},
-            None,
-            original_dtype,
-            calibration,
-            work,
-            timings,
-            peak_rss_mb(),
-            records,
-            {},
-            start,
-            ranks,
+            tensors=LazyTensors([], {}),
+            packed={},
+            layers={},
+            config={},
+            tokenizer=None,
+            original_dtype=original_dtype,
+            calibration=calibration,
+            work=work,
+            timings=timings,
+            peak_rss_mb=peak_rss_mb(),
+            transforms=records,
+            resumed_at=start,
+            ranks=ranks,
         )
     load_outer(skeleton, adapter, reader, dtype)
     reader.close()
@@ -264,26 +275,21 @@ def quantize_onloaded(
     release(skeleton)  # the writer takes `outer`, in the checkpoint's dtype
     summaries = {name: s for done in work.blocks for name, s in done["linears"].items()}
     packed = {name: LayerSummary(s) for name, s in sorted(summaries.items())}
-    layers = {name: p.layer_config(False) for name, p in packed.items()}
-    schemes: dict = {}
-    for tr in run.transforms:
-        schemes.update(tr.model_scheme() or {})
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
-    peak = peak_rss_mb()
     return Onloaded(
-        LazyTensors(work.tensor_files(), outer),
-        packed,
-        layers,
-        config,
-        prepared.tokenizer,
-        original_dtype,
-        calibration,
-        work,
-        timings,
-        peak,
-        records,
-        schemes,
-        start,
-        ranks,
+        tensors=LazyTensors(work.tensor_files(), outer),
+        packed=packed,
+        layers={name: p.layer_config(False) for name, p in packed.items()},
+        config=config,
+        tokenizer=prepared.tokenizer,
+        original_dtype=original_dtype,
+        calibration=calibration,
+        work=work,
+        timings=timings,
+        peak_rss_mb=peak_rss_mb(),
+        transforms=records,
+        model_schemes=run.model_schemes(),
+        resumed_at=start,
+        ranks=ranks,
     )

@@ -243,6 +243,22 @@ class _Blocks:
         if any(tr.needs_calibration() for tr in self.transforms):
             self.last_needing = num_blocks - 1
 
+    def apply_outer(self, model: nn.Module) -> list[dict]:
+        """Every transform's step on the modules outside the blocks, before the block loop; their records."""
+        records = []
+        for tr in self.transforms:
+            info = tr.apply_outer(model, self.adapter)
+            if info:
+                records.append({"stage": tr.name, **info})
+        return records
+
+    def model_schemes(self) -> dict:
+        """The run-time schemes of the whole model the transforms set (the KV cache's)."""
+        schemes: dict = {}
+        for tr in self.transforms:
+            schemes.update(tr.model_scheme() or {})
+        return schemes
+
     def wants_pass(self, stage: QuantizerStage) -> bool:
         # Stages that need statistics from the block-wise pass (GPTQ's Hessians of quantized inputs) get them
         # propagated; the others use the FP stats file when one is given.
@@ -479,11 +495,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     model, tokenizer, adapter, original_dtype = load_model(recipe.model, dtype)
     blocks = adapter.blocks(model)
     work = _Blocks(recipe, adapter, model.config, len(blocks), device)
-    records: list[dict] = []
-    for tr in work.transforms:
-        info = tr.apply_outer(model, adapter)
-        if info:
-            records.append({"stage": tr.name, **info})
+    records = work.apply_outer(model)
     timings = {"load_s": time.perf_counter() - t0}
 
     calibration_info = None
@@ -512,11 +524,17 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = peak_rss_mb()
-    schemes: dict = {}
-    for tr in work.transforms:
-        schemes.update(tr.model_scheme() or {})
     return QuantizedModel(
-        model, tokenizer, adapter, original_dtype, packed, calibration_info, timings, peak, records, schemes
+        model=model,
+        tokenizer=tokenizer,
+        adapter=adapter,
+        original_dtype=original_dtype,
+        packed=packed,
+        calibration=calibration_info,
+        timings=timings,
+        peak_rss_mb=peak,
+        transforms=records,
+        model_schemes=work.model_schemes(),
     )
 
 
