@@ -89,6 +89,7 @@ def _pack(
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
     from qtool.checkpoint.loader import load_checkpoint, load_tokenizer, read_config
+    from qtool.layouts.registry import layout_class
 
     config = read_config(checkpoint)
     # A checkpoint is verified only if it can be used: it must carry a tokenizer (quantize always writes one).
@@ -97,23 +98,7 @@ def _pack(
     layers = config["quantization_config"]["layers"]
     layouts: dict[str, int] = {}
     for cfg in layers.values():
-        if "bits" in cfg:
-            key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
-        elif cfg.get("format") == "vq":  # VQ-LLM's notation, y written as index bits
-            scope = (
-                "tensor"
-                if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
-                else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}"
-            )
-            key = f"vq VQ<{cfg['vector_size']},{cfg['index_bits']},{cfg['residuals']}> {scope}"
-        else:  # mixed-2-4-16: the width varies per stripe
-            key = f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
-        if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key
-            key += " sym" if cfg["symmetric"] else " asym"
-        if "act_bits" in cfg:
-            key += f" a{cfg['act_bits']}"
-        if "num_outliers" in cfg:  # quik: the outlier count varies per layer
-            key += f" outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
+        key = layout_class(cfg["format"]).describe(cfg)
         layouts[key] = layouts.get(key, 0) + 1
     summary = {
         "checkpoint": str(checkpoint),

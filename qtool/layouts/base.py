@@ -111,6 +111,19 @@ class StoredLayout:
         raise NotImplementedError
 
     @classmethod
+    def describe(cls, cfg: dict) -> str:
+        """A layer's scheme in a few words, from its config (`qtool pack` counts layers by it): format, bits,
+        group, symmetry, activation bits, outlier columns, as far as the config has them."""
+        key = f"{cfg['format']} w{cfg['bits']} g{cfg['group_size'] or 'channel'}"
+        if "symmetric" in cfg:  # qoq's rungs fix their symmetry by bits and group size, so it has no such key
+            key += " sym" if cfg["symmetric"] else " asym"
+        if "act_bits" in cfg:
+            key += f" a{cfg['act_bits']}"
+        if "num_outliers" in cfg:  # quik: the outlier count varies per layer
+            key += f" outliers={cfg['num_outliers']}" + (" 2:4" if cfg.get("sparsity") else "")
+        return key
+
+    @classmethod
     def check_config(cls, name: str, cfg: dict) -> None:
         problem = cls.scheme_problem(cfg)
         if problem is not None:

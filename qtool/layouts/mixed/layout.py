@@ -347,6 +347,11 @@ class MixedWeight(StoredLayout):
             "out_features": self.out_features,
         }
 
+    @classmethod
+    def describe(cls, cfg: dict) -> str:
+        """The stripe widths vary per stripe: the group size and the assignment rule name the scheme."""
+        return f"{cfg['format']} w2/4 g{cfg['group_size']} {cfg.get('assign')}"
+
     def bits_report(self) -> dict[str, float]:
         """Bits per weight of this layer: as stored, and as the paper's Eq. 10 counts it."""
         nk = self.in_features * self.out_features

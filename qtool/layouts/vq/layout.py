@@ -231,6 +231,16 @@ class VQWeight(StoredLayout):
             "out_features": self.out_features,
         }
 
+    @classmethod
+    def describe(cls, cfg: dict) -> str:
+        """VQ-LLM's notation (y written as index bits) and the codebook scope."""
+        scope = (
+            "tensor"
+            if cfg.get("tile_rows") is None and cfg.get("tile_cols") is None
+            else f"tile {cfg.get('tile_rows') or 'N'}x{cfg.get('tile_cols') or 'K'}"
+        )
+        return f"vq VQ<{cfg['vector_size']},{cfg['index_bits']},{cfg['residuals']}> {scope}"
+
     def notation(self) -> str:
         """VQ-LLM's VQ<x, y, z>, with y written as index bits as the paper's examples do."""
         return f"VQ<{self.vector_size},{self.index_bits},{self.residuals}>"
