@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the qoq W4A8 kernels on a Hopper GPU: their GPU tests, the quik GPU tests (the kernels share
-# kernels/quik_gemm.cu), then the kernel bench on Llama-2-7B shapes at M = 1..8192 with the W4A8 rows (per-channel
+# kernels/quik/gemm.cu), then the kernel bench on Llama-2-7B shapes at M = 1..8192 with the W4A8 rows (per-channel
 # and g128, activation quantization included; GEMM alone as the alternative) beside W4A16 g128, cuBLAS FP16,
 # INT8 _int_mm and FP8 _scaled_mm. Full logs go to the output folder; a short summary is printed last.
 #

@@ -2,7 +2,7 @@
 // columns, and the integer GEMM with the dequantization epilogue (QUIK, Eq. 1) and the outlier product fused.
 //
 // Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py); `wgmma` needs Hopper. No CUDA headers: float
-// and half helpers are inline PTX (here and in ptx_common.cuh), so the source builds with any NVRTC.
+// and half helpers are inline PTX (here and in common/ptx_common.cuh), so the source builds with any NVRTC.
 //
 // Hopper has no INT4 tensor cores (mma s4 is emulated), so everything is multiplied by `wgmma ... s32.s8.s8`:
 // the activation codes are written as one s8 per code by the quantize kernel (4-bit storage is for weights; an
@@ -19,8 +19,8 @@
 //     a multiple of 128). The float16 outlier weights Wo [N, kop] have kop a multiple of 64, zero beyond ko.
 //   * Outlier activations Xo [M, kop] float16, zero beyond ko. Row strides are in bytes, multiples of 16.
 
-#include "ptx_common.cuh"
-#include "qoq_act.cuh"
+#include "common/ptx_common.cuh"
+#include "qoq/act.cuh"
 
 // Measurement builds only (qtool.cuda.compile extra options): QUIK_TUNING adds variants, QUIK_ABLATE removes a
 // part of the GEMM loop (1: the integer wgmmas, 2: the loads after the prologue, 4: the A-fragment loads and
@@ -967,7 +967,7 @@ __device__ __forceinline__ void store_tile(int (&acc)[TN / 2], int m0, int n0, i
 }
 
 // The persistent kernel's epilogue: Eq. 1 if still pending, bias, then out through the copy engine (tma_store_tile,
-// ptx_common.cuh; `mo`: the float16 output as bytes, boxes of 128 bytes x 32 tokens, 128-byte swizzle).
+// common/ptx_common.cuh; `mo`: the float16 output as bytes, boxes of 128 bytes x 32 tokens, 128-byte swizzle).
 template <int BITS, int TN, int EB, int QOQ = QOQ_NONE>
 __device__ __forceinline__ void store_tile_tma(int (&acc)[TN / 2], int m0, int n0, int M, int N, bool eq1_pending,
                                                int r0, int t, int tid, u32 ebuf, int& eb, const float* tsx,
