@@ -28,12 +28,6 @@
 #include "common/ptx_common.cuh"
 #include "common/wgmma_epilogue.cuh"
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
 __device__ __forceinline__ u32 lop_and_or(u32 a, u32 mask, u32 bits) {
     u32 r;
     // (a & mask) | bits in one LOP3

@@ -1,5 +1,6 @@
-"""CUDA execution of the `quik` layout (kernels/quik/gemm.cu): a fused split + quantize kernel, then an INT8
-tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16 outlier product in its epilogue.
+"""CUDA execution of the `quik` layout (kernels/quik/gemm.cu, on kernels/common/int8_wgmma.cuh): a fused split +
+quantize kernel, then an INT8 tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16
+outlier product in its epilogue.
 
 Paths (`linear`, `module_forward`): ``fused`` (the two kernels, or for W4A4 prefills one kernel that quantizes
 its own rows under the GEMM: `quantize_gemm`; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
@@ -49,8 +50,8 @@ GEMM_KERNELS = ("sync", "ws", "wsp", "gemv")
 GEMV_MAX_TOKENS = 2
 GEMV_WARPS = 8  # weight rows per block (kernels/quik/gemm.cu)
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
-# Split-K for the block-synchronous kernel's decode tiles (kernels/quik/gemm.cu SPLIT_MAX_TOKENS): at M <= 128 a
-# layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
+# Split-K for the block-synchronous kernel's decode tiles (kernels/common/int8_wgmma.cuh SPLIT_MAX_TOKENS): at
+# M <= 128 a layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
 SPLIT_MAX_TOKENS = 128
 SPLIT_MIN_STAGES = 4  # stages (128 codes or 64 outlier columns) per split block, at least
 SPLIT_MAX = 16
@@ -452,7 +453,7 @@ def _quantize_warp(
 
 def ws_stage_bytes(tn: int, bits: int) -> int:
     """One ring stage of the warp-specialized kernels: the activation tile and an integer stage's weight tile
-    (kernels/quik/gemm.cu WsTile::SB)."""
+    (kernels/common/int8_wgmma.cuh WsTile::SB)."""
     return tn * 128 + ROWS * 16 * bits
 
 
@@ -674,7 +675,7 @@ def gemm(
 
 def wsq_shared_bytes(p: QuikPrepared, copy_warps: int) -> int:
     """Dynamic shared memory of the fused form: the ring, its epilogue buffers, the column maps (src, oflag, osrc) and
-    `copy_warps` row buffers (kernels/quik/gemm.cu ws_body, FUSED)."""
+    `copy_warps` row buffers (kernels/quik/gemm.cu FusedProducer, the engine's ws_body FUSED)."""
     k = p.in_features
     return (
         WSQ_STAGES * ws_stage_bytes(256, p.bits)
