@@ -1,6 +1,6 @@
 """A/B sweep of the qoq W4A8 decode GEMV's forms (needs a CUDA GPU and cupy).
 
-For each Llama-2-7B shape and M in 1, 2, 4 it times every entry of the measurement build of kernels/qoq_gemv.cu
+For each Llama-2-7B shape and M in 1, 2, 4 it times every entry of the measurement build of kernels/qoq/gemv.cu
 (fused quantization or codes from the producer; warps per block; weight chunks in flight per lane; the group
 arithmetic) beside our W4A16 decode kernel (the dispatched grouped_int path) and the `sync` GEMM on the same codes,
 over rounds that alternate the variants. Before timing, each variant's int32 products and float16 outputs are
@@ -25,7 +25,7 @@ SCHEMES = {"pc": None, "g128": 128}
 
 
 def variants(scheme: str, mt: int) -> list[tuple[str, str, int]]:
-    """(label, entry, warps) of the measurement build (kernels/qoq_gemv.cu QG_TUNE)."""
+    """(label, entry, warps) of the measurement build (kernels/qoq/gemv.cu QG_TUNE)."""
     out = []
     for codes in (0, 1):
         for w in (8, 16) if not codes else (8,):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One command for the qoq W4A8 kernels on a Hopper GPU: their GPU tests, the quik GPU tests (the kernels share
-# kernels/quik_gemm.cu), then the kernel bench on Llama-2-7B shapes at M = 1..8192 with the W4A8 rows (per-channel
-# and g128, activation quantization included; GEMM alone as the alternative) beside W4A16 g128, cuBLAS FP16,
-# INT8 _int_mm and FP8 _scaled_mm. Full logs go to the output folder; a short summary is printed last.
+# One command for the qoq W4A8 kernels on a Hopper GPU: their GPU tests, the quik GPU tests (both GEMMs instantiate
+# kernels/common/int8_wgmma.cuh), then the kernel bench on Llama-2-7B shapes at M = 1..8192 with the W4A8 rows
+# (per-channel and g128, activation quantization included; GEMM alone as the alternative) beside W4A16 g128, cuBLAS
+# FP16, INT8 _int_mm and FP8 _scaled_mm. Full logs go to the output folder; a short summary is printed last.
 #
 #   scripts/qoq_gpu_check.sh [OUTPUT_DIR]        (default: $TMPDIR/qtool-qoq-check; PYTHON=... picks the interpreter)
 set -u -o pipefail

@@ -49,7 +49,7 @@ def test_paths_and_unsupported_layers():
 
 
 def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -> torch.Tensor:
-    """The dense weight as the tiled GEMV reads its streams (kernels/mixed_gemv.cu, "The tiled GEMV"): codes 2j and
+    """The dense weight as the tiled GEMV reads its streams (kernels/mixed/gemv.cu, "The tiled GEMV"): codes 2j and
     2j+1 of a word in field j of its low and high halves, the scale codes, zeros and second-order entries where
     the kernel takes them."""
     nblk = k // 64

@@ -40,7 +40,7 @@ def test_wheel_contains_kernels_and_formats(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "qtool/formats/grouped-int.md" in names and "qtool/formats/checkpoint.md" in names
     assert any(n.startswith("qtool/kernels/") and n.endswith(".cu") for n in names)
-    assert "qtool/kernels/ptx_common.cuh" in names  # the shared header the sources include
+    assert "qtool/kernels/common/ptx_common.cuh" in names  # the shared header the sources include
     # Installed elsewhere, the package finds its data inside itself.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
@@ -56,18 +56,37 @@ def test_wheel_contains_kernels_and_formats(tmp_path):
 
 
 def test_every_included_kernel_header_is_handed_to_nvrtc():
-    """A source's `#include "x.cuh"` resolves only if the compiler hands NVRTC that header (qtool/cuda/compile.py
-    passes every kernels/*.cuh by name; CUDA's own headers are never included)."""
+    """A source's `#include "dir/x.cuh"` resolves only if the compiler hands NVRTC that header under that name
+    (qtool/cuda/compile.py passes every kernels/**/*.cuh by its path relative to kernels/; CUDA's own headers are
+    never included)."""
     import re
 
     from qtool.cuda.compile import _headers
     from qtool.resources import kernels_dir
 
     headers = _headers()
-    assert "ptx_common.cuh" in headers
-    for src in kernels_dir().glob("*.c*"):
+    assert "common/ptx_common.cuh" in headers
+    sources = sorted(kernels_dir().rglob("*.cu*"))
+    assert any(s.parent != kernels_dir() for s in sources)
+    for src in sources:
         for name in re.findall(r'^#include\s+[<"]([^>"]+)[>"]', src.read_text(), flags=re.M):
-            assert name in headers, f"{src.name} includes {name}, which is not a kernels/*.cuh header"
+            rel = src.relative_to(kernels_dir()).as_posix()
+            assert name in headers, f"{rel} includes {name}, which is not a header under kernels/"
+
+
+def test_every_kernel_source_a_launcher_names_exists():
+    """The launchers name their sources by path relative to kernels/ (`SOURCE = "quik/gemm.cu"`); a stale name
+    would only fail on a GPU."""
+    import re
+
+    from qtool.resources import kernels_dir
+
+    named = set()
+    for py in (ROOT / "qtool").rglob("*.py"):
+        named |= set(re.findall(r'^\w*SOURCE\s*=\s*"([^"]+)"', py.read_text(), flags=re.M))
+    assert "quik/gemm.cu" in named and "qoq/gemm.cu" in named
+    for name in sorted(named):
+        assert (kernels_dir() / name).is_file(), f"{name}: no such source under kernels/"
 
 
 def test_readme_commands_are_what_ci_runs():

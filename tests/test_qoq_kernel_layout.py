@@ -1,4 +1,4 @@
-"""The operand order and arithmetic the qoq W4A8 GEMM relies on (kernels/quik_gemm.cu, qoq_frags and qoq_correct),
+"""The operand order and arithmetic the qoq W4A8 GEMM relies on (kernels/qoq/gemm.cu, qoq_frags and qoq_correct),
 checked on the CPU: the weight words and group words read the way the kernel builds its u8 wgmma A fragments,
 multiplied with the activation codes at the MMA k positions, less zc·rowsum, must give the layout's exact integer
 products. The GPU tests check the kernel itself; this pins the contract between `qtool.layouts.qoq.cuda.build`,

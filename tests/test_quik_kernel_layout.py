@@ -1,4 +1,4 @@
-"""The operand order the quik GEMM kernel relies on (kernels/quik_gemm.cu, runtime contract), checked on the CPU:
+"""The operand order the quik GEMM kernel relies on (kernels/quik/gemm.cu, runtime contract), checked on the CPU:
 reading the weight words the way the kernel builds its wgmma A fragments, against the activation bytes at the MMA
 k positions of each stage, must give the reference's integer sums. The GPU tests check the kernel itself; this
 pins the contract it shares with `qtool.layouts.quik.cuda.build` and `quantize_torch`, and runs everywhere."""

@@ -1,9 +1,11 @@
-"""Build `kernels/*.cu` with NVRTC through CuPy, cache the binaries on disk, and launch on torch's stream.
+"""Build `kernels/` sources with NVRTC through CuPy, cache the binaries on disk, and launch on torch's stream.
 
 * Hopper (compute capability 9.0) builds for `sm_90a` so `wgmma`/`setmaxnreg` are available; other cards build
   for their own `sm_XY`.
-* The cache key is a hash of the source, the options, the target architecture, the device name and the NVRTC
-  version; binaries live in `$QTOOL_CACHE_DIR` or `~/.cache/qtool/kernels` and are written atomically.
+* A source is named by its path relative to kernels/ (`"quik/gemm.cu"`), and so is every header it may include
+  (`#include "common/ptx_common.cuh"`): NVRTC gets every `*.cuh` under kernels/ by that name.
+* The cache key is a hash of the source, the headers, the options, the target architecture, the device name and
+  the NVRTC version; binaries live in `$QTOOL_CACHE_DIR` or `~/.cache/qtool/kernels` and are written atomically.
 * Tensors are passed zero-copy as raw device pointers; launches go to `torch.cuda.current_stream()` so they
   order correctly with torch work and are recorded by CUDA-graph capture.
 """
@@ -213,7 +215,7 @@ class BuildInfo:
 
 
 class KernelModule:
-    """One compiled `kernels/<name>.cu` on one device; `fn(name)` returns a launchable kernel."""
+    """One compiled `kernels/<family>/<name>.cu` on one device; `fn(name)` returns a launchable kernel."""
 
     def __init__(self, raw_module: Any, info: BuildInfo) -> None:
         self._raw = raw_module
@@ -243,8 +245,10 @@ def _nvrtc_version(cupy: Any) -> str:
 
 
 def _headers() -> dict[str, str]:
-    """The shared headers of kernels/ (`*.cuh`) by name: handed to NVRTC with every source, part of the cache key."""
-    return {p.name: p.read_text() for p in sorted(kernels_dir().glob("*.cuh"))}
+    """Every header under kernels/ (`*.cuh`, any depth) by its path relative to kernels/, the name the sources
+    include it by: handed to NVRTC with every source, part of the cache key."""
+    root = kernels_dir()
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*.cuh"))}
 
 
 def _compile_cubin(
@@ -275,7 +279,8 @@ def _compile_cubin(
 def load_module(
     source_name: str, extra_options: tuple[str, ...] = (), device: int | None = None
 ) -> KernelModule:
-    """Compile (or load from the disk cache) `kernels/<source_name>` for the current CUDA device."""
+    """Compile (or load from the disk cache) `kernels/<source_name>` for the current CUDA device; `source_name` is
+    the path relative to kernels/ (`"quik/gemm.cu"`)."""
     cupy = require_cupy()
     dev = torch.cuda.current_device() if device is None else int(device)
     options = _BASE_OPTIONS + tuple(extra_options)
@@ -303,7 +308,8 @@ def load_module(
             ]
         )
         key = hashlib.sha256(ident.encode()).hexdigest()[:24]
-        path = cache_dir() / f"{Path(source_name).stem}-{arch}-{key}.cubin"
+        stem = Path(source_name).with_suffix("").as_posix().replace("/", "-")  # one flat cache folder
+        path = cache_dir() / f"{stem}-{arch}-{key}.cubin"
         with cupy.cuda.Device(dev):
             try:
                 from_cache = path.is_file()

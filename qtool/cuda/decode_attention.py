@@ -1,4 +1,4 @@
-"""One decode step's attention over a static KV cache (kernels/decode_attention.cu): a block per sequence and
+"""One decode step's attention over a static KV cache (kernels/decoder/decode_attention.cu): a block per sequence and
 query head, float32 softmax, output in the [B, 1, H, D] layout the output projection reads. It replaces
 `scaled_dot_product_attention` with an `arange(L) <= pos` mask plus the transposing copy after it; results agree
 with a float64 reference to float16 rounding."""
@@ -12,7 +12,7 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "decode_attention.cu"
+SOURCE = "decoder/decode_attention.cu"
 THREADS = 256
 MAX_HEAD_DIM = 256
 

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper): a kernel launched here may start while the kernel ahead of it in the
 stream is still running, so its launch, its prologue and whatever it reads that the kernel ahead does not write
-overlap that kernel's tail. The kernel itself must call `grid_dependency_wait()` (kernels/ptx_common.cuh) before it
+overlap that kernel's tail. The kernel itself must call `grid_dependency_wait()` (kernels/common/ptx_common.cuh) before it
 reads anything the kernel ahead writes; the kernel ahead may call `launch_dependents()` to let it start early.
 
 CuPy launches without launch attributes, so this goes through the driver's `cuLaunchKernelEx` with the

@@ -1,4 +1,4 @@
-"""GPTQ's column loop of one lazy batch as one kernel (kernels/gptq.cu), bit-identical to the torch loop of
+"""GPTQ's column loop of one lazy batch as one kernel (kernels/gptq/gptq.cu), bit-identical to the torch loop of
 qtool/quant/gptq.py: the solve on a GPU then costs a few launches per batch instead of ~10 per column."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 
 from qtool.cuda import compile as cc
 
-SOURCE = "gptq.cu"
-ROWS = 32  # kernels/gptq.cu ROWS: rows per block, one thread each
+SOURCE = "gptq/gptq.cu"
+ROWS = 32  # kernels/gptq/gptq.cu ROWS: rows per block, one thread each
 # Shared memory of a block: weights of the batch's remaining columns and the errors of the quantized ones.
 _MAX_SMEM = 200 * 1024
 

@@ -1,4 +1,4 @@
-"""Residual add fused with RMSNorm (kernels/rms_norm.cu): one kernel per normalization of the decode step instead
+"""Residual add fused with RMSNorm (kernels/decoder/rms_norm.cu): one kernel per normalization of the decode step instead
 of torch's add and normalization kernels. The sum is bit-identical to torch's half add; the normalized rows agree
 with torch's rms_norm to float16 rounding (the squares are summed in another order)."""
 
@@ -9,7 +9,7 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "rms_norm.cu"
+SOURCE = "decoder/rms_norm.cu"
 THREADS = 256
 
 

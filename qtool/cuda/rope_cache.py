@@ -1,4 +1,4 @@
-"""Rotary embedding of queries and keys fused with the KV-cache write (kernels/rope_cache.cu): the decode step's
+"""Rotary embedding of queries and keys fused with the KV-cache write (kernels/decoder/rope_cache.cu): the decode step's
 per-layer attention prologue as one kernel. The torch form it replaces (qtool/bench/e2e.py `rope` plus two
 `index_copy_`) is its reference: the results are bit-identical."""
 
@@ -9,7 +9,7 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "rope_cache.cu"
+SOURCE = "decoder/rope_cache.cu"
 THREADS = 256
 
 

@@ -1,4 +1,4 @@
-"""SwiGLU of a fused gate/up projection (kernels/swiglu.cu): silu(gate) * up in one kernel, each step rounded to
+"""SwiGLU of a fused gate/up projection (kernels/decoder/swiglu.cu): silu(gate) * up in one kernel, each step rounded to
 float16 as torch's F.silu and half multiply round it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "swiglu.cu"
+SOURCE = "decoder/swiglu.cu"
 THREADS = 256
 
 

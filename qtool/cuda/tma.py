@@ -1,6 +1,6 @@
 """Tensor maps for Hopper's bulk tensor copy engine (TMA): the CUDA driver encodes them on the host
 (`cuTensorMapEncodeTiled`) and kernels take them by value as `__grid_constant__` parameters
-(kernels/ptx_common.cuh, `TmaMap`).
+(kernels/common/ptx_common.cuh, `TmaMap`).
 
 Every map here describes a 2-D tensor as bytes: rows of `row_bytes` at a `stride` in bytes, copied in boxes of
 `box_bytes` x `box_rows` with a shared-memory swizzle of `swizzle` bytes. Rows or bytes past the tensor's end

@@ -1,4 +1,4 @@
-"""The quantized KV cache on CUDA (kernels/kv_cache.cu, formats/qoq.md "KV cache"): a static cache of 4- or 8-bit
+"""The quantized KV cache on CUDA (kernels/kv_cache/quantized.cu, formats/qoq.md "KV cache"): a static cache of 4- or 8-bit
 codes with a float16 (scale, zero) per token and KV head, the write that fills it (rotary embedding fused with the
 quantization, bit-identical to qtool/kv_cache/quantized.py `quantize_kv`) and one decode step's attention that reads
 it. An FP8 (e4m3, one scale per tensor) cache runs through the same kernels as the baseline.
@@ -17,12 +17,12 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "kv_cache.cu"
+SOURCE = "kv_cache/quantized.cu"
 THREADS = 256
 MODES = ("int4", "int8", "fp8")
 BITS = {"int4": 4, "int8": 8, "fp8": 8}
 MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
-# Decode attention forms (kernels/kv_cache.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the tensor
+# Decode attention forms (kernels/kv_cache/quantized.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the tensor
 # cores (KV4, head dims TC_HEAD_DIMS, from TC_MIN_GROUP query heads per KV head, where `fma`'s 2G FMAs per code
 # outrun the FMA pipe; kernels/NOTES.md, KV4 section)
 ATTENTION_KERNELS = ("fma", "tc")

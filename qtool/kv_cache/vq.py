@@ -34,7 +34,7 @@ def kv_vq_scheme(vector_size: int, entries: int) -> dict:
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """Codes [B, H, T, G] (int64) of x [B, H, T, D] in codebooks [H, G, E, d] (nearest entry, ties: the lower
     index), in float32: distance `n - 2 dot` with `dot = sum_i x_i c_i` and `n = sum_i c_i^2` accumulated in channel
-    order, each product and sum rounded (the order the CUDA write, kernels/vq_attention.cu, reproduces exactly)."""
+    order, each product and sum rounded (the order the CUDA write, kernels/kv_cache/vq.cu, reproduces exactly)."""
     b, h, t, dim = x.shape
     _, g, _, d = codebooks.shape
     xv = x.float().reshape(b, h, t, g, 1, d)

@@ -1,4 +1,4 @@
-"""The vector-quantized KV cache on CUDA (kernels/vq_attention.cu, formats/vq.md "KV cache"): a static cache of
+"""The vector-quantized KV cache on CUDA (kernels/kv_cache/vq.cu, formats/vq.md "KV cache"): a static cache of
 8-bit codes, one per group of `d` channels of every cached key (after RoPE) and value vector, into codebooks per KV
 head and channel group (CQ-2: d 4, CQ-4: d 2, 256 entries); the write that fills it (rotary embedding fused with
 the nearest-entry encoding, exactly qtool/kv_cache/vq.py `encode`) and one decode step's attention over
@@ -17,14 +17,14 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "vq_attention.cu"
+SOURCE = "kv_cache/vq.cu"
 THREADS = 256  # the write's blocks, and attention's above 2 query heads per KV head (registers)
 WIDE_THREADS = 512  # attention's blocks for 1-2 query heads per KV head
 TILE = 16  # tokens per tile of the code layout
 HEAD_DIMS = (64, 128)
 VECTOR_SIZES = (2, 4)
 GROUPS = (1, 2, 3, 4, 8)  # query heads per KV head the attention kernels are built for
-# Decode attention forms (kernels/vq_attention.cu): `lut` reads per-query score tables (256 x G float32 per query
+# Decode attention forms (kernels/kv_cache/vq.cu): `lut` reads per-query score tables (256 x G float32 per query
 # head, where they fit beside the value entries), `direct` multiplies the key entries with the query.
 FORMS = ("lut", "direct")
 LUT_GROUPS = {(64, 2): (1, 2, 4), (64, 4): (1, 2, 4), (128, 2): (1, 2), (128, 4): (1, 2, 4)}
@@ -196,7 +196,7 @@ def write(
 
 
 def threads(group: int) -> int:
-    """Threads of an attention block for `group` query heads per KV head (kernels/vq_attention.cu)."""
+    """Threads of an attention block for `group` query heads per KV head (kernels/kv_cache/vq.cu)."""
     return WIDE_THREADS if group <= 2 else THREADS
 
 

@@ -1,4 +1,4 @@
-"""GPTQ's lazy-batch kernel (kernels/gptq.cu via qtool/quant/gptq.py) against the torch column loop on the same GPU:
+"""GPTQ's lazy-batch kernel (kernels/gptq/gptq.cu via qtool/quant/gptq.py) against the torch column loop on the same GPU:
 codes, scales, zeros and the kept columns bit for bit, on odd and real shapes, every grid option the kernel takes."""
 
 from __future__ import annotations

@@ -302,10 +302,10 @@ def test_kernel_cache_reuses_binary(tmp_path, monkeypatch):
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cc, "_MODULES", {})
-    first = cc.load_module("grouped_int_gemv.cu")
+    first = cc.load_module("grouped_int/gemv.cu")
     assert first.info.arch == cc.target_arch()
     monkeypatch.setattr(cc, "_MODULES", {})
-    second = cc.load_module("grouped_int_gemv.cu")
+    second = cc.load_module("grouped_int/gemv.cu")
     if first.info.how == "nvrtc-cubin":
         assert not first.info.from_cache and second.info.from_cache
         assert list(tmp_path.glob("*.cubin")) and first.info.path == second.info.path
@@ -317,11 +317,11 @@ def test_kernel_cache_key_follows_headers(tmp_path, monkeypatch):
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cc, "_MODULES", {})
-    first = cc.load_module("grouped_int_gemv.cu")
+    first = cc.load_module("grouped_int/gemv.cu")
     edited = {name: text + "\n// edited\n" for name, text in cc._headers().items()}
     monkeypatch.setattr(cc, "_headers", lambda: edited)
     monkeypatch.setattr(cc, "_MODULES", {})
-    second = cc.load_module("grouped_int_gemv.cu")
+    second = cc.load_module("grouped_int/gemv.cu")
     assert second.info.key != first.info.key
     if second.info.how == "nvrtc-cubin":
         assert not second.info.from_cache and second.info.path != first.info.path

@@ -1,4 +1,4 @@
-"""The Hopper wgmma kernel for grouped_int (kernels/grouped_int_mma.cu) against the float64 reference.
+"""The Hopper wgmma kernel for grouped_int (kernels/grouped_int/mma.cu) against the float64 reference.
 
 Fresh random inputs, real and odd shapes, every token tile, split-K and stage count; outputs poisoned with NaN
 before each launch and a sync after it. Skips without a Hopper GPU.

@@ -1,4 +1,4 @@
-"""The mixed-2-4-16 CUDA kernels (kernels/mixed_gemv.cu) against the float64 reference, on fresh random layers and
+"""The mixed-2-4-16 CUDA kernels (kernels/mixed/gemv.cu) against the float64 reference, on fresh random layers and
 activations, real and odd shapes, both assignment rules, with and without outliers, M = 1..16 for the GEMV.
 
 Outputs are poisoned with NaN before each launch, so an element the kernel forgets to write fails the test;

@@ -1,4 +1,4 @@
-"""The kernels that produce a W4A8 layer's input also write its INT8 activation codes (kernels/qoq_act.cuh, used by
+"""The kernels that produce a W4A8 layer's input also write its INT8 activation codes (kernels/qoq/act.cuh, used by
 add_rms_norm_q8 and swiglu_q8): codes, s_x and code sums must equal those of the float16 kernel followed by the
 quantize kernel, bit for bit, and the float16 rows, where asked for, those of the float16 kernel. Outputs are
 poisoned before each launch; `synced` makes a faulting launch fail here."""

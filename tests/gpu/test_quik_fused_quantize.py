@@ -1,4 +1,4 @@
-"""The fused form of the W4A4 layer (`quik.quantize_gemm`, kernels/quik_gemm.cu quik_gemm_wsq_*): one kernel
+"""The fused form of the W4A4 layer (`quik.quantize_gemm`, kernels/quik/gemm.cu quik_gemm_wsq_*): one kernel
 quantizes the activation rows and multiplies them, with rows handed between blocks through counters. It must give
 the bits of the quantize kernel followed by the persistent GEMM, for every split of the rows between the math warps
 (before the first tiles) and the copy warps (under them), on odd shapes and grids of fewer blocks than tiles, and

@@ -1,4 +1,4 @@
-"""The fused VQ GEMM (kernels/vq_gemm.cu) against the float64 reference of the `vq` layout's `dequantize()`.
+"""The fused VQ GEMM (kernels/vq/gemm.cu) against the float64 reference of the `vq` layout's `dequantize()`.
 
 Both presets (GPTVQ-2: d 4, 256 entries, 256x256 tiles; AQLM-3: d 8, 4096 entries, two residuals per tensor), odd
 shapes (ragged row and column tiles, K = 576, M not a multiple of the token tile, N an odd multiple of the block),

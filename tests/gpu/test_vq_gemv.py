@@ -1,4 +1,4 @@
-"""The VQ GEMV (kernels/vq_gemv.cu), both forms (`mma`: entries into tensor-core fragments; `fma`: CUDA-core
+"""The VQ GEMV (kernels/vq/gemv.cu), both forms (`mma`: entries into tensor-core fragments; `fma`: CUDA-core
 products), against the float64 product with the dequantized weight, on fresh random layers and activations: both
 presets' configurations (GPTVQ-2: d 4, 8-bit indices, 256x256 tiles; AQLM-3: d 8, 12-bit indices, two residual
 codebooks per tensor), odd shapes (ragged row and column tiles, K = 576, rows not a multiple of a block's, index rows

@@ -5,7 +5,7 @@ Paths, chosen per call from the token count M, the activation dtype and the laye
 * ``gemv-fma``: a CUDA-core kernel for 1..FMA_MAX_M tokens (fp16 activations).
 * ``gemv``: the tensor-core skinny kernel (weights streamed once, dequantized in registers), fp16 activations,
   M <= GEMV_MAX_M; a programmatic dependent launch where its grid is one wave of 16-warp blocks (gemv_dependent).
-* ``mma``: the Hopper wgmma kernel (kernels/grouped_int_mma.cu): weight rows as wgmma's M dimension, dequantized
+* ``mma``: the Hopper wgmma kernel (kernels/grouped_int/mma.cu): weight rows as wgmma's M dimension, dequantized
   in registers into its A fragments, tokens as its N dimension (8..256 per block), split-K across blocks when the
   tiles are too few to fill the GPU; from WS_SHORT_MIN_M tokens its warp-specialized form (bulk tensor copies
   into an mbarrier ring, a copy warpgroup), and once 256-token tiles fill the GPU the persistent one (one block
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch, split_k, tma
 
-SOURCE = "grouped_int_gemv.cu"
-MMA_SOURCE = "grouped_int_mma.cu"
+SOURCE = "grouped_int/gemv.cu"
+MMA_SOURCE = "grouped_int/mma.cu"
 KP_MULTIPLE = 128
 # Dispatch thresholds, from `qtool bench kernels` on an H200 (kernels/NOTES.md):
 # * the tensor-core skinny kernel beats dequantize+cuBLAS up to M = 32 and loses at M = 64;
@@ -303,7 +303,7 @@ def gemv(
     return out.reshape(*lead, p.out_features)
 
 
-FMA_ROWS = 4  # must match FMA_ROWS in kernels/grouped_int_gemv.cu
+FMA_ROWS = 4  # must match FMA_ROWS in kernels/grouped_int/gemv.cu
 _FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QTOOL_FMA_PIPE"] == "1"
 # 1 (default): the CUDA-core kernel multiplies the exact (c - z) (pre-divided by a power of two) by the
 # activations and applies the group scale once per fp16 chain in fp32: 4 fewer instructions per 8 codes, 2-6%
@@ -472,7 +472,7 @@ WS_X2_STAGES = (6,)
 # The warp-specialized kernels (no split-K) run by default once the 256-token tiles fill this share of the
 # multiprocessors: 128 tiles on 132 (M = 1024, N = 4096) ran 0.92-0.98x cuBLAS FP16 persistent on an H100.
 WS_MIN_WAVE = 0.75
-WSP_EPILOGUE_BUFFERS = 3  # 8 KB each, beside the ring (kernels/grouped_int_mma.cu GI_WSP_EB)
+WSP_EPILOGUE_BUFFERS = 3  # 8 KB each, beside the ring (kernels/grouped_int/mma.cu GI_WSP_EB)
 _WS_MAPS = tma.MapCache(limit=64)
 
 

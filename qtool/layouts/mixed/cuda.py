@@ -1,4 +1,4 @@
-"""CUDA execution of the `mixed-2-4-16` layout (kernels/mixed_gemv.cu, kernels/mixed_gemm.cu): load-time
+"""CUDA execution of the `mixed-2-4-16` layout (kernels/mixed/gemv.cu, kernels/mixed/gemm.cu): load-time
 preparation, the kernels, the dispatch rule.
 
 Paths, chosen per call from the token count M and the activation dtype:
@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch
 
-SOURCE = "mixed_gemv.cu"
+SOURCE = "mixed/gemv.cu"
 LAYOUT = "mixed-2-4-16"
 GEMV_MAX_M = 16
 TOKEN_SLOTS = (1, 2, 4, 8, 16)  # the GEMV's builds: M is rounded up to one of these
-ROWS = 4  # output rows per block: must match the entries of kernels/mixed_gemv.cu
-MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed_gemv.cu
+ROWS = 4  # output rows per block: must match the entries of kernels/mixed/gemv.cu
+MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed/gemv.cu
 # Warps per block (at most; fewer where K has fewer 64-channel blocks). At one token, 2 warps of 4-row blocks beat 1
 # and 4 warps and 2- and 8-row blocks at 4096x4096, 4096x11008, 11008x4096 and 8192x28672 on an H100, and 1 and 4
 # warps on an H200 (tied with 1 at 8192x28672; kernels/NOTES.md).
@@ -185,7 +185,7 @@ class Prepared:
 
 @dataclass
 class Tiled:
-    """The tiled streams of a block4 layer (kernels/mixed_gemv.cu, "The tiled GEMV"), int32 words."""
+    """The tiled streams of a block4 layer (kernels/mixed/gemv.cu, "The tiled GEMV"), int32 words."""
 
     ta: (
         torch.Tensor
@@ -313,7 +313,7 @@ def unsupported_reason(group_size: int, in_features: int) -> str | None:
 
 
 def block_info(stripe_bits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """binfo (int32 [S/4], see kernels/mixed_gemv.cu) from the stripe widths, and whether every block holds
+    """binfo (int32 [S/4], see kernels/mixed/gemv.cu) from the stripe widths, and whether every block holds
     exactly one 4-bit stripe."""
     is4 = (stripe_bits.to(torch.int64).cpu() == 4).reshape(-1, 4)
     n4 = is4.sum(1)
@@ -605,14 +605,14 @@ def dequant_matmul(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None = Non
     return F.linear(x, dequantize(p), b)
 
 
-GEMM_SOURCE = "mixed_gemm.cu"
-GEMM_ROWS = 128  # weight rows per GEMM block (two warpgroups of 64): must match kernels/mixed_gemm.cu
-GEMM_BUILT = {64: 6, 128: 4, 256: 3}  # token tile -> ring stages, as kernels/mixed_gemm.cu instantiates them
+GEMM_SOURCE = "mixed/gemm.cu"
+GEMM_ROWS = 128  # weight rows per GEMM block (two warpgroups of 64): must match kernels/mixed/gemm.cu
+GEMM_BUILT = {64: 6, 128: 4, 256: 3}  # token tile -> ring stages, as kernels/mixed/gemm.cu instantiates them
 
 
 def gemm_smem(tokens: int, stages: int) -> int:
     """Dynamic shared memory of a GEMM block: the ring (activations; ta, tm of 128 rows; tz, tt of 32 four-row
-    groups; binfo), and slack to align the 1024-byte swizzle atoms (kernels/mixed_gemm.cu MTile)."""
+    groups; binfo), and slack to align the 1024-byte swizzle atoms (kernels/mixed/gemm.cu MTile)."""
     slot = tokens * 128 + 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16
     return stages * (-(-slot // 1024) * 1024) + 1024
 
@@ -752,7 +752,7 @@ def linear(
 
 def swiglu_interleaved(gu: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a row-interleaved gate/up output [..., N] (in each run of four: gate 2j, 2j + 1, up 2j, 2j + 1)
-    -> [..., N/2], rounded as torch's F.silu and half multiply round it (as kernels/swiglu.cu)."""
+    -> [..., N/2], rounded as torch's F.silu and half multiply round it (as kernels/decoder/swiglu.cu)."""
     v = gu.reshape(*gu.shape[:-1], gu.shape[-1] // 4, 2, 2)
     gate = v[..., 0, :].reshape(*gu.shape[:-1], gu.shape[-1] // 2)
     up = v[..., 1, :].reshape(*gu.shape[:-1], gu.shape[-1] // 2)

@@ -1,7 +1,8 @@
-"""CUDA execution of the `qoq` layout (formats/qoq.md; kernels/quik_gemm.cu, the `qoq_*` entries, and the decode
-GEMV in kernels/qoq_gemv.cu): per-token symmetric INT8 activations with their code sums, then W4A8 on the INT8
-tensor cores (`wgmma ... s32.u8.s8`, Hopper) or, for 1-4 tokens, dp4a on the CUDA cores, with the zero-point
-correction and the per-token x per-channel scaling in the epilogue; W8A8 through `torch._int_mm`.
+"""CUDA execution of the `qoq` layout (formats/qoq.md; kernels/qoq/gemm.cu, the quantize kernel and the GEMMs on
+the INT8 wgmma engine of kernels/common/int8_wgmma.cuh, and the decode GEMV in kernels/qoq/gemv.cu): per-token
+symmetric INT8 activations with their code sums, then W4A8 on the INT8 tensor cores (`wgmma ... s32.u8.s8`,
+Hopper) or, for 1-4 tokens, dp4a on the CUDA cores, with the zero-point correction and the per-token x
+per-channel scaling in the epilogue; W8A8 through `torch._int_mm`.
 
 The arithmetic is the layout's (formats/qoq.md), so the kernels reproduce the integer products exactly:
   * activations: amax = max|x|, r = 127 / amax, s_x = amax / 127 (float32, IEEE division; amax = 0: both 1),
@@ -37,19 +38,20 @@ ROWS = quik.ROWS
 INT_MM_MIN_ROWS = (
     32  # torch._int_mm takes more than 16 rows (multiples of 8): fewer are padded with zero rows
 )
-# The 4-bit forms: `gemv` (kernels/qoq_gemv.cu) runs a warp per weight row on dp4a for decode (up to
+# The 4-bit forms: `gemv` (kernels/qoq/gemv.cu) runs a warp per weight row on dp4a for decode (up to
 # GEMV_MAX_TOKENS tokens), from float16 rows it quantizes itself (gemv) or from the codes the producing kernel wrote
-# (gemv_codes); in kernels/quik_gemm.cu, `sync` is the block-synchronous cp.async GEMM with split-K for tiles of up
-# to 128 tokens and `ws` / `wsp` are quik's warp-specialized copy-engine GEMMs (a tile per block / persistent), with
+# (gemv_codes); in kernels/qoq/gemm.cu, `sync` is the block-synchronous cp.async GEMM with split-K for tiles of up
+# to 128 tokens and `ws` / `wsp` are the warp-specialized copy-engine GEMMs (a tile per block / persistent), with
 # the ring depths below (the stage: TN x 128 activation bytes, 8 KB of codes and, for progressive groups, the
 # stage's group words).
 # `ws` splits K over up to WS_SPLIT_MAX blocks per tile (int32 shares added by the tile's last block), so
 # layers with few tiles still fill the GPU.
 GEMM_KERNELS = ("gemv", "sync", "ws", "wsp")
-GEMV_SOURCE = "qoq_gemv.cu"
+GEMM_SOURCE = "qoq/gemm.cu"  # the quantize kernel and the GEMMs
+GEMV_SOURCE = "qoq/gemv.cu"
 GEMV_TOKENS = (1, 2, 4)  # token slots of the gemv entries
 GEMV_MAX_TOKENS = 4
-# The GEMV build (kernels/qoq_gemv.cu QG_F* / QG_C*), per form and token slots: (weight rows = warps per block,
+# The GEMV build (kernels/qoq/gemv.cu QG_F* / QG_C*), per form and token slots: (weight rows = warps per block,
 # 16-byte weight chunks in flight per lane, group sums (0: one IMAD per 4 codes; 1: two per 32-code chunk on the
 # chunk's code sum), minimum blocks per multiprocessor). Rows, chunks and group sums from the sweep in
 # kernels/NOTES.md (python scripts/qoq_gemv_variants.py); the minimum blocks keep the registers where the sweep
@@ -256,7 +258,7 @@ def empty_activations(m: int, p: QoQPrepared, device: torch.device) -> QoQActiva
 
 
 def _module(dev: torch.device) -> cc.KernelModule:
-    return cc.load_module(quik.SOURCE, device=cc.device_index(dev))
+    return cc.load_module(GEMM_SOURCE, device=cc.device_index(dev))
 
 
 def quantize_activations(
@@ -323,7 +325,7 @@ def quantize_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def scheme(p: QoQPrepared) -> str:
-    """The GEMM entry's scheme name (kernels/quik_gemm.cu qoq_gemm_<scheme>_n<tokens>_s<stages>)."""
+    """The GEMM entry's scheme name (kernels/qoq/gemm.cu qoq_gemm_<scheme>_n<tokens>_s<stages>)."""
     return "pc" if p.group_size is None else f"g{p.group_size}"
 
 
@@ -489,7 +491,8 @@ def gemm(
 
 
 def ws_stage_bytes(tn: int, group_size: int | None) -> int:
-    """A ring stage of the warp-specialized QoQ kernels (kernels/quik_gemm.cu WsTile<TN, 4, QOQ>::SB)."""
+    """A ring stage of the warp-specialized QoQ kernels (kernels/common/int8_wgmma.cuh WsTile<TN, 4, 128 / g>::SB:
+    the group words are the engine's side words)."""
     gwb = 0 if group_size is None else _round_up(ROWS * (KP_MULTIPLE // group_size) * 4, 1024)
     return tn * 128 + ROWS * 64 + gwb
 
@@ -524,7 +527,8 @@ def _gemm_ws(
     cc.allow_shared_memory(fn, smem)
     ws = cnt = None
     dp = tiles if split == 1 else min(tiles, whole or 0)  # tiles taken whole, then `split` blocks per tile
-    if dp < tiles:  # int32 shares: split x (tiles - dp) x 128 x tn (kernels/quik_gemm.cu qoq_split_add)
+    # int32 shares: split x (tiles - dp) x 128 x tn (kernels/common/int8_wgmma.cuh ws_split_add)
+    if dp < tiles:
         bufs = split_k.workspace(idx, split * (tiles - dp) * ROWS * tn, tiles - dp)
         if bufs is None:  # it would have to grow during CUDA-graph capture
             split, dp = 1, tiles
@@ -623,7 +627,7 @@ def _gemv_launch(
     else:  # a measurement build's entry and its warps per block (scripts/qoq_gemv_variants.py)
         fn = _gemv_module(dev, tuning=True).fn(variant[0])
         warps, sums = variant[1], int(variant[0].endswith("gs1"))
-    # code rows of kp rounded up to 1024 bytes (kernels/qoq_gemv.cu qg_at), then the chunk sums
+    # code rows of kp rounded up to 1024 bytes (kernels/qoq/gemv.cu qg_at), then the chunk sums
     smem = mt * _round_up(p.kp, 1024) + (mt * p.kp // 8 if sums and p.group_size is not None else 0)
     cc.allow_shared_memory(fn, smem)
     gw = p.gwords

@@ -1,5 +1,6 @@
-"""CUDA execution of the `quik` layout (kernels/quik_gemm.cu): a fused split + quantize kernel, then an INT8
-tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16 outlier product in its epilogue.
+"""CUDA execution of the `quik` layout (kernels/quik/gemm.cu, on kernels/common/int8_wgmma.cuh): a fused split +
+quantize kernel, then an INT8 tensor-core GEMM (wgmma, Hopper) with the Eq. 1 dequantization and the float16
+outlier product in its epilogue.
 
 Paths (`linear`, `module_forward`): ``fused`` (the two kernels, or for W4A4 prefills one kernel that quantizes
 its own rows under the GEMM: `quantize_gemm`; float16 activations, W4A4 or W8A8, Hopper) or ``reference``
@@ -17,7 +18,7 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch, split_k, tma
 
-SOURCE = "quik_gemm.cu"
+SOURCE = "quik/gemm.cu"
 KP_MULTIPLE = 128  # base columns padded to whole stages (128 codes)
 KO_MULTIPLE = 64  # outlier columns per float16 stage (128 bytes per row)
 ROWS = 128  # weight rows (output features) per GEMM block
@@ -47,17 +48,17 @@ TMA_STORE = True
 # warp per weight row on the CUDA cores (dp4a), for up to GEMV_MAX_TOKENS tokens
 GEMM_KERNELS = ("sync", "ws", "wsp", "gemv")
 GEMV_MAX_TOKENS = 2
-GEMV_WARPS = 8  # weight rows per block (kernels/quik_gemm.cu)
+GEMV_WARPS = 8  # weight rows per block (kernels/quik/gemm.cu)
 WS_MIN_TOKENS = 256  # the warp-specialized kernel is the default from this tile size on (kernels/NOTES.md)
-# Split-K for the block-synchronous kernel's decode tiles (kernels/quik_gemm.cu SPLIT_MAX_TOKENS): at M <= 128 a
-# layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
+# Split-K for the block-synchronous kernel's decode tiles (kernels/common/int8_wgmma.cuh SPLIT_MAX_TOKENS): at
+# M <= 128 a layer has one tile per 128 output rows (32 at N = 4096), too few blocks to stream the weights
 SPLIT_MAX_TOKENS = 128
 SPLIT_MIN_STAGES = 4  # stages (128 codes or 64 outlier columns) per split block, at least
 SPLIT_MAX = 16
 QUANT_MAX_K = (
     32768  # the block-per-row quantize kernel holds a row in registers: 512 threads x 8 pieces of 8 columns
 )
-# (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik_gemm.cu)
+# (threads, 16-byte pieces per thread) of the quantize kernels, smallest first (kernels/quik/gemm.cu)
 QUANT_SHAPES = ((128, 1), (128, 2), (256, 2), (512, 4), (512, 8))
 # block: a block per row, row in registers; warp: a warp per row, rows staged in shared memory by bulk copies
 QUANT_KERNELS = ("block", "warp")
@@ -110,7 +111,7 @@ def unsupported_reason(bits: int, act_bits: int, device: torch.device, in_featur
 
 @dataclass
 class QuikPrepared:
-    """Device-side view of one layer, ready for the kernels (kernels/quik_gemm.cu, runtime contract)."""
+    """Device-side view of one layer, ready for the kernels (kernels/quik/gemm.cu, runtime contract)."""
 
     bits: int
     act_bits: int
@@ -452,7 +453,7 @@ def _quantize_warp(
 
 def ws_stage_bytes(tn: int, bits: int) -> int:
     """One ring stage of the warp-specialized kernels: the activation tile and an integer stage's weight tile
-    (kernels/quik_gemm.cu WsTile::SB)."""
+    (kernels/common/int8_wgmma.cuh WsTile::SB)."""
     return tn * 128 + ROWS * 16 * bits
 
 
@@ -674,7 +675,7 @@ def gemm(
 
 def wsq_shared_bytes(p: QuikPrepared, copy_warps: int) -> int:
     """Dynamic shared memory of the fused form: the ring, its epilogue buffers, the column maps (src, oflag, osrc) and
-    `copy_warps` row buffers (kernels/quik_gemm.cu ws_body, FUSED)."""
+    `copy_warps` row buffers (kernels/quik/gemm.cu FusedProducer, the engine's ws_body FUSED)."""
     k = p.in_features
     return (
         WSQ_STAGES * ws_stage_bytes(256, p.bits)

@@ -1,5 +1,5 @@
 """CUDA execution of the `vq` layout: the device view of a layer that both its kernels take (`Prepared`, from
-`prepare`), and the decode GEMV for 1..GEMV_MAX_M tokens (kernels/vq_gemv.cu) with VQ-LLM's codebook cache, its
+`prepare`), and the decode GEMV for 1..GEMV_MAX_M tokens (kernels/vq/gemv.cu) with VQ-LLM's codebook cache, its
 launch plan and the dispatch rule. The prefill GEMM (qtool/layouts/vq/cuda_gemm.py) takes the same view.
 
 Two forms of the GEMV, one template (formats/vq.md "For the CUDA kernels"): `mma` (the default) puts every
@@ -31,11 +31,11 @@ import torch
 from qtool.cuda import compile as cc
 from qtool.cuda import dependent_launch, split_k
 
-SOURCE = "vq_gemv.cu"
+SOURCE = "vq/gemv.cu"
 LAYOUT = "vq"
 GEMV_MAX_M = 16
 TOKEN_SLOTS = (1, 2, 4, 8, 16)  # the GEMV's builds: M is rounded up to one of these
-THREADS = 256  # must match THREADS in kernels/vq_gemv.cu
+THREADS = 256  # must match THREADS in kernels/vq/gemv.cu
 CACHES = ("gc", "sc", "tiered")
 FORMS = ("mma", "fma")
 DEFAULT_FORM = "mma"

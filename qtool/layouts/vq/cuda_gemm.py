@@ -1,4 +1,4 @@
-"""CUDA execution of the `vq` layout for prefill (kernels/vq_gemm.cu): the fused VQ GEMM, its launch plan and the
+"""CUDA execution of the `vq` layout for prefill (kernels/vq/gemm.cu): the fused VQ GEMM, its launch plan and the
 dispatch rule for more than MIN_M - 1 rows (the decode GEMV serves fewer).
 
 The kernel decodes codes straight into the A operand of Hopper's wgmma (y^T = W . x^T, weight rows as the MMA's M
@@ -16,20 +16,20 @@ from qtool.cuda import compile as cc
 from qtool.cuda import split_k
 from qtool.layouts.vq.cuda import Prepared, layer_view, view
 
-SOURCE = "vq_gemm.cu"
+SOURCE = "vq/gemm.cu"
 LAYOUT = "vq"
 MIN_M = 17  # the reference path's lookup GEMV (and the decode kernel) take up to 16 rows
-ROWS = 128  # weight rows per block (two warpgroups of 64): must match kernels/vq_gemm.cu
+ROWS = 128  # weight rows per block (two warpgroups of 64): must match kernels/vq/gemm.cu
 STAGE_COLS = 64  # input columns per pipeline stage
-# (d, index bits, z) -> {token tile: ring depth}, as kernels/vq_gemm.cu instantiates them. GPTVQ-2's 2 KiB scopes
+# (d, index bits, z) -> {token tile: ring depth}, as kernels/vq/gemm.cu instantiates them. GPTVQ-2's 2 KiB scopes
 # ride in the ring; AQLM-3's 128 KiB stay resident beside it, which leaves room for 128-token tiles at most.
 BUILT: dict[tuple[int, int, int], dict[int, int]] = {
     (4, 8, 1): {32: 6, 64: 6, 128: 4, 256: 4},
     (8, 12, 2): {32: 6, 64: 4, 128: 3},
 }
-# Codebooks larger than this are resident (kernels/vq_gemm.cu VqCfg::RESIDENT); smaller ones ride in the ring.
+# Codebooks larger than this are resident (kernels/vq/gemm.cu VqCfg::RESIDENT); smaller ones ride in the ring.
 RESIDENT_BYTES = 16384
-# How decoded entries reach the A fragments (kernels/vq_gemm.cu F): "shfl", VQ-LLM's register-level fusion (Sec.
+# How decoded entries reach the A fragments (kernels/vq/gemm.cu F): "shfl", VQ-LLM's register-level fusion (Sec.
 # VI-B: a lane looks up whole entries and the quad swaps pairs with shfl_xor); "direct", every lane reading from the
 # shared codebook only the 4-byte pairs it consumes; "replica" (d = 4, one residual), "direct" from a codebook
 # replicated so that every lane reads its own bank. "direct" is the default: on an H100 (`qtool bench kernels`,

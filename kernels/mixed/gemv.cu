@@ -1,7 +1,7 @@
 // Kernels for the `mixed-2-4-16` weight layout (formats/mixed-2-4-16.md) with group_size 16: 2-bit and 4-bit
 // stripes of 16 input channels in one matrix, second-order 4-bit scales for the 2-bit groups, sparse fp16 outliers.
 //
-// Compiled at run time by NVRTC (qtool/cuda/compile.py), no CUDA headers (see grouped_int_gemv.cu).
+// Compiled at run time by NVRTC (qtool/cuda/compile.py), no CUDA headers (see grouped_int/gemv.cu).
 //
 // Runtime contract (qtool/cuda/mixed.py checks it before launching):
 //   * K is a multiple of 64, so each 64-channel block of a row of qweight_a is one aligned 16-byte load;
@@ -18,7 +18,7 @@
 // products with the activations run in chains of 8 per half, and the group scale (times 64, exact in fp32) is
 // applied once per group when a chain is widened to fp32. The /64 keeps every product at most |x| / 4.
 
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ u32 ld_meta(const u32* p) {
     u32 r;
@@ -322,8 +322,8 @@ __device__ __forceinline__ void reduce_store(float (&acc)[ROWS][MT], float (*red
     }
 }
 
-// silu(g)·u as kernels/swiglu.cu rounds it (the gate and up outputs first rounded to fp16, as the projection writes
-// them).
+// silu(g)·u as kernels/decoder/swiglu.cu rounds it (the gate and up outputs first rounded to fp16, as the projection
+// writes them).
 __device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
     const float x = h2f(g);
     const u16 s = f2h(x / (1.0f + expf(-x)));

@@ -22,7 +22,7 @@
 // Float32 scores and sums (log2 domain, q scaled by log2(e) / sqrt(D)), one rounding to float16 at the end. Splits
 // along L (few (sequence, head) pairs) write unnormalized partials with their max and sum, merged by
 // vq_attention_combine.
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float r;

@@ -1,7 +1,8 @@
 // Kernels for the `grouped_int` weight layout (formats/grouped-int.md), 4- and 8-bit codes.
 //
 // Compiled at run time by NVRTC (qtool/cuda/compile.py). No CUDA headers are included, so the source builds with any
-// NVRTC, with or without the CUDA include tree: half-precision arithmetic is inline PTX (here and in ptx_common.cuh).
+// NVRTC, with or without the CUDA include tree: half-precision arithmetic is inline PTX (here and in
+// common/ptx_common.cuh).
 //
 // Runtime contract (qtool/cuda/grouped_int.py guarantees it before launching):
 //   * K is padded to Kp, a multiple of 128 codes. qweight rows have Kp*BITS/32 words (the checkpoint rows when
@@ -16,7 +17,7 @@
 // (half bits 0x6400|c == 1024 + c for c < 1024); subtracting the half 1024 + z is exact, so the one rounding is the
 // multiply by the fp16 scale, which is the same rounding the float32 reference does when it casts to fp16.
 
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h;
@@ -53,7 +54,7 @@ __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
 }
 
 // An activation load of the tensor-core kernel. In a dependent launch (DEP) the activations were written by the
-// kernel ahead, so the load is coherent (ld_dep_v4, ptx_common.cuh; also volatile).
+// kernel ahead, so the load is coherent (ld_dep_v4, common/ptx_common.cuh; also volatile).
 template <bool VOL, bool DEP>
 __device__ __forceinline__ uint4 load_x(const u16* p) {
     if (DEP) return ld_dep_v4(p);

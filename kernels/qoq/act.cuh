@@ -1,9 +1,10 @@
 // QoQ's per-token symmetric INT8 activation codes (formats/qoq.md, steps 1-2) of one float16 row staged in shared
 // memory, by a whole block: the codes at the GEMM's positions, s_x and the code sum, bit for bit what the quantize
-// kernel (quik_gemm.cu, SYM_A8) writes for the same row. For the kernels that produce the row anyway (RMSNorm,
-// SwiGLU: rms_norm.cu, swiglu.cu), so the row is not written in float16 and read back by a quantize kernel.
+// kernel (qoq/gemm.cu, ActCodes<SYM_A8>) writes for the same row. For the kernels that produce the row anyway
+// (RMSNorm, SwiGLU: decoder/rms_norm.cu, decoder/swiglu.cu), so the row is not written in float16 and read back by a
+// quantize kernel.
 #pragma once
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ float qa_div_rn(float a, float b) {
     float r;

@@ -21,7 +21,7 @@
 //
 // Programmatic dependents (qtool/cuda/dependent_launch.py): what the kernel ahead wrote is read after the wait
 // through coherent loads.
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 constexpr int KV_INT4 = 0, KV_INT8 = 1, KV_FP8 = 2;
 
@@ -318,8 +318,8 @@ KV_ATTENTION_ALL_G(kv_attention_fp8, KV_FP8)
 
 // ---------------------------------------------------------------------------------------------------------------
 // The write: rotary embedding of queries and keys (rotate-half pairing, each product and sum rounded to float16
-// as torch's half arithmetic does, like kernels/rope_cache.cu) and the quantization of each key and value vector
-// of one token and one KV head, bit-identical to qtool/runtime/kv_cache.py `quantize_kv`:
+// as torch's half arithmetic does, like kernels/decoder/rope_cache.cu) and the quantization of each key and value
+// vector of one token and one KV head, bit-identical to qtool/runtime/kv_cache.py `quantize_kv`:
 //   scale = f16((max - min) / (2^b - 1)) (1 for a constant vector, 2^-24 if it rounds to 0),
 //   zero = f16(-min / scale) (f16(-min) for a constant vector), code = clamp(rint(x / scale + zero), 0, 2^b - 1),
 // in float32 with IEEE division. One warp per vector (queries, keys, values of a token), lanes over the

@@ -88,6 +88,13 @@ __device__ __forceinline__ int dp4a_ss(u32 a, u32 b, int c) {
     return d;
 }
 
+// Bytes of {b, a} picked by the four selector nibbles of sel (byte permute).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
 // a·b + c, low 32 bits: with codes in the bytes of a, a scale b and offsets in the bytes of c, one IMAD scales and
 // offsets four codes at once as long as no byte carries.
 __device__ __forceinline__ u32 imad(u32 a, u32 b, u32 c) {

@@ -1,8 +1,8 @@
 // Tensor-core GEMM on the tiled streams of a `mixed-2-4-16` block4 layer (qtool/cuda/mixed.py `tiled_streams`,
-// kernels/mixed_gemv.cu "The tiled GEMV") for prefill on Hopper: y = x · Wᵀ (+ bias) (+ the CSR outliers), with no
+// kernels/mixed/gemv.cu "The tiled GEMV") for prefill on Hopper: y = x · Wᵀ (+ bias) (+ the CSR outliers), with no
 // dequantized weight anywhere in memory, so the checkpoint-layout tensors need not stay on the GPU.
 //
-// The structure is grouped_int's / vq_gemm.cu's block-synchronous wgmma kernel: operands swapped (Yᵀ = W·Xᵀ),
+// The structure is grouped_int's / vq/gemm.cu's block-synchronous wgmma kernel: operands swapped (Yᵀ = W·Xᵀ),
 // 128 weight rows per block (two warpgroups of 64) as wgmma's M dimension, TN tokens as its N; per 64-column stage
 // (one 64-channel block of the layout) cp.async brings the activation tile (128-byte swizzle) and the 128 rows'
 // tiled words (ta, tm, and per 4-row group tz and tt) into a ring of ST shared-memory stages; each lane decodes
@@ -22,12 +22,12 @@
 // aligned; K = 64·nblk; g2 a multiple of 4; split-K (gridDim.z > 1): ws holds gridDim.z·gridDim.x·gridDim.y·128·TN
 // floats and cnt gridDim.x·gridDim.y zeros (qtool/cuda/split_k.py).
 
-#include "ptx_common.cuh"
-#include "wgmma_epilogue.cuh"
+#include "common/ptx_common.cuh"
+#include "common/wgmma_epilogue.cuh"
 
 constexpr u32 MAG0 = 0x4C004C00u;  // 16.0 twice: a code at bits 0-3 of a half reads 16 + c/64
 
-// (a & MASK) | mag in one LOP3 (kernels/mixed_gemv.cu andor)
+// (a & MASK) | mag in one LOP3 (kernels/mixed/gemv.cu andor)
 template <u32 MASK>
 __device__ __forceinline__ u32 andor(u32 a, u32 mag) {
     u32 r;

@@ -36,8 +36,8 @@
 //   * split-K (gridDim.z > 1): ws holds gridDim.z * gridDim.x * gridDim.y * 128 * TN floats and cnt
 //     gridDim.x * gridDim.y zeros; the last block of each tile resets its counter.
 
-#include "ptx_common.cuh"
-#include "wgmma_epilogue.cuh"
+#include "common/ptx_common.cuh"
+#include "common/wgmma_epilogue.cuh"
 
 
 template <int D, int B, int Z>

@@ -3,8 +3,8 @@
 // multiply compute them (qtool/bench/e2e.py): one kernel instead of two. Rows of 2I float16, I % 8 == 0
 // (qtool/cuda/swiglu.py checks). A programmatic dependent: gu is the projection's output, read after the wait
 // through coherent loads.
-#include "ptx_common.cuh"
-#include "qoq_act.cuh"
+#include "common/ptx_common.cuh"
+#include "qoq/act.cuh"
 
 __device__ __forceinline__ u16 swiglu1(u16 g, u16 u) {
     const float x = h2f(g);
@@ -40,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_f16(const u16* __restri
 }
 
 // A block per row, the activation row staged in shared memory (I halves, then kp code bytes) and turned into QoQ's
-// INT8 codes for the W4A8 down projection (qoq_act.cuh); the float16 row is written only where `out` is given.
+// INT8 codes for the W4A8 down projection (qoq/act.cuh); the float16 row is written only where `out` is given.
 extern "C" __global__ void __launch_bounds__(256) swiglu_q8(const u16* __restrict__ gu, u16* __restrict__ out, int I,
                                                            const int* __restrict__ dest, int kp,
                                                            char* __restrict__ codes, float* __restrict__ sx,

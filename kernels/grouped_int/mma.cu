@@ -8,7 +8,7 @@
 // tokens (TN = 8, weights streamed once, split-K across blocks) as well as a 2048-token prefill (TN = 256).
 //
 // Compiled at run time by NVRTC for sm_90a (qtool/cuda/compile.py). No CUDA headers: half arithmetic is inline PTX
-// (here and in ptx_common.cuh).
+// (here and in common/ptx_common.cuh).
 //
 // Runtime contract (qtool/cuda/grouped_int.py guarantees it before launching):
 //   * x is fp16 [M, >= Kp], row stride ldx halves (a multiple of 8, 16-byte aligned rows), zeros in columns
@@ -25,14 +25,8 @@
 // 0x5400|c<<4 == 64 + c): subtracting 1024 + z or 64 + z is exact, so the one rounding is the multiply by the fp16
 // scale, the same rounding the float32 reference does when it casts to fp16. The GEMM accumulates in float32.
 
-#include "ptx_common.cuh"
-#include "wgmma_epilogue.cuh"
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
+#include "common/ptx_common.cuh"
+#include "common/wgmma_epilogue.cuh"
 
 __device__ __forceinline__ u32 lop_and_or(u32 a, u32 mask, u32 bits) {
     u32 r;

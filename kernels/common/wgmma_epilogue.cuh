@@ -1,8 +1,8 @@
-// The wgmma GEMMs' shared pieces (kernels/grouped_int_mma.cu, kernels/vq_gemm.cu, kernels/mixed_gemm.cu): the
+// The wgmma GEMMs' shared pieces (kernels/grouped_int/mma.cu, kernels/vq/gemm.cu, kernels/mixed/gemm.cu): the
 // m64nTNk16 multiply-add with A from registers, the transposing fp16 epilogue and the deterministic split-K sum.
 #pragma once
 
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 // m64nTNk16, A (16 rows x 16 codes per warp) from registers, B (TN tokens x 16) from shared memory; one overload
 // per TN (the accumulator array's size picks it).

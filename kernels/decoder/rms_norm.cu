@@ -9,8 +9,8 @@
 //
 // Launched as a programmatic dependent (qtool/cuda/dependent_launch.py): h and y come from the kernels ahead, so
 // they are read after the wait, through coherent loads; w is a weight and never written by a kernel.
-#include "ptx_common.cuh"
-#include "qoq_act.cuh"
+#include "common/ptx_common.cuh"
+#include "qoq/act.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -25,7 +25,7 @@ __device__ __forceinline__ u32 add_h2(u32 a, u32 b) {
 }
 
 // Q8: the normalized row is also staged in shared memory (D halves, then kp code bytes) and turned into QoQ's INT8
-// codes for the W4A8 projection that follows (qoq_act.cuh); `out` may then be null (no float16 rows written).
+// codes for the W4A8 projection that follows (qoq/act.cuh); `out` may then be null (no float16 rows written).
 template <bool Q8>
 __device__ __forceinline__ void add_rms_norm_body(const u16* __restrict__ h, const u16* __restrict__ y,
                                                   const u16* __restrict__ w, u16* __restrict__ hs,

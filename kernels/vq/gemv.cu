@@ -17,7 +17,7 @@
 // Grid: x = row block (never crossing a row tile), y = split s = r · splits_k + ks: residual r and the ks-th range
 // of split_vecs vectors (one column tile for tiled scopes). With more than one split the partial sums go to a
 // float32 workspace and the last block of a row block adds them in split order and writes fp16 (explicit global
-// reduction, ptx_common.cuh's split_k_last); with one split the block writes fp16 itself.
+// reduction, common/ptx_common.cuh's split_k_last); with one split the block writes fp16 itself.
 //
 // A split covers `tps` consecutive column tiles (codebook switches inside the block: the codebook and activations
 // are re-staged per tile), so the number of partial sums follows the traffic balance (qtool/cuda/vq.py).
@@ -30,7 +30,7 @@
 // no bank conflict. Products are taken in fp16x2 (d/2 per half) and each vector's dot is widened to fp32, where
 // everything accumulates.
 
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 constexpr int THREADS = 256;
 #ifndef VQ_PF
@@ -38,7 +38,7 @@ constexpr int THREADS = 256;
 #endif
 constexpr u32 FULL = 0xffffffffu;
 
-// Indices are read once (ld_stream, ptx_common.cuh): kept out of L1 so the activations and codebook stay there.
+// Indices are read once (ld_stream, common/ptx_common.cuh): kept out of L1 so the activations and codebook stay there.
 __device__ __forceinline__ u32 ld_stream32(const u32* p) {
     u32 r;
     asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -382,7 +382,7 @@ __device__ __forceinline__ uint2 ldg64(const u16* p) {
 }
 
 // An activation load after the grid-dependency wait: coherent (the kernel ahead may have written x) and volatile
-// (not hoisted above the wait); see ptx_common.cuh's ld_dep_*.
+// (not hoisted above the wait); see common/ptx_common.cuh's ld_dep_*.
 __device__ __forceinline__ uint2 ld_dep64(const u16* p) {
     uint2 r;
     asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));

@@ -9,7 +9,7 @@
 //
 // A programmatic dependent (qtool/cuda/dependent_launch.py): q, the caches and the position come from the kernels
 // ahead, so they are read after the wait through coherent loads.
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ float warp_sum_f(float v) {
 #pragma unroll

@@ -7,7 +7,7 @@
 //     its pieces of the rows at once into registers (one L2 round trip, not one per piece), the block reduces
 //     max|x|, and the codes and their sums come from the same registers, bit for bit the quantize kernel's.
 //   * qoq_gemv_codes_<scheme>_m<MT>: takes the codes, s_x and code sums that the kernel producing the rows wrote
-//     (RMSNorm, SwiGLU: qoq_act.cuh) and copies the codes into shared memory.
+//     (RMSNorm, SwiGLU: qoq/act.cuh) and copies the codes into shared memory.
 // Either way every weight load of a lane's first U chunks is issued before the activations are read: the weights
 // do not come from the kernel ahead (dependent launch), the activations do.
 //
@@ -24,8 +24,8 @@
 // 128·rowsum comes off at the end. The int32 sums are exact in any order.
 // Contract (qtool/cuda/qoq.py gemv_reason / gemv_codes_reason): fused form K % 8 == 0, x rows 16-byte aligned;
 // codes rows kp bytes (kp = K rounded up to 128, zero past K), 16-byte aligned.
-#include "ptx_common.cuh"
-#include "qoq_act.cuh"
+#include "common/ptx_common.cuh"
+#include "qoq/act.cuh"
 
 enum : int { QG_PC = 1 };  // the scheme parameter QOQ: QG_PC per channel, else the group size
 

@@ -12,7 +12,7 @@
 // A programmatic dependent (qtool/cuda/dependent_launch.py): qkv and the positions are read after the wait through
 // coherent loads, and the caches written after it (the attention kernel of the step ahead may still read them
 // until then); the cos/sin tables are constants.
-#include "ptx_common.cuh"
+#include "common/ptx_common.cuh"
 
 __device__ __forceinline__ u16 mul_h(u16 a, u16 b) { return f2h(h2f(a) * h2f(b)); }
 
