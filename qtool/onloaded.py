@@ -154,7 +154,7 @@ def quantize_onloaded(
     timings = {"load_s": time.perf_counter() - t0}
 
     inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{}] * n
     calibration = None
     if run.needs_calibration() and prepared.windows is None:
         run.calibrate(
@@ -214,7 +214,7 @@ def quantize_onloaded(
                 if late_check:
                     check_module(block, prefix, reader)
             mine: list[dict] = []
-            packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
+            packed, inputs = run.quantize(block, i, inputs, kwargs[i], mine)
             with run.timed("share_s"):
                 packed = world.collect(packed)  # the slices other ranks solved, sent while the block went on
             _commit_block(block, i, prefix, packed, mine, inputs, run, work, world, original_dtype)

@@ -271,8 +271,8 @@ class _Blocks:
 
     def calibrate(
         self, model: nn.Module, prepared: Prepared, tokenizer, reporter: Reporter, first_only: bool = False
-    ) -> tuple[list[torch.Tensor], dict, dict]:
-        """(inputs of the first block per window, the blocks' keyword arguments, the manifest's calibration
+    ) -> tuple[list[torch.Tensor], list[dict], dict]:
+        """(inputs of the first block per window, each block's keyword arguments, the manifest's calibration
         record). `first_only` runs one window, for the keyword arguments alone (a resumed run has its inputs)."""
         cal = self.recipe.calibration
         windows, digest = prepared.windows, prepared.digest
@@ -500,7 +500,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
 
     calibration_info = None
     inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{}] * len(blocks)
     if work.needs_calibration():
         t = time.perf_counter()
         inputs, kwargs, calibration_info = work.calibrate(model, prepared, tokenizer, reporter)
@@ -512,7 +512,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
         for tr in work.transforms:
             tr.apply_block_weights(blocks[i], i, adapter)
         block = blocks[i].to(device)
-        done, inputs = work.quantize(block, i, inputs, kwargs, records)
+        done, inputs = work.quantize(block, i, inputs, kwargs[i], records)
         packed.update(done)
         blocks[i] = block.to("cpu")
     timings["quantize_s"] = time.perf_counter() - t
