@@ -24,8 +24,7 @@ from qtool.checkpoint.writer import collect_tensors
 from qtool.console import Reporter, peak_rss_mb
 from qtool.distributed import World
 from qtool.errors import Interrupted
-from qtool.models.adapters import adapter_for
-from qtool.models.loading import config_dtype
+from qtool.models.loading import adapter_of, config_dtype
 from qtool.models.onload import ShardReader, check_module, check_names, load_outer, materialize, release
 from qtool.pipeline import (
     LayerSummary,
@@ -140,7 +139,7 @@ def quantize_onloaded(
     dtype = compute_dtype(recipe.settings.dtype, device, original_dtype)
     skeleton = prepared.meta
     skeleton.eval()
-    adapter = adapter_for(config.architectures)
+    adapter = adapter_of(config)
     reader = ShardReader(recipe.model, prepared.files, config)
     check_names(reader, skeleton, recipe.model)
     blocks = adapter.blocks(skeleton)

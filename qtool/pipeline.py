@@ -29,9 +29,10 @@ from qtool.distributed import World, describe_device
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.layouts.base import StoredLayout
 from qtool.layouts.registry import module_for
-from qtool.models.adapters import Adapter, adapter_for
+from qtool.models.adapters import Adapter, forward_groups
 from qtool.models.integrity import read_header
 from qtool.models.loading import (
+    adapter_of,
     check_architecture,
     check_context,
     check_weight_files,
@@ -126,8 +127,8 @@ def check_stages(recipe: Recipe, config) -> None:
 
     check_target(recipe, config)
     # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
-    adapter = adapter_for(getattr(config, "architectures", None))
-    if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):
+    adapter = adapter_of(config)
+    if isinstance(adapter, Adapter) and isinstance(getattr(config, "num_hidden_layers", None), int):
         _assign(adapter, recipe, config.num_hidden_layers)
 
 
@@ -345,6 +346,9 @@ class _Blocks:
             with torch.no_grad():
                 targets = [block_output(block(x, **kwargs)) for x in inputs]
         sequential = any(s.sequential() for s in mine.values())
+        if sequential and adapter.generic and len(adapter.linear_groups) == 1 and len(inputs):
+            # A model no declared adapter knows: which linears share an input, and their order, from a forward.
+            self.adapter = adapter = forward_groups(adapter, block, inputs[0], kwargs)
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
             todo = [rel for rel in group if rel in mine]

@@ -29,8 +29,8 @@ from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter
 from qtool.errors import InputError
 from qtool.eval.perplexity import eval_tokens, perplexity, window_groups
-from qtool.models.adapters import adapter_for
 from qtool.models.loading import (
+    adapter_of,
     check_architecture,
     check_weight_files,
     config_dtype,
@@ -83,7 +83,7 @@ def streamed_perplexity(
     t0 = time.perf_counter()
     config = load_config(ref)
     check_architecture(ref, config)
-    adapter = adapter_for(config.architectures)
+    adapter = adapter_of(config)
     tokenizer = load_tokenizer(ref, InputError)
     skeleton = meta_model(config, f"model '{ref}' config", InputError)
     files = check_weight_files(ref, config, skeleton)

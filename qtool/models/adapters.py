@@ -50,6 +50,9 @@ class Adapter:
     # Whether the model's attention runs through transformers' attention interface with the RoPE layout above, so
     # the quantized KV caches (kv_cache, vq_kv) can wrap it.
     kv_cache: bool = True
+    # Found from the module tree of a model no declared adapter knows (`generic_adapter`): the blocks and their
+    # linears only, for weight-only stages; its linear groups are found from a block's forward when it first runs.
+    generic: bool = False
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         obj = model
@@ -159,6 +162,103 @@ OPT = Adapter(
 )
 
 ADAPTERS: tuple[Adapter, ...] = (LLAMA, QWEN3, GEMMA2, GEMMA3, PHI3, OPT)
+
+
+def _name_of(model: nn.Module, target: nn.Module | None) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "") if target is not None else ""
+
+
+def generic_adapter(model: nn.Module) -> Adapter | str:
+    """An adapter for a decoder model no declared adapter knows, found from its module tree (the model may be on
+    the meta device), for the stages that need no more than its blocks and their linears; or why none can be
+    found. The blocks: the longest ModuleList of modules of one class that hold linears. Their linears, in
+    registration order, form one group until a block's forward shows which take the same input (`forward_groups`).
+    """
+    best = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
+            continue
+        kinds = {type(b) for b in mod}
+        if len(kinds) == 1 and any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    arch = ", ".join(getattr(model.config, "architectures", None) or [model.config.model_type])
+    if best is None:
+        return f"{arch} has no list of repeated decoder blocks holding linear layers"
+    blocks_path, blocks = best
+    block = blocks[0]
+    stacked = [n for n, p in block.named_parameters() if p.dim() > 2]
+    if stacked:
+        return (
+            f"{arch} keeps weights its blocks multiply with outside linear layers ({stacked[0]}: a tensor of "
+            f"{block.get_parameter(stacked[0]).dim()} dimensions, as mixture-of-experts blocks store their experts)"
+        )
+    linears = tuple(n for n, m in block.named_modules() if isinstance(m, nn.Linear))
+    base = model.get_submodule(blocks_path.rpartition(".")[0]) if "." in blocks_path else model
+    norm = next(
+        (
+            f"{blocks_path.rpartition('.')[0]}.{n}".lstrip(".")
+            for n, m in base.named_children()
+            if "Norm" in type(m).__name__
+        ),
+        "",
+    )
+    return Adapter(
+        family="generic",
+        architectures=tuple(getattr(model.config, "architectures", None) or ()),
+        blocks_path=blocks_path,
+        linear_groups=(linears,),
+        embed_path=_name_of(model, model.get_input_embeddings()),
+        final_norm_path=norm,
+        head_path=_name_of(model, model.get_output_embeddings()),
+        norm_kind="unknown",
+        q_proj="",
+        k_proj="",
+        v_proj="",
+        rope=False,
+        separate_qkv=False,
+        kv_cache=False,
+        generic=True,
+    )
+
+
+def forward_groups(adapter: Adapter, block: nn.Module, x, kwargs: dict) -> Adapter:
+    """`adapter` with its linear groups read from one forward of `block` on `x`: linears in the order they run,
+    those that take the same input tensor (q/k/v, gate/up) in one group."""
+    order: list[tuple[str, int]] = []
+    keep = []
+
+    def hook(name: str):
+        def record(module, args):
+            keep.append(args[0])  # alive until the pass ends, so no two inputs share an id
+            order.append((name, id(args[0])))
+
+        return record
+
+    names = adapter.linear_names()
+    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        import torch
+
+        with torch.no_grad():
+            block(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    groups: list[list[str]] = []
+    seen: dict[int, int] = {}
+    for name, ident in order:
+        if any(name in g for g in groups):
+            continue
+        if ident in seen:
+            groups[seen[ident]].append(name)
+        else:
+            seen[ident] = len(groups)
+            groups.append([name])
+    unseen = [n for n in names if not any(n in g for g in groups)]
+    return replace(
+        adapter, linear_groups=tuple(tuple(g) for g in groups) + ((tuple(unseen),) if unseen else ())
+    )
 
 
 def supported_architectures() -> list[str]:
