@@ -95,7 +95,7 @@ def _calibrate(
             for rel in adapter.linear_names()
         ]
         with torch.no_grad():
-            inputs = [block_output(block(x, **kwargs)) for x in inputs]
+            inputs = [block_output(block(x, **kwargs[i])) for x in inputs]
         for h in handles:
             h.remove()
         stats.update({f"{adapter.block_prefix(i)}.{rel}": s for rel, s in local.items()})

@@ -108,11 +108,11 @@ def _shape_numel(shape: list[int]) -> int:
 
 
 def _block_linears(config) -> tuple[object, list[str]] | None:
-    from qtool.models.adapters import adapter_for
+    from qtool.models.loading import adapter_of
 
-    adapter = adapter_for(getattr(config, "architectures", None))
+    adapter = adapter_of(config)
     layers = getattr(config, "num_hidden_layers", None)
-    if adapter is None or not isinstance(layers, int):
+    if isinstance(adapter, str) or not isinstance(layers, int):
         return None
     return adapter, [
         f"{adapter.block_prefix(i)}.{rel}" for i in range(layers) for rel in adapter.linear_names()
@@ -184,12 +184,12 @@ def estimate(
 ) -> Estimate:
     """`timing`: also estimate the time (measures the device's multiply rate for about 0.2 s). `samples`: the
     calibration windows this process holds (its share in a run over several processes; default all)."""
-    from qtool.models.adapters import adapter_for
+    from qtool.models.loading import adapter_of
     from qtool.pipeline import compute_dtype
 
     config = prepared.config
     meta = prepared.meta
-    adapter = adapter_for(config.architectures)
+    adapter = adapter_of(config)
     original = config_dtype(config)
     dtype = compute_dtype(recipe.settings.dtype, device, original)
     dsize = torch.empty((), dtype=dtype).element_size()

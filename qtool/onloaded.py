@@ -24,8 +24,7 @@ from qtool.checkpoint.writer import collect_tensors
 from qtool.console import Reporter, peak_rss_mb
 from qtool.distributed import World
 from qtool.errors import Interrupted
-from qtool.models.adapters import adapter_for
-from qtool.models.loading import config_dtype
+from qtool.models.loading import adapter_of, config_dtype
 from qtool.models.onload import ShardReader, check_module, check_names, load_outer, materialize, release
 from qtool.pipeline import (
     LayerSummary,
@@ -140,7 +139,7 @@ def quantize_onloaded(
     dtype = compute_dtype(recipe.settings.dtype, device, original_dtype)
     skeleton = prepared.meta
     skeleton.eval()
-    adapter = adapter_for(config.architectures)
+    adapter = adapter_of(config)
     reader = ShardReader(recipe.model, prepared.files, config)
     check_names(reader, skeleton, recipe.model)
     blocks = adapter.blocks(skeleton)
@@ -154,7 +153,7 @@ def quantize_onloaded(
     timings = {"load_s": time.perf_counter() - t0}
 
     inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{}] * n
     calibration = None
     if run.needs_calibration() and prepared.windows is None:
         run.calibrate(
@@ -214,7 +213,7 @@ def quantize_onloaded(
                 if late_check:
                     check_module(block, prefix, reader)
             mine: list[dict] = []
-            packed, inputs = run.quantize(block, i, inputs, kwargs, mine)
+            packed, inputs = run.quantize(block, i, inputs, kwargs[i], mine)
             with run.timed("share_s"):
                 packed = world.collect(packed)  # the slices other ranks solved, sent while the block went on
             _commit_block(block, i, prefix, packed, mine, inputs, run, work, world, original_dtype)

@@ -29,9 +29,10 @@ from qtool.distributed import World, describe_device
 from qtool.errors import InputError, RecipeError, ResourceError
 from qtool.layouts.base import StoredLayout
 from qtool.layouts.registry import module_for
-from qtool.models.adapters import Adapter, adapter_for
+from qtool.models.adapters import Adapter, forward_groups
 from qtool.models.integrity import read_header
 from qtool.models.loading import (
+    adapter_of,
     check_architecture,
     check_context,
     check_weight_files,
@@ -126,8 +127,8 @@ def check_stages(recipe: Recipe, config) -> None:
 
     check_target(recipe, config)
     # Targets that overlap or match nothing are known from the block count alone: refused before loading too.
-    adapter = adapter_for(getattr(config, "architectures", None))
-    if adapter is not None and isinstance(getattr(config, "num_hidden_layers", None), int):
+    adapter = adapter_of(config)
+    if isinstance(adapter, Adapter) and isinstance(getattr(config, "num_hidden_layers", None), int):
         _assign(adapter, recipe, config.num_hidden_layers)
 
 
@@ -271,8 +272,8 @@ class _Blocks:
 
     def calibrate(
         self, model: nn.Module, prepared: Prepared, tokenizer, reporter: Reporter, first_only: bool = False
-    ) -> tuple[list[torch.Tensor], dict, dict]:
-        """(inputs of the first block per window, the blocks' keyword arguments, the manifest's calibration
+    ) -> tuple[list[torch.Tensor], list[dict], dict]:
+        """(inputs of the first block per window, each block's keyword arguments, the manifest's calibration
         record). `first_only` runs one window, for the keyword arguments alone (a resumed run has its inputs)."""
         cal = self.recipe.calibration
         windows, digest = prepared.windows, prepared.digest
@@ -345,6 +346,9 @@ class _Blocks:
             with torch.no_grad():
                 targets = [block_output(block(x, **kwargs)) for x in inputs]
         sequential = any(s.sequential() for s in mine.values())
+        if sequential and adapter.generic and len(adapter.linear_groups) == 1 and len(inputs):
+            # A model no declared adapter knows: which linears share an input, and their order, from a forward.
+            self.adapter = adapter = forward_groups(adapter, block, inputs[0], kwargs)
         groups = adapter.linear_groups if sequential else (tuple(adapter.linear_names()),)
         for group in groups:
             todo = [rel for rel in group if rel in mine]
@@ -500,7 +504,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
 
     calibration_info = None
     inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{}] * len(blocks)
     if work.needs_calibration():
         t = time.perf_counter()
         inputs, kwargs, calibration_info = work.calibrate(model, prepared, tokenizer, reporter)
@@ -512,7 +516,7 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
         for tr in work.transforms:
             tr.apply_block_weights(blocks[i], i, adapter)
         block = blocks[i].to(device)
-        done, inputs = work.quantize(block, i, inputs, kwargs, records)
+        done, inputs = work.quantize(block, i, inputs, kwargs[i], records)
         packed.update(done)
         blocks[i] = block.to("cpu")
     timings["quantize_s"] = time.perf_counter() - t

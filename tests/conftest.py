@@ -120,6 +120,22 @@ def tiny_opt(tmp_path_factory) -> Path:
     return _save_tiny(OPTForCausalLM(cfg).eval(), tmp_path_factory.mktemp("tiny-opt"))
 
 
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """name -> a random-weight model folder of that family (tests/families.py), built on first use."""
+    from families import build
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(name, root / name, STORIES)
+        return built[name]
+
+    return get
+
+
 def write_recipe(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -263,5 +263,8 @@ def test_unsupported_architecture(cli, tmp_path):
     )
     res = cli("quantize", recipe)
     assert res.exit_code == 4
-    assert "architecture GPT2LMHeadModel is not supported; expected one of LlamaForCausalLM" in res.output
+    assert (
+        "architecture GPT2LMHeadModel is not supported: GPT2LMHeadModel has no list of repeated" in res.output
+    )
+    assert "expected one of Gemma2ForCausalLM" in res.output and "LlamaForCausalLM" in res.output
     assert "OPTForCausalLM" in res.output and "Traceback" not in res.output

@@ -145,6 +145,7 @@ def test_linears_of_one_input_share_one_statistics_object_equal_to_their_own():
     model = LlamaForCausalLM(cfg).eval()
     windows = torch.randint(0, 64, (3, 16))
     inputs, kwargs = capture_block_inputs(model, model.model.layers, windows, torch.device("cpu"))
+    kwargs = kwargs[0]
     block = model.model.layers[0]
     names = [
         "self_attn.q_proj",

@@ -21,6 +21,7 @@ def block_and_inputs(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     windows = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(1))
     inputs, kwargs = capture_block_inputs(model, model.model.layers, windows, torch.device("cpu"))
+    kwargs = kwargs[0]
     block = model.model.layers[0]
     cfg = model.config
     probe = AttentionProbe(

@@ -108,7 +108,9 @@ def _block_context(stage: str, index: int = 0):
         model, adapter.blocks(model), ids.reshape(4, 128), torch.device("cpu")
     )
     block = adapter.blocks(model)[index]
-    ctx = BlockContext(block, index, adapter.block_prefix(index), adapter, model.config, inputs, kwargs, {})
+    ctx = BlockContext(
+        block, index, adapter.block_prefix(index), adapter, model.config, inputs, kwargs[index], {}
+    )
     cls = STAGES[stage]
     return ctx, cls(cls.options_cls(), Targets(), 0)
 

@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qtool.calibration.capture import StopForward, block_output, to_device
+from qtool.calibration.capture import BlockKwargs, StopForward, block_output, blocks_standing_aside
 from qtool.calibration.store import ActivationStore
 from qtool.console import Reporter
 from qtool.errors import InputError
 from qtool.eval.perplexity import eval_tokens, perplexity, window_groups
-from qtool.models.adapters import adapter_for
 from qtool.models.loading import (
+    adapter_of,
     check_architecture,
     check_weight_files,
     config_dtype,
@@ -83,7 +83,7 @@ def streamed_perplexity(
     t0 = time.perf_counter()
     config = load_config(ref)
     check_architecture(ref, config)
-    adapter = adapter_for(config.architectures)
+    adapter = adapter_of(config)
     tokenizer = load_tokenizer(ref, InputError)
     skeleton = meta_model(config, f"model '{ref}' config", InputError)
     files = check_weight_files(ref, config, skeleton)
@@ -113,27 +113,23 @@ def streamed_perplexity(
         block_bytes = sum(p.numel() for p in blocks[0].parameters()) * size
         room = max(torch.cuda.mem_get_info(device)[0] - 4 * block_bytes, 0)
     hidden = ActivationStore.for_budget(need, device, device_room=room)
-    kwargs: dict[tuple[int, ...], dict] = {}
+    # Windows of one shape share their masks and positions: each block's keyword arguments by batch shape.
+    kwargs: dict[tuple[int, ...], BlockKwargs] = {}
     key: list[tuple[int, ...]] = []
 
-    def capture(module, args, kw):
-        h = args[0] if args else kw["hidden_states"]
-        hidden.append(h)
+    def seen(i: int, h: torch.Tensor, kw: dict) -> None:
         shape = tuple(h.shape)
-        key.append(shape)
-        if shape not in kwargs:  # windows of one shape share their mask and positions
-            kwargs[shape] = to_device({k: v for k, v in kw.items() if k != "hidden_states"}, device)
-        raise StopForward
+        if i == 0:
+            hidden.append(h)
+            key.append(shape)
+        kwargs.setdefault(shape, BlockKwargs(device)).add(i, kw)
 
-    handle = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
-    try:
+    with blocks_standing_aside(blocks, seen):
         for group in groups:
             try:
                 skeleton(torch.stack([ids[b:e] for b, e, _ in group]).to(device), use_cache=False)
             except StopForward:
                 pass
-    finally:
-        handle.remove()
 
     as_tuple = False
     for i in reporter.track(range(len(blocks)), len(blocks), "blocks"):
@@ -141,7 +137,7 @@ def streamed_perplexity(
         materialize(block, adapter.block_prefix(i), reader, dtype)
         block.to(device)
         for g in range(len(groups)):
-            out = block(hidden.take(g, device), **kwargs[key[g]])
+            out = block(hidden.take(g, device), **kwargs[key[g]].per_block[i])
             as_tuple = isinstance(out, tuple)
             hidden.put(g, block_output(out))
             del out

@@ -1,9 +1,11 @@
 """Architecture adapters: where a family keeps its decoder blocks and which linears each block holds, in the
-order GPTQ's sequential mode quantizes them. The pipeline never hard-codes module names."""
+order GPTQ's sequential mode quantizes them, and the structure the transforms need to stay exact (norms, the
+residual stream's writers, the attention projections). One entry a family, data only; the pipeline never
+hard-codes module names. docs/families.md says which stage runs on which family, and why not where it does not."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -35,6 +37,22 @@ class Adapter:
     v_proj: str = "self_attn.v_proj"
     # Whether attention applies rotary embeddings pairing channel i with i + head_dim/2 (HF `rotate_half`).
     rope: bool = True
+    # A norm whose stored weight w scales by w + norm_offset (Gemma's RMSNorm multiplies by 1 + w).
+    norm_offset: float = 0.0
+    # Norms applied to a branch's output before it is added to the residual stream (Gemma's post-attention and
+    # post-feedforward norms): their per-channel scales sit on the stream, so no rotation of it is exact.
+    branch_norms: tuple[str, ...] = ()
+    # Per-head norms of the queries and keys after their projections, before RoPE (Qwen3, Gemma 3): a key
+    # channel's scale is set by the norm's shared weight, not by k_proj's rows.
+    qk_norms: tuple[str, str] | None = None
+    # Whether q/k/v are separate linears; a fused qkv_proj (Phi-3) leaves q_proj, k_proj and v_proj empty.
+    separate_qkv: bool = True
+    # Whether the model's attention runs through transformers' attention interface with the RoPE layout above, so
+    # the quantized KV caches (kv_cache, vq_kv) can wrap it.
+    kv_cache: bool = True
+    # Found from the module tree of a model no declared adapter knows (`generic_adapter`): the blocks and their
+    # linears only, for weight-only stages; its linear groups are found from a block's forward when it first runs.
+    generic: bool = False
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         obj = model
@@ -70,6 +88,56 @@ LLAMA = Adapter(
     smooth_producers={"self_attn.o_proj": ("self_attn.v_proj",), "mlp.down_proj": ("mlp.up_proj",)},
 )
 
+# Qwen3: Llama's layout with per-head RMSNorms on queries and keys (q_norm, k_norm) before RoPE; no qkv bias.
+QWEN3 = replace(
+    LLAMA,
+    family="qwen3",
+    architectures=("Qwen3ForCausalLM",),
+    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
+)
+
+# Gemma 2: RMSNorm scaling by (1 + w), embeddings scaled by sqrt(hidden), GeGLU (tanh-GELU gate), a norm before
+# and after both attention and MLP, attention and final logit soft-capping, sliding-window layers, head_dim set
+# in the config.
+GEMMA2 = replace(
+    LLAMA,
+    family="gemma2",
+    architectures=("Gemma2ForCausalLM",),
+    norm_feeds={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "pre_feedforward_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    },
+    norm_offset=1.0,
+    branch_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+)
+
+# Gemma 3 (the text decoder): Gemma 2's layout with Qwen3's query and key norms (scaling by 1 + w too).
+GEMMA3 = replace(
+    GEMMA2,
+    family="gemma3",
+    architectures=("Gemma3ForCausalLM",),
+    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
+)
+
+# Phi-3 and Phi-4 (Phi3ForCausalLM): one fused qkv_proj and one fused gate_up_proj, quantized as the fused linears
+# they are (so the checkpoint keeps transformers' module names); the inputs of o_proj and down_proj are made by row
+# slices of them.
+PHI3 = Adapter(
+    family="phi3",
+    architectures=("Phi3ForCausalLM",),
+    blocks_path="model.layers",
+    linear_groups=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+    norm_feeds={
+        "input_layernorm": ("self_attn.qkv_proj",),
+        "post_attention_layernorm": ("mlp.gate_up_proj",),
+    },
+    output_linears=("self_attn.o_proj", "mlp.down_proj"),
+    q_proj="",
+    k_proj="",
+    v_proj="",
+    separate_qkv=False,
+)
+
 OPT = Adapter(
     family="opt",
     architectures=("OPTForCausalLM",),
@@ -90,9 +158,107 @@ OPT = Adapter(
     output_linears=("self_attn.out_proj", "fc2"),
     smooth_producers={"self_attn.out_proj": ("self_attn.v_proj",), "fc2": ("fc1",)},
     rope=False,
+    kv_cache=False,
 )
 
-ADAPTERS: tuple[Adapter, ...] = (LLAMA, OPT)
+ADAPTERS: tuple[Adapter, ...] = (LLAMA, QWEN3, GEMMA2, GEMMA3, PHI3, OPT)
+
+
+def _name_of(model: nn.Module, target: nn.Module | None) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "") if target is not None else ""
+
+
+def generic_adapter(model: nn.Module) -> Adapter | str:
+    """An adapter for a decoder model no declared adapter knows, found from its module tree (the model may be on
+    the meta device), for the stages that need no more than its blocks and their linears; or why none can be
+    found. The blocks: the longest ModuleList of modules of one class that hold linears. Their linears, in
+    registration order, form one group until a block's forward shows which take the same input (`forward_groups`).
+    """
+    best = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
+            continue
+        kinds = {type(b) for b in mod}
+        if len(kinds) == 1 and any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    arch = ", ".join(getattr(model.config, "architectures", None) or [model.config.model_type])
+    if best is None:
+        return f"{arch} has no list of repeated decoder blocks holding linear layers"
+    blocks_path, blocks = best
+    block = blocks[0]
+    stacked = [n for n, p in block.named_parameters() if p.dim() > 2]
+    if stacked:
+        return (
+            f"{arch} keeps weights its blocks multiply with outside linear layers ({stacked[0]}: a tensor of "
+            f"{block.get_parameter(stacked[0]).dim()} dimensions, as mixture-of-experts blocks store their experts)"
+        )
+    linears = tuple(n for n, m in block.named_modules() if isinstance(m, nn.Linear))
+    base = model.get_submodule(blocks_path.rpartition(".")[0]) if "." in blocks_path else model
+    norm = next(
+        (
+            f"{blocks_path.rpartition('.')[0]}.{n}".lstrip(".")
+            for n, m in base.named_children()
+            if "Norm" in type(m).__name__
+        ),
+        "",
+    )
+    return Adapter(
+        family="generic",
+        architectures=tuple(getattr(model.config, "architectures", None) or ()),
+        blocks_path=blocks_path,
+        linear_groups=(linears,),
+        embed_path=_name_of(model, model.get_input_embeddings()),
+        final_norm_path=norm,
+        head_path=_name_of(model, model.get_output_embeddings()),
+        norm_kind="unknown",
+        q_proj="",
+        k_proj="",
+        v_proj="",
+        rope=False,
+        separate_qkv=False,
+        kv_cache=False,
+        generic=True,
+    )
+
+
+def forward_groups(adapter: Adapter, block: nn.Module, x, kwargs: dict) -> Adapter:
+    """`adapter` with its linear groups read from one forward of `block` on `x`: linears in the order they run,
+    those that take the same input tensor (q/k/v, gate/up) in one group."""
+    order: list[tuple[str, int]] = []
+    keep = []
+
+    def hook(name: str):
+        def record(module, args):
+            keep.append(args[0])  # alive until the pass ends, so no two inputs share an id
+            order.append((name, id(args[0])))
+
+        return record
+
+    names = adapter.linear_names()
+    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        import torch
+
+        with torch.no_grad():
+            block(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    groups: list[list[str]] = []
+    seen: dict[int, int] = {}
+    for name, ident in order:
+        if any(name in g for g in groups):
+            continue
+        if ident in seen:
+            groups[seen[ident]].append(name)
+        else:
+            seen[ident] = len(groups)
+            groups.append([name])
+    unseen = [n for n in names if not any(n in g for g in groups)]
+    return replace(
+        adapter, linear_groups=tuple(tuple(g) for g in groups) + ((tuple(unseen),) if unseen else ())
+    )
 
 
 def supported_architectures() -> list[str]:

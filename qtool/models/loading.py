@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from qtool.errors import CheckpointError, InputError, QtoolError, RecipeError, UsageError
-from qtool.models.adapters import Adapter, adapter_for, supported_architectures
+from qtool.models.adapters import Adapter, adapter_for, generic_adapter, supported_architectures
 from qtool.models.integrity import (
     FLOAT_DTYPES,
     TensorInfo,
@@ -109,13 +109,28 @@ def load_config(ref: str) -> PretrainedConfig:
         ) from None
 
 
-def check_architecture(ref: str, config: PretrainedConfig) -> Adapter:
+def adapter_of(config: PretrainedConfig) -> Adapter | str:
+    """The declared adapter of `config`'s architecture, or one found from the module tree of the model it builds
+    (weight-only stages run on it), or why there is none."""
     adapter = adapter_for(getattr(config, "architectures", None))
-    if adapter is None:
+    if adapter is not None:
+        return adapter
+    key = config.to_json_string(use_diff=False)
+    if key not in _GENERIC:  # building the model on the meta device takes a while for a large one
+        _GENERIC[key] = generic_adapter(meta_model(config, "model config", QtoolError))
+    return _GENERIC[key]
+
+
+_GENERIC: dict[str, Adapter | str] = {}
+
+
+def check_architecture(ref: str, config: PretrainedConfig) -> Adapter:
+    adapter = adapter_of(config)
+    if isinstance(adapter, str):
         found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         raise QtoolError(
-            f"model '{ref}': architecture {found} is not supported; expected one of "
-            f"{', '.join(supported_architectures())}"
+            f"model '{ref}': architecture {found} is not supported: {adapter}; expected one of "
+            f"{', '.join(supported_architectures())}, or a decoder whose blocks hold linear layers"
         )
     return adapter
 

@@ -55,6 +55,36 @@ def sequential_option(solver: str = "") -> Any:
     )
 
 
+def known_structure(config, where: str, stage: str, needs: str):
+    """The adapter of `config`'s architecture, for a stage that needs the structure it declares (`needs` says
+    what); a one-line refusal naming the architecture when no adapter knows it (weight-only recipes still run on
+    such a model)."""
+    from qtool.models.adapters import adapter_for, supported_architectures
+
+    archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
+    adapter = adapter_for(archs)
+    if adapter is None:
+        raise RecipeError(
+            f"{where}: architecture {', '.join(archs)} has no adapter here and {stage} needs {needs}; expected "
+            f"one of {', '.join(supported_architectures())} (weight-only stages run on any decoder)"
+        )
+    return adapter
+
+
+def check_kv_cache_family(config, where: str, stage: str) -> None:
+    """Refuse a family whose attention the quantized KV caches cannot wrap (transformers' attention interface,
+    RoPE pairing channel i with i + head_dim/2)."""
+    from qtool.models.adapters import ADAPTERS
+
+    adapter = known_structure(config, where, stage, "attention it can wrap")
+    if not adapter.kv_cache:
+        families = ", ".join(a.family for a in ADAPTERS if a.kv_cache)
+        raise RecipeError(
+            f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme here; expected a "
+            f"model of the families {families}"
+        )
+
+
 @dataclass
 class Targets:
     include: list[str] = option(
@@ -192,13 +222,13 @@ class QuantizerStage(Stage):
     def targeted_linears(self, config):
         """(full name, linear) of every linear this stage targets in a model of `config`, built on the meta device
         (shapes only, no weight read): what `check_config` checks layer shapes against before loading. Nothing
-        for an architecture no adapter knows (that is refused when the model loads)."""
+        for a model whose blocks cannot be found (that is refused when the model loads)."""
         from transformers import AutoModelForCausalLM  # recipe parsing alone never loads it
 
-        from qtool.models.adapters import adapter_for
+        from qtool.models.loading import adapter_of
 
-        adapter = adapter_for(getattr(config, "architectures", None))
-        if adapter is None:
+        adapter = adapter_of(config)
+        if isinstance(adapter, str):
             return
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -9,10 +9,9 @@ from typing import Literal
 
 from torch import nn
 
-from qtool.errors import RecipeError
 from qtool.kv_cache.quantized import install_kv_cache, kv_scheme
 from qtool.options import option
-from qtool.stages.base import TransformStage
+from qtool.stages.base import TransformStage, check_kv_cache_family
 
 
 @dataclass
@@ -28,11 +27,7 @@ class KVCacheStage(TransformStage):
     help = "quantize the KV cache at run time: per token and KV head, asymmetric, float16 scale and zero"
 
     def check_config(self, config, where: str) -> None:
-        if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise RecipeError(
-                f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
-                f"here; expected llama, mistral or qwen2"
-            )
+        check_kv_cache_family(config, where, self.name)
 
     def apply_outer(self, model: nn.Module, adapter) -> dict | None:
         install_kv_cache(model, kv_scheme(self.options.bits), self.label)

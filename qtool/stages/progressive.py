@@ -32,6 +32,7 @@ from qtool.stages.base import (
     act_order_option,
     block_size_option,
     damp_option,
+    known_structure,
     sequential_option,
     static_groups_option,
 )
@@ -102,7 +103,15 @@ class ProgressiveStage(QuantizerStage):
         return self.options.solver == "gptq" and self.options.sequential
 
     def check_config(self, config, where: str) -> None:
-        g = self.options.group_size
+        o: ProgressiveOptions = self.options
+        if o.clip and o.clip_qk == "attention":
+            adapter = known_structure(config, where, self.name, "q_proj and k_proj for clip_qk: attention")
+            if not adapter.separate_qkv:
+                raise RecipeError(
+                    f"{where}.clip_qk: found 'attention', but {config.architectures[0]} computes queries and "
+                    f"keys in one fused qkv_proj; expected clip_qk: layer"
+                )
+        g = o.group_size
         if g is None:
             return
         for full, lin in self.targeted_linears(config):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from qtool.stages.base import BlockContext, TransformStage
+from qtool.stages.smooth import check_output_producers
 from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
 
@@ -38,6 +39,7 @@ class ReorderStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
+        check_output_producers(config, where, self.name)
         check_attention_groups(config, where)
 
     def apply_block(self, ctx: BlockContext) -> dict | None:

@@ -69,6 +69,13 @@ class RotateStage(TransformStage):
                 f"{where}: {norm} of {archs[0]} is a LayerNorm; rotate needs RMSNorm (a LayerNorm "
                 f"subtracts the mean, which does not commute with a rotation)"
             )
+        if adapter.branch_norms:
+            norms = " and ".join(f"{adapter.block_prefix(0)}.{n}" for n in adapter.branch_norms)
+            raise RecipeError(
+                f"{where}: {archs[0]} normalizes each branch's output ({norms}) before adding it to the "
+                f"residual stream; their per-channel scales do not commute with a rotation of the stream and no "
+                f"linear can absorb them; expected a model without post-branch norms (drop rotate for this family)"
+            )
         n = _hidden_size(config)
         if not isinstance(n, int):
             raise RecipeError(f"{where}: the model config has no hidden_size; expected an integer")

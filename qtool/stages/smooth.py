@@ -17,7 +17,7 @@ import torch
 
 from qtool.errors import RecipeError
 from qtool.options import option
-from qtool.stages.base import BlockContext, QuantizerStage, TransformStage
+from qtool.stages.base import BlockContext, QuantizerStage, TransformStage, known_structure
 from qtool.stages.smooth_attention import attention_shape, check_attention_groups
 
 # Calibration tokens the α search evaluates the output error on (the statistics use all of them).
@@ -40,6 +40,19 @@ class SmoothOptions:
         return None
 
 
+def check_output_producers(config, where: str, stage: str) -> None:
+    """Refuse a family whose o_proj and down_proj inputs have no separate producing linear to fold into."""
+    adapter = known_structure(
+        config, where, stage, "the linears that produce o_proj's and down_proj's inputs"
+    )
+    if not adapter.smooth_producers:
+        raise RecipeError(
+            f"{where}: {config.architectures[0]} makes o_proj's and down_proj's inputs with row slices of fused "
+            f"linears (qkv_proj, gate_up_proj), which {stage} does not fold into; expected separate v_proj and "
+            f"up_proj (drop {stage} for this family)"
+        )
+
+
 def smoothing_factors(xmax: torch.Tensor, wmax: torch.Tensor, alpha: float) -> torch.Tensor:
     """λ = max|X|^α / max|W|^(1-α) per channel (float64); a channel without signal keeps λ = 1."""
     x = xmax.double().clamp(min=1e-5)
@@ -57,6 +70,7 @@ class SmoothStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
+        check_output_producers(config, where, self.name)
         check_attention_groups(config, where)
 
     def apply_block(self, ctx: BlockContext) -> dict | None:

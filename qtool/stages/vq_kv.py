@@ -23,7 +23,7 @@ from qtool.kv_cache.vq import KVCodebooks, codebook_shape, kv_vq_scheme
 from qtool.layouts.vq.layout import is_power_of_two
 from qtool.options import option
 from qtool.quant.vq import kmeans_batched
-from qtool.stages.base import BlockContext, TransformStage
+from qtool.stages.base import BlockContext, TransformStage, check_kv_cache_family
 
 PRESETS = {"cq-2": 4, "cq-4": 2}  # vector size; both with 256 entries
 
@@ -64,11 +64,7 @@ class VQKVStage(TransformStage):
         return True
 
     def check_config(self, config, where: str) -> None:
-        if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise RecipeError(
-                f"{where}: model_type {getattr(config, 'model_type', None)!r} has no KV cache scheme "
-                f"here; expected llama, mistral or qwen2"
-            )
+        check_kv_cache_family(config, where, self.name)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         d = self.options.vector_size
