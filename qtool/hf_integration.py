@@ -125,6 +125,9 @@ class QtoolHfQuantizer(HfQuantizer):
         qcfg = read_config(folder)["quantization_config"]
         stored = tensor_index(folder, CheckpointError) or {}
         self.folder, self.stored, self.qcfg = folder, stored, qcfg
+        from qtool.models.loading import with_expert_linears
+
+        with_expert_linears(model)  # a mixture of experts stores each expert's linears
         for name in sorted(qcfg.get("layers", {})):
             self._hold(model, name, folder / "config.json")
         kv = qcfg.get("kv_cache")

@@ -24,6 +24,7 @@ from qtool.checkpoint.writer import collect_tensors
 from qtool.console import Reporter, peak_rss_mb
 from qtool.distributed import World
 from qtool.errors import Interrupted
+from qtool.models.adapters import Adapter
 from qtool.models.loading import adapter_of, config_dtype
 from qtool.models.onload import ShardReader, check_module, check_names, load_outer, materialize, release
 from qtool.pipeline import (
@@ -60,8 +61,13 @@ class Onloaded:
 
 
 def can_onload(recipe: Recipe, prepared: Prepared) -> bool:
-    """A local folder of safetensors weights: what block onloading reads."""
-    return prepared.files is not None and prepared.meta is not None
+    """A local folder of safetensors weights: what block onloading reads. Mixture-of-experts weights are stored
+    under other names than the model's (per expert, where transformers fuses them as it loads): those models load
+    whole."""
+    if prepared.files is None or prepared.meta is None:
+        return False
+    adapter = adapter_of(prepared.config)
+    return not (isinstance(adapter, Adapter) and adapter.experts)
 
 
 def identity(

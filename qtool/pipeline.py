@@ -42,6 +42,7 @@ from qtool.models.loading import (
     load_tokenizer,
     meta_model,
 )
+from qtool.models.moe import route_all
 from qtool.recipe import Recipe
 from qtool.stages.base import BlockContext, QuantizerStage
 
@@ -225,6 +226,7 @@ class _Blocks:
         # and in sending results (with waiting for the other ranks' solves); the onloaded run adds its waits for
         # block weights (`onload_s`) and for the work folder (`commit_s`): `--json` reports them per rank.
         self.seconds = {"stats_s": 0.0, "solve_s": 0.0, "share_s": 0.0}
+        self.expert_tokens: dict[str, list[int]] = {}  # experts module -> calibration tokens of each expert
         self.assignment = _assign(adapter, recipe, num_blocks)
         self.transforms = recipe.transforms()
         self.fp_stats: dict[str, LinearStats] = {}
@@ -243,6 +245,33 @@ class _Blocks:
         )
         if any(tr.needs_calibration() for tr in self.transforms):
             self.last_needing = num_blocks - 1
+
+    def _count_expert_tokens(self, prefix: str, stats: dict) -> None:
+        """The calibration tokens each expert's statistics rest on (its gate_proj's, which its up_proj shares)."""
+        experts = self.adapter.experts
+        for rel, st in stats.items():
+            if experts and rel.startswith(f"{experts}.") and rel.endswith(".gate_proj"):
+                e = int(rel[len(experts) + 1 :].split(".")[0])
+                counts = self.expert_tokens.setdefault(f"{prefix}.{experts}", [0] * (e + 1))
+                counts.extend([0] * (e + 1 - len(counts)))
+                counts[e] = st.tokens
+
+    def expert_summary(self) -> dict | None:
+        """Tokens per expert over the model (None without experts): the fewest, the median, the most, and how
+        many experts saw fewer tokens than their input width (their Hessian is then singular and rests on the
+        damping)."""
+        if not self.expert_tokens:
+            return None
+        counts = sorted(c for per in self.expert_tokens.values() for c in per)
+        width = self.config.hidden_size
+        return {
+            "experts": len(counts),
+            "fewest": counts[0],
+            "median": counts[len(counts) // 2],
+            "most": counts[-1],
+            "below_input_width": sum(c < width for c in counts),
+            "per_block": self.expert_tokens,
+        }
 
     def apply_outer(self, model: nn.Module) -> list[dict]:
         """Every transform's step on the modules outside the blocks, before the block loop; their records."""
@@ -355,7 +384,8 @@ class _Blocks:
             if not todo:
                 continue
             need = [rel for rel in todo if self.wants_pass(mine[rel])]
-            with self.timed("stats_s"):
+            cal = self.recipe.calibration
+            with self.timed("stats_s"), route_all(block, cal is not None and cal.expert_tokens == "all"):
                 stats = (
                     _collect(
                         block,
@@ -368,6 +398,7 @@ class _Blocks:
                     if need
                     else {}
                 )
+            self._count_expert_tokens(prefix, stats)
             objective = {rel: kind for rel in todo if (kind := mine[rel].attention_objective(rel, adapter))}
             probe = _attention_probe(block, adapter, self.config, inputs, kwargs) if objective else None
 
@@ -376,6 +407,12 @@ class _Blocks:
                 extra = {"score": probe.row_score(linear, objective[rel])} if rel in objective else {}
                 weight, stage = linear.weight.data.float(), mine[rel]
                 st = stats.get(rel) or self.fp_stats.get(f"{prefix}.{rel}")
+                if st is not None and st.tokens == 0 and stage.needs_hessian():
+                    raise RecipeError(
+                        f"{self.recipe.path}:calibration.expert_tokens: {prefix}.{rel} saw no calibration "
+                        f"token routed to it; expected some for {stage.label}'s Hessian (expert_tokens: all routes "
+                        f"every token through every expert for the statistics, or give more samples)"
+                    )
                 with self.timed("solve_s"):
                     if len(rows) < weight.shape[0]:
                         return stage.quantize_rows(f"{prefix}.{rel}", weight, st, rows)
@@ -525,6 +562,15 @@ def quantize_model(recipe: Recipe, reporter: Reporter, prepared: Prepared | None
     del inputs
 
     install_packed(model, packed)
+    experts = work.expert_summary()
+    if experts is not None and calibration_info is not None:
+        calibration_info["expert_tokens"] = experts
+        if experts["below_input_width"]:
+            reporter.log(
+                f"calibration: {experts['below_input_width']} of {experts['experts']} experts saw fewer tokens than "
+                f"their {model.config.hidden_size} inputs (fewest {experts['fewest']}); their Hessians rest on the "
+                f"damping (calibration.expert_tokens: all, or more samples)"
+            )
     timings["preflight_s"] = prepared.seconds
     timings["total_s"] = time.perf_counter() - t0 + prepared.seconds
     peak = peak_rss_mb()

@@ -43,6 +43,11 @@ class CalibrationSpec:
         False,
         help="allow seq_len beyond the model's context length (max_position_embeddings); refused otherwise",
     )
+    expert_tokens: Literal["routed", "all"] = option(
+        "routed",
+        help="mixture of experts: each expert's statistics from the tokens routed to it, or from every token "
+        "(for the statistics only; the block's outputs still route)",
+    )
 
     def validate(self) -> tuple[str, str] | None:
         problem = check_encoding(self.encoding)

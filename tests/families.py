@@ -64,6 +64,25 @@ FAMILIES = {
     ),
     "phi3": ("Phi3Config", dict(), False),
 }
+# Mixture of experts: 4 experts, 2 routed per token (Qwen2-MoE with a shared expert and its gate).
+MOE = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), False),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+        ),
+        False,
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32),
+        False,
+    ),
+}
 # Families without an adapter: the generic fallback runs weight-only recipes on them.
 GENERIC = {
     "olmo2": ("Olmo2Config", dict(), False),
@@ -79,13 +98,13 @@ def build(name: str, out: Path, tokenizer_from: Path, **sizes) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cls_name, overrides, offset_norms = {**FAMILIES, **GENERIC}[name]
+    cls_name, overrides, offset_norms = {**FAMILIES, **MOE, **GENERIC}[name]
     config = getattr(transformers, cls_name)(**{**COMMON, **overrides, **sizes})
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for pname, p in sorted(model.named_parameters()):
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
             elif "norm" in pname and offset_norms:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))  # scales by 1 + w

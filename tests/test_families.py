@@ -13,7 +13,7 @@ import torch
 
 from bad_input import assert_one_line_error, run_cli
 from conftest import STORIES, TINY_SAMPLE, write_recipe
-from families import FAMILIES, GENERIC
+from families import FAMILIES, GENERIC, MOE
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
@@ -25,7 +25,11 @@ ALLOWED = {
     "gemma2": ("smooth", "smooth_attention", "reorder"),
     "gemma3": ("smooth", "smooth_attention", "reorder"),
     "phi3": ("rotate",),
+    "mixtral": TRANSFORMS,
+    "qwen2_moe": TRANSFORMS,
+    "qwen3_moe": TRANSFORMS,
 }
+DECLARED = {**FAMILIES, **MOE}
 REFUSAL = {
     ("gemma2", "rotate"): ["Gemma2ForCausalLM normalizes each branch's output", "post_attention_layernorm"],
     ("gemma3", "rotate"): ["Gemma3ForCausalLM normalizes each branch's output", "post_feedforward_layernorm"],
@@ -60,8 +64,8 @@ def _rel(after: torch.Tensor, before: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     ("name", "stages"),
-    [(n, (s,)) for n in FAMILIES for s in ALLOWED[n]]
-    + [(n, ALLOWED[n]) for n in FAMILIES if len(ALLOWED[n]) > 1],
+    [(n, (s,)) for n in DECLARED for s in ALLOWED[n]]
+    + [(n, ALLOWED[n]) for n in DECLARED if len(ALLOWED[n]) > 1],
 )
 def test_transforms_keep_the_function(tmp_path, family, name, stages):
     """With quantization off, the transformed model's logits are the float model's (float64; transformers'
@@ -93,7 +97,7 @@ def test_inexact_transforms_are_refused_in_one_line(tmp_path, family, no_work, n
     assert_one_line_error(res, 3, "stages[0]", *REFUSAL[(name, stage)])
 
 
-@pytest.mark.parametrize("name", list(FAMILIES) + list(GENERIC))
+@pytest.mark.parametrize("name", list(DECLARED) + list(GENERIC))
 def test_transformers_loads_each_family_as_qtool_does(tmp_path, family, name):
     """`from_pretrained` of a checkpoint of each family (qtool imported) computes qtool.load's logits."""
     from transformers import AutoModelForCausalLM
@@ -143,28 +147,7 @@ def test_gemma_blocks_get_their_own_masks(family):
     assert not torch.equal(kwargs[0]["position_embeddings"][0], kwargs[1]["position_embeddings"][0])
 
 
-@pytest.mark.parametrize(
-    ("cls", "kw"),
-    [
-        ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-        ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
-    ],
-)
-def test_mixture_of_experts_is_refused_in_one_line(tmp_path, no_work, cls, kw):
-    import transformers
-    from transformers import AutoTokenizer
-
-    from families import COMMON
-
-    config = getattr(transformers, cls)(**{**COMMON, **kw})
-    config.architectures = [cls.replace("Config", "ForCausalLM")]
-    config.save_pretrained(tmp_path / "m")
-    AutoTokenizer.from_pretrained(STORIES).save_pretrained(tmp_path / "m")
-    res = run_cli(["quantize", _recipe(tmp_path / "r.yaml", tmp_path / "m", GPTQ, tmp_path / "o")])
-    assert_one_line_error(res, 4, "is not supported", "mixture-of-experts", "experts")
-
-
-@pytest.mark.parametrize("name", list(FAMILIES) + list(GENERIC))
+@pytest.mark.parametrize("name", list(DECLARED) + list(GENERIC))
 def test_dry_run_and_zero_shot_on_each_family(tmp_path, family, name):
     """`--dry-run` estimates each family's run from its config and shard headers alone (no weight read); the
     checkpoint scores a zero-shot task through lm-eval."""

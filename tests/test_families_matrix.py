@@ -12,7 +12,7 @@ import torch
 
 from bad_input import assert_one_line_error, run_cli
 from conftest import STORIES, TINY_SAMPLE
-from families import FAMILIES, GENERIC
+from families import FAMILIES, GENERIC, MOE
 from test_families import ALLOWED, GPTQ, _ids, _recipe
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
@@ -42,7 +42,7 @@ def _stages(name: str, stage: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "stage"),
-    [(n, s) for n in FAMILIES for s in STAGES] + [(n, s) for n in GENERIC for s in WEIGHT_ONLY],
+    [(n, s) for n in {**FAMILIES, **MOE} for s in STAGES] + [(n, s) for n in GENERIC for s in WEIGHT_ONLY],
 )
 def test_every_stage_quantizes_verifies_loads_evaluates_exports_and_generates(tmp_path, family, name, stage):
     import qtool
@@ -55,11 +55,13 @@ def test_every_stage_quantizes_verifies_loads_evaluates_exports_and_generates(tm
     res = run_cli(["pack", out, "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["verified"], res.output
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert len(qcfg["layers"]) == 2 * (4 if name == "phi3" else 7)  # every linear of both blocks
+    # every linear of both blocks: 4 attention and, per expert, gate, up and down (Qwen2-MoE: a shared expert too)
+    per_block = {"phi3": 4, "mixtral": 4 + 12, "qwen3_moe": 4 + 12, "qwen2_moe": 4 + 12 + 3}.get(name, 7)
+    assert len(qcfg["layers"]) == 2 * per_block
     assert ("kv_cache" in qcfg) == (
-        stage in ("kv_cache", "vq_kv") or (stage == "progressive" and name in FAMILIES)
+        stage in ("kv_cache", "vq_kv") or (stage == "progressive" and name not in GENERIC)
     )
-    if stage == "progressive" and name in FAMILIES:
+    if stage == "progressive" and name not in GENERIC:
         manifest = json.loads((out / "qtool-manifest.json").read_text())
         assert {t["stage"] for t in manifest["transforms"]} == set(ALLOWED[name])
     model = qtool.load(out)

@@ -22,7 +22,7 @@ from qtool.models.integrity import (
     read_config_json,
     tensor_index,
 )
-from qtool.models.loading import check_architecture
+from qtool.models.loading import check_architecture, with_expert_linears
 from qtool.models.loading import load_tokenizer as _load_tokenizer
 
 
@@ -207,7 +207,7 @@ def load_checkpoint(
     check_architecture(str(path), config)
     try:
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = with_expert_linears(AutoModelForCausalLM.from_config(config, dtype=dtype))
     except MemoryError:
         raise
     except Exception as e:  # a config that passed its own validation can still fail to build

@@ -257,6 +257,15 @@ def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
     (folder / EXPORT_RECORD).write_text(dumps(record))
 
 
+def stored_names(checkpoint: Path):
+    """The checkpoint's family's mapping from qtool's module names to its hub checkpoints' (identity for most)."""
+    from qtool.checkpoint.loader import checkpoint_config
+    from qtool.models.loading import adapter_of
+
+    adapter = adapter_of(checkpoint_config(checkpoint))
+    return (lambda name: name) if isinstance(adapter, str) else adapter.stored_name
+
+
 def run_export(
     checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool, reporter: Reporter
 ) -> dict:
@@ -298,9 +307,14 @@ def run_export(
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
                 out[f"{prefix}{field}"] = t.contiguous()
         out.update(tensors)  # biases and every tensor left in floating point, as stored
+        # Under the names the family's hub checkpoints use (Mixtral's experts), which plain clients convert.
+        rename = stored_names(checkpoint)
+        out = {rename(k): v for k, v in out.items()}
 
         raw = {k: v for k, v in config.items() if k != "quantization_config"}
-        qconfig = quantization_config(schemes, [n for n in linears if n not in schemes])
+        qconfig = quantization_config(
+            {rename(n): s for n, s in schemes.items()}, [rename(n) for n in linears if n not in schemes]
+        )
         save_torch_state_dict(out, str(reserved.tmp), max_shard_size=shard_bytes, metadata={"format": "pt"})
         from compressed_tensors.compressors import ModelCompressor
 

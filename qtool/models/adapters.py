@@ -5,6 +5,7 @@ hard-codes module names. docs/families.md says which stage runs on which family,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -50,6 +51,18 @@ class Adapter:
     # Whether the model's attention runs through transformers' attention interface with the RoPE layout above, so
     # the quantized KV caches (kv_cache, vq_kv) can wrap it.
     kv_cache: bool = True
+    # Mixture of experts: the experts module of a block (replaced by qtool/models/moe.py ExpertLinears), the config
+    # key holding their number, the router, the norm feeding them, and a shared expert's (gate/up, down) linears and
+    # its gate. `expanded(config)` lists each expert's linears.
+    experts: str = ""
+    experts_count: str = ""
+    router: str = ""
+    experts_norm: str = "post_attention_layernorm"
+    shared_expert: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    shared_gate: str = ""
+    # (pattern, replacement) pairs from qtool's module names to the names the family's hub checkpoints store
+    # (what transformers reads, converting them as it loads): used where plain clients read an export.
+    stored_names: tuple[tuple[str, str], ...] = ()
     # Found from the module tree of a model no declared adapter knows (`generic_adapter`): the blocks and their
     # linears only, for weight-only stages; its linear groups are found from a block's forward when it first runs.
     generic: bool = False
@@ -68,6 +81,43 @@ class Adapter:
 
     def linear_names(self) -> list[str]:
         return [n for group in self.linear_groups for n in group]
+
+    def stored_name(self, name: str) -> str:
+        """`name` (a module or tensor of qtool's model) as the family's hub checkpoints store it."""
+        for pattern, repl in self.stored_names:
+            name = re.sub(pattern, repl, name)
+        return name
+
+    def expanded(self, config) -> Adapter:
+        """The adapter for a model of `config`: a mixture-of-experts family gets each expert's linears (gate and
+        up, which see the tokens routed to the expert, in one group with a shared expert's; then the downs), the
+        norm feeding the router and the experts, and every expert's down_proj among the residual stream's
+        writers. Other families are as declared."""
+        if not self.experts:
+            return self
+        n = getattr(config, self.experts_count)
+        shared_in, shared_out = self.shared_expert
+        gate_up = (
+            tuple(f"{self.experts}.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj")) + shared_in
+        )
+        down = tuple(f"{self.experts}.{e}.down_proj" for e in range(n)) + shared_out
+        ups = {f"{self.experts}.{e}.down_proj": (f"{self.experts}.{e}.up_proj",) for e in range(n)}
+        if shared_out:
+            ups[shared_out[0]] = (shared_in[-1],)
+        return replace(
+            self,
+            linear_groups=self.linear_groups + (gate_up, down),
+            norm_feeds={
+                **self.norm_feeds,
+                self.experts_norm: (
+                    self.router,
+                    *gate_up,
+                    *((self.shared_gate,) if self.shared_gate else ()),
+                ),
+            },
+            output_linears=self.output_linears + down,
+            smooth_producers={**self.smooth_producers, **ups},
+        )
 
 
 LLAMA = Adapter(
@@ -138,6 +188,50 @@ PHI3 = Adapter(
     separate_qkv=False,
 )
 
+# Mixture of experts: the attention of Llama (Qwen3's with its q/k norms), then a router and experts stored by
+# transformers as 3-D tensors, quantized one expert linear at a time.
+_MOE_ATTENTION = dict(
+    linear_groups=LLAMA.linear_groups[:2],
+    norm_feeds={"input_layernorm": LLAMA.norm_feeds["input_layernorm"]},
+    output_linears=("self_attn.o_proj",),
+    smooth_producers={"self_attn.o_proj": ("self_attn.v_proj",)},
+    experts="mlp.experts",
+    router="mlp.gate",
+)
+MIXTRAL = replace(
+    LLAMA,
+    family="mixtral",
+    architectures=("MixtralForCausalLM",),
+    experts_count="num_local_experts",
+    # Mixtral checkpoints keep the original names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down).
+    stored_names=(
+        (r"\.mlp\.experts\.(\d+)\.gate_proj(?=\.|$)", r".block_sparse_moe.experts.\1.w1"),
+        (r"\.mlp\.experts\.(\d+)\.up_proj(?=\.|$)", r".block_sparse_moe.experts.\1.w3"),
+        (r"\.mlp\.experts\.(\d+)\.down_proj(?=\.|$)", r".block_sparse_moe.experts.\1.w2"),
+        (r"\.mlp\.gate(?=\.|$)", r".block_sparse_moe.gate"),
+    ),
+    **_MOE_ATTENTION,
+)
+QWEN2_MOE = replace(
+    LLAMA,
+    family="qwen2_moe",
+    architectures=("Qwen2MoeForCausalLM",),
+    experts_count="num_experts",
+    shared_expert=(
+        ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        ("mlp.shared_expert.down_proj",),
+    ),
+    shared_gate="mlp.shared_expert_gate",
+    **_MOE_ATTENTION,
+)
+QWEN3_MOE = replace(
+    QWEN3,
+    family="qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    experts_count="num_experts",
+    **_MOE_ATTENTION,
+)
+
 OPT = Adapter(
     family="opt",
     architectures=("OPTForCausalLM",),
@@ -161,7 +255,7 @@ OPT = Adapter(
     kv_cache=False,
 )
 
-ADAPTERS: tuple[Adapter, ...] = (LLAMA, QWEN3, GEMMA2, GEMMA3, PHI3, OPT)
+ADAPTERS: tuple[Adapter, ...] = (LLAMA, QWEN3, GEMMA2, GEMMA3, PHI3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OPT)
 
 
 def _name_of(model: nn.Module, target: nn.Module | None) -> str:

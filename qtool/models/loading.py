@@ -114,7 +114,15 @@ def adapter_of(config: PretrainedConfig) -> Adapter | str:
     (weight-only stages run on it), or why there is none."""
     adapter = adapter_for(getattr(config, "architectures", None))
     if adapter is not None:
-        return adapter
+        if adapter.experts and (
+            getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
+        ):
+            return (
+                f"{config.architectures[0]} mixes dense and mixture-of-experts blocks (mlp_only_layers "
+                f"{getattr(config, 'mlp_only_layers', None)}, decoder_sparse_step "
+                f"{getattr(config, 'decoder_sparse_step', 1)}); qtool expects every block alike"
+            )
+        return adapter.expanded(config)
     key = config.to_json_string(use_diff=False)
     if key not in _GENERIC:  # building the model on the meta device takes a while for a large one
         _GENERIC[key] = generic_adapter(meta_model(config, "model config", QtoolError))
@@ -122,6 +130,17 @@ def adapter_of(config: PretrainedConfig) -> Adapter | str:
 
 
 _GENERIC: dict[str, Adapter | str] = {}
+
+
+def with_expert_linears(model):
+    """`model` with each block's experts as linears (qtool/models/moe.py) where its family is a mixture of
+    experts; other models as they are."""
+    adapter = adapter_for(getattr(model.config, "architectures", None))
+    if adapter is not None and adapter.experts:
+        from qtool.models.moe import unfuse_experts
+
+        unfuse_experts(model, adapter.blocks(model), adapter.experts)
+    return model
 
 
 def check_architecture(ref: str, config: PretrainedConfig) -> Adapter:
@@ -189,7 +208,7 @@ def meta_model(config: PretrainedConfig, where: str, error: type[QtoolError]):
 
     try:
         with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
     except MemoryError:
         raise
     except Exception as e:  # a config that passed its own validation can still fail to build
@@ -197,6 +216,7 @@ def meta_model(config: PretrainedConfig, where: str, error: type[QtoolError]):
             f"{where}: cannot build {', '.join(config.architectures or [config.model_type])} from it "
             f"({describe(e)})"
         ) from None
+    return with_expert_linears(model)
 
 
 def check_weight_files(ref: str, config: PretrainedConfig, meta=None) -> dict[str, TensorInfo] | None:
@@ -321,7 +341,7 @@ def load_model(
     check_loading_info(ref, info, files, config)
     check_finite(unique_tensors(model), InputError, files)
     model.eval()
-    return model, tokenizer, adapter, original
+    return with_expert_linears(model), tokenizer, adapter, original
 
 
 def resolve_path(ref: str, base: Path) -> str:

@@ -225,13 +225,13 @@ class QuantizerStage(Stage):
         for a model whose blocks cannot be found (that is refused when the model loads)."""
         from transformers import AutoModelForCausalLM  # recipe parsing alone never loads it
 
-        from qtool.models.loading import adapter_of
+        from qtool.models.loading import adapter_of, with_expert_linears
 
         adapter = adapter_of(config)
         if isinstance(adapter, str):
             return
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = with_expert_linears(AutoModelForCausalLM.from_config(config))
         for i, block in enumerate(adapter.blocks(model)):
             for rel in adapter.linear_names():
                 full = f"{adapter.block_prefix(i)}.{rel}"

@@ -50,6 +50,8 @@ class ReorderStage(TransformStage):
         xs = ctx.capture(names)
         moved = {}
         for out_name in names:
+            if not xs[out_name]:  # an expert no calibration token was routed to: nothing to order by
+                continue
             producers = _producers(ctx, out_name)
             out = ctx.block.get_submodule(out_name)
             xmax = torch.cat(xs[out_name]).abs().amax(dim=0).cpu()
@@ -79,7 +81,14 @@ def _producers(ctx: BlockContext, out_name: str) -> tuple[str, ...]:
     a gated MLP, the gate (permuting up alone would pair the wrong gate with each channel)."""
     producers = ctx.adapter.smooth_producers[out_name]
     width = ctx.block.get_submodule(producers[0]).out_features
-    siblings = [n for group in ctx.adapter.linear_groups for n in group if producers[0] in group]
+    # The gate beside the producer in the same module (one expert's gate, not every expert's).
+    parent = producers[0].rpartition(".")[0]
+    siblings = [
+        n
+        for group in ctx.adapter.linear_groups
+        for n in group
+        if producers[0] in group and n.rpartition(".")[0] == parent
+    ]
     return tuple(
         dict.fromkeys(
             [

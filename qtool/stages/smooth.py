@@ -82,6 +82,8 @@ class SmoothStage(TransformStage):
         # others do not change.
         xs = ctx.capture(names)
         for out_name in names:
+            if not xs[out_name]:  # an expert no calibration token was routed to: nothing to measure
+                continue
             producers = ctx.adapter.smooth_producers[out_name]
             x = torch.cat(xs.pop(out_name))
             out = ctx.block.get_submodule(out_name)
