@@ -1,4 +1,4 @@
-"""Each family's checkpoint decodes through the kernels: a random-weight model of the family, 256 wide so that every
+"""Each family's checkpoint (mixture-of-experts ones included: every expert's linears) decodes through the kernels: a random-weight model of the family, 256 wide so that every
 kernel path applies, quantized on the CPU and loaded on the GPU in float16 with QTOOL_KERNELS=cuda (a kernel that
 does not apply is then an error, not a silent fallback to the reference), gives the CPU reference's logits to
 float16 rounding, for a 24-token prompt (the GEMM paths) and for each step of a greedy decode (one token: the
@@ -31,13 +31,18 @@ STAGES = {
     "mixed": "  - stage: mixed\n    group_size: 16\n    scale_group_size: 16\n    outlier_fraction: 0.002\n",
     "vq": "  - stage: vq\n    preset: gptvq-2\n    kmeans_iters: 4\n",
 }
-FAMILY_NAMES = ("llama3", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+FAMILY_NAMES = ("llama3", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2")
+# The experts as wide as the dense MLPs (each expert's linears then take every kernel path too).
+EXPERTS = dict(moe_intermediate_size=256, shared_expert_intermediate_size=512)
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
-    return {name: build(name, root / name, STORIES, **WIDE) for name in FAMILY_NAMES}
+    return {
+        name: build(name, root / name, STORIES, **WIDE, **(EXPERTS if "moe" in name else {}))
+        for name in FAMILY_NAMES
+    }
 
 
 @pytest.mark.parametrize("layout", sorted(STAGES))
