@@ -35,17 +35,9 @@ __device__ __forceinline__ uint4 load_stream(const u32* p) {
     return r;
 }
 
-// Activations: not volatile, so the compiler may hoist and batch them.
+// Activations of the tensor-core kernel, issued in program order (volatile) like its MMAs: left to the compiler's
+// order, loads and MMAs measured no faster (kernels/grouped_int/NOTES.md).
 __device__ __forceinline__ uint4 load_cached(const u16* p) {
-    uint4 r;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-// The same two in program order (volatile): one of the measured variants of the tensor-core kernel.
-__device__ __forceinline__ uint4 load_cached_v(const u16* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -55,10 +47,10 @@ __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
 
 // An activation load of the tensor-core kernel. In a dependent launch (DEP) the activations were written by the
 // kernel ahead, so the load is coherent (ld_dep_v4, common/ptx_common.cuh; also volatile).
-template <bool VOL, bool DEP>
+template <bool DEP>
 __device__ __forceinline__ uint4 load_x(const u16* p) {
     if (DEP) return ld_dep_v4(p);
-    return VOL ? load_cached_v(p) : load_cached(p);
+    return load_cached(p);
 }
 
 __device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
@@ -74,16 +66,8 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int j) {
     return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
-__device__ __forceinline__ void mma_16816_v(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void mma_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
+    asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -136,7 +120,7 @@ __device__ __forceinline__ void code_pairs(u32 w, int h, u32& lo, u32& hi) {
     }
 }
 
-template <int BITS, int NT, bool VOL, bool DEP>
+template <int BITS, int NT, bool DEP>
 __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const uint4& wa, const uint4& wb,
                                           const u16* __restrict__ scales, const u8* __restrict__ zeros,
                                           const u16* __restrict__ x, int M, int Kp, int G, int gs, int sym_zero,
@@ -157,7 +141,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
         for (int t = 0; t < NT; ++t) {
             const int tok = t * 8 + g;
             if (tok < M) {
-                X[t] = load_x<VOL, DEP>(x + (long long)tok * Kp + k0 + 8 * jj);
+                X[t] = load_x<DEP>(x + (long long)tok * Kp + k0 + 8 * jj);
             } else {
                 X[t] = u4(0u, 0u, 0u, 0u);
             }
@@ -194,11 +178,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
                     b0 = h ? X[t].z : X[t].x;
                     b1 = h ? X[t].w : X[t].y;
                 }
-                if (VOL) {
-                    mma_16816_v(acc[t], a0, a1, a2, a3, b0, b1);
-                } else {
-                    mma_16816(acc[t], a0, a1, a2, a3, b0, b1);
-                }
+                mma_16816(acc[t], a0, a1, a2, a3, b0, b1);
             }
         }
     }
@@ -210,7 +190,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
 // memory at the end. A quad of lanes reads 64 contiguous bytes of a row per span with one 16-byte load each.
 // DEP (a programmatic dependent launch): each warp's first two spans of weights are loaded before the wait for the
 // kernel ahead, whose outputs (the activations) are read after it through coherent loads.
-template <int BITS, int NT, bool VOL, bool DEP>
+template <int BITS, int NT, bool DEP>
 __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16* __restrict__ scales,
                                           const u8* __restrict__ zeros, const u16* __restrict__ x,
                                           const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,
@@ -255,9 +235,9 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
     for (int s0 = warp; s0 < nspans; s0 += 2 * nwarps) {
         const int s1 = s0 + nwarps;
         if (!DEP || s0 != warp) load(s0);
-        gemv_span<BITS, NT, VOL, DEP>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+        gemv_span<BITS, NT, DEP>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
         if (s1 < nspans)
-            gemv_span<BITS, NT, VOL, DEP>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+            gemv_span<BITS, NT, DEP>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
     }
 
     // Accumulator fragment: c0,c1 -> row g, tokens 2q, 2q+1; c2,c3 -> row g+8.
@@ -280,38 +260,36 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
     }
 }
 
-// Entry points: grouped_int_gemv_b{bits}_nt{token tiles}_v{1: activation loads and MMAs issued in program order
-// (volatile), 0: left to the compiler's scheduling}, and _dep: the volatile form as a dependent launch, held to
-// 64 registers so that two blocks of 512 threads fit an SM (the dispatch takes it where the grid is one such wave).
-#define GEMV_ENTRY(BITS, NT, VOL)                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_b##BITS##_nt##NT##_v##VOL(                \
+// Entry points: grouped_int_gemv_b{bits}_nt{token tiles}_v1 (v1: activation loads and MMAs in program order), and
+// _dep: the same as a dependent launch, held to 64 registers so that two blocks of 512 threads fit an SM (the
+// dispatch takes it where the grid is one such wave).
+#define GEMV_ENTRY(BITS, NT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_b##BITS##_nt##NT##_v1(                    \
         const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
         const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
         int G, int gs, int sym_zero) {                                                                           \
-        gemv_body<BITS, NT, (VOL != 0), false>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);        \
+        gemv_body<BITS, NT, false>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);                    \
     }
 #define GEMV_DEP_ENTRY(BITS, NT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(512, 2) grouped_int_gemv_b##BITS##_nt##NT##_dep(                \
         const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
         const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
         int G, int gs, int sym_zero) {                                                                           \
-        gemv_body<BITS, NT, true, true>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);               \
+        gemv_body<BITS, NT, true>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);                     \
     }
 
-#define GEMV_ENTRIES(BITS, VOL) \
-    GEMV_ENTRY(BITS, 1, VOL)    \
-    GEMV_ENTRY(BITS, 2, VOL)    \
-    GEMV_ENTRY(BITS, 4, VOL)    \
-    GEMV_ENTRY(BITS, 8, VOL)
+#define GEMV_ENTRIES(BITS) \
+    GEMV_ENTRY(BITS, 1)    \
+    GEMV_ENTRY(BITS, 2)    \
+    GEMV_ENTRY(BITS, 4)    \
+    GEMV_ENTRY(BITS, 8)
 // Up to 16 tokens: at 32 and 64 the 64-register cap spills (176-1856 bytes).
 #define GEMV_DEP_ENTRIES(BITS) \
     GEMV_DEP_ENTRY(BITS, 1)    \
     GEMV_DEP_ENTRY(BITS, 2)
 
-GEMV_ENTRIES(4, 0)
-GEMV_ENTRIES(4, 1)
-GEMV_ENTRIES(8, 0)
-GEMV_ENTRIES(8, 1)
+GEMV_ENTRIES(4)
+GEMV_ENTRIES(8)
 GEMV_DEP_ENTRIES(4)
 GEMV_DEP_ENTRIES(8)
 

@@ -75,11 +75,7 @@ def _check_gemv(
 @pytest.mark.parametrize("group_size", [32, 64, 128, None])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("nk", ODD_SHAPES)
-@pytest.mark.parametrize("volatile", [0, 1])
-def test_gemv_odd_shapes(bits, group_size, symmetric, nk, volatile, monkeypatch):
-    from qtool.layouts.grouped_int import cuda as grouped_int
-
-    monkeypatch.setattr(grouped_int, "GEMV_VOLATILE", volatile)
+def test_gemv_odd_shapes(bits, group_size, symmetric, nk):
     n, k = nk
     seed = int.from_bytes(os.urandom(4), "little")
     layer = random_layer(n, k, bits, group_size, symmetric, seed=seed, bias=True)

@@ -194,9 +194,6 @@ def _n_tiles(m: int) -> int:
 
 # Tuning overrides for the bench; unset in normal use.
 _WARPS_OVERRIDE = cc.env_int("QTOOL_GEMV_WARPS", 0)  # 0: the tuned choice
-# 1: the tensor-core kernel issues activation loads and MMAs in program order (volatile asm), as first measured;
-# 0: the compiler may reorder them.
-GEMV_VOLATILE = cc.env_int("QTOOL_GEMV_VOLATILE", 1)
 
 
 def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
@@ -275,7 +272,7 @@ def gemv(
             f"dependent: found {m} rows, expected at most {8 * GEMV_DEP_MAX_TILES} for the "
             "dependent-launch entry"
         )
-    name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else f"v{GEMV_VOLATILE}")
+    name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else "v1")
     args = (
         cc.ptr(p.qweight),
         cc.ptr(p.scales),
