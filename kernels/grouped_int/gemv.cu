@@ -305,10 +305,9 @@ __device__ __forceinline__ float f16x2_sum_f32(u32 h) {
 
 // Few-token GEMV without tensor cores, for M <= 4: a warp reads 512 contiguous bytes of one row per instruction
 // (the DRAM-friendliest pattern), every lane one 16-byte piece of FMA_ROWS rows, and the block's threads split K.
-// Weights enter the fp16 products either as the reference forms them ((c - z) * s rounded once to fp16; SA = 0) or
-// as the exact (c - z) / 64 (/ 256 at 8 bits) with the scale applied in fp32 after the chain (SA = 1, the default,
-// see fma_piece); each fp16 product chain covers two words (8 products per half at 4 bits, 4 at 8 bits) before it
-// is widened to fp32.
+// Weights enter the fp16 products as the exact (c - z) / 64 (/ 256 at 8 bits) with the scale applied in fp32 after
+// the chain (see fma_piece); each fp16 product chain covers two words (8 products per half at 4 bits, 4 at 8 bits)
+// before it is widened to fp32.
 // PIPE: the grid is persistent, a block walks row groups rg, rg + gridDim.x, ... and, when each thread owns at
 // most one piece of K, keeps the next row group's weights in flight while it computes the current one and loads
 // its activations only once. Without PIPE one block takes one row group (more blocks resident, fewer registers).
@@ -327,11 +326,12 @@ __device__ __forceinline__ void fma_load(const u32* __restrict__ qw, const u32* 
     }
 }
 
-// Unscaled variant of dequant_word for the scale-after fma path (SA): the exact value (c - z) / 64 (4-bit) or
-// (c - z) / 256 (8-bit) in fp16, with no multiply. The codes are or-ed into the mantissa of a power of two whose
-// mantissa step is 1/64 at the code's bit position (16 = 0x4C00 for bits 0-3, 1 = 0x3C00 for bits 4-7; 4 = 0x4400
-// for a whole byte at 8 bits), and the half 16 + z/64 (1 + z/64, 4 + z/256) is subtracted: both exact. The
-// 1/64 (1/256) keeps every product |c - z| * x / 64 at most |x| / 4 (|x|), as far from fp16 overflow as x itself.
+// Unscaled variant of dequant_word for the CUDA-core kernel, which scales after the chain: the exact value
+// (c - z) / 64 (4-bit) or (c - z) / 256 (8-bit) in fp16, with no multiply. The codes are or-ed into the mantissa of
+// a power of two whose mantissa step is 1/64 at the code's bit position (16 = 0x4C00 for bits 0-3, 1 = 0x3C00 for
+// bits 4-7; 4 = 0x4400 for a whole byte at 8 bits), and the half 16 + z/64 (1 + z/64, 4 + z/256) is subtracted:
+// both exact. The 1/64 (1/256) keeps every product |c - z| * x / 64 at most |x| / 4 (|x|), as far from fp16
+// overflow as x itself.
 template <int BITS>
 __device__ __forceinline__ void dequant_word_unscaled(u32 w, u32 zlo, u32 zhi, u32* p) {
     if (BITS == 4) {
@@ -346,40 +346,28 @@ __device__ __forceinline__ void dequant_word_unscaled(u32 w, u32 zlo, u32 zhi, u
     }
 }
 
-// SA = false: weights formed exactly as the reference does ((c - z) * s rounded once to fp16), then multiplied
-// by the activations in fp16 chains.
-// SA = true (scale after): the chains multiply the exact (c - z) / 64 (or / 256) by the activations and the fp16
-// scale (times 64 or 256, exact in fp32) is applied once per chain when it is widened to fp32. A 16-byte piece
-// lies inside one group (group sizes are multiples of its codes), so one scale covers every chain of a piece.
-// Saves the 4 (4-bit) or 2 (8-bit) f16x2 multiplies per word (17 -> 13 instructions per 8 codes at 4 bits); the
-// weight is no longer rounded to fp16 before the product, so the result is at least as close to the exact one.
-template <int BITS, int MT, bool SA>
+// Scale after: the chains multiply the exact (c - z) / 64 (or / 256) by the activations and the fp16 scale (times
+// 64 or 256, exact in fp32) is applied once per chain when it is widened to fp32. A 16-byte piece lies inside one
+// group (group sizes are multiples of its codes), so one scale covers every chain of a piece. Against weights
+// formed as the reference rounds them ((c - z) * s in fp16, then the products) it saves the 4 (4-bit) or 2 (8-bit)
+// f16x2 multiplies per word (17 -> 13 instructions per 8 codes at 4 bits), and the weight is not rounded to fp16
+// before the product, so the result is at least as close to the exact one.
+template <int BITS, int MT>
 __device__ __forceinline__ void fma_piece(const uint4 (&w)[FMA_ROWS], const u32 (&m)[FMA_ROWS],
                                           const uint4 (&X)[MT][16 / BITS], float (&acc)[FMA_ROWS][MT]) {
 #pragma unroll
     for (int r = 0; r < FMA_ROWS; ++r) {
-        const u32 z = m[r] >> 16, s2 = (m[r] & 0xFFFFu) * 0x10001u;
-        u32 z1024, z64;
-        float sf = 1.f;
-        if (SA) {
-            z1024 = (BITS == 4 ? 0x4C00u + z : 0x4400u + z) * 0x10001u;
-            z64 = (0x3C00u + 16u * z) * 0x10001u;
-            sf = h2f((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
-        } else {
-            z1024 = (0x6400u + z) * 0x10001u;
-            z64 = (0x5400u + 16u * z) * 0x10001u;
-        }
+        const u32 z = m[r] >> 16;
+        const u32 zlo = (BITS == 4 ? 0x4C00u + z : 0x4400u + z) * 0x10001u;
+        const u32 zhi = (0x3C00u + 16u * z) * 0x10001u;
+        const float sf = h2f((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
 #pragma unroll
         for (int wp = 0; wp < 4; wp += 2) {  // two words per fp16 chain, then widen to fp32
             u32 h[MT];
 #pragma unroll
             for (int wi = wp; wi < wp + 2; ++wi) {
                 u32 v[4];
-                if (SA) {
-                    dequant_word_unscaled<BITS>(word_of(w[r], wi), z1024, z64, v);
-                } else {
-                    dequant_word<BITS, true>(word_of(w[r], wi), z1024, z64, s2, v);
-                }
+                dequant_word_unscaled<BITS>(word_of(w[r], wi), zlo, zhi, v);
 #pragma unroll
                 for (int t = 0; t < MT; ++t) {
                     u32 a = wi == wp ? 0u : h[t];
@@ -400,13 +388,7 @@ __device__ __forceinline__ void fma_piece(const uint4 (&w)[FMA_ROWS], const u32 
                 }
             }
 #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                if (SA) {
-                    acc[r][t] += f16x2_sum_f32(h[t]) * sf;  // contracted to one fp32 fma
-                } else {
-                    acc[r][t] += f16x2_sum_f32(h[t]);
-                }
-            }
+            for (int t = 0; t < MT; ++t) acc[r][t] += f16x2_sum_f32(h[t]) * sf;  // contracted to one fp32 fma
         }
     }
 }
@@ -438,7 +420,7 @@ __device__ __forceinline__ void fma_reduce_store(float (&acc)[FMA_ROWS][MT], flo
     }
 }
 
-template <int BITS, int MT, bool PIPE, bool SA>
+template <int BITS, int MT, bool PIPE>
 __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const u32* __restrict__ meta,
                                               const u16* __restrict__ x, const u16* __restrict__ bias,
                                               u16* __restrict__ y, int M, int N, int Kp, int G, int gs_shift) {
@@ -482,7 +464,7 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
             u32 mn[FMA_ROWS];
             const int rn = rg + gridDim.x;
             if (has && rn < ngroups) fma_load<BITS, MT>(qw, meta, wpr, G, N, rn, pc, grp, wn, mn);
-            if (has) fma_piece<BITS, MT, SA>(w, m, X, acc);
+            if (has) fma_piece<BITS, MT>(w, m, X, acc);
             fma_reduce_store<MT>(acc, red[it & 1], rg, bias, y, M, N);
 #pragma unroll
             for (int r = 0; r < FMA_ROWS; ++r) {
@@ -507,7 +489,7 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
 #pragma unroll
                     for (int j = 0; j < XV; ++j)
                         X[t][j] = ld_dep_v4(x + (long long)min(t, M - 1) * Kp + p * CPL + 8 * j);
-                fma_piece<BITS, MT, SA>(w, m, X, acc);
+                fma_piece<BITS, MT>(w, m, X, acc);
             }
             if (!waited) {  // a thread without a piece still writes outputs
                 grid_dependency_wait();
@@ -518,28 +500,24 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
     }
 }
 
-// Entry points: grouped_int_gemv_fma_b{bits}_m{token slots}_p{persistent, prefetching grid}_s{scale after}.
-#define GEMV_FMA_ENTRY(BITS, MT, PIPE, SA)                                                                       \
-    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_fma_b##BITS##_m##MT##_p##PIPE##_s##SA(    \
+// Entry points: grouped_int_gemv_fma_b{bits}_m{token slots}_p{persistent, prefetching grid}_s1 (s1: scale after).
+#define GEMV_FMA_ENTRY(BITS, MT, PIPE)                                                                           \
+    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_fma_b##BITS##_m##MT##_p##PIPE##_s1(       \
         const u32* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,                     \
         const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp, int G, int gs_shift) {          \
-        gemv_fma_body<BITS, MT, (PIPE != 0), (SA != 0)>(qw, meta, x, bias, y, M, N, Kp, G, gs_shift);            \
+        gemv_fma_body<BITS, MT, (PIPE != 0)>(qw, meta, x, bias, y, M, N, Kp, G, gs_shift);                       \
     }
 
-#define GEMV_FMA_ENTRIES(SA)        \
-    GEMV_FMA_ENTRY(4, 1, 0, SA)     \
-    GEMV_FMA_ENTRY(4, 1, 1, SA)     \
-    GEMV_FMA_ENTRY(4, 2, 0, SA)     \
-    GEMV_FMA_ENTRY(4, 2, 1, SA)     \
-    GEMV_FMA_ENTRY(4, 4, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 1, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 1, 1, SA)     \
-    GEMV_FMA_ENTRY(8, 2, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 2, 1, SA)     \
-    GEMV_FMA_ENTRY(8, 4, 0, SA)
-
-GEMV_FMA_ENTRIES(0)
-GEMV_FMA_ENTRIES(1)
+GEMV_FMA_ENTRY(4, 1, 0)
+GEMV_FMA_ENTRY(4, 1, 1)
+GEMV_FMA_ENTRY(4, 2, 0)
+GEMV_FMA_ENTRY(4, 2, 1)
+GEMV_FMA_ENTRY(4, 4, 0)
+GEMV_FMA_ENTRY(8, 1, 0)
+GEMV_FMA_ENTRY(8, 1, 1)
+GEMV_FMA_ENTRY(8, 2, 0)
+GEMV_FMA_ENTRY(8, 2, 1)
+GEMV_FMA_ENTRY(8, 4, 0)
 
 // Dequantize to a dense [N, Kp] fp16/bf16 matrix for the prefill path (dequantize, then cuBLAS).
 // One thread per 8 codes, so each thread stores 16 contiguous bytes and a warp's store covers 512 contiguous

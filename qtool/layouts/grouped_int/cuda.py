@@ -302,11 +302,6 @@ def gemv(
 
 FMA_ROWS = 4  # must match FMA_ROWS in kernels/grouped_int/gemv.cu
 _FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QTOOL_FMA_PIPE"] == "1"
-# 1 (default): the CUDA-core kernel multiplies the exact (c - z) (pre-divided by a power of two) by the
-# activations and applies the group scale once per fp16 chain in fp32: 4 fewer instructions per 8 codes, 2-6%
-# faster on an H200 at M = 1, and no fp16 rounding of the weight. 0: it forms each weight as the reference does,
-# (c - z) * s rounded to fp16, then multiplies (kernels/NOTES.md, fma v5).
-FMA_SCALE_AFTER = cc.env_int("QTOOL_FMA_SCALE_AFTER", 1)
 
 
 def gemv_fma(
@@ -333,7 +328,7 @@ def gemv_fma(
             f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)"
         )
     mod = cc.load_module(SOURCE, device=dev)
-    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}")
+    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s1")
     threads = 32 * warps
     groups = (p.out_features + FMA_ROWS - 1) // FMA_ROWS
     grid = groups
