@@ -40,12 +40,9 @@ def test_paths_and_unsupported_layers():
     assert "cover 16" in mixed.unsupported_reason(8, 4096)
     assert [mixed.token_slots(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert mixed.gemv_warps(4096, 4) == 2 and mixed.gemv_warps(11008, 4) == 4 and mixed.gemv_warps(64, 8) == 1
-    assert mixed.use_pipe(8192, 1, 2, True) and not mixed.use_pipe(8192, 1, 2, False)
     assert mixed.outlier_mode("spmv") == "spmv" and mixed.outlier_mode() == mixed.OUTLIERS
     with pytest.raises(ValueError, match="outliers: found 'both'"):
         mixed.outlier_mode("both")
-    with pytest.raises(ValueError, match="pipe: found True for 2 token slots"):
-        mixed.use_pipe(8192, 2, 2, True)
 
 
 def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -> torch.Tensor:

@@ -132,9 +132,8 @@ def test_gemv_odd_shapes(assign, fraction, nkg):
     for m in MS:
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers=outliers)
-    for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them), with and without the prefetch
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=True, layout="direct")
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=False, layout="direct")
+    for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them)
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, layout="direct")
     assert (p.tiled is not None) == (assign == "block4" and g2 % 4 == 0)
     if p.tiled is not None:
         _check_tiled(layer, p, seed)
@@ -185,9 +184,8 @@ def test_gemv_real_shapes(nkg):
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, outliers=outliers)
     for warps in (1, 2, 4, 8):
-        for pipe in (False, True):
-            for outliers in ("fused", "spmv"):
-                _check(layer, p, 1, seed, warps=warps, pipe=pipe, outliers=outliers, layout="direct")
+        for outliers in ("fused", "spmv"):
+            _check(layer, p, 1, seed, warps=warps, outliers=outliers, layout="direct")
     assert mixed_layout(p) == "tiled"
     _check_tiled(layer, p, seed)
 

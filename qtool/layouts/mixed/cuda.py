@@ -41,11 +41,6 @@ MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed/gemv.cu
 # and 4 warps and 2- and 8-row blocks at 4096x4096, 4096x11008, 11008x4096 and 8192x28672 on an H100, and 1 and 4
 # warps on an H200 (tied with 1 at 8192x28672; kernels/NOTES.md).
 GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
-# 1: at one token, the next block's loads go ahead of the current block's arithmetic where a thread has several
-# blocks; 0 (default): never; -1: where a thread has PIPE_MIN_BLOCKS_PER_THREAD blocks or more. On an H200 it
-# helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
-GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
-PIPE_MIN_BLOCKS_PER_THREAD = 2
 # "fused" or "spmv". At one token with 0.2% outliers, fused 4.65 / 11.71 / 10.47 / 43.29 us at 4096x4096 /
 # 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.7 / 14.8 / 15.2 / 45.7 as a second kernel (tiled GEMV, an
 # H100); the direct GEMV on an H200: 6.32 / 15.22 / 14.48 / 59.54 against 7.97 / 17.48 / 16.97 / 60.99
@@ -457,19 +452,6 @@ def spmv(x2: torch.Tensor, p: Prepared, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def use_pipe(k: int, mt: int, warps: int, pipe: bool | None = None) -> bool:
-    """Whether the GEMV keeps the next block's loads ahead of the arithmetic (built for one token only)."""
-    if pipe is not None:
-        if pipe and mt != 1:
-            raise ValueError(f"pipe: found True for {mt} token slots, expected it only for one token")
-        return pipe
-    if mt != 1:
-        return False
-    if GEMV_PIPE >= 0:
-        return bool(GEMV_PIPE)
-    return k // 64 >= PIPE_MIN_BLOCKS_PER_THREAD * 32 * warps
-
-
 def outlier_mode(outliers: str | None = None, default: str = OUTLIERS) -> str:
     """How the GEMV (or, with `default` GEMM_OUTLIERS, the GEMM) adds the outliers: "fused" or "spmv"."""
     mode = default if outliers is None else outliers
@@ -506,7 +488,7 @@ def gemv(
     rows: int | None = None,
 ) -> torch.Tensor:
     """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
-    `layout` "tiled" or "direct" (gemv_layout); `warps`, `pipe` and `rows` (tiled only) override the tuned
+    `layout` "tiled" or "direct" (gemv_layout); `warps`, and `pipe` and `rows` (tiled only), override the tuned
     choices."""
     lead = x.shape[:-1]
     x2 = cc.f16_rows(x, p.in_features, LAYOUT)
@@ -544,10 +526,11 @@ def gemv(
     else:
         if rows not in (None, ROWS):
             raise ValueError(f"rows: found {rows}, expected {ROWS} for the direct layout")
+        if pipe:
+            raise ValueError("pipe: found True, expected it only for the tiled layout")
         r = ROWS
         w = gemv_warps(p.in_features, warps)
-        piped = use_pipe(p.in_features, mt, w, pipe)
-        name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+        name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p0"
         args = (*p.layer_args(), *tail, *p.shape_args())
     fn = cc.load_module(SOURCE, device=dev).fn(name)
     dependent_launch.launch(fn, (-(-p.out_features // r),), (32 * w,), args, device=dev)
