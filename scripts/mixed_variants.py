@@ -1,7 +1,7 @@
 """Times the mixed-2-4-16 GEMV's variants on random block4 layers (needs a CUDA GPU and cupy): the tiled GEMV's
-rows per block x warps x the next block's loads ahead, the checkpoint-layout (direct) GEMV, fused vs separate
-outliers, beside cuBLAS FP16 and the measured copy bandwidth, same process, in interleaved rounds with the order
-rotated. Graph replays over rotated layers (qtool.bench.timing).
+warps per block, the checkpoint-layout (direct) GEMV, fused vs separate outliers, beside cuBLAS FP16 and the
+measured copy bandwidth, same process, in interleaved rounds with the order rotated. Graph replays over rotated
+layers (qtool.bench.timing).
 
     python scripts/mixed_variants.py [--shapes 4096x4096,...] [--m 1] [--rounds 2]
 """
@@ -54,14 +54,10 @@ def main() -> None:
             )
 
         variants = {"direct": dict(layout="direct")}
-        for rows in (4, 8) if m == 1 else (4,):
-            for warps in (1, 2, 3, 4):
-                if warps > 1 and mixed.gemv_warps(k, warps) < warps:
-                    continue
-                for pipe in (False, True) if m == 1 else (False,):
-                    variants[f"r{rows}w{warps}{'p' if pipe else ''}"] = dict(
-                        layout="tiled", rows=rows, warps=warps, pipe=pipe
-                    )
+        for warps in (1, 2, 3, 4):
+            if warps > 1 and mixed.gemv_warps(k, warps) < warps:
+                continue
+            variants[f"w{warps}"] = dict(layout="tiled", warps=warps)
         fp16s, times = [], {name: [] for name in variants}
         if args.variants:
             keep = set(args.variants.split(",")) | {"direct"}

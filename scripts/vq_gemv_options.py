@@ -1,8 +1,8 @@
 """Times the VQ GEMV's launch options (qtool/layouts/vq/cuda.py `knobs`) on the bench's random re-indexed layers (needs a
 CUDA GPU and cupy): clusters adding the splits through distributed shared memory (capped at 16 or 8 blocks, or
-off: the global split-K reduction), AQLM's codebook multicast, the next column tile's prefetch, the dependent
-launch; beside cuBLAS FP16, same process, in interleaved rounds with the order rotated. Graph replays over
-rotated layers (qtool.bench.timing). Prints one line per (shape, M, preset, cache) and writes JSON.
+off: the global split-K reduction), the next column tile's prefetch, the dependent launch, the warps along K;
+beside cuBLAS FP16, same process, in interleaved rounds with the order rotated. Graph replays over rotated layers
+(qtool.bench.timing). Prints one line per (shape, M, preset, cache) and writes JSON.
 
     python scripts/vq_gemv_options.py [--shapes 4096x4096,...] [--ms 1] [--rounds 2] [--json out.json]
 """
@@ -22,28 +22,24 @@ from qtool.cuda import dependent_launch
 
 KNOBS = (
     "QTOOL_VQ_CLUSTER",
-    "QTOOL_VQ_MULTICAST",
     "QTOOL_VQ_PREFETCH",
     "QTOOL_VQ_DEPENDENT",
     "QTOOL_VQ_MAX_WK",
 )
-VARIANTS = {  # (cluster cap, multicast cap, prefetch, dependent, warps along K cap)
-    "plain": (1, 1, 0, 0, 8),
-    "all": (16, 4, 1, 1, 8),
-    "all-cluster8": (8, 4, 1, 1, 8),
-    "all-no-cluster": (1, 4, 1, 1, 8),
-    "all-no-prefetch": (16, 4, 0, 1, 8),
-    "all-multicast2": (16, 2, 1, 1, 8),
-    "all-no-multicast": (16, 1, 1, 1, 8),
-    "all-wk4": (16, 4, 1, 1, 4),
-    "all-ordinary": (16, 4, 1, 0, 8),
+VARIANTS = {  # (cluster cap, prefetch, dependent, warps along K cap)
+    "plain": (1, 0, 0, 8),
+    "all": (16, 1, 1, 8),
+    "all-cluster8": (8, 1, 1, 8),
+    "all-no-cluster": (1, 1, 1, 8),
+    "all-no-prefetch": (16, 0, 1, 8),
+    "all-wk4": (16, 1, 1, 4),
+    "all-ordinary": (16, 1, 0, 8),
 }
 # One option at a time against "all": (environment variable, the variants that differ from "all" in it only, the
 # presets whose times decide it).
 FACTORS = (
     ("QTOOL_VQ_CLUSTER", ("all-cluster8", "all-no-cluster"), ("gptvq-2", "aqlm-3")),
     ("QTOOL_VQ_PREFETCH", ("all-no-prefetch",), ("gptvq-2",)),
-    ("QTOOL_VQ_MULTICAST", ("all-multicast2", "all-no-multicast"), ("aqlm-3",)),
     ("QTOOL_VQ_MAX_WK", ("all-wk4",), ("aqlm-3",)),
     ("QTOOL_VQ_DEPENDENT", ("all-ordinary",), ("gptvq-2", "aqlm-3")),
 )

@@ -104,11 +104,11 @@ def test_bad_threshold_in_the_environment_is_a_one_line_error(monkeypatch):
     assert env_int("QTOOL_MMA_LONG_MIN_K", 8192) == 8192
 
 
-def test_linear_refuses_an_unknown_path_in_one_line():
-    # Refused before anything touches a GPU, so CPU tensors stand in for the prepared layer.
-    from qtool.layouts.grouped_int.cuda import PATHS, Prepared, linear
+def _cpu_prepared():
+    """A 4-bit 8x128 layer of CPU tensors: enough for the checks that run before anything touches a GPU."""
+    from qtool.layouts.grouped_int.cuda import Prepared
 
-    p = Prepared(
+    return Prepared(
         torch.zeros(8, 16, dtype=torch.int32),
         torch.ones(8, 1, dtype=F16),
         None,
@@ -121,10 +121,28 @@ def test_linear_refuses_an_unknown_path_in_one_line():
         1,
         0,
     )
+
+
+def test_linear_refuses_an_unknown_path_in_one_line():
+    from qtool.layouts.grouped_int.cuda import PATHS, linear
+
     with pytest.raises(ValueError) as exc:
-        linear(torch.zeros(1, 128, dtype=F16), p, path="cublas")
+        linear(torch.zeros(1, 128, dtype=F16), _cpu_prepared(), path="cublas")
     assert str(exc.value) == f"path: found 'cublas', expected one of {', '.join(PATHS)}"
     assert "gemv-fma" in PATHS and "reference" in PATHS
+
+
+def test_the_cuda_core_kernel_takes_at_most_two_tokens(monkeypatch):
+    # its 4-token builds lost to the tensor-core kernel (kernels/grouped_int/NOTES.md), so QTOOL_FMA_MAX_M stops at 2
+    from qtool.layouts.grouped_int import cuda as gi
+
+    assert gi.FMA_MAX_TOKENS == 2 and gi.FMA_MAX_M <= gi.FMA_MAX_TOKENS
+    with pytest.raises(ValueError) as exc:
+        gi.gemv_fma(torch.zeros(3, 128, dtype=F16), _cpu_prepared())
+    assert str(exc.value) == "x: found M=3 tokens, expected 1..2 for this kernel"
+    monkeypatch.setattr(gi, "FMA_MAX_M", 2)
+    assert choose_path(2, F16, 4, 128, 4096, 4096, hopper=True) == "gemv-fma"
+    assert choose_path(3, F16, 4, 128, 4096, 4096, hopper=True) == "gemv"
 
 
 def test_one_token_4bit_rows_run_in_blocks_of_four_warps():

@@ -40,12 +40,9 @@ def test_paths_and_unsupported_layers():
     assert "cover 16" in mixed.unsupported_reason(8, 4096)
     assert [mixed.token_slots(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert mixed.gemv_warps(4096, 4) == 2 and mixed.gemv_warps(11008, 4) == 4 and mixed.gemv_warps(64, 8) == 1
-    assert mixed.use_pipe(8192, 1, 2, True) and not mixed.use_pipe(8192, 1, 2, False)
     assert mixed.outlier_mode("spmv") == "spmv" and mixed.outlier_mode() == mixed.OUTLIERS
     with pytest.raises(ValueError, match="outliers: found 'both'"):
         mixed.outlier_mode("both")
-    with pytest.raises(ValueError, match="pipe: found True for 2 token slots"):
-        mixed.use_pipe(8192, 2, 2, True)
 
 
 def _tiled_dense(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int) -> torch.Tensor:
@@ -137,16 +134,10 @@ def test_tiled_streams_hold_the_checkpoint_layer(n, k, g2):
 
 
 def test_tiled_config_and_layout_choice():
-    assert mixed.tiled_config(4096, 1) == (
-        mixed.TILED_GEMV_ROWS,
-        mixed.gemv_warps(4096, mixed.TILED_WARPS),
-        bool(mixed.TILED_PIPE),
-    )
-    assert mixed.tiled_config(4096, 1, rows=8, warps=4, pipe=True) == (8, 2, True)
-    with pytest.raises(ValueError, match="rows: found 8"):
-        mixed.tiled_config(4096, 2, rows=8)
-    with pytest.raises(ValueError, match="pipe: found True for 4 token slots"):
-        mixed.tiled_config(4096, 4, pipe=True)
+    # 4-row blocks; the next block's loads ahead of the arithmetic at one token only
+    assert mixed.tiled_config(4096, 1) == (4, mixed.gemv_warps(4096, mixed.TILED_WARPS), True)
+    assert mixed.tiled_config(4096, 1, warps=4) == (4, 2, True)
+    assert mixed.tiled_config(4096, 4) == (4, mixed.gemv_warps(4096, mixed.TILED_WARPS), False)
 
 
 def test_bytes_the_gemv_reads_on_each_layout():

@@ -35,17 +35,9 @@ __device__ __forceinline__ uint4 load_stream(const u32* p) {
     return r;
 }
 
-// Activations: not volatile, so the compiler may hoist and batch them.
+// Activations of the tensor-core kernel, issued in program order (volatile) like its MMAs: left to the compiler's
+// order, loads and MMAs measured no faster (kernels/grouped_int/NOTES.md).
 __device__ __forceinline__ uint4 load_cached(const u16* p) {
-    uint4 r;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-// The same two in program order (volatile): one of the measured variants of the tensor-core kernel.
-__device__ __forceinline__ uint4 load_cached_v(const u16* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -55,10 +47,10 @@ __device__ __forceinline__ uint4 load_cached_v(const u16* p) {
 
 // An activation load of the tensor-core kernel. In a dependent launch (DEP) the activations were written by the
 // kernel ahead, so the load is coherent (ld_dep_v4, common/ptx_common.cuh; also volatile).
-template <bool VOL, bool DEP>
+template <bool DEP>
 __device__ __forceinline__ uint4 load_x(const u16* p) {
     if (DEP) return ld_dep_v4(p);
-    return VOL ? load_cached_v(p) : load_cached(p);
+    return load_cached(p);
 }
 
 __device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
@@ -74,16 +66,8 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int j) {
     return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
-__device__ __forceinline__ void mma_16816_v(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void mma_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
+    asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -136,7 +120,7 @@ __device__ __forceinline__ void code_pairs(u32 w, int h, u32& lo, u32& hi) {
     }
 }
 
-template <int BITS, int NT, bool VOL, bool DEP>
+template <int BITS, int NT, bool DEP>
 __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const uint4& wa, const uint4& wb,
                                           const u16* __restrict__ scales, const u8* __restrict__ zeros,
                                           const u16* __restrict__ x, int M, int Kp, int G, int gs, int sym_zero,
@@ -157,7 +141,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
         for (int t = 0; t < NT; ++t) {
             const int tok = t * 8 + g;
             if (tok < M) {
-                X[t] = load_x<VOL, DEP>(x + (long long)tok * Kp + k0 + 8 * jj);
+                X[t] = load_x<DEP>(x + (long long)tok * Kp + k0 + 8 * jj);
             } else {
                 X[t] = u4(0u, 0u, 0u, 0u);
             }
@@ -194,11 +178,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
                     b0 = h ? X[t].z : X[t].x;
                     b1 = h ? X[t].w : X[t].y;
                 }
-                if (VOL) {
-                    mma_16816_v(acc[t], a0, a1, a2, a3, b0, b1);
-                } else {
-                    mma_16816(acc[t], a0, a1, a2, a3, b0, b1);
-                }
+                mma_16816(acc[t], a0, a1, a2, a3, b0, b1);
             }
         }
     }
@@ -210,7 +190,7 @@ __device__ __forceinline__ void gemv_span(float (&acc)[NT][4], int span, const u
 // memory at the end. A quad of lanes reads 64 contiguous bytes of a row per span with one 16-byte load each.
 // DEP (a programmatic dependent launch): each warp's first two spans of weights are loaded before the wait for the
 // kernel ahead, whose outputs (the activations) are read after it through coherent loads.
-template <int BITS, int NT, bool VOL, bool DEP>
+template <int BITS, int NT, bool DEP>
 __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16* __restrict__ scales,
                                           const u8* __restrict__ zeros, const u16* __restrict__ x,
                                           const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,
@@ -255,9 +235,9 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
     for (int s0 = warp; s0 < nspans; s0 += 2 * nwarps) {
         const int s1 = s0 + nwarps;
         if (!DEP || s0 != warp) load(s0);
-        gemv_span<BITS, NT, VOL, DEP>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+        gemv_span<BITS, NT, DEP>(acc, s0, wa0, wb0, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
         if (s1 < nspans)
-            gemv_span<BITS, NT, VOL, DEP>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
+            gemv_span<BITS, NT, DEP>(acc, s1, wa1, wb1, scales, zeros, x, M, Kp, G, gs, sym_zero, ra, rb, g, q);
     }
 
     // Accumulator fragment: c0,c1 -> row g, tokens 2q, 2q+1; c2,c3 -> row g+8.
@@ -280,38 +260,36 @@ __device__ __forceinline__ void gemv_body(const u32* __restrict__ qw, const u16*
     }
 }
 
-// Entry points: grouped_int_gemv_b{bits}_nt{token tiles}_v{1: activation loads and MMAs issued in program order
-// (volatile), 0: left to the compiler's scheduling}, and _dep: the volatile form as a dependent launch, held to
-// 64 registers so that two blocks of 512 threads fit an SM (the dispatch takes it where the grid is one such wave).
-#define GEMV_ENTRY(BITS, NT, VOL)                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_b##BITS##_nt##NT##_v##VOL(                \
+// Entry points: grouped_int_gemv_b{bits}_nt{token tiles}_v1 (v1: activation loads and MMAs in program order), and
+// _dep: the same as a dependent launch, held to 64 registers so that two blocks of 512 threads fit an SM (the
+// dispatch takes it where the grid is one such wave).
+#define GEMV_ENTRY(BITS, NT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_b##BITS##_nt##NT##_v1(                    \
         const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
         const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
         int G, int gs, int sym_zero) {                                                                           \
-        gemv_body<BITS, NT, (VOL != 0), false>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);        \
+        gemv_body<BITS, NT, false>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);                    \
     }
 #define GEMV_DEP_ENTRY(BITS, NT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(512, 2) grouped_int_gemv_b##BITS##_nt##NT##_dep(                \
         const u32* __restrict__ qw, const u16* __restrict__ scales, const u8* __restrict__ zeros,                \
         const u16* __restrict__ x, const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp,      \
         int G, int gs, int sym_zero) {                                                                           \
-        gemv_body<BITS, NT, true, true>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);               \
+        gemv_body<BITS, NT, true>(qw, scales, zeros, x, bias, y, M, N, Kp, G, gs, sym_zero);                     \
     }
 
-#define GEMV_ENTRIES(BITS, VOL) \
-    GEMV_ENTRY(BITS, 1, VOL)    \
-    GEMV_ENTRY(BITS, 2, VOL)    \
-    GEMV_ENTRY(BITS, 4, VOL)    \
-    GEMV_ENTRY(BITS, 8, VOL)
+#define GEMV_ENTRIES(BITS) \
+    GEMV_ENTRY(BITS, 1)    \
+    GEMV_ENTRY(BITS, 2)    \
+    GEMV_ENTRY(BITS, 4)    \
+    GEMV_ENTRY(BITS, 8)
 // Up to 16 tokens: at 32 and 64 the 64-register cap spills (176-1856 bytes).
 #define GEMV_DEP_ENTRIES(BITS) \
     GEMV_DEP_ENTRY(BITS, 1)    \
     GEMV_DEP_ENTRY(BITS, 2)
 
-GEMV_ENTRIES(4, 0)
-GEMV_ENTRIES(4, 1)
-GEMV_ENTRIES(8, 0)
-GEMV_ENTRIES(8, 1)
+GEMV_ENTRIES(4)
+GEMV_ENTRIES(8)
 GEMV_DEP_ENTRIES(4)
 GEMV_DEP_ENTRIES(8)
 
@@ -325,12 +303,11 @@ __device__ __forceinline__ float f16x2_sum_f32(u32 h) {
     return h2f((u16)(h & 0xFFFFu)) + h2f((u16)(h >> 16));
 }
 
-// Few-token GEMV without tensor cores, for M <= 4: a warp reads 512 contiguous bytes of one row per instruction
+// Few-token GEMV without tensor cores, for M <= 2: a warp reads 512 contiguous bytes of one row per instruction
 // (the DRAM-friendliest pattern), every lane one 16-byte piece of FMA_ROWS rows, and the block's threads split K.
-// Weights enter the fp16 products either as the reference forms them ((c - z) * s rounded once to fp16; SA = 0) or
-// as the exact (c - z) / 64 (/ 256 at 8 bits) with the scale applied in fp32 after the chain (SA = 1, the default,
-// see fma_piece); each fp16 product chain covers two words (8 products per half at 4 bits, 4 at 8 bits) before it
-// is widened to fp32.
+// Weights enter the fp16 products as the exact (c - z) / 64 (/ 256 at 8 bits) with the scale applied in fp32 after
+// the chain (see fma_piece); each fp16 product chain covers two words (8 products per half at 4 bits, 4 at 8 bits)
+// before it is widened to fp32.
 // PIPE: the grid is persistent, a block walks row groups rg, rg + gridDim.x, ... and, when each thread owns at
 // most one piece of K, keeps the next row group's weights in flight while it computes the current one and loads
 // its activations only once. Without PIPE one block takes one row group (more blocks resident, fewer registers).
@@ -349,11 +326,12 @@ __device__ __forceinline__ void fma_load(const u32* __restrict__ qw, const u32* 
     }
 }
 
-// Unscaled variant of dequant_word for the scale-after fma path (SA): the exact value (c - z) / 64 (4-bit) or
-// (c - z) / 256 (8-bit) in fp16, with no multiply. The codes are or-ed into the mantissa of a power of two whose
-// mantissa step is 1/64 at the code's bit position (16 = 0x4C00 for bits 0-3, 1 = 0x3C00 for bits 4-7; 4 = 0x4400
-// for a whole byte at 8 bits), and the half 16 + z/64 (1 + z/64, 4 + z/256) is subtracted: both exact. The
-// 1/64 (1/256) keeps every product |c - z| * x / 64 at most |x| / 4 (|x|), as far from fp16 overflow as x itself.
+// Unscaled variant of dequant_word for the CUDA-core kernel, which scales after the chain: the exact value
+// (c - z) / 64 (4-bit) or (c - z) / 256 (8-bit) in fp16, with no multiply. The codes are or-ed into the mantissa of
+// a power of two whose mantissa step is 1/64 at the code's bit position (16 = 0x4C00 for bits 0-3, 1 = 0x3C00 for
+// bits 4-7; 4 = 0x4400 for a whole byte at 8 bits), and the half 16 + z/64 (1 + z/64, 4 + z/256) is subtracted:
+// both exact. The 1/64 (1/256) keeps every product |c - z| * x / 64 at most |x| / 4 (|x|), as far from fp16
+// overflow as x itself.
 template <int BITS>
 __device__ __forceinline__ void dequant_word_unscaled(u32 w, u32 zlo, u32 zhi, u32* p) {
     if (BITS == 4) {
@@ -368,40 +346,28 @@ __device__ __forceinline__ void dequant_word_unscaled(u32 w, u32 zlo, u32 zhi, u
     }
 }
 
-// SA = false: weights formed exactly as the reference does ((c - z) * s rounded once to fp16), then multiplied
-// by the activations in fp16 chains.
-// SA = true (scale after): the chains multiply the exact (c - z) / 64 (or / 256) by the activations and the fp16
-// scale (times 64 or 256, exact in fp32) is applied once per chain when it is widened to fp32. A 16-byte piece
-// lies inside one group (group sizes are multiples of its codes), so one scale covers every chain of a piece.
-// Saves the 4 (4-bit) or 2 (8-bit) f16x2 multiplies per word (17 -> 13 instructions per 8 codes at 4 bits); the
-// weight is no longer rounded to fp16 before the product, so the result is at least as close to the exact one.
-template <int BITS, int MT, bool SA>
+// Scale after: the chains multiply the exact (c - z) / 64 (or / 256) by the activations and the fp16 scale (times
+// 64 or 256, exact in fp32) is applied once per chain when it is widened to fp32. A 16-byte piece lies inside one
+// group (group sizes are multiples of its codes), so one scale covers every chain of a piece. Against weights
+// formed as the reference rounds them ((c - z) * s in fp16, then the products) it saves the 4 (4-bit) or 2 (8-bit)
+// f16x2 multiplies per word (17 -> 13 instructions per 8 codes at 4 bits), and the weight is not rounded to fp16
+// before the product, so the result is at least as close to the exact one.
+template <int BITS, int MT>
 __device__ __forceinline__ void fma_piece(const uint4 (&w)[FMA_ROWS], const u32 (&m)[FMA_ROWS],
                                           const uint4 (&X)[MT][16 / BITS], float (&acc)[FMA_ROWS][MT]) {
 #pragma unroll
     for (int r = 0; r < FMA_ROWS; ++r) {
-        const u32 z = m[r] >> 16, s2 = (m[r] & 0xFFFFu) * 0x10001u;
-        u32 z1024, z64;
-        float sf = 1.f;
-        if (SA) {
-            z1024 = (BITS == 4 ? 0x4C00u + z : 0x4400u + z) * 0x10001u;
-            z64 = (0x3C00u + 16u * z) * 0x10001u;
-            sf = h2f((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
-        } else {
-            z1024 = (0x6400u + z) * 0x10001u;
-            z64 = (0x5400u + 16u * z) * 0x10001u;
-        }
+        const u32 z = m[r] >> 16;
+        const u32 zlo = (BITS == 4 ? 0x4C00u + z : 0x4400u + z) * 0x10001u;
+        const u32 zhi = (0x3C00u + 16u * z) * 0x10001u;
+        const float sf = h2f((u16)(m[r] & 0xFFFFu)) * (BITS == 4 ? 64.f : 256.f);
 #pragma unroll
         for (int wp = 0; wp < 4; wp += 2) {  // two words per fp16 chain, then widen to fp32
             u32 h[MT];
 #pragma unroll
             for (int wi = wp; wi < wp + 2; ++wi) {
                 u32 v[4];
-                if (SA) {
-                    dequant_word_unscaled<BITS>(word_of(w[r], wi), z1024, z64, v);
-                } else {
-                    dequant_word<BITS, true>(word_of(w[r], wi), z1024, z64, s2, v);
-                }
+                dequant_word_unscaled<BITS>(word_of(w[r], wi), zlo, zhi, v);
 #pragma unroll
                 for (int t = 0; t < MT; ++t) {
                     u32 a = wi == wp ? 0u : h[t];
@@ -422,13 +388,7 @@ __device__ __forceinline__ void fma_piece(const uint4 (&w)[FMA_ROWS], const u32 
                 }
             }
 #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                if (SA) {
-                    acc[r][t] += f16x2_sum_f32(h[t]) * sf;  // contracted to one fp32 fma
-                } else {
-                    acc[r][t] += f16x2_sum_f32(h[t]);
-                }
-            }
+            for (int t = 0; t < MT; ++t) acc[r][t] += f16x2_sum_f32(h[t]) * sf;  // contracted to one fp32 fma
         }
     }
 }
@@ -460,7 +420,7 @@ __device__ __forceinline__ void fma_reduce_store(float (&acc)[FMA_ROWS][MT], flo
     }
 }
 
-template <int BITS, int MT, bool PIPE, bool SA>
+template <int BITS, int MT, bool PIPE>
 __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const u32* __restrict__ meta,
                                               const u16* __restrict__ x, const u16* __restrict__ bias,
                                               u16* __restrict__ y, int M, int N, int Kp, int G, int gs_shift) {
@@ -504,7 +464,7 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
             u32 mn[FMA_ROWS];
             const int rn = rg + gridDim.x;
             if (has && rn < ngroups) fma_load<BITS, MT>(qw, meta, wpr, G, N, rn, pc, grp, wn, mn);
-            if (has) fma_piece<BITS, MT, SA>(w, m, X, acc);
+            if (has) fma_piece<BITS, MT>(w, m, X, acc);
             fma_reduce_store<MT>(acc, red[it & 1], rg, bias, y, M, N);
 #pragma unroll
             for (int r = 0; r < FMA_ROWS; ++r) {
@@ -529,7 +489,7 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
 #pragma unroll
                     for (int j = 0; j < XV; ++j)
                         X[t][j] = ld_dep_v4(x + (long long)min(t, M - 1) * Kp + p * CPL + 8 * j);
-                fma_piece<BITS, MT, SA>(w, m, X, acc);
+                fma_piece<BITS, MT>(w, m, X, acc);
             }
             if (!waited) {  // a thread without a piece still writes outputs
                 grid_dependency_wait();
@@ -540,28 +500,22 @@ __device__ __forceinline__ void gemv_fma_body(const u32* __restrict__ qw, const 
     }
 }
 
-// Entry points: grouped_int_gemv_fma_b{bits}_m{token slots}_p{persistent, prefetching grid}_s{scale after}.
-#define GEMV_FMA_ENTRY(BITS, MT, PIPE, SA)                                                                       \
-    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_fma_b##BITS##_m##MT##_p##PIPE##_s##SA(    \
+// Entry points: grouped_int_gemv_fma_b{bits}_m{token slots}_p{persistent, prefetching grid}_s1 (s1: scale after).
+#define GEMV_FMA_ENTRY(BITS, MT, PIPE)                                                                           \
+    extern "C" __global__ void __launch_bounds__(512) grouped_int_gemv_fma_b##BITS##_m##MT##_p##PIPE##_s1(       \
         const u32* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,                     \
         const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int Kp, int G, int gs_shift) {          \
-        gemv_fma_body<BITS, MT, (PIPE != 0), (SA != 0)>(qw, meta, x, bias, y, M, N, Kp, G, gs_shift);            \
+        gemv_fma_body<BITS, MT, (PIPE != 0)>(qw, meta, x, bias, y, M, N, Kp, G, gs_shift);                       \
     }
 
-#define GEMV_FMA_ENTRIES(SA)        \
-    GEMV_FMA_ENTRY(4, 1, 0, SA)     \
-    GEMV_FMA_ENTRY(4, 1, 1, SA)     \
-    GEMV_FMA_ENTRY(4, 2, 0, SA)     \
-    GEMV_FMA_ENTRY(4, 2, 1, SA)     \
-    GEMV_FMA_ENTRY(4, 4, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 1, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 1, 1, SA)     \
-    GEMV_FMA_ENTRY(8, 2, 0, SA)     \
-    GEMV_FMA_ENTRY(8, 2, 1, SA)     \
-    GEMV_FMA_ENTRY(8, 4, 0, SA)
-
-GEMV_FMA_ENTRIES(0)
-GEMV_FMA_ENTRIES(1)
+// One token: 4-bit rows on the one-row-group grid, 8-bit rows on the persistent one (the other grid lost at every
+// measured shape). Two tokens: both grids (not measured).
+GEMV_FMA_ENTRY(4, 1, 0)
+GEMV_FMA_ENTRY(4, 2, 0)
+GEMV_FMA_ENTRY(4, 2, 1)
+GEMV_FMA_ENTRY(8, 1, 1)
+GEMV_FMA_ENTRY(8, 2, 0)
+GEMV_FMA_ENTRY(8, 2, 1)
 
 // Dequantize to a dense [N, Kp] fp16/bf16 matrix for the prefill path (dequantize, then cuBLAS).
 // One thread per 8 codes, so each thread stores 16 contiguous bytes and a warp's store covers 512 contiguous

@@ -360,14 +360,14 @@ __device__ __forceinline__ void reduce_store_swiglu(float (&acc)[4][MT], float (
 
 // y[M, N] = x[M, K] . W^T (+ bias) for M <= MT tokens on CUDA cores. A block owns ROWS output rows; its threads
 // split K in 64-channel blocks (thread t takes blocks t, t + blockDim.x, ...) and reduce through shared memory.
-// A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a.
-// PIPE: the next block's loads are issued before the current block's arithmetic (register double buffering), so
-// a thread with several blocks always has weights in flight.
+// A warp's 16-byte loads of one row cover 512 contiguous bytes of qweight_a. A block's loads are issued right before
+// its arithmetic: issuing the next block's loads ahead of it (register double buffering) helped 1-warp blocks but
+// never beat 2-warp blocks without it (kernels/mixed/NOTES.md).
 // FUSE adds the rows' CSR outliers before the reduction (else mixed_spmv adds them to y): each thread's first
 // outlier of each row (column and value) is loaded before the main loop, so only its activation is read after.
 // Dependent launch: the weights of a thread's first block and its outliers are requested before the wait for the
 // kernel ahead, whose output (x) is read after it, through coherent loads.
-template <int ROWS, int MT, bool B4, bool FUSE, bool PIPE>
+template <int ROWS, int MT, bool B4, bool FUSE>
 __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict__ rowptr,
                                           const u16* __restrict__ ocols, const u16* __restrict__ ovals,
                                           const u16* __restrict__ x, const u16* __restrict__ bias,
@@ -390,72 +390,45 @@ __device__ __forceinline__ void gemv_body(const Layer& L, const int* __restrict_
     u32 omask = 0, omore = 0;
     if (FUSE) outliers_first<ROWS>(rowptr, ocols, ovals, row0, N, ocv, omask, omore);
 
-    int b = threadIdx.x;
-    if (PIPE) {
-        u32 info = 0;
+    bool waited = false;
+    for (int b = threadIdx.x; b < nblk; b += blockDim.x) {
+        const u32 info = ld_meta(L.binfo + b);
         RowBlock<B4> rb[ROWS];
-        if (b < nblk) {
-            info = ld_meta(L.binfo + b);
-            load_block<ROWS, B4>(L, rows, b, info, rb);
+        load_block<ROWS, B4>(L, rows, b, info, rb);
+        if (!waited) {
+            grid_dependency_wait();
+            waited = true;
         }
-        grid_dependency_wait();
-        for (; b < nblk; b += blockDim.x) {
-            const int bn = b + blockDim.x;
-            u32 ninfo = 0;
-            RowBlock<B4> nb[ROWS];
-            if (bn < nblk) {
-                ninfo = ld_meta(L.binfo + bn);
-                load_block<ROWS, B4>(L, rows, bn, ninfo, nb);
-            }
-            compute_block<ROWS, MT, B4>(L, rows, b, info, rb, x, M, acc);
-            info = ninfo;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) rb[r] = nb[r];
-        }
-    } else {
-        bool waited = false;
-        for (; b < nblk; b += blockDim.x) {
-            const u32 info = ld_meta(L.binfo + b);
-            RowBlock<B4> rb[ROWS];
-            load_block<ROWS, B4>(L, rows, b, info, rb);
-            if (!waited) {
-                grid_dependency_wait();
-                waited = true;
-            }
-            compute_block<ROWS, MT, B4>(L, rows, b, info, rb, x, M, acc);
-        }
-        if (!waited) grid_dependency_wait();
+        compute_block<ROWS, MT, B4>(L, rows, b, info, rb, x, M, acc);
     }
+    if (!waited) grid_dependency_wait();
     if (FUSE) outliers_add<ROWS, MT>(rowptr, ocols, ovals, x, row0, K, M, ocv, omask, omore, acc);
     reduce_store<ROWS, MT>(acc, red, row0, N, M, bias, y);
 }
 
-// Entry points: mixed_gemv_r{rows per block}_m{token slots}_b{1: one 4-bit stripe per block}_f{fused outliers}
-// _p{next block's loads ahead of the arithmetic}.
-#define MIXED_GEMV_ENTRY(ROWS, MT, B4, FUSE, PIPE)                                                                \
+// Entry points: mixed_gemv_r{rows per block}_m{token slots}_b{1: one 4-bit stripe per block}_f{fused outliers}_p0
+// (p0: no loads ahead of the arithmetic).
+#define MIXED_GEMV_ENTRY(ROWS, MT, B4, FUSE)                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS)                                                 \
-        mixed_gemv_r##ROWS##_m##MT##_b##B4##_f##FUSE##_p##PIPE(                                                  \
+        mixed_gemv_r##ROWS##_m##MT##_b##B4##_f##FUSE##_p0(                                                       \
             const u32* qa, const u32* qb, const u32* sc, const u32* z2, const float2* s2f, const u16* s4,        \
             const u32* z4, const u32* binfo, const int* rowptr, const u16* ocols, const u16* ovals, const u16* x, \
             const u16* bias, u16* y, int M, int N, int K, int S2, int S4, int wsc, int wz2, int wz4, int g2) {    \
         const Layer L{qa, qb, sc, z2, s2f, s4, z4, binfo, N, K, S2, S4, wsc, wz2, wz4, g2};                      \
-        gemv_body<ROWS, MT, (B4 != 0), (FUSE != 0), (PIPE != 0)>(L, rowptr, ocols, ovals, x, bias, y, M);         \
+        gemv_body<ROWS, MT, (B4 != 0), (FUSE != 0)>(L, rowptr, ocols, ovals, x, bias, y, M);                      \
     }
 
-#define MIXED_GEMV_FOUR(MT, PIPE)             \
-    MIXED_GEMV_ENTRY(4, MT, 1, 1, PIPE)       \
-    MIXED_GEMV_ENTRY(4, MT, 1, 0, PIPE)       \
-    MIXED_GEMV_ENTRY(4, MT, 0, 1, PIPE)       \
-    MIXED_GEMV_ENTRY(4, MT, 0, 0, PIPE)
+#define MIXED_GEMV_FOUR(MT)             \
+    MIXED_GEMV_ENTRY(4, MT, 1, 1)       \
+    MIXED_GEMV_ENTRY(4, MT, 1, 0)       \
+    MIXED_GEMV_ENTRY(4, MT, 0, 1)       \
+    MIXED_GEMV_ENTRY(4, MT, 0, 0)
 
-MIXED_GEMV_FOUR(1, 0)
-MIXED_GEMV_FOUR(1, 1)
-
-
-MIXED_GEMV_FOUR(2, 0)
-MIXED_GEMV_FOUR(4, 0)
-MIXED_GEMV_FOUR(8, 0)
-MIXED_GEMV_FOUR(16, 0)
+MIXED_GEMV_FOUR(1)
+MIXED_GEMV_FOUR(2)
+MIXED_GEMV_FOUR(4)
+MIXED_GEMV_FOUR(8)
+MIXED_GEMV_FOUR(16)
 
 // ---------------------------------------------------------------------------------------------------------------
 // The tiled GEMV: block4 layers re-laid at load time (qtool/cuda/mixed.py `tiled_streams`) so that a thread's
@@ -631,8 +604,9 @@ __device__ __forceinline__ void tiled_compute(const TBlock<ROWS>& s, int b, cons
     }
 }
 
-// y[M, N] = x[M, K] . W^T (+ bias) from the tiled streams; grid, split of K, outliers, prefetch (PIPE) and
-// dependent launch as gemv_body.
+// y[M, N] = x[M, K] . W^T (+ bias) from the tiled streams; grid, split of K, outliers and dependent launch as
+// gemv_body. PIPE: the next block's loads are issued before the current block's arithmetic (register double
+// buffering), so a thread with several blocks always has weights in flight.
 template <int ROWS, int MT, bool FUSE, bool PIPE, bool SWIGLU = false>
 __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __restrict__ rowptr,
                                            const u16* __restrict__ ocols, const u16* __restrict__ ovals,
@@ -710,18 +684,14 @@ __device__ __forceinline__ void tiled_body(const Tiled& T, int g2, const int* __
         tiled_body<4, MT, (FUSE != 0), (PIPE != 0), true>(T, g2, rowptr, ocols, ovals, x, nullptr, y, M);          \
     }
 
-MIXED_TILED_PAIR(4, 1, 0)
+// 4-row blocks (8-row ones lost at every measured shape); at one token with the prefetch (without it: no better).
 MIXED_TILED_PAIR(4, 1, 1)
-MIXED_TILED_PAIR(8, 1, 0)
-MIXED_TILED_PAIR(8, 1, 1)
 MIXED_TILED_PAIR(4, 2, 0)
 MIXED_TILED_PAIR(4, 4, 0)
 MIXED_TILED_PAIR(4, 8, 0)
 MIXED_TILED_PAIR(4, 16, 0)
 MIXED_TILED_SWIGLU_ENTRY(1, 0, 1)
 MIXED_TILED_SWIGLU_ENTRY(1, 1, 1)
-MIXED_TILED_SWIGLU_ENTRY(1, 0, 0)
-MIXED_TILED_SWIGLU_ENTRY(1, 1, 0)
 
 // y[t, n] += Σ outliers of row n · x[t, col], for the unfused GEMV (and the paper's separate SpMV): one warp per
 // row. It reads y, written by the kernel ahead, after the dependency wait, through coherent loads.

@@ -390,7 +390,7 @@ __device__ __forceinline__ uint2 ld_dep64(const u16* p) {
 }
 
 // Thread-block clusters (sm_90). Launched without a cluster, a block is a cluster of one: the kernel then takes its
-// ordinary paths (global split-K reduction, each block fetching its own codebook).
+// ordinary path (the global split-K reduction).
 __device__ __forceinline__ u32 cluster_dim(int axis) {
     u32 r = 1;
 #if __CUDA_ARCH__ >= 900
@@ -428,17 +428,6 @@ __device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
     return v;
 }
 
-// `bytes` (a multiple of 16) from global memory to shared address `dst` of every block of the cluster in `mask`
-// (bit = rank), completing on the barrier at the same offset in each of them.
-__device__ __forceinline__ void bulk_load_multicast(u32 dst, const void* src, u32 bytes, u32 bar, u16 mask) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-        "%4;" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask)
-        : "memory");
-#endif
-}
-
 // Half hh of entry `id` through the tiers (rep: this lane's copy of half 0 of entry 0; sh: half hh of entry NREP).
 template <int D, int B, int NREP, int NSH>
 __device__ __forceinline__ uint2 lookup_half(u32 id, const uint2* rep, const uint2* sh, const u16* gbook, int hh) {
@@ -468,7 +457,7 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
                                             u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
                                             int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs,
                                             int rows_per_block, int rbpt, int split_vecs, int splits_k, int tps,
-                                            int wk, int mcast) {
+                                            int wk) {
     using Q = MmaChunk<D, B>;
     constexpr int S = Q::S, NWL = Q::NWL, CV = Q::CV, H4 = D / 4, E = 1 << B;
     constexpr int RG = 2, NT = MT > 8 ? 2 : 1, GT = MT < 8 ? MT : 8;  // row groups, n-tiles, tokens per n-tile
@@ -484,7 +473,6 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
     constexpr bool PF = VQ_PF && 2 * RF + 4 * SF <= 16 && NWL <= 4;
     constexpr int RFN = PF && RF > 0 ? RF : 1, SFN = PF && SF > 0 ? SF : 1;
     extern __shared__ uint4 smem_v4[];
-    __shared__ alignas(8) u64 book_bar;  // completes when the multicast codebook has landed
     char* smem = reinterpret_cast<char*>(smem_v4);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, tq = lane & 3;
     const int p = tq / H4, hh = tq % H4;
@@ -498,13 +486,10 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
     const int kw = warp % wk, rw = warp / wk;
     const int nchp = (split_vecs + CV - 1) / CV;  // chunks of the full range (the staging's shape)
     const bool vec_rows = (W & 3) == 0;
-    // Cluster roles: along y the blocks of one row block's splits add their partials through distributed shared
-    // memory (when the cluster holds all of them); along x blocks that share one codebook (`mcast`: a per-tensor
-    // scope, single-copy tier = the whole codebook) each fetch a slice of it for all.
+    // Clusters: along y the blocks of one row block's splits add their partials through distributed shared memory
+    // (when the cluster holds all of them).
     const int cx = (int)cluster_dim(0), cy = (int)cluster_dim(1);
     const bool dsm = S_ > 1 && cy == S_;
-    bool mc = false;
-    if constexpr (NREP == 0 && NSHARED >= E) mc = mcast != 0 && cx > 1;
 
     launch_dependents();  // the next kernel may start loading its weights while this one runs
 
@@ -591,39 +576,22 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
             }
         }
         if constexpr (NSHARED > 0) {
-            if (!mc) {
-                uint4* dst = reinterpret_cast<uint4*>(smem + REPB);
-                if constexpr (PF) {
+            uint4* dst = reinterpret_cast<uint4*>(smem + REPB);
+            if constexpr (PF) {
 #pragma unroll
-                    for (int j = 0; j < SF; ++j) {
-                        const int i = t + j * THREADS;
-                        if (i < NSHARED * D / 8) dst[i] = sf[j];
-                    }
-                } else {
-                    const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
-                    for (int i = t; i < NSHARED * D / 8; i += THREADS) dst[i] = src[i];
+                for (int j = 0; j < SF; ++j) {
+                    const int i = t + j * THREADS;
+                    if (i < NSHARED * D / 8) dst[i] = sf[j];
                 }
+            } else {
+                const uint4* src = reinterpret_cast<const uint4*>(gbook + (size_t)NREP * D);
+                for (int i = t; i < NSHARED * D / 8; i += THREADS) dst[i] = src[i];
             }
         }
     };
 
-    // Weights first (they do not depend on the kernel ahead): the first range's index words, its codebook into
-    // registers or, shared by the cluster, straight into shared memory.
-    const u32 bar = smem_addr(&book_bar);
-    if (mc) {
-        if (t == 0) {
-            mbar_init(bar, 1);
-            mbar_init_fence();
-        }
-        cluster_sync();  // every block's barrier is initialized before a slice names it
-        if (t == 0) {
-            const int xr = (int)cluster_pos(0), yr = (int)cluster_pos(1);
-            const u32 slice = (u32)SHB / (u32)cx;  // a multiple of 16 (the host picks cx)
-            mbar_arrive_expect_tx(bar, (u32)SHB);
-            bulk_load_multicast(smem_addr(smem + REPB) + xr * slice, reinterpret_cast<const char*>(book_of(0)) +
-                                (size_t)xr * slice, slice, bar, (u16)(((1u << cx) - 1u) << (yr * cx)));
-        }
-    }
+    // Weights first (they do not depend on the kernel ahead): the first range's index words and, with the prefetch,
+    // its codebook into registers.
     {
         const int v0 = ks * tps * split_vecs;
         if (v0 < V && kw < (min(V - v0, split_vecs) + CV - 1) / CV) load(wd, v0, kw, min(V - v0, split_vecs));
@@ -660,7 +628,6 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
             if (m < M && v < nv) e = ld_dep64(x + (size_t)m * K + (size_t)(v0 + v) * D + (tl % H4) * 4);
             xs[i] = e;
         }
-        if (mc && tt == 0) mbar_wait(bar, 0);
         __syncthreads();
         if constexpr (PF) {
             const int v1 = v0 + split_vecs;
@@ -745,17 +712,16 @@ __device__ __forceinline__ void vq_gemv_mma(const u32* __restrict__ indices, con
             finish_splits(bias, out, ws, counters, M, N, row0, nrows, S_);
         }
     }
-    if (mc && !dsm) cluster_sync();  // no block leaves while its multicast slice may still be in flight
 }
 
 #define VQ_MMA_ENTRY(MT)                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS) vq_gemv_mma_m##MT(                                     \
         const u32* indices, const u16* books, const u16* x, const u16* bias, u16* out, float* ws, int* counters,  \
         int M, int N, int K, int W, int z, int C, int tile_rows, int tile_vecs, int rows_per_block, int rbpt,    \
-        int split_vecs, int splits_k, int tps, int wk, int mcast) {                                              \
+        int split_vecs, int splits_k, int tps, int wk) {                                                         \
         vq_gemv_mma<VQ_D, VQ_B, MT, VQ_NREP, VQ_NSH>(indices, books, x, bias, out, ws, counters, M, N, K, W, z,  \
                                                      C, tile_rows, tile_vecs, rows_per_block, rbpt, split_vecs,  \
-                                                     splits_k, tps, wk, mcast);                                  \
+                                                     splits_k, tps, wk);                                         \
     }
 
 #define VQ_ENTRY(MT)                                                                                               \

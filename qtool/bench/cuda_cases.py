@@ -128,7 +128,13 @@ class CudaCases:
         return [lambda: torch.neg(a, out=b) for _ in range(32)]
 
     def paths(self, k: int, n: int, m: int, bits: int, group_size: int | None) -> tuple[list[str], str]:
-        from qtool.layouts.grouped_int.cuda import GEMV_MAX_M, choose_path, mma_eligible, unsupported_reason
+        from qtool.layouts.grouped_int.cuda import (
+            FMA_MAX_TOKENS,
+            GEMV_MAX_M,
+            choose_path,
+            mma_eligible,
+            unsupported_reason,
+        )
 
         dispatched = choose_path(m, torch.float16, bits, group_size, k, n)
         if unsupported_reason(bits, group_size, k) is not None:
@@ -138,7 +144,7 @@ class CudaCases:
             cands.insert(0, "mma")
         if m <= max(GEMV_MAX_M, 64):
             cands.insert(0, "gemv")
-        if m <= 4:
+        if m <= FMA_MAX_TOKENS:
             cands.insert(0, "gemv-fma")
         return cands, dispatched
 

@@ -132,34 +132,20 @@ def test_gemv_odd_shapes(assign, fraction, nkg):
     for m in MS:
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers=outliers)
-    for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them), with and without the prefetch
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=True, layout="direct")
-        _check(layer, p, 1, seed, outliers="fused", warps=warps, pipe=False, layout="direct")
+    for warps in (1, 2, 8):  # several blocks per thread (K up to 300 of them)
+        _check(layer, p, 1, seed, outliers="fused", warps=warps, layout="direct")
     assert (p.tiled is not None) == (assign == "block4" and g2 % 4 == 0)
     if p.tiled is not None:
         _check_tiled(layer, p, seed)
 
 
 def _check_tiled(layer, p, seed: int) -> None:
-    """The tiled GEMV at every token count, and at one token every rows x warps x prefetch build, both outlier modes."""
+    """The tiled GEMV at every token count, and at one token every warp count, both outlier modes."""
     for m in MS:
         _check(layer, p, m, seed, with_bias=(m % 2 == 1), outliers="fused", layout="tiled")
-    for rows in (4, 8):
-        for warps in (1, 2, 4, 8):
-            for pipe in (False, True):
-                for outliers in ("fused", "spmv"):
-                    _check(
-                        layer,
-                        p,
-                        1,
-                        seed,
-                        with_bias=True,
-                        outliers=outliers,
-                        layout="tiled",
-                        rows=rows,
-                        warps=warps,
-                        pipe=pipe,
-                    )
+    for warps in (1, 2, 4, 8):
+        for outliers in ("fused", "spmv"):
+            _check(layer, p, 1, seed, with_bias=True, outliers=outliers, layout="tiled", warps=warps)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02])
@@ -185,9 +171,8 @@ def test_gemv_real_shapes(nkg):
         for outliers in ("fused", "spmv"):
             _check(layer, p, m, seed, outliers=outliers)
     for warps in (1, 2, 4, 8):
-        for pipe in (False, True):
-            for outliers in ("fused", "spmv"):
-                _check(layer, p, 1, seed, warps=warps, pipe=pipe, outliers=outliers, layout="direct")
+        for outliers in ("fused", "spmv"):
+            _check(layer, p, 1, seed, warps=warps, outliers=outliers, layout="direct")
     assert mixed_layout(p) == "tiled"
     _check_tiled(layer, p, seed)
 
@@ -391,9 +376,8 @@ def test_gemv_swiglu_epilogue_gives_the_bits_of_gemv_then_swiglu(fraction):
     x = torch.randn(1, k, device="cuda", dtype=torch.float16)
     gu = mixed.gemv(x, p, outliers="fused").reshape(1, n // 4, 2, 2)
     plain = swiglu(torch.cat([gu[:, :, 0].reshape(1, n // 2), gu[:, :, 1].reshape(1, n // 2)], dim=-1))
-    for pipe in (False, True):
-        out = torch.full((1, n // 2), float("nan"), device="cuda", dtype=torch.float16)
-        y = synced(mixed.gemv_swiglu(x, p, out=out, pipe=pipe))
-        assert torch.equal(y, plain), f"seed {seed}, pipe {pipe}: {int((y != plain).sum())} elements differ"
+    out = torch.full((1, n // 2), float("nan"), device="cuda", dtype=torch.float16)
+    y = synced(mixed.gemv_swiglu(x, p, out=out))
+    assert torch.equal(y, plain), f"seed {seed}: {int((y != plain).sum())} elements differ"
     ref = mixed.swiglu_interleaved(reference64(layer, x, False).half().cuda())
     assert rel_err(y, ref) < 1e-2

@@ -122,46 +122,43 @@ def test_gemv_every_cache_variant(preset, reindex, form):
 
 
 # The mma form's launch options (qtool/layouts/vq/cuda.py `knobs`), each set explicitly: all on (clusters of up to 16
-# blocks adding their splits through distributed shared memory, AQLM's codebook multicast to up to 4 blocks,
-# next-tile prefetch, dependent launch), then each switched off; "portable" caps clusters at 8 blocks with an
-# ordinary launch; "off" is what the module's defaults give today.
+# blocks adding their splits through distributed shared memory, next-tile prefetch, dependent launch), then each
+# switched off; "portable" caps clusters at 8 blocks with an ordinary launch; "off" is what the module's defaults
+# give today.
 ALL_ON = {
     "QTOOL_VQ_CLUSTER": "16",
-    "QTOOL_VQ_MULTICAST": "4",
     "QTOOL_VQ_PREFETCH": "1",
     "QTOOL_VQ_DEPENDENT": "1",
 }
 KNOBS = {
     "all-on": ALL_ON,
     "global-split-k": {**ALL_ON, "QTOOL_VQ_CLUSTER": "1"},
-    "no-multicast-no-prefetch": {**ALL_ON, "QTOOL_VQ_MULTICAST": "1", "QTOOL_VQ_PREFETCH": "0"},
+    "no-prefetch": {**ALL_ON, "QTOOL_VQ_PREFETCH": "0"},
     "portable-ordinary-launch": {**ALL_ON, "QTOOL_VQ_CLUSTER": "8", "QTOOL_VQ_DEPENDENT": "0"},
     "off": {
         "QTOOL_VQ_CLUSTER": "1",
-        "QTOOL_VQ_MULTICAST": "1",
         "QTOOL_VQ_PREFETCH": "0",
         "QTOOL_VQ_DEPENDENT": "0",
     },
 }
 # Beside SHAPES: 17 column tiles (a cluster of 9 splits: non-portable; 8 with the portable cap) with a ragged row
-# tile; AQLM rows in 8 row blocks (multicast to 4) with a ragged last block and 49-word index rows.
+# tile; AQLM rows in 8 row blocks with a ragged last block and 49-word index rows.
 KNOB_SHAPES = {"gptvq-2": [(300, 576), (272, 4352)], "aqlm-3": [(130, 1040), (1000, 1032)]}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_mma_cluster_multicast_prefetch_options(preset, knob, monkeypatch):
+def test_mma_cluster_prefetch_options(preset, knob, monkeypatch):
     """Every launch option of the mma form against the reference: the cluster's reduction and the global split-K
-    one, the codebook multicast and per-block fills, tile prefetch on and off, dependent and ordinary launches;
-    every cache variant, both index orders, M = 1, 3, 16. The plans use what the option asks for, and no cluster
-    launch fell back to an ordinary one."""
+    one, tile prefetch on and off, dependent and ordinary launches; every cache variant, both index orders, M = 1,
+    3, 16. The plans use what the option asks for, and no cluster launch fell back to an ordinary one."""
     from qtool.cuda import dependent_launch
     from qtool.layouts.vq import cuda as vq
 
     for name, value in KNOBS[knob].items():
         monkeypatch.setenv(name, value)
-    cmax, mmax, prefetch, _, _ = vq.knobs()
-    used = {"dsm": 0, "mc": 0}
+    cmax, prefetch, _, _ = vq.knobs()
+    used = {"dsm": 0}
     for i, (n, k) in enumerate(KNOB_SHAPES[preset]):
         seed = int.from_bytes(os.urandom(4), "little")
         layer = random_vq(n, k, preset, i % 2 == 0, seed, bias=True)
@@ -171,14 +168,11 @@ def test_mma_cluster_multicast_prefetch_options(preset, knob, monkeypatch):
                 _check(layer, p, m, seed, with_bias=(m + i) % 2 == 0, cache=cache, form="mma")
                 plan = vq.plan_for(p, vq.token_slots(m), cache, torch.cuda.current_device(), form="mma")
                 cx, cy = plan.cluster
-                assert cy == (plan.splits if 1 < plan.splits <= cmax else 1), plan
-                assert cx == 1 or (mmax > 1 and plan.n_shared == p.entries and plan.n_reg == 0), plan
-                assert cx * cy <= vq.CLUSTER_LIMIT and plan.prefetch == prefetch
+                assert cx == 1 and cy == (plan.splits if 1 < plan.splits <= cmax else 1), plan
+                assert cy <= vq.CLUSTER_LIMIT and plan.prefetch == prefetch
                 used["dsm"] += cy > 1
-                used["mc"] += cx > 1
     assert dependent_launch.cluster_fallback_reason() == "", "a cluster launch ran as an ordinary one"
     assert (used["dsm"] > 0) == (cmax > 1), used
-    assert (used["mc"] > 0) == (preset == "aqlm-3" and mmax > 1), used
 
 
 def test_chained_calls_read_the_previous_output(monkeypatch):

@@ -23,7 +23,6 @@ The checkpoint tensors are used in place when K is a multiple of 128; otherwise 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,8 @@ KP_MULTIPLE = 128
 #   (K <= 16384 at 4 bits, K <= 8192 at 8 bits; at 256 before it became a dependent launch); at M = 2..4 the
 #   tensor-core kernel is faster.
 GEMV_MAX_M = min(64, cc.env_int("QTOOL_GEMV_MAX_M", 32))
-FMA_MAX_M = min(4, cc.env_int("QTOOL_FMA_MAX_M", 1))
+FMA_MAX_TOKENS = 2  # the CUDA-core kernel's builds: 1 and 2 token slots
+FMA_MAX_M = min(FMA_MAX_TOKENS, cc.env_int("QTOOL_FMA_MAX_M", 1))
 FMA_MAX_PIECES = 512
 # One-token 4-bit rows longer than 128 pieces (K > 4096) run in blocks of this many warps whose threads walk
 # several pieces, instead of one thread per piece. On an H100 (kernels/NOTES.md), against one thread per piece with
@@ -194,9 +194,6 @@ def _n_tiles(m: int) -> int:
 
 # Tuning overrides for the bench; unset in normal use.
 _WARPS_OVERRIDE = cc.env_int("QTOOL_GEMV_WARPS", 0)  # 0: the tuned choice
-# 1: the tensor-core kernel issues activation loads and MMAs in program order (volatile asm), as first measured;
-# 0: the compiler may reorder them.
-GEMV_VOLATILE = cc.env_int("QTOOL_GEMV_VOLATILE", 1)
 
 
 def gemv_warps(n: int, nt: int, kp: int, bits: int, sms: int) -> int:
@@ -275,7 +272,7 @@ def gemv(
             f"dependent: found {m} rows, expected at most {8 * GEMV_DEP_MAX_TILES} for the "
             "dependent-launch entry"
         )
-    name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else f"v{GEMV_VOLATILE}")
+    name = f"grouped_int_gemv_b{p.bits}_nt{nt}_" + ("dep" if dependent else "v1")
     args = (
         cc.ptr(p.qweight),
         cc.ptr(p.scales),
@@ -304,12 +301,6 @@ def gemv(
 
 
 FMA_ROWS = 4  # must match FMA_ROWS in kernels/grouped_int/gemv.cu
-_FMA_PIPE = None if os.environ.get("QTOOL_FMA_PIPE") is None else os.environ["QTOOL_FMA_PIPE"] == "1"
-# 1 (default): the CUDA-core kernel multiplies the exact (c - z) (pre-divided by a power of two) by the
-# activations and applies the group scale once per fp16 chain in fp32: 4 fewer instructions per 8 codes, 2-6%
-# faster on an H200 at M = 1, and no fp16 rounding of the weight. 0: it forms each weight as the reference does,
-# (c - z) * s rounded to fp16, then multiplies (kernels/NOTES.md, fma v5).
-FMA_SCALE_AFTER = cc.env_int("QTOOL_FMA_SCALE_AFTER", 1)
 
 
 def gemv_fma(
@@ -319,24 +310,23 @@ def gemv_fma(
     out: torch.Tensor | None = None,
     warps: int | None = None,
 ) -> torch.Tensor:
-    """y = x . W^T (+ bias) with the CUDA-core kernel for 1..4 tokens (contiguous 512-byte row reads)."""
+    """y = x . W^T (+ bias) with the CUDA-core kernel for 1..FMA_MAX_TOKENS tokens (contiguous 512-byte row
+    reads)."""
     lead = x.shape[:-1]
-    x2, out, m, dev = _gemv_args(x, p, bias, out, 4)
-    mt = 1 if m == 1 else (2 if m == 2 else 4)
+    x2, out, m, dev = _gemv_args(x, p, bias, out, FMA_MAX_TOKENS)
     pieces = p.kp // (128 // p.bits)
-    # Measured on an H200: 4-bit is issue-bound and wants occupancy (one row group per block, fewer registers,
-    # and its weights loaded before the dependency wait); 8-bit wants the persistent grid that prefetches the next
-    # row group while it computes the current one.
-    pipe = _FMA_PIPE if _FMA_PIPE is not None else p.bits == 8
-    pipe = pipe and mt <= 2
+    # Measured on an H200 at one token: 4-bit is issue-bound and wants occupancy (one row group per block, fewer
+    # registers, and its weights loaded before the dependency wait); 8-bit wants the persistent grid that prefetches
+    # the next row group while it computes the current one (kernels/grouped_int/NOTES.md).
+    pipe = p.bits == 8
     if warps is None:
-        warps = fma_warps(p.bits, mt, pipe, pieces)
+        warps = fma_warps(p.bits, m, pipe, pieces)
     elif not 1 <= warps <= 16:
         raise ValueError(
             f"warps: found {warps}, expected 1..16 (the kernel is built for at most 512 threads)"
         )
     mod = cc.load_module(SOURCE, device=dev)
-    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{mt}_p{int(pipe)}_s{int(bool(FMA_SCALE_AFTER))}")
+    fn = mod.fn(f"grouped_int_gemv_fma_b{p.bits}_m{m}_p{int(pipe)}_s1")
     threads = 32 * warps
     groups = (p.out_features + FMA_ROWS - 1) // FMA_ROWS
     grid = groups

@@ -41,11 +41,6 @@ MAX_WARPS = 8  # must match MAX_WARPS in kernels/mixed/gemv.cu
 # and 4 warps and 2- and 8-row blocks at 4096x4096, 4096x11008, 11008x4096 and 8192x28672 on an H100, and 1 and 4
 # warps on an H200 (tied with 1 at 8192x28672; kernels/NOTES.md).
 GEMV_WARPS = cc.env_int("QTOOL_MIXED_WARPS", 2)
-# 1: at one token, the next block's loads go ahead of the current block's arithmetic where a thread has several
-# blocks; 0 (default): never; -1: where a thread has PIPE_MIN_BLOCKS_PER_THREAD blocks or more. On an H200 it
-# helped 1-warp blocks but no configuration with it beat 2 warps without it (kernels/NOTES.md).
-GEMV_PIPE = cc.env_int("QTOOL_MIXED_PIPE", 0)
-PIPE_MIN_BLOCKS_PER_THREAD = 2
 # "fused" or "spmv". At one token with 0.2% outliers, fused 4.65 / 11.71 / 10.47 / 43.29 us at 4096x4096 /
 # 4096x11008 / 11008x4096 / 8192x28672 (KxN) against 7.7 / 14.8 / 15.2 / 45.7 as a second kernel (tiled GEMV, an
 # H100); the direct GEMV on an H200: 6.32 / 15.22 / 14.48 / 59.54 against 7.97 / 17.48 / 16.97 / 60.99
@@ -56,13 +51,12 @@ OUTLIERS = "fused"
 # outliers on an H100, kernels/NOTES.md).
 GEMM_OUTLIERS = "spmv"
 MAX_K = 1 << 20  # binfo holds 4-bit ranks in 16 bits: K/16 < 2^16
-TILED_ROWS = (4, 8)  # output rows per block of the tiled GEMV (8: one token only)
-# At one token on an H100, 4-row blocks of 2 warps with the prefetch were best or within noise of the best at the
-# Llama-2-7B shapes and 8192x28672 (4096x4096: 4.21 us, without the prefetch 4.88, 1 warp 6.44, 8-row blocks
-# 4.72-7.78; kernels/NOTES.md).
-TILED_GEMV_ROWS = cc.env_int("QTOOL_MIXED_TILED_ROWS", 4)
+# The tiled GEMV: 4-row blocks (must match its entries in kernels/mixed/gemv.cu), 2 warps, and at one token the
+# next block's loads ahead of the arithmetic (the only one-token build). At one token on an H100 these were best or
+# within noise of the best at the Llama-2-7B shapes and 8192x28672 (4096x4096: 4.21 us, without the prefetch 4.88,
+# 1 warp 6.44, 8-row blocks 4.72-7.78; kernels/mixed/NOTES.md).
+TILED_ROWS = 4
 TILED_WARPS = cc.env_int("QTOOL_MIXED_TILED_WARPS", 2)
-TILED_PIPE = cc.env_int("QTOOL_MIXED_TILED_PIPE", 1)
 # 0 (default): where the GEMM runs, a layer with tiled streams keeps only them on the GPU (module_forward moves its
 # checkpoint tensors to host memory); 1: the checkpoint tensors stay on the GPU as well (the direct GEMV and the
 # dequantize kernel need them).
@@ -457,19 +451,6 @@ def spmv(x2: torch.Tensor, p: Prepared, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def use_pipe(k: int, mt: int, warps: int, pipe: bool | None = None) -> bool:
-    """Whether the GEMV keeps the next block's loads ahead of the arithmetic (built for one token only)."""
-    if pipe is not None:
-        if pipe and mt != 1:
-            raise ValueError(f"pipe: found True for {mt} token slots, expected it only for one token")
-        return pipe
-    if mt != 1:
-        return False
-    if GEMV_PIPE >= 0:
-        return bool(GEMV_PIPE)
-    return k // 64 >= PIPE_MIN_BLOCKS_PER_THREAD * 32 * warps
-
-
 def outlier_mode(outliers: str | None = None, default: str = OUTLIERS) -> str:
     """How the GEMV (or, with `default` GEMM_OUTLIERS, the GEMM) adds the outliers: "fused" or "spmv"."""
     mode = default if outliers is None else outliers
@@ -501,13 +482,10 @@ def gemv(
     out: torch.Tensor | None = None,
     outliers: str | None = None,
     warps: int | None = None,
-    pipe: bool | None = None,
     layout: str | None = None,
-    rows: int | None = None,
 ) -> torch.Tensor:
     """y = x . W^T (+ bias) for 1..16 tokens; `outliers` "fused" (in the GEMV) or "spmv" (a second kernel);
-    `layout` "tiled" or "direct" (gemv_layout); `warps`, `pipe` and `rows` (tiled only) override the tuned
-    choices."""
+    `layout` "tiled" or "direct" (gemv_layout); `warps` overrides the tuned warps per block."""
     lead = x.shape[:-1]
     x2 = cc.f16_rows(x, p.in_features, LAYOUT)
     m = x2.shape[0]
@@ -527,7 +505,7 @@ def gemv(
         cc.i32(m),
     )
     if layout == "tiled":
-        r, w, piped = tiled_config(p.in_features, mt, rows, warps, pipe)
+        r, w, piped = tiled_config(p.in_features, mt, warps)
         name = f"mixed_gemv_tiled_r{r}_m{mt}_f{int(fuse)}_p{int(piped)}"
         t = p.tiled
         args = (
@@ -542,12 +520,9 @@ def gemv(
             cc.i32(p.scale_group_size),
         )
     else:
-        if rows not in (None, ROWS):
-            raise ValueError(f"rows: found {rows}, expected {ROWS} for the direct layout")
         r = ROWS
         w = gemv_warps(p.in_features, warps)
-        piped = use_pipe(p.in_features, mt, w, pipe)
-        name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p{int(piped)}"
+        name = f"mixed_gemv_r{ROWS}_m{mt}_b{int(p.block4)}_f{int(fuse)}_p0"
         args = (*p.layer_args(), *tail, *p.shape_args())
     fn = cc.load_module(SOURCE, device=dev).fn(name)
     dependent_launch.launch(fn, (-(-p.out_features // r),), (32 * w,), args, device=dev)
@@ -556,22 +531,10 @@ def gemv(
     return out.reshape(*lead, p.out_features)
 
 
-def tiled_config(
-    k: int, token_slots: int, rows: int | None = None, warps: int | None = None, pipe: bool | None = None
-) -> tuple[int, int, bool]:
-    """(rows per block, warps per block, prefetch) of the tiled GEMV: the tuned defaults unless given."""
-    r = TILED_GEMV_ROWS if rows is None else rows
-    if r not in TILED_ROWS or (r != 4 and token_slots != 1):
-        raise ValueError(f"rows: found {r}, expected 4 (or 8 for one token) for the tiled GEMV")
-    w = gemv_warps(k, TILED_WARPS if warps is None else warps)
-    piped = bool(TILED_PIPE) if pipe is None else pipe
-    if piped and token_slots != 1:
-        if pipe:
-            raise ValueError(
-                f"pipe: found True for {token_slots} token slots, expected it only for one token"
-            )
-        piped = False
-    return r, w, piped
+def tiled_config(k: int, token_slots: int, warps: int | None = None) -> tuple[int, int, bool]:
+    """(rows per block, warps per block, prefetch) of the tiled GEMV: the tuned warps unless `warps` is given; the
+    prefetch at one token only (the builds for more tokens have none)."""
+    return TILED_ROWS, gemv_warps(k, TILED_WARPS if warps is None else warps), token_slots == 1
 
 
 def dequantize(p: Prepared, outliers: bool = True) -> torch.Tensor:
@@ -764,7 +727,6 @@ def gemv_swiglu(
     p: Prepared,
     out: torch.Tensor | None = None,
     outliers: str | None = None,
-    pipe: bool | None = None,
 ) -> torch.Tensor:
     """SwiGLU of a row-interleaved gate/up projection (swiglu_interleaved) for one token, in the tiled GEMV's
     epilogue: [..., K] -> [..., N/2]."""
@@ -783,7 +745,7 @@ def gemv_swiglu(
         raise ValueError(
             "outliers: found 'spmv', expected 'fused' for the SwiGLU GEMV (it stores no projection)"
         )
-    _, w, piped = tiled_config(p.in_features, 1, 4, None, pipe)
+    _, w, piped = tiled_config(p.in_features, 1)
     out = cc.f16_out(out, (1, p.out_features // 2), x.device)
     dev = cc.device_index(x.device)
     t = p.tiled

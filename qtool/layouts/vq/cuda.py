@@ -49,27 +49,23 @@ MAX_REG_SETS = 2  # register tier: at most 64 entries (each 32 cost d/2 register
 X_STAGE_BYTES = 32 * 1024
 RESERVED_SMEM = 1024  # shared memory the runtime reserves per block
 # mma form, thread-block clusters (Hopper): the splits of one row block in a cluster of at most CLUSTER_MAX blocks
-# add their partial sums through distributed shared memory (no workspace round trip, no counter); blocks that
-# share a per-tensor codebook held whole in shared memory (AQLM's) fetch it once per MULTICAST_MAX of them, each a
-# slice multicast to all. Environment: QTOOL_VQ_CLUSTER (1: off), QTOOL_VQ_MULTICAST (1: off), QTOOL_VQ_PREFETCH
-# (0: the next column tile's codebook is not loaded during the current one), QTOOL_VQ_DEPENDENT (0: an ordinary
-# launch instead of a programmatic dependent one), QTOOL_VQ_MAX_WK (caps the warps sharing a row along K: fewer,
-# larger blocks). The defaults are what scripts/vq_gemv_options.py picked on an H100 (kernels/NOTES.md "VQ decode
-# GEMV"): the dependent launch on; clusters, multicast and prefetch lost their A/B there and stay off.
+# add their partial sums through distributed shared memory (no workspace round trip, no counter). Environment:
+# QTOOL_VQ_CLUSTER (1: off), QTOOL_VQ_PREFETCH (0: the next column tile's codebook is not loaded during the current
+# one), QTOOL_VQ_DEPENDENT (0: an ordinary launch instead of a programmatic dependent one), QTOOL_VQ_MAX_WK (caps the
+# warps sharing a row along K: fewer, larger blocks). The defaults are what scripts/vq_gemv_options.py picked on an
+# H100 (kernels/vq/NOTES.md "Decode GEMV"): the dependent launch on; clusters and prefetch lost their A/B there and
+# stay off.
 CLUSTER_MAX = 1  # 16: Hopper's largest (non-portable) cluster
-MULTICAST_MAX = 1  # 4
 PREFETCH = 0  # 1
 DEPENDENT = 1
 CLUSTER_LIMIT = 16  # blocks per cluster on Hopper (above 8 with the non-portable attribute)
 
 
-def knobs() -> tuple[int, int, int, int, int]:
-    """(cluster cap, multicast cap, prefetch, dependent launch, warps along K cap) of the mma form, from the
-    environment."""
+def knobs() -> tuple[int, int, int, int]:
+    """(cluster cap, prefetch, dependent launch, warps along K cap) of the mma form, from the environment."""
     limit = min(CLUSTER_LIMIT, dependent_launch.cluster_limit())  # lower once the driver refused a size
     return (
         max(1, min(limit, cc.env_int("QTOOL_VQ_CLUSTER", CLUSTER_MAX))),
-        max(1, min(limit, cc.env_int("QTOOL_VQ_MULTICAST", MULTICAST_MAX))),
         1 if cc.env_int("QTOOL_VQ_PREFETCH", PREFETCH) else 0,
         1 if cc.env_int("QTOOL_VQ_DEPENDENT", DEPENDENT) and dependent_launch.ENABLED else 0,
         max(1, min(8, cc.env_int("QTOOL_VQ_MAX_WK", 8))),
@@ -228,10 +224,7 @@ class Plan:
     balance: int  # the traffic balance's split factor s*
     form: str = "fma"
     wk: int = 1  # mma form: warps along K per row
-    cluster: tuple[int, int] = (
-        1,
-        1,
-    )  # mma form: (blocks sharing a codebook by multicast, splits of a row block)
+    cluster: tuple[int, int] = (1, 1)  # mma form: (1, splits of a row block)
     prefetch: int = 0  # mma form: next column tile's codebook and index words loaded during the current one
     dependent: int = 0  # mma form: launched as a programmatic dependent of the kernel ahead
     why: dict = field(default_factory=dict)
@@ -464,7 +457,7 @@ def plan_for(
     In the mma form a block holds 256 / wk rows, wk warps sharing a row along K: the smallest wk (1, 2, 4, 8, at
     most the range's chunks) whose grid fills the device. `tiers` and `tiles_per_split` override the derived
     values (tests)."""
-    kn = knobs() if form == "mma" else (1, 1, 0, 0, 8)
+    kn = knobs() if form == "mma" else (1, 0, 0, 8)
     key = (mt, cache, tiers, dev, tiles_per_split, form, kn)
     plan = p.plans.get(key)
     if plan is not None:
@@ -474,7 +467,7 @@ def plan_for(
     reason = unsupported_reason(p.vector_size, p.index_bits, p.tile_vecs * p.vector_size, p.in_features)
     if reason is not None:
         raise cc.CudaUnavailableError(f"{LAYOUT} layer: {reason}; use the reference path")
-    cmax, mmax, prefetch, dependent, max_wk = kn
+    cmax, prefetch, dependent, max_wk = kn
     if tiers is None:
         n_reg, n_shared, why = tiers_for(p, cache, mt, dev, form)
     else:
@@ -532,25 +525,9 @@ def plan_for(
         rows = min(max(unit, -(-want // unit) * unit), -(-p.tile_rows // unit) * unit)
     rbpt = -(-p.tile_rows // rows)
     grid_x = p.row_tiles * rbpt
-    cy = cx = 1
-    if form == "mma":
-        if 1 < splits <= cmax and xbytes >= 2 * 256 * mt * 4:
-            cy = splits
-        if (
-            mmax > 1
-            and n_reg == 0
-            and n_shared == p.entries
-            and p.row_tiles == 1
-            and p.col_tiles == 1
-            and tps == 1
-        ):
-            while (
-                cx * 2 <= mmax
-                and cx * 2 * cy <= min(CLUSTER_LIMIT, dependent_launch.cluster_limit())
-                and grid_x % (cx * 2) == 0
-                and book % (cx * 2 * 16) == 0
-            ):
-                cx *= 2
+    cy = 1
+    if form == "mma" and 1 < splits <= cmax and xbytes >= 2 * 256 * mt * 4:
+        cy = splits
     plan = Plan(
         n_reg=n_reg,
         n_shared=n_shared,
@@ -565,7 +542,7 @@ def plan_for(
         balance=balance,
         form=form,
         wk=wk,
-        cluster=(cx, cy),
+        cluster=(1, cy),
         prefetch=prefetch if form == "mma" else 0,
         dependent=dependent if form == "mma" else 0,
         why={**why, "regs": int(fn.num_regs), "blocks_per_sm": resident},
@@ -638,8 +615,8 @@ def gemv(
         cc.i32(plan.tiles_per_split),
     )
     if form == "mma":
-        args = (*args, cc.i32(plan.wk), cc.i32(1 if plan.cluster[0] > 1 else 0))
-        cx, cy = plan.cluster
+        args = (*args, cc.i32(plan.wk))
+        cy = plan.cluster[1]
         dependent_launch.launch(
             fn,
             (plan.grid_x, plan.splits),
@@ -648,7 +625,7 @@ def gemv(
             shared_mem=plan.smem,
             device=dev,
             dependent=bool(plan.dependent),
-            cluster=(cx, cy, 1) if cx * cy > 1 else None,
+            cluster=(1, cy, 1) if cy > 1 else None,
         )
     else:
         cc.launch(fn, (plan.grid_x, plan.splits), (THREADS,), args, shared_mem=plan.smem, device=dev)
