@@ -290,7 +290,16 @@ def kernels_cmd(
     "model_config",
     default="llama-2-7b",
     show_default=True,
-    help="Model dimensions (llama-2-7b, llama-3-8b, mistral-7b, tiny); weights are random.",
+    help="Model dimensions (llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, qwen3-8b, tiny; mixture of "
+    "experts, 4 of their layers: mixtral-8x7b-4l, qwen3-30b-a3b-4l); weights are random.",
+)
+@click.option(
+    "--qk-norm/--no-qk-norm",
+    "qk_norm",
+    default=True,
+    show_default=True,
+    help="Keep the model's per-head query/key RMSNorm (qwen3-*: torch ops, not fused); --no-qk-norm runs "
+    "the same shape without it, to measure what it costs.",
 )
 @click.option(
     "--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v)
@@ -365,11 +374,12 @@ def e2e_cmd(
     iters: int,
     torchao: bool,
     mixed: str,
+    qk_norm: bool,
     out: ReportOutput,
 ) -> None:
-    """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs, peak GPU
-    memory; with --throughput, generated tokens/s of FP16, FP8, W4A16 and W4A8KV4 up to the largest batch that
-    fits."""
+    """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs (eager for
+    the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8, W4A16
+    and W4A8KV4 up to the largest batch that fits."""
 
     def go() -> None:
         from qtool.bench import e2e, stats
@@ -388,6 +398,7 @@ def e2e_cmd(
                 variants,
                 iters,
                 out,
+                qk_norm,
             )
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
@@ -406,6 +417,7 @@ def e2e_cmd(
                 log=lambda s: click.echo(s, err=True),
                 torchao=torchao,
                 mixed=tuple(mixed_fractions),
+                qk_norm=qk_norm,
             )
             out.finish(report, [], e2e.report_parts, e2e.figure)
 
@@ -421,6 +433,7 @@ def _throughput(
     variants: str,
     iters: int,
     out: ReportOutput,
+    qk_norm: bool = True,
 ) -> None:
     from qtool.bench import stats
     from qtool.bench import throughput as tp
@@ -445,6 +458,7 @@ def _throughput(
             sizes,
             iters,
             log=lambda s: click.echo(s, err=True),
+            qk_norm=qk_norm,
         )
         out.finish(report, [], tp.report_parts, tp.figure)
 
@@ -532,7 +546,7 @@ def quik_cmd(
     "model_config",
     default="llama-2-7b",
     show_default=True,
-    help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, tiny).",
+    help="Model whose attention heads to use (llama-2-7b, llama-3-8b, mistral-7b, qwen3-8b, tiny, ...).",
 )
 @click.option("--batches", default="1,16,64", show_default=True, help="Sequences per step, comma-separated.")
 @click.option(

@@ -1,20 +1,42 @@
-"""`qtool bench e2e`: prefill and decode throughput of a Llama-shaped model with random weights, FP16 vs
-grouped_int, both under CUDA graphs with a static KV cache.
+"""`qtool bench e2e`: prefill and decode throughput of a decoder with random weights, FP16 vs grouped_int, with a
+static KV cache.
 
 The decoder here is deliberately small and self-contained (RMSNorm, RoPE, grouped-query attention through
-`scaled_dot_product_attention`, SwiGLU MLP) so that every step is capturable: positions and cache writes are
-device tensors, nothing synchronizes with the host. Linear layers are either `nn.Linear` (FP16) or
-`GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
+`scaled_dot_product_attention`, SwiGLU MLP) so that a step is capturable (the MoE shapes excepted, below):
+positions and cache writes are device tensors, nothing synchronizes with the host. Linear layers are either
+`nn.Linear` (FP16) or `GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
 the step's small operations as fused kernels: the rotary embedding with the KV-cache write
 (qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
 (qtool/cuda/rms_norm.py), the SwiGLU activation (qtool/cuda/swiglu.py) and a decode step's attention over the
 cache (qtool/cuda/decode_attention.py).
+
+Families beyond Llama's block (`Dims`):
+
+- `head_dim` is explicit: Qwen3 and Gemma set it apart from hidden / heads (Qwen3-30B-A3B: 2048 / 32 heads, but
+  head_dim 128), so the q/k/v and output projections are heads x head_dim wide.
+- Qwen3's per-head RMSNorm of queries and keys (`qk_norm`) runs before RoPE as torch's `F.rms_norm` over the
+  head dimension of the qkv projection's query and key heads: no kernel fuses it into the rotary + cache-write
+  kernel (or the quantized cache's write), so it costs its own launches. It has no host synchronization, so the
+  step stays capturable. `--no-qk-norm` runs the same shape without it: the difference between the two runs is
+  the measured cost of the unfused step.
+- Mixture of experts (`experts`, `top_k`): the MLP becomes a router (a float16 `nn.Linear`, softmax in float32,
+  top-k, the k weights renormalized to sum to one, as Mixtral does and Qwen3-MoE with `norm_topk_prob`) and
+  experts, each a gate/up and a down linear of the run's format. Each expert runs on the tokens routed to it
+  (`index_select`), and its output is added back weighted by the routing weight (`index_add_`). How many tokens
+  an expert gets is known only once the router has run, and the per-expert linears need it as a host-side shape,
+  so every MoE block synchronizes with the host once. A CUDA graph cannot hold that; a fixed-shape step (every
+  token through every expert, or one expert picked by a device-side index into stacked weights) would time a
+  different computation or need kernels that read the expert's weights through a device index, which the packed
+  formats' kernels do not. So MoE models run eagerly, kernel by kernel from Python, for every format, the FP16
+  baseline included; the report says so. At small batches the launch overhead is then part of every format's
+  step alike, which narrows the ratios against FP16. The random router spreads tokens about evenly over the
+  experts; a trained one does not.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -28,39 +50,53 @@ from qtool.bench.stats import BenchError
 @dataclass(frozen=True)
 class Dims:
     hidden: int
-    intermediate: int
+    intermediate: int  # the MLP's width; with experts, each expert's
     layers: int
     heads: int
     kv_heads: int
     vocab: int
+    head_dim: int = 0  # 0: hidden // heads
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    rope_theta: float = 10000.0
+    experts: int = 0  # 0: a dense MLP
+    top_k: int = 0  # experts per token
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
 
+# The MoE shapes keep the real model's layer and expert sizes but only 4 of its layers (Mixtral-8x7B has 32,
+# Qwen3-30B-A3B 48), so that every format's model fits beside the others' caches and builds in seconds.
 MODEL_DIMS: dict[str, Dims] = {
     "llama-2-7b": Dims(4096, 11008, 32, 32, 32, 32000),
     "llama-2-13b": Dims(5120, 13824, 40, 40, 40, 32000),
     "llama-3-8b": Dims(4096, 14336, 32, 32, 8, 128256),
     "mistral-7b": Dims(4096, 14336, 32, 32, 8, 32000),
+    "qwen3-8b": Dims(4096, 12288, 36, 32, 8, 151936, head_dim=128, qk_norm=True, rope_theta=1e6),
+    "mixtral-8x7b-4l": Dims(4096, 14336, 4, 32, 8, 32000, rope_theta=1e6, experts=8, top_k=2),
+    "qwen3-30b-a3b-4l": Dims(
+        2048, 768, 4, 32, 4, 151936, head_dim=128, qk_norm=True, rope_theta=1e6, experts=128, top_k=8
+    ),
     "tiny": Dims(256, 688, 2, 4, 2, 1000),  # for quick checks
 }
 
 
-def dims_for(name: str) -> Dims:
+def dims_for(name: str, qk_norm: bool = True) -> Dims:
+    """The named model's dimensions; `qk_norm` False drops its query/key norms (if it has them)."""
     key = name.strip().lower()
     if key not in MODEL_DIMS:
-        raise BenchError(f"--model-config: found {name!r}, expected one of {sorted(MODEL_DIMS)}")
-    return MODEL_DIMS[key]
+        raise BenchError(f"--model-config: found {name!r}, expected one of {', '.join(MODEL_DIMS)}")
+    d = MODEL_DIMS[key]
+    return d if qk_norm else replace(d, qk_norm=False)
 
 
 class RMSNorm(nn.Module):
     eps = 1e-5
 
-    def __init__(self, dim: int, device: torch.device) -> None:
+    def __init__(self, dim: int, device: torch.device, dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float16), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -95,8 +131,19 @@ def _fusable(flag: bool, device: torch.device, width: int, multiple: int) -> boo
     return cc.cupy_available()
 
 
+class Expert(nn.Module):
+    """One expert's gate/up (gate rows first) and down projections; the block runs them (`Block._ffn`)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate_up = gate_up
+        self.down = down
+
+
 class Block(nn.Module):
-    def __init__(self, d: Dims, make_linear, device: torch.device) -> None:
+    def __init__(
+        self, d: Dims, make_linear, device: torch.device, dtype: torch.dtype = torch.float16
+    ) -> None:
         super().__init__()
         hd = d.head_dim
         self.d = d
@@ -109,10 +156,22 @@ class Block(nn.Module):
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
         self.o = make_linear(d.heads * hd, d.hidden)
-        self.gate_up = make_linear(d.hidden, 2 * d.intermediate)
-        self.down = make_linear(d.intermediate, d.hidden)
-        self.n1 = RMSNorm(d.hidden, device)
-        self.n2 = RMSNorm(d.hidden, device)
+        if d.qk_norm:
+            self.q_norm = RMSNorm(hd, device, dtype)
+            self.k_norm = RMSNorm(hd, device, dtype)
+        if d.experts:
+            # the router stays in float in every format, as the MoE families keep it when quantized
+            self.router = nn.Linear(d.hidden, d.experts, bias=False, device=device, dtype=dtype)
+            nn.init.normal_(self.router.weight, std=0.02)
+            self.experts = nn.ModuleList(
+                Expert(make_linear(d.hidden, 2 * d.intermediate), make_linear(d.intermediate, d.hidden))
+                for _ in range(d.experts)
+            )
+        else:
+            self.gate_up = make_linear(d.hidden, 2 * d.intermediate)
+            self.down = make_linear(d.intermediate, d.hidden)
+        self.n1 = RMSNorm(d.hidden, device, dtype)
+        self.n2 = RMSNorm(d.hidden, device, dtype)
 
     def _add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm
@@ -144,6 +203,17 @@ class Block(nn.Module):
         h, x = self._add_norm(h, y, norm)
         return h, lin(x)
 
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, H + 2 KVH, D] with each query head normalized over D by `q_norm` and each key head by
+        `k_norm` (the values as they were); qkv itself without q/k norms. A new contiguous tensor, as the rotary
+        kernels read it."""
+        if not self.d.qk_norm:
+            return qkv
+        h, kvh, hd = self.d.heads, self.d.kv_heads, self.d.head_dim
+        q = F.rms_norm(qkv[:, :, :h], (hd,), self.q_norm.weight, self.q_norm.eps)
+        k = F.rms_norm(qkv[:, :, h : h + kvh], (hd,), self.k_norm.weight, self.k_norm.eps)
+        return torch.cat([q, k, qkv[:, :, h + kvh :]], dim=2)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -160,7 +230,7 @@ class Block(nn.Module):
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         h, qkv = self._norm_linear(h, y, self.n1, self.qkv)
-        qkv = qkv.view(b, t, d.heads + 2 * d.kv_heads, hd)
+        qkv = self.qk_norm(qkv.view(b, t, d.heads + 2 * d.kv_heads, hd))
         if not isinstance(cache, tuple):
             a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=mask is not None)
             return self._mlp(h, a, b, t)
@@ -216,18 +286,25 @@ class Block(nn.Module):
         return F.scaled_dot_product_attention(q, dk, dv, is_causal=True, enable_gqa=d.kv_heads != d.heads)
 
     def _mlp(self, h: torch.Tensor, a: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output projection of attention `a` [B, H, T, D], then the MLP."""
+        """The output projection of attention `a` [B, H, T, D], then the MLP (or the experts)."""
         d, hd = self.d, self.d.head_dim
         o = self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd))
+        if d.experts:
+            h, x = self._add_norm(h, o, self.n2)
+            return h, self.moe(x)
         if FUSED_GATE_UP_SWIGLU and hasattr(self.gate_up, "forward_swiglu"):
             h, x = self._add_norm(h, o, self.n2)
             return h, self.down(self.gate_up.forward_swiglu(x))
         h, gu = self._norm_linear(h, o, self.n2, self.gate_up)
-        if self.fused_swiglu and self._codes_for(self.down, b * t):
+        return h, self._swiglu_down(gu, self.down, b * t)
+
+    def _swiglu_down(self, gu: torch.Tensor, down: nn.Module, rows: int) -> torch.Tensor:
+        """down(silu(gate) * up) of the gate/up projection's output `gu` (gate columns first)."""
+        if self.fused_swiglu and self._codes_for(down, rows):
             from qtool.layouts.qoq.producers import swiglu_codes
 
-            _, codes = swiglu_codes(gu, self.down.prepared)
-            return h, self.down.forward_codes(codes, gu.shape[:-1])
+            _, codes = swiglu_codes(gu, down.prepared)
+            return down.forward_codes(codes, gu.shape[:-1])
         if self.fused_swiglu:
             from qtool.cuda.swiglu import swiglu
 
@@ -235,25 +312,88 @@ class Block(nn.Module):
         else:
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h, self.down(act)
+        return down(act)
+
+    def _ffn(self, x: torch.Tensor, ex: Expert) -> torch.Tensor:
+        """One expert's SwiGLU MLP over the rows x [N, hidden]."""
+        if FUSED_GATE_UP_SWIGLU and hasattr(ex.gate_up, "forward_swiglu"):
+            return ex.down(ex.gate_up.forward_swiglu(x))
+        return self._swiglu_down(ex.gate_up(x), ex.down, x.shape[0])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts of each row of x [N, hidden] and their weights [N, k] (x's dtype): the softmax of
+        the router's logits in float32 over all experts, its k largest renormalized to sum to one."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        w, idx = torch.topk(probs, self.d.top_k, dim=-1)
+        return idx, (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum over the normalized rows x [B, T, hidden]: each expert runs once, on the
+        rows routed to it."""
+        d = self.d
+        x2 = x.reshape(-1, d.hidden)
+        idx, w = self.route(x2)
+        flat = idx.flatten()
+        # one sort groups the (row, slot) pairs by expert, so that a single transfer of the counts to the host
+        # (the block's only synchronization) gives every expert its slice
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=d.experts).tolist()
+        rows, weights = order // d.top_k, w.flatten()[order]
+        out = torch.zeros_like(x2)
+        start = 0
+        for ex, n in zip(self.experts, counts, strict=True):
+            if n:
+                r = rows[start : start + n]
+                y = self._ffn(x2.index_select(0, r), ex)
+                out.index_add_(0, r, y * weights[start : start + n, None])
+            start += n
+        return out.view_as(x)
 
 
 class Decoder(nn.Module):
-    def __init__(self, d: Dims, make_linear, device: torch.device) -> None:
+    def __init__(
+        self, d: Dims, make_linear, device: torch.device, dtype: torch.dtype = torch.float16
+    ) -> None:
         super().__init__()
         self.d = d
-        self.embed = nn.Embedding(d.vocab, d.hidden, device=device, dtype=torch.float16)
+        self.embed = nn.Embedding(d.vocab, d.hidden, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(d, make_linear, device) for _ in range(d.layers))
-        self.norm = RMSNorm(d.hidden, device)
-        self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device=device, dtype=torch.float16)
+        self.blocks = nn.ModuleList(Block(d, make_linear, device, dtype) for _ in range(d.layers))
+        self.norm = RMSNorm(d.hidden, device, dtype)
+        self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device=device, dtype=dtype)
         nn.init.normal_(self.lm_head.weight, std=0.02)
+
+    @property
+    def graphable(self) -> bool:
+        """Whether a step can be captured as a CUDA graph: not with experts, whose routing synchronizes."""
+        return not self.d.experts
 
     def rope_tables(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         hd = self.d.head_dim
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        inv = 1.0 / (self.d.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
         ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None]
-        return ang.cos().half(), ang.sin().half()
+        dtype = self.embed.weight.dtype
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def logits(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        caches: list,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        decode: bool,
+    ) -> torch.Tensor:
+        """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
+        (keys, values) float16 or a quantized KVCache. Returns the logits of each sequence's last token [B, V]."""
+        mask = None
+        if decode:
+            c0 = caches[0]
+            max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
+            mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
+        h, y = self.embed(ids), None
+        for blk, cache in zip(self.blocks, caches, strict=True):
+            h, y = blk(h, y, tables, cache, pos, mask)
+        return self.lm_head(self.norm(h[:, -1] + y[:, -1]))
 
     def forward(
         self,
@@ -263,18 +403,8 @@ class Decoder(nn.Module):
         tables: tuple[torch.Tensor, torch.Tensor],
         decode: bool,
     ) -> torch.Tensor:
-        """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
-        (keys, values) float16 or a quantized KVCache. Returns the next token per sequence [B]."""
-        mask = None
-        if decode:
-            c0 = caches[0]
-            max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
-            mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
-        h, y = self.embed(ids), None
-        for blk, cache in zip(self.blocks, caches, strict=True):
-            h, y = blk(h, y, tables, cache, pos, mask)
-        logits = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
-        return logits.argmax(-1)
+        """The next token per sequence [B] (`logits`' arguments)."""
+        return self.logits(ids, pos, caches, tables, decode).argmax(-1)
 
 
 def fp16_linear(device: torch.device):
@@ -350,6 +480,37 @@ def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Gener
     return lambda k, n: MixedLinear(random_mixed_weight(k, n, outlier_fraction, device, gen))
 
 
+class EagerStep:
+    """`fn(*inputs)` run kernel by kernel from Python at each replay, for a step that synchronizes with the host
+    (MoE routing) and so cannot be captured; the same interface as GraphedStep."""
+
+    def __init__(self, fn, example_inputs, warmup: int = 2) -> None:
+        self.fn = fn
+        self.static_inputs = [t.clone() for t in example_inputs]
+        for _ in range(warmup):
+            fn(*self.static_inputs)
+        torch.cuda.synchronize()
+
+    def replay(self) -> Any:
+        return self.fn(*self.static_inputs)
+
+
+def make_step(model: Decoder, fn, example_inputs):
+    """The step as a CUDA graph, or run eagerly where the model cannot be captured (`Decoder.graphable`)."""
+    if model.graphable:
+        from qtool.cuda.graphs import GraphedStep
+
+        return GraphedStep(fn, example_inputs)
+    return EagerStep(fn, example_inputs)
+
+
+def execution(r: dict[str, Any]) -> str:
+    """How a report's steps ran, for its title (reports from before MoE shapes were all captured)."""
+    if r.get("cuda_graphs", True):
+        return "CUDA graphs"
+    return "eager (no CUDA graphs: MoE routing syncs with the host), every format alike"
+
+
 def _time_graph(step, iters: int) -> float:
     """Median microseconds of one replay."""
     for _ in range(3):
@@ -369,8 +530,6 @@ def _time_graph(step, iters: int) -> float:
 def measure_model(
     model: Decoder, prompt: int, batches: list[int], context: int, iters: int
 ) -> dict[str, Any]:
-    from qtool.cuda.graphs import GraphedStep
-
     dev = model.embed.weight.device
     d = model.d
     out: dict[str, Any] = {}
@@ -393,7 +552,7 @@ def measure_model(
         pos = torch.arange(prompt, device=dev)
         fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=False)  # noqa: E731
         t0 = time.perf_counter()
-        step = GraphedStep(fn, [ids, pos])
+        step = make_step(model, fn, [ids, pos])
         capture_s = time.perf_counter() - t0
         us = _time_graph(step, max(5, iters // 10))
         out["prefill"] = {
@@ -410,7 +569,7 @@ def measure_model(
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
             pos = torch.tensor([context // 2], device=dev)  # attention spans the whole static cache (masked)
             fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
-            step = GraphedStep(fn, [ids, pos])
+            step = make_step(model, fn, [ids, pos])
             us = _time_graph(step, iters)
             kv_bytes = 2 * d.layers * b * d.kv_heads * context * d.head_dim * 2
             out["decode"][str(b)] = {
@@ -472,15 +631,17 @@ def run_e2e(
     log=lambda s: None,
     torchao: bool = True,
     mixed: tuple[float, ...] = (),
+    qk_norm: bool = True,
 ) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA
 
-    d = dims_for(model_name)
+    d = dims_for(model_name, qk_norm)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
         "schema": E2E_SCHEMA,
         "model": model_name,
         "dims": asdict(d),
+        "cuda_graphs": not d.experts,
         "bits": bits,
         "group_size": group_size,
         "prompt_tokens": prompt,
@@ -544,6 +705,27 @@ def _speedups(r: dict[str, Any]) -> dict[str, dict[str, float]]:
     return r.get("speedups") or {f"w{r['bits']}a16": r["speedup"]}
 
 
+def model_label(r: dict[str, Any]) -> str:
+    """The report's model name, saying so when the run left out the model's q/k norms (--no-qk-norm)."""
+    known = MODEL_DIMS.get(str(r["model"]).strip().lower())
+    dropped = known is not None and known.qk_norm and not r.get("dims", {}).get("qk_norm", True)
+    return f"{r['model']} without q/k norms" if dropped else str(r["model"])
+
+
+def shape_notes(r: dict[str, Any]) -> list[str]:
+    """What the report's decoder has beyond Llama's block."""
+    d = r.get("dims", {})
+    notes = []
+    if d.get("qk_norm"):
+        notes.append("q/k norms: torch F.rms_norm per head before the rotary kernel (not fused)")
+    if d.get("experts"):
+        notes.append(
+            f"{d['experts']} experts, {d['top_k']} per token, {d['layers']} layers: each expert's linears run on "
+            "the tokens routed to it (random float16 router, about even load); one host sync per MoE block"
+        )
+    return notes
+
+
 def report_parts(r: dict[str, Any]) -> list[Any]:
     b = r["batches"]
     cols = ["run", "prefill tok/s", *[f"dec b{x} tok/s" for x in b], "weights GiB", "peak GiB"]
@@ -570,14 +752,15 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         )
     if r.get("torchao_skipped"):
         notes.append(f"{TORCHAO} not run: {r['torchao_skipped']}")
+    notes += shape_notes(r)
     if any(label.startswith(MIXED) for label in r["runs"]):
         notes.append(
             f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers"
         )
     return [
         tables.table(
-            f"e2e {r['model']} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
-            f"{r['decode_context']} (static cache), CUDA graphs, random weights",
+            f"e2e {model_label(r)} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
+            f"{r['decode_context']} (static cache), {execution(r)}, random weights",
             cols,
             rows,
         ),
@@ -595,7 +778,7 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     keys = ["prefill", *[f"decode_b{b}" for b in r["batches"]]]
     series = {label: [sp.get(k) for k in keys] for label, sp in _speedups(r).items()}
     return plot.Figure(
-        f"qtool bench e2e {r['model']} on {r['device']}",
+        f"qtool bench e2e {model_label(r)} on {r['device']}",
         "tokens/s / FP16 tokens/s",
         "FP16 (cuBLAS)",
         [

@@ -5,7 +5,9 @@ batch sizes asked for and at the largest batch whose KV cache fits in the GPU's 
 Formats: `fp16` (cuBLAS linears, FP16 cache), `fp8` (`torch._scaled_mm` linears with static per-tensor scales,
 FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache), `w4a8kv4` (qoq W4A8 kernels, KV4 cache) and `w4a8cq2`
 (qoq W4A8 kernels, CQ-2 vector-quantized cache over random codebooks). The same
-decoder (qtool/bench/e2e.py) runs them all under CUDA graphs.
+decoder (qtool/bench/e2e.py) runs them all under CUDA graphs, or all eagerly for a mixture-of-experts shape (its
+routing synchronizes with the host: qtool/bench/e2e.py says why), with Qwen3's q/k norms where the shape has them
+(`--no-qk-norm` leaves them out, to measure what they cost).
 
 Timing: the prefill of a few prompts is timed and scaled to the batch (prefill is compute-bound, so its time is
 linear in the tokens); one decode step is timed at the middle position of the generated span, which is the mean
@@ -22,7 +24,18 @@ import torch
 from torch import nn
 
 from qtool.bench import plot, tables
-from qtool.bench.e2e import Decoder, _time_graph, dims_for, fp16_linear, quant_linear, weight_bytes
+from qtool.bench.e2e import (
+    Decoder,
+    _time_graph,
+    dims_for,
+    execution,
+    fp16_linear,
+    make_step,
+    model_label,
+    quant_linear,
+    shape_notes,
+    weight_bytes,
+)
 
 THROUGHPUT_SCHEMA = "qtool.bench.throughput/1"
 VARIANTS = ("fp16", "fp8", "w4a16", "w4a8kv4", "w4a8cq2")
@@ -168,8 +181,6 @@ def measure_generation(
     iters: int,
     log=lambda s: None,
 ) -> dict[str, Any]:
-    from qtool.cuda.graphs import GraphedStep
-
     dev = model.embed.weight.device
     d = model.d
     length = prompt + new_tokens
@@ -180,7 +191,7 @@ def measure_generation(
         ids = torch.randint(0, d.vocab, (PREFILL_PROMPTS, prompt), device=dev)
         pos = torch.arange(prompt, device=dev)
         fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=False)  # noqa: E731
-        step = GraphedStep(fn, [ids, pos])
+        step = make_step(model, fn, [ids, pos])
         us = _time_graph(step, 5)
         out["prefill"] = {
             "prompts": PREFILL_PROMPTS,
@@ -205,7 +216,7 @@ def measure_generation(
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
             pos = torch.tensor([prompt + new_tokens // 2], device=dev)
             fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
-            step = GraphedStep(fn, [ids, pos])
+            step = make_step(model, fn, [ids, pos])
             step_us = _time_graph(step, iters)
             total_s = out["prefill"]["us_per_prompt"] * 1e-6 * b + new_tokens * step_us * 1e-6
             out["decode"][str(b)] = {
@@ -234,13 +245,15 @@ def run_throughput(
     batches: list[int | str],
     iters: int,
     log=lambda s: None,
+    qk_norm: bool = True,
 ) -> dict[str, Any]:
-    d = dims_for(model_name)
+    d = dims_for(model_name, qk_norm)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
         "schema": THROUGHPUT_SCHEMA,
         "model": model_name,
         "dims": asdict(d),
+        "cuda_graphs": not d.experts,
         "group_size": group_size,
         "prompt_tokens": prompt,
         "new_tokens": new_tokens,
@@ -296,11 +309,13 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         )
     return [
         tables.table(
-            f"generation throughput, {r['model']} (random weights) on {r['device']}: {r['prompt_tokens']} prompt + "
-            f"{r['new_tokens']} generated tokens per sequence, generated tokens/s (largest batch that fits marked *)",
+            f"generation throughput, {model_label(r)} (random weights) on {r['device']}: {r['prompt_tokens']} "
+            f"prompt + {r['new_tokens']} generated tokens per sequence, {execution(r)}, generated tokens/s "
+            "(largest batch that fits marked *)",
             ["format", *[f"b{b}" for b in sizes], "largest", "best tok/s", "vs fp16", "weights GiB"],
             rows,
-        )
+        ),
+        *shape_notes(r),
     ]
 
 
@@ -326,7 +341,7 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     best = r.get("speedup_vs_fp16_at_best", {})
     names = [v for v in r["runs"] if v != "fp16" and v in best]
     return plot.Figure(
-        f"qtool bench e2e --throughput {r['model']} on {r['device']}",
+        f"qtool bench e2e --throughput {model_label(r)} on {r['device']}",
         "tokens/s / FP16 tokens/s",
         "FP16 (cuBLAS, FP16 cache)",
         [

@@ -85,6 +85,39 @@ def test_bench_subcommand_writes_plot_and_json(tmp_path, monkeypatch, name, args
     assert check(report), report
 
 
+@pytest.mark.parametrize(
+    "dims",
+    [
+        dict(head_dim=128, qk_norm=True),
+        dict(head_dim=128, qk_norm=True, experts=4, top_k=2),
+        dict(experts=4, top_k=2),
+    ],
+    ids=["qwen3", "qwen3-moe", "mixtral"],
+)
+def test_bench_family_shapes_run_every_format(tmp_path, monkeypatch, dims):
+    """The q/k norms ahead of the rotary and quantized-cache writes, head_dim apart from hidden / heads, and
+    expert blocks (run eagerly) through every e2e and --throughput format."""
+    from qtool.bench import e2e
+
+    shape = e2e.Dims(256, 256, 2, 4, 2, 1000, **dims)
+    monkeypatch.setitem(e2e.MODEL_DIMS, "tiny", shape)
+    out = tmp_path / "e.json"
+    args = ["e2e", "--model-config", "tiny", "--prompt", "64", "--batches", "1,4", "--iters", "10"]
+    res = run_cli(["bench", *args, "--mixed", "0", "--json-out", out])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["cuda_graphs"] is not bool(shape.experts) and report["dims"]["head_dim"] == shape.head_dim
+    assert all(sp["decode_b4"] > 0 for sp in report["speedups"].values()) and len(report["speedups"]) == 3
+    variants = "fp16,fp8,w4a16,w4a8kv4,w4a8cq2"
+    args = ["e2e", "--throughput", "--model-config", "tiny", "--prompt", "32", "--new-tokens", "8"]
+    res = run_cli(
+        ["bench", *args, "--batches", "4", "--iters", "10", "--variants", variants, "--json-out", out]
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert set(report["best"]) == set(variants.split(","))
+
+
 @pytest.mark.parametrize("k, n, m, group_size", [(4096, 4096, 1, 128), (1024, 512, 64, 32), (256, 8, 3, 256)])
 def test_torchao_int4_matches_its_dequantized_reference_on_cuda(k, n, m, group_size):
     from qtool.bench import tinygemm as tg
