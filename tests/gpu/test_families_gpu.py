@@ -1,16 +1,16 @@
-"""Each family's checkpoint (mixture-of-experts ones included: every expert's linears) decodes through the kernels: a random-weight model of the family, 256 wide so that every
-kernel path applies, quantized on the CPU and loaded on the GPU in float16 with QTOOL_KERNELS=cuda (a kernel that
-does not apply is then an error, not a silent fallback to the reference), gives the CPU reference's logits to
-float16 rounding, for a 24-token prompt (the GEMM paths) and for each step of a greedy decode (one token: the
-GEMV paths).
+"""Each family's checkpoint (mixture-of-experts ones included: every expert's linears) decodes through the kernels,
+in every layout (grouped-int, QoQ with and without its 4-bit KV cache, QUIK, 2/4/16, VQ): a random-weight model of
+the family, 256 wide so that every kernel path applies, quantized on the CPU and loaded on the GPU in float16 with
+QTOOL_KERNELS=cuda (a kernel that does not apply is then an error, not a silent fallback to the reference), for a
+24-token prompt (the GEMM paths) and two more tokens one at a time against the cache (the GEMV paths).
 
 Two checks, because the model-level one alone cannot be tight everywhere: every packed linear's kernel output, on the
 inputs the model gives it, equals its reference forward on the same input to float16 rounding; and the logits equal
-the float32 CPU reference's within a tolerance per layout and family. QoQ quantizes activations to int8 per token, so
-a float16 rounding of an input that crosses a rounding boundary moves its code by one step and the random model
-amplifies it. A mixture of experts routes each token to its top-k experts, and a token whose router logits tie to
-float16 rounding would take other experts on the GPU than on the CPU; the GPU's routers are therefore handed the CPU
-reference's decisions, so that both run the same experts and what is compared is the kernels."""
+the float32 CPU reference's within TOLERANCE (weight-only layouts) or NOISE_FRACTION of the quantization's own error
+(layouts that quantize activations or the cache). A mixture of experts routes each token to its top-k experts, and a
+token whose router logits tie to float16 rounding would take other experts on the GPU than on the CPU; the GPU's
+routers are therefore handed the CPU reference's decisions, so that both run the same experts and what is compared
+is the kernels."""
 
 from __future__ import annotations
 
@@ -38,7 +38,20 @@ STAGES = {
     "qoq": "  - stage: progressive\n    bits: 4\n    group_size: 128\n",
     "mixed": "  - stage: mixed\n    group_size: 16\n    scale_group_size: 16\n    outlier_fraction: 0.002\n",
     "vq": "  - stage: vq\n    preset: gptvq-2\n    kmeans_iters: 4\n",
+    "quik": "  - stage: outliers\n    bits: 4\n    act_bits: 4\n    outliers: 64\n",
+    "qoq_kv4": "  - stage: kv_cache\n    bits: 4\n  - stage: progressive\n    bits: 4\n    group_size: 128\n",
 }
+# Logits tolerance. Weight-only formats: relative to the largest logit, float16 rounding. Formats that quantize
+# activations (QoQ's int8 rows, QUIK's 4-bit rows) or the KV cache move a code by one step wherever the GPU's float16
+# input and the CPU's float32 one round to different sides of a boundary, and the random model amplifies that; their
+# logits are held to a fraction of the quantization's own error (CPU reference vs the float model) instead. With
+# QUIK's 4-bit rows any such perturbation draws the quantization noise anew (the GPU and CPU logits then differ by
+# about the quantization error itself), so there only the per-linear check is tight.
+TOLERANCE = {"grouped_int": 2e-2, "mixed": 2e-2, "vq": 2e-2}
+NOISE_FRACTION = {"qoq": 0.5, "qoq_kv4": 0.5, "quik": 1.0}
+# A decoder no adapter knows (OLMo 2 here) has no declared attention structure for the KV-cache stage, which
+# refuses it before loading (tests/test_families_matrix.py holds the refusal).
+REFUSED = {("olmo2", "qoq_kv4")}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 FAMILY_NAMES = ("llama3", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2")
 # The experts as wide as the dense MLPs (each expert's linears then take every kernel path too).
@@ -59,6 +72,9 @@ def wide(tmp_path_factory):
 def test_family_checkpoint_decodes_through_the_kernels(tmp_path, wide, monkeypatch, name, layout):
     import qtool
     from qtool.layouts.module import PackedLinear
+
+    if (name, layout) in REFUSED:
+        pytest.skip(f"{layout} is refused on {name}")
 
     out = tmp_path / "ckpt"
     recipe = write_recipe(
@@ -124,9 +140,18 @@ def test_family_checkpoint_decodes_through_the_kernels(tmp_path, wide, monkeypat
     assert any(k.endswith(" m=1") for k in worst) and any(not k.endswith(" m=1") for k in worst), worst
     assert max(worst.values()) <= 2e-3, worst
 
-    tol = 1e-1 if layout == "qoq" else 2e-2
     got = torch.cat(got, dim=1)
     assert bool(torch.isfinite(got).all())
-    per_position = ((got - ref).abs().amax(-1) / ref.abs().amax(-1)).flatten()
+    scale = ref.abs().amax(-1)
+    per_position = ((got - ref).abs().amax(-1) / scale).flatten()
     print(f"{name} {layout} logits max |diff| / max |ref| per position: {per_position.tolist()}")
-    assert bool((per_position <= tol).all()), per_position
+    if layout in TOLERANCE:
+        assert bool((per_position <= TOLERANCE[layout]).all()), per_position
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        floating = AutoModelForCausalLM.from_pretrained(wide[name], dtype=torch.float32)(seq).logits
+    noise = ((ref - floating).abs().amax(-1) / scale).flatten()
+    print(f"{name} {layout} quantization error per position: {noise.tolist()}")
+    assert per_position.max() <= NOISE_FRACTION[layout] * noise.max(), (per_position, noise)
