@@ -1,9 +1,10 @@
 """The bench decoder's family shapes (qtool/bench/e2e.py) on the CPU, in float32: head_dim apart from hidden / heads,
-Qwen3's per-head query/key norms and mixture-of-experts blocks. On the CPU the decoder takes its torch forms (the
-GPU runs the same code with fused kernels around them), so these check the computation the bench times: a prompt's
-prefill against the same tokens decoded one by one through the cache, the experts against every expert applied
-to every token, the q/k norms against a per-head computation, and the whole decoder against transformers' own
-Qwen3, Qwen3-MoE and Mixtral on the same weights."""
+Qwen3's per-head query/key norms, mixture-of-experts blocks and Gemma 2's block (GeGLU, branch norms, scaled
+embeddings, final soft-capping, tied embeddings). On the CPU the decoder takes its torch forms (the GPU runs the
+same code with fused kernels around them), so these check the computation the bench times: a prompt's prefill
+against the same tokens decoded one by one through the cache, the experts against every expert applied to every
+token, the q/k norms against a per-head computation, and the whole decoder against transformers' own Qwen3,
+Qwen3-MoE, Mixtral and Gemma 2 on the same weights."""
 
 from __future__ import annotations
 
@@ -23,7 +24,25 @@ CPU = torch.device("cpu")
 QWEN3 = e2e.Dims(64, 96, 2, 4, 2, 128, head_dim=32, qk_norm=True, rope_theta=1e6)
 QWEN3_MOE = e2e.Dims(64, 48, 2, 4, 2, 128, head_dim=32, qk_norm=True, rope_theta=1e6, experts=4, top_k=2)
 MIXTRAL = e2e.Dims(64, 48, 2, 4, 2, 128, rope_theta=1e6, experts=4, top_k=2)
-SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+# head_dim 32 over 4 heads of hidden 64, as Gemma 2 9B's 256 over 16 heads of 3584; a final cap of 5 rather than
+# 30 so that the tiny model's logits (about 1) are visibly bent by it
+GEMMA2 = e2e.Dims(
+    64,
+    96,
+    2,
+    4,
+    2,
+    128,
+    head_dim=32,
+    geglu=True,
+    post_norms=True,
+    embed_scale=True,
+    final_softcap=5.0,
+    tie_embeddings=True,
+    attn_softcap=50.0,
+    sliding_window=4096,
+)
+SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "gemma2": GEMMA2}
 
 
 def decoder(d: e2e.Dims, seed: int = 0) -> e2e.Decoder:
@@ -124,7 +143,8 @@ def test_qk_norm_is_per_head_with_its_own_weights():
 
 
 def _hf_model(name: str, d: e2e.Dims, model: e2e.Decoder):
-    """transformers' model of the family with the bench decoder's weights."""
+    """transformers' model of the family with the bench decoder's weights. Gemma 2's norms scale by (1 + w)
+    where the bench's scale by w, so its norm weights are the bench's less one."""
     import transformers
 
     common = dict(
@@ -149,13 +169,31 @@ def _hf_model(name: str, d: e2e.Dims, model: e2e.Decoder):
             moe_intermediate_size=d.intermediate,
             norm_topk_prob=True,
         )
+    elif name == "gemma2":
+        # The bench leaves attention logit soft-capping out (its attention kernels have none), so transformers'
+        # is switched off here too; sliding_window 4096 is longer than the prompt, so every layer attends as a
+        # full one, as the bench's do.
+        cfg = transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True},
+            head_dim=d.head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=d.head_dim,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=d.final_softcap,
+            sliding_window=d.sliding_window,
+        )
     else:
         cfg = transformers.MixtralConfig(**common, num_local_experts=d.experts, num_experts_per_tok=d.top_k)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    gemma = name == "gemma2"
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
+
+    def norm(w: torch.Tensor) -> torch.Tensor:
+        return w - 1 if gemma else w
+
     with torch.no_grad():
         hf.model.embed_tokens.weight.copy_(model.embed.weight)
-        hf.model.norm.weight.copy_(model.norm.weight)
+        hf.model.norm.weight.copy_(norm(model.norm.weight))
         hf.lm_head.weight.copy_(model.lm_head.weight)
         for layer, blk in zip(hf.model.layers, model.blocks, strict=True):
             att = layer.self_attn
@@ -167,8 +205,14 @@ def _hf_model(name: str, d: e2e.Dims, model: e2e.Decoder):
             if d.qk_norm:
                 att.q_norm.weight.copy_(blk.q_norm.weight)
                 att.k_norm.weight.copy_(blk.k_norm.weight)
-            layer.input_layernorm.weight.copy_(blk.n1.weight)
-            layer.post_attention_layernorm.weight.copy_(blk.n2.weight)
+            layer.input_layernorm.weight.copy_(norm(blk.n1.weight))
+            if gemma:  # Gemma's post_attention_layernorm normalizes attention's output; its MLP's input norm
+                # is pre_feedforward_layernorm
+                layer.post_attention_layernorm.weight.copy_(norm(blk.post_attn_norm.weight))
+                layer.pre_feedforward_layernorm.weight.copy_(norm(blk.n2.weight))
+                layer.post_feedforward_layernorm.weight.copy_(norm(blk.post_mlp_norm.weight))
+            else:
+                layer.post_attention_layernorm.weight.copy_(blk.n2.weight)
             if d.experts:
                 layer.mlp.gate.weight.copy_(blk.router.weight)
                 for e, ex in enumerate(blk.experts):
@@ -292,3 +336,109 @@ def test_no_qk_norm_reaches_the_runs_and_their_titles(monkeypatch):
     )
     assert "eager (no CUDA graphs: MoE routing syncs with the host)" in text
     assert "128 experts, 8 per token, 4 layers" in text
+
+
+def test_gemma_2_9b_as_its_config_gives_it():
+    """gemma-2-9b carries the public config's sizes (google/gemma-2-9b config.json: 3584 hidden, 14336 MLP, 42
+    layers, 16 heads of 256 over 8 KV heads, 256000 tokens, tied embeddings, caps 50 and 30, window 4096), and
+    --llama-block keeps every size while dropping the Gemma pieces the bench runs (not the recorded ones)."""
+    g = e2e.dims_for("gemma-2-9b")
+    assert (g.hidden, g.intermediate, g.layers, g.heads, g.kv_heads, g.head_dim, g.vocab) == (
+        3584,
+        14336,
+        42,
+        16,
+        8,
+        256,
+        256000,
+    )
+    assert g.geglu and g.post_norms and g.embed_scale and g.tie_embeddings and not g.qk_norm
+    assert (g.final_softcap, g.attn_softcap, g.sliding_window, g.rope_theta) == (30.0, 50.0, 4096, 10000.0)
+    plain = e2e.dims_for("gemma-2-9b", llama_block=True)
+    assert plain == e2e.Dims(
+        3584,
+        14336,
+        42,
+        16,
+        8,
+        256000,
+        head_dim=256,
+        tie_embeddings=True,
+        attn_softcap=50.0,
+        sliding_window=4096,
+    )
+    assert e2e.dims_for("qwen3-8b", llama_block=True) == e2e.dims_for("qwen3-8b")
+    shapes = []
+
+    def record(k: int, n: int) -> nn.Module:
+        shapes.append((k, n))
+        return nn.Linear(k, n, bias=False, device="meta")
+
+    meta = torch.device("meta")
+    blk = e2e.Block(g, record, meta)
+    assert shapes == [(3584, (16 + 2 * 8) * 256), (16 * 256, 3584), (3584, 2 * 14336), (14336, 3584)]
+    assert tuple(blk.post_attn_norm.weight.shape) == tuple(blk.post_mlp_norm.weight.shape) == (3584,)
+    assert not hasattr(e2e.Block(plain, record, meta), "post_attn_norm")
+    model = decoder(GEMMA2)
+    assert model.lm_head.weight is model.embed.weight
+    assert e2e.weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_llama_block_reaches_the_runs_and_the_reports_say_what_is_left_out(monkeypatch):
+    """--llama-block reaches both benches; a Gemma report names its unfused pieces, says that attention
+    soft-capping is left out and whether its sequences stay within the sliding window, and a --llama-block
+    report says so in its title."""
+    monkeypatch.setattr(command, "_need_gpu", lambda: None)
+    seen = {}
+
+    def fake(report):
+        def run(*a, **k):
+            seen.update(k)
+            return report
+
+        return run
+
+    monkeypatch.setattr("qtool.bench.e2e.run_e2e", fake(_e2e_report(False)))
+    monkeypatch.setattr("qtool.bench.throughput.run_throughput", fake(_throughput_report()))
+    tp = ["e2e", "--throughput", "--batches", "16,64", "--variants", "fp16,w4a16,w4a8kv4"]
+    for args in (["e2e"], tp):
+        assert run_cli(["bench", *args, "--model-config", "gemma-2-9b", "--llama-block"]).exit_code == 0
+        assert seen.pop("llama_block") is True
+        assert run_cli(["bench", *args, "--model-config", "gemma-2-9b"]).exit_code == 0
+        assert seen.pop("llama_block") is False
+
+    from dataclasses import asdict
+
+    r = {**_e2e_report(False), "model": "gemma-2-9b", "dims": asdict(e2e.dims_for("gemma-2-9b"))}
+    text = e2e.format_e2e(r)
+    assert "e2e gemma-2-9b on FakeGPU" in text
+    assert "GeGLU: torch F.gelu(gate, tanh) * up" in text and "post-MLP norms: torch F.rms_norm" in text
+    assert "final logits soft-capped at 30" in text
+    assert "-- attention logit soft-capping (50) left out" in text
+    assert "-- sliding-window layers (4096) run as full attention: the same over these 2048 positions" in text
+    r["dims"] = asdict(e2e.dims_for("gemma-2-9b", llama_block=True))
+    text = e2e.format_e2e(r)
+    assert "e2e gemma-2-9b with Llama's block (SwiGLU, no branch norms) on FakeGPU" in text
+    assert "GeGLU" not in text and "soft-capped" not in text and "soft-capping (50) left out" in text
+    long = {**_throughput_report(), "model": "gemma-2-9b", "dims": asdict(e2e.dims_for("gemma-2-9b"))}
+    long["prompt_tokens"] = 4096
+    text = throughput.format_throughput(long)
+    assert (
+        "sliding-window layers (4096) run as full attention over 4608 positions: more than the model" in text
+    )
+
+
+def test_kv_caches_that_cannot_hold_gemmas_heads_are_refused_before_any_run(monkeypatch):
+    """The FP8 cache's kernels take head_dim up to 128 and the CQ-2 cache's 64 or 128: --throughput of a
+    head_dim-256 shape with either is refused in one line, before a model is built."""
+    monkeypatch.setattr(command, "_need_gpu", lambda: None)
+    monkeypatch.setattr(
+        "qtool.bench.throughput.run_throughput", lambda *a, **k: pytest.fail("ran a refused variant")
+    )
+    args = ["bench", "e2e", "--throughput", "--model-config", "gemma-2-9b", "--variants"]
+    res = run_cli([*args, "fp16,fp8,w4a16"])
+    assert_one_line_error(res, 2, "--variants: fp8 cannot run gemma-2-9b", "up to 128", "leave it out")
+    res = run_cli([*args, "fp16,w4a8cq2"])
+    assert_one_line_error(res, 2, "--variants: w4a8cq2 cannot run gemma-2-9b", "64 or 128")
+    for v in throughput.VARIANTS:
+        assert throughput.head_dim_refusal(v, 128) is None

@@ -290,8 +290,8 @@ def kernels_cmd(
     "model_config",
     default="llama-2-7b",
     show_default=True,
-    help="Model dimensions (llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, qwen3-8b, tiny; mixture of "
-    "experts, 4 of their layers: mixtral-8x7b-4l, qwen3-30b-a3b-4l); weights are random.",
+    help="Model dimensions (llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, qwen3-8b, gemma-2-9b, tiny; "
+    "mixture of experts, 4 of their layers: mixtral-8x7b-4l, qwen3-30b-a3b-4l); weights are random.",
 )
 @click.option(
     "--qk-norm/--no-qk-norm",
@@ -300,6 +300,14 @@ def kernels_cmd(
     show_default=True,
     help="Keep the model's per-head query/key RMSNorm (qwen3-*: torch ops, not fused); --no-qk-norm runs "
     "the same shape without it, to measure what it costs.",
+)
+@click.option(
+    "--llama-block",
+    "llama_block",
+    is_flag=True,
+    help="Run a Gemma shape (gemma-2-9b) with Llama's block: fused SwiGLU instead of GeGLU (torch ops), no "
+    "post-attention/post-MLP norms, embedding scaling or final soft-capping; the difference to a run without "
+    "it is what those unfused pieces cost.",
 )
 @click.option(
     "--bits", default=4, show_default=True, type=click.Choice(["4", "8"]), callback=lambda c, p, v: int(v)
@@ -375,6 +383,7 @@ def e2e_cmd(
     torchao: bool,
     mixed: str,
     qk_norm: bool,
+    llama_block: bool,
     out: ReportOutput,
 ) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs (eager for
@@ -399,6 +408,7 @@ def e2e_cmd(
                 iters,
                 out,
                 qk_norm,
+                llama_block,
             )
             return
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
@@ -418,6 +428,7 @@ def e2e_cmd(
                 torchao=torchao,
                 mixed=tuple(mixed_fractions),
                 qk_norm=qk_norm,
+                llama_block=llama_block,
             )
             out.finish(report, [], e2e.report_parts, e2e.figure)
 
@@ -434,14 +445,21 @@ def _throughput(
     iters: int,
     out: ReportOutput,
     qk_norm: bool = True,
+    llama_block: bool = False,
 ) -> None:
     from qtool.bench import stats
     from qtool.bench import throughput as tp
+    from qtool.bench.e2e import dims_for
 
     names = [v.strip().lower() for v in variants.split(",") if v.strip()]
     bad = [v for v in names if v not in tp.VARIANTS]
     if bad or not names:
         raise BenchError(f"--variants: found {variants!r}, expected some of {', '.join(tp.VARIANTS)}")
+    head_dim = dims_for(model_config).head_dim
+    for v in names:
+        reason = tp.head_dim_refusal(v, head_dim)
+        if reason:
+            raise BenchError(f"--variants: {v} cannot run {model_config} ({reason}); leave it out")
     sizes: list[int | str] = [
         "max" if b.strip().lower() == "max" else b for b in batches.split(",") if b.strip()
     ]
@@ -459,6 +477,7 @@ def _throughput(
             iters,
             log=lambda s: click.echo(s, err=True),
             qk_norm=qk_norm,
+            llama_block=llama_block,
         )
         out.finish(report, [], tp.report_parts, tp.figure)
 

@@ -31,6 +31,20 @@ Families beyond Llama's block (`Dims`):
   baseline included; the report says so. At small batches the launch overhead is then part of every format's
   step alike, which narrows the ratios against FP16. The random router spreads tokens about evenly over the
   experts; a trained one does not.
+- Gemma 2's block (`geglu`, `post_norms`): the MLP's activation is GeGLU (tanh-approximated GELU of the gate
+  times the up projection), and the attention's and the MLP's outputs are each RMS-normalized before they join
+  the residual stream. No kernel computes GeGLU, nor the W4A8 codes of its output, so it runs as torch ops and a
+  W4A8 down projection quantizes its float16 input itself; the branch norms run as `F.rms_norm`, since the fused
+  add + RMSNorm kernel normalizes the sum and these norms come before the add (the add and the next block's
+  input norm still run fused). All are capturable. `--llama-block` runs the same shape with Llama's block
+  (SwiGLU through the fused path, no branch norms, and without Gemma's embedding scaling and final logit
+  soft-capping, a few elementwise kernels): the difference between the two runs is what the unfused Gemma pieces
+  cost. Gemma's norms scale by (1 + w); a norm's weight here stands for 1 + w, the same RMSNorm at no cost.
+  Attention logit soft-capping (tanh on the scores) is left out: `scaled_dot_product_attention` and the decode
+  attention kernels have no soft-cap, and an eager attention for every format would time a different attention
+  than the one the quantized formats are measured in; the report says so. Sliding-window layers are not modelled
+  either: while a sequence is no longer than the window (Gemma 2: 4096) they attend to exactly what a full layer
+  does, and the report says when a run's sequences are longer.
 """
 
 from __future__ import annotations
@@ -60,6 +74,14 @@ class Dims:
     rope_theta: float = 10000.0
     experts: int = 0  # 0: a dense MLP
     top_k: int = 0  # experts per token
+    geglu: bool = False  # gelu_tanh(gate) * up instead of SwiGLU (Gemma)
+    post_norms: bool = False  # each branch's output RMS-normalized before the residual add (Gemma 2)
+    embed_scale: bool = False  # embeddings times sqrt(hidden) (Gemma)
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    tie_embeddings: bool = False  # the output projection is the embedding matrix
+    # the model's, for the report only: the bench does not run them (module docstring)
+    attn_softcap: float = 0.0
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -78,17 +100,38 @@ MODEL_DIMS: dict[str, Dims] = {
     "qwen3-30b-a3b-4l": Dims(
         2048, 768, 4, 32, 4, 151936, head_dim=128, qk_norm=True, rope_theta=1e6, experts=128, top_k=8
     ),
+    "gemma-2-9b": Dims(
+        3584,
+        14336,
+        42,
+        16,
+        8,
+        256000,
+        head_dim=256,
+        geglu=True,
+        post_norms=True,
+        embed_scale=True,
+        final_softcap=30.0,
+        tie_embeddings=True,
+        attn_softcap=50.0,
+        sliding_window=4096,
+    ),
     "tiny": Dims(256, 688, 2, 4, 2, 1000),  # for quick checks
 }
 
 
-def dims_for(name: str, qk_norm: bool = True) -> Dims:
-    """The named model's dimensions; `qk_norm` False drops its query/key norms (if it has them)."""
+def dims_for(name: str, qk_norm: bool = True, llama_block: bool = False) -> Dims:
+    """The named model's dimensions; `qk_norm` False drops its query/key norms (if it has them), `llama_block`
+    its Gemma pieces (GeGLU, branch norms, embedding scaling, final soft-capping), keeping its sizes."""
     key = name.strip().lower()
     if key not in MODEL_DIMS:
         raise BenchError(f"--model-config: found {name!r}, expected one of {', '.join(MODEL_DIMS)}")
     d = MODEL_DIMS[key]
-    return d if qk_norm else replace(d, qk_norm=False)
+    if not qk_norm:
+        d = replace(d, qk_norm=False)
+    if llama_block:
+        d = replace(d, geglu=False, post_norms=False, embed_scale=False, final_softcap=0.0)
+    return d
 
 
 class RMSNorm(nn.Module):
@@ -172,6 +215,9 @@ class Block(nn.Module):
             self.down = make_linear(d.intermediate, d.hidden)
         self.n1 = RMSNorm(d.hidden, device, dtype)
         self.n2 = RMSNorm(d.hidden, device, dtype)
+        if d.post_norms:
+            self.post_attn_norm = RMSNorm(d.hidden, device, dtype)
+            self.post_mlp_norm = RMSNorm(d.hidden, device, dtype)
 
     def _add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, norm: RMSNorm
@@ -289,14 +335,28 @@ class Block(nn.Module):
         """The output projection of attention `a` [B, H, T, D], then the MLP (or the experts)."""
         d, hd = self.d, self.d.head_dim
         o = self.o(a.transpose(1, 2).reshape(b, t, d.heads * hd))
+        if d.post_norms:
+            o = self.post_attn_norm(o)
         if d.experts:
             h, x = self._add_norm(h, o, self.n2)
-            return h, self.moe(x)
-        if FUSED_GATE_UP_SWIGLU and hasattr(self.gate_up, "forward_swiglu"):
+            return h, self._post_mlp(self.moe(x))
+        if not d.geglu and FUSED_GATE_UP_SWIGLU and hasattr(self.gate_up, "forward_swiglu"):
             h, x = self._add_norm(h, o, self.n2)
-            return h, self.down(self.gate_up.forward_swiglu(x))
+            return h, self._post_mlp(self.down(self.gate_up.forward_swiglu(x)))
         h, gu = self._norm_linear(h, o, self.n2, self.gate_up)
-        return h, self._swiglu_down(gu, self.down, b * t)
+        return h, self._post_mlp(self._act_down(gu, self.down, b * t))
+
+    def _post_mlp(self, y: torch.Tensor) -> torch.Tensor:
+        """The block's output as the residual stream takes it: normalized first where the model has branch
+        norms (the next block's fused add + norm adds it)."""
+        return self.post_mlp_norm(y) if self.d.post_norms else y
+
+    def _act_down(self, gu: torch.Tensor, down: nn.Module, rows: int) -> torch.Tensor:
+        """down(act(gate) * up) of the gate/up projection's output `gu` (gate columns first), GeGLU or SwiGLU."""
+        if not self.d.geglu:
+            return self._swiglu_down(gu, down, rows)
+        gate, up = gu.chunk(2, dim=-1)
+        return down(F.gelu(gate, approximate="tanh") * up)
 
     def _swiglu_down(self, gu: torch.Tensor, down: nn.Module, rows: int) -> torch.Tensor:
         """down(silu(gate) * up) of the gate/up projection's output `gu` (gate columns first)."""
@@ -315,10 +375,10 @@ class Block(nn.Module):
         return down(act)
 
     def _ffn(self, x: torch.Tensor, ex: Expert) -> torch.Tensor:
-        """One expert's SwiGLU MLP over the rows x [N, hidden]."""
-        if FUSED_GATE_UP_SWIGLU and hasattr(ex.gate_up, "forward_swiglu"):
+        """One expert's gated MLP over the rows x [N, hidden]."""
+        if not self.d.geglu and FUSED_GATE_UP_SWIGLU and hasattr(ex.gate_up, "forward_swiglu"):
             return ex.down(ex.gate_up.forward_swiglu(x))
-        return self._swiglu_down(ex.gate_up(x), ex.down, x.shape[0])
+        return self._act_down(ex.gate_up(x), ex.down, x.shape[0])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each row of x [N, hidden] and their weights [N, k] (x's dtype): the softmax of
@@ -360,8 +420,14 @@ class Decoder(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(d, make_linear, device, dtype) for _ in range(d.layers))
         self.norm = RMSNorm(d.hidden, device, dtype)
-        self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device=device, dtype=dtype)
-        nn.init.normal_(self.lm_head.weight, std=0.02)
+        if d.tie_embeddings:
+            # one matrix in memory, as the model holds it: the weights' bytes and the batch that fits beside
+            # them are the model's (256000 x 3584 in float16 is 1.7 GiB for Gemma 2 9B)
+            self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device="meta", dtype=dtype)
+            self.lm_head.weight = self.embed.weight
+        else:
+            self.lm_head = nn.Linear(d.hidden, d.vocab, bias=False, device=device, dtype=dtype)
+            nn.init.normal_(self.lm_head.weight, std=0.02)
 
     @property
     def graphable(self) -> bool:
@@ -391,9 +457,14 @@ class Decoder(nn.Module):
             max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
             mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h, y = self.embed(ids), None
+        if self.d.embed_scale:
+            h = h * self.d.hidden**0.5
         for blk, cache in zip(self.blocks, caches, strict=True):
             h, y = blk(h, y, tables, cache, pos, mask)
-        return self.lm_head(self.norm(h[:, -1] + y[:, -1]))
+        out = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
+        if self.d.final_softcap:
+            out = torch.tanh(out / self.d.final_softcap) * self.d.final_softcap
+        return out
 
     def forward(
         self,
@@ -632,10 +703,11 @@ def run_e2e(
     torchao: bool = True,
     mixed: tuple[float, ...] = (),
     qk_norm: bool = True,
+    llama_block: bool = False,
 ) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA
 
-    d = dims_for(model_name, qk_norm)
+    d = dims_for(model_name, qk_norm, llama_block)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
         "schema": E2E_SCHEMA,
@@ -706,18 +778,60 @@ def _speedups(r: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def model_label(r: dict[str, Any]) -> str:
-    """The report's model name, saying so when the run left out the model's q/k norms (--no-qk-norm)."""
+    """The report's model name, saying so when the run left out the model's q/k norms (--no-qk-norm) or ran
+    its shape with Llama's block (--llama-block)."""
     known = MODEL_DIMS.get(str(r["model"]).strip().lower())
-    dropped = known is not None and known.qk_norm and not r.get("dims", {}).get("qk_norm", True)
-    return f"{r['model']} without q/k norms" if dropped else str(r["model"])
+    d = r.get("dims", {})
+    label = str(r["model"])
+    if known is not None and known.qk_norm and not d.get("qk_norm", True):
+        label += " without q/k norms"
+    if known is not None and known.geglu and not d.get("geglu", True):
+        label += " with Llama's block (SwiGLU, no branch norms)"
+    return label
+
+
+def _longest_sequence(r: dict[str, Any]) -> int:
+    """The most positions a run's attention covers: the prompt, the decode steps' static cache, or prompt and
+    generated tokens (--throughput)."""
+    if "new_tokens" in r:
+        return int(r["prompt_tokens"]) + int(r["new_tokens"])
+    return max(int(r["prompt_tokens"]), int(r.get("decode_context", 0)))
 
 
 def shape_notes(r: dict[str, Any]) -> list[str]:
-    """What the report's decoder has beyond Llama's block."""
+    """What the report's decoder has beyond Llama's block, and what of the model it leaves out."""
     d = r.get("dims", {})
     notes = []
     if d.get("qk_norm"):
         notes.append("q/k norms: torch F.rms_norm per head before the rotary kernel (not fused)")
+    if d.get("geglu"):
+        notes.append(
+            "GeGLU: torch F.gelu(gate, tanh) * up (no fused kernel; a W4A8 down projection quantizes its input "
+            "itself)"
+        )
+    if d.get("post_norms"):
+        notes.append(
+            "post-attention and post-MLP norms: torch F.rms_norm on each branch's output before the residual "
+            "add (not fused)"
+        )
+    ends = ["embeddings x sqrt(hidden)"] if d.get("embed_scale") else []
+    if d.get("final_softcap"):
+        ends.append(f"final logits soft-capped at {d['final_softcap']:g}")
+    if ends:
+        notes.append(", ".join(ends) + " (torch ops)")
+    if d.get("attn_softcap"):
+        notes.append(
+            f"-- attention logit soft-capping ({d['attn_softcap']:g}) left out: the attention kernels "
+            "(SDPA, decode, quantized caches) have none"
+        )
+    if d.get("sliding_window"):
+        w, n = d["sliding_window"], _longest_sequence(r)
+        notes.append(
+            f"-- sliding-window layers ({w}) run as full attention: the same over these {n} positions"
+            if n <= w
+            else f"-- sliding-window layers ({w}) run as full attention over {n} positions: more than the "
+            "model reads"
+        )
     if d.get("experts"):
         notes.append(
             f"{d['experts']} experts, {d['top_k']} per token, {d['layers']} layers: each expert's linears run on "

@@ -7,7 +7,8 @@ FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache), `w4a8kv4` (qoq W4A8 
 (qoq W4A8 kernels, CQ-2 vector-quantized cache over random codebooks). The same
 decoder (qtool/bench/e2e.py) runs them all under CUDA graphs, or all eagerly for a mixture-of-experts shape (its
 routing synchronizes with the host: qtool/bench/e2e.py says why), with Qwen3's q/k norms where the shape has them
-(`--no-qk-norm` leaves them out, to measure what they cost).
+(`--no-qk-norm` leaves them out, to measure what they cost) and Gemma 2's GeGLU and branch norms (`--llama-block`
+runs Llama's block on the same shape instead, likewise).
 
 Timing: the prefill of a few prompts is timed and scaled to the batch (prefill is compute-bound, so its time is
 linear in the tokens); one decode step is timed at the middle position of the generated span, which is the mean
@@ -112,6 +113,27 @@ class W4A8Linear(nn.Module):
         from qtool.layouts.qoq import cuda as qoq
 
         return qoq.gemm(a, self.prepared).reshape(*lead, self.prepared.out_features)
+
+
+def head_dim_refusal(variant: str, head_dim: int) -> str | None:
+    """Why the variant's KV cache cannot hold heads of `head_dim` (None: it can), said before any model is
+    built rather than by the cache's allocation after the variants before it have run."""
+    mode = KV_MODE[variant]
+    if mode == "fp16":
+        return None
+    if mode in CQ_VECTOR_SIZE:
+        from qtool.kv_cache.vq_cuda import HEAD_DIMS
+
+        if head_dim in HEAD_DIMS:
+            return None
+        return f"the CQ-2 cache takes head_dim {' or '.join(map(str, HEAD_DIMS))}, found {head_dim}"
+    from qtool.kv_cache.cuda import check_shape
+
+    try:
+        check_shape(mode, head_dim)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def make_linear(variant: str, device: torch.device, group_size: int | None, gen: torch.Generator):
@@ -246,8 +268,9 @@ def run_throughput(
     iters: int,
     log=lambda s: None,
     qk_norm: bool = True,
+    llama_block: bool = False,
 ) -> dict[str, Any]:
-    d = dims_for(model_name, qk_norm)
+    d = dims_for(model_name, qk_norm, llama_block)
     dev = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {
         "schema": THROUGHPUT_SCHEMA,

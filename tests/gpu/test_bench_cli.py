@@ -91,12 +91,24 @@ def test_bench_subcommand_writes_plot_and_json(tmp_path, monkeypatch, name, args
         dict(head_dim=128, qk_norm=True),
         dict(head_dim=128, qk_norm=True, experts=4, top_k=2),
         dict(experts=4, top_k=2),
+        # head_dim 128, not Gemma's 256, which the FP8 and CQ-2 caches do not take
+        dict(
+            head_dim=128,
+            geglu=True,
+            post_norms=True,
+            embed_scale=True,
+            final_softcap=30.0,
+            tie_embeddings=True,
+            attn_softcap=50.0,
+            sliding_window=4096,
+        ),
     ],
-    ids=["qwen3", "qwen3-moe", "mixtral"],
+    ids=["qwen3", "qwen3-moe", "mixtral", "gemma2"],
 )
 def test_bench_family_shapes_run_every_format(tmp_path, monkeypatch, dims):
-    """The q/k norms ahead of the rotary and quantized-cache writes, head_dim apart from hidden / heads, and
-    expert blocks (run eagerly) through every e2e and --throughput format."""
+    """The q/k norms ahead of the rotary and quantized-cache writes, head_dim apart from hidden / heads, expert
+    blocks (run eagerly) and Gemma's GeGLU and branch norms (captured) through every e2e and --throughput
+    format."""
     from qtool.bench import e2e
 
     shape = e2e.Dims(256, 256, 2, 4, 2, 1000, **dims)
