@@ -51,6 +51,7 @@ def run_calibrate(
         cal.num_samples,
         cal.seq_len,
         cal.seed,
+        recipe.origins.get("calibration.num_samples", "calibration.num_samples"),
     )
     check_token_ids(windows, config.vocab_size, cal.source, tokenizer)
     # The stats file is checked (and its temporary created) before the model loads; it is replaced as before.

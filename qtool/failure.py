@@ -36,8 +36,15 @@ _RESOURCE_ERRNOS = {
 }
 
 
+# Longest message printed: past it a line is cut, so that no input can make the error itself huge.
+MAX_MESSAGE = 2000
+
+
 def one_line(text: str) -> str:
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    line = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(line) > MAX_MESSAGE:
+        line = f"{line[:MAX_MESSAGE]}... ({len(line) - MAX_MESSAGE} more characters)"
+    return line
 
 
 def fail(ctx: click.Context, kind: str, code: int, message: str) -> NoReturn:

@@ -194,7 +194,12 @@ def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = N
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
         if recipe.needs_calibration():
             prepared.windows, prepared.digest = sample_windows(
-                tokenizer, src, cal.num_samples, cal.seq_len, cal.seed
+                tokenizer,
+                src,
+                cal.num_samples,
+                cal.seq_len,
+                cal.seed,
+                recipe.origins.get("calibration.num_samples", "calibration.num_samples"),
             )
             check_token_ids(prepared.windows, config.vocab_size, cal.source, tokenizer)
         elif Path(cal.source).is_file():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.errors import InputError
+from qtool.errors import InputError, RecipeError, UsageError
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,11 @@ class TextSource:
 def check_encoding(name: str) -> str | None:
     """None when `name` is a text codec Python knows, else what to say about it."""
     try:
-        codecs.lookup(name)
+        info = codecs.lookup(name)
     except LookupError:
+        info = None
+    # rot13, base64, zlib and the like are codecs too, but of bytes to bytes or str to str: not a text file's.
+    if info is None or not getattr(info, "_is_text_encoding", True):
         return f"found {name!r}, expected a text encoding such as utf-8, latin-1 or cp1252"
     return None
 
@@ -109,12 +112,13 @@ def read_documents(src: TextSource) -> list[str]:
 
 
 def sample_windows(
-    tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int
+    tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int, where: str = "num_samples"
 ) -> tuple[torch.Tensor, str]:
     """`num_samples` random windows of `seq_len` tokens ([num_samples, seq_len] int64) and their sha256.
 
     Documents are joined with blank lines and tokenized once; window starts come from a seeded generator,
-    so the same text, tokenizer and seed always give the same windows.
+    so the same text, tokenizer and seed always give the same windows. More windows than the text has distinct
+    windows are refused (`where` names the setting): they could only repeat it, at the cost of a longer run.
     """
     docs = read_documents(src)
     check_not_empty(src, docs)
@@ -123,6 +127,14 @@ def sample_windows(
         raise InputError(
             f"text source '{src.source}': {ids.numel()} tokens, expected at least {seq_len + 1} "
             f"for windows of {seq_len}"
+        )
+    distinct = ids.numel() - seq_len
+    if num_samples > distinct:
+        # a setting of the run, not a fault of the text: named as the flag or the recipe key that set it
+        error = UsageError if where.startswith("--") else RecipeError
+        raise error(
+            f"{where}: found {num_samples} windows of {seq_len} tokens, but text source '{src.source}' holds "
+            f"{ids.numel()} tokens, {distinct} distinct windows; expected at most {distinct} (or more text)"
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)

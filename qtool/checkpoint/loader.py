@@ -22,7 +22,7 @@ from qtool.models.integrity import (
     read_config_json,
     tensor_index,
 )
-from qtool.models.loading import check_architecture, with_expert_linears
+from qtool.models.loading import check_architecture, config_dtype, with_expert_linears
 from qtool.models.loading import load_tokenizer as _load_tokenizer
 
 
@@ -230,6 +230,8 @@ def load_checkpoint(
 
     attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())
+    # The writer stores every tensor it does not quantize in the model's dtype; another float dtype is an edit.
+    stored = config_dtype(config)
     # Names, shapes and kinds from the headers, before the first of these tensors is read.
     for name, info in tensors.files.items():
         if name not in expected:
@@ -237,6 +239,12 @@ def load_checkpoint(
         if info.shape != tuple(expected[name].shape):
             raise CheckpointError(
                 f"tensor {name}: found shape {list(info.shape)}, expected {list(expected[name].shape)}"
+            )
+        if info.dtype in FLOAT_DTYPES and SAFETENSORS_DTYPES[info.dtype] != stored:
+            raise CheckpointError(
+                f"tensor {name}: found dtype {str(SAFETENSORS_DTYPES[info.dtype]).removeprefix('torch.')}, "
+                f"expected {str(stored).removeprefix('torch.')} (the dtype in {path / 'config.json'}, in which "
+                f"qtool stores every tensor it does not quantize)"
             )
         if expected[name].is_floating_point() != (info.dtype in FLOAT_DTYPES):
             raise CheckpointError(

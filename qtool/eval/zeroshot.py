@@ -39,6 +39,7 @@ STANDARD_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hellaswag": ("hellaswag_val_subset1000.jsonl", ("activity_label", "ctx_a", "ctx_b", "endings", "label")),
     "lambada_openai": ("lambada_openai.jsonl", ("context", "continuation")),
 }
+MAX_SEED = 2**32 - 1
 PERPLEXITY_BATCH = 4  # windows per forward when --batch-size is auto or not given
 TASK_BATCH = 32  # lm-eval requests per forward when --batch-size is not given
 
@@ -139,10 +140,7 @@ class TaskSuite:
         data_dir: str | Path | None = None,
         include_paths: list[str] | tuple[str, ...] = (),
     ) -> None:
-        if limit is not None and limit < 1:
-            raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
-        if num_fewshot < 0:
-            raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+        self.check_values(limit, num_fewshot, seed)
         names = [t.strip() for t in tasks if t.strip()]
         if not names:
             raise UsageError(
@@ -167,6 +165,17 @@ class TaskSuite:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def check_values(limit: int | None, num_fewshot: int, seed: int) -> None:
+        """The numbers of a task protocol, checked before anything is read."""
+        if limit is not None and limit < 1:
+            raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
+        if num_fewshot < 0:
+            raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+        if not 0 <= seed <= MAX_SEED:
+            # lm-eval seeds numpy with it, which takes 32 bits
+            raise UsageError(f"--seed: found {seed}, expected an integer in 0..{MAX_SEED}")
 
     def __enter__(self) -> TaskSuite:
         return self
@@ -207,7 +216,25 @@ class TaskSuite:
         self.manager = TaskManager(
             include_path=[str(gen), *map(str, self.include_paths)], include_defaults=False
         )
-        self.load()  # a config or data file lm-eval rejects fails here, before any model loads
+        # A config or data file lm-eval rejects fails here, before any model loads; so does a few-shot count the
+        # task cannot draw (lm-eval would stop with an assertion in the middle of building its requests).
+        for name, task in self.load().items():
+            self._check_fewshot(name, task)
+
+    def _check_fewshot(self, name: str, task) -> None:
+        if not self.num_fewshot:
+            return
+        try:
+            docs = task.fewshot_docs()
+            pool = 0 if docs is None else len(docs)
+        except (TypeError, ValueError):
+            return  # a task whose examples are computed by its own code: lm-eval says what goes wrong
+        # The examples of an item are drawn from the same split without the item itself.
+        if self.num_fewshot + 1 > pool:
+            raise UsageError(
+                f"--num-fewshot: found {self.num_fewshot}, but task {name} has {pool} items to draw "
+                f"examples from; expected at most {max(pool - 1, 0)}"
+            )
 
     def load(self) -> dict:
         """Fresh lm-eval Task objects (requests are built into them, so each evaluation gets its own)."""
