@@ -65,6 +65,10 @@ def _quiet_libraries() -> None:
 
 
 def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: str) -> None:
+    from qtool import interrupts
+
+    # A signal during the last steps is reported instead of the summary (one JSON object on stdout, never two).
+    interrupts.final_check()
     if reporter.json_mode:
         click.echo(json.dumps(summary, indent=2, sort_keys=True, default=str))
         return
@@ -558,6 +562,10 @@ def _seconds(summary: dict) -> float:
 
 def _print_comparison(reporter: Reporter, summary: dict) -> None:
     from rich.table import Table
+
+    from qtool import interrupts
+
+    interrupts.final_check()
 
     from qtool.evaluate import format_value
 

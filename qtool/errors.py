@@ -83,10 +83,16 @@ class NotImplementedYet(QtoolError):
 
 
 class Interrupted(QtoolError):
-    """Ctrl-C after some work was kept for a later `--resume` (the message says where and how to go on)."""
+    """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP: exit 128 + its number) after some work was kept for a later
+    `--resume` (the message says where and how to go on)."""
 
     exit_code = EXIT_INTERRUPTED
     kind = "interrupted"
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        """`cause`: the KeyboardInterrupt (or qtool.interrupts.Interrupt) that stopped the work."""
+        super().__init__(message)
+        self.exit_code = 128 + int(getattr(cause, "signum", EXIT_INTERRUPTED - 128))
 
 
 class GateFailed(QtoolError):

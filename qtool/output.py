@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from qtool import interrupts
 from qtool.checkpoint.manifest import MANIFEST_NAME
 from qtool.errors import ResourceError, UsageError
 from qtool.units import format_size
@@ -86,21 +87,30 @@ class Output:
             self.discard()
 
     def discard(self) -> None:
-        if self.tmp.exists() or self.tmp.is_symlink():
-            _remove(self.tmp)
-        for d in reversed(self.created_parents):  # deepest first; only folders this run made and left empty
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        # Runs because the command is failing: a second Ctrl-C must not leave half of the temporary behind.
+        with interrupts.deferred(then_raise=False):
+            if self.tmp.exists() or self.tmp.is_symlink():
+                _remove(self.tmp)
+            for d in reversed(
+                self.created_parents
+            ):  # deepest first; only folders this run made and left empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
     def publish(self) -> None:
         path = self.path
+        interrupts.check()  # a signal whose exception was lost on the way: nothing is published
+        if self.directory and (path.exists() or path.is_symlink()):
+            # Checked again: the output may have changed during a long run, and a file is never replaced.
+            _check_existing(path, overwrite=True)
+        # From the first rename on, the output is this run's: a signal now is reported when the command ends,
+        # never halfway through the swap (the old output gone, the new one not yet in place).
+        interrupts.hold_to_end()
         if not self.directory:
             os.replace(self.tmp, path)
         elif path.exists() or path.is_symlink():
-            # Checked again: the output may have changed during a long run, and a file is never replaced.
-            _check_existing(path, overwrite=True)
             trash = temp_sibling(path, _OLD)
             path.rename(trash)
             self.tmp.rename(path)

@@ -38,6 +38,12 @@ def run_quantize(
     from qtool.pipeline import resolve_device
 
     startup = process_age()
+    if resume and overwrite:
+        raise UsageError(
+            "--resume with --overwrite: expected one or the other (--resume goes on from the work folder and "
+            "replaces the output only if the interrupted run was started with --overwrite; --overwrite "
+            "discards the work folder and starts over)"
+        )
     recipe = load_recipe(recipe_path, overrides)
     if recipe.output is None:
         raise RecipeError(
@@ -115,10 +121,15 @@ def _run_quantize(
 
     out = Path(recipe.output)
     partial = partial_path(Path(os.path.abspath(out)))
+    state = None
     if world.is_main:  # the work folder and the output are rank 0's; its refusals reach the other ranks
         _check_work_folder(
             out, partial, resume=resume, overwrite=overwrite, dry_run=dry_run, whole_model=whole_model
         )
+        if resume and not dry_run:
+            state = Work.verify(partial)
+    # A resumed run replaces an existing output as the run it continues would have.
+    replace = overwrite or bool(state and state["overwrite"])
     device = resolve_device(recipe.settings.device)
     plan: dict = {}
 
@@ -155,7 +166,7 @@ def _run_quantize(
             **plan["estimate"].summary(),
         }
     if not world.is_main:
-        quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
+        quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world, overwrite=replace)
         return None
     if partial.is_dir() and not resume:
         shutil.rmtree(partial)  # --overwrite: a stale work folder is discarded, never reused
@@ -165,7 +176,8 @@ def _run_quantize(
         from qtool.pipeline import compute_dtype
 
         dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(prepared.config))
-        Work.check(partial, identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers))
+        ident = identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers)
+        Work.check_identity(partial, state, ident)
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
     from qtool.distributed import on_abort
 
@@ -173,7 +185,7 @@ def _run_quantize(
         reserve_output(
             out,
             directory=True,
-            overwrite=overwrite,
+            overwrite=replace,
             resume=resume,
             needs_bytes=checkpoint_bytes(recipe, prepared.config),
             log=reporter.log,
@@ -190,6 +202,7 @@ def _run_quantize(
                 prepared,
                 partial,
                 resume=resume,
+                overwrite=replace,
                 run_eval=run_eval,
                 reporter=reporter,
                 world=world,
@@ -198,10 +211,17 @@ def _run_quantize(
 
 
 def _drop_unfinished(partial: Path) -> None:
-    """Remove a work folder that holds no finished block: nothing in it is worth resuming."""
+    """Remove a work folder that holds no finished block: nothing in it is worth resuming. One whose state does
+    not parse is left as it is (the refusal that names it says that --overwrite discards it)."""
     from qtool.checkpoint.partial import Work
+    from qtool.errors import CheckpointError
 
-    state = Work.read_state(partial)
+    if not partial.is_dir():
+        return
+    try:
+        state = Work.load_state(partial)
+    except CheckpointError:
+        return
     if state is None or state["next_block"] == 0:
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -211,7 +231,7 @@ def _check_work_folder(
 ) -> None:
     """Refuse a --resume without a work folder, and a work folder left beside the output without --resume or
     --overwrite."""
-    from qtool.checkpoint.partial import Work
+    from qtool.checkpoint.partial import STATE, Work
 
     if resume and not dry_run:
         if whole_model:
@@ -225,11 +245,12 @@ def _check_work_folder(
             )
     elif partial.is_dir() and not overwrite and not dry_run:
         state = Work.read_state(partial)
-        done = (
-            f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
-            if state
-            else "no finished block"
-        )
+        if state:
+            done = f"{state['next_block']} of {state['identity']['num_blocks']} finished blocks"
+        elif (partial / STATE).exists():
+            done = f"a {STATE} this version cannot read"
+        else:
+            done = "no finished block"
         raise UsageError(
             f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
             f"--resume to continue it, or --overwrite to discard it and start over"
@@ -272,6 +293,7 @@ def _quantize_onloaded(
     partial: Path,
     *,
     resume: bool,
+    overwrite: bool,
     run_eval: bool,
     reporter: Reporter,
     world,
@@ -286,6 +308,7 @@ def _quantize_onloaded(
             prepared,
             partial,
             resume=resume,
+            overwrite=overwrite,
             run_eval=run_eval,
             suite=suite,
             reporter=reporter,
@@ -305,6 +328,7 @@ def _onloaded(
     partial: Path,
     *,
     resume: bool,
+    overwrite: bool,
     run_eval: bool,
     suite,
     reporter: Reporter,
@@ -323,7 +347,16 @@ def _onloaded(
 
         gc.collect()
     try:
-        run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
+        run = quantize_onloaded(
+            recipe,
+            reporter,
+            prepared,
+            partial,
+            resume=resume,
+            world=world,
+            overwrite=overwrite,
+            checked=resume,
+        )
     except BaseException:
         _drop_unfinished(partial)
         raise
@@ -352,10 +385,11 @@ def _onloaded(
             reserved=reserved,
             evaluate=evaluate,
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         raise Interrupted(
             f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
-            f"'{run.work.folder}'; run the same command with --resume to write it"
+            f"'{run.work.folder}'; run the same command with --resume to write it",
+            e,
         ) from None
     run.timings["write_s"] = time.perf_counter() - t
     run.work.remove()
