@@ -83,8 +83,8 @@ def _pack(
     shard_bytes: int | None,
     reporter: Reporter,
 ) -> dict:
-    from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
-    from qtool.checkpoint.writer import write_checkpoint
+    from qtool.checkpoint.loader import check_figures, read_manifest, read_tensors, verify_files
+    from qtool.checkpoint.writer import bits_per_weight, write_checkpoint
 
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
@@ -94,8 +94,12 @@ def _pack(
     config = read_config(checkpoint)
     # A checkpoint is verified only if it can be used: it must carry a tokenizer (quantize always writes one).
     tokenizer = load_tokenizer(checkpoint)
-    load_checkpoint(checkpoint, verify=False)  # checks every layout, tensor shape and value (finite)
+    model = load_checkpoint(checkpoint, verify=False)  # checks every layout, tensor shape and value (finite)
     layers = config["quantization_config"]["layers"]
+    packed = {name: model.get_submodule(name).layout for name in layers}
+    del model
+    check_figures(checkpoint, manifest, bits_per_weight(packed, read_tensors(checkpoint).meta))
+    del packed
     layouts: dict[str, int] = {}
     for cfg in layers.values():
         key = layout_class(cfg["format"]).describe(cfg)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, shown
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -152,13 +152,29 @@ def read_index(index: Path, error: type[QtoolError]) -> dict[str, str]:
     except OSError as e:
         raise error(f"{index}: cannot be read ({e.strerror or e})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(v, str) and "/" not in v for v in weight_map.values()
-    ):
+    if not isinstance(weight_map, dict):
         raise error(
             f"{index}: no weight_map of tensor names to shard files; expected the Hugging Face index format"
         )
+    for name, file in weight_map.items():
+        if not (isinstance(file, str) and plain_file_name(file) and file.endswith(".safetensors")):
+            raise error(
+                f"{index}: weight_map[{shown(name)}]: found {shown(file)}, expected the name of a .safetensors "
+                f"shard in the same folder (no path)"
+            )
     return weight_map
+
+
+def plain_file_name(name: str) -> bool:
+    """Whether `name` names a file directly inside a folder: no separator, no `..`, nothing hidden or empty. File
+    names read from a manifest or an index are input: `../x` would reach outside the folder."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+        and len(name) <= 255
+    )
 
 
 def tensor_index(folder: Path, error: type[QtoolError]) -> dict[str, TensorInfo] | None:
