@@ -38,7 +38,12 @@ def run_pack(
     # The copy's folder is checked (and its temporary created) before the checkpoint is read.
     needs = folder_bytes(checkpoint) if checkpoint.is_dir() else None
     with reserve_output(
-        output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log
+        output,
+        directory=True,
+        overwrite=overwrite,
+        needs_bytes=needs,
+        log=reporter.log,
+        inputs={"checkpoint": checkpoint},
     ) as reserved:
         return _pack(checkpoint, output, reserved, shard_bytes, reporter)
 

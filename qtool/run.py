@@ -15,7 +15,7 @@ from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_chec
 from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.estimate import checkpoint_bytes
-from qtool.output import Output, reserve_output
+from qtool.output import Output, check_output, reserve_output
 from qtool.recipe import load_recipe
 
 
@@ -29,8 +29,9 @@ def run_quantize(
     resume: bool = False,
     dry_run: bool = False,
     whole_model: bool = False,
+    names: dict[str, str] | None = None,
 ) -> dict | None:
-    """`resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
+    """`names`: how errors name each override (default: its command-line flag). `resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
     everything and estimate the run's memory, size and time without reading a weight. `whole_model`: load the
     whole model into host memory instead of reading one block at a time from the weight files. Returns the
     summary (None on the ranks other than 0 of a run over several processes)."""
@@ -44,11 +45,13 @@ def run_quantize(
             "replaces the output only if the interrupted run was started with --overwrite; --overwrite "
             "discards the work folder and starts over)"
         )
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = load_recipe(recipe_path, overrides, names)
     if recipe.output is None:
         raise RecipeError(
             f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)"
         )
+    if "output" not in overrides:
+        _check_recipe_output(recipe_path, recipe.output)
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
     t = time.perf_counter()
@@ -78,6 +81,32 @@ def run_quantize(
         extra = {"startup_s": startup, "join_s": joined}
         summary["timings"].update({k: round(v, 3) for k, v in extra.items() if v is not None})
     return summary
+
+
+def _check_recipe_output(recipe_path: Path, output: str) -> None:
+    """A recipe's `output` must resolve inside the recipe's folder or the working directory: a recipe passed
+    around (or written by someone else) must not write wherever it likes, such as a system folder when run as
+    root. The command line's -o (qtool.quantize's `output`) writes anywhere."""
+    out = Path(os.path.realpath(output))
+    allowed = [Path(os.path.realpath(Path(recipe_path).parent)), Path(os.path.realpath(Path.cwd()))]
+    if not any(out == a or a in out.parents for a in allowed):
+        raise RecipeError(
+            f"{recipe_path}:output: resolves to '{out}', outside the recipe's folder ({allowed[0]}) and the "
+            f"working directory ({allowed[1]}); expected a path under one of them, or --output to write there"
+        )
+
+
+def _inputs(recipe) -> dict[str, str | None]:
+    """What a quantize run reads, by what it is: its output may be none of them, hold none and lie in none."""
+    cal, ev = recipe.calibration, recipe.eval
+    return {
+        "recipe": str(recipe.path) if recipe.path is not None else None,
+        "model": recipe.model,
+        "calibration text": cal.source if cal is not None else None,
+        "stats file": cal.stats if cal is not None else None,
+        "evaluation text": ev.text if ev is not None else None,
+        "task data folder": ev.data_dir if ev is not None else None,
+    }
 
 
 def _check_world(world, recipe, **flags) -> None:
@@ -130,6 +159,8 @@ def _run_quantize(
             state = Work.verify(partial)
     # A resumed run replaces an existing output as the run it continues would have.
     replace = overwrite or bool(state and state["overwrite"])
+    if world.is_main:  # before a model or a text is read: a refused output costs a second, not a pre-flight
+        check_output(out, directory=True, overwrite=replace, resume=resume, inputs=_inputs(recipe))
     device = resolve_device(recipe.settings.device)
     plan: dict = {}
 
@@ -189,6 +220,7 @@ def _run_quantize(
             resume=resume,
             needs_bytes=checkpoint_bytes(recipe, prepared.config),
             log=reporter.log,
+            inputs=_inputs(recipe),
         ) as reserved,
         on_abort(reserved.discard),
         on_abort(lambda: _drop_unfinished(partial)),
