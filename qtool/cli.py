@@ -55,6 +55,10 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    import huggingface_hub
+
+    # A retried request logs a warning per attempt; the error that ends it is qtool's one line.
+    huggingface_hub.utils.logging.set_verbosity_error()
     try:
         import datasets
 

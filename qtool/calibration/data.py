@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from qtool import hub
 from qtool.errors import InputError, RecipeError, UsageError
 
 
@@ -99,6 +100,7 @@ def read_documents(src: TextSource) -> list[str]:
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[src.split]
         else:
+            hub.prepare()
             ds = datasets.load_dataset(src.source, src.config, split=src.split)
     except Exception as e:  # datasets raises many types (hub, file, schema)
         raise InputError(
@@ -131,7 +133,7 @@ def sample_windows(
     distinct = ids.numel() - seq_len
     if num_samples > distinct:
         # a setting of the run, not a fault of the text: named as the flag or the recipe key that set it
-        error = UsageError if where.startswith("--") else RecipeError
+        error = RecipeError if ":" in where else UsageError  # `file:key`, or a flag or an argument
         raise error(
             f"{where}: found {num_samples} windows of {seq_len} tokens, but text source '{src.source}' holds "
             f"{ids.numel()} tokens, {distinct} distinct windows; expected at most {distinct} (or more text)"

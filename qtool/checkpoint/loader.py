@@ -245,6 +245,9 @@ def load_checkpoint(
 
     config = checkpoint_config(path)
     check_architecture(str(path), config)
+    # The writer stores every tensor it does not quantize in the model's dtype; another float dtype is an edit.
+    # (Read before the model is built: building it in `dtype` sets the config's dtype to that.)
+    stored = config_dtype(config)
     try:
         with init_empty_weights():
             model = with_expert_linears(AutoModelForCausalLM.from_config(config, dtype=dtype))
@@ -270,8 +273,6 @@ def load_checkpoint(
 
     attach_scheme_tensors(model, qcfg, tensors, str(path / "config.json"))
     expected = dict(model.state_dict())
-    # The writer stores every tensor it does not quantize in the model's dtype; another float dtype is an edit.
-    stored = config_dtype(config)
     # Names, shapes and kinds from the headers, before the first of these tensors is read.
     for name, info in tensors.files.items():
         if name not in expected:
