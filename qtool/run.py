@@ -188,6 +188,12 @@ def _run_quantize(
     if dry_run:
         if not world.is_main:
             return None
+        from qtool.estimate import refine
+
+        share = (
+            len(world.share(recipe.calibration.num_samples)) if world.joined and recipe.calibration else None
+        )
+        plan["estimate"] = refine(plan["estimate"], recipe, prepared, device, run_eval, share)
         return {
             "output": str(out),
             "model": recipe.model,

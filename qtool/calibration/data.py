@@ -114,17 +114,27 @@ def read_documents(src: TextSource) -> list[str]:
 
 
 def sample_windows(
-    tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int, where: str = "num_samples"
+    tokenizer,
+    src: TextSource,
+    num_samples: int,
+    seq_len: int,
+    seed: int,
+    where: str = "num_samples",
+    counts=None,
 ) -> tuple[torch.Tensor, str]:
     """`num_samples` random windows of `seq_len` tokens ([num_samples, seq_len] int64) and their sha256.
 
     Documents are joined with blank lines and tokenized once; window starts come from a seeded generator,
     so the same text, tokenizer and seed always give the same windows. More windows than the text has distinct
     windows are refused (`where` names the setting): they could only repeat it, at the cost of a longer run.
+    `counts` (when given) gets the text's size in characters and tokens (`text_bytes`, `text_tokens`).
     """
     docs = read_documents(src)
     check_not_empty(src, docs)
-    ids = tokenizer("\n\n".join(docs), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    text = "\n\n".join(docs)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if counts is not None:
+        counts.text_bytes, counts.text_tokens = len(text), int(ids.numel())
     if ids.numel() < seq_len + 1:
         raise InputError(
             f"text source '{src.source}': {ids.numel()} tokens, expected at least {seq_len + 1} "
