@@ -380,7 +380,8 @@ def calibrate(
     "--include-path",
     multiple=True,
     type=click.Path(file_okay=False),
-    help="Folder of your own lm-eval task YAMLs over local data (repeatable).",
+    help="Folder of your own lm-eval task YAMLs over local data (repeatable). It is code: "
+    "lm-eval runs the Python functions its YAMLs name (!function).",
 )
 @click.option(
     "--max-memory",
