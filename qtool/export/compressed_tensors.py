@@ -201,6 +201,15 @@ def compress_layer(name: str, weight: torch.Tensor, qparams: dict[str, torch.Ten
     return out
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and alone in its storage: the library packs a per-channel zero point ([rows, 1]) into a view
+    of a larger buffer, and the safetensors writer refuses a tensor that does not cover its whole storage."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
     """compressed-tensors' QuantizationConfig: one config group per distinct scheme. A scheme shared by every
     quantized linear targets `Linear` (what llm-compressor writes); otherwise each group lists its modules."""
@@ -313,7 +322,7 @@ def run_export(
             }
             weight, qparams = layer_state(name, layers[name], fields, SCALE_DTYPE)
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
-                out[f"{prefix}{field}"] = t.contiguous()
+                out[f"{prefix}{field}"] = _own_storage(t)
         out.update(tensors)  # biases and every tensor left in floating point, as stored
         # Under the names the family's hub checkpoints use (Mixtral's experts), which plain clients convert.
         rename = stored_names(checkpoint)
