@@ -9,7 +9,7 @@ import torch
 from qtool.console import Reporter
 from qtool.errors import RecipeError, UsageError
 from qtool.estimate import stats_bytes
-from qtool.output import Output, reserve_output
+from qtool.output import Output, check_output, reserve_output
 
 
 def run_calibrate(
@@ -32,6 +32,9 @@ def run_calibrate(
     if cal is None:
         raise RecipeError(f"{recipe_path}:calibration: missing; expected calibration data")
     assert isinstance(cal, CalibrationSpec)
+    # The output first: a refusal costs no model or text read.
+    inputs = {"model": model_ref, "calibration text": cal.source, "recipe": recipe_path}
+    check_output(out, directory=False, overwrite=True, inputs=inputs)
     dev = resolve_device(device)
     # Config, context length, tokenizer and text first: they fail in seconds, before any weight is read.
     config = load_config(model_ref)
@@ -51,12 +54,13 @@ def run_calibrate(
         cal.num_samples,
         cal.seq_len,
         cal.seed,
+        recipe.origins.get("calibration.num_samples", "calibration.num_samples"),
     )
     check_token_ids(windows, config.vocab_size, cal.source, tokenizer)
     # The stats file is checked (and its temporary created) before the model loads; it is replaced as before.
     needs = stats_bytes(model_ref, config, hessians)
     with reserve_output(
-        out, directory=False, overwrite=True, needs_bytes=needs, log=reporter.log
+        out, directory=False, overwrite=True, needs_bytes=needs, log=reporter.log, inputs=inputs
     ) as reserved:
         return _calibrate(
             model_ref, cal, out, reserved, dev, windows, digest, hessians=hessians, reporter=reporter

@@ -55,6 +55,10 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    import huggingface_hub
+
+    # A retried request logs a warning per attempt; the error that ends it is qtool's one line.
+    huggingface_hub.utils.logging.set_verbosity_error()
     try:
         import datasets
 
@@ -65,6 +69,10 @@ def _quiet_libraries() -> None:
 
 
 def emit(reporter: Reporter, summary: dict, rows: list[tuple[str, str]], title: str) -> None:
+    from qtool import interrupts
+
+    # A signal during the last steps is reported instead of the summary (one JSON object on stdout, never two).
+    interrupts.final_check()
     if reporter.json_mode:
         click.echo(json.dumps(summary, indent=2, sort_keys=True, default=str))
         return
@@ -372,7 +380,8 @@ def calibrate(
     "--include-path",
     multiple=True,
     type=click.Path(file_okay=False),
-    help="Folder of your own lm-eval task YAMLs over local data (repeatable).",
+    help="Folder of your own lm-eval task YAMLs over local data (repeatable). It is code: "
+    "lm-eval runs the Python functions its YAMLs name (!function).",
 )
 @click.option(
     "--max-memory",
@@ -558,6 +567,10 @@ def _seconds(summary: dict) -> float:
 
 def _print_comparison(reporter: Reporter, summary: dict) -> None:
     from rich.table import Table
+
+    from qtool import interrupts
+
+    interrupts.final_check()
 
     from qtool.evaluate import format_value
 

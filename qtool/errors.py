@@ -4,6 +4,8 @@ tells "fix the recipe" from "the disk is full" from "someone pressed Ctrl-C" by 
 
 from __future__ import annotations
 
+import reprlib
+
 # Exit codes, one per class of failure. 2 is click's own usage code (bad option or argument).
 EXIT_USAGE = 2
 EXIT_RECIPE = 3
@@ -81,10 +83,16 @@ class NotImplementedYet(QtoolError):
 
 
 class Interrupted(QtoolError):
-    """Ctrl-C after some work was kept for a later `--resume` (the message says where and how to go on)."""
+    """A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP: exit 128 + its number) after some work was kept for a later
+    `--resume` (the message says where and how to go on)."""
 
     exit_code = EXIT_INTERRUPTED
     kind = "interrupted"
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        """`cause`: the KeyboardInterrupt (or qtool.interrupts.Interrupt) that stopped the work."""
+        super().__init__(message)
+        self.exit_code = 128 + int(getattr(cause, "signum", EXIT_INTERRUPTED - 128))
 
 
 class GateFailed(QtoolError):
@@ -93,3 +101,15 @@ class GateFailed(QtoolError):
 
     exit_code = EXIT_GATE
     kind = "gate"
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 8
+_SHOWN.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """`value` as an error message quotes it: its repr, cut short. A value from a file can be huge (a YAML alias
+    expands to millions of items that share one object), and a message must cost no more than the check."""
+    return _SHOWN.repr(value)

@@ -13,6 +13,7 @@ rough figure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qtool.calibration.store import choose_place
-from qtool.errors import ResourceError
+from qtool.errors import QtoolError, ResourceError
 from qtool.models.loading import config_dtype
 from qtool.units import format_size
 
@@ -43,6 +44,7 @@ class Estimate:
     block_bytes: int
     hessian_bytes: int
     activations: str = "device"  # where the activations between blocks are kept (qtool/calibration/store.py)
+    time_terms: dict[str, float] | None = None  # what `seconds` adds up (the dry run's, once measured)
 
     def summary(self) -> dict:
         return {
@@ -54,6 +56,7 @@ class Estimate:
                 "num_blocks": self.num_blocks,
                 "activations": self.activations,
                 "terms": self.terms,
+                **({"time_terms": self.time_terms} if self.time_terms else {}),
             }
         }
 
@@ -326,3 +329,192 @@ def check_fits(est: Estimate, recipe, out: Path) -> None:
                 f"and the activations of {shape}; this GPU has {format_size(total)}; lower "
                 f"--num-samples or --seq-len"
             )
+
+
+# ---- the dry run's figures, once the pre-flight has read the text ------------------------------------------------
+
+# A block is timed on this machine when the multiply-count model puts its quantization under this many seconds
+# (a larger one is costly to time, and its time is then mostly multiplies, which that model counts).
+MEASURE_SECONDS = 3.0
+
+
+def high_water_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    from qtool.console import peak_rss_mb
+
+    return int(peak_rss_mb() * 2**20)
+
+
+def refine(
+    est: Estimate,
+    recipe,
+    prepared,
+    device: torch.device,
+    run_eval: bool,
+    samples: int | None = None,
+) -> Estimate:
+    """`est` (made before the text was read) with what the dry run then measured here: the host peak includes
+    tokenizing the calibration text (this process's high-water mark), the evaluation's (its text tokenized the same
+    way, scaled by its size, and the models it loads), and the time comes from quantizing one block of the model's
+    shapes (random weights) with the recipe's own stages on one and on a few calibration windows, scaled to the
+    run; a block too large to time quickly falls back to the multiply count. Rough either way: the machine's load
+    changes, and zero-shot tasks are not counted."""
+    from qtool.pipeline import compute_dtype
+
+    cal, ev = recipe.calibration, recipe.eval
+    samples = (
+        (cal.num_samples if samples is None else samples)
+        if cal is not None and recipe.needs_calibration()
+        else 0
+    )
+    dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(prepared.config))
+    dsize = torch.empty((), dtype=dtype).element_size()
+    base, now = est.terms["process"], current_rss()
+    # Tokenizing holds several copies of the text per token (normalized strings, offsets) for a moment.
+    transient = max(high_water_rss() - base, 0)
+    per_char = transient / prepared.text_bytes if prepared.text_bytes else 0.0
+    host = max(high_water_rss(), now + est.host_bytes - base)
+    evaluated = run_eval and ev is not None and ev.text is not None
+    ev_chars = _text_chars(ev.text) if evaluated else 0
+    if evaluated:
+        params = _numel(prepared.meta.parameters())
+        logits = 3 * min(ev.batch_size, 64) * ev.seq_len * prepared.config.vocab_size * 4
+        # Two models' weights: the original, then the checkpoint with a dense copy of its quantized linears (the
+        # reference path). Text split at a separator is tokenized in pieces, whose peak measured about half the
+        # whole's.
+        share = 0.5 if ev.separator is not None else 1.0
+        host = max(host, now + int(per_char * ev_chars * share) + 2 * params * dsize + logits)
+    terms = {**est.terms, "tokenizing": transient}
+
+    seconds, parts = est.seconds, None
+    timed = _time_block(recipe, prepared, device, dtype, samples) if seconds is not None else None
+    if timed is not None:
+        capture, fixed, per_sample, block_fwd, model_fwd = timed
+        n = est.num_blocks
+        parts = {
+            # the run's pre-flight: without the dry run's own measuring of this machine
+            "preflight": prepared.seconds - prepared.check_seconds,
+            "calibration": capture * samples,
+            "blocks": n * (fixed + per_sample * samples),
+        }
+        if evaluated:
+            per_token = prepared.text_tokens / prepared.text_bytes if prepared.text_bytes else 0.25
+            stride = ev.stride or ev.seq_len
+            windows = max(1, int(ev_chars * per_token) // stride)
+            if ev.max_windows is not None:
+                windows = min(windows, ev.max_windows)
+            tokenizing = prepared.tokenize_seconds * ev_chars / max(prepared.text_bytes, 1)
+            scale = ev.seq_len / (cal.seq_len if cal is not None else 128)  # measured on calibration windows
+            parts["eval"] = 2 * (tokenizing + windows * scale * (model_fwd + (n - 1) * block_fwd))
+        parts = {k: round(v, 2) for k, v in parts.items()}
+        seconds = sum(parts.values())
+    elif seconds is not None:
+        seconds += prepared.seconds - prepared.check_seconds
+    return dataclasses.replace(est, host_bytes=int(host), seconds=seconds, terms=terms, time_terms=parts)
+
+
+def _text_chars(ref: str) -> int:
+    p = Path(ref)
+    if p.is_file():
+        return p.stat().st_size
+    return 0  # a datasets name: its size is not known before it is read
+
+
+def _time_block(recipe, prepared, device: torch.device, dtype: torch.dtype, samples: int):
+    """(seconds per calibration window of the capture, of a block's quantization without and per window, of one
+    block's forward and of the whole model's per window) measured on a one-block copy of the model with random
+    weights; None when that copy is too large to time in a few seconds, or a stage refuses its random weights."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from qtool.calibration.capture import block_output, capture_block_inputs
+    from qtool.models.loading import adapter_of, with_expert_linears
+    from qtool.pipeline import _Blocks
+
+    config, meta = prepared.config, prepared.meta
+    adapter = adapter_of(config)
+    if isinstance(adapter, str):
+        return None  # no adapter: the pre-flight has refused the model already
+    n = config.num_hidden_layers
+    blocks = adapter.blocks(meta)
+    block_params = _numel(blocks[0].parameters())
+    outer = _numel(meta.parameters()) - block_params * n
+    dsize = torch.empty((), dtype=dtype).element_size()
+    if (block_params + outer) * dsize > min(2 * 2**30, host_memory() // 8):
+        return None
+    seq = recipe.calibration.seq_len if recipe.calibration is not None else 128
+    widths = {rel: blocks[0].get_submodule(rel) for rel in adapter.linear_names()}
+    guess = _seconds(device, dtype, 1, block_params, widths, min(samples, 4) or 1, seq, config.hidden_size)
+    if guess is None or guess > MEASURE_SECONDS:
+        return None
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    for key in ("layer_types",):  # per-layer lists some configs carry
+        if isinstance(getattr(one, key, None), list):
+            setattr(one, key, getattr(one, key)[:1])
+    try:
+        torch.manual_seed(0)
+        replica = with_expert_linears(AutoModelForCausalLM.from_config(one, dtype=dtype)).eval()
+        run = _Blocks(recipe, adapter, replica.config, n, device)
+        run.apply_outer(replica)
+        # the block whose linears the stages claim most of
+        index = max(
+            range(n), key=lambda i: sum(f"{adapter.block_prefix(i)}.{r}" in run.assignment for r in widths)
+        )
+        if prepared.windows is not None:
+            windows = prepared.windows[: max(1, min(samples, 4))]
+        else:
+            windows = torch.randint(0, config.vocab_size, (1, seq))
+        block = adapter.blocks(replica)[0]
+
+        def clock(fn) -> float:
+            best = float("inf")
+            for _ in range(2):  # the faster of two: the first pays for warming up
+                t = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        out: dict = {}
+
+        def capture():
+            out["inputs"], out["kwargs"] = capture_block_inputs(
+                replica, adapter.blocks(replica), windows, device
+            )
+
+        capture_s = clock(capture) / len(windows)
+        inputs, kwargs = out["inputs"], out["kwargs"][0]  # the replica's one block
+
+        b = block.to(device)
+        with torch.no_grad():
+            block_fwd = clock(lambda: block_output(b(inputs[0], **kwargs)))
+
+        def quantize(k: int) -> tuple[float, float]:
+            """(seconds, of which in the statistics passes) of quantizing the block on `k` windows."""
+            c = copy.deepcopy(block).to(device)
+            stats = run.seconds["stats_s"]
+            t = time.perf_counter()
+            for tr in run.transforms:
+                tr.apply_block_weights(c, index, adapter)
+            run.quantize(c, index, inputs[:k], kwargs, [])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t, run.seconds["stats_s"] - stats
+
+        quantize(1)  # warming up (first calls, allocations)
+        k = len(inputs)
+        total, stats = quantize(k)
+        # Per window: the statistics passes, and the block's output when a later block needs it; the rest (the
+        # solves) is the block's, whatever the number of windows.
+        out_fwd = block_fwd if index < run.last_needing else 0.0
+        per_sample = stats / k + out_fwd
+        fixed = max(total - k * per_sample, 0.0)
+        with torch.no_grad():  # per window, in a batch of them as perplexity runs them
+            replica.to(device)
+            model_fwd = clock(lambda: replica(windows.to(device), use_cache=False)) / len(windows)
+    except (RuntimeError, ValueError, TypeError, AttributeError, QtoolError):
+        return None  # the estimate then counts multiplies; the run itself says what is wrong
+    return capture_s, fixed, per_sample, block_fwd, model_fwd

@@ -173,6 +173,8 @@ def run_eval(
             "(zero-shot accuracy)"
         )
     bs = parse_batch_size(batch_size)
+    if tasks:
+        TaskSuite.check_values(limit, num_fewshot, seed)
     dev = resolve_device(device)
     spec = None
     if text:

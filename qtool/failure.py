@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import click
 
-from qtool.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCE, EXIT_USAGE, QtoolError
+from qtool.errors import EXIT_INTERNAL, EXIT_RESOURCE, EXIT_USAGE, QtoolError
 
 JSON_KEY = (
     "qtool.json"  # in click's ctx.meta (shared by a context and its children): whether --json was given
@@ -36,8 +36,15 @@ _RESOURCE_ERRNOS = {
 }
 
 
+# Longest message printed: past it a line is cut, so that no input can make the error itself huge.
+MAX_MESSAGE = 2000
+
+
 def one_line(text: str) -> str:
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    line = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(line) > MAX_MESSAGE:
+        line = f"{line[:MAX_MESSAGE]}... ({len(line) - MAX_MESSAGE} more characters)"
+    return line
 
 
 def fail(ctx: click.Context, kind: str, code: int, message: str) -> NoReturn:
@@ -83,8 +90,17 @@ class QtoolGroup(click.Group):
         return name, cmd, rest
 
     def invoke(self, ctx: click.Context):
+        from qtool import interrupts
+
+        # The handlers stay in place until the failure is printed: it reads what they recorded.
+        with interrupts.handled():
+            return self._invoke(ctx, interrupts)
+
+    def _invoke(self, ctx: click.Context, interrupts):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            interrupts.final_check()  # a signal during the last steps, or one whose exception was lost
+            return result
         except click.exceptions.UsageError as e:
             if ctx.meta.get(JSON_KEY):
                 click.echo(
@@ -103,8 +119,11 @@ class QtoolGroup(click.Group):
             raise
         except QtoolError as e:
             fail(ctx, e.kind, e.exit_code, str(e))
-        except KeyboardInterrupt:
-            fail(ctx, "interrupted", EXIT_INTERRUPTED, "interrupted")
+        except KeyboardInterrupt as e:
+            message = "interrupted"
+            if interrupts.output_in_place():
+                message = f"interrupted by {e} after the command's work was done (what it wrote is complete)"
+            fail(ctx, "interrupted", interrupts.exit_code(e), message)
         except BrokenPipeError:
             raise  # stdout closed by the reader (`| head`): click ends quietly
         except Exception as e:

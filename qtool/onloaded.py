@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qtool import interrupts
 from qtool.calibration.store import ActivationStore
 from qtool.checkpoint.partial import LazyTensors, Work, model_fingerprint, recipe_hash
 from qtool.checkpoint.writer import collect_tensors
@@ -134,9 +135,13 @@ def quantize_onloaded(
     *,
     resume: bool,
     world: World | None = None,
+    overwrite: bool = False,
+    checked: bool = False,
 ) -> Onloaded:
     """`world` (qtool/distributed.py): several processes, each on its share of the calibration samples; rank 0
-    keeps the work folder (the others write their part of the activations into it)."""
+    keeps the work folder (the others write their part of the activations into it). `overwrite`: the run may
+    replace an existing output (recorded for a --resume of it). `checked`: the work folder to resume was verified
+    against the run's identity already."""
     world = world or World()
     t0 = time.perf_counter()
     device = resolve_device(recipe.settings.device)
@@ -168,7 +173,12 @@ def quantize_onloaded(
     ident = identity(recipe, prepared, dtype, device, n)
     state = None
     if world.is_main:
-        state = (Work.resume(partial, ident) if resume else Work.start(partial, ident)).state
+        work = (
+            Work.resume(partial, ident, overwrite, checked)
+            if resume
+            else Work.start(partial, ident, overwrite)
+        )
+        state = work.state
     work = Work(partial, world.broadcast_object(state), world)
     start = work.next_block
     progress = reading = None
@@ -204,6 +214,7 @@ def quantize_onloaded(
         read = partial_fn(materialize, reader=reader, dtype=dtype, pinned=on_gpu, check=not late_check)
         ahead = None
         for i in range(start, n):
+            interrupts.check()  # a signal whose exception a finalizer swallowed stops the run here
             block, prefix = blocks[i], adapter.block_prefix(i)
             with run.timed("onload_s"):
                 if ahead is None:
@@ -228,14 +239,16 @@ def quantize_onloaded(
             progress.advance(i + 1)
         with run.timed("commit_s"):
             work.flush()
+        interrupts.check()
         timings["quantize_s"] = time.perf_counter() - t
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if work.next_block == 0:
             raise
         raise Interrupted(
             f"interrupted; blocks 0-{work.next_block - 1} of {n} are done and kept in "
             f"'{work.folder}'; run the same command with --resume to continue from block "
-            f"{work.next_block}"
+            f"{work.next_block}",
+            e,
         ) from None
     finally:
         if reading is not None:

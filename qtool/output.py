@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from qtool import interrupts
 from qtool.checkpoint.manifest import MANIFEST_NAME
 from qtool.errors import ResourceError, UsageError
 from qtool.units import format_size
@@ -86,21 +87,30 @@ class Output:
             self.discard()
 
     def discard(self) -> None:
-        if self.tmp.exists() or self.tmp.is_symlink():
-            _remove(self.tmp)
-        for d in reversed(self.created_parents):  # deepest first; only folders this run made and left empty
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        # Runs because the command is failing: a second Ctrl-C must not leave half of the temporary behind.
+        with interrupts.deferred(then_raise=False):
+            if self.tmp.exists() or self.tmp.is_symlink():
+                _remove(self.tmp)
+            for d in reversed(
+                self.created_parents
+            ):  # deepest first; only folders this run made and left empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
     def publish(self) -> None:
         path = self.path
+        interrupts.check()  # a signal whose exception was lost on the way: nothing is published
+        if self.directory and (path.exists() or path.is_symlink()):
+            # Checked again: the output may have changed during a long run, and a file is never replaced.
+            _check_existing(path, overwrite=True)
+        # From the first rename on, the output is this run's: a signal now is reported when the command ends,
+        # never halfway through the swap (the old output gone, the new one not yet in place).
+        interrupts.hold_to_end()
         if not self.directory:
             os.replace(self.tmp, path)
         elif path.exists() or path.is_symlink():
-            # Checked again: the output may have changed during a long run, and a file is never replaced.
-            _check_existing(path, overwrite=True)
             trash = temp_sibling(path, _OLD)
             path.rename(trash)
             self.tmp.rename(path)
@@ -135,21 +145,39 @@ def _check_existing(path: Path, *, overwrite: bool, directory: bool = True) -> N
         )
 
 
-def reserve_output(
+def check_apart(path: str | Path, inputs: dict[str, str | Path | None]) -> None:
+    """Refuse an output that is one of the command's inputs (`inputs`: what each is, its path), lies inside one,
+    or holds one: writing it (with --overwrite, replacing it) would destroy what the command reads. Inputs that
+    are not local paths (hub ids, datasets names) are not compared."""
+    out = Path(os.path.realpath(path))
+    for label, ref in inputs.items():
+        if ref is None or not Path(ref).exists():
+            continue
+        inp = Path(os.path.realpath(ref))
+        if out == inp or inp in out.parents:
+            where = "is" if out == inp else "is inside"
+        elif out in inp.parents:
+            where = "holds"
+        else:
+            continue
+        raise UsageError(
+            f"output '{path}': {where} the {label} '{ref}'; expected an output apart from what the command "
+            f"reads (it would be written over)"
+        )
+
+
+def check_output(
     path: str | Path,
     *,
     directory: bool,
     overwrite: bool,
-    needs_bytes: int | None = None,
-    log: Callable[[str], None] | None = None,
     resume: bool = False,
-) -> Output:
-    """Check `path` as the output of a command and create its temporary sibling; refuse (one line) when it is a
-    file where a folder is expected or the reverse, exists without `overwrite`, lies under a file or in a folder
-    that cannot be written, another live run writes it, or the free space is below `needs_bytes`. Stale leftovers
-    of killed runs are refused without `overwrite` and removed with it (or with `resume`: a resumed run goes on
-    from the killed run's work folder, and its half-written output is of no use)."""
+    inputs: dict[str, str | Path | None] | None = None,
+) -> list[Path]:
+    """What `reserve_output` refuses, without creating anything: a command runs it before it reads a model or a
+    text, so a run whose output is refused fails in a second. Returns the stale leftovers it would remove."""
     path = Path(os.path.abspath(path))
+    check_apart(path, inputs or {})
     if path.exists() or path.is_symlink():
         _check_existing(path, overwrite=overwrite, directory=directory)
 
@@ -165,6 +193,32 @@ def reserve_output(
             f"output '{path}': leftovers of an interrupted run beside it: "
             f"{', '.join(p.name for p in stale)}; --overwrite removes them"
         )
+    parent = path.parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ResourceError(f"output '{path}': '{parent}' is a file; expected a directory to hold the output")
+    return stale
+
+
+def reserve_output(
+    path: str | Path,
+    *,
+    directory: bool,
+    overwrite: bool,
+    needs_bytes: int | None = None,
+    log: Callable[[str], None] | None = None,
+    resume: bool = False,
+    inputs: dict[str, str | Path | None] | None = None,
+) -> Output:
+    """Check `path` as the output of a command and create its temporary sibling; refuse (one line) when it is a
+    file where a folder is expected or the reverse, exists without `overwrite`, lies under a file or in a folder
+    that cannot be written, another live run writes it, it is, holds or lies inside one of `inputs`, or the free
+    space is below `needs_bytes`. Stale leftovers of killed runs are refused without `overwrite` and removed with
+    it (or with `resume`: a resumed run goes on from the killed run's work folder, and its half-written output is of
+    no use)."""
+    path = Path(os.path.abspath(path))
+    stale = check_output(path, directory=directory, overwrite=overwrite, resume=resume, inputs=inputs)
 
     created: list[Path] = []
     parent = path.parent
@@ -172,8 +226,6 @@ def reserve_output(
     while not parent.exists() and not parent.is_symlink():
         missing.append(parent)
         parent = parent.parent
-    if not parent.is_dir():
-        raise ResourceError(f"output '{path}': '{parent}' is a file; expected a directory to hold the output")
     removed: list[Path] = []
     try:
         for d in reversed(missing):

@@ -150,6 +150,11 @@ class Prepared:
     # pre-flight decided, and the folder under which they go when that is disk.
     activations: str = "device"
     offload_dir: Path | None = None
+    # Reading and tokenizing the calibration text (what the dry run's estimate scales the evaluation text's by).
+    text_bytes: int = 0
+    text_tokens: int = 0
+    tokenize_seconds: float = 0.0
+    check_seconds: float = 0.0  # in `before_data` (a dry run's estimate measures this machine there)
 
 
 def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = None) -> Prepared:
@@ -189,13 +194,23 @@ def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = N
         _check_stats_header(recipe, meta, adapter, assignment)
     prepared = Prepared(config, tokenizer=tokenizer, meta=meta, files=files)
     if before_data is not None:
+        t = time.perf_counter()
         before_data(prepared)
+        prepared.check_seconds = time.perf_counter() - t
     if cal is not None:
         src = TextSource(cal.source, cal.text_field, cal.split, cal.config, cal.encoding)
         if recipe.needs_calibration():
+            t = time.perf_counter()
             prepared.windows, prepared.digest = sample_windows(
-                tokenizer, src, cal.num_samples, cal.seq_len, cal.seed
+                tokenizer,
+                src,
+                cal.num_samples,
+                cal.seq_len,
+                cal.seed,
+                recipe.origins.get("calibration.num_samples", "calibration.num_samples"),
+                counts=prepared,
             )
+            prepared.tokenize_seconds = time.perf_counter() - t
             check_token_ids(prepared.windows, config.vocab_size, cal.source, tokenizer)
         elif Path(cal.source).is_file():
             check_not_empty(src, read_documents(src))

@@ -16,9 +16,9 @@ from typing import Any, Literal
 import yaml
 
 from qtool.calibration.data import check_encoding
-from qtool.errors import InputError, RecipeError
+from qtool.errors import InputError, RecipeError, UsageError, shown
 from qtool.models.loading import is_hub_id
-from qtool.options import option, parse_options
+from qtool.options import INT_LIMIT, YAMLTooLarge, check_option, load_yaml, option, parse_options
 from qtool.stages import STAGES
 from qtool.stages.base import QuantizerStage, Targets, TransformStage
 from qtool.units import parse_size
@@ -31,7 +31,7 @@ class CalibrationSpec:
     source: str = option(help="a .txt/.jsonl file, a saved datasets folder, or a datasets name")
     num_samples: int = option(128, min=1, max=100_000, help="number of token windows")
     seq_len: int = option(2048, min=8, max=1_048_576, help="tokens per window")
-    seed: int = option(0, min=0, help="seed of the window sampler")
+    seed: int = option(0, min=0, max=INT_LIMIT, help="seed of the window sampler")
     text_field: str = option("text", help="field holding the text in .jsonl/datasets sources")
     split: str = option("train", help="datasets split")
     config: str | None = option(None, help="datasets config name")
@@ -142,14 +142,18 @@ class Recipe:
 # What a checkpoint must stay exportable to (qtool/export/targets.py checks it before the run); "vllm" is
 # compressed-tensors by the name of the engine that reads it.
 TARGETS = ("qtool", "compressed-tensors", "vllm")
+# A recipe is a few hundred bytes; anything near this is not one, and is refused before it is read.
+MAX_RECIPE_BYTES = 1 << 20
 TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings", "target")
 # Overrides whose command-line flag is not named after the key.
 _FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--eval-windows"}
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: dict[str, Any] | None = None, names: dict[str, str] | None = None
+) -> Recipe:
     """Read and validate a recipe. `overrides` maps `model`, `output`, `calibration.<key>` and
-    `eval.max_windows` to CLI values."""
+    `eval.max_windows` to CLI values; `names` says how an error names each override (default: its flag)."""
     path = Path(path)
     label = str(path)
     if path.is_dir():
@@ -157,6 +161,12 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if not path.is_file():
         raise RecipeError(f"{label}: recipe file not found")
     try:
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise RecipeError(
+                f"{label}: found {size} bytes, expected a recipe of at most {MAX_RECIPE_BYTES} bytes (a YAML "
+                f"file of a few keys)"
+            )
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RecipeError(
@@ -170,7 +180,9 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if not text.strip():
         raise RecipeError(f"{label}: is empty; expected a mapping with keys {', '.join(TOP_KEYS)}")
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
+    except YAMLTooLarge as e:
+        raise RecipeError(f"{label}: found YAML whose {e.problem}; expected a recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -178,11 +190,16 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
         raise RecipeError(f"{label}: malformed YAML{where}: {problem}") from None
     if raw is None:  # only comments
         raise RecipeError(f"{label}: is empty; expected a mapping with keys {', '.join(TOP_KEYS)}")
-    return validate_recipe(raw, label, path.resolve().parent, overrides or {}, path)
+    return validate_recipe(raw, label, path.resolve().parent, overrides or {}, path, names)
 
 
 def validate_recipe(
-    raw: Any, label: str, base: Path, overrides: dict[str, Any], path: Path | None = None
+    raw: Any,
+    label: str,
+    base: Path,
+    overrides: dict[str, Any],
+    path: Path | None = None,
+    names: dict[str, str] | None = None,
 ) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(
@@ -197,18 +214,31 @@ def validate_recipe(
     def where(key: str) -> str:
         if key not in overrides:
             return f"{label}:{key}"
+        if names and key in names:
+            return names[key]
         return _FLAGS.get(key) or f"--{key.split('.')[-1].replace('_', '-')}"
+
+    # An override is checked on its own first, so that a bad value names the flag (or argument) it came from,
+    # not the recipe key it replaces.
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        spec = {"calibration": CalibrationSpec, "eval": EvalSpec}.get(section)
+        if spec is not None and name in {f.name for f in dataclasses.fields(spec)}:
+            try:
+                check_option(spec, name, value, where(key))
+            except RecipeError as e:  # the command line's (or the caller's) value, not the recipe's
+                raise UsageError(str(e)) from None
 
     model = overrides.get("model", raw.get("model"))
     if model is None:
         raise RecipeError(f"{label}:model: missing; expected a model directory or a hub id")
     if not isinstance(model, str):
-        raise RecipeError(f"{where('model')}: found {model!r}, expected a model directory or a hub id")
+        raise RecipeError(f"{where('model')}: found {shown(model)}, expected a model directory or a hub id")
     model = _resolve_model(model, cwd if "model" in overrides else base, where("model"))
 
     output = overrides.get("output", raw.get("output"))
     if output is not None and not isinstance(output, str):
-        raise RecipeError(f"{where('output')}: found {output!r}, expected a directory path")
+        raise RecipeError(f"{where('output')}: found {shown(output)}, expected a directory path")
     if output is not None:
         output = str(((cwd if "output" in overrides else base) / output).resolve())
 
@@ -227,7 +257,7 @@ def validate_recipe(
 
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
-        raise RecipeError(f"{label}:stages: found {stages_raw!r}, expected a non-empty list of stages")
+        raise RecipeError(f"{label}:stages: found {shown(stages_raw)}, expected a non-empty list of stages")
     stages = [_parse_stage(s, i, label) for i, s in enumerate(stages_raw)]
     # Transforms rewrite the float model that the quantizers then see; one after a quantizer would have to
     # undo the packed layers.
@@ -286,12 +316,19 @@ def validate_recipe(
 
     target = raw.get("target", "qtool")
     if target not in TARGETS:
-        raise RecipeError(f"{label}:target: found {target!r}, expected one of {', '.join(TARGETS)}")
+        raise RecipeError(f"{label}:target: found {shown(target)}, expected one of {', '.join(TARGETS)}")
     recipe = Recipe(path, model, output, calibration, stages, ev, settings, target=target)
     recipe.as_run = _as_run(recipe)
     recipe.origins = {
         key: _origin(key, raw, label, where(key), key in overrides)
-        for key in ("model", "calibration.seq_len", "calibration.source", "eval.seq_len", "eval.text")
+        for key in (
+            "model",
+            "calibration.num_samples",
+            "calibration.seq_len",
+            "calibration.source",
+            "eval.seq_len",
+            "eval.text",
+        )
     }
     return recipe
 
@@ -312,13 +349,13 @@ def _parse_stage(entry: Any, i: int, label: str) -> StageSpec:
     where = f"{label}:stages[{i}]"
     if not isinstance(entry, dict) or "stage" not in entry:
         raise RecipeError(
-            f"{where}: found {entry!r}, expected a mapping with a 'stage' key naming one of "
+            f"{where}: found {shown(entry)}, expected a mapping with a 'stage' key naming one of "
             f"{', '.join(sorted(STAGES))}"
         )
     name = entry["stage"]
     if name not in STAGES:
         raise RecipeError(
-            f"{where}.stage: unknown stage {name!r}; expected one of {', '.join(sorted(STAGES))}"
+            f"{where}.stage: unknown stage {shown(name)}; expected one of {', '.join(sorted(STAGES))}"
         )
     cls = STAGES[name]
     opts = {k: v for k, v in entry.items() if k not in ("stage", "targets")}

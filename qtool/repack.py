@@ -38,7 +38,12 @@ def run_pack(
     # The copy's folder is checked (and its temporary created) before the checkpoint is read.
     needs = folder_bytes(checkpoint) if checkpoint.is_dir() else None
     with reserve_output(
-        output, directory=True, overwrite=overwrite, needs_bytes=needs, log=reporter.log
+        output,
+        directory=True,
+        overwrite=overwrite,
+        needs_bytes=needs,
+        log=reporter.log,
+        inputs={"checkpoint": checkpoint},
     ) as reserved:
         return _pack(checkpoint, output, reserved, shard_bytes, reporter)
 
@@ -83,8 +88,8 @@ def _pack(
     shard_bytes: int | None,
     reporter: Reporter,
 ) -> dict:
-    from qtool.checkpoint.loader import read_manifest, read_tensors, verify_files
-    from qtool.checkpoint.writer import write_checkpoint
+    from qtool.checkpoint.loader import check_figures, read_manifest, read_tensors, verify_files
+    from qtool.checkpoint.writer import bits_per_weight, write_checkpoint
 
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
@@ -94,8 +99,12 @@ def _pack(
     config = read_config(checkpoint)
     # A checkpoint is verified only if it can be used: it must carry a tokenizer (quantize always writes one).
     tokenizer = load_tokenizer(checkpoint)
-    load_checkpoint(checkpoint, verify=False)  # checks every layout, tensor shape and value (finite)
+    model = load_checkpoint(checkpoint, verify=False)  # checks every layout, tensor shape and value (finite)
     layers = config["quantization_config"]["layers"]
+    packed = {name: model.get_submodule(name).layout for name in layers}
+    del model
+    check_figures(checkpoint, manifest, bits_per_weight(packed, read_tensors(checkpoint).meta))
+    del packed
     layouts: dict[str, int] = {}
     for cfg in layers.values():
         key = layout_class(cfg["format"]).describe(cfg)

@@ -15,7 +15,7 @@ from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_chec
 from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.estimate import checkpoint_bytes
-from qtool.output import Output, reserve_output
+from qtool.output import Output, check_output, reserve_output
 from qtool.recipe import load_recipe
 
 
@@ -29,8 +29,9 @@ def run_quantize(
     resume: bool = False,
     dry_run: bool = False,
     whole_model: bool = False,
+    names: dict[str, str] | None = None,
 ) -> dict | None:
-    """`resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
+    """`names`: how errors name each override (default: its command-line flag). `resume`: go on from the work folder a killed or interrupted run left beside the output. `dry_run`: check
     everything and estimate the run's memory, size and time without reading a weight. `whole_model`: load the
     whole model into host memory instead of reading one block at a time from the weight files. Returns the
     summary (None on the ranks other than 0 of a run over several processes)."""
@@ -38,11 +39,19 @@ def run_quantize(
     from qtool.pipeline import resolve_device
 
     startup = process_age()
-    recipe = load_recipe(recipe_path, overrides)
+    if resume and overwrite:
+        raise UsageError(
+            "--resume with --overwrite: expected one or the other (--resume goes on from the work folder and "
+            "replaces the output only if the interrupted run was started with --overwrite; --overwrite "
+            "discards the work folder and starts over)"
+        )
+    recipe = load_recipe(recipe_path, overrides, names)
     if recipe.output is None:
         raise RecipeError(
             f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)"
         )
+    if "output" not in overrides:
+        _check_recipe_output(recipe_path, recipe.output)
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
     t = time.perf_counter()
@@ -72,6 +81,32 @@ def run_quantize(
         extra = {"startup_s": startup, "join_s": joined}
         summary["timings"].update({k: round(v, 3) for k, v in extra.items() if v is not None})
     return summary
+
+
+def _check_recipe_output(recipe_path: Path, output: str) -> None:
+    """A recipe's `output` must resolve inside the recipe's folder or the working directory: a recipe passed
+    around (or written by someone else) must not write wherever it likes, such as a system folder when run as
+    root. The command line's -o (qtool.quantize's `output`) writes anywhere."""
+    out = Path(os.path.realpath(output))
+    allowed = [Path(os.path.realpath(Path(recipe_path).parent)), Path(os.path.realpath(Path.cwd()))]
+    if not any(out == a or a in out.parents for a in allowed):
+        raise RecipeError(
+            f"{recipe_path}:output: resolves to '{out}', outside the recipe's folder ({allowed[0]}) and the "
+            f"working directory ({allowed[1]}); expected a path under one of them, or --output to write there"
+        )
+
+
+def _inputs(recipe) -> dict[str, str | None]:
+    """What a quantize run reads, by what it is: its output may be none of them, hold none and lie in none."""
+    cal, ev = recipe.calibration, recipe.eval
+    return {
+        "recipe": str(recipe.path) if recipe.path is not None else None,
+        "model": recipe.model,
+        "calibration text": cal.source if cal is not None else None,
+        "stats file": cal.stats if cal is not None else None,
+        "evaluation text": ev.text if ev is not None else None,
+        "task data folder": ev.data_dir if ev is not None else None,
+    }
 
 
 def _check_world(world, recipe, **flags) -> None:
@@ -115,10 +150,17 @@ def _run_quantize(
 
     out = Path(recipe.output)
     partial = partial_path(Path(os.path.abspath(out)))
+    state = None
     if world.is_main:  # the work folder and the output are rank 0's; its refusals reach the other ranks
         _check_work_folder(
             out, partial, resume=resume, overwrite=overwrite, dry_run=dry_run, whole_model=whole_model
         )
+        if resume and not dry_run:
+            state = Work.verify(partial)
+    # A resumed run replaces an existing output as the run it continues would have.
+    replace = overwrite or bool(state and state["overwrite"])
+    if world.is_main:  # before a model or a text is read: a refused output costs a second, not a pre-flight
+        check_output(out, directory=True, overwrite=replace, resume=resume, inputs=_inputs(recipe))
     device = resolve_device(recipe.settings.device)
     plan: dict = {}
 
@@ -146,6 +188,12 @@ def _run_quantize(
     if dry_run:
         if not world.is_main:
             return None
+        from qtool.estimate import refine
+
+        share = (
+            len(world.share(recipe.calibration.num_samples)) if world.joined and recipe.calibration else None
+        )
+        plan["estimate"] = refine(plan["estimate"], recipe, prepared, device, run_eval, share)
         return {
             "output": str(out),
             "model": recipe.model,
@@ -155,7 +203,7 @@ def _run_quantize(
             **plan["estimate"].summary(),
         }
     if not world.is_main:
-        quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
+        quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world, overwrite=replace)
         return None
     if partial.is_dir() and not resume:
         shutil.rmtree(partial)  # --overwrite: a stale work folder is discarded, never reused
@@ -165,7 +213,8 @@ def _run_quantize(
         from qtool.pipeline import compute_dtype
 
         dtype = compute_dtype(recipe.settings.dtype, device, config_dtype(prepared.config))
-        Work.check(partial, identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers))
+        ident = identity(recipe, prepared, dtype, device, prepared.config.num_hidden_layers)
+        Work.check_identity(partial, state, ident)
     # The output is checked (and its temporary created) before any work, and removed if the run does not finish.
     from qtool.distributed import on_abort
 
@@ -173,10 +222,11 @@ def _run_quantize(
         reserve_output(
             out,
             directory=True,
-            overwrite=overwrite,
+            overwrite=replace,
             resume=resume,
             needs_bytes=checkpoint_bytes(recipe, prepared.config),
             log=reporter.log,
+            inputs=_inputs(recipe),
         ) as reserved,
         on_abort(reserved.discard),
         on_abort(lambda: _drop_unfinished(partial)),
@@ -190,6 +240,7 @@ def _run_quantize(
                 prepared,
                 partial,
                 resume=resume,
+                overwrite=replace,
                 run_eval=run_eval,
                 reporter=reporter,
                 world=world,
@@ -198,10 +249,17 @@ def _run_quantize(
 
 
 def _drop_unfinished(partial: Path) -> None:
-    """Remove a work folder that holds no finished block: nothing in it is worth resuming."""
+    """Remove a work folder that holds no finished block: nothing in it is worth resuming. One whose state does
+    not parse is left as it is (the refusal that names it says that --overwrite discards it)."""
     from qtool.checkpoint.partial import Work
+    from qtool.errors import CheckpointError
 
-    state = Work.read_state(partial)
+    if not partial.is_dir():
+        return
+    try:
+        state = Work.load_state(partial)
+    except CheckpointError:
+        return
     if state is None or state["next_block"] == 0:
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -211,7 +269,7 @@ def _check_work_folder(
 ) -> None:
     """Refuse a --resume without a work folder, and a work folder left beside the output without --resume or
     --overwrite."""
-    from qtool.checkpoint.partial import Work
+    from qtool.checkpoint.partial import STATE, Work
 
     if resume and not dry_run:
         if whole_model:
@@ -225,11 +283,12 @@ def _check_work_folder(
             )
     elif partial.is_dir() and not overwrite and not dry_run:
         state = Work.read_state(partial)
-        done = (
-            f"{state['next_block']} of {state.get('identity', {}).get('num_blocks', '?')} finished blocks"
-            if state
-            else "no finished block"
-        )
+        if state:
+            done = f"{state['next_block']} of {state['identity']['num_blocks']} finished blocks"
+        elif (partial / STATE).exists():
+            done = f"a {STATE} this version cannot read"
+        else:
+            done = "no finished block"
         raise UsageError(
             f"output '{out}': '{partial.name}' beside it holds {done} of an interrupted run; pass "
             f"--resume to continue it, or --overwrite to discard it and start over"
@@ -272,6 +331,7 @@ def _quantize_onloaded(
     partial: Path,
     *,
     resume: bool,
+    overwrite: bool,
     run_eval: bool,
     reporter: Reporter,
     world,
@@ -286,6 +346,7 @@ def _quantize_onloaded(
             prepared,
             partial,
             resume=resume,
+            overwrite=overwrite,
             run_eval=run_eval,
             suite=suite,
             reporter=reporter,
@@ -305,6 +366,7 @@ def _onloaded(
     partial: Path,
     *,
     resume: bool,
+    overwrite: bool,
     run_eval: bool,
     suite,
     reporter: Reporter,
@@ -323,7 +385,16 @@ def _onloaded(
 
         gc.collect()
     try:
-        run = quantize_onloaded(recipe, reporter, prepared, partial, resume=resume, world=world)
+        run = quantize_onloaded(
+            recipe,
+            reporter,
+            prepared,
+            partial,
+            resume=resume,
+            world=world,
+            overwrite=overwrite,
+            checked=resume,
+        )
     except BaseException:
         _drop_unfinished(partial)
         raise
@@ -352,10 +423,11 @@ def _onloaded(
             reserved=reserved,
             evaluate=evaluate,
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         raise Interrupted(
             f"interrupted while writing the checkpoint; all {run.work.next_block} blocks are kept in "
-            f"'{run.work.folder}'; run the same command with --resume to write it"
+            f"'{run.work.folder}'; run the same command with --resume to write it",
+            e,
         ) from None
     run.timings["write_s"] = time.perf_counter() - t
     run.work.remove()

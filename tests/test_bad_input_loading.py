@@ -632,6 +632,31 @@ CASES = {
             )
         ),
     ),
+    "ckpt-norm-float64": Case(
+        CHECKPOINT,
+        ("model.norm.weight", "found dtype float64", "expected float32", "config.json"),
+        pack_broken_ckpt(
+            in_ckpt(
+                lambda c: edit_tensors(
+                    c, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()})
+                ),
+                WEIGHTS,
+            )
+        ),
+    ),
+    "ckpt-embedding-float16-at-eval": Case(
+        CHECKPOINT,
+        ("model.embed_tokens.weight", "found dtype float16", "expected float32"),
+        eval_broken_ckpt(
+            in_ckpt(
+                lambda c: edit_tensors(
+                    c,
+                    lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].half()}),
+                ),
+                WEIGHTS,
+            )
+        ),
+    ),
     "ckpt-truncated-safetensors": Case(
         CHECKPOINT,
         ("model.safetensors", "truncated"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.errors import RecipeError
 from qtool.layouts.base import int_matmul
 from qtool.layouts.quik.layout import QuikWeight, quantize_activations, violations_24
 from qtool.layouts.quik.module import QuikLinear
@@ -145,7 +146,10 @@ def test_plan_counts_fractions_overrides_and_threshold():
     assert stage.plan("m.mlp.down_proj", 128, big) == (8, 8, 28)
     assert stage.plan("m.self_attn.o_proj", 128, big) == (4, 4, 3)
     assert stage.plan("m.mlp.down_proj", 128, torch.tensor([3.9])).num_outliers == 0  # below T
-    assert _stage(outliers=500).plan("x", 64, big).num_outliers == 64
+    assert _stage(outliers=63).plan("x", 64, big).num_outliers == 63
+    # as many outlier columns as inputs would quantize nothing and still report W4A4
+    with pytest.raises(RecipeError, match="asks for 500 outlier columns in x, which has 64 inputs"):
+        _stage(outliers=500).plan("x", 64, big)
 
 
 def _output_error(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
@@ -205,12 +209,17 @@ def test_24_pattern_in_every_group_of_base_columns_outliers_dense(kb, block):
     assert bool((r.dequantized[:, PLANTED] != 0).all())
 
 
-@pytest.mark.parametrize("count", [0, 128])
-def test_no_outliers_and_all_outliers(count):
+@pytest.mark.parametrize("count", [0, 120])
+def test_no_outliers_and_all_but_a_few(count):
     x = _inputs(64, 128, seed=8)
     w = torch.randn(8, 128)
     r = _stage(outliers=count).quantize("layer", w, _stats(x))
     assert r.packed.num_outliers == count and r.packed.base_features == 128 - count
     y = QuikLinear(r.packed)(x)
     err = _output_error(x, w, y)
-    assert err < (1e-3 if count == 128 else 0.5)
+    assert err < (0.1 if count == 120 else 0.5)
+
+
+def test_as_many_outliers_as_inputs_are_refused():
+    with pytest.raises(RecipeError, match="asks for 128 outlier columns in layer, which has 128 inputs"):
+        _stage(outliers=128).quantize("layer", torch.randn(8, 128), _stats(_inputs(64, 128, seed=8)))

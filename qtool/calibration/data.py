@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from qtool.errors import InputError
+from qtool import hub
+from qtool.errors import InputError, RecipeError, UsageError
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,11 @@ class TextSource:
 def check_encoding(name: str) -> str | None:
     """None when `name` is a text codec Python knows, else what to say about it."""
     try:
-        codecs.lookup(name)
+        info = codecs.lookup(name)
     except LookupError:
+        info = None
+    # rot13, base64, zlib and the like are codecs too, but of bytes to bytes or str to str: not a text file's.
+    if info is None or not getattr(info, "_is_text_encoding", True):
         return f"found {name!r}, expected a text encoding such as utf-8, latin-1 or cp1252"
     return None
 
@@ -96,6 +100,7 @@ def read_documents(src: TextSource) -> list[str]:
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[src.split]
         else:
+            hub.prepare()
             ds = datasets.load_dataset(src.source, src.config, split=src.split)
     except Exception as e:  # datasets raises many types (hub, file, schema)
         raise InputError(
@@ -109,20 +114,39 @@ def read_documents(src: TextSource) -> list[str]:
 
 
 def sample_windows(
-    tokenizer, src: TextSource, num_samples: int, seq_len: int, seed: int
+    tokenizer,
+    src: TextSource,
+    num_samples: int,
+    seq_len: int,
+    seed: int,
+    where: str = "num_samples",
+    counts=None,
 ) -> tuple[torch.Tensor, str]:
     """`num_samples` random windows of `seq_len` tokens ([num_samples, seq_len] int64) and their sha256.
 
     Documents are joined with blank lines and tokenized once; window starts come from a seeded generator,
-    so the same text, tokenizer and seed always give the same windows.
+    so the same text, tokenizer and seed always give the same windows. More windows than the text has distinct
+    windows are refused (`where` names the setting): they could only repeat it, at the cost of a longer run.
+    `counts` (when given) gets the text's size in characters and tokens (`text_bytes`, `text_tokens`).
     """
     docs = read_documents(src)
     check_not_empty(src, docs)
-    ids = tokenizer("\n\n".join(docs), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    text = "\n\n".join(docs)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if counts is not None:
+        counts.text_bytes, counts.text_tokens = len(text), int(ids.numel())
     if ids.numel() < seq_len + 1:
         raise InputError(
             f"text source '{src.source}': {ids.numel()} tokens, expected at least {seq_len + 1} "
             f"for windows of {seq_len}"
+        )
+    distinct = ids.numel() - seq_len
+    if num_samples > distinct:
+        # a setting of the run, not a fault of the text: named as the flag or the recipe key that set it
+        error = RecipeError if ":" in where else UsageError  # `file:key`, or a flag or an argument
+        raise error(
+            f"{where}: found {num_samples} windows of {seq_len} tokens, but text source '{src.source}' holds "
+            f"{ids.numel()} tokens, {distinct} distinct windows; expected at most {distinct} (or more text)"
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)

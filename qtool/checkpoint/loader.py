@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, file_sha256
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, shown
 from qtool.kv_cache.schemes import apply_model_schemes, attach_scheme_tensors
 from qtool.layouts.registry import LAYOUTS
 from qtool.models.integrity import (
@@ -19,10 +20,11 @@ from qtool.models.integrity import (
     SAFETENSORS_DTYPES,
     StoredTensors,
     describe,
+    plain_file_name,
     read_config_json,
     tensor_index,
 )
-from qtool.models.loading import check_architecture, with_expert_linears
+from qtool.models.loading import check_architecture, config_dtype, with_expert_linears
 from qtool.models.loading import load_tokenizer as _load_tokenizer
 
 
@@ -46,20 +48,58 @@ def read_manifest(path: Path) -> dict:
             f"expected {FORMAT_VERSION}"
         )
     files = manifest.get("files")
-    if not isinstance(files, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
-    ):
+    if not isinstance(files, dict):
         raise CheckpointError(
             f"{mpath}: files: found {type(files).__name__}, expected an object of file name to sha256"
         )
+    for name, digest in files.items():
+        # The names are joined to the checkpoint's folder and read: one with a path could reach any file.
+        if not plain_file_name(name) or name == MANIFEST_NAME:
+            raise CheckpointError(
+                f"{mpath}: files: found the entry {shown(name)}, expected the name of a file inside the "
+                f"checkpoint folder (no path, no '..')"
+            )
+        # "" is what the writer's provisional manifest holds while the checkpoint is evaluated (sizes only).
+        if not isinstance(digest, str) or not (digest == "" or _SHA256.fullmatch(digest)):
+            raise CheckpointError(
+                f"{mpath}: files[{shown(name)}]: found {shown(digest)}, expected a sha256 hex digest"
+            )
     sizes = manifest.get("sizes", {})
-    if not isinstance(sizes, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()
-    ):
+    if not isinstance(sizes, dict):
         raise CheckpointError(
             f"{mpath}: sizes: found {type(sizes).__name__}, expected an object of file name to bytes"
         )
+    for name, size in sizes.items():
+        if name not in files:
+            raise CheckpointError(f"{mpath}: sizes: found the entry {shown(name)}, which files does not list")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(
+                f"{mpath}: sizes[{shown(name)}]: found {shown(size)}, expected a number of bytes"
+            )
     return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_figures(path: Path, manifest: dict, figures: dict) -> None:
+    """The manifest's bits per weight against `figures`, the same figures computed from the checkpoint's own
+    layouts and tensors: the manifest is not hashed, so a hand-edited figure would otherwise be printed beside
+    "verified"."""
+    mpath = path / MANIFEST_NAME
+    recorded = manifest.get("bits_per_weight")
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{mpath}: bits_per_weight: found {shown(recorded)}, expected {shown(figures)}")
+    for key in sorted(set(recorded) | set(figures)):
+        if recorded.get(key) != figures.get(key):
+            found, expected = recorded.get(key), figures.get(key)
+            if isinstance(found, dict) and isinstance(expected, dict):  # per layer: name the first layer
+                layer = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
+                key, found, expected = f"{key}.{layer}", found.get(layer), expected.get(layer)
+            raise CheckpointError(
+                f"{mpath}: bits_per_weight.{key}: found {shown(found)}, the checkpoint's tensors give "
+                f"{shown(expected)}; expected the figures as written (was the manifest edited?)"
+            )
 
 
 def check_files(path: Path, manifest: dict) -> None:
@@ -205,6 +245,9 @@ def load_checkpoint(
 
     config = checkpoint_config(path)
     check_architecture(str(path), config)
+    # The writer stores every tensor it does not quantize in the model's dtype; another float dtype is an edit.
+    # (Read before the model is built: building it in `dtype` sets the config's dtype to that.)
+    stored = config_dtype(config)
     try:
         with init_empty_weights():
             model = with_expert_linears(AutoModelForCausalLM.from_config(config, dtype=dtype))
@@ -237,6 +280,12 @@ def load_checkpoint(
         if info.shape != tuple(expected[name].shape):
             raise CheckpointError(
                 f"tensor {name}: found shape {list(info.shape)}, expected {list(expected[name].shape)}"
+            )
+        if info.dtype in FLOAT_DTYPES and SAFETENSORS_DTYPES[info.dtype] != stored:
+            raise CheckpointError(
+                f"tensor {name}: found dtype {str(SAFETENSORS_DTYPES[info.dtype]).removeprefix('torch.')}, "
+                f"expected {str(stored).removeprefix('torch.')} (the dtype in {path / 'config.json'}, in which "
+                f"qtool stores every tensor it does not quantize)"
             )
         if expected[name].is_floating_point() != (info.dtype in FLOAT_DTYPES):
             raise CheckpointError(

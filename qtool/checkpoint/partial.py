@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -23,11 +24,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qtool.errors import CheckpointError, UsageError
+from qtool import interrupts
+from qtool.checkpoint.manifest import file_sha256
+from qtool.errors import CheckpointError, UsageError, shown
 from qtool.models.integrity import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
     TensorInfo,
+    check_finite,
     describe,
     read_header,
     read_tensor,
@@ -79,10 +83,87 @@ def recipe_hash(as_run: dict) -> str:
     return hashlib.sha256(json.dumps(as_run, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write):
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    result = write(tmp)
     os.replace(tmp, path)
+    return result
+
+
+def _record_digest(block: dict) -> str:
+    """sha256 of what a finished block recorded (its linears' summaries go into the manifest's figures)."""
+    what = {k: block.get(k) for k in ("records", "linears")}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def state_problem(state) -> str | None:
+    """What is wrong with a parsed state.json (the key, what was found), else None."""
+    if not isinstance(state, dict):
+        return f"found a JSON {type(state).__name__}, expected an object"
+    identity = state.get("identity")
+    if not isinstance(identity, dict) or any(k not in identity for k in IDENTITY):
+        return f"identity: found {shown(identity)}, expected an object with {', '.join(IDENTITY)}"
+    total = identity["num_blocks"]
+    if not _nonneg_int(total):
+        return f"identity.num_blocks: found {shown(total)}, expected a number of blocks"
+    k = state.get("next_block")
+    if not _nonneg_int(k) or k > total:
+        return f"next_block: found {shown(k)}, expected an integer in 0..{total}"
+    if not isinstance(state.get("overwrite"), bool):
+        return f"overwrite: found {shown(state.get('overwrite'))}, expected true or false"
+    blocks = state.get("blocks")
+    if not isinstance(blocks, list) or len(blocks) != k:
+        return f"blocks: found {shown(blocks)}, expected a list of the {k} finished blocks"
+    for i, b in enumerate(blocks):
+        f = b.get("file") if isinstance(b, dict) else None
+        if (
+            not isinstance(b, dict)
+            or not isinstance(b.get("records"), list)
+            or not isinstance(b.get("linears"), dict)
+            or not isinstance(f, dict)
+            or not _nonneg_int(f.get("size"))
+            or not all(
+                isinstance(f.get(h), str) and _SHA256.fullmatch(f[h]) for h in ("sha256", "record_sha256")
+            )
+        ):
+            return f"blocks[{i}]: found {shown(b)}, expected records, linears and the block file's size and sha256"
+    spec = state.get("inputs")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        return f"inputs: found {shown(spec)}, expected null or an object"
+    if spec.get("dtype") not in _DTYPES:
+        return f"inputs.dtype: found {shown(spec.get('dtype'))}, expected one of {', '.join(_DTYPES)}"
+    shapes = spec.get("shapes")
+    if (
+        not isinstance(shapes, list)
+        or not shapes
+        or not all(isinstance(x, list) and x and all(_nonneg_int(d) for d in x) for x in shapes)
+    ):
+        return f"inputs.shapes: found {shown(shapes)}, expected a list of tensor shapes"
+    parts = spec.get("parts")
+    if (
+        not isinstance(parts, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in parts)
+        or sum(parts) != len(shapes)
+    ):
+        return f"inputs.parts: found {shown(parts)}, expected the samples of each part, {len(shapes)} in all"
+    digests = spec.get("sha256")
+    if (
+        not isinstance(digests, list)
+        or len(digests) != len(parts)
+        or not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests)
+    ):
+        return f"inputs.sha256: found {shown(digests)}, expected the sha256 of each of the {len(parts)} parts"
+    return None
 
 
 class Work:
@@ -108,28 +189,101 @@ class Work:
 
     @staticmethod
     def read_state(folder: Path) -> dict | None:
+        """The state of `folder` when it is one this version wrote, else None (for messages; `load_state` says
+        what is wrong)."""
         try:
             state = json.loads((folder / STATE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        return state if isinstance(state, dict) and isinstance(state.get("next_block"), int) else None
+        return state if state_problem(state) is None else None
+
+    @staticmethod
+    def load_state(folder: Path) -> dict | None:
+        """The state of the work folder `folder`; None when the run that left it was killed before writing its
+        first state (the folder then holds nothing else). A state that does not parse or is not what this
+        version writes is refused, naming the key: resuming from it could only start over silently or go on from
+        what is not there."""
+        path = folder / STATE
+        if not path.is_file():
+            others = sorted(p.name for p in folder.iterdir() if not p.name.endswith(".tmp"))
+            if not others:
+                return None
+            raise CheckpointError(
+                f"--resume: '{folder}' holds {others[0]} but no {STATE}; expected the work folder as the "
+                f"interrupted run left it (or --overwrite to start over)"
+            )
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"--resume: {path}: not readable JSON ({describe(e)}); expected the state the interrupted run "
+                f"wrote (or --overwrite to start over)"
+            ) from None
+        problem = state_problem(state)
+        if problem is not None:
+            raise CheckpointError(
+                f"--resume: {path}: {problem}; expected the state the interrupted run wrote (or --overwrite "
+                f"to start over)"
+            )
+        return state
 
     @classmethod
-    def start(cls, folder: Path, identity: dict) -> Work:
+    def start(cls, folder: Path, identity: dict, overwrite: bool = False) -> Work:
+        """`overwrite`: the run may replace an existing output (so may a --resume of it)."""
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir()
-        work = cls(folder, {"identity": identity, "next_block": 0, "blocks": [], "inputs": None})
+        state = {"identity": identity, "next_block": 0, "blocks": [], "inputs": None, "overwrite": overwrite}
+        work = cls(folder, state)
         work._write_state()
         return work
 
     @classmethod
-    def check(cls, folder: Path, identity: dict) -> None:
-        """Refuse (one line naming what differs) to resume the run that left `folder` as another run."""
-        state = cls.read_state(folder)
-        found = (state or {}).get("identity") or {}
+    def verify(cls, folder: Path) -> dict | None:
+        """The state of `folder`, after checking it and every finished block's file against it (size, safetensors
+        header, sha256): a --resume goes on from nothing that is not as the interrupted run wrote it. None:
+        nothing was done. Reads no model and no text, so it runs before anything else of the run."""
+        state = cls.load_state(folder)
+        if state is not None:
+            work = cls(folder, state)
+            for i, block in enumerate(state["blocks"]):
+                work._check_block(i, block)
+            work._check_inputs()
+        return state
+
+    def _check_inputs(self) -> None:
+        spec = self.state["inputs"]
+        if spec is None:
+            return
+        itemsize = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+        first = 0
+        for part, count in enumerate(spec["parts"]):
+            path = self.inputs_file(self.next_block, part)
+            expected = (
+                sum(int(torch.Size(s).numel()) for s in spec["shapes"][first : first + count]) * itemsize
+            )
+            first += count
+            found = (
+                f"missing, its {STATE} names it"
+                if not path.is_file()
+                else f"{path.stat().st_size} bytes, its {STATE} says {expected}"
+                if path.stat().st_size != expected
+                else f"sha256 does not match the one its {STATE} records (the file was modified)"
+                if file_sha256(path) != spec["sha256"][part]
+                else None
+            )
+            if found is not None:
+                raise CheckpointError(
+                    f"--resume: {path}: {found}; expected the work folder as the interrupted "
+                    f"run left it (or --overwrite to start over)"
+                )
+
+    @staticmethod
+    def check_identity(folder: Path, state: dict | None, identity: dict) -> None:
+        """Refuse (one line naming what differs) to resume the run that left `folder` (its `state`) as another."""
         if state is None:
-            return  # killed before its first state was written: nothing was done, so nothing can disagree
+            return  # killed before its first state was written: nothing was done, nothing can disagree
+        found = state["identity"]
         for key, what in IDENTITY.items():
             if found.get(key) != identity.get(key):
                 old, new = (str(v)[:16] for v in (found.get(key), identity.get(key)))
@@ -140,14 +294,45 @@ class Work:
                 )
 
     @classmethod
-    def resume(cls, folder: Path, identity: dict) -> Work:
-        cls.check(folder, identity)
-        state = cls.read_state(folder)
+    def check(cls, folder: Path, identity: dict) -> dict | None:
+        """`verify`, then `check_identity`; returns the state."""
+        state = cls.verify(folder)
+        cls.check_identity(folder, state, identity)
+        return state
+
+    @classmethod
+    def resume(cls, folder: Path, identity: dict, overwrite: bool = False, checked: bool = False) -> Work:
+        """`checked`: `check` passed for this folder already in this process (its files were hashed)."""
+        state = cls.load_state(folder) if checked else cls.check(folder, identity)
         if state is None:
-            return cls.start(folder, identity)
+            return cls.start(folder, identity, overwrite)
         work = cls(folder, state)
         work._check_files()
         return work
+
+    def _check_block(self, i: int, block: dict) -> None:
+        path = self.block_file(i)
+        recorded = block["file"]
+
+        def refuse(found: str) -> CheckpointError:
+            return CheckpointError(
+                f"--resume: {path}: {found}; expected the block as the interrupted run wrote it (or "
+                f"--overwrite to start over)"
+            )
+
+        if _record_digest(block) != recorded["record_sha256"]:
+            raise refuse(f"block {i}'s record in {STATE} does not match its record_sha256")
+        if not path.is_file():
+            raise refuse(f"missing, {STATE} names it")
+        size = path.stat().st_size
+        if size != recorded["size"]:
+            raise refuse(f"{size} bytes, {STATE} records {recorded['size']}")
+        try:
+            read_header(path, CheckpointError)
+        except CheckpointError as e:
+            raise refuse(str(e).removeprefix(f"{path}: ").partition("; expected")[0]) from None
+        if file_sha256(path) != recorded["sha256"]:
+            raise refuse(f"sha256 does not match the one {STATE} records (the file was modified)")
 
     def _check_files(self) -> None:
         k = self.next_block
@@ -183,7 +368,7 @@ class Work:
 
     def _parts(self) -> list[int]:
         spec = self.state.get("inputs") or {}
-        return spec.get("parts") or [len(spec.get("shapes", []))]
+        return spec.get("parts") or []
 
     def inputs(self, device: torch.device, share: range | None = None) -> list[torch.Tensor] | None:
         """The activations entering block `next_block`, as the interrupted run held them (the samples in `share`
@@ -205,12 +390,13 @@ class Work:
             sizes = [int(torch.Size(s).numel()) for s in part_shapes]
             path = self.inputs_file(self.next_block, part)
             expected = sum(sizes) * torch.empty((), dtype=dtype).element_size()
-            if path.stat().st_size != expected:
+            if path.stat().st_size != expected:  # `verify` checked it; the file changed since
                 raise CheckpointError(
                     f"--resume: {path}: {path.stat().st_size} bytes, its {STATE} says {expected}; "
                     f"expected the work folder as the interrupted run left it (or --overwrite)"
                 )
             flat = torch.from_file(str(path), shared=False, size=sum(sizes), dtype=dtype)
+            check_finite([(path.name, flat)], CheckpointError)
             xs = [x.view(s) for x, s in zip(flat.split(sizes), part_shapes, strict=True)]
             start = first - count
             out.extend(xs[j - start].to(device) for j in mine)
@@ -231,12 +417,27 @@ class Work:
         Activations on a GPU are copied to pinned host memory and written by a thread while the next block is
         quantized (for a 7B model and 128 x 2048 calibration tokens that is 2 GB per block); the block counts as
         finished in the state only once they are on disk, at the next `commit` or at `flush`. Activations kept in
-        host memory or on disk are written before this returns (a second copy of them may not fit)."""
+        host memory or on disk are written before this returns (a second copy of them may not fit).
+
+        A signal during a commit is raised once the commit is done: the run stops at this block's boundary."""
+        with interrupts.deferred():
+            self._commit(i, tensors, record, inputs)
+
+    def _commit(
+        self, i: int, tensors: dict[str, torch.Tensor], record: dict, inputs: list[torch.Tensor] | None
+    ) -> None:
         self.flush()
         assert i == self.next_block, (i, self.next_block)
         world = self.world
         if world.is_main:
-            _atomic_write(self.block_file(i), lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+            path = self.block_file(i)
+            _atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+            record = {**record}
+            record["file"] = {
+                "size": path.stat().st_size,
+                "sha256": file_sha256(path),
+                "record_sha256": _record_digest(record),
+            }
         spec, pending = None, _Pending(i, record)
         if inputs is not None:
             spec = {
@@ -246,7 +447,7 @@ class Work:
             path = self.inputs_file(i + 1, world.rank)
             host = self._host_copy(inputs)
             if host is None:
-                _atomic_write(path, lambda p: _write_raw(p, inputs))
+                spec["sha256"] = _atomic_write(path, lambda p: _write_raw(p, inputs))
             else:
                 pending.start(lambda: _atomic_write(path, lambda p: _write_raw(p, host)))
         pending.spec = spec
@@ -260,15 +461,18 @@ class Work:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.wait()
+        written = pending.wait()
         world, spec = self.world, pending.spec
+        if spec is not None and written is not None:
+            spec["sha256"] = written
         old_parts = len(self._parts())
         specs = world.all_gather_object(spec)
-        if spec is not None and world.size > 1:
+        if spec is not None:
             spec = {
                 "dtype": spec["dtype"],
                 "shapes": [s for p in specs for s in p["shapes"]],
                 "parts": [len(p["shapes"]) for p in specs],
+                "sha256": [p["sha256"] for p in specs],
             }
         self.state = {
             **self.state,
@@ -336,10 +540,15 @@ def _delete(paths: list[Path]) -> None:
             pass  # a file the state does not name: a resumed run removes it
 
 
-def _write_raw(path: Path, xs) -> None:
+def _write_raw(path: Path, xs) -> str:
+    """Write the tensors' bytes one after another; return their sha256."""
+    h = hashlib.sha256()
     with open(path, "wb") as f:
         for x in xs:
-            f.write(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+            data = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+            h.update(data)
+            f.write(data)
+    return h.hexdigest()
 
 
 class _Pending:
@@ -349,22 +558,25 @@ class _Pending:
         self.block, self.record, self.spec = block, record, None
         self.thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._result = None
 
     def start(self, write) -> None:
         def run() -> None:
             try:
-                write()
+                self._result = write()
             except BaseException as e:  # handed to the main thread by `wait`
                 self._error = e
 
         self.thread = threading.Thread(target=run, name="qtool-activations", daemon=False)
         self.thread.start()
 
-    def wait(self) -> None:
+    def wait(self):
+        """What the write returned (None when nothing was written by the thread)."""
         if self.thread is not None:
             self.thread.join()
         if self._error is not None:
             raise self._error
+        return self._result
 
 
 class LazyTensors:
@@ -398,9 +610,13 @@ class LazyTensors:
             return self._resident[name]
         info = self._where[name]
         try:
-            return read_tensor(info)
+            t = read_tensor(info)
         except OSError as e:
             raise CheckpointError(
                 f"tensor {name} ({info.file}): cannot be read ({describe(e)}); expected the work "
                 f"folder as this run wrote it"
             ) from None
+        check_finite(
+            [(name, t)], CheckpointError, self._where
+        )  # a packed field of a quantized block is finite
+        return t

@@ -9,6 +9,11 @@ The standard tasks ship in `qtool/eval/tasks/` as lm-eval task YAMLs with lm-eva
 metrics, reading local JSONL files instead of the hub. At run time each is included from a generated YAML that
 adds the absolute path of its data file (`--data-dir`, `QTOOL_ZEROSHOT_DATA`, or the shared assets beside the
 checkout), and lm-eval's task manager loads them from that folder plus any `--include-path` of the user's own.
+A task folder is code: lm-eval runs the Python functions its YAMLs name (`!function utils.process_docs`).
+
+Items longer than the model's context: lm-eval's Hugging Face model truncates the context from the left and
+scores the continuation; a continuation (an answer choice) longer than the context cannot be scored, and is
+refused in one line naming the task and item before anything is scored.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ STANDARD_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hellaswag": ("hellaswag_val_subset1000.jsonl", ("activity_label", "ctx_a", "ctx_b", "endings", "label")),
     "lambada_openai": ("lambada_openai.jsonl", ("context", "continuation")),
 }
+MAX_SEED = 2**32 - 1
 PERPLEXITY_BATCH = 4  # windows per forward when --batch-size is auto or not given
 TASK_BATCH = 32  # lm-eval requests per forward when --batch-size is not given
 
@@ -102,6 +108,18 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def _yaml_problem(e: BaseException) -> str:
+    """A YAML error's problem and where it is (its message's first line only says what was being parsed)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    reason, position = getattr(e, "reason", None), getattr(e, "position", None)
+    if reason and isinstance(position, int):  # bytes that are no text
+        return f"{reason} at byte {position}"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
 def _quiet_lm_eval() -> None:
     import logging
 
@@ -124,6 +142,19 @@ def _offline_datasets():
         datasets.config.HF_HUB_OFFLINE = saved
 
 
+@contextmanager
+def _own_line(sink):
+    """lm-eval's progress bars end without a newline when it stops: the error line that follows starts a line of
+    its own."""
+    try:
+        yield
+    except BaseException:
+        if sink is sys.stderr:
+            sink.write("\n")
+            sink.flush()
+        raise
+
+
 class TaskSuite:
     """The requested tasks, checked and loadable by lm-eval's task manager. Use as a context manager: the generated
     task folder lives until the suite is closed."""
@@ -139,10 +170,7 @@ class TaskSuite:
         data_dir: str | Path | None = None,
         include_paths: list[str] | tuple[str, ...] = (),
     ) -> None:
-        if limit is not None and limit < 1:
-            raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
-        if num_fewshot < 0:
-            raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+        self.check_values(limit, num_fewshot, seed)
         names = [t.strip() for t in tasks if t.strip()]
         if not names:
             raise UsageError(
@@ -168,6 +196,17 @@ class TaskSuite:
             self.close()
             raise
 
+    @staticmethod
+    def check_values(limit: int | None, num_fewshot: int, seed: int) -> None:
+        """The numbers of a task protocol, checked before anything is read."""
+        if limit is not None and limit < 1:
+            raise UsageError(f"--limit: found {limit}, expected a positive number of items per task")
+        if num_fewshot < 0:
+            raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
+        if not 0 <= seed <= MAX_SEED:
+            # lm-eval seeds numpy with it, which takes 32 bits
+            raise UsageError(f"--seed: found {seed}, expected an integer in 0..{MAX_SEED}")
+
     def __enter__(self) -> TaskSuite:
         return self
 
@@ -177,10 +216,31 @@ class TaskSuite:
     def close(self) -> None:
         self._tmp.cleanup()
 
+    def _check_task_files(self) -> None:
+        """Every YAML under the user's task folders is one lm-eval can read: its task index skips a file that does
+        not parse without a word (at debug level), and the task was then reported as unknown."""
+        try:
+            from lm_eval.tasks._index import TaskIndex
+            from lm_eval.tasks._yaml_loader import load_yaml
+        except ImportError:  # another lm-eval layout: its own messages stand
+            return
+        for root in self.include_paths:
+            for path in TaskIndex._iter_yaml_files(root):
+                # Functions stay unresolved, as lm-eval's index reads them: no task code runs here. The errors are
+                # YAML's, a missing include's, or a config's that lm-eval's index cannot place.
+                try:
+                    TaskIndex.process_cfg(load_yaml(path, resolve_func=False, recursive=True), path, {})
+                except Exception as e:
+                    raise InputError(
+                        f"--include-path: {path}: lm-eval cannot read this task file ({_yaml_problem(e)}); "
+                        f"expected an lm-eval task YAML"
+                    ) from None
+
     def _prepare(self) -> None:
         _quiet_lm_eval()
         from lm_eval.tasks import TaskManager
 
+        self._check_task_files()
         user_tasks = (
             TaskManager(include_path=[str(p) for p in self.include_paths], include_defaults=False)
             if self.include_paths
@@ -207,7 +267,25 @@ class TaskSuite:
         self.manager = TaskManager(
             include_path=[str(gen), *map(str, self.include_paths)], include_defaults=False
         )
-        self.load()  # a config or data file lm-eval rejects fails here, before any model loads
+        # A config or data file lm-eval rejects fails here, before any model loads; so does a few-shot count the
+        # task cannot draw (lm-eval would stop with an assertion in the middle of building its requests).
+        for name, task in self.load().items():
+            self._check_fewshot(name, task)
+
+    def _check_fewshot(self, name: str, task) -> None:
+        if not self.num_fewshot:
+            return
+        try:
+            docs = task.fewshot_docs()
+            pool = 0 if docs is None else len(docs)
+        except (TypeError, ValueError):
+            return  # a task whose examples are computed by its own code: lm-eval says what goes wrong
+        # The examples of an item are drawn from the same split without the item itself.
+        if self.num_fewshot + 1 > pool:
+            raise UsageError(
+                f"--num-fewshot: found {self.num_fewshot}, but task {name} has {pool} items to draw "
+                f"examples from; expected at most {max(pool - 1, 0)}"
+            )
 
     def load(self) -> dict:
         """Fresh lm-eval Task objects (requests are built into them, so each evaluation gets its own)."""
@@ -253,13 +331,76 @@ def runtime_of(model: torch.nn.Module, device: torch.device) -> str:
     return "cuda kernels"
 
 
-def wrap_model(model, tokenizer, batch_size: int | str = TASK_BATCH):
-    """lm-eval's Hugging Face LM around a loaded model instance (float or packed) and its tokenizer."""
+def _context_checked(HFLM):
+    """HFLM that looks at every log-likelihood request before scoring any: a continuation longer than the model's
+    context is refused (lm-eval stops on an assertion once scoring has begun: an internal error), and the
+    requests whose context lm-eval will truncate from the left are counted per task."""
+
+    class ContextChecked(HFLM):
+        _instances = None
+
+        def __init__(self, *a, sources: dict[str, str] | None = None, **k) -> None:
+            super().__init__(*a, **k)
+            self.sources = sources or {}  # task -> its data file, for messages
+            self.truncated: dict[str, int] = {}
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            # The tokenized requests reach `_loglikelihood_tokens` in this order, without their task names.
+            self._instances = requests
+            try:
+                return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self._instances = None
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            instances = self._instances
+            if instances is not None and len(instances) == len(requests):
+                self._instances = None
+                self._check_lengths(instances, requests)
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+
+        def _check_lengths(self, instances, requests) -> None:
+            limit = self.max_length
+            too_long: dict[str, list] = {}  # task -> (item, tokens) of each continuation that cannot fit
+            for inst, (_, context, continuation) in zip(instances, requests, strict=True):
+                task = getattr(inst, "task_name", None) or "?"
+                if len(continuation) > limit:
+                    too_long.setdefault(task, []).append((getattr(inst, "doc_id", -1), len(continuation)))
+                elif len(context) + len(continuation) > limit + 1:
+                    self.truncated[task] = self.truncated.get(task, 0) + 1
+            if not too_long:
+                return
+            task, items = sorted(too_long.items())[0]
+            item, tokens = min(items)
+            where = f" ({self.sources[task]})" if task in self.sources else ""
+            # Items are the task's documents in order, which --limit takes from the start.
+            limit_hint = f", or --limit {item} to score the items before it" if item > 0 else ""
+            others = len({i for i, _ in items}) - 1
+            more = f" (and {others} later items)" if others else ""
+            raise InputError(
+                f"--tasks: task {task}{where}, item {item}{more}: a continuation of {tokens} tokens, longer than "
+                f"the model's context of {limit}; expected at most {limit} (lm-eval truncates only the context): "
+                f"a model with a longer context{limit_hint}"
+            )
+
+    return ContextChecked
+
+
+def wrap_model(model, tokenizer, batch_size: int | str = TASK_BATCH, sources: dict[str, str] | None = None):
+    """lm-eval's Hugging Face LM around a loaded model instance (float or packed) and its tokenizer; `truncated`
+    counts, per task, the requests whose context was cut from the left to fit the model's context. `sources`: each
+    task's data file, named by the refusal of an item that cannot fit."""
     _quiet_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
     # Log-softmax in float32: float16 logits (CUDA) would otherwise be normalized in float16.
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
+    return _context_checked(HFLM)(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        softmax_dtype=torch.float32,
+        sources=sources,
+    )
 
 
 def evaluate_tasks(
@@ -269,7 +410,7 @@ def evaluate_tasks(
     from lm_eval import simple_evaluate
 
     t0 = time.perf_counter()
-    lm = wrap_model(model, tokenizer, suite.batch_size)
+    lm = wrap_model(model, tokenizer, suite.batch_size, {t: d["file"] for t, d in suite.data.items()})
     if getattr(model, "hf_device_map", None):
         # Spread by accelerate over device, host and disk: lm-eval takes the device of the first parameter,
         # which may be on meta (offloaded); the hooks move each module's weights to `device` for its forward.
@@ -282,7 +423,7 @@ def evaluate_tasks(
     # lm-eval prints (bootstrap notices) and draws tqdm bars; stdout carries only qtool's result (JSON with --json).
     sink = open(os.devnull, "w") if quiet else sys.stderr
     try:
-        with redirect_stdout(sink), redirect_stderr(sink), _offline_datasets():
+        with redirect_stdout(sink), redirect_stderr(sink), _offline_datasets(), _own_line(sink):
             res = simple_evaluate(
                 model=lm,
                 tasks=list(suite.load().values()),
@@ -307,6 +448,13 @@ def evaluate_tasks(
         "runtime": runtime_of(model, device),
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    if lm.truncated:
+        protocol["truncated_from_left"] = dict(sorted(lm.truncated.items()))
+        if reporter:
+            reporter.log(
+                "longer than the model's context, their context truncated from the left (as lm-eval does): "
+                + ", ".join(f"{n} requests of {task}" for task, n in sorted(lm.truncated.items()))
+            )
     return {
         "results": res["results"],
         "versions": res["versions"],

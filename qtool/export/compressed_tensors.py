@@ -201,6 +201,15 @@ def compress_layer(name: str, weight: torch.Tensor, qparams: dict[str, torch.Ten
     return out
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and alone in its storage: the library packs a per-channel zero point ([rows, 1]) into a view
+    of a larger buffer, and the safetensors writer refuses a tensor that does not cover its whole storage."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
     """compressed-tensors' QuantizationConfig: one config group per distinct scheme. A scheme shared by every
     quantized linear targets `Linear` (what llm-compressor writes); otherwise each group lists its modules."""
@@ -272,7 +281,7 @@ def run_export(
     from huggingface_hub import save_torch_state_dict
 
     from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
-    from qtool.output import folder_bytes, reserve_output
+    from qtool.output import check_output, folder_bytes, reserve_output
     from qtool.units import parse_size
 
     if fmt != FORMAT:
@@ -282,6 +291,9 @@ def run_export(
     except ValueError:
         raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
     checkpoint = Path(checkpoint)
+    # The output first (it must never be the checkpoint it exports, which --overwrite would replace).
+    inputs = {"checkpoint": checkpoint}
+    check_output(output, directory=True, overwrite=overwrite, inputs=inputs)
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
     config = read_config(checkpoint)
@@ -291,7 +303,12 @@ def run_export(
     layers = config["quantization_config"]["layers"]
 
     with reserve_output(
-        output, directory=True, overwrite=overwrite, needs_bytes=folder_bytes(checkpoint), log=reporter.log
+        output,
+        directory=True,
+        overwrite=overwrite,
+        needs_bytes=folder_bytes(checkpoint),
+        log=reporter.log,
+        inputs=inputs,
     ) as reserved:
         tensors = read_tensors(checkpoint)
         built = {name: s.scheme(["Linear"]) for name, s in schemes.items()}
@@ -305,7 +322,7 @@ def run_export(
             }
             weight, qparams = layer_state(name, layers[name], fields, SCALE_DTYPE)
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
-                out[f"{prefix}{field}"] = t.contiguous()
+                out[f"{prefix}{field}"] = _own_storage(t)
         out.update(tensors)  # biases and every tensor left in floating point, as stored
         # Under the names the family's hub checkpoints use (Mixtral's experts), which plain clients convert.
         rename = stored_names(checkpoint)

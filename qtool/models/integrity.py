@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, shown
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -152,13 +153,29 @@ def read_index(index: Path, error: type[QtoolError]) -> dict[str, str]:
     except OSError as e:
         raise error(f"{index}: cannot be read ({e.strerror or e})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(v, str) and "/" not in v for v in weight_map.values()
-    ):
+    if not isinstance(weight_map, dict):
         raise error(
             f"{index}: no weight_map of tensor names to shard files; expected the Hugging Face index format"
         )
+    for name, file in weight_map.items():
+        if not (isinstance(file, str) and plain_file_name(file) and file.endswith(".safetensors")):
+            raise error(
+                f"{index}: weight_map[{shown(name)}]: found {shown(file)}, expected the name of a .safetensors "
+                f"shard in the same folder (no path)"
+            )
     return weight_map
+
+
+def plain_file_name(name: str) -> bool:
+    """Whether `name` names a file directly inside a folder: no separator, no `..`, nothing hidden or empty. File
+    names read from a manifest or an index are input: `../x` would reach outside the folder."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+        and len(name) <= 255
+    )
 
 
 def tensor_index(folder: Path, error: type[QtoolError]) -> dict[str, TensorInfo] | None:
@@ -359,7 +376,56 @@ def read_config_json(path: Path, error: type[QtoolError]) -> dict:
             f"{path}: architectures: found {arch!r}, expected a list of class names such as "
             f'["LlamaForCausalLM"]'
         )
+    _check_sizes(path, raw, error)
     return raw
+
+
+# Decoder blocks are stored as `<prefix>.layers.<i>.<...>` by every architecture qtool reads (Llama, Mistral, Qwen2,
+# OPT's `model.decoder.layers`), with or without the CausalLM's prefix.
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Experts are stored one per index (`...experts.<e>.w1.weight`, as hub checkpoints of Mixtral and Qwen-MoE are), or
+# fused with the expert as the first dimension of a 3-D tensor (`...experts.gate_up_proj`).
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+# Sizes that shape a weight. Each is some dimension of a stored tensor, or a fraction of one in a packed checkpoint;
+# past this multiple of the widest stored dimension no model could have it. The margin keeps configs whose key sizes
+# nothing they store (an MoE model's dense intermediate_size) clear of the check.
+_SIZE_KEYS = tuple(k for k in _POSITIVE_INTS if k not in ("num_hidden_layers", "max_position_embeddings"))
+_SIZE_MARGIN = 16
+
+
+def _check_sizes(path: Path, raw: dict, error: type[QtoolError]) -> None:
+    """Config sizes against the shapes in the safetensors headers, before any model is built from the config: that
+    build (on the meta device, for names and shapes) still makes Python objects per block and per expert, which took
+    minutes for num_hidden_layers: 100000, and allocates each weight for a moment, which failed in the allocator,
+    naming no key, for a hidden_size of 2**40."""
+    found = tensor_index(path.parent, error)
+    if not found:
+        return  # no safetensors weights: the loader checks what it reads
+    layers = raw.get("num_hidden_layers")
+    blocks = {int(m.group(1)) for name in found if (m := _BLOCK.search(name))}
+    if isinstance(layers, int) and blocks and layers > max(blocks) + 1:
+        raise error(
+            f"{path}: num_hidden_layers: found {layers}, but the weights hold {max(blocks) + 1} decoder blocks "
+            f"(layers 0-{max(blocks)}); expected {max(blocks) + 1}"
+        )
+    experts = {int(m.group(1)) for name in found if (m := _EXPERT.search(name))}
+    fused = [info.shape[0] for name, info in found.items() if ".experts." in name and len(info.shape) == 3]
+    stored = max(experts) + 1 if experts else max(fused, default=0)
+    for key in _EXPERT_KEYS:
+        v = raw.get(key)
+        # Each expert is a module of its own once qtool unfuses them: 100,000 took minutes before any check.
+        if stored and isinstance(v, int) and not isinstance(v, bool) and v > stored:
+            raise error(f"{path}: {key}: found {v}, but the weights hold {stored} experts; expected {stored}")
+    widest, name = max((max(info.shape, default=0), n) for n, info in found.items())
+    for key in _SIZE_KEYS:
+        v = raw.get(key)
+        if isinstance(v, int) and v > _SIZE_MARGIN * widest:
+            raise error(
+                f"{path}: {key}: found {v}, but the widest stored tensor dimension is {widest} ({name}); "
+                f"expected a size the weights can have"
+            )
 
 
 def context_length(config) -> tuple[str, int] | None:

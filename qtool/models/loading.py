@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from qtool import hub
 from qtool.errors import CheckpointError, InputError, QtoolError, RecipeError, UsageError
 from qtool.models.adapters import Adapter, adapter_for, generic_adapter, supported_architectures
 from qtool.models.integrity import (
@@ -40,6 +41,16 @@ def is_hub_id(ref: str, base: Path | None = None) -> bool:
     if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
         return False
     return not os.path.exists(ref) and not (base is not None and (base / ref).exists())
+
+
+def _refuse_missing_path(ref: str, what: str, error: type[QtoolError] = InputError) -> None:
+    """A reference that is not an existing folder and not shaped as a hub id (`org/name`) is a path that does not
+    exist: it is never sent to the hub."""
+    if not is_hub_id(ref):
+        raise error(
+            f"{what} '{ref}': no such folder; expected a model directory or a hub id such as "
+            f"meta-llama/Llama-2-7b-hf"
+        )
 
 
 def checkpoint_mark(folder: Path) -> str | None:
@@ -96,6 +107,9 @@ def load_config(ref: str) -> PretrainedConfig:
     if local:
         refuse_checkpoint(folder)
         read_config_json(folder / "config.json", InputError)
+    else:
+        _refuse_missing_path(ref, "model")
+        hub.prepare()
     try:
         return AutoConfig.from_pretrained(ref)
     except MemoryError:
@@ -103,8 +117,9 @@ def load_config(ref: str) -> PretrainedConfig:
     except Exception as e:  # transformers and huggingface_hub raise many types for one bad config
         if local:
             raise InputError(f"{folder / 'config.json'}: not a usable model config ({describe(e)})") from None
+        offline = "; the hub cannot be reached from here" if not hub.prepare() else ""
         raise InputError(
-            f"model '{ref}': cannot read its config ({describe(e)}); expected a model directory "
+            f"model '{ref}': cannot read its config ({describe(e)}{offline}); expected a model directory "
             f"with config.json or a reachable hub id"
         ) from None
 
@@ -171,7 +186,7 @@ def check_context(
     if found is None or allow or seq_len <= found[1]:
         return
     key, n = found
-    error = UsageError if where.startswith("--") else RecipeError
+    error = RecipeError if ":" in where else UsageError  # `file:key`, or a flag or an argument
     raise error(
         f"{where}: found {seq_len} tokens, beyond the context of '{ref}' ({key} {n} in its config.json); "
         f"expected at most {n}, or {allow_hint} to run past it"
@@ -194,6 +209,9 @@ def load_tokenizer(ref: str | Path, error: type[QtoolError] = InputError):
                 f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); expected the tokenizer "
                 f"files beside config.json"
             )
+    else:
+        _refuse_missing_path(str(ref), "tokenizer", error)
+        hub.prepare()
     try:
         return AutoTokenizer.from_pretrained(str(ref))
     except MemoryError:

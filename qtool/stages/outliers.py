@@ -29,6 +29,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from qtool.calibration.stats import LinearStats
+from qtool.errors import RecipeError, shown
 from qtool.layouts.quik.layout import QuikWeight
 from qtool.options import option
 from qtool.quant.clip import clip_ratios
@@ -41,7 +42,7 @@ _COUNT_HELP = "an integer count >= 0 or a fraction of in_features in [0, 1)"
 
 def _count_problem(value: int | float | None) -> str | None:
     if isinstance(value, float) and not 0.0 <= value < 1.0:
-        return f"found {value!r}, expected {_COUNT_HELP} (write counts without a decimal point)"
+        return f"found {shown(value)}, expected {_COUNT_HELP} (write counts without a decimal point)"
     return None
 
 
@@ -133,20 +134,55 @@ class OutliersStage(HessianStage):
         "outliers last"
     )
 
+    def _rule(self, name: str) -> tuple[int, OutlierOverride | None]:
+        for i, rule in enumerate(self.options.overrides):
+            if fnmatch.fnmatchcase(name, rule.pattern):
+                return i, rule
+        return -1, None
+
+    def outlier_columns(self, name: str, in_features: int) -> tuple[int, str]:
+        """How many outlier columns the options ask for in linear `name`, and the key that sets the count."""
+        o: OutliersOptions = self.options
+        count, key = outlier_count(o.outliers, in_features), "outliers"
+        i, rule = self._rule(name)
+        if rule is not None:
+            if rule.outliers is not None:
+                count, key = outlier_count(rule.outliers, in_features), f"overrides[{i}].outliers"
+            if rule.outlier_multiplier is not None:
+                count *= rule.outlier_multiplier
+                key = f"overrides[{i}].outlier_multiplier"
+        return int(round(count)), key
+
+    def outliers_problem(self, name: str, in_features: int) -> tuple[str, str] | None:
+        """(key, message) when linear `name` cannot take the outlier count the options ask for, else None: a count
+        reaching its in_features would keep every column in float16, quantize nothing and still be reported as
+        W4A4."""
+        k, key = self.outlier_columns(name, in_features)
+        if k < in_features:
+            return None
+        return key, (
+            f"asks for {k} outlier columns in {name}, which has {in_features} inputs; expected fewer than its "
+            f"in_features (every column would stay float16, nothing quantized)"
+        )
+
+    def check_config(self, config, where: str) -> None:
+        for full, lin in self.targeted_linears(config):
+            problem = self.outliers_problem(full, lin.in_features)
+            if problem is not None:
+                raise RecipeError(f"{where}.{problem[0]}: {problem[1]}")
+
     def plan(self, name: str, in_features: int, absmax: torch.Tensor | None) -> LayerPlan:
         """Bits, activation bits and outlier count of the linear `name` (rules, then the threshold)."""
         o: OutliersOptions = self.options
-        bits, act_bits, count = o.bits, o.act_bits, outlier_count(o.outliers, in_features)
-        for rule in o.overrides:
-            if fnmatch.fnmatchcase(name, rule.pattern):
-                bits = rule.bits if rule.bits is not None else bits
-                act_bits = rule.act_bits if rule.act_bits is not None else act_bits
-                if rule.outliers is not None:
-                    count = outlier_count(rule.outliers, in_features)
-                if rule.outlier_multiplier is not None:
-                    count *= rule.outlier_multiplier
-                break
-        k = min(int(round(count)), in_features)
+        problem = self.outliers_problem(name, in_features)
+        if problem is not None:  # a model whose config did not show the linear's width
+            raise RecipeError(f"stages[{self.index}].{problem[0]}: {problem[1]}")
+        bits, act_bits = o.bits, o.act_bits
+        _, rule = self._rule(name)
+        if rule is not None:
+            bits = rule.bits if rule.bits is not None else bits
+            act_bits = rule.act_bits if rule.act_bits is not None else act_bits
+        k = self.outlier_columns(name, in_features)[0]
         if o.threshold > 0 and absmax is not None and float(absmax.max()) < o.threshold:
             k = 0
         return LayerPlan(bits, act_bits, k)

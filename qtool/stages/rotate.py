@@ -20,7 +20,7 @@ from torch import nn
 from qtool.errors import RecipeError
 from qtool.models.adapters import Adapter, adapter_for, supported_architectures
 from qtool.models.fold import fold_norm_scale, rotate_embedding, rotate_input, rotate_output, untie_head
-from qtool.options import option
+from qtool.options import INT_LIMIT, option
 from qtool.quant.hadamard import hadamard_plan, rotation
 from qtool.stages.base import Targets, TransformStage
 
@@ -36,7 +36,9 @@ class RotateOptions:
         False,
         help="multiply the Hadamard matrix by a seeded random ±1 diagonal (QuaRot's randomized Hadamard)",
     )
-    seed: int = option(0, min=0, help="seed of the random signs and of the random orthogonal fallback")
+    seed: int = option(
+        0, min=0, max=INT_LIMIT, help="seed of the random signs and of the random orthogonal fallback"
+    )
 
 
 def _hidden_size(config) -> int | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.errors import RecipeError
+from qtool.errors import RecipeError, shown
 from qtool.options import option
 from qtool.stages.base import BlockContext, QuantizerStage, TransformStage, known_structure
 from qtool.stages.smooth_attention import attention_shape, check_attention_groups
@@ -36,7 +36,10 @@ class SmoothOptions:
 
     def validate(self) -> tuple[str, str] | None:
         if not self.alpha_grid or any(not 0.0 <= a <= 1.0 for a in self.alpha_grid):
-            return ("alpha_grid", f"found {self.alpha_grid!r}, expected a non-empty list of numbers in 0..1")
+            return (
+                "alpha_grid",
+                f"found {shown(self.alpha_grid)}, expected a non-empty list of numbers in 0..1",
+            )
         return None
 
 

@@ -24,7 +24,7 @@ import torch
 
 from qtool.calibration.stats import LinearStats
 from qtool.layouts.vq.layout import CODEBOOK_BUDGET_BYTES, MAX_INDEX_BITS, VQWeight, is_power_of_two
-from qtool.options import option
+from qtool.options import INT_LIMIT, option
 from qtool.quant.blockwise import tune_block
 from qtool.quant.vq import TunableCodebooks, vq_gptq
 from qtool.stages.base import HessianStage, QuantResult, block_size_option, damp_option, sequential_option
@@ -76,7 +76,9 @@ class VQOptions:
     )
     damp: float = damp_option()
     block_size: int = block_size_option()
-    seed: int = option(0, min=0, help="seed of the k-means initialisation (mixed with each layer's name)")
+    seed: int = option(
+        0, min=0, max=INT_LIMIT, help="seed of the k-means initialisation (mixed with each layer's name)"
+    )
     sequential: bool = sequential_option()
     finetune_steps: int = option(
         0,

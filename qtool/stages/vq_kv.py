@@ -21,7 +21,7 @@ from qtool.errors import RecipeError
 from qtool.kv_cache.quantized import attention_modules, use_qtool_attention
 from qtool.kv_cache.vq import KVCodebooks, codebook_shape, kv_vq_scheme
 from qtool.layouts.vq.layout import is_power_of_two
-from qtool.options import option
+from qtool.options import INT_LIMIT, option
 from qtool.quant.vq import kmeans_batched
 from qtool.stages.base import BlockContext, TransformStage, check_kv_cache_family
 
@@ -39,7 +39,9 @@ class VQKVOptions:
         256, min=2, max=256, help="entries per codebook, a power of two (8-bit codes at most)"
     )
     kmeans_iters: int = option(20, min=1, max=1000, help="Lloyd iterations per codebook")
-    seed: int = option(0, min=0, help="seed of the k-means initialisation (mixed with each layer's index)")
+    seed: int = option(
+        0, min=0, max=INT_LIMIT, help="seed of the k-means initialisation (mixed with each layer's index)"
+    )
 
     def validate(self) -> tuple[str, str] | None:
         if self.vector_size is None:
