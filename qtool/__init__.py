@@ -1,9 +1,7 @@
 """qtool: quantize Hugging Face causal LMs into packed checkpoints."""
 
-from __future__ import annotations
-
-import importlib.abc
-import sys
+import importlib.abc as _abc
+import sys as _sys
 
 from qtool.version import __version__
 
@@ -170,25 +168,44 @@ def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: b
     return Path(report["output"]), report
 
 
-# `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py),
-# so from_pretrained, pipeline and lm-eval's hf model load qtool checkpoints through qtool's runtime. Importing
-# transformers' quantizer registry costs seconds, which the command line and `import qtool` alone should not pay:
-# the registration runs right after transformers imports that registry, or now if it already has.
-_REGISTRY = "transformers.quantizers.auto"
-
-
-def _register_with_transformers(registry=None) -> None:
+# `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py)
+# and model_type `qtool` with its AutoConfig (qtool/checkpoint/qconfig.py), so from_pretrained, pipeline and
+# lm-eval's hf model load qtool checkpoints through qtool's runtime. Importing transformers' registries costs
+# seconds, which the command line and `import qtool` alone should not pay: each registration runs right after
+# transformers imports its registry, or now if it already has.
+def _register_quantizer(module=None) -> None:
     from qtool.hf_integration import register
 
-    register(registry)
+    register(module)
 
 
-class _AfterRegistryImport(importlib.abc.MetaPathFinder):
+def _register_config(module=None) -> None:
+    from qtool.checkpoint.qconfig import register_config
+
+    register_config(module)
+
+
+_HOOKS = {
+    "transformers.quantizers.auto": _register_quantizer,
+    "transformers.models.auto.configuration_auto": _register_config,
+}
+
+
+class _AfterRegistryImport(_abc.MetaPathFinder):
+    """Runs a registry's hook right after transformers has imported that registry."""
+
+    def __init__(self, names=None) -> None:
+        self.waiting = set(_HOOKS if names is None else names)
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != _REGISTRY:
+        if fullname not in self.waiting:
             return None
-        sys.meta_path.remove(self)
-        for finder in sys.meta_path:
+        self.waiting.discard(fullname)
+        if not self.waiting:
+            _sys.meta_path.remove(self)
+        for finder in _sys.meta_path:
+            if finder is self:
+                continue
             spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None:
                 break
@@ -198,13 +215,23 @@ class _AfterRegistryImport(importlib.abc.MetaPathFinder):
 
         def exec_and_register(module):
             exec_module(module)
-            _register_with_transformers(module)
+            _HOOKS[fullname](module)
 
         spec.loader.exec_module = exec_and_register
         return spec
 
 
-if _REGISTRY in sys.modules:
-    _register_with_transformers()
-elif not any(isinstance(f, _AfterRegistryImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterRegistryImport())
+def _install_hooks() -> None:
+    pending = [name for name in _HOOKS if name not in _sys.modules]
+    for name in _HOOKS:
+        if name in _sys.modules:
+            _HOOKS[name]()
+    if pending and not any(isinstance(f, _AfterRegistryImport) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _AfterRegistryImport(pending))
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+_install_hooks()

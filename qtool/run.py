@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
-from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
+from qtool.checkpoint.writer import (
+    bits_per_weight,
+    collect_tensors,
+    source_generation_config,
+    write_checkpoint,
+)
 from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.estimate import checkpoint_bytes
@@ -417,6 +422,7 @@ def _onloaded(
             layers=run.layers,
             model_schemes=run.model_schemes,
             tokenizer=run.tokenizer,
+            generation_config=source_generation_config(recipe.model),
             recipe_as_run=recipe.as_run,
             manifest_extra=manifest_extra,
             max_shard_bytes=recipe.max_shard_bytes(),
@@ -489,6 +495,8 @@ def _checkpoint_fields(
     config["dtype"] = str(original_dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     bpw = bits_per_weight(packed, tensors)
+    from qtool.checkpoint.card import source_metadata
+
     return (
         config,
         bpw,
@@ -499,6 +507,7 @@ def _checkpoint_fields(
             "stages": [s.stage.name for s in recipe.stages],
             "transforms": transforms,
             "eval": ev_result,
+            "source": source_metadata(recipe.model),
         },
     )
 
@@ -540,7 +549,7 @@ def _quantize(
     }
     config, bpw, manifest_extra = _checkpoint_fields(
         recipe,
-        qm.model.config.to_dict(),
+        qm.model.config.to_diff_dict(),
         qm.original_dtype,
         qm.packed,
         tensors,
@@ -556,6 +565,7 @@ def _quantize(
         layers=layers,
         model_schemes=qm.model_schemes,
         tokenizer=qm.tokenizer,
+        generation_config=source_generation_config(recipe.model),
         recipe_as_run=recipe.as_run,
         manifest_extra=manifest_extra,
         max_shard_bytes=recipe.max_shard_bytes(),

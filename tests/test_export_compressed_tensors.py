@@ -96,6 +96,7 @@ def test_the_files_are_what_compressed_tensors_defines(stories):
     record = json.loads((stories / "sym-ct" / "qtool-export.json").read_text())
     assert record["source"]["checkpoint"] == "sym" and "compressed-tensors" in record["packages"]
     assert set(record["files"]) == {
+        "README.md",
         "config.json",
         "model.safetensors",
         "tokenizer.json",
@@ -311,7 +312,10 @@ def test_checkpoints_carry_a_model_card(stories):
     card = (stories / "sym" / "README.md").read_text()
     manifest = json.loads((stories / "sym" / "qtool-manifest.json").read_text())
     assert "README.md" in manifest["files"]  # hashed like every other file
-    assert "base_model: stories260K" in card and "`rtn` (bits 4, group_size 4, symmetric True)" in card
+    # A local source folder has no hub id: the card names it and writes no base_model metadata.
+    assert "| base model | `stories260K` |" in card and "base_model:" not in card
+    assert "pipeline_tag: text-generation" in card and "library_name: qtool" in card
+    assert "`rtn` (bits 4, group_size 4, symmetric True)" in card and "## Recipe" in card
     assert "35 x grouped_int W4 g4 sym" in card
     assert f"{manifest['bits_per_weight']['quantized_linears']} (quantized linears)" in card
     assert "| calibration | none" in card and "Not measured" in card
@@ -340,6 +344,7 @@ def test_model_card_lists_the_measured_quality():
         },
     }
     manifest = {
+        "source": {"base_model": "meta-llama/Llama-2-7b-hf", "license": "llama2"},
         "eval": ev,
         "stages": ["gptq"],
         "calibration": {
@@ -355,7 +360,11 @@ def test_model_card_lists_the_measured_quality():
         {"quantization_config": {"layers": {}}},
         {"model": "meta-llama/Llama-2-7b-hf", "stages": [{"stage": "gptq", "bits": 4}]},
     )
-    assert "base_model: meta-llama/Llama-2-7b-hf" in card
+    from huggingface_hub import ModelCard
+
+    data = ModelCard(card).data
+    assert data.base_model == "meta-llama/Llama-2-7b-hf" and data.license == "llama2"
+    assert data.pipeline_tag == "text-generation" and data.base_model_relation == "quantized"
     assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card
     assert "| piqa acc | 0.7000 | 0.6900 |" in card and "limit 200, 0-shot, lm-eval 0.4.13" in card
     assert "c4.jsonl: 128 windows x 2048 tokens, seed 0" in card and "/data" not in card

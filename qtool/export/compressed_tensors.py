@@ -275,6 +275,23 @@ def stored_names(checkpoint: Path):
     return (lambda name: name) if isinstance(adapter, str) else adapter.stored_name
 
 
+def _write_card(folder: Path, checkpoint: Path, manifest: dict, config: dict) -> None:
+    """The export's model card (the checkpoint's, with loading instructions for compressed-tensors' clients) and
+    the source model's generation_config.json when the checkpoint carries one."""
+    import yaml
+
+    from qtool.checkpoint.card import model_card
+    from qtool.checkpoint.writer import source_generation_config
+
+    recipe_file = checkpoint / "recipe.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
+    card = model_card(manifest, config, recipe, export={"format": FORMAT, "library": "transformers"})
+    (folder / "README.md").write_text(card)
+    generation = source_generation_config(str(checkpoint))
+    if generation is not None:
+        generation.save_pretrained(str(folder))
+
+
 def run_export(
     checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool, reporter: Reporter
 ) -> dict:
@@ -340,6 +357,7 @@ def run_export(
         (reserved.tmp / "config.json").write_text(dumps(raw))
         ModelCompressor(quantization_config=qconfig).update_config(str(reserved.tmp))
         tokenizer.save_pretrained(str(reserved.tmp))
+        _write_card(reserved.tmp, checkpoint, manifest, config)
         _write_record(reserved.tmp, checkpoint, manifest)
         reserved.publish()
     counts: dict[str, int] = {}

@@ -67,6 +67,8 @@ def checkpoint_mark(folder: Path) -> str | None:
     qcfg = raw.get("quantization_config") if isinstance(raw, dict) else None
     if isinstance(qcfg, dict) and qcfg.get("quant_method") == QUANT_METHOD:
         return f"its config.json has quantization_config.quant_method {QUANT_METHOD!r}"
+    if isinstance(raw, dict) and raw.get("model_type") == QUANT_METHOD:
+        return f"its config.json has model_type {QUANT_METHOD!r}"
     recipe = folder / "recipe.yaml"
     if recipe.is_file():
         import yaml
