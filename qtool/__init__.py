@@ -5,22 +5,30 @@ import sys as _sys
 
 from qtool.version import __version__
 
-__all__ = ["__version__", "load", "load_tokenizer", "quantize"]
-
-# Keyword overrides of `quantize` → the recipe keys they set (the command line's flags, by their Python names).
-_OVERRIDES = {
-    "model": "model",
-    "output": "output",
-    "calibration": "calibration.source",
-    "num_samples": "calibration.num_samples",
-    "seq_len": "calibration.seq_len",
-    "seed": "calibration.seed",
-    "stats": "calibration.stats",
-    "eval_windows": "eval.max_windows",
-}
+__all__ = ["Recipe", "__version__", "evaluate", "export", "load", "load_recipe", "load_tokenizer", "quantize"]
 
 
-_PATHS = ("model", "output", "calibration", "stats")
+def quantize(recipe=None, **kwargs):
+    """Quantize a model as `qtool quantize` does; returns `(checkpoint path, report)`. See qtool.api.quantize."""
+    from qtool.api import quantize as _quantize
+
+    return _quantize(recipe, **kwargs)
+
+
+def evaluate(model, model_b=None, **kwargs) -> dict:
+    """Perplexity and zero-shot accuracy as `qtool eval` measures them. See qtool.api.evaluate."""
+    from qtool.api import evaluate as _evaluate
+
+    return _evaluate(model, model_b, **kwargs)
+
+
+def export(checkpoint, output, **kwargs) -> dict:
+    """Write a checkpoint in compressed-tensors' format, as `qtool export` does. See qtool.api.export."""
+    from qtool.api import export as _export
+
+    return _export(checkpoint, output, **kwargs)
+
+
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -117,55 +125,19 @@ def load_tokenizer(path):
     return _load_tokenizer(path)
 
 
-def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: bool = True, **overrides):
-    """Run `recipe` (a YAML file) as `qtool quantize` does and return `(checkpoint path, report)`; the report is
-    the dict `qtool quantize --json` prints. Keyword overrides: model, output, calibration, stats (paths or, for
-    model and calibration, hub and datasets names), num_samples, seq_len, seed, eval_windows (integers); `output`
-    may be anywhere, as the command line's -o. Under torchrun or accelerate launch, every rank calls it; rank 0
-    writes the checkpoint, the other ranks get `(None, None)`.
+def load_recipe(path, **overrides):
+    """A validated recipe (`qtool.Recipe`) from a YAML file; `quantize(recipe=...)` takes it as it is."""
+    from qtool.recipe import load_recipe as _load_recipe
 
-    Raises qtool.errors.QtoolError, whose message is the command's one line and whose class is its exit code's:
-    UsageError for an argument of the wrong type or value (naming it: `num_samples`, not the recipe key) or an
-    output that exists or is one of the inputs, RecipeError for an invalid recipe, InputError for a missing or
-    broken model or text, ResourceError when the machine cannot hold the run, Interrupted on Ctrl-C with finished
-    blocks kept. A KeyboardInterrupt before any block finished propagates as it is."""
-    from pathlib import Path
+    return _load_recipe(path, overrides)
 
-    from qtool.console import Reporter
-    from qtool.distributed import env_rank, launched
-    from qtool.errors import UsageError, shown
-    from qtool.run import run_quantize
 
-    unknown = sorted(set(overrides) - set(_OVERRIDES))
-    if unknown:
-        raise UsageError(
-            f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}"
-        )
-    recipe = _path("quantize", "recipe", recipe, "a recipe file")
-    run_eval = _flag("quantize", "run_eval", run_eval)
-    overwrite = _flag("quantize", "overwrite", overwrite)
-    quiet = _flag("quantize", "quiet", quiet)
-    for name, value in overrides.items():
-        if value is None:
-            continue
-        if name in _PATHS:
-            _path("quantize", name, value, "a path" if name in ("output", "stats") else "a path or a name")
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"quantize({name}): found {shown(value)}, expected an integer")
-    over = {_OVERRIDES[k]: str(v) if k in _PATHS else v for k, v in overrides.items() if v is not None}
-    names = {_OVERRIDES[k]: f"quantize({k})" for k in overrides}
-    quiet = quiet or (launched() and env_rank() != 0)  # rank 0 alone logs
-    report = run_quantize(
-        Path(recipe),
-        over,
-        run_eval=run_eval,
-        overwrite=overwrite,
-        reporter=Reporter(quiet=quiet),
-        names=names,
-    )
-    if report is None:  # a rank other than 0 of a run over several processes
-        return None, None
-    return Path(report["output"]), report
+def __getattr__(name: str):
+    if name == "Recipe":  # imported on first use: qtool.recipe imports torch, `import qtool` alone does not
+        from qtool.recipe import Recipe
+
+        return Recipe
+    raise AttributeError(f"module 'qtool' has no attribute {name!r}")
 
 
 # `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py)

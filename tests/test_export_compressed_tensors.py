@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bad_input import assert_nothing_at, assert_one_line_error, run_cli
-from conftest import STORIES, TINY_SAMPLE, write_recipe
+from conftest import ROOT, STORIES, TINY_SAMPLE, write_recipe
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
@@ -368,3 +368,52 @@ def test_model_card_lists_the_measured_quality():
     assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card
     assert "| piqa acc | 0.7000 | 0.6900 |" in card and "limit 200, 0-shot, lm-eval 0.4.13" in card
     assert "c4.jsonl: 128 windows x 2048 tokens, seed 0" in card and "/data" not in card
+
+
+def test_every_shipped_recipe_exports_or_says_why_not():
+    """A shipped recipe either refuses at quantize time what compressed-tensors cannot hold (`target:`) or says in
+    an `# Export:` comment whether and where its checkpoint exports; the quickstart's does."""
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        text = recipe.read_text()
+        assert "\ntarget: compressed-tensors\n" in text or "\n# Export: " in f"\n{text}", recipe.name
+    assert "\ntarget: compressed-tensors\n" in (ROOT / "recipes" / "quickstart-stories260k.yaml").read_text()
+
+
+def test_quantize_warns_once_when_the_checkpoint_will_not_export(tmp_path, cli):
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"model: {STORIES}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 32\noutput: {tmp_path / 'o'}\n",
+    )
+    res = cli("quantize", str(recipe), "--dry-run")
+    assert res.exit_code == 0, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if "will not export to compressed-tensors" in ln]
+    assert (
+        len(warnings) == 1
+        and "partial group" in warnings[0]
+        and "model.layers.0.mlp.down_proj" in warnings[0]
+    )
+    fine = write_recipe(
+        tmp_path / "fine.yaml",
+        f"model: {STORIES}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 4\noutput: {tmp_path / 'o'}\n",
+    )
+    res = cli("quantize", str(fine), "--dry-run")
+    assert res.exit_code == 0 and "will not export" not in res.stderr, res.output
+
+
+def test_eval_labels_a_foreign_checkpoint_by_its_scheme_and_dequantizes_what_does_not_load(stories):
+    """`qtool eval` of an export names its scheme (not "original"); the asymmetric export, which this
+    transformers cannot load as stored, is evaluated dequantized with a note, and gives the checkpoint's
+    perplexity; `--dequantize` asks for that load outright."""
+    args = ["--text", TINY_SAMPLE, "--seq-len", "64", "--windows", "2", "--json"]
+    native = json.loads(run_cli(["eval", stories / "asym", *args]).stdout)
+    res = run_cli(["eval", stories / "asym-ct", *args])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["kind"] == "compressed-tensors W4A16 g4 asym checkpoint, dequantized", out["kind"]
+    assert "did not load as stored" in res.stderr and "evaluating it dequantized" in res.stderr
+    assert out["perplexity"] == pytest.approx(native["perplexity"], rel=1e-5)
+    res = run_cli(["eval", stories / "sym-ct", *args, "--dequantize"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["kind"] == "compressed-tensors W4A16 g4 sym checkpoint, dequantized"
+    plain = json.loads(run_cli(["eval", stories / "sym-ct", *args]).stdout)
+    assert plain["kind"] == "compressed-tensors W4A16 g4 sym checkpoint"
