@@ -2,6 +2,7 @@
 
 import importlib.abc as _abc
 import sys as _sys
+import types as _types
 
 from qtool.version import __version__
 
@@ -204,6 +205,28 @@ def _install_hooks() -> None:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+# `qtool.evaluate` and `qtool.export` are API functions and also the names of submodules (qtool/evaluate.py,
+# qtool/export/). Importing a submodule sets the package's attribute to it; the package keeps the name callable by
+# making such a submodule call its function, so `qtool.evaluate(...)` works before and after
+# `import qtool.evaluate`, and `qtool.evaluate.run_eval` still names the module's function.
+_API = {"evaluate": evaluate, "export": export}
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return _API[self.__name__.rpartition(".")[2]](*args, **kwargs)
+
+
+class _Package(_types.ModuleType):
+    def __setattr__(self, name, value) -> None:
+        if name in _API and isinstance(value, _types.ModuleType) and not isinstance(value, _CallableModule):
+            value.__class__ = _CallableModule
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 
 _install_hooks()
