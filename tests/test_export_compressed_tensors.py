@@ -417,3 +417,56 @@ def test_eval_labels_a_foreign_checkpoint_by_its_scheme_and_dequantizes_what_doe
     assert json.loads(res.stdout)["kind"] == "compressed-tensors W4A16 g4 sym checkpoint, dequantized"
     plain = json.loads(run_cli(["eval", stories / "sym-ct", *args]).stdout)
     assert plain["kind"] == "compressed-tensors W4A16 g4 sym checkpoint"
+
+
+_LOWEST = """
+import json, sys, torch
+import compressed_tensors
+from transformers import AutoModelForCausalLM
+import qtool
+ckpt, out = sys.argv[1], sys.argv[2]
+qtool.export(ckpt, out)
+ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    want = qtool.load(ckpt)(ids).logits
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+print(json.dumps({"version": compressed_tensors.__version__, "equal": bool(torch.equal(got, want))}))
+"""
+
+
+@pytest.mark.slow
+def test_export_with_the_lowest_compressed_tensors_allowed(stories, tmp_path):
+    """pyproject.toml allows compressed-tensors from 0.17 (vLLM's CPU build pins 0.17.0); the export written with
+    it loads in transformers with qtool's logits. (The newest is what the suite itself runs with.)"""
+    import os
+    import subprocess
+    import sys
+
+    lowest = "0.17.0"
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(tmp_path / "ct"),
+            f"compressed-tensors=={lowest}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if pip.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"pip could not install compressed-tensors {lowest}: {pip.stderr[-500:]}")
+        pytest.skip(f"compressed-tensors {lowest} not installable here (no index)")
+    run = subprocess.run(
+        [sys.executable, "-c", _LOWEST, str(stories / "sym"), str(tmp_path / "sym-ct")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'ct'}:{ROOT}"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"version": lowest, "equal": True}
