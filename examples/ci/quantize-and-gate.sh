@@ -42,7 +42,7 @@ if [ -n "${TASKS:-}" ]; then
 fi
 if [ -n "${EVAL_TEXT:-}" ]; then gate+=(--text "$EVAL_TEXT"); fi
 if [ -n "${EVAL_SEQ_LEN:-}" ]; then gate+=(--seq-len "$EVAL_SEQ_LEN"); fi
-if [ -n "${EVAL_WINDOWS:-}" ]; then gate+=(--windows "$EVAL_WINDOWS"); fi
+if [ -n "${EVAL_WINDOWS:-}" ]; then gate+=(--max-windows "$EVAL_WINDOWS"); fi
 
 status=0
 qtool eval "$ARTIFACT/checkpoint" "${gate[@]}" --json > "$ARTIFACT/eval.json" || status=$?
