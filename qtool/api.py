@@ -349,15 +349,19 @@ def export(
     quiet: bool = True,
     reporter: Reporter | None = None,
 ) -> dict:
-    """Write a verified qtool checkpoint in another library's format (`qtool export`); returns the dict
+    """Write a verified qtool checkpoint in another library's format (`qtool export`): `format` is
+    "compressed-tensors" (formats/compressed-tensors.md) or "gptq" (formats/gptq.md). Returns the dict
     `qtool export --json` prints. Exact or refused: a layer the format cannot hold raises
     qtool.errors.UsageError naming it, before anything is written.
 
     >>> qtool.export("out/q", "out/q-ct")["compression_format"]  # doctest: +SKIP
     'pack-quantized'
     """
+    reporter = reporter or Reporter(quiet=quiet)
+    if format == "gptq":
+        from qtool.export.gptq import run_export as run_gptq
+
+        return run_gptq(Path(checkpoint), Path(output), max_shard_size, overwrite, reporter)
     from qtool.export.compressed_tensors import run_export
 
-    return run_export(
-        Path(checkpoint), Path(output), format, max_shard_size, overwrite, reporter or Reporter(quiet=quiet)
-    )
+    return run_export(Path(checkpoint), Path(output), format, max_shard_size, overwrite, reporter)

@@ -705,9 +705,10 @@ def pack(checkpoint: Path, output, max_shard_size, overwrite, verify: bool, repo
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["compressed-tensors"]),
+    type=click.Choice(["compressed-tensors", "gptq"]),
     required=True,
-    help="Target format: compressed-tensors (loaded natively by transformers and vLLM).",
+    help="Target format: compressed-tensors (transformers with compressed-tensors, vLLM) or gptq (qweight, "
+    "qzeros, scales, g_idx: GPTQModel, transformers' GPTQ integration, vLLM).",
 )
 @click.option(
     "-o",
@@ -725,10 +726,11 @@ def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, repor
     """Write a verified qtool CHECKPOINT in another library's format, for clients without qtool.
 
     \b
-    Only schemes the format expresses exactly are exported (formats/compressed-tensors.md); the first layer it
-    cannot hold (outlier columns, mixed precision, two-level scales, a partial group, a quantized KV cache) is
-    refused before anything is written.
+    Only schemes the format expresses exactly are exported (formats/compressed-tensors.md, formats/gptq.md); the
+    first layer it cannot hold (outlier columns, mixed precision, two-level scales, a partial group, a quantized
+    KV cache) is refused before anything is written.
       qtool export out/smollm2-gptq --format compressed-tensors -o out/smollm2-gptq-ct
+      qtool export out/smollm2-gptq --format gptq -o out/smollm2-gptq-gptq
     """
     from qtool.api import export as api_export
 

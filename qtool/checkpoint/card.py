@@ -90,7 +90,8 @@ def model_card(manifest: dict, config: dict, recipe: dict | None, export: dict |
     """The card's Markdown through huggingface_hub's ModelCard: metadata (license and base_model from the source,
     pipeline_tag, library, tags), the quantization table, the measured quality, the recipe and how to load it. It
     names no folder: the same recipe and seed give the same card wherever the checkpoint is written (CHECKPOINT
-    stands for this folder). `export` ({"format", "library"}) makes it the card of an export of the checkpoint."""
+    stands for this folder). `export` ({"format", "library"}, optionally "needs": the package transformers needs
+    for it, "vllm": a remark on vLLM's support) makes it the card of an export of the checkpoint."""
     import yaml
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -187,10 +188,11 @@ def model_card(manifest: dict, config: dict, recipe: dict | None, export: dict |
             "```python",
             "from transformers import AutoModelForCausalLM",
             "",
-            f'model = AutoModelForCausalLM.from_pretrained("{name}")  # needs the compressed-tensors package',
+            f'model = AutoModelForCausalLM.from_pretrained("{name}")  # needs the '
+            f"{export.get('needs', 'compressed-tensors')} package",
             "```",
             "",
-            f'vLLM: `LLM("{name}")`. No qtool is needed to load it.',
+            f'vLLM: `LLM("{name}")`{export.get("vllm", "")}. No qtool is needed to load it.',
         ]
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"
     return str(ModelCard(content))
