@@ -161,7 +161,7 @@ def run_export(
     from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
     from qtool.checkpoint.manifest import dumps
     from qtool.export.compressed_tensors import model_linears, write_card, write_record
-    from qtool.output import folder_bytes, reserve_output
+    from qtool.output import check_output, folder_bytes, reserve_output
     from qtool.units import parse_size
 
     try:
@@ -169,6 +169,9 @@ def run_export(
     except ValueError:
         raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
     checkpoint = Path(checkpoint)
+    # The output first (it must never be the checkpoint it exports, which --overwrite would replace).
+    inputs = {"checkpoint": checkpoint}
+    check_output(output, directory=True, overwrite=overwrite, inputs=inputs)
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
     config = read_config(checkpoint)
@@ -177,7 +180,12 @@ def run_export(
     layers = config["quantization_config"]["layers"]
 
     with reserve_output(
-        output, directory=True, overwrite=overwrite, needs_bytes=folder_bytes(checkpoint), log=reporter.log
+        output,
+        directory=True,
+        overwrite=overwrite,
+        needs_bytes=folder_bytes(checkpoint),
+        log=reporter.log,
+        inputs=inputs,
     ) as reserved:
         tensors = read_tensors(checkpoint)
         out: dict[str, torch.Tensor] = {}
