@@ -24,69 +24,11 @@ def evaluate(model, model_b=None, **kwargs) -> dict:
 
 
 def export(checkpoint, output, **kwargs) -> dict:
-    """Write a checkpoint in compressed-tensors' format, as `qtool export` does. See qtool.api.export."""
+    """Write a checkpoint in another library's format (compressed-tensors, gptq), as `qtool export` does. See
+    qtool.api.export."""
     from qtool.api import export as _export
 
     return _export(checkpoint, output, **kwargs)
-
-
-_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-def _path(func: str, name: str, value, what: str):
-    """`value` when it is a path (str or os.PathLike, not empty), else a UsageError naming the argument."""
-    import os
-
-    from qtool.errors import UsageError, shown
-
-    if isinstance(value, (str, os.PathLike)) and os.fspath(value) not in ("", b""):
-        return value
-    raise UsageError(f"{func}({name}): found {shown(value)}, expected {what} (a str or os.PathLike path)")
-
-
-def _flag(func: str, name: str, value) -> bool:
-    from qtool.errors import UsageError, shown
-
-    if not isinstance(value, bool):
-        raise UsageError(f"{func}({name}): found {shown(value)}, expected True or False")
-    return value
-
-
-def _device(value):
-    """The torch device `load` puts the model on: cpu, cuda or cuda:N, refused in one line when it is none of
-    them or when no such CUDA device is there (torch would raise its own RuntimeError or AssertionError)."""
-    import re
-
-    import torch
-
-    from qtool.errors import ResourceError, UsageError, shown
-
-    name = str(value) if isinstance(value, torch.device) else value
-    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise UsageError(f"load(device): found {shown(value)}, expected 'cpu', 'cuda' or 'cuda:N'")
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(name.partition(":")[2] or 0)
-        if index >= count:
-            have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
-            raise ResourceError(f"load(device): found {name!r}, but this machine has {have}; expected 'cpu'")
-    return name
-
-
-def _dtype(value):
-    import torch
-
-    from qtool.errors import UsageError, shown
-
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype) and str(value).removeprefix("torch.") in _DTYPES:
-        return value
-    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
-        return getattr(torch, value.removeprefix("torch."))
-    raise UsageError(
-        f"load(dtype): found {shown(value)}, expected None (the default), {', '.join(_DTYPES)} or that torch dtype"
-    )
 
 
 def load(path, device: str = "cpu", dtype=None, verify: bool = False):
@@ -102,27 +44,17 @@ def load(path, device: str = "cpu", dtype=None, verify: bool = False):
     this machine does not have (both naming the argument), CheckpointError for a folder that is not a complete,
     intact qtool checkpoint (naming the file, key or tensor); every one a QtoolError whose message is the one line
     `qtool` would print."""
-    from qtool.checkpoint.loader import load_checkpoint
+    from qtool.api import load as _load
 
-    path = _path("load", "path", path, "a checkpoint folder")
-    device = _device(device)
-    dtype = _dtype(dtype)
-    verify = _flag("load", "verify", verify)
-    return load_checkpoint(path, device=device, dtype=dtype, verify=verify)
+    return _load(path, device=device, dtype=dtype, verify=verify)
 
 
 def load_tokenizer(path):
     """The tokenizer a checkpoint (or a model folder) carries, from that folder only: a path is never looked up on
     the hub. Raises qtool.errors.UsageError for a `path` that is not a str or os.PathLike, CheckpointError for one
     that is not a folder or holds no loadable tokenizer."""
-    from pathlib import Path
+    from qtool.api import load_tokenizer as _load_tokenizer
 
-    from qtool.checkpoint.loader import load_tokenizer as _load_tokenizer
-    from qtool.errors import CheckpointError
-
-    path = _path("load_tokenizer", "path", path, "a checkpoint folder")
-    if not Path(path).is_dir():
-        raise CheckpointError(f"{path}: not a directory; expected a qtool checkpoint (or model) folder")
     return _load_tokenizer(path)
 
 

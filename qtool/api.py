@@ -1,5 +1,6 @@
-"""The Python API (`qtool.quantize`, `qtool.evaluate`, `qtool.export`): what the commands do, as functions. The
-command line calls these with its parsed flags; each returns the dict its command prints with --json."""
+"""The Python API (`qtool.quantize`, `qtool.evaluate`, `qtool.export`, `qtool.load`): what the commands do, as
+functions, with their arguments checked. The command line calls these with its parsed flags; each returns the dict
+its command prints with --json."""
 
 from __future__ import annotations
 
@@ -32,6 +33,87 @@ _PATHS = ("model", "output", "calibration", "stats")
 
 def _is_model_object(model) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")
+
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _path(func: str, name: str, value, what: str):
+    """`value` when it is a path (str or os.PathLike, not empty), else a UsageError naming the argument."""
+    import os
+
+    from qtool.errors import UsageError, shown
+
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value) not in ("", b""):
+        return value
+    raise UsageError(f"{func}({name}): found {shown(value)}, expected {what} (a str or os.PathLike path)")
+
+
+def _flag(func: str, name: str, value) -> bool:
+    from qtool.errors import UsageError, shown
+
+    if not isinstance(value, bool):
+        raise UsageError(f"{func}({name}): found {shown(value)}, expected True or False")
+    return value
+
+
+def _device(value):
+    """The torch device `load` puts the model on: cpu, cuda or cuda:N, refused in one line when it is none of
+    them or when no such CUDA device is there (torch would raise its own RuntimeError or AssertionError)."""
+    import re
+
+    import torch
+
+    from qtool.errors import ResourceError, UsageError, shown
+
+    name = str(value) if isinstance(value, torch.device) else value
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise UsageError(f"load(device): found {shown(value)}, expected 'cpu', 'cuda' or 'cuda:N'")
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name.partition(":")[2] or 0)
+        if index >= count:
+            have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
+            raise ResourceError(f"load(device): found {name!r}, but this machine has {have}; expected 'cpu'")
+    return name
+
+
+def _dtype(value):
+    import torch
+
+    from qtool.errors import UsageError, shown
+
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and str(value).removeprefix("torch.") in _DTYPES:
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return getattr(torch, value.removeprefix("torch."))
+    raise UsageError(
+        f"load(dtype): found {shown(value)}, expected None (the default), {', '.join(_DTYPES)} or that torch dtype"
+    )
+
+
+def load(path, device: str = "cpu", dtype=None, verify: bool = False):
+    """`qtool.load`: the arguments checked, then the checkpoint loaded (qtool.checkpoint.loader)."""
+    from qtool.checkpoint.loader import load_checkpoint
+
+    path = _path("load", "path", path, "a checkpoint folder")
+    device = _device(device)
+    dtype = _dtype(dtype)
+    verify = _flag("load", "verify", verify)
+    return load_checkpoint(path, device=device, dtype=dtype, verify=verify)
+
+
+def load_tokenizer(path):
+    """`qtool.load_tokenizer`: from the folder only, never the hub."""
+    from qtool.checkpoint.loader import load_tokenizer as _load_tokenizer
+    from qtool.errors import CheckpointError
+
+    path = _path("load_tokenizer", "path", path, "a checkpoint folder")
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path}: not a directory; expected a qtool checkpoint (or model) folder")
+    return _load_tokenizer(path)
 
 
 def _is_pathlike(value) -> bool:
@@ -136,7 +218,6 @@ def run(
 ):
     """`quantize`, and what `qtool quantize` runs: with `keyword_names` an error names an override by its keyword
     (`quantize(num_samples)`), without it by the command's flag (`--num-samples`)."""
-    from qtool import _flag, _path
     from qtool.distributed import env_rank, launched
     from qtool.errors import shown
     from qtool.recipe import Recipe

@@ -219,7 +219,7 @@ class TaskSuite:
             raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
         if not 0 <= seed <= MAX_SEED:
             # lm-eval seeds numpy with it, which takes 32 bits
-            raise UsageError(f"--seed: found {seed}, expected an integer in 0..{MAX_SEED}")
+            raise UsageError(f"--fewshot-seed: found {seed}, expected an integer in 0..{MAX_SEED}")
 
     def __enter__(self) -> TaskSuite:
         return self
