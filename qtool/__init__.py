@@ -1,85 +1,34 @@
 """qtool: quantize Hugging Face causal LMs into packed checkpoints."""
 
-from __future__ import annotations
-
-import importlib.abc
-import sys
+import importlib.abc as _abc
+import sys as _sys
+import types as _types
 
 from qtool.version import __version__
 
-__all__ = ["__version__", "load", "load_tokenizer", "quantize"]
-
-# Keyword overrides of `quantize` → the recipe keys they set (the command line's flags, by their Python names).
-_OVERRIDES = {
-    "model": "model",
-    "output": "output",
-    "calibration": "calibration.source",
-    "num_samples": "calibration.num_samples",
-    "seq_len": "calibration.seq_len",
-    "seed": "calibration.seed",
-    "stats": "calibration.stats",
-    "eval_windows": "eval.max_windows",
-}
+__all__ = ["Recipe", "__version__", "evaluate", "export", "load", "load_recipe", "load_tokenizer", "quantize"]
 
 
-_PATHS = ("model", "output", "calibration", "stats")
-_DTYPES = ("float32", "float16", "bfloat16", "float64")
+def quantize(recipe=None, **kwargs):
+    """Quantize a model as `qtool quantize` does; returns `(checkpoint path, report)`. See qtool.api.quantize."""
+    from qtool.api import quantize as _quantize
+
+    return _quantize(recipe, **kwargs)
 
 
-def _path(func: str, name: str, value, what: str):
-    """`value` when it is a path (str or os.PathLike, not empty), else a UsageError naming the argument."""
-    import os
+def evaluate(model, model_b=None, **kwargs) -> dict:
+    """Perplexity and zero-shot accuracy as `qtool eval` measures them. See qtool.api.evaluate."""
+    from qtool.api import evaluate as _evaluate
 
-    from qtool.errors import UsageError, shown
-
-    if isinstance(value, (str, os.PathLike)) and os.fspath(value) not in ("", b""):
-        return value
-    raise UsageError(f"{func}({name}): found {shown(value)}, expected {what} (a str or os.PathLike path)")
+    return _evaluate(model, model_b, **kwargs)
 
 
-def _flag(func: str, name: str, value) -> bool:
-    from qtool.errors import UsageError, shown
+def export(checkpoint, output, **kwargs) -> dict:
+    """Write a checkpoint in another library's format (compressed-tensors, gptq), as `qtool export` does. See
+    qtool.api.export."""
+    from qtool.api import export as _export
 
-    if not isinstance(value, bool):
-        raise UsageError(f"{func}({name}): found {shown(value)}, expected True or False")
-    return value
-
-
-def _device(value):
-    """The torch device `load` puts the model on: cpu, cuda or cuda:N, refused in one line when it is none of
-    them or when no such CUDA device is there (torch would raise its own RuntimeError or AssertionError)."""
-    import re
-
-    import torch
-
-    from qtool.errors import ResourceError, UsageError, shown
-
-    name = str(value) if isinstance(value, torch.device) else value
-    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise UsageError(f"load(device): found {shown(value)}, expected 'cpu', 'cuda' or 'cuda:N'")
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(name.partition(":")[2] or 0)
-        if index >= count:
-            have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
-            raise ResourceError(f"load(device): found {name!r}, but this machine has {have}; expected 'cpu'")
-    return name
-
-
-def _dtype(value):
-    import torch
-
-    from qtool.errors import UsageError, shown
-
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype) and str(value).removeprefix("torch.") in _DTYPES:
-        return value
-    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
-        return getattr(torch, value.removeprefix("torch."))
-    raise UsageError(
-        f"load(dtype): found {shown(value)}, expected None (the default), {', '.join(_DTYPES)} or that torch dtype"
-    )
+    return _export(checkpoint, output, **kwargs)
 
 
 def load(path, device: str = "cpu", dtype=None, verify: bool = False):
@@ -95,100 +44,73 @@ def load(path, device: str = "cpu", dtype=None, verify: bool = False):
     this machine does not have (both naming the argument), CheckpointError for a folder that is not a complete,
     intact qtool checkpoint (naming the file, key or tensor); every one a QtoolError whose message is the one line
     `qtool` would print."""
-    from qtool.checkpoint.loader import load_checkpoint
+    from qtool.api import load as _load
 
-    path = _path("load", "path", path, "a checkpoint folder")
-    device = _device(device)
-    dtype = _dtype(dtype)
-    verify = _flag("load", "verify", verify)
-    return load_checkpoint(path, device=device, dtype=dtype, verify=verify)
+    return _load(path, device=device, dtype=dtype, verify=verify)
 
 
 def load_tokenizer(path):
     """The tokenizer a checkpoint (or a model folder) carries, from that folder only: a path is never looked up on
     the hub. Raises qtool.errors.UsageError for a `path` that is not a str or os.PathLike, CheckpointError for one
     that is not a folder or holds no loadable tokenizer."""
-    from pathlib import Path
+    from qtool.api import load_tokenizer as _load_tokenizer
 
-    from qtool.checkpoint.loader import load_tokenizer as _load_tokenizer
-    from qtool.errors import CheckpointError
-
-    path = _path("load_tokenizer", "path", path, "a checkpoint folder")
-    if not Path(path).is_dir():
-        raise CheckpointError(f"{path}: not a directory; expected a qtool checkpoint (or model) folder")
     return _load_tokenizer(path)
 
 
-def quantize(recipe, *, run_eval: bool = True, overwrite: bool = False, quiet: bool = True, **overrides):
-    """Run `recipe` (a YAML file) as `qtool quantize` does and return `(checkpoint path, report)`; the report is
-    the dict `qtool quantize --json` prints. Keyword overrides: model, output, calibration, stats (paths or, for
-    model and calibration, hub and datasets names), num_samples, seq_len, seed, eval_windows (integers); `output`
-    may be anywhere, as the command line's -o. Under torchrun or accelerate launch, every rank calls it; rank 0
-    writes the checkpoint, the other ranks get `(None, None)`.
+def load_recipe(path, **overrides):
+    """A validated recipe (`qtool.Recipe`) from a YAML file; `quantize(recipe=...)` takes it as it is."""
+    from qtool.recipe import load_recipe as _load_recipe
 
-    Raises qtool.errors.QtoolError, whose message is the command's one line and whose class is its exit code's:
-    UsageError for an argument of the wrong type or value (naming it: `num_samples`, not the recipe key) or an
-    output that exists or is one of the inputs, RecipeError for an invalid recipe, InputError for a missing or
-    broken model or text, ResourceError when the machine cannot hold the run, Interrupted on Ctrl-C with finished
-    blocks kept. A KeyboardInterrupt before any block finished propagates as it is."""
-    from pathlib import Path
-
-    from qtool.console import Reporter
-    from qtool.distributed import env_rank, launched
-    from qtool.errors import UsageError, shown
-    from qtool.run import run_quantize
-
-    unknown = sorted(set(overrides) - set(_OVERRIDES))
-    if unknown:
-        raise UsageError(
-            f"quantize: unknown override {unknown[0]!r}; expected one of {', '.join(_OVERRIDES)}"
-        )
-    recipe = _path("quantize", "recipe", recipe, "a recipe file")
-    run_eval = _flag("quantize", "run_eval", run_eval)
-    overwrite = _flag("quantize", "overwrite", overwrite)
-    quiet = _flag("quantize", "quiet", quiet)
-    for name, value in overrides.items():
-        if value is None:
-            continue
-        if name in _PATHS:
-            _path("quantize", name, value, "a path" if name in ("output", "stats") else "a path or a name")
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"quantize({name}): found {shown(value)}, expected an integer")
-    over = {_OVERRIDES[k]: str(v) if k in _PATHS else v for k, v in overrides.items() if v is not None}
-    names = {_OVERRIDES[k]: f"quantize({k})" for k in overrides}
-    quiet = quiet or (launched() and env_rank() != 0)  # rank 0 alone logs
-    report = run_quantize(
-        Path(recipe),
-        over,
-        run_eval=run_eval,
-        overwrite=overwrite,
-        reporter=Reporter(quiet=quiet),
-        names=names,
-    )
-    if report is None:  # a rank other than 0 of a run over several processes
-        return None, None
-    return Path(report["output"]), report
+    return _load_recipe(path, overrides)
 
 
-# `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py),
-# so from_pretrained, pipeline and lm-eval's hf model load qtool checkpoints through qtool's runtime. Importing
-# transformers' quantizer registry costs seconds, which the command line and `import qtool` alone should not pay:
-# the registration runs right after transformers imports that registry, or now if it already has.
-_REGISTRY = "transformers.quantizers.auto"
+def __getattr__(name: str):
+    if name == "Recipe":  # imported on first use: qtool.recipe imports torch, `import qtool` alone does not
+        from qtool.recipe import Recipe
+
+        return Recipe
+    raise AttributeError(f"module 'qtool' has no attribute {name!r}")
 
 
-def _register_with_transformers(registry=None) -> None:
+# `import qtool` registers qtool's quantization config and quantizer with transformers (qtool/hf_integration.py)
+# and model_type `qtool` with its AutoConfig (qtool/checkpoint/qconfig.py), so from_pretrained, pipeline and
+# lm-eval's hf model load qtool checkpoints through qtool's runtime. Importing transformers' registries costs
+# seconds, which the command line and `import qtool` alone should not pay: each registration runs right after
+# transformers imports its registry, or now if it already has.
+def _register_quantizer(module=None) -> None:
     from qtool.hf_integration import register
 
-    register(registry)
+    register(module)
 
 
-class _AfterRegistryImport(importlib.abc.MetaPathFinder):
+def _register_config(module=None) -> None:
+    from qtool.checkpoint.qconfig import register_config
+
+    register_config(module)
+
+
+_HOOKS = {
+    "transformers.quantizers.auto": _register_quantizer,
+    "transformers.models.auto.configuration_auto": _register_config,
+}
+
+
+class _AfterRegistryImport(_abc.MetaPathFinder):
+    """Runs a registry's hook right after transformers has imported that registry."""
+
+    def __init__(self, names=None) -> None:
+        self.waiting = set(_HOOKS if names is None else names)
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != _REGISTRY:
+        if fullname not in self.waiting:
             return None
-        sys.meta_path.remove(self)
-        for finder in sys.meta_path:
+        self.waiting.discard(fullname)
+        if not self.waiting:
+            _sys.meta_path.remove(self)
+        for finder in _sys.meta_path:
+            if finder is self:
+                continue
             spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None:
                 break
@@ -198,13 +120,45 @@ class _AfterRegistryImport(importlib.abc.MetaPathFinder):
 
         def exec_and_register(module):
             exec_module(module)
-            _register_with_transformers(module)
+            _HOOKS[fullname](module)
 
         spec.loader.exec_module = exec_and_register
         return spec
 
 
-if _REGISTRY in sys.modules:
-    _register_with_transformers()
-elif not any(isinstance(f, _AfterRegistryImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterRegistryImport())
+def _install_hooks() -> None:
+    pending = [name for name in _HOOKS if name not in _sys.modules]
+    for name in _HOOKS:
+        if name in _sys.modules:
+            _HOOKS[name]()
+    if pending and not any(isinstance(f, _AfterRegistryImport) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _AfterRegistryImport(pending))
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+# `qtool.evaluate` and `qtool.export` are API functions and also the names of submodules (qtool/evaluate.py,
+# qtool/export/). Importing a submodule sets the package's attribute to it; the package keeps the name callable by
+# making such a submodule call its function, so `qtool.evaluate(...)` works before and after
+# `import qtool.evaluate`, and `qtool.evaluate.run_eval` still names the module's function.
+_API = {"evaluate": evaluate, "export": export}
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return _API[self.__name__.rpartition(".")[2]](*args, **kwargs)
+
+
+class _Package(_types.ModuleType):
+    def __setattr__(self, name, value) -> None:
+        if name in _API and isinstance(value, _types.ModuleType) and not isinstance(value, _CallableModule):
+            value.__class__ = _CallableModule
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+
+_install_hooks()

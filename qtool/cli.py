@@ -113,6 +113,18 @@ def _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, st
     return {k: v for k, v in over.items() if v is not None}
 
 
+def device_option(what: str):
+    return click.option(
+        "--device", default="auto", show_default=True, help=f"auto, cpu, cuda or cuda:N: {what}."
+    )
+
+
+def _given(name: str) -> bool:
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) is not ParameterSource.DEFAULT
+
+
 def recipe_override_options(f):
     for opt in reversed(
         [
@@ -149,8 +161,13 @@ def recipe_override_options(f):
     help="Measure perplexity of the original and the quantized model when the recipe has an `eval` section.",
 )
 @click.option(
-    "--eval-windows", type=int, help="Evaluate only the first N windows (overrides `eval.max_windows`)."
+    "--max-windows",
+    "--eval-windows",
+    "max_windows",
+    type=int,
+    help="Evaluate only the first N windows (overrides `eval.max_windows`; --eval-windows is its old name).",
 )
+@device_option("the compute device of the block-wise pipeline (overrides `settings.device`)")
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -186,7 +203,8 @@ def quantize(
     output,
     stats,
     run_eval,
-    eval_windows,
+    max_windows,
+    device,
     overwrite,
     resume,
     dry_run,
@@ -199,14 +217,22 @@ def quantize(
     it is complete, with recipe.yaml (as run) and a manifest of file hashes beside the tensors. While it runs,
     finished blocks are kept in a `.NAME.partial` folder beside the output, from which --resume continues.
     """
-    from qtool.run import run_quantize
+    from qtool.api import run as api_quantize
 
-    overrides = _recipe_overrides(model, output, calibration, num_samples, seq_len, seed, stats)
-    if eval_windows is not None:
-        overrides["eval.max_windows"] = eval_windows
-    summary = run_quantize(
+    _, summary = api_quantize(
         recipe,
-        overrides,
+        tokenizer=None,
+        quiet=False,
+        keyword_names=False,
+        model=model,
+        calibration=calibration,
+        output=output,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        stats=stats,
+        max_windows=max_windows,
+        device=None if device == "auto" and not _given("device") else device,
         run_eval=run_eval,
         overwrite=overwrite,
         reporter=reporter,
@@ -300,7 +326,7 @@ def quantize(
     show_default=True,
     help="Also store each linear's input Hessian (K×K floats per linear).",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@device_option("where the original model runs")
 @output_options
 def calibrate(
     recipe, model, calibration, num_samples, seq_len, seed, stats_out, hessians, device, reporter: Reporter
@@ -340,7 +366,13 @@ def calibrate(
     default=None,
     help="Tokens per window (default: 2048, or the model's context length when shorter).",
 )
-@click.option("--windows", "max_windows", type=int, help="Score only the first N windows.")
+@click.option(
+    "--max-windows",
+    "--windows",
+    "max_windows",
+    type=int,
+    help="Score only the first N windows (--windows: its old name).",
+)
 @click.option("--stride", type=int, help="Tokens between window starts (default: seq-len, no overlap).")
 @click.option("--separator", help="Split the text into documents here; each is tokenized with BOS.")
 @click.option("--text-field", default="text", show_default=True, help="Field holding text in jsonl/datasets.")
@@ -365,10 +397,15 @@ def calibrate(
     help="Windows (perplexity, default 4) or lm-eval requests (tasks, default 32) per "
     "forward pass; auto lets lm-eval find the largest that fits.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@device_option("where the models run")
 @click.option(
-    "--seed", type=int, default=1234, show_default=True, help="lm-eval's seeds (few-shot sampling)."
+    "--fewshot-seed",
+    type=int,
+    default=1234,
+    show_default=True,
+    help="lm-eval's seeds (few-shot sampling). --seed is the calibration seed of quantize and calibrate.",
 )
+@click.option("--seed", "old_seed", type=int, hidden=True)
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False),
@@ -388,6 +425,19 @@ def calibrate(
     help="Memory an evaluated model may take on the device (host memory on the CPU), e.g. "
     "20GB (default: what is free). A larger original model's perplexity is computed "
     "block by block; for tasks it is spread over host memory and disk.",
+)
+@click.option(
+    "--recipe",
+    "recipe_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Take the protocol (text, seq-len, windows, stride, separator, tasks, ...) from this recipe's `eval` "
+    "section and the baseline from its `model`, as `qtool quantize` measured them; flags given here win.",
+)
+@click.option(
+    "--dequantize",
+    is_flag=True,
+    help="Load a compressed-tensors model dequantized to float (as the export's asymmetric schemes need with "
+    "some transformers versions; tried by itself, with a note, when the model does not load as stored).",
 )
 @click.option("--baseline", help="Evaluate this model too (the original) and compare MODEL against it.")
 @click.option(
@@ -418,10 +468,13 @@ def eval_cmd(
     num_fewshot,
     batch_size,
     device,
-    seed,
+    fewshot_seed,
+    old_seed,
     data_dir,
     include_path,
     max_memory,
+    recipe_path,
+    dequantize,
     baseline,
     max_ppl_increase,
     max_acc_drop,
@@ -441,62 +494,67 @@ def eval_cmd(
       qtool eval out/smollm2-gptq --baseline .cache/models/smollm2-135m --text wikitext2.txt \\
           --max-ppl-increase 5% --tasks piqa --max-acc-drop 1.5
     """
+    from qtool.api import evaluate as api_evaluate
     from qtool.errors import GateFailed, UsageError
-    from qtool.evaluate import run_eval
-    from qtool.gate import Gate, describe_failure, parse_percent
+    from qtool.gate import describe_failure
     from qtool.units import parse_size
 
-    gate = Gate(
-        parse_percent(max_ppl_increase, "--max-ppl-increase"), parse_percent(max_acc_drop, "--max-acc-drop")
-    )
+    if old_seed is not None:
+        raise UsageError(
+            "--seed: qtool eval calls lm-eval's few-shot seed --fewshot-seed; --seed is the calibration seed "
+            "of qtool quantize and qtool calibrate"
+        )
     memory = None
     if max_memory is not None:
         try:
             memory = parse_size(max_memory)
         except ValueError:
             raise UsageError(f"--max-memory: found {max_memory!r}, expected a size such as 20GB") from None
-    if baseline is not None and model_b is not None:
-        raise UsageError(
-            f"--baseline {baseline}: given with a second model {model_b}; expected one or the other"
+    # Flags left at their defaults give way to the recipe's protocol; flags given win.
+    protocol = {
+        name: value
+        for name, value in (
+            ("text", text),
+            ("seq_len", seq_len),
+            ("max_windows", max_windows),
+            ("stride", stride),
+            ("separator", separator),
+            ("text_field", text_field),
+            ("split", split),
+            ("encoding", encoding),
+            ("tasks", tasks),
+            ("limit", limit),
+            ("num_fewshot", num_fewshot),
+            ("data_dir", data_dir),
         )
-    refs = [baseline, model] if baseline is not None else [model] if model_b is None else [model, model_b]
-    if gate.active:
-        if len(refs) == 1:
-            raise UsageError(
-                "--max-ppl-increase/--max-acc-drop: nothing to compare against; expected --baseline ORIGINAL"
-            )
-        gate.check_measurable(text, tasks)
-    summary = run_eval(
-        refs,
-        text=text,
-        seq_len=seq_len,
-        max_windows=max_windows,
-        stride=stride,
-        separator=separator,
-        text_field=text_field,
-        split=split,
-        batch_size=batch_size,
+        if recipe_path is None or _given(name)
+    }
+    summary = api_evaluate(
+        model,
+        model_b,
+        baseline=baseline,
+        recipe=recipe_path,
+        max_ppl_increase=max_ppl_increase,
+        max_acc_drop=max_acc_drop,
         device=device,
-        reporter=reporter,
-        tasks=tasks,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        seed=seed,
-        data_dir=data_dir,
+        batch_size=batch_size,
+        fewshot_seed=fewshot_seed,
         include_paths=include_path,
-        encoding=encoding,
-        allow_long_context=allow_long_context,
         max_memory=memory,
+        allow_long_context=allow_long_context,
+        dequantize=dequantize,
+        reporter=reporter,
+        **protocol,
     )
-    if gate.active:
-        summary["gate"] = gate.evaluate(summary["comparison"])
+    refs = summary["models"] if "models" in summary else [summary]
+    gate_active = "gate" in summary
     if reporter.json_mode:
         emit(reporter, summary, [], "qtool eval")
     elif len(refs) == 1:
         _print_eval(reporter, summary)
     else:
         _print_comparison(reporter, summary)
-        if gate.active:
+        if gate_active:
             reporter.out.print(
                 "gate: "
                 + "; ".join(
@@ -505,7 +563,7 @@ def eval_cmd(
                     for c in summary["gate"]["checks"]
                 )
             )
-    if gate.active and not summary["gate"]["passed"]:
+    if gate_active and not summary["gate"]["passed"]:
         if (
             reporter.json_mode
         ):  # stdout already holds the summary, with its gate object: no second JSON object
@@ -647,9 +705,10 @@ def pack(checkpoint: Path, output, max_shard_size, overwrite, verify: bool, repo
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["compressed-tensors"]),
+    type=click.Choice(["compressed-tensors", "gptq"]),
     required=True,
-    help="Target format: compressed-tensors (loaded natively by transformers and vLLM).",
+    help="Target format: compressed-tensors (transformers with compressed-tensors, vLLM) or gptq (qweight, "
+    "qzeros, scales, g_idx: GPTQModel, transformers' GPTQ integration, vLLM).",
 )
 @click.option(
     "-o",
@@ -667,14 +726,17 @@ def export(checkpoint: Path, fmt, output: Path, max_shard_size, overwrite, repor
     """Write a verified qtool CHECKPOINT in another library's format, for clients without qtool.
 
     \b
-    Only schemes the format expresses exactly are exported (formats/compressed-tensors.md); the first layer it
-    cannot hold (outlier columns, mixed precision, two-level scales, a partial group, a quantized KV cache) is
-    refused before anything is written.
+    Only schemes the format expresses exactly are exported (formats/compressed-tensors.md, formats/gptq.md); the
+    first layer it cannot hold (outlier columns, mixed precision, two-level scales, a partial group, a quantized
+    KV cache) is refused before anything is written.
       qtool export out/smollm2-gptq --format compressed-tensors -o out/smollm2-gptq-ct
+      qtool export out/smollm2-gptq --format gptq -o out/smollm2-gptq-gptq
     """
-    from qtool.export.compressed_tensors import run_export
+    from qtool.api import export as api_export
 
-    summary = run_export(checkpoint, output, fmt, max_shard_size, overwrite, reporter)
+    summary = api_export(
+        checkpoint, output, format=fmt, max_shard_size=max_shard_size, overwrite=overwrite, reporter=reporter
+    )
     emit(
         reporter,
         summary,

@@ -27,7 +27,9 @@ T = TypeVar("T")
 
 class Reporter:
     def __init__(self, quiet: bool = False, verbose: bool = False, json_mode: bool = False) -> None:
-        self.quiet = quiet or json_mode
+        # --json changes stdout only: progress and log lines stay on stderr, so a CI job that keeps the JSON shows
+        # what the run is doing; -q silences them.
+        self.quiet = quiet
         self.verbose = verbose and not self.quiet
         self.json_mode = json_mode
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)

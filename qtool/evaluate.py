@@ -51,8 +51,11 @@ def load_for_eval(
     reporter: Reporter,
     max_memory: int | None = None,
     dtype: torch.dtype | None = None,
+    dequantize: bool = False,
 ):
-    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, or a float model (float32 on
+    """(model on `dev`, tokenizer, kind): a qtool checkpoint with its packed modules, a model another tool
+    quantized (kind: its scheme; `dequantize`, or a load that fails as stored: compressed-tensors loaded as float),
+    or a float model (float32 on
     the CPU, its stored dtype on a GPU, unless `dtype` says). An original model larger than `max_memory` is spread
     by accelerate over the device, host memory and disk."""
     from qtool.checkpoint.loader import is_checkpoint, load_checkpoint, load_tokenizer
@@ -64,10 +67,38 @@ def load_for_eval(
         dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.float16)
         model = load_checkpoint(model_ref, device=str(dev), dtype=dtype)
         return model, load_tokenizer(model_ref), "qtool checkpoint"
+    from qtool.errors import InputError, UsageError
+    from qtool.models.loading import dequantizing_config, foreign_scheme
+
     reporter.log(f"loading model {model_ref}")
-    dtype = dtype or eval_dtype(load_config(model_ref), dev)
-    model, tokenizer, _, _ = load_model(model_ref, dtype, device=dev, max_memory=max_memory)
-    return model, tokenizer, "original"
+    config = load_config(model_ref)
+    dtype = dtype or eval_dtype(config, dev)
+    scheme = foreign_scheme(config)
+    kind = "original" if scheme is None else f"{scheme} checkpoint"
+    dequant = dequantizing_config(config) if dequantize else None
+    if dequantize and scheme is not None and dequant is None:
+        raise UsageError(
+            f"--dequantize: '{model_ref}' is a {scheme} model; expected a compressed-tensors one (qtool loads "
+            f"others only as their own library does)"
+        )
+    try:
+        model, tokenizer, _, _ = load_model(
+            model_ref, dtype, device=dev, max_memory=max_memory, quantization_config=dequant
+        )
+    except InputError as e:
+        fallback = dequantizing_config(config) if dequant is None else None
+        if fallback is None:
+            raise
+        # Some compressed-tensors schemes do not load as stored in some transformers versions (an asymmetric
+        # export's packed zero points, formats/compressed-tensors.md); dequantized, the weights are the same.
+        reporter.log(f"note: {model_ref} did not load as stored ({e}); evaluating it dequantized to float")
+        model, tokenizer, _, _ = load_model(
+            model_ref, dtype, device=dev, max_memory=max_memory, quantization_config=fallback
+        )
+        dequant = fallback
+    if dequant is not None:
+        kind += ", dequantized"
+    return model, tokenizer, kind
 
 
 def memory_for_model(dev: torch.device, max_memory: int | None) -> int:
@@ -155,6 +186,7 @@ def run_eval(
     encoding: str = "utf-8",
     allow_long_context: bool = False,
     max_memory: int | None = None,
+    dequantize: bool = False,
 ) -> dict:
     """`max_memory`: bytes an evaluated model may take (default: the device's free memory, the host's on the CPU);
     a larger original model is evaluated block by block (perplexity) or spread over host memory and disk."""
@@ -181,7 +213,7 @@ def run_eval(
         if seq_len is None:
             seq_len = default_seq_len(refs)
         ppl_batch = bs if isinstance(bs, int) else PERPLEXITY_BATCH
-        for name, value in (("--seq-len", seq_len), ("--windows", max_windows), ("--stride", stride)):
+        for name, value in (("--seq-len", seq_len), ("--max-windows", max_windows), ("--stride", stride)):
             if value is not None and value < 1:
                 raise UsageError(f"{name}: found {value}, expected a positive integer")
         problem = check_encoding(encoding)
@@ -220,7 +252,7 @@ def run_eval(
     summaries = []
     try:
         for ref in refs:
-            summaries.append(evaluate_one(ref, dev, spec, suite, reporter, max_memory))
+            summaries.append(evaluate_one(ref, dev, spec, suite, reporter, max_memory, dequantize=dequantize))
             gc.collect()
     finally:
         if suite is not None:
@@ -238,6 +270,7 @@ def evaluate_one(
     reporter: Reporter,
     max_memory: int | None = None,
     dtype: torch.dtype | None = None,
+    dequantize: bool = False,
 ) -> dict:
     """One model's summary. An original model larger than the memory it may take has its perplexity computed block
     by block (qtool/eval/streamed.py) and, for zero-shot tasks, is spread over device, host memory and disk."""
@@ -261,7 +294,7 @@ def evaluate_one(
             "dtype": str(dtype).removeprefix("torch."),
             **result,
         }
-    model, tokenizer, kind = load_for_eval(ref, dev, reporter, dtype=dtype)
+    model, tokenizer, kind = load_for_eval(ref, dev, reporter, dtype=dtype, dequantize=dequantize)
     result = evaluate_loaded(model, tokenizer, dev, spec=spec, suite=suite, reporter=reporter)
     return {
         "model": ref,

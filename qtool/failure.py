@@ -78,6 +78,17 @@ def wants_json(args: list[str]) -> bool:
     return "--json" in (args[: args.index("--")] if "--" in args else args)
 
 
+def _usage_error(e: click.exceptions.UsageError, json_mode: bool):
+    """click's own usage errors (unknown option, missing argument, a value of the wrong type) in qtool's one-line
+    form, exit 2, with a pointer to the command's -h; with --json also as the JSON error object on stdout."""
+    message = one_line(e.format_message())
+    path = e.ctx.command_path if e.ctx is not None else "qtool"
+    if json_mode:
+        click.echo(json.dumps({"error": {"kind": "usage", "exit_code": EXIT_USAGE, "message": message}}))
+    click.echo(f"qtool: error: {message} ({path} -h lists the options)", err=True)
+    raise click.exceptions.Exit(EXIT_USAGE)
+
+
 class QtoolGroup(click.Group):
     """A click group whose commands' failures all go through `fail`."""
 
@@ -88,6 +99,12 @@ class QtoolGroup(click.Group):
         if cmd is not None and getattr(cmd.callback, "qtool_json_option", False):
             ctx.meta[JSON_KEY] = wants_json(rest)
         return name, cmd, rest
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.UsageError as e:  # an unknown command or a bad option of `qtool` itself
+            _usage_error(e, json_mode=False)
 
     def invoke(self, ctx: click.Context):
         from qtool import interrupts
@@ -102,19 +119,7 @@ class QtoolGroup(click.Group):
             interrupts.final_check()  # a signal during the last steps, or one whose exception was lost
             return result
         except click.exceptions.UsageError as e:
-            if ctx.meta.get(JSON_KEY):
-                click.echo(
-                    json.dumps(
-                        {
-                            "error": {
-                                "kind": "usage",
-                                "exit_code": EXIT_USAGE,
-                                "message": one_line(e.format_message()),
-                            }
-                        }
-                    )
-                )
-            raise
+            _usage_error(e, json_mode=bool(ctx.meta.get(JSON_KEY)))
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except QtoolError as e:

@@ -237,7 +237,9 @@ class QtoolHfQuantizer(HfQuantizer):
 
 def register(auto=None) -> None:
     """Make `quant_method: qtool` known to transformers' registry, the module `auto` (transformers.quantizers.auto,
-    passed while it is being imported); idempotent."""
+    passed while it is being imported), and model_type `qtool` to its AutoConfig; idempotent."""
+    from qtool.checkpoint.qconfig import register_config
+
     if auto is None:
         from transformers.quantizers import auto
 
@@ -245,3 +247,4 @@ def register(auto=None) -> None:
         auto.register_quantization_config(QUANT_METHOD)(QtoolConfig)
     if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
         auto.register_quantizer(QUANT_METHOD)(QtoolHfQuantizer)
+    register_config()

@@ -289,7 +289,7 @@ def quantize_onloaded(
     load_outer(skeleton, adapter, reader, dtype)
     reader.close()
     outer = collect_tensors(skeleton, {}, original_dtype, skip=adapter.blocks_path)
-    config = skeleton.config.to_dict()
+    config = skeleton.config.to_diff_dict()
     release(skeleton)  # the writer takes `outer`, in the checkpoint's dtype
     summaries = {name: s for done in work.blocks for name, s in done["linears"].items()}
     packed = {name: LayerSummary(s) for name, s in sorted(summaries.items())}

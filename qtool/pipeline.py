@@ -138,6 +138,8 @@ class Prepared:
     """What the pre-flight read, reused by the run."""
 
     config: object
+    # Why the checkpoint will not export to compressed-tensors (a recipe without `target`), or None.
+    export_problem: str | None = None
     windows: torch.Tensor | None = None
     digest: str | None = None
     seconds: float = 0.0  # sampling the calibration windows is most of it
@@ -193,6 +195,9 @@ def preflight(recipe: Recipe, before_data: Callable[[Prepared], None] | None = N
     if cal is not None and cal.stats:
         _check_stats_header(recipe, meta, adapter, assignment)
     prepared = Prepared(config, tokenizer=tokenizer, meta=meta, files=files)
+    from qtool.export.targets import export_problem
+
+    prepared.export_problem = export_problem(recipe, config)
     if before_data is not None:
         t = time.perf_counter()
         before_data(prepared)

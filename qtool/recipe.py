@@ -146,7 +146,7 @@ TARGETS = ("qtool", "compressed-tensors", "vllm")
 MAX_RECIPE_BYTES = 1 << 20
 TOP_KEYS = ("model", "calibration", "stages", "output", "eval", "settings", "target")
 # Overrides whose command-line flag is not named after the key.
-_FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--eval-windows"}
+_FLAGS = {"calibration.source": "--calibration", "eval.max_windows": "--max-windows"}
 
 
 def load_recipe(
@@ -242,7 +242,10 @@ def validate_recipe(
     if output is not None:
         output = str(((cwd if "output" in overrides else base) / output).resolve())
 
-    settings = parse_options(Settings, raw.get("settings") or {}, f"{label}:settings")
+    settings_raw = raw.get("settings") or {}
+    if "settings.device" in overrides and isinstance(settings_raw, dict):
+        settings_raw = {**settings_raw, "device": overrides["settings.device"]}
+    settings = parse_options(Settings, settings_raw, f"{label}:settings")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
         raise RecipeError(
             f"{label}:settings.device: found {settings.device!r}, expected auto, cpu, cuda or cuda:N"

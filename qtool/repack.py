@@ -89,7 +89,7 @@ def _pack(
     reporter: Reporter,
 ) -> dict:
     from qtool.checkpoint.loader import check_figures, read_manifest, read_tensors, verify_files
-    from qtool.checkpoint.writer import bits_per_weight, write_checkpoint
+    from qtool.checkpoint.writer import bits_per_weight, source_generation_config, write_checkpoint
 
     manifest = read_manifest(checkpoint)
     verify_files(checkpoint, manifest)
@@ -132,6 +132,7 @@ def _pack(
             layers=layers,
             model_schemes=schemes,
             tokenizer=tokenizer,
+            generation_config=source_generation_config(str(checkpoint)),
             recipe_as_run=recipe,
             manifest_extra=extra,
             max_shard_bytes=shard_bytes,

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
-from qtool.checkpoint.writer import bits_per_weight, collect_tensors, write_checkpoint
+from qtool.checkpoint.writer import (
+    bits_per_weight,
+    collect_tensors,
+    source_generation_config,
+    write_checkpoint,
+)
 from qtool.console import Reporter, process_age
 from qtool.errors import InputError, Interrupted, RecipeError, UsageError
 from qtool.estimate import checkpoint_bytes
@@ -19,8 +24,24 @@ from qtool.output import Output, check_output, reserve_output
 from qtool.recipe import load_recipe
 
 
+def resolve_recipe(source, overrides: dict, names: dict[str, str] | None = None):
+    """A validated Recipe from a YAML file's path, a dict of the same keys (paths in it relative to the working
+    directory) or a Recipe (re-validated with `overrides` applied). `names`: how errors name each override."""
+    import copy
+
+    from qtool.recipe import Recipe, validate_recipe
+
+    if isinstance(source, Recipe):
+        base = source.path.resolve().parent if source.path is not None else Path.cwd()
+        label = str(source.path) if source.path is not None else "recipe"
+        return validate_recipe(copy.deepcopy(source.as_run), label, base, overrides, source.path, names)
+    if isinstance(source, dict):
+        return validate_recipe(copy.deepcopy(source), "recipe", Path.cwd(), overrides, None, names)
+    return load_recipe(Path(source), overrides, names)
+
+
 def run_quantize(
-    recipe_path: Path,
+    recipe_path,
     overrides: dict,
     *,
     run_eval: bool,
@@ -45,13 +66,13 @@ def run_quantize(
             "replaces the output only if the interrupted run was started with --overwrite; --overwrite "
             "discards the work folder and starts over)"
         )
-    recipe = load_recipe(recipe_path, overrides, names)
+    recipe = resolve_recipe(recipe_path, overrides, names)
     if recipe.output is None:
         raise RecipeError(
-            f"{recipe_path}:output: missing; expected a checkpoint directory (or pass --output)"
+            f"{recipe.path or 'recipe'}:output: missing; expected a checkpoint directory (or pass --output)"
         )
     if "output" not in overrides:
-        _check_recipe_output(recipe_path, recipe.output)
+        _check_recipe_output(recipe.path, recipe.output)
     # Under torchrun or accelerate launch, every rank runs this function on its share of the calibration
     # samples (qtool/distributed.py); rank 0 alone touches the output and returns the summary.
     t = time.perf_counter()
@@ -83,12 +104,21 @@ def run_quantize(
     return summary
 
 
-def _check_recipe_output(recipe_path: Path, output: str) -> None:
-    """A recipe's `output` must resolve inside the recipe's folder or the working directory: a recipe passed
-    around (or written by someone else) must not write wherever it likes, such as a system folder when run as
-    root. The command line's -o (qtool.quantize's `output`) writes anywhere."""
+def _check_recipe_output(recipe_path: Path | None, output: str) -> None:
+    """A recipe's `output` must resolve inside the recipe's folder or the working directory (a recipe given as a
+    dict: the working directory): a recipe passed around (or written by someone else) must not write wherever it
+    likes, such as a system folder when run as root. The command line's -o (qtool.quantize's `output`) writes
+    anywhere."""
     out = Path(os.path.realpath(output))
-    allowed = [Path(os.path.realpath(Path(recipe_path).parent)), Path(os.path.realpath(Path.cwd()))]
+    cwd = Path(os.path.realpath(Path.cwd()))
+    if recipe_path is None:
+        if out != cwd and cwd not in out.parents:
+            raise RecipeError(
+                f"recipe:output: resolves to '{out}', outside the working directory ({cwd}); expected a path "
+                f"under it, or output= to write there"
+            )
+        return
+    allowed = [Path(os.path.realpath(Path(recipe_path).parent)), cwd]
     if not any(out == a or a in out.parents for a in allowed):
         raise RecipeError(
             f"{recipe_path}:output: resolves to '{out}', outside the recipe's folder ({allowed[0]}) and the "
@@ -185,6 +215,16 @@ def _run_quantize(
     # Before the original model's perplexity: bad input (a model the stages refuse, a seq_len beyond the context,
     # a broken weight file, undecodable text) must fail in seconds, not after an eval.
     prepared = preflight(recipe, before_data=check_memory)
+
+    def warn_export() -> None:
+        # Once, when the run has succeeded (an error stays the only line of a failed run).
+        if prepared.export_problem is not None:
+            reporter.log(
+                f"warning: this checkpoint will not export to compressed-tensors (transformers and vLLM without "
+                f"qtool): {prepared.export_problem}; `target: compressed-tensors` in the recipe refuses such a "
+                f"run before it starts"
+            )
+
     if dry_run:
         if not world.is_main:
             return None
@@ -194,6 +234,7 @@ def _run_quantize(
             len(world.share(recipe.calibration.num_samples)) if world.joined and recipe.calibration else None
         )
         plan["estimate"] = refine(plan["estimate"], recipe, prepared, device, run_eval, share)
+        warn_export()
         return {
             "output": str(out),
             "model": recipe.model,
@@ -232,7 +273,7 @@ def _run_quantize(
         on_abort(lambda: _drop_unfinished(partial)),
     ):
         if plan["mode"] == "blocks":
-            return _quantize_onloaded(
+            summary = _quantize_onloaded(
                 recipe,
                 out,
                 reserved,
@@ -245,7 +286,10 @@ def _run_quantize(
                 reporter=reporter,
                 world=world,
             )
-        return _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+        else:
+            summary = _quantize(recipe, out, reserved, device, prepared, run_eval=run_eval, reporter=reporter)
+    warn_export()
+    return summary
 
 
 def _drop_unfinished(partial: Path) -> None:
@@ -417,6 +461,7 @@ def _onloaded(
             layers=run.layers,
             model_schemes=run.model_schemes,
             tokenizer=run.tokenizer,
+            generation_config=source_generation_config(recipe.model),
             recipe_as_run=recipe.as_run,
             manifest_extra=manifest_extra,
             max_shard_bytes=recipe.max_shard_bytes(),
@@ -455,6 +500,8 @@ def _onloaded(
         "ranks": run.ranks,
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),
+        # null: the checkpoint exports to compressed-tensors; else why not (`qtool export` would refuse it)
+        "export_problem": prepared.export_problem,
     }
 
 
@@ -489,6 +536,8 @@ def _checkpoint_fields(
     config["dtype"] = str(original_dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     bpw = bits_per_weight(packed, tensors)
+    from qtool.checkpoint.card import source_metadata
+
     return (
         config,
         bpw,
@@ -499,6 +548,7 @@ def _checkpoint_fields(
             "stages": [s.stage.name for s in recipe.stages],
             "transforms": transforms,
             "eval": ev_result,
+            "source": source_metadata(recipe.model),
         },
     )
 
@@ -540,7 +590,7 @@ def _quantize(
     }
     config, bpw, manifest_extra = _checkpoint_fields(
         recipe,
-        qm.model.config.to_dict(),
+        qm.model.config.to_diff_dict(),
         qm.original_dtype,
         qm.packed,
         tensors,
@@ -556,6 +606,7 @@ def _quantize(
         layers=layers,
         model_schemes=qm.model_schemes,
         tokenizer=qm.tokenizer,
+        generation_config=source_generation_config(recipe.model),
         recipe_as_run=recipe.as_run,
         manifest_extra=manifest_extra,
         max_shard_bytes=recipe.max_shard_bytes(),
@@ -584,4 +635,6 @@ def _quantize(
         "world_size": 1,
         "recipe": recipe.as_run,
         "settings": dataclasses.asdict(recipe.settings),
+        # null: the checkpoint exports to compressed-tensors; else why not (`qtool export` would refuse it)
+        "export_problem": prepared.export_problem,
     }

@@ -63,7 +63,7 @@ def _dead_pid() -> int:
             ["quantize", "{recipe}", "--num-samples", "many"],
             ["--num-samples", "'many' is not a valid integer"],
         ),
-        (["quantize", "{recipe}", "--eval-windows", "1.5"], ["--eval-windows"]),
+        (["quantize", "{recipe}", "--max-windows", "1.5"], ["--max-windows"]),
         (["quantize", "{recipe}", "-o"], ["-o", "requires an argument"]),
         (["quantize", "{tmp}"], ["RECIPE", "is a directory"]),
         (["calibrate", "--model", str(STORIES)], ["Missing option", "--output"]),
@@ -99,7 +99,7 @@ def test_click_usage_error_with_json_is_also_a_json_object(recipe, tmp_path):
         (["eval", str(STORIES), "--device", "cpu"], ["nothing to measure"]),
         (
             ["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--windows", "0", "--device", "cpu"],
-            ["--windows: found 0"],
+            ["--max-windows: found 0"],
         ),
         (
             ["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--stride", "-4", "--device", "cpu"],

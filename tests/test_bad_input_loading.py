@@ -354,11 +354,23 @@ def drop_manifest(c: Path) -> None:
     (c / MANIFEST).unlink()
 
 
+def edit_layer_configs(c: Path, edit) -> None:
+    """Rewrite a checkpoint's config.json in the per-layer form (format version 1, which qtool still reads) with
+    `edit` applied to the layer configs."""
+    from qtool.checkpoint.loader import read_config
+
+    cfg = read_config(c)
+    cfg["quantization_config"]["format_version"] = 1
+    edit(cfg["quantization_config"]["layers"])
+    (c / "config.json").write_text(json.dumps(cfg))
+
+
 def strip_checkpoint_marks(c: Path) -> None:
     """A checkpoint without its manifest, recipe and quantization_config: only its packed tensor names are left."""
     (c / MANIFEST).unlink()
     (c / "recipe.yaml").unlink()
     edit_json(c / "config.json", lambda cfg: cfg.pop("quantization_config"))
+    edit_json(c / "config.json", lambda cfg: cfg.__setitem__("model_type", cfg.pop("qtool_model_type")))
 
 
 def smaller_vocab(folder: Path) -> None:
@@ -689,7 +701,7 @@ CASES = {
     ),
     "ckpt-config-shape-mismatch": Case(
         CHECKPOINT,
-        ("config.json", "model.layers.0.mlp.down_proj", "64x172", "64x170"),
+        ("config.json", "model.layers.0.mlp.gate_proj", "[172, 8]", "[170, 8]", "64x170"),
         pack_broken_ckpt(in_ckpt(set_config("intermediate_size", 170), "config.json")),
     ),
     "ckpt-layer-config-without-bits": Case(
@@ -697,11 +709,8 @@ CASES = {
         ("config.json", "model.layers.0.mlp.up_proj", "bits"),
         pack_broken_ckpt(
             in_ckpt(
-                lambda c: edit_json(
-                    c / "config.json",
-                    lambda cfg: cfg["quantization_config"]["layers"]["model.layers.0.mlp.up_proj"].pop(
-                        "bits"
-                    ),
+                lambda c: edit_layer_configs(
+                    c, lambda layers: layers["model.layers.0.mlp.up_proj"].pop("bits")
                 ),
                 "config.json",
             )

@@ -82,6 +82,11 @@ CASES = {
         "ckpt",
         ["holds the checkpoint"],
     ),
+    "gptq-export-onto-its-checkpoint": (
+        lambda w: ["export", w["ckpt"], "--format", "gptq", "-o", w["ckpt"], "--overwrite"],
+        "ckpt",
+        ["is the checkpoint", "apart from what the command reads"],
+    ),
     "pack-onto-its-checkpoint": (
         lambda w: ["pack", w["ckpt"], "-o", w["ckpt"], "--overwrite"],
         "ckpt",

@@ -137,11 +137,11 @@ CASES = {
         ["--num-samples: found 0", "expected an integer in 1..100000"],
     ),
     "seq-len-flag-tiny": (GPTQ, ["--seq-len", "2"], USAGE, ["--seq-len: found 2"]),
-    "eval-windows-flag-zero": (
+    "max-windows-flag-zero": (
         GPTQ + f"eval: {{text: {TINY_SAMPLE}, seq_len: 32}}\n",
-        ["--eval-windows", "0"],
+        ["--max-windows", "0"],
         USAGE,
-        ["--eval-windows: found 0"],
+        ["--max-windows: found 0"],
     ),
     "max-windows-past-int64": (
         GPTQ + f"eval: {{text: {TINY_SAMPLE}, seq_len: 32, max_windows: 100000000000000000000}}\n",
@@ -310,8 +310,8 @@ def three_item_task(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--seed", "-5"], ["--seed: found -5", "0..4294967295"]),
-        (["--seed", "4294967296"], ["--seed: found 4294967296"]),
+        (["--fewshot-seed", "-5"], ["--fewshot-seed: found -5", "0..4294967295"]),
+        (["--fewshot-seed", "4294967296"], ["--fewshot-seed: found 4294967296"]),
         (["--num-fewshot", "3"], ["--num-fewshot: found 3", "task three has 3 items", "expected at most 2"]),
         (["--num-fewshot", "100000"], ["--num-fewshot: found 100000"]),
         (["--limit", "0"], ["--limit: found 0"]),

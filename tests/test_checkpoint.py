@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qtool.checkpoint.loader import read_config
 from qtool.checkpoint.manifest import file_sha256
 
 from conftest import TINY_SAMPLE, write_recipe
@@ -83,7 +84,7 @@ def test_llama_round_trip_matches_in_memory_quantization(llama_ckpt):
     ppl = perplexity(model, tok, EvalSpec(text=str(TINY_SAMPLE), seq_len=64, max_windows=4), "cpu")
     # The loaded checkpoint computes exactly what the pipeline evaluated in memory.
     assert ppl["perplexity"] == pytest.approx(summary["eval"]["quantized"]["perplexity"], rel=1e-5)
-    layers = json.loads((ckpt / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(ckpt)["quantization_config"]["layers"]
     assert len(layers) == 2 * 7
     assert layers["model.layers.0.mlp.down_proj"]["bits"] == 8
     assert layers["model.layers.0.mlp.down_proj"]["group_size"] is None
@@ -239,7 +240,8 @@ def test_unknown_format_version(cli, broken):
 
 
 def test_unknown_layer_format(cli, broken):
-    cfg = json.loads((broken / "config.json").read_text())
+    cfg = read_config(broken)  # written back in the per-layer form (format version 1), which qtool reads
+    cfg["quantization_config"]["format_version"] = 1
     cfg["quantization_config"]["layers"]["model.layers.0.mlp.up_proj"]["format"] = "nf4"
     (broken / "config.json").write_text(json.dumps(cfg))
     _rehash(broken, "config.json")
@@ -268,3 +270,33 @@ def test_unsupported_architecture(cli, tmp_path):
     )
     assert "expected one of Gemma2ForCausalLM" in res.output and "LlamaForCausalLM" in res.output
     assert "OPTForCausalLM" in res.output and "Traceback" not in res.output
+
+
+def test_checkpoint_and_export_keep_generation_config_and_the_source_license(tiny_llama, tmp_path, cli):
+    """generation_config.json of the source travels into the checkpoint and its export; the model card (written
+    through huggingface_hub's ModelCard) takes the license from the source's own card."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a model\n")
+    assert (src / "generation_config.json").is_file()
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"model: {src}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 8\n    symmetric: true\n"
+        f"output: {tmp_path / 'ckpt'}\n",
+    )
+    assert cli("quantize", str(recipe)).exit_code == 0
+    res = cli("export", str(tmp_path / "ckpt"), "--format", "compressed-tensors", "-o", str(tmp_path / "ct"))
+    assert res.exit_code == 0, res.output
+    want = json.loads((src / "generation_config.json").read_text())
+    for folder in (tmp_path / "ckpt", tmp_path / "ct"):
+        got = json.loads((folder / "generation_config.json").read_text())
+        assert {k: got.get(k) for k in ("bos_token_id", "eos_token_id")} == {
+            k: want.get(k) for k in ("bos_token_id", "eos_token_id")
+        }
+        data = ModelCard.load(folder / "README.md").data
+        assert data.license == "apache-2.0" and data.pipeline_tag == "text-generation", folder
+    assert "compressed-tensors" in ModelCard.load(tmp_path / "ct" / "README.md").data.tags

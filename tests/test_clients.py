@@ -183,7 +183,7 @@ def test_import_qtool_registers_when_transformers_loads_its_quantizers():
     # The registry imported afresh (as in a process that imports qtool first) has qtool registered.
     name = "transformers.quantizers.auto"
     saved = sys.modules.pop(name)
-    finder = qtool._AfterRegistryImport()
+    finder = qtool._AfterRegistryImport([name])
     sys.meta_path.insert(0, finder)
     try:
         fresh = importlib.import_module(name)
@@ -217,3 +217,137 @@ def test_checkpoint_records_no_machine_paths_and_its_libraries(checkpoints):
         manifest["packages"]
     )
     assert manifest["sizes"] == {n: (path / n).stat().st_size for n in manifest["files"]}
+
+
+# Run in a process that never imports qtool: plain transformers, `pipeline` and lm-eval's command line.
+_PLAIN = """
+import json, sys
+from transformers import AutoModelForCausalLM, pipeline
+
+def outcome(load):
+    try:
+        load()
+    except Exception as e:
+        return "refused: " + str(e).splitlines()[0]
+    return "loaded"
+
+out = {}
+for path in sys.argv[1:]:
+    out[path] = [
+        outcome(lambda: AutoModelForCausalLM.from_pretrained(path)),
+        outcome(lambda: pipeline("text-generation", model=path)),
+    ]
+if sys.argv[1:2]:
+    from lm_eval.__main__ import cli_evaluate
+    for path in sys.argv[1:]:
+        sys.argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path}", "--device", "cpu", "--tasks",
+                    "piqa", "--limit", "1"]
+        out[path].append(outcome(cli_evaluate))
+print(json.dumps({"results": out, "qtool_imported": "qtool" in sys.modules}))
+"""
+
+
+def test_plain_clients_refuse_every_scheme_without_qtool(checkpoints):
+    """Without `import qtool`, transformers' from_pretrained, `pipeline` and `lm_eval --model hf` refuse a
+    checkpoint of every scheme at its config (model type `qtool`) instead of building random weights."""
+    paths = [str(checkpoints[s]) for s in STAGES]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    run = subprocess.run(
+        [sys.executable, "-c", _PLAIN, *paths], capture_output=True, text=True, cwd="/", env=env, check=True
+    )
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["qtool_imported"] is False
+    for path in paths:
+        assert len(report["results"][path]) == 3
+        for outcome in report["results"][path]:
+            assert outcome.startswith("refused: ") and "model type `qtool`" in outcome, (path, outcome)
+
+
+def test_lm_eval_command_refuses_without_qtool(checkpoints):
+    """The `lm_eval` console command itself (a process without qtool) exits non-zero, naming the model type."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    run = subprocess.run(
+        [
+            lm_eval,
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={checkpoints['grouped-int']}",
+            "--device",
+            "cpu",
+            "--tasks",
+            "piqa",
+            "--limit",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=env,
+    )
+    assert run.returncode != 0 and "model type `qtool`" in run.stderr, run.stderr[-2000:]
+
+
+def _as_version_1(path, dst) -> None:
+    """A copy of checkpoint `path` in the form qtool wrote before config groups: config.json with the model's own
+    model_type and a per-layer `layers` map (shapes included), format version 1."""
+    import shutil
+
+    from qtool.checkpoint.loader import read_config
+    from qtool.checkpoint.manifest import dumps, file_sha256
+
+    shutil.copytree(path, dst)
+    config = read_config(path)
+    config["quantization_config"]["format_version"] = 1
+    (dst / "config.json").write_text(dumps(config))
+    manifest = json.loads((dst / "qtool-manifest.json").read_text())
+    manifest["files"]["config.json"] = file_sha256(dst / "config.json")
+    manifest["sizes"]["config.json"] = (dst / "config.json").stat().st_size
+    (dst / "qtool-manifest.json").write_text(dumps(manifest))
+
+
+@pytest.mark.parametrize("scheme", ["grouped-int", "vq-kv-vq"])
+def test_checkpoints_written_before_config_groups_still_load(checkpoints, tmp_path, scheme):
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints[scheme]
+    _as_version_1(path, tmp_path / "old")
+    stored = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert stored["model_type"] == "llama" and "layers" in stored["quantization_config"]
+    assert stored["quantization_config"]["layers"]["model.layers.0.self_attn.q_proj"]["in_features"] == 64
+    ids = torch.tensor([[1, 403, 407, 261, 378]])
+    with torch.no_grad():
+        want = qtool.load(path)(ids).logits
+        assert torch.equal(qtool.load(tmp_path / "old")(ids).logits, want)
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "old", dtype=torch.float32)
+        assert torch.equal(hf(ids).logits, want)
+
+
+def test_config_holds_schemes_and_targets(checkpoints):
+    """config.json names the model type qtool (the model's own beside it), groups the quantized layers by their
+    config with block indices folded into `*`, and leaves out transformers' defaults."""
+    stored = json.loads((checkpoints["mixed-2-4-16"] / "config.json").read_text())
+    assert stored["model_type"] == "qtool" and stored["qtool_model_type"] == "llama"
+    assert "id2label" not in stored and "output_attentions" not in stored
+    q = stored["quantization_config"]
+    assert q["quant_method"] == "qtool" and q["format_version"] == 2 and "layers" not in q
+    targets = sorted(t for g in q["config_groups"].values() for t in g["targets"])
+    # Block 0 only, down_proj excluded: explicit names, no `*`.
+    assert targets == sorted(
+        f"model.layers.0.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    )
+    assert all(k not in g for g in q["config_groups"].values() for k in ("in_features", "out_features"))
+    every = json.loads((checkpoints["grouped-int"] / "config.json").read_text())["quantization_config"]
+    (group,) = every["config_groups"].values()
+    assert "model.layers.*.mlp.down_proj" in group["targets"] and len(group["targets"]) == 7

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from qtool.checkpoint.loader import read_config
+
 from bad_input import ROOT, Run, assert_one_line_error
 from conftest import STORIES, TINY_SAMPLE
 
@@ -288,7 +290,7 @@ def test_quik_qoq_and_mixed_split_by_rows_over_two_processes_write_the_one_proce
     assert one.exit_code == 0, one.output
     runs = [finish(p) for p in procs]
     assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
-    layers = json.loads((tmp_path / "one" / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(tmp_path / "one")["quantization_config"]["layers"]
     assert {name.rpartition(".")[2]: cfg["format"] for name, cfg in layers.items()} == {
         "q_proj": "quik",
         "k_proj": "quik",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bad_input import assert_nothing_at, assert_one_line_error, run_cli
-from conftest import STORIES, TINY_SAMPLE, write_recipe
+from conftest import ROOT, STORIES, TINY_SAMPLE, write_recipe
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
@@ -96,6 +96,7 @@ def test_the_files_are_what_compressed_tensors_defines(stories):
     record = json.loads((stories / "sym-ct" / "qtool-export.json").read_text())
     assert record["source"]["checkpoint"] == "sym" and "compressed-tensors" in record["packages"]
     assert set(record["files"]) == {
+        "README.md",
         "config.json",
         "model.safetensors",
         "tokenizer.json",
@@ -311,7 +312,10 @@ def test_checkpoints_carry_a_model_card(stories):
     card = (stories / "sym" / "README.md").read_text()
     manifest = json.loads((stories / "sym" / "qtool-manifest.json").read_text())
     assert "README.md" in manifest["files"]  # hashed like every other file
-    assert "base_model: stories260K" in card and "`rtn` (bits 4, group_size 4, symmetric True)" in card
+    # A local source folder has no hub id: the card names it and writes no base_model metadata.
+    assert "| base model | `stories260K` |" in card and "base_model:" not in card
+    assert "pipeline_tag: text-generation" in card and "library_name: qtool" in card
+    assert "`rtn` (bits 4, group_size 4, symmetric True)" in card and "## Recipe" in card
     assert "35 x grouped_int W4 g4 sym" in card
     assert f"{manifest['bits_per_weight']['quantized_linears']} (quantized linears)" in card
     assert "| calibration | none" in card and "Not measured" in card
@@ -340,6 +344,7 @@ def test_model_card_lists_the_measured_quality():
         },
     }
     manifest = {
+        "source": {"base_model": "meta-llama/Llama-2-7b-hf", "license": "llama2"},
         "eval": ev,
         "stages": ["gptq"],
         "calibration": {
@@ -355,7 +360,113 @@ def test_model_card_lists_the_measured_quality():
         {"quantization_config": {"layers": {}}},
         {"model": "meta-llama/Llama-2-7b-hf", "stages": [{"stage": "gptq", "bits": 4}]},
     )
-    assert "base_model: meta-llama/Llama-2-7b-hf" in card
+    from huggingface_hub import ModelCard
+
+    data = ModelCard(card).data
+    assert data.base_model == "meta-llama/Llama-2-7b-hf" and data.license == "llama2"
+    assert data.pipeline_tag == "text-generation" and data.base_model_relation == "quantized"
     assert "| perplexity (wiki.txt, 40 windows x 512 tokens) | 10.0000 | 10.5000 |" in card
     assert "| piqa acc | 0.7000 | 0.6900 |" in card and "limit 200, 0-shot, lm-eval 0.4.13" in card
     assert "c4.jsonl: 128 windows x 2048 tokens, seed 0" in card and "/data" not in card
+
+
+def test_every_shipped_recipe_exports_or_says_why_not():
+    """A shipped recipe either refuses at quantize time what compressed-tensors cannot hold (`target:`) or says in
+    an `# Export:` comment whether and where its checkpoint exports; the quickstart's does."""
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        text = recipe.read_text()
+        assert "\ntarget: compressed-tensors\n" in text or "\n# Export: " in f"\n{text}", recipe.name
+    assert "\ntarget: compressed-tensors\n" in (ROOT / "recipes" / "quickstart-stories260k.yaml").read_text()
+
+
+def test_quantize_warns_once_when_the_checkpoint_will_not_export(tmp_path, cli):
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"model: {STORIES}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 32\noutput: {tmp_path / 'o'}\n",
+    )
+    res = cli("quantize", str(recipe), "--dry-run")
+    assert res.exit_code == 0, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if "will not export to compressed-tensors" in ln]
+    assert (
+        len(warnings) == 1
+        and "partial group" in warnings[0]
+        and "model.layers.0.mlp.down_proj" in warnings[0]
+    )
+    fine = write_recipe(
+        tmp_path / "fine.yaml",
+        f"model: {STORIES}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 4\noutput: {tmp_path / 'o'}\n",
+    )
+    res = cli("quantize", str(fine), "--dry-run")
+    assert res.exit_code == 0 and "will not export" not in res.stderr, res.output
+
+
+def test_eval_labels_a_foreign_checkpoint_by_its_scheme_and_dequantizes_what_does_not_load(stories):
+    """`qtool eval` of an export names its scheme (not "original"); the asymmetric export, which this
+    transformers cannot load as stored, is evaluated dequantized with a note, and gives the checkpoint's
+    perplexity; `--dequantize` asks for that load outright."""
+    args = ["--text", TINY_SAMPLE, "--seq-len", "64", "--windows", "2", "--json"]
+    native = json.loads(run_cli(["eval", stories / "asym", *args]).stdout)
+    res = run_cli(["eval", stories / "asym-ct", *args])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["kind"] == "compressed-tensors W4A16 g4 asym checkpoint, dequantized", out["kind"]
+    assert "did not load as stored" in res.stderr and "evaluating it dequantized" in res.stderr
+    assert out["perplexity"] == pytest.approx(native["perplexity"], rel=1e-5)
+    res = run_cli(["eval", stories / "sym-ct", *args, "--dequantize"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["kind"] == "compressed-tensors W4A16 g4 sym checkpoint, dequantized"
+    plain = json.loads(run_cli(["eval", stories / "sym-ct", *args]).stdout)
+    assert plain["kind"] == "compressed-tensors W4A16 g4 sym checkpoint"
+
+
+_LOWEST = """
+import json, sys, torch
+import compressed_tensors
+from transformers import AutoModelForCausalLM
+import qtool
+ckpt, out = sys.argv[1], sys.argv[2]
+qtool.export(ckpt, out)
+ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    want = qtool.load(ckpt)(ids).logits
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+print(json.dumps({"version": compressed_tensors.__version__, "equal": bool(torch.equal(got, want))}))
+"""
+
+
+@pytest.mark.slow
+def test_export_with_the_lowest_compressed_tensors_allowed(stories, tmp_path):
+    """pyproject.toml allows compressed-tensors from 0.17 (vLLM's CPU build pins 0.17.0); the export written with
+    it loads in transformers with qtool's logits. (The newest is what the suite itself runs with.)"""
+    import os
+    import subprocess
+    import sys
+
+    lowest = "0.17.0"
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(tmp_path / "ct"),
+            f"compressed-tensors=={lowest}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if pip.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"pip could not install compressed-tensors {lowest}: {pip.stderr[-500:]}")
+        pytest.skip(f"compressed-tensors {lowest} not installable here (no index)")
+    run = subprocess.run(
+        [sys.executable, "-c", _LOWEST, str(stories / "sym"), str(tmp_path / "sym-ct")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'ct'}:{ROOT}"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"version": lowest, "equal": True}

@@ -46,6 +46,7 @@ def _stages(name: str, stage: str) -> str:
 )
 def test_every_stage_quantizes_verifies_loads_evaluates_exports_and_generates(tmp_path, family, name, stage):
     import qtool
+    from qtool.checkpoint.loader import read_config
 
     model_dir = family(name)
     out = tmp_path / "ckpt"
@@ -54,7 +55,7 @@ def test_every_stage_quantizes_verifies_loads_evaluates_exports_and_generates(tm
     assert res.exit_code == 0, res.output
     res = run_cli(["pack", out, "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["verified"], res.output
-    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    qcfg = read_config(out)["quantization_config"]  # the model's config, layers by module name
     # every linear of both blocks: 4 attention and, per expert, gate, up and down (Qwen2-MoE: a shared expert too)
     per_block = {"phi3": 4, "mixtral": 4 + 12, "qwen3_moe": 4 + 12, "qwen2_moe": 4 + 12 + 3}.get(name, 7)
     assert len(qcfg["layers"]) == 2 * per_block

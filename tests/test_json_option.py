@@ -34,3 +34,21 @@ def test_bench_json_is_a_flag(cli, tmp_path, monkeypatch):
     assert (
         cli("bench", "e2e", "--json", str(tmp_path / "r.json")).exit_code == 2
     )  # a path is no longer its value
+
+
+def test_json_keeps_progress_on_stderr(cli, tmp_path):
+    """With --json, stdout is the summary alone and the progress lines still reach stderr (a CI log shows the
+    run); -q silences them."""
+    from conftest import STORIES, write_recipe
+
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"model: {STORIES}\nstages:\n  - stage: rtn\n    bits: 4\n    group_size: 4\noutput: {tmp_path / 'o'}\n",
+    )
+    res = cli("quantize", recipe, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["quantized_linears"] == 35
+    assert "quantizing blocks" in res.stderr and f"wrote {tmp_path / 'o'}" in res.stderr, res.stderr
+    res = cli("quantize", recipe, "--json", "-q", "--overwrite")
+    assert res.exit_code == 0 and json.loads(res.stdout)["quantized_linears"] == 35
+    assert not res.stderr.strip(), res.stderr

@@ -13,6 +13,8 @@ import math
 import pytest
 from safetensors.torch import load_file
 
+from qtool.checkpoint.loader import read_config
+
 from bad_input import assert_one_line_error, run_cli
 from conftest import ROOT, SMOLLM2_CACHE, STORIES, TINY_SAMPLE, write_recipe
 
@@ -39,7 +41,7 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     out = tmp_path / "out"
     manifest = json.loads((out / "qtool-manifest.json").read_text())
     bpw = manifest["bits_per_weight"]
-    layers = json.loads((out / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(out)["quantization_config"]["layers"]
     assert len(layers) == 5 * 6 and all(cfg["format"] == "mixed-2-4-16" for cfg in layers.values())
     assert not any(name.endswith("down_proj") for name in layers)
 
@@ -88,7 +90,7 @@ def test_stories260k_gptq_solver_end_to_end(tmp_path):
     assert res.exit_code == 0, res.output
     out = tmp_path / "out"
     bpw = json.loads((out / "qtool-manifest.json").read_text())["bits_per_weight"]
-    layers = json.loads((out / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(out)["quantization_config"]["layers"]
     tensors = load_file(str(out / "model.safetensors"))
     assert len(layers) == 30
     for name, cfg in layers.items():

@@ -97,3 +97,28 @@ def test_readme_commands_are_what_ci_runs():
     assert len(commands) == 2
     for cmd in commands:
         assert cmd in ci.splitlines(), cmd
+
+
+def test_optional_extras_fail_in_one_line_naming_the_extra(monkeypatch, tmp_path):
+    """lm-eval and matplotlib are extras (`qtool[eval]`, `qtool[plot]`): without them, what needs them is one
+    line naming the extra, and nothing else needs them."""
+    import importlib.util
+
+    import tomllib
+
+    from bad_input import assert_one_line_error, run_cli
+    from conftest import STORIES, TINY_SAMPLE
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    assert "lm-eval" not in base and "matplotlib" not in base
+    assert project["optional-dependencies"]["eval"] == ["lm-eval>=0.4.13"]
+    assert "compressed-tensors>=0.17" in project["dependencies"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a)
+    )
+    res = run_cli(["eval", str(STORIES), "--tasks", "piqa", "--limit", "1", "--device", "cpu"])
+    assert_one_line_error(res, 6, "--tasks", "qtool[eval]")
+    res = run_cli(["eval", str(STORIES), "--text", str(TINY_SAMPLE), "--seq-len", "32", "--max-windows", "1"])
+    assert res.exit_code == 0, res.output

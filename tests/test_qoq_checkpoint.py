@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qtool.checkpoint.loader import read_config
 from qtool.checkpoint.manifest import file_sha256
 
 from conftest import STORIES, TINYSTORIES, write_recipe
@@ -194,7 +195,7 @@ def test_stories260k_checkpoint_loads_and_matches_the_in_memory_perplexity(cli, 
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["perplexity"] == pytest.approx(w4, rel=1e-5)
 
-    layers = json.loads((ckpt / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(ckpt)["quantization_config"]["layers"]
     assert len(layers) == 5 * 7
     assert layers["model.layers.0.mlp.down_proj"] == {
         "format": "qoq",

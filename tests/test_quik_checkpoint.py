@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qtool.checkpoint.loader import read_config
 from qtool.checkpoint.manifest import file_sha256
 
 from conftest import ROOT, STORIES, TINY_SAMPLE, TINYSTORIES, write_recipe
@@ -115,7 +116,7 @@ def test_llama_round_trip_same_logits_as_in_memory(llama_quik):
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, in_memory(x).logits)
 
-    layers = json.loads((ckpt / "config.json").read_text())["quantization_config"]["layers"]
+    layers = read_config(ckpt)["quantization_config"]["layers"]
     assert len(layers) == 2 * 7
     assert layers["model.layers.0.self_attn.q_proj"] == {
         "format": "quik",
@@ -242,7 +243,8 @@ def test_broken_quik_tensors_are_named(cli, broken, field, fn, fragments):
 
 def test_broken_layer_config_and_24_pattern(cli, broken):
     cfg_path = broken / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_config(broken)  # written back in the per-layer form (format version 1), which qtool reads
+    cfg["quantization_config"]["format_version"] = 1
     cfg["quantization_config"]["layers"][LAYER]["sparsity"] = "2:4"
     cfg_path.write_text(json.dumps(cfg))
     m = json.loads((broken / "qtool-manifest.json").read_text())

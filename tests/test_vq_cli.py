@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qtool.checkpoint.loader import read_config
+
 from bad_input import assert_one_line_error, run_cli
 from conftest import ROOT, SMOLLM2_CACHE, STORIES, TINY_SAMPLE, write_recipe
 
@@ -52,7 +54,7 @@ def test_stories260k_quantize_eval_and_bits(tmp_path):
     out = tmp_path / "out"
     manifest = json.loads((out / "qtool-manifest.json").read_text())
     bpw = manifest["bits_per_weight"]
-    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    qcfg = read_config(out)["quantization_config"]
     layers = qcfg["layers"]
     assert len(layers) == 5 * 7 and all(cfg["format"] == "vq" for cfg in layers.values())
     assert qcfg["kv_cache"] == {

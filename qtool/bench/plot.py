@@ -83,7 +83,8 @@ def pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise BenchError(
-            "--plot: matplotlib is not installed (pip install matplotlib), or drop --plot"
+            "--plot: matplotlib is not installed; expected pip install 'qtool[plot]' (or matplotlib>=3.7), "
+            "or drop --plot"
         ) from None
     return plt
 

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from qtool.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, QUANT_METHOD, file_sha256
+from qtool.checkpoint.qconfig import READABLE_VERSIONS, is_grouped, native_config, register_config
 from qtool.errors import CheckpointError, shown
 from qtool.kv_cache.schemes import apply_model_schemes, attach_scheme_tensors
 from qtool.layouts.registry import LAYOUTS
@@ -143,31 +144,71 @@ def read_tensors(path: Path, device: str | torch.device = "cpu") -> StoredTensor
 
 
 def read_config(path: Path) -> dict:
-    """config.json of a checkpoint, with its quantization_config checked."""
+    """config.json of a checkpoint as the model's own config (`qconfig.native_config`), with its
+    quantization_config checked and, for every quantized layer, a config holding its shape (`in_features`,
+    `out_features`, `bias`: from the model's module where config.json groups the layers)."""
     cfile = path / "config.json"
-    raw = read_config_json(cfile, CheckpointError)
-    qcfg = raw.get("quantization_config")
+    stored = read_config_json(cfile, CheckpointError)
+    qcfg = stored.get("quantization_config")
     if not isinstance(qcfg, dict) or qcfg.get("quant_method") != QUANT_METHOD:
         found = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
         raise CheckpointError(
             f"{cfile}: quantization_config.quant_method is {found!r}; expected {QUANT_METHOD!r}"
         )
-    if qcfg.get("format_version") != FORMAT_VERSION:
+    if qcfg.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{cfile}: quantization_config.format_version {qcfg.get('format_version')!r} is "
-            f"unknown; expected {FORMAT_VERSION}"
+            f"unknown; expected one of {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    raw = native_config(stored, str(cfile))
+    qcfg = raw["quantization_config"]
     layers = qcfg.get("layers", {})
     if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
         raise CheckpointError(
             f"{cfile}: quantization_config.layers: expected an object of module name to layer config"
         )
+    if is_grouped(stored):
+        _fill_shapes(cfile, raw, layers)
     return raw
+
+
+def _fill_shapes(cfile: Path, raw: dict, layers: dict[str, dict]) -> None:
+    """Each grouped layer's in_features, out_features and bias, from its module in a meta-device model built from
+    the config (no weight is allocated)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    plain = {k: v for k, v in raw.items() if k != "quantization_config"}
+    try:
+        config = CONFIG_MAPPING[plain["model_type"]].from_dict(plain)
+        with init_empty_weights():
+            # The same modules the loader builds (a mixture of experts' per-expert linears included).
+            model = with_expert_linears(AutoModelForCausalLM.from_config(config))
+    except MemoryError:
+        raise
+    except Exception as e:  # transformers raises many types for one bad config
+        raise CheckpointError(f"{cfile}: not a usable model config ({describe(e)})") from None
+    for name, lcfg in layers.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CheckpointError(
+                f"{cfile}: quantization_config.config_groups: target {name} is not a module of "
+                f"{type(model).__name__}"
+            ) from None
+        if not isinstance(module, nn.Linear):
+            raise CheckpointError(
+                f"{cfile}: quantization_config.config_groups: target {name} is a "
+                f"{type(module).__name__}; expected a linear layer"
+            )
+        lcfg.update(
+            in_features=module.in_features, out_features=module.out_features, bias=module.bias is not None
+        )
 
 
 def checkpoint_config(path: Path):
     """The transformers config of a checkpoint (its quantization_config, which is ours, removed)."""
     read_config(path)
+    register_config()  # model_type `qtool`
     try:
         config = AutoConfig.from_pretrained(str(path))
     except MemoryError:
@@ -213,6 +254,14 @@ def replace_layer(
         )
     try:
         layout = layout_cls.from_tensors(name, lcfg, fields)
+    except CheckpointError as e:
+        if "found" not in str(e) or not str(e).startswith(f"tensor {name}."):
+            raise
+        # A stored tensor's shape disagrees with the layer's shape, which the model's config fixes.
+        raise CheckpointError(
+            f"{e} ({where}: layer {name} is {lcfg.get('in_features')}x{lcfg.get('out_features')} "
+            f"(in x out) by the model's config)"
+        ) from None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"{where}: layer {name}: its {fmt} config is incomplete or of the wrong type "

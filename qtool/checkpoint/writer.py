@@ -13,13 +13,13 @@ from safetensors.torch import save_file
 from qtool.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    QUANT_METHOD,
     dumps,
     file_sizes,
     hash_files,
     package_versions,
     portable,
 )
+from qtool.checkpoint.qconfig import stored_config
 from qtool.layouts.base import StoredLayout
 from qtool.models.integrity import INDEX_NAME, WEIGHTS_NAME
 from qtool.output import Output, reserve_output
@@ -87,6 +87,16 @@ def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> dict[str, li
 _PATTERN = WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
 
+def source_generation_config(model_ref: str):
+    """The source model's generation_config.json as transformers reads it, or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_ref, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def write_checkpoint(
     out_dir: Path,
     *,
@@ -98,6 +108,7 @@ def write_checkpoint(
     recipe_as_run: dict | None,
     manifest_extra: dict,
     max_shard_bytes: int,
+    generation_config=None,
     overwrite: bool = False,
     reserved: Output | None = None,
     evaluate: Callable[[Path], dict] | None = None,
@@ -116,6 +127,7 @@ def write_checkpoint(
                 layers=layers,
                 model_schemes=model_schemes,
                 tokenizer=tokenizer,
+                generation_config=generation_config,
                 recipe_as_run=recipe_as_run,
                 manifest_extra=manifest_extra,
                 max_shard_bytes=max_shard_bytes,
@@ -138,16 +150,11 @@ def write_checkpoint(
         total = sum(_nbytes(tensors, n) for n in tensors)
         (tmp / INDEX_NAME).write_text(dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
-    config = dict(config)
-    config["quantization_config"] = {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        **(model_schemes or {}),
-        "layers": layers,
-    }
-    (tmp / "config.json").write_text(dumps(config))
+    (tmp / "config.json").write_text(dumps(stored_config(config, layers, model_schemes)))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+    if generation_config is not None:  # generate()'s defaults of the source model (eos ids, sampling)
+        generation_config.save_pretrained(str(tmp))
     if recipe_as_run is not None:
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_as_run, sort_keys=False))
     if evaluate is not None:
@@ -161,7 +168,11 @@ def write_checkpoint(
 
     # The card is written from the manifest's content before the manifest, so the manifest hashes it too.
     (tmp / "README.md").write_text(
-        model_card({"packages": package_versions(), **manifest_extra}, config, recipe_as_run)
+        model_card(
+            {"packages": package_versions(), **manifest_extra},
+            {"quantization_config": {**(model_schemes or {}), "layers": layers}},
+            recipe_as_run,
+        )
     )
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -155,6 +155,20 @@ def _own_line(sink):
         raise
 
 
+def require_lm_eval() -> None:
+    """lm-eval is the `eval` extra (it pins packages a user's other tools may pin otherwise): a one-line error
+    naming the extra when it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        from qtool.errors import ResourceError
+
+        raise ResourceError(
+            "--tasks: zero-shot tasks run through lm-evaluation-harness, which is not installed; expected "
+            "pip install 'qtool[eval]' (or lm-eval>=0.4.13)"
+        )
+
+
 class TaskSuite:
     """The requested tasks, checked and loadable by lm-eval's task manager. Use as a context manager: the generated
     task folder lives until the suite is closed."""
@@ -205,7 +219,7 @@ class TaskSuite:
             raise UsageError(f"--num-fewshot: found {num_fewshot}, expected 0 or more")
         if not 0 <= seed <= MAX_SEED:
             # lm-eval seeds numpy with it, which takes 32 bits
-            raise UsageError(f"--seed: found {seed}, expected an integer in 0..{MAX_SEED}")
+            raise UsageError(f"--fewshot-seed: found {seed}, expected an integer in 0..{MAX_SEED}")
 
     def __enter__(self) -> TaskSuite:
         return self
@@ -237,6 +251,7 @@ class TaskSuite:
                     ) from None
 
     def _prepare(self) -> None:
+        require_lm_eval()
         _quiet_lm_eval()
         from lm_eval.tasks import TaskManager
 

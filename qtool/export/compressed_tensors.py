@@ -234,13 +234,11 @@ def quantization_config(schemes: dict[str, LayerScheme], ignore: list[str]):
     )
 
 
-def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
+def write_record(folder: Path, checkpoint: Path, manifest: dict, fmt: str = FORMAT) -> None:
     """The export's provenance (which checkpoint, which libraries, every file's hash): what lets `--overwrite`
     recognise the folder as qtool's to replace, and a reader trace the model back to its recipe. The library
     writes its shards owner-only (a temporary file renamed); they get the permissions any other file gets."""
     import os
-
-    import compressed_tensors
 
     from qtool.checkpoint.manifest import MANIFEST_NAME as SOURCE_MANIFEST
     from qtool.checkpoint.manifest import dumps, file_sha256, hash_files, package_versions
@@ -250,8 +248,13 @@ def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
     os.umask(umask)
     for f in folder.glob("*.safetensors"):
         f.chmod(0o666 & ~umask)
+    packages = package_versions()
+    if fmt == FORMAT:
+        import compressed_tensors
+
+        packages["compressed-tensors"] = compressed_tensors.__version__
     record = {
-        "format": FORMAT,
+        "format": fmt,
         "source": {
             "checkpoint": checkpoint.name,
             "base_model": manifest.get("base_model"),
@@ -260,7 +263,7 @@ def _write_record(folder: Path, checkpoint: Path, manifest: dict) -> None:
             "seed": manifest.get("seed"),
             "bits_per_weight": manifest.get("bits_per_weight"),
         },
-        "packages": {**package_versions(), "compressed-tensors": compressed_tensors.__version__},
+        "packages": packages,
         "files": hash_files(folder),
     }
     (folder / EXPORT_RECORD).write_text(dumps(record))
@@ -275,6 +278,27 @@ def stored_names(checkpoint: Path):
     return (lambda name: name) if isinstance(adapter, str) else adapter.stored_name
 
 
+def write_card(
+    folder: Path, checkpoint: Path, manifest: dict, config: dict, export: dict | None = None
+) -> None:
+    """The export's model card (the checkpoint's, with loading instructions for the format's clients) and the
+    source model's generation_config.json when the checkpoint carries one."""
+    import yaml
+
+    from qtool.checkpoint.card import model_card
+    from qtool.checkpoint.writer import source_generation_config
+
+    recipe_file = checkpoint / "recipe.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else None
+    card = model_card(
+        manifest, config, recipe, export=export or {"format": FORMAT, "library": "transformers"}
+    )
+    (folder / "README.md").write_text(card)
+    generation = source_generation_config(str(checkpoint))
+    if generation is not None:
+        generation.save_pretrained(str(folder))
+
+
 def run_export(
     checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool, reporter: Reporter
 ) -> dict:
@@ -285,7 +309,7 @@ def run_export(
     from qtool.units import parse_size
 
     if fmt != FORMAT:
-        raise UsageError(f"--format: found {fmt!r}, expected {FORMAT!r}")
+        raise UsageError(f"--format: found {fmt!r}, expected {FORMAT!r} or 'gptq'")
     try:
         shard_bytes = parse_size(max_shard_size)
     except ValueError:
@@ -340,7 +364,8 @@ def run_export(
         (reserved.tmp / "config.json").write_text(dumps(raw))
         ModelCompressor(quantization_config=qconfig).update_config(str(reserved.tmp))
         tokenizer.save_pretrained(str(reserved.tmp))
-        _write_record(reserved.tmp, checkpoint, manifest)
+        write_card(reserved.tmp, checkpoint, manifest, config)
+        write_record(reserved.tmp, checkpoint, manifest)
         reserved.publish()
     counts: dict[str, int] = {}
     for s in schemes.values():

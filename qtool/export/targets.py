@@ -13,10 +13,26 @@ from qtool.stages.base import TransformStage
 
 def check_target(recipe, config) -> None:
     """Refuse, before any weight is read, a recipe whose checkpoint its `target` format could not hold."""
-    from qtool.export.compressed_tensors import layer_scheme
-
     if recipe.target == "qtool":
         return
+    _check(recipe, config, recipe.target)
+
+
+def export_problem(recipe, config) -> str | None:
+    """Why the checkpoint of a recipe without a `target` will not export to compressed-tensors (the first stage
+    and linear the format cannot hold), or None when it will."""
+    if recipe.target != "qtool":
+        return None
+    try:
+        _check(recipe, config, "compressed-tensors")
+    except RecipeError as e:
+        return str(e).split(": compressed-tensors, but ", 1)[-1]
+    return None
+
+
+def _check(recipe, config, target: str) -> None:
+    from qtool.export.compressed_tensors import layer_scheme
+
     where = f"{recipe.path}:target"
     for spec in recipe.stages:
         stage = spec.stage
@@ -24,7 +40,7 @@ def check_target(recipe, config) -> None:
         if scheme and "kv_cache" in scheme:
             how = "with codebooks" if "format" in scheme["kv_cache"] else "per token at run time"
             raise RecipeError(
-                f"{where}: {recipe.target}, but {stage.label} quantizes the KV cache {how}; expected no "
+                f"{where}: {target}, but {stage.label} quantizes the KV cache {how}; expected no "
                 f"{stage.name} stage (the format holds no such cache)"
             )
     for q in recipe.quantizers():
@@ -34,11 +50,11 @@ def check_target(recipe, config) -> None:
             g = cfg.get("group_size")
             if isinstance(g, int) and k % g:
                 raise RecipeError(
-                    f"{where}: {recipe.target}, but {q.label} group_size {g} leaves a partial group "
+                    f"{where}: {target}, but {q.label} group_size {g} leaves a partial group "
                     f"in {full} (in_features {k}); expected a group size dividing every targeted "
                     f"linear's in_features (or exclude it in targets)"
                 )
             try:
                 layer_scheme(full, cfg, q.label)
             except UsageError as e:
-                raise RecipeError(f"{where}: {recipe.target}, but {e}") from None
+                raise RecipeError(f"{where}: {target}, but {e}") from None

@@ -67,6 +67,8 @@ def checkpoint_mark(folder: Path) -> str | None:
     qcfg = raw.get("quantization_config") if isinstance(raw, dict) else None
     if isinstance(qcfg, dict) and qcfg.get("quant_method") == QUANT_METHOD:
         return f"its config.json has quantization_config.quant_method {QUANT_METHOD!r}"
+    if isinstance(raw, dict) and raw.get("model_type") == QUANT_METHOD:
+        return f"its config.json has model_type {QUANT_METHOD!r}"
     recipe = folder / "recipe.yaml"
     if recipe.is_file():
         import yaml
@@ -315,15 +317,60 @@ def unique_tensors(model: torch.nn.Module):
         yield name, t
 
 
+def foreign_scheme(config) -> str | None:
+    """A label for the quantization of a model another tool wrote (compressed-tensors, GPTQ, AWQ, bitsandbytes):
+    method and bits, e.g. "compressed-tensors W4A16 g64 asym"; None for a model without a quantization_config."""
+    qcfg = getattr(config, "quantization_config", None)
+    if qcfg is None:
+        return None
+    q = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
+    method = str(q.get("quant_method") or "quantized")
+    if method == "compressed-tensors":
+        labels = []
+        for group in (q.get("config_groups") or {}).values():
+            w, a = group.get("weights") or {}, group.get("input_activations") or {}
+            label = f"W{w.get('num_bits', '?')}A{a.get('num_bits', 16) if a else 16}"
+            if w.get("strategy") == "group" and w.get("group_size"):
+                label += f" g{w['group_size']}"
+            elif w.get("strategy"):
+                label += f" per {w['strategy']}"
+            label += " sym" if w.get("symmetric", True) else " asym"
+            labels.append(label)
+        return f"compressed-tensors {', '.join(sorted(set(labels))) or q.get('format', '')}".strip()
+    bits = q.get("bits") or q.get("w_bit")
+    group = q.get("group_size") or q.get("q_group_size")
+    label = method + (f" W{bits}" if bits else "") + (f" g{group}" if group and group > 0 else "")
+    if "sym" in q:
+        label += " sym" if q["sym"] else " asym"
+    return label
+
+
+def dequantizing_config(config):
+    """transformers' quantization config that loads a model of `config` dequantized to float (compressed-tensors
+    only), or None when qtool knows no such load for its method."""
+    qcfg = getattr(config, "quantization_config", None)
+    q = qcfg if isinstance(qcfg, dict) or qcfg is None else qcfg.to_dict()
+    if not q or q.get("quant_method") != "compressed-tensors":
+        return None
+    from transformers import CompressedTensorsConfig
+
+    try:
+        return CompressedTensorsConfig(dequantize=True)
+    except TypeError:  # transformers before 5.20 names it the other way round
+        return CompressedTensorsConfig(run_compressed=False)
+
+
 def load_model(
     ref: str,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     max_memory: int | None = None,
+    quantization_config=None,
 ):
     """Return (model in `dtype`, tokenizer, adapter, original parameter dtype): on the CPU, or read straight onto
     `device`. With `max_memory` (bytes on `device`), accelerate places what does not fit in host memory, then on
-    disk (its hooks bring each module's weights to `device` for its forward)."""
+    disk (its hooks bring each module's weights to `device` for its forward). `quantization_config` replaces a
+    quantized model's own (`dequantizing_config`: loaded as float)."""
     config = load_config(ref)
     adapter = check_architecture(ref, config)
     original = config_dtype(config)
@@ -349,8 +396,9 @@ def load_model(
     elif dev.type != "cpu":
         placement = {"device_map": {"": str(dev)}}
     try:
+        extra = {} if quantization_config is None else {"quantization_config": quantization_config}
         model, info = AutoModelForCausalLM.from_pretrained(
-            ref, dtype=dtype, low_cpu_mem_usage=True, output_loading_info=True, **placement
+            ref, dtype=dtype, low_cpu_mem_usage=True, output_loading_info=True, **placement, **extra
         )
     except MemoryError:
         raise
