@@ -19,6 +19,20 @@ ASSETS = Path(os.environ.get("QTOOL_ASSETS", ROOT.parent / "shared" / "assets"))
 STORIES = ASSETS / "models" / "stories260K"
 TINYSTORIES = ASSETS / "data" / "tinystories" / "tinystories_train_head_2MiB.txt"
 TINY_SAMPLE = ASSETS / "data" / "tinystories" / "cs336_tinystories_sample.txt"
+# A real, fast run that the CLI, signal, resume and value tests share: stories260K (1 MB), GPTQ on 2 windows of 32
+# tokens, written to `out` beside the recipe.
+FAST_RECIPE = f"""
+model: {STORIES}
+calibration:
+  source: {TINY_SAMPLE}
+  num_samples: 2
+  seq_len: 32
+stages:
+  - stage: gptq
+    bits: 4
+    group_size: 32
+output: out
+"""
 WIKITEXT = ASSETS / "data" / "wikitext2" / "wikitext-2-raw-v1.test.joined.txt"
 C4 = ASSETS / "data" / "c4" / "c4-en-train.00000-of-01024.first1000.jsonl"
 SMOLLM2_CACHE = ROOT / ".cache" / "models" / "smollm2-135m"

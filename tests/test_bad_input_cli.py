@@ -21,21 +21,9 @@ from pathlib import Path
 import pytest
 
 from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, run_cli
-from conftest import STORIES, TINY_SAMPLE
+from conftest import FAST_RECIPE, STORIES, TINY_SAMPLE
 
-# A real, fast run: stories260K (1 MB), GPTQ on 2 windows of 32 tokens.
-RECIPE = f"""
-model: {STORIES}
-calibration:
-  source: {TINY_SAMPLE}
-  num_samples: 2
-  seq_len: 32
-stages:
-  - stage: gptq
-    bits: 4
-    group_size: 32
-output: out
-"""
+RECIPE = FAST_RECIPE
 
 
 @pytest.fixture

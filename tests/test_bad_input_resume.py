@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bad_input import assert_one_line_error, leftovers, run_cli
-from conftest import STORIES, TINY_SAMPLE
+from conftest import FAST_RECIPE, STORIES
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
@@ -30,18 +30,7 @@ STATE = "state.json"
 BLOCK1 = "block-00001.safetensors"
 INPUTS = "inputs-00002.bin"
 
-RECIPE = f"""
-model: {STORIES}
-calibration:
-  source: {TINY_SAMPLE}
-  num_samples: 2
-  seq_len: 32
-stages:
-  - stage: gptq
-    bits: 4
-    group_size: 32
-output: out
-"""
+RECIPE = FAST_RECIPE
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

@@ -14,24 +14,13 @@ from pathlib import Path
 import pytest
 
 from bad_input import assert_one_line_error, run_cli
-from conftest import STORIES, TINY_SAMPLE
+from conftest import FAST_RECIPE, STORIES, TINY_SAMPLE
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
 USAGE, RECIPE = 2, 3
 
-GPTQ = f"""
-model: {STORIES}
-calibration:
-  source: {TINY_SAMPLE}
-  num_samples: 2
-  seq_len: 32
-stages:
-  - stage: gptq
-    bits: 4
-    group_size: 32
-output: out
-"""
+GPTQ = FAST_RECIPE
 
 
 def stage(text: str) -> str:

@@ -24,22 +24,11 @@ from pathlib import Path
 import pytest
 
 from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, run_cli
-from conftest import STORIES, TINY_SAMPLE
+from conftest import FAST_RECIPE, STORIES
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
 
-RECIPE = f"""
-model: {STORIES}
-calibration:
-  source: {TINY_SAMPLE}
-  num_samples: 2
-  seq_len: 32
-stages:
-  - stage: gptq
-    bits: 4
-    group_size: 32
-output: out
-"""
+RECIPE = FAST_RECIPE
 
 
 def sha256s(folder: Path) -> dict[str, str]:
