@@ -39,6 +39,21 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())} if folder.is_dir() else {}
 
 
+@pytest.fixture(autouse=True)
+def dispositions_as_a_shell_starts_them():
+    """A process a shell starts has Python's own SIGINT handler and the default SIGTERM and SIGHUP. A test
+    runner's worker may have had them changed by what ran before in it, and qtool rightly leaves an ignored signal
+    ignored: these tests start from what a user's process has."""
+    names = ("SIGINT", "SIGTERM", "SIGHUP")
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for name, handler in saved.items():
+        signal.signal(getattr(signal, name), handler)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("reference")
@@ -59,6 +74,7 @@ class Steps:
         import qtool.pipeline as pipeline
 
         self.signum, self.at, self.seen = signum, at, []
+        self.fired: tuple | None = None
         self.in_publish = False
 
         def before(name: str, fn: Callable):
@@ -102,6 +118,8 @@ class Steps:
     def step(self, name: str) -> None:
         self.seen.append(name)
         if len(self.seen) == self.at:
+            # what the signal found, for a failure's message
+            self.fired = (name, signal.getsignal(self.signum))
             os.kill(os.getpid(), self.signum)
 
 
@@ -215,8 +233,9 @@ def test_sigint_and_sighup_at_a_block_commit(tmp_path, monkeypatch, reference, s
     at = [i for i, s in enumerate(steps, 1) if s == "work file"][4]  # block 1's inputs
     (tmp_path / "r.yaml").write_text(RECIPE)
     with monkeypatch.context() as m:
-        Steps(m, signum, at)
+        sent = Steps(m, signum, at)
         res = run_cli(["quantize", tmp_path / "r.yaml", "-q"])
+    assert res.exit_code == code, (sent.fired, len(sent.seen), at, res.output)
     assert_one_line_error(res, code, "interrupted", "blocks 0-1 of 5", "--resume")
     check_left(tmp_path, reference, code=code)
 
