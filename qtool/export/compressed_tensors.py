@@ -299,28 +299,47 @@ def write_card(
         generation.save_pretrained(str(folder))
 
 
+def open_source(checkpoint: Path, output: Path, max_shard_size: str, overwrite: bool) -> tuple:
+    """What both export formats check and read before writing: (shard bytes, the inputs the output must not
+    touch, the manifest, config.json). The output is checked first: it must never be the checkpoint it exports,
+    which --overwrite would replace."""
+    from qtool.checkpoint.loader import read_config, read_manifest, verify_files
+    from qtool.output import check_output
+    from qtool.units import parse_size
+
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError:
+        raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
+    inputs = {"checkpoint": checkpoint}
+    check_output(output, directory=True, overwrite=overwrite, inputs=inputs)
+    manifest = read_manifest(checkpoint)
+    verify_files(checkpoint, manifest)
+    return shard_bytes, inputs, manifest, read_config(checkpoint)
+
+
+def pop_layer_fields(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """Linear `name`'s own stored fields (its bias aside), taken out of `tensors` by field name."""
+    prefix = f"{name}."
+    return {
+        k[len(prefix) :]: tensors.pop(k)
+        for k in list(tensors)
+        if k.startswith(prefix) and "." not in k[len(prefix) :] and k != f"{name}.bias"
+    }
+
+
 def run_export(
     checkpoint: Path, output: Path, fmt: str, max_shard_size: str, overwrite: bool, reporter: Reporter
 ) -> dict:
     from huggingface_hub import save_torch_state_dict
 
-    from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
-    from qtool.output import check_output, folder_bytes, reserve_output
-    from qtool.units import parse_size
+    from qtool.checkpoint.loader import load_tokenizer, read_tensors
+    from qtool.output import folder_bytes, reserve_output
 
     if fmt != FORMAT:
         raise UsageError(f"--format: found {fmt!r}, expected {FORMAT!r} or 'gptq'")
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError:
-        raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
     checkpoint = Path(checkpoint)
-    # The output first (it must never be the checkpoint it exports, which --overwrite would replace).
-    inputs = {"checkpoint": checkpoint}
-    check_output(output, directory=True, overwrite=overwrite, inputs=inputs)
-    manifest = read_manifest(checkpoint)
-    verify_files(checkpoint, manifest)
-    config = read_config(checkpoint)
+    shard_bytes, inputs, manifest, config = open_source(checkpoint, output, max_shard_size, overwrite)
     linears = model_linears(checkpoint)
     schemes = plan(checkpoint, config, linears)
     tokenizer = load_tokenizer(checkpoint)
@@ -339,11 +358,7 @@ def run_export(
         out: dict[str, torch.Tensor] = {}
         for name in schemes:
             prefix = f"{name}."
-            fields = {
-                k[len(prefix) :]: tensors.pop(k)
-                for k in list(tensors)
-                if k.startswith(prefix) and "." not in k[len(prefix) :] and k != f"{name}.bias"
-            }
+            fields = pop_layer_fields(tensors, name)
             weight, qparams = layer_state(name, layers[name], fields, SCALE_DTYPE)
             for field, t in compress_layer(name, weight, qparams, built[name]).items():
                 out[f"{prefix}{field}"] = _own_storage(t)

@@ -158,23 +158,19 @@ def run_export(
 ) -> dict:
     from huggingface_hub import save_torch_state_dict
 
-    from qtool.checkpoint.loader import load_tokenizer, read_config, read_manifest, read_tensors, verify_files
+    from qtool.checkpoint.loader import load_tokenizer, read_tensors
     from qtool.checkpoint.manifest import dumps
-    from qtool.export.compressed_tensors import model_linears, write_card, write_record
-    from qtool.output import check_output, folder_bytes, reserve_output
-    from qtool.units import parse_size
+    from qtool.export.compressed_tensors import (
+        model_linears,
+        open_source,
+        pop_layer_fields,
+        write_card,
+        write_record,
+    )
+    from qtool.output import folder_bytes, reserve_output
 
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError:
-        raise UsageError(f"--max-shard-size: found {max_shard_size!r}, expected a size such as 5GB") from None
     checkpoint = Path(checkpoint)
-    # The output first (it must never be the checkpoint it exports, which --overwrite would replace).
-    inputs = {"checkpoint": checkpoint}
-    check_output(output, directory=True, overwrite=overwrite, inputs=inputs)
-    manifest = read_manifest(checkpoint)
-    verify_files(checkpoint, manifest)
-    config = read_config(checkpoint)
+    shard_bytes, inputs, manifest, config = open_source(checkpoint, output, max_shard_size, overwrite)
     scheme, quantized, ignored = plan(checkpoint, config, model_linears(checkpoint))
     tokenizer = load_tokenizer(checkpoint)
     layers = config["quantization_config"]["layers"]
@@ -191,11 +187,7 @@ def run_export(
         out: dict[str, torch.Tensor] = {}
         for name in quantized:
             prefix = f"{name}."
-            fields = {
-                k[len(prefix) :]: tensors.pop(k)
-                for k in list(tensors)
-                if k.startswith(prefix) and "." not in k[len(prefix) :] and k != f"{name}.bias"
-            }
+            fields = pop_layer_fields(tensors, name)
             for field, t in layer_tensors(name, layers[name], fields, scheme).items():
                 out[f"{prefix}{field}"] = t
         out.update(tensors)  # biases and every tensor left in floating point, as stored
