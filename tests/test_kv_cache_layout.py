@@ -62,3 +62,12 @@ def test_unsupported_head_dims_are_refused_in_one_line():
         ValueError, match="KV cache int8: found head_dim 256, expected a multiple of 4 up to 128"
     ):
         kvc.check_shape("int8", 256)
+
+
+def test_tensor_core_attention_splits_the_cache_into_whole_waves():
+    slots = 132 * 3  # an H100/H200 holding three blocks a multiprocessor
+    assert kvc.attention_splits(8, 1024, slots) == 16  # Llama-3-8B, batch 1: all the 64-token parts there are
+    assert kvc.attention_splits(8, 100, slots) == 1  # a short cache stays one block per pair
+    assert kvc.attention_splits(128, 1024, slots) == 3  # Llama-3-8B, batch 16: 384 blocks, one wave 97% full
+    assert kvc.attention_splits(5120, 1024, slots) == 1  # Llama-2-7B, batch 160: 12.9 waves
+    assert kvc.attention_splits(2048, 1024, slots) == 2  # 5.2 waves would leave the sixth mostly idle

@@ -490,11 +490,15 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 // kv_attention_tc_combine merges the S parts the same way.
 constexpr int TC_WARPS = 4;
 
-__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a2, u32 b0, u32 b1) {
+// Rows 8..15 of A are zero (a KV head has at most 8 query heads), so rows 8..15 of D are too: only rows 0..7 are
+// kept, the other two outputs of each thread go to registers that die at once. At D = 128 the kernel then fits
+// three blocks a multiprocessor (168 registers), each warp with two steps' loads in flight.
+__device__ __forceinline__ void mma16816(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        "{\n.reg .f32 z, x2, x3;\nmov.f32 z, 0f00000000;\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, x2, x3}, {%2, %3, %4, %5}, {%6, %7}, "
+        "{%0, %1, z, z};\n}"
+        : "+f"(d[0]), "+f"(d[1])
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 
@@ -523,16 +527,111 @@ __device__ __forceinline__ void ld_words(u32 (&w)[N], const u32* p, bool ok) {
     }
 }
 
+// One warp's 16-token step of the cache, as loaded: key words of tokens t0 + g and t0 + 8 + g, value words of tokens
+// t0 + 2t, +1, +8, +9 and those four tokens' (scale, zero) pairs. A step is loaded one step ahead of the one being
+// computed (`kv_attention_tc`), so a warp always has the next step's bytes in flight while it converts and
+// multiplies.
+template <int D>
+struct TcStep {
+    u32 kw[2][D / 32];
+    u32 vw[4][D / 64];
+    u32 kp[4], vp[4];
+};
+
+// Tokens at or past `hi` (the end of this block's range) are not read: their registers hold zeros.
+template <int D>
+__device__ __forceinline__ void tc_load(TcStep<D>& s, const u32* __restrict__ kc, const u32* __restrict__ vc,
+                                        const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
+                                        int t0, int hi, int g, int t) {
+    constexpr int W = D / 8, KW = D / 32, VW = D / 64;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = t0 + 8 * h + g;
+        ld_words<KW>(s.kw[h], kc + (row0 + (r < hi ? r : 0)) * W + KW * t, r < hi);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
+        const bool ok = r < hi;
+        ld_words<VW>(s.vw[j], vc + (row0 + (ok ? r : 0)) * W + VW * g, ok);
+        s.kp[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
+        s.vp[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
+    }
+}
+
+// The running softmax state of one thread: its row g's max, sum and Σ p s z, and the output fragments.
+template <int D>
+struct TcAcc {
+    float mrun, lrun, wz;
+    float o[D / 8][2];
+};
+
+template <int D>
+__device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, const u32 (&qa)[D / 16][2],
+                                           float qsum, float qscale, int t0, int hi, int t) {
+    constexpr int KW = D / 32, VW = D / 64;
+    float sc[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        sc[h][0] = sc[h][1] = 0.f;
+#pragma unroll
+        for (int i = 0; i < KW; ++i) {
+            const u32 w = s.kw[h][i];
+            mma16816(sc[h], qa[2 * i][0], qa[2 * i][1], nib2h(w), nib2h(w >> 4));
+            mma16816(sc[h], qa[2 * i + 1][0], qa[2 * i + 1][1], nib2h(w >> 8), nib2h(w >> 12));
+        }
+    }
+    // this thread's four tokens: j = 0, 1 (tile 0: 2t, 2t + 1), 2, 3 (tile 1); tokens past the range get no
+    // weight, whatever their (unread, zero) parameters
+    float x[4];
+    float mx = a.mrun;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
+        const float ks = h2f((u16)(s.kp[j] & 0xFFFFu)), kz = h2f((u16)(s.kp[j] >> 16));
+        x[j] = r < hi ? qscale * (ks * (sc[j >> 1][j & 1] - kz * qsum)) : __uint_as_float(0xFF800000u);
+        mx = fmaxf(mx, x[j]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float alpha = fast_exp2(a.mrun - mx);
+    a.mrun = mx;
+    a.lrun *= alpha;
+    a.wz *= alpha;
+#pragma unroll
+    for (int m = 0; m < D / 8; ++m) a.o[m][0] *= alpha, a.o[m][1] *= alpha;
+    float pw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float pr = fast_exp2(x[j] - mx);
+        a.lrun += pr;
+        pw[j] = pr * h2f((u16)(s.vp[j] & 0xFFFFu));
+        a.wz = fmaf(pw[j], h2f((u16)(s.vp[j] >> 16)), a.wz);
+    }
+    const u32 pa0 = pack_h2(pw[0], pw[1]), pa2 = pack_h2(pw[2], pw[3]);
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+#pragma unroll
+        for (int bi = 0; bi < 4; ++bi) {
+            const u32 sel = (u32)bi | ((u32)(4 + bi) << 8);
+            u32 y01, y23;
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(s.vw[0][i]), "r"(s.vw[1][i]), "r"(sel));
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(s.vw[2][i]), "r"(s.vw[3][i]), "r"(sel));
+            mma16816(a.o[8 * i + 2 * bi], pa0, pa2, nib2h(y01), nib2h(y23));
+            mma16816(a.o[8 * i + 2 * bi + 1], pa0, pa2, nib2h(y01 >> 4), nib2h(y23 >> 4));
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
                                                 const u32* __restrict__ vc, const u32* __restrict__ kp,
                                                 const u32* __restrict__ vp, const long long* __restrict__ pos,
                                                 u16* __restrict__ out, int H, int KVH, int L, int G, float qscale,
                                                 int S, float* __restrict__ part) {
-    constexpr int W = D / 8;          // 32-bit words per cached row
-    constexpr int KW = D / 32;        // key words per thread and token: k-steps 2i, 2i + 1 per word
-    constexpr int VW = D / 64;        // value words per thread and token
-    constexpr int NT = D / 8;         // output n-tiles
+    constexpr int KW = D / 32;  // key words per thread and token: k-steps 2i, 2i + 1 per word
+    constexpr int VW = D / 64;  // value words per thread and token
+    constexpr int NT = D / 8;   // output n-tiles
     extern __shared__ float sm[];
     launch_dependents();
     grid_dependency_wait();
@@ -548,7 +647,12 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         lo = min(n, (int)blockIdx.y * chunk);
         hi = min(n, lo + chunk);
     }
-    // the query rows (float16, as written) staged, and Σq per head
+    const size_t row0 = ((size_t)b * KVH + kvh) * L;
+    // the first step's loads go out before the query is staged: their latency overlaps the staging
+    TcStep<D> s0, s1;
+    int t0 = lo + 16 * warp;
+    tc_load<D>(s0, kc, vc, kp, vp, row0, t0, hi, g, t);
+    // the query rows (float16, as written) staged, and Σq per head (the warps take the rows in turn)
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
     float* qsum_s = sm + 4 * D;           // [8]
     for (int i = tid; i < 8 * D; i += blockDim.x) {
@@ -556,14 +660,12 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         qs[i] = r < G ? ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G + r) * D + (i % D)) : (u16)0;
     }
     __syncthreads();
-    if (warp == 0) {
-        for (int r = 0; r < 8; ++r) {
-            float s = 0.f;
-            for (int d = lane; d < D; d += 32) s += h2f(qs[r * D + d]);
+    for (int r = warp; r < 8; r += TC_WARPS) {
+        float sum = 0.f;
+        for (int d = lane; d < D; d += 32) sum += h2f(qs[r * D + d]);
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) qsum_s[r] = s;
-        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) qsum_s[r] = sum;
     }
     // A fragments of the scores: k-step 2i (word w = KW t + i) and 2i + 1
     u32 qa[2 * KW][2];
@@ -577,81 +679,23 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     }
     __syncthreads();
     const float qsum = qsum_s[g];
-    float mrun = -1.0e30f, lrun = 0.f, wz = 0.f;
-    float o[NT][4];
+    TcAcc<D> acc;
+    acc.mrun = -1.0e30f, acc.lrun = 0.f, acc.wz = 0.f;
 #pragma unroll
-    for (int m = 0; m < NT; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
-    const size_t row0 = ((size_t)b * KVH + kvh) * L;
-    for (int t0 = lo + 16 * warp; t0 < hi; t0 += 16 * TC_WARPS) {
-        // keys: token t0 + g (tile 0) and t0 + 8 + g (tile 1), words KW t ..
-        u32 kw[2][KW];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = t0 + 8 * h + g;
-            ld_words<KW>(kw[h], kc + (row0 + (r < L ? r : 0)) * W + KW * t, r < L);
-        }
-        // values: tokens t0 + 2t, +1, +8, +9, words VW g ..
-        u32 vw[4][VW], kpr[4], vpr[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
-            const bool ok = r < L;
-            ld_words<VW>(vw[j], vc + (row0 + (ok ? r : 0)) * W + VW * g, ok);
-            kpr[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
-            vpr[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
-        }
-        float s[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
-#pragma unroll
-            for (int i = 0; i < KW; ++i) {
-                const u32 w = kw[h][i];
-                mma16816(s[h], qa[2 * i][0], qa[2 * i][1], nib2h(w), nib2h(w >> 4));
-                mma16816(s[h], qa[2 * i + 1][0], qa[2 * i + 1][1], nib2h(w >> 8), nib2h(w >> 12));
-            }
-        }
-        // this thread's four tokens: j = 0, 1 (tile 0: 2t, 2t + 1), 2, 3 (tile 1)
-        float sc[4];
-        float mx = mrun;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
-            const float ks = h2f((u16)(kpr[j] & 0xFFFFu)), kz = h2f((u16)(kpr[j] >> 16));
-            const float a = s[j >> 1][j & 1];
-            sc[j] = r < hi ? qscale * (ks * (a - kz * qsum)) : __uint_as_float(0xFF800000u);
-            mx = fmaxf(mx, sc[j]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float alpha = fast_exp2(mrun - mx);
-        mrun = mx;
-        lrun *= alpha;
-        wz *= alpha;
-#pragma unroll
-        for (int m = 0; m < NT; ++m) o[m][0] *= alpha, o[m][1] *= alpha;
-        float pw[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float pr = fast_exp2(sc[j] - mx);
-            lrun += pr;
-            pw[j] = pr * h2f((u16)(vpr[j] & 0xFFFFu));
-            wz = fmaf(pw[j], h2f((u16)(vpr[j] >> 16)), wz);
-        }
-        const u32 pa0 = pack_h2(pw[0], pw[1]), pa2 = pack_h2(pw[2], pw[3]);
-#pragma unroll
-        for (int i = 0; i < VW; ++i) {
-#pragma unroll
-            for (int bi = 0; bi < 4; ++bi) {
-                const u32 sel = (u32)bi | ((u32)(4 + bi) << 8);
-                u32 y01, y23;
-                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(vw[0][i]), "r"(vw[1][i]), "r"(sel));
-                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(vw[2][i]), "r"(vw[3][i]), "r"(sel));
-                mma16816(o[8 * i + 2 * bi], pa0, pa2, nib2h(y01), nib2h(y23));
-                mma16816(o[8 * i + 2 * bi + 1], pa0, pa2, nib2h(y01 >> 4), nib2h(y23 >> 4));
-            }
-        }
+    for (int m = 0; m < NT; ++m) acc.o[m][0] = acc.o[m][1] = 0.f;
+    // two steps a trip, each loading the step after it before computing its own (s0 and s1 take turns, so no
+    // register copies)
+    constexpr int STRIDE = 16 * TC_WARPS;
+    while (t0 < hi) {
+        if (t0 + STRIDE < hi) tc_load<D>(s1, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
+        tc_compute<D>(acc, s0, qa, qsum, qscale, t0, hi, t);
+        t0 += STRIDE;
+        if (t0 >= hi) break;
+        if (t0 + STRIDE < hi) tc_load<D>(s0, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
+        tc_compute<D>(acc, s1, qa, qsum, qscale, t0, hi, t);
+        t0 += STRIDE;
     }
+    float mrun = acc.mrun, lrun = acc.lrun, wz = acc.wz;
     // the row's sums over its four threads
 #pragma unroll
     for (int x = 1; x <= 2; x <<= 1) {
@@ -668,7 +712,7 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
             for (int e = 0; e < 2; ++e) {
                 const int col = 2 * t + e;  // the B column, i.e. the value thread group whose channels it holds
                 const int ch = 8 * (VW * col + m / 8) + m % 8;
-                ys[(warp * 8 + g) * D + ch] = o[m][e] - wz;
+                ys[(warp * 8 + g) * D + ch] = acc.o[m][e] - wz;
             }
         }
         if (t == 0) {

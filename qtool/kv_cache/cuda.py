@@ -27,10 +27,13 @@ MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
 # outrun the FMA pipe; kernels/NOTES.md, KV4 section)
 ATTENTION_KERNELS = ("fma", "tc")
 TC_HEAD_DIMS = (64, 128)
-TC_MIN_GROUP = 2
+TC_MIN_GROUP = 1
 TC_WARPS = 4
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
+# The split along the cache is the fewest parts whose blocks fill the resident slots to this fraction of whole
+# waves: a last wave of few blocks leaves most multiprocessors idle while it runs.
+TC_WAVE_FILL = 0.9
 LOG2E = 1.4426950408889634
 
 
@@ -200,12 +203,21 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attention_splits(pairs: int, length: int, sms: int) -> int:
-    """Parts along the cache for the tensor-core form: enough blocks for every SM when the (sequence, KV head)
-    pairs alone are fewer, each part at least TC_MIN_SPLIT_TOKENS of the cache's capacity, at most TC_MAX_SPLITS."""
-    if pairs >= sms:
-        return 1
-    return max(1, min(-(-sms // pairs), length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
+def attention_splits(pairs: int, length: int, slots: int) -> int:
+    """Parts along the cache for the tensor-core form, given the (sequence, KV head) pairs and the blocks the GPU
+    holds at once (`slots`: multiprocessors x resident blocks): the fewest parts whose blocks fill whole waves of
+    the slots to TC_WAVE_FILL (else the best fill), each part at least TC_MIN_SPLIT_TOKENS of the cache's capacity,
+    at most TC_MAX_SPLITS."""
+    most = max(1, min(length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
+    best, best_fill = 1, 0.0
+    for s in range(1, most + 1):
+        waves = pairs * s / slots
+        fill = waves / math.ceil(waves)
+        if fill >= TC_WAVE_FILL:
+            return s
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best
 
 
 def attention(
@@ -254,14 +266,15 @@ def attention(
                 f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
                 f"expected int4 and a head dim in {TC_HEAD_DIMS}"
             )
-        if splits is None:
-            splits = attention_splits(b * kvh, length, _sm_count(dev))
-        if not 1 <= splits <= TC_MAX_SPLITS:
-            raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
         module = cc.load_module(SOURCE, device=dev)
         fn = module.fn(f"kv_attention_tc_int4_d{d}")
         smem = 4 * TC_WARPS * 8 * (d + 2)
         cc.allow_shared_memory(fn, smem)
+        if splits is None:
+            slots = _sm_count(dev) * cc.resident_blocks(fn, 32 * TC_WARPS, smem, dev)
+            splits = attention_splits(b * kvh, length, slots)
+        if not 1 <= splits <= TC_MAX_SPLITS:
+            raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
         part = torch.empty(
             b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device
         )
