@@ -489,6 +489,10 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 // S blocks per pair splits the cache along L; each writes its unnormalized output with its max and sum, and
 // kv_attention_tc_combine merges the S parts the same way.
 constexpr int TC_WARPS = 4;
+// steps ahead of a warp's computing that its L2 prefetches run (qtool/kv_cache/cuda.py TC_PREFETCH)
+#ifndef TC_PREFETCH
+#define TC_PREFETCH 4
+#endif
 
 // Rows 8..15 of A are zero (a KV head has at most 8 query heads), so rows 8..15 of D are too: only rows 0..7 are
 // kept, the other two outputs of each thread go to registers that die at once. At D = 128 the kernel then fits
@@ -557,6 +561,30 @@ __device__ __forceinline__ void tc_load(TcStep<D>& s, const u32* __restrict__ kc
         s.kp[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
         s.vp[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
     }
+}
+
+// The step at t0 (tokens below `hi`) brought into L2 ahead of its loads: the cache streams from DRAM with many steps
+// in flight while each warp holds only the next step in registers (a warp waits on one step's L2 latency, not its
+// DRAM latency). Lanes 0-7 and 16 take the key rows' 128-byte lines (16 for the last, where the rows start inside a
+// line), 8-15 and 17 the value rows', 18-21 the first and last (scale, zero) pair of each.
+template <int D>
+__device__ __forceinline__ void tc_prefetch(const u32* __restrict__ kc, const u32* __restrict__ vc,
+                                            const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
+                                            int t0, int hi, int lane) {
+    if (t0 >= hi) return;
+    constexpr int W = D / 8;
+    const int last = min(t0 + 15, hi - 1);
+    const char* a = nullptr;
+    if (lane < 16 || lane == 16 || lane == 17) {
+        const bool key = lane < 8 || lane == 16;
+        const char* base = reinterpret_cast<const char*>((key ? kc : vc) + (row0 + t0) * W);
+        const int end = (last - t0 + 1) * W * 4 - 1;
+        a = base + (lane >= 16 ? end : min((lane & 7) * 128, end));
+    } else if (lane < 22) {
+        const u32* pp = lane < 20 ? kp : vp;
+        a = reinterpret_cast<const char*>(pp + row0 + ((lane & 1) ? last : t0));
+    }
+    if (a != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
 // The running softmax state of one thread: its row g's max, sum and Σ p s z, and the output fragments.
@@ -650,7 +678,10 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     const size_t row0 = ((size_t)b * KVH + kvh) * L;
     // the first step's loads go out before the query is staged: their latency overlaps the staging
     TcStep<D> s0, s1;
+    constexpr int STRIDE = 16 * TC_WARPS;
     int t0 = lo + 16 * warp;
+#pragma unroll
+    for (int k = 1; k < TC_PREFETCH; ++k) tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + k * STRIDE, hi, lane);
     tc_load<D>(s0, kc, vc, kp, vp, row0, t0, hi, g, t);
     // the query rows (float16, as written) staged, and Σq per head (the warps take the rows in turn)
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
@@ -684,13 +715,14 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
 #pragma unroll
     for (int m = 0; m < NT; ++m) acc.o[m][0] = acc.o[m][1] = 0.f;
     // two steps a trip, each loading the step after it before computing its own (s0 and s1 take turns, so no
-    // register copies)
-    constexpr int STRIDE = 16 * TC_WARPS;
+    // register copies) and bringing the one TC_PREFETCH steps ahead into L2
     while (t0 < hi) {
+        tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + TC_PREFETCH * STRIDE, hi, lane);
         if (t0 + STRIDE < hi) tc_load<D>(s1, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
         tc_compute<D>(acc, s0, qa, qsum, qscale, t0, hi, t);
         t0 += STRIDE;
         if (t0 >= hi) break;
+        tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + TC_PREFETCH * STRIDE, hi, lane);
         if (t0 + STRIDE < hi) tc_load<D>(s0, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
         tc_compute<D>(acc, s1, qa, qsum, qscale, t0, hi, t);
         t0 += STRIDE;

@@ -31,6 +31,8 @@ TC_MIN_GROUP = 1
 TC_WARPS = 4
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
+# steps of 16 tokens ahead of its computing that a warp of the tensor-core form brings into L2
+TC_PREFETCH = 4
 # The split along the cache is the fewest parts whose blocks fill the resident slots to this fraction of whole
 # waves: a last wave of few blocks leaves most multiprocessors idle while it runs.
 TC_WAVE_FILL = 0.9
@@ -156,7 +158,7 @@ def write(
     warps = THREADS // 32
     blocks = max(1, min(-(-vectors // warps), cc.sm_count(dev) * 8))
     dependent_launch.launch(
-        cc.load_module(SOURCE, device=dev).fn(f"kv_write_{cache.mode}"),
+        _module(dev).fn(f"kv_write_{cache.mode}"),
         (blocks,),
         (THREADS,),
         (
@@ -196,6 +198,10 @@ def attention_kernel(mode: str, group: int, head_dim: int) -> str:
     if mode == "int4" and group >= TC_MIN_GROUP and head_dim in TC_HEAD_DIMS:
         return "tc"
     return "fma"
+
+
+def _module(dev: int):
+    return cc.load_module(SOURCE, (f"-DTC_PREFETCH={TC_PREFETCH}",), device=dev)
 
 
 @functools.cache
@@ -266,7 +272,7 @@ def attention(
                 f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
                 f"expected int4 and a head dim in {TC_HEAD_DIMS}"
             )
-        module = cc.load_module(SOURCE, device=dev)
+        module = _module(dev)
         fn = module.fn(f"kv_attention_tc_int4_d{d}")
         smem = 4 * TC_WARPS * 8 * (d + 2)
         cc.allow_shared_memory(fn, smem)
@@ -317,7 +323,7 @@ def attention(
         wpl = best
     elif wpl not in (1, best):
         raise ValueError(f"wpl: found {wpl}, expected 1 or {best} for {g} query heads per KV head of {d}")
-    fn = cc.load_module(SOURCE, device=dev).fn(
+    fn = _module(dev).fn(
         f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else "")
     )
     cc.allow_shared_memory(fn, smem)
