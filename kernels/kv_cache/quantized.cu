@@ -489,10 +489,12 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 // S blocks per pair splits the cache along L; each writes its unnormalized output with its max and sum, and
 // kv_attention_tc_combine merges the S parts the same way.
 constexpr int TC_WARPS = 4;
-// steps ahead of a warp's computing that its L2 prefetches run (qtool/kv_cache/cuda.py TC_PREFETCH)
-#ifndef TC_PREFETCH
-#define TC_PREFETCH 4
+// stages of each warp's ring of bulk copies (qtool/kv_cache/cuda.py TC_STAGES)
+#ifndef TC_STAGES
+#define TC_STAGES 4
 #endif
+// where the rings start in shared memory: after the query rows, their sums and the barriers (128-byte aligned)
+#define TC_RING_OFFSET(D) ((16 * (D) + 64 + 8 * TC_STAGES * TC_WARPS + 127) / 128 * 128)
 
 // Rows 8..15 of A are zero (a KV head has at most 8 query heads), so rows 8..15 of D are too: only rows 0..7 are
 // kept, the other two outputs of each thread go to registers that die at once. At D = 128 the kernel then fits
@@ -531,10 +533,9 @@ __device__ __forceinline__ void ld_words(u32 (&w)[N], const u32* p, bool ok) {
     }
 }
 
-// One warp's 16-token step of the cache, as loaded: key words of tokens t0 + g and t0 + 8 + g, value words of tokens
-// t0 + 2t, +1, +8, +9 and those four tokens' (scale, zero) pairs. A step is loaded one step ahead of the one being
-// computed (`kv_attention_tc`), so a warp always has the next step's bytes in flight while it converts and
-// multiplies.
+// One warp's 16-token step of the cache as a thread takes it from the warp's shared-memory stage: key words of
+// tokens t0 + g and t0 + 8 + g, value words of tokens t0 + 2t, +1, +8, +9 and those four tokens' (scale, zero)
+// pairs.
 template <int D>
 struct TcStep {
     u32 kw[2][D / 32];
@@ -542,49 +543,60 @@ struct TcStep {
     u32 kp[4], vp[4];
 };
 
-// Tokens at or past `hi` (the end of this block's range) are not read: their registers hold zeros.
+// A stage of a warp's ring: the step's key rows, value rows, and (scale, zero) words of keys and of values, each
+// run of 16 copied from the 16-byte boundary at or below its first token (up to 3 words ahead of it, 20 slots).
 template <int D>
-__device__ __forceinline__ void tc_load(TcStep<D>& s, const u32* __restrict__ kc, const u32* __restrict__ vc,
-                                        const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
-                                        int t0, int hi, int g, int t) {
-    constexpr int W = D / 8, KW = D / 32, VW = D / 64;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = t0 + 8 * h + g;
-        ld_words<KW>(s.kw[h], kc + (row0 + (r < hi ? r : 0)) * W + KW * t, r < hi);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
-        const bool ok = r < hi;
-        ld_words<VW>(s.vw[j], vc + (row0 + (ok ? r : 0)) * W + VW * g, ok);
-        s.kp[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
-        s.vp[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
+struct TcStage {
+    static constexpr int ROW = D / 2;  // bytes per cached row
+    static constexpr int K = 0, V = 16 * ROW, KP = 32 * ROW, VP = 32 * ROW + 80;
+    static constexpr int BYTES = 32 * ROW + 160;
+};
+
+// The step at t0 (its tokens below `hi`) into stage `dst`, completing on `bar`: one thread, four bulk copies.
+template <int D>
+__device__ __forceinline__ void tc_issue(u32 dst, u32 bar, const u32* __restrict__ kc, const u32* __restrict__ vc,
+                                         const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
+                                         int t0, int hi) {
+    using St = TcStage<D>;
+    const u32 nt = (u32)min(16, hi - t0);
+    const size_t a = row0 + t0, a0 = a & ~(size_t)3;
+    const u32 pbytes = (((u32)(a - a0) + nt) * 4 + 15) & ~15u;
+    mbar_arrive_expect_tx(bar, 2 * nt * St::ROW + 2 * pbytes);
+    const char* kb = reinterpret_cast<const char*>(kc) + a * St::ROW;
+    const char* vb = reinterpret_cast<const char*>(vc) + a * St::ROW;
+    bulk_load(dst + St::K, kb, nt * St::ROW, bar);
+    bulk_load(dst + St::V, vb, nt * St::ROW, bar);
+    bulk_load(dst + St::KP, kp + a0, pbytes, bar);
+    bulk_load(dst + St::VP, vp + a0, pbytes, bar);
+}
+
+template <int N>
+__device__ __forceinline__ void lds_words(u32 (&w)[N], u32 addr) {
+    if constexpr (N == 4) {
+        const uint4 v = lds128(addr);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (N == 2) {
+        const uint2 v = lds64(addr);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = lds32(addr);
     }
 }
 
-// The step at t0 (tokens below `hi`) brought into L2 ahead of its loads: the cache streams from DRAM with many steps
-// in flight while each warp holds only the next step in registers (a warp waits on one step's L2 latency, not its
-// DRAM latency). Lanes 0-7 and 16 take the key rows' 128-byte lines (16 for the last, where the rows start inside a
-// line), 8-15 and 17 the value rows', 18-21 the first and last (scale, zero) pair of each.
+// This thread's part of the stage at `src` (the step's first token at word `o` of its parameter runs)
 template <int D>
-__device__ __forceinline__ void tc_prefetch(const u32* __restrict__ kc, const u32* __restrict__ vc,
-                                            const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
-                                            int t0, int hi, int lane) {
-    if (t0 >= hi) return;
-    constexpr int W = D / 8;
-    const int last = min(t0 + 15, hi - 1);
-    const char* a = nullptr;
-    if (lane < 16 || lane == 16 || lane == 17) {
-        const bool key = lane < 8 || lane == 16;
-        const char* base = reinterpret_cast<const char*>((key ? kc : vc) + (row0 + t0) * W);
-        const int end = (last - t0 + 1) * W * 4 - 1;
-        a = base + (lane >= 16 ? end : min((lane & 7) * 128, end));
-    } else if (lane < 22) {
-        const u32* pp = lane < 20 ? kp : vp;
-        a = reinterpret_cast<const char*>(pp + row0 + ((lane & 1) ? last : t0));
+__device__ __forceinline__ void tc_read(TcStep<D>& s, u32 src, u32 o, int g, int t) {
+    using St = TcStage<D>;
+    constexpr int KW = D / 32, VW = D / 64;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lds_words<KW>(s.kw[h], src + St::K + (8 * h + g) * St::ROW + 4 * KW * t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 r = 2 * t + (j & 1) + 8 * (j >> 1);
+        lds_words<VW>(s.vw[j], src + St::V + r * St::ROW + 4 * VW * g);
+        s.kp[j] = lds32(src + St::KP + 4 * (o + r));
+        s.vp[j] = lds32(src + St::VP + 4 * (o + r));
     }
-    if (a != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
 // The running softmax state of one thread: its row g's max, sum and Σ p s z, and the output fragments.
@@ -617,6 +629,7 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
     for (int j = 0; j < 4; ++j) {
         const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
         const float ks = h2f((u16)(s.kp[j] & 0xFFFFu)), kz = h2f((u16)(s.kp[j] >> 16));
+        // a stage's slots past the range hold what an earlier step (or nothing) left there
         x[j] = r < hi ? qscale * (ks * (sc[j >> 1][j & 1] - kz * qsum)) : __uint_as_float(0xFF800000u);
         mx = fmaxf(mx, x[j]);
     }
@@ -631,10 +644,12 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
     float pw[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+        const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
         const float pr = fast_exp2(x[j] - mx);
+        const bool in = r < hi;
         a.lrun += pr;
-        pw[j] = pr * h2f((u16)(s.vp[j] & 0xFFFFu));
-        a.wz = fmaf(pw[j], h2f((u16)(s.vp[j] >> 16)), a.wz);
+        pw[j] = in ? pr * h2f((u16)(s.vp[j] & 0xFFFFu)) : 0.f;
+        a.wz = fmaf(pw[j], in ? h2f((u16)(s.vp[j] >> 16)) : 0.f, a.wz);
     }
     const u32 pa0 = pack_h2(pw[0], pw[1]), pa2 = pack_h2(pw[2], pw[3]);
 #pragma unroll
@@ -676,13 +691,23 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         hi = min(n, lo + chunk);
     }
     const size_t row0 = ((size_t)b * KVH + kvh) * L;
-    // the first step's loads go out before the query is staged: their latency overlaps the staging
-    TcStep<D> s0, s1;
+    // shared memory: the query rows [8][D] u16, their sums [8], each warp's TC_STAGES barriers, then each warp's
+    // ring of TC_STAGES stages (which the merge at the end reuses)
+    using St = TcStage<D>;
     constexpr int STRIDE = 16 * TC_WARPS;
-    int t0 = lo + 16 * warp;
+    const u32 base = smem_addr(sm);
+    const u32 bars = base + 16 * D + 64 + 8 * TC_STAGES * warp;
+    const u32 ring = base + TC_RING_OFFSET(D) + St::BYTES * TC_STAGES * warp;
+    const int first = lo + 16 * warp;  // this warp's steps: first, first + STRIDE, ... below hi
+    const int steps = first < hi ? (hi - first + STRIDE - 1) / STRIDE : 0;
+    if (lane == 0) {
 #pragma unroll
-    for (int k = 1; k < TC_PREFETCH; ++k) tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + k * STRIDE, hi, lane);
-    tc_load<D>(s0, kc, vc, kp, vp, row0, t0, hi, g, t);
+        for (int i = 0; i < TC_STAGES; ++i) mbar_init(bars + 8 * i, 1);
+        mbar_init_fence();
+        // the first stages' copies go out before the query is staged: their latency overlaps the staging
+        for (int k = 0; k < min(steps, TC_STAGES); ++k)
+            tc_issue<D>(ring + St::BYTES * k, bars + 8 * k, kc, vc, kp, vp, row0, first + k * STRIDE, hi);
+    }
     // the query rows (float16, as written) staged, and Σq per head (the warps take the rows in turn)
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
     float* qsum_s = sm + 4 * D;           // [8]
@@ -714,18 +739,18 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     acc.mrun = -1.0e30f, acc.lrun = 0.f, acc.wz = 0.f;
 #pragma unroll
     for (int m = 0; m < NT; ++m) acc.o[m][0] = acc.o[m][1] = 0.f;
-    // two steps a trip, each loading the step after it before computing its own (s0 and s1 take turns, so no
-    // register copies) and bringing the one TC_PREFETCH steps ahead into L2
-    while (t0 < hi) {
-        tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + TC_PREFETCH * STRIDE, hi, lane);
-        if (t0 + STRIDE < hi) tc_load<D>(s1, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
-        tc_compute<D>(acc, s0, qa, qsum, qscale, t0, hi, t);
-        t0 += STRIDE;
-        if (t0 >= hi) break;
-        tc_prefetch<D>(kc, vc, kp, vp, row0, t0 + TC_PREFETCH * STRIDE, hi, lane);
-        if (t0 + STRIDE < hi) tc_load<D>(s0, kc, vc, kp, vp, row0, t0 + STRIDE, hi, g, t);
-        tc_compute<D>(acc, s1, qa, qsum, qscale, t0, hi, t);
-        t0 += STRIDE;
+    // each step: wait for its stage, take this thread's part into registers, hand the stage to the copy of the step
+    // TC_STAGES later, compute
+    TcStep<D> st;
+    for (int k = 0; k < steps; ++k) {
+        const int stage = k % TC_STAGES, t0 = first + k * STRIDE;
+        const u32 src = ring + St::BYTES * stage, bar = bars + 8 * stage;
+        mbar_wait(bar, (u32)(k / TC_STAGES) & 1u);
+        tc_read<D>(st, src, (u32)((row0 + t0) & 3), g, t);
+        __syncwarp();
+        if (lane == 0 && k + TC_STAGES < steps)
+            tc_issue<D>(src, bar, kc, vc, kp, vp, row0, t0 + TC_STAGES * STRIDE, hi);
+        tc_compute<D>(acc, st, qa, qsum, qscale, t0, hi, t);
     }
     float mrun = acc.mrun, lrun = acc.lrun, wz = acc.wz;
     // the row's sums over its four threads
@@ -734,9 +759,9 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         lrun += __shfl_xor_sync(0xffffffffu, lrun, x);
         wz += __shfl_xor_sync(0xffffffffu, wz, x);
     }
-    __syncthreads();  // the query staging is free
-    float* ys = sm;                     // [TC_WARPS][8][D]
-    float* ml = sm + TC_WARPS * 8 * D;  // [TC_WARPS][8][2]
+    __syncthreads();  // every ring's copies are consumed: the rings are free
+    float* ys = sm + TC_RING_OFFSET(D) / 4;  // [TC_WARPS][8][D]
+    float* ml = ys + TC_WARPS * 8 * D;       // [TC_WARPS][8][2]
     if (g < G) {
 #pragma unroll
         for (int m = 0; m < NT; ++m) {

@@ -31,8 +31,8 @@ TC_MIN_GROUP = 1
 TC_WARPS = 4
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
-# steps of 16 tokens ahead of its computing that a warp of the tensor-core form brings into L2
-TC_PREFETCH = 4
+# stages of 16 tokens in each warp's ring of bulk copies (the tensor-core form): the steps a warp has in flight
+TC_STAGES = 4
 # The split along the cache is the fewest parts whose blocks fill the resident slots to this fraction of whole
 # waves: a last wave of few blocks leaves most multiprocessors idle while it runs.
 TC_WAVE_FILL = 0.9
@@ -201,7 +201,17 @@ def attention_kernel(mode: str, group: int, head_dim: int) -> str:
 
 
 def _module(dev: int):
-    return cc.load_module(SOURCE, (f"-DTC_PREFETCH={TC_PREFETCH}",), device=dev)
+    return cc.load_module(SOURCE, (f"-DTC_STAGES={TC_STAGES}",), device=dev)
+
+
+def tc_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the tensor-core form (kernels/kv_cache/quantized.cu): the query rows, their sums
+    and the barriers, then each warp's ring (its stages: 16 key and 16 value rows, 20 words of parameters each),
+    which the final merge of the warps reuses."""
+    ring_offset = -(-(16 * head_dim + 64 + 8 * TC_STAGES * TC_WARPS) // 128) * 128
+    stage = 32 * (head_dim // 2) + 160
+    merge = 4 * TC_WARPS * 8 * (head_dim + 2)
+    return ring_offset + max(TC_WARPS * TC_STAGES * stage, merge)
 
 
 @functools.cache
@@ -274,8 +284,19 @@ def attention(
             )
         module = _module(dev)
         fn = module.fn(f"kv_attention_tc_int4_d{d}")
-        smem = 4 * TC_WARPS * 8 * (d + 2)
+        smem = tc_shared_bytes(d)
         cc.allow_shared_memory(fn, smem)
+        # the stages are filled by 16-byte bulk copies of whole rows and parameter runs
+        for name, t in (
+            ("k", cache.k),
+            ("v", cache.v),
+            ("k_params", cache.k_params),
+            ("v_params", cache.v_params),
+        ):
+            if t.data_ptr() % 16 or not t.is_contiguous():
+                raise ValueError(
+                    f"cache.{name}: found a tensor not contiguous from a 16-byte boundary; expected one"
+                )
         if splits is None:
             slots = _sm_count(dev) * cc.resident_blocks(fn, 32 * TC_WARPS, smem, dev)
             splits = attention_splits(b * kvh, length, slots)
@@ -323,9 +344,7 @@ def attention(
         wpl = best
     elif wpl not in (1, best):
         raise ValueError(f"wpl: found {wpl}, expected 1 or {best} for {g} query heads per KV head of {d}")
-    fn = _module(dev).fn(
-        f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else "")
-    )
+    fn = _module(dev).fn(f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else ""))
     cc.allow_shared_memory(fn, smem)
     dependent_launch.launch(
         fn,
