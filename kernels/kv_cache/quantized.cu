@@ -488,18 +488,19 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 //   for word i and byte j, rows g and g + 8 of the m-tile are channels 8 (g·D/64 + i) + 2j and + 1, and the
 //   accumulator's columns are heads 2t, 2t + 1, the same heads as the thread's scores (its rescaling needs no
 //   exchange).
-// One block of TC_WARPS warps per (sequence, KV head); each warp streams its 16-token steps (every TC_WARPS-th)
+// One block of NW warps (4, or 8 where the pairs alone do not fill the GPU) per (sequence, KV head); each warp
+// streams its 16-token steps (every NW-th)
 // through a ring of TC_STAGES shared-memory stages filled by bulk copies, which one lane issues TC_STAGES steps
 // ahead, and the warps merge through shared memory at the end. Where those blocks are too few to fill the GPU
 // (batch 1: Llama-3-8B has 8 KV heads), a grid of S blocks per pair splits the cache along L; each writes its
 // unnormalized output with its max and sum, and kv_attention_tc_combine merges the S parts the same way.
-constexpr int TC_WARPS = 4;
 // stages of each warp's ring of bulk copies (qtool/kv_cache/cuda.py TC_STAGES)
 #ifndef TC_STAGES
 #define TC_STAGES 4
 #endif
-// where the rings start in shared memory: after the query rows, their sums and the barriers (128-byte aligned)
-#define TC_RING_OFFSET(D) ((16 * (D) + 64 + 8 * TC_STAGES * TC_WARPS + 127) / 128 * 128)
+// where the rings start in shared memory: after the query rows, their sums and the barriers of NW warps (128-byte
+// aligned)
+#define TC_RING_OFFSET(D, NW) ((16 * (D) + 64 + 8 * TC_STAGES * (NW) + 127) / 128 * 128)
 
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -517,9 +518,9 @@ __device__ __forceinline__ u32 movmatrix_t(u32 x) {
 }
 
 // The nibbles at bits 0-3 and 16-19 of w as float16 1024 + c (exact), and those at bits 4-7 and 20-23 as
-// 1024 + 16 c (exact: the spacing of float16 in [1024, 2048) is 1): one LOP3 a pair. The 1024 is subtracted once per
-// token (keys: with the zero point, through the query's sum) or per head (values: through Σ p s), and the factor 16
-// of the odd channels is divided out of the query (keys) or the output (values), both exactly (powers of two).
+// 1024 + 16 c (exact: the spacing of float16 in [1024, 2048) is 1): one LOP3 a pair, no shift. For keys the 1024 is
+// subtracted once per token (with the zero point, through the query's sum), for values by a HSUB2; the factor 16 of
+// the odd channels is divided out of the query (keys) or the output (values), both exactly (powers of two).
 __device__ __forceinline__ u32 nib_lo(u32 w) {
     u32 r;
     asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(r) : "r"(w));
@@ -625,12 +626,12 @@ __device__ __forceinline__ void tc_read(TcStep<D>& s, u32 src, u32 o, int g, int
     }
 }
 
-// The running softmax state of one thread for heads 2t and 2t + 1: max, its tokens' share of the sum, of Σ p s z
-// and of Σ p s (summed over the groups at the end), and the output fragments (m-tile 4i + j: channels
-// 8 (g·D/64 + i) + 2j and, times 16, + 1).
+// The running softmax state of one thread for heads 2t and 2t + 1: max, its tokens' share of the sum and of Σ p s z
+// (summed over the groups at the end), and the output fragments (m-tile 4i + j: channels 8 (g·D/64 + i) + 2j and,
+// times 16, + 1).
 template <int D>
 struct TcAcc {
-    float mrun[2], lrun[2], wz[2], ps[2];  // ps: Σ p s, the weight of the 1024 in each value code
+    float mrun[2], lrun[2], wz[2];
     float o[D / 16][4];
 };
 
@@ -668,7 +669,6 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
         a.mrun[e] = mx[e];
         a.lrun[e] *= alpha[e];
         a.wz[e] *= alpha[e];
-        a.ps[e] *= alpha[e];
     }
     // the output is rescaled only when some head's max grew in this step (after the first steps, seldom)
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
@@ -692,12 +692,7 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
         }
     }
     // B of the output: heads x tokens (2t, 2t + 1 | 2t + 8, 2t + 9), the transposes of the scores' two 8x8 halves
-    const u32 p01 = pack_h2(pw[0], pw[1]), p23 = pack_h2(pw[2], pw[3]);
-    const u32 pb0 = movmatrix_t(p01), pb1 = movmatrix_t(p23);
-    // Σ p s as the MMA sees it (the rounded float16 weights), for the 1024 in every value code
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-        a.ps[e] += h2f((u16)((e ? p01 >> 16 : p01) & 0xFFFFu)) + h2f((u16)((e ? p23 >> 16 : p23) & 0xFFFFu));
+    const u32 pb0 = movmatrix_t(pack_h2(pw[0], pw[1])), pb1 = movmatrix_t(pack_h2(pw[2], pw[3]));
 #pragma unroll
     for (int i = 0; i < VW; ++i) {
 #pragma unroll
@@ -706,12 +701,15 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
             u32 y01, y23;
             asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(s.vw[0][i]), "r"(s.vw[1][i]), "r"(sel));
             asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(s.vw[2][i]), "r"(s.vw[3][i]), "r"(sel));
-            mma16816(a.o[4 * i + j], nib_lo(y01), nib_hi(y01), nib_lo(y23), nib_hi(y23), pb0, pb1);
+            // values exact (c and 16c): with the 1024 left in, the accumulator's rounding at 1024 Σ p s came
+            // through the subtraction above float16 rounding of the output
+            mma16816(a.o[4 * i + j], f16x2_sub(nib_lo(y01), 0x64006400u), f16x2_sub(nib_hi(y01), 0x64006400u),
+                     f16x2_sub(nib_lo(y23), 0x64006400u), f16x2_sub(nib_hi(y23), 0x64006400u), pb0, pb1);
         }
     }
 }
 
-template <int D>
+template <int D, int NW>
 __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
                                                 const u32* __restrict__ vc, const u32* __restrict__ kp,
                                                 const u32* __restrict__ vp, const long long* __restrict__ pos,
@@ -738,10 +736,10 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     // shared memory: the query rows [8][D] u16, their sums [8], each warp's TC_STAGES barriers, then each warp's
     // ring of TC_STAGES stages (which the merge at the end reuses)
     using St = TcStage<D>;
-    constexpr int STRIDE = 16 * TC_WARPS;
+    constexpr int STRIDE = 16 * NW;
     const u32 base = smem_addr(sm);
     const u32 bars = base + 16 * D + 64 + 8 * TC_STAGES * warp;
-    const u32 ring = base + TC_RING_OFFSET(D) + St::BYTES * TC_STAGES * warp;
+    const u32 ring = base + TC_RING_OFFSET(D, NW) + St::BYTES * TC_STAGES * warp;
     const int first = lo + 16 * warp;  // this warp's steps: first, first + STRIDE, ... below hi
     const int steps = first < hi ? (hi - first + STRIDE - 1) / STRIDE : 0;
     if (lane == 0) {
@@ -764,7 +762,7 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         qs[i] = (i & 1) ? f2h(h2f(v) * 0.0625f) : v;
     }
     __syncthreads();
-    for (int r = warp; r < 8; r += TC_WARPS) {
+    for (int r = warp; r < 8; r += NW) {
         float sum = 0.f, staged = 0.f;
         for (int d = lane; d < D; d += 32) {
             const float v = h2f(qs[r * D + d]);
@@ -792,7 +790,7 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     const float qsum[2] = {qsum_s[2 * t], qsum_s[2 * t + 1]}, qbias[2] = {qbias_s[2 * t], qbias_s[2 * t + 1]};
     TcAcc<D> acc;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) acc.mrun[e] = -1.0e30f, acc.lrun[e] = acc.wz[e] = acc.ps[e] = 0.f;
+    for (int e = 0; e < 2; ++e) acc.mrun[e] = -1.0e30f, acc.lrun[e] = acc.wz[e] = 0.f;
 #pragma unroll
     for (int m = 0; m < D / 16; ++m) acc.o[m][0] = acc.o[m][1] = acc.o[m][2] = acc.o[m][3] = 0.f;
     // each step: wait for its stage, take this thread's part into registers, hand the stage to the copy of the step
@@ -815,12 +813,11 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         for (int sh = 4; sh < 32; sh <<= 1) {
             acc.lrun[e] += __shfl_xor_sync(0xffffffffu, acc.lrun[e], sh);
             acc.wz[e] += __shfl_xor_sync(0xffffffffu, acc.wz[e], sh);
-            acc.ps[e] += __shfl_xor_sync(0xffffffffu, acc.ps[e], sh);
         }
     }
     __syncthreads();  // every ring's copies are consumed: the rings are free
-    float* ys = sm + TC_RING_OFFSET(D) / 4;  // [TC_WARPS][8][D]
-    float* ml = ys + TC_WARPS * 8 * D;       // [TC_WARPS][8][2]
+    float* ys = sm + TC_RING_OFFSET(D, NW) / 4;  // [NW][8][D]
+    float* ml = ys + NW * 8 * D;       // [NW][8][2]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int head = 2 * t + e;
@@ -830,9 +827,8 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int ch = 8 * (VW * g + i) + 2 * j;
-                    const float bias = 1024.f * acc.ps[e];
-                    ys[(warp * 8 + head) * D + ch] = (acc.o[4 * i + j][e] - bias) - acc.wz[e];
-                    ys[(warp * 8 + head) * D + ch + 1] = (acc.o[4 * i + j][2 + e] - bias) * 0.0625f - acc.wz[e];
+                    ys[(warp * 8 + head) * D + ch] = acc.o[4 * i + j][e] - acc.wz[e];
+                    ys[(warp * 8 + head) * D + ch + 1] = acc.o[4 * i + j][2 + e] * 0.0625f - acc.wz[e];
                 }
             }
             if (g == 0) {
@@ -845,9 +841,9 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     for (int i = tid; i < G * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float mxx = -1.0e30f;
-        for (int w = 0; w < TC_WARPS; ++w) mxx = fmaxf(mxx, ml[(w * 8 + r) * 2]);
+        for (int w = 0; w < NW; ++w) mxx = fmaxf(mxx, ml[(w * 8 + r) * 2]);
         float y = 0.f, ls = 0.f;
-        for (int w = 0; w < TC_WARPS; ++w) {
+        for (int w = 0; w < NW; ++w) {
             const float c = fast_exp2(ml[(w * 8 + r) * 2] - mxx);
             y += c * ys[(w * 8 + r) * D + d];
             ls += c * ml[(w * 8 + r) * 2 + 1];
@@ -885,16 +881,21 @@ __device__ __forceinline__ void kv_attention_tc_combine(const float* __restrict_
     }
 }
 
-#define KV_ATTENTION_TC(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) kv_attention_tc_int4_d##D(                          \
+#define KV_ATTENTION_TC(D, NW)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * NW) kv_attention_tc_int4_d##D##_w##NW(                      \
         const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
         const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
         u16* __restrict__ out, int H, int KVH, int L, int G, float qscale, int S, float* __restrict__ part) {    \
-        kv_attention_tc<D>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                            \
-    }                                                                                                              \
+        kv_attention_tc<D, NW>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                        \
+    }
+#define KV_ATTENTION_TC_COMBINE(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) kv_attention_tc_combine_d##D(                                \
         const float* __restrict__ part, u16* __restrict__ out, int H, int KVH, int G, int S) {                     \
         kv_attention_tc_combine<D>(part, out, H, KVH, G, S);                                                       \
     }
-KV_ATTENTION_TC(64)
-KV_ATTENTION_TC(128)
+KV_ATTENTION_TC(64, 4)
+KV_ATTENTION_TC(64, 8)
+KV_ATTENTION_TC(128, 4)
+KV_ATTENTION_TC(128, 8)
+KV_ATTENTION_TC_COMBINE(64)
+KV_ATTENTION_TC_COMBINE(128)

@@ -28,14 +28,15 @@ MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
 ATTENTION_KERNELS = ("fma", "tc")
 TC_HEAD_DIMS = (64, 128)
 TC_MIN_GROUP = 1
-TC_WARPS = 4
+TC_WARPS = (4, 8)  # warps a block holds: 8 where the (sequence, KV head) pairs alone do not fill the GPU
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
+# The cache is split only where the pairs do not fill the multiprocessors, into at most this many parts: the
+# measured best on an H200 (Llama-2-7B heads at batch 1: 4 parts; Llama-3-8B's 8 pairs: 4 parts, 16 slower; 128
+# pairs: 1 part; kernels/kv_cache/NOTES.md)
+TC_SPLIT_CAP = 4
 # stages of 16 tokens in each warp's ring of bulk copies (the tensor-core form): the steps a warp has in flight
-TC_STAGES = 4
-# The split along the cache is the fewest parts whose blocks fill the resident slots to this fraction of whole
-# waves: a last wave of few blocks leaves most multiprocessors idle while it runs.
-TC_WAVE_FILL = 0.9
+TC_STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -204,14 +205,19 @@ def _module(dev: int):
     return cc.load_module(SOURCE, (f"-DTC_STAGES={TC_STAGES}",), device=dev)
 
 
-def tc_shared_bytes(head_dim: int) -> int:
+def tc_shared_bytes(head_dim: int, warps: int) -> int:
     """Dynamic shared memory of the tensor-core form (kernels/kv_cache/quantized.cu): the query rows, their sums
     and the barriers, then each warp's ring (its stages: 16 key and 16 value rows, 20 words of parameters each),
     which the final merge of the warps reuses."""
-    ring_offset = -(-(16 * head_dim + 64 + 8 * TC_STAGES * TC_WARPS) // 128) * 128
+    ring_offset = -(-(16 * head_dim + 64 + 8 * TC_STAGES * warps) // 128) * 128
     stage = 32 * (head_dim // 2) + 160
-    merge = 4 * TC_WARPS * 8 * (head_dim + 2)
-    return ring_offset + max(TC_WARPS * TC_STAGES * stage, merge)
+    merge = 4 * warps * 8 * (head_dim + 2)
+    return ring_offset + max(warps * TC_STAGES * stage, merge)
+
+
+def tc_warps(pairs: int, sms: int) -> int:
+    """Warps of a tensor-core block: more where the pairs leave multiprocessors idle."""
+    return TC_WARPS[1] if pairs < sms else TC_WARPS[0]
 
 
 @functools.cache
@@ -219,21 +225,13 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attention_splits(pairs: int, length: int, slots: int) -> int:
-    """Parts along the cache for the tensor-core form, given the (sequence, KV head) pairs and the blocks the GPU
-    holds at once (`slots`: multiprocessors x resident blocks): the fewest parts whose blocks fill whole waves of
-    the slots to TC_WAVE_FILL (else the best fill), each part at least TC_MIN_SPLIT_TOKENS of the cache's capacity,
-    at most TC_MAX_SPLITS."""
-    most = max(1, min(length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
-    best, best_fill = 1, 0.0
-    for s in range(1, most + 1):
-        waves = pairs * s / slots
-        fill = waves / math.ceil(waves)
-        if fill >= TC_WAVE_FILL:
-            return s
-        if fill > best_fill + 1e-9:
-            best, best_fill = s, fill
-    return best
+def attention_splits(pairs: int, length: int, sms: int) -> int:
+    """Parts along the cache for the tensor-core form: one where the (sequence, KV head) pairs fill the
+    multiprocessors, else enough for one block per multiprocessor up to TC_SPLIT_CAP, each part at least
+    TC_MIN_SPLIT_TOKENS of the cache's capacity."""
+    if pairs >= sms:
+        return 1
+    return max(1, min(sms // pairs, TC_SPLIT_CAP, length // TC_MIN_SPLIT_TOKENS))
 
 
 def attention(
@@ -244,11 +242,13 @@ def attention(
     wpl: int | None = None,
     kernel: str | None = None,
     splits: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
     kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc); `splits`
-    the tensor-core form's parts along the cache (default: `attention_splits`)."""
+    the tensor-core form's parts along the cache (default: `attention_splits`), `warps` its warps a block
+    (default: `tc_warps`)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if (
@@ -283,23 +283,22 @@ def attention(
                 f"expected int4 and a head dim in {TC_HEAD_DIMS}"
             )
         module = _module(dev)
-        fn = module.fn(f"kv_attention_tc_int4_d{d}")
-        smem = tc_shared_bytes(d)
+        sms = _sm_count(dev)
+        warps = tc_warps(b * kvh, sms) if warps is None else warps
+        if warps not in TC_WARPS:
+            raise ValueError(f"warps: found {warps}, expected one of {TC_WARPS}")
+        fn = module.fn(f"kv_attention_tc_int4_d{d}_w{warps}")
+        smem = tc_shared_bytes(d, warps)
         cc.allow_shared_memory(fn, smem)
         # the stages are filled by 16-byte bulk copies of whole rows and parameter runs
-        for name, t in (
-            ("k", cache.k),
-            ("v", cache.v),
-            ("k_params", cache.k_params),
-            ("v_params", cache.v_params),
-        ):
+        for name in ("k", "v", "k_params", "v_params"):
+            t = getattr(cache, name)
             if t.data_ptr() % 16 or not t.is_contiguous():
                 raise ValueError(
                     f"cache.{name}: found a tensor not contiguous from a 16-byte boundary; expected one"
                 )
         if splits is None:
-            slots = _sm_count(dev) * cc.resident_blocks(fn, 32 * TC_WARPS, smem, dev)
-            splits = attention_splits(b * kvh, length, slots)
+            splits = attention_splits(b * kvh, length, sms)
         if not 1 <= splits <= TC_MAX_SPLITS:
             raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
         part = torch.empty(
@@ -308,7 +307,7 @@ def attention(
         dependent_launch.launch(
             fn,
             (b * kvh, splits),
-            (32 * TC_WARPS,),
+            (32 * warps,),
             (
                 cc.ptr(q),
                 cc.ptr(cache.k),
@@ -337,8 +336,9 @@ def attention(
                 device=dev,
             )
         return out
-    warps = THREADS // 32
-    smem = 4 * max(g * d + g, warps * g * (d + 2))
+    if warps is not None or splits is not None:
+        raise ValueError("kernel fma: found warps or splits, which only the tensor-core form (tc) takes")
+    smem = 4 * max(g * d + g, (THREADS // 32) * g * (d + 2))
     best = words_per_lane(cache.mode, g, d)
     if wpl is None:
         wpl = best

@@ -5,6 +5,8 @@ rounding, for every mode, grouped-query ratio and odd lengths, with every output
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -166,13 +168,15 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
     for p in sorted({0, 15, 16, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
         ref = kvc.reference_attention(q, cache, p)
-        # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges
-        for splits in (None, 1, 5, kvc.TC_MAX_SPLITS):
+        # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges; each
+        # block size
+        for splits, warps in itertools.product((None, 1, 5, kvc.TC_MAX_SPLITS), (None, *kvc.TC_WARPS)):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits))
-            assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {splits} splits)"
+            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits, warps=warps))
+            what = f"pos {p}, {splits} splits, {warps} warps"
+            assert bool(torch.isfinite(got).all()), f"unwritten outputs ({what})"
             worst = attention_excess(got, ref)
-            assert worst <= 0, f"tc: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+            assert worst <= 0, f"tc: beyond float16 rounding ({what}): excess {worst:.3e}"
 
 
 def test_tensor_core_attention_ignores_what_lies_past_the_position():
@@ -190,9 +194,10 @@ def test_tensor_core_attention_ignores_what_lies_past_the_position():
         cache.k_params[:, :, p + 1 :] = float("nan")
         cache.v_params[:, :, p + 1 :] = float("nan")
         ref = kvc.reference_attention(q, cache, p)
-        for splits in (1, 3, 7):
+        for splits, warps in itertools.product((1, 3, 7), kvc.TC_WARPS):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-            got = synced(kvc.attention(q, cache, torch.tensor([p], device="cuda"), out=out, splits=splits))
+            pos = torch.tensor([p], device="cuda")
+            got = synced(kvc.attention(q, cache, pos, out=out, splits=splits, warps=warps))
             assert bool(torch.isfinite(got).all()), f"non-finite outputs (pos {p}, {splits} splits)"
             worst = attention_excess(got, ref)
             assert worst <= 0, f"beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
