@@ -16,14 +16,19 @@ import torch
 from qtool.bench import e2e
 from qtool.cuda.graphs import GraphedStep
 
+# torch SDPA's kernels first: their names (flash, memory-efficient, cuDNN) can carry architecture tags such as
+# "sm90" that would otherwise count them as cuBLAS
 KINDS = [
+    ("flash", "attention"),
+    ("fmha", "attention"),
+    ("sdpa", "attention"),
+    ("attention", "attention"),
     ("mixed_gemv", "mixed GEMV"),
     ("mixed_spmv", "mixed SpMV"),
     ("gemv", "other GEMV"),
     ("gemm", "GEMM"),
     ("cublas", "cuBLAS"),
     ("sm90", "cuBLAS"),
-    ("decode_attention", "attention"),
     ("rms_norm", "norm"),
     ("rope", "rotary"),
     ("swiglu", "SwiGLU"),

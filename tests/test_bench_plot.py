@@ -201,7 +201,7 @@ def _attention_report() -> dict:
             {
                 "batch": b,
                 "context": 1024,
-                "rows": {"fp16-sdpa": row(20.0), "fp16": row(10.0), "int4": row(5.0)},
+                "rows": {"fp16-sdpa": row(20.0), "fp8": row(10.0), "int4": row(5.0)},
             }
             for b in (1, 16)
         ],

@@ -1,9 +1,8 @@
 """`qtool bench attention`: one decode step's attention over a KV cache, FP16 against the quantized caches.
 
 Rows, each timed over the same query and a cache of `context` tokens per sequence (the step attends to all of
-them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report), our
-FP16 decode kernel (qtool/cuda/decode_attention.py) and the quantized-cache kernel (qtool/kv_cache/cuda.py) with
-FP8, INT8 and INT4 caches, and the vector-quantized caches of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4
+them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report) and
+the quantized-cache kernel (qtool/kv_cache/cuda.py) with FP8, INT8 and INT4 caches, and the vector-quantized caches of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4
 through the dispatched form, CQ-2 through each form (`cq2-lut`, `cq2-direct`). Decode attention reads each cached byte once, so the report gives bytes moved and the
 bandwidth reached next to the time; cache sets rotate so that no call finds its cache in L2.
 """
@@ -21,7 +20,7 @@ from qtool.bench.e2e import dims_for
 from qtool.bench.timing import Timer
 
 ATTENTION_SCHEMA = "qtool.bench.attention/1"
-ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4", "int4-fma", "cq2", "cq4", "cq2-lut", "cq2-direct")
+ROWS = ("fp16-sdpa", "fp8", "int8", "int4", "int4-fma", "cq2", "cq4", "cq2-lut", "cq2-direct")
 CQ_ROWS = {"cq2": (4, None), "cq4": (2, None), "cq2-lut": (4, "lut"), "cq2-direct": (4, "direct")}  # d, form
 L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds the cache it reads there
 
@@ -51,22 +50,16 @@ def _cases(
     fns: list[Callable[[], Any]] = []
     nbytes = 0
     for _ in range(sets):
-        if row in ("fp16-sdpa", "fp16"):
+        if row == "fp16-sdpa":
             k = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
             v = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
             nbytes = 2 * k.numel() * 2
-            if row == "fp16-sdpa":
-                gqa = h != kvh
-                fns.append(
-                    lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, enable_gqa=gqa
-                    )
+            gqa = h != kvh
+            fns.append(
+                lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=gqa
                 )
-            else:
-                from qtool.cuda.decode_attention import decode_attention
-
-                out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
-                fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
+            )
         elif row in CQ_ROWS:
             from qtool.kv_cache import vq_cuda as vqa
 
@@ -120,7 +113,7 @@ def _cases(
 
 
 def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
-    if row in ("fp16-sdpa", "fp16"):
+    if row == "fp16-sdpa":
         return 2 * b * kvh * length * d * 2
     if row in CQ_ROWS:
         from qtool.kv_cache.vq_cuda import bytes_per_token as vq_bytes
@@ -164,9 +157,6 @@ def run_attention_bench(
             base = entry["rows"].get("fp16-sdpa", {}).get("median_us")
             for r in entry["rows"].values():
                 r["speedup_vs_sdpa"] = stats.speedup(base, r["median_us"])
-            kern = entry["rows"].get("fp16", {}).get("median_us")
-            for r in entry["rows"].values():
-                r["speedup_vs_fp16_kernel"] = stats.speedup(kern, r["median_us"])
             log(
                 f"b{b} L{length}: "
                 + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items())

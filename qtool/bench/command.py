@@ -574,9 +574,9 @@ def quik_cmd(
 @click.option(
     "--rows",
     "rows",
-    default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4",
+    default="fp16-sdpa,fp8,int8,int4,int4-fma,cq2,cq4",
     show_default=True,
-    help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
+    help="Caches to time: fp16-sdpa (torch SDPA), fp8, int8, int4 (the dispatched form), "
     "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
     "form), cq2-lut, cq2-direct (CQ-2 through each form).",
 )
@@ -586,7 +586,7 @@ def quik_cmd(
 def attention_cmd(
     model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int, out: ReportOutput
 ) -> None:
-    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
+    """Decode attention over an FP16 cache (torch SDPA) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
     (vector-quantized) caches."""
 
     def go() -> None:

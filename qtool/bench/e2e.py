@@ -7,8 +7,8 @@ positions and cache writes are device tensors, nothing synchronizes with the hos
 `nn.Linear` (FP16) or `GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
 the step's small operations as fused kernels: the rotary embedding with the KV-cache write
 (qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
-(qtool/cuda/rms_norm.py), the SwiGLU activation (qtool/cuda/swiglu.py) and a decode step's attention over the
-cache (qtool/cuda/decode_attention.py).
+(qtool/cuda/rms_norm.py) and the SwiGLU activation (qtool/cuda/swiglu.py). Attention over an FP16 cache is torch's
+`scaled_dot_product_attention` in every format.
 
 Families beyond Llama's block (`Dims`):
 
@@ -40,9 +40,9 @@ Families beyond Llama's block (`Dims`):
   (SwiGLU through the fused path, no branch norms, and without Gemma's embedding scaling and final logit
   soft-capping, a few elementwise kernels): the difference between the two runs is what the unfused Gemma pieces
   cost. Gemma's norms scale by (1 + w); a norm's weight here stands for 1 + w, the same RMSNorm at no cost.
-  Attention logit soft-capping (tanh on the scores) is left out: `scaled_dot_product_attention` and the decode
-  attention kernels have no soft-cap, and an eager attention for every format would time a different attention
-  than the one the quantized formats are measured in; the report says so. Sliding-window layers are not modelled
+  Attention logit soft-capping (tanh on the scores) is left out: `scaled_dot_product_attention` and the quantized
+  caches' attention kernels have no soft-cap, and an eager attention for every format would time a different
+  attention than the one the quantized formats are measured in; the report says so. Sliding-window layers are not modelled
   either: while a sequence is no longer than the window (Gemma 2: 4096) they attend to exactly what a full layer
   does, and the report says when a run's sequences are longer.
 """
@@ -152,11 +152,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 # Fused kernels on CUDA (set False for the torch forms, e.g. to measure what each saves): rotary embedding + cache
-# write, residual add + RMSNorm, SwiGLU, one-token attention over the cache.
+# write, residual add + RMSNorm, SwiGLU.
 FUSED_ROPE = True
 FUSED_NORM = True
 FUSED_SWIGLU = True
-FUSED_ATTENTION = True
 # A gate/up projection with `forward_swiglu` (mixed-2-4-16: rows interleaved in fours, gate 2j, 2j + 1 then up 2j,
 # 2j + 1; random weights, so only the order is declared) returns the SwiGLU activations itself: at one token the
 # GEMV computes them in its epilogue, so the step has no SwiGLU kernel and writes no gate/up output.
@@ -193,8 +192,6 @@ class Block(nn.Module):
         self.fused_rope = _fusable(FUSED_ROPE, device, hd, 2)
         self.fused_norm = _fusable(FUSED_NORM, device, d.hidden, 8)
         self.fused_swiglu = _fusable(FUSED_SWIGLU, device, d.intermediate, 8)
-        # reads the rotary kernel's query layout
-        self.fused_attention = self.fused_rope and _fusable(FUSED_ATTENTION, device, hd, 2) and hd <= 256
         # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
@@ -298,12 +295,6 @@ class Block(nn.Module):
             vc.index_copy_(2, pos, v)
         if mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
-        elif self.fused_attention and t == 1:
-            from qtool.cuda.decode_attention import decode_attention
-
-            a = decode_attention(q, kc, vc, pos).transpose(
-                1, 2
-            )  # a view of [B, 1, H, D], as attention returns
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
         return self._mlp(h, a, b, t)
@@ -822,7 +813,7 @@ def shape_notes(r: dict[str, Any]) -> list[str]:
     if d.get("attn_softcap"):
         notes.append(
             f"-- attention logit soft-capping ({d['attn_softcap']:g}) left out: the attention kernels "
-            "(SDPA, decode, quantized caches) have none"
+            "(SDPA, the quantized caches' kernels) have none"
         )
     if d.get("sliding_window"):
         w, n = d["sliding_window"], _longest_sequence(r)

@@ -110,11 +110,11 @@ def test_bench_decoder_fused_kernels_match_torch_forms(monkeypatch):
     dev = torch.device("cuda")
     runs = {}
     for fused in (True, False):
-        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU", "FUSED_ATTENTION"):
+        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU"):
             monkeypatch.setattr(e2e, flag, fused)
         runs[fused] = _decode_run(e2e, d, dev)
         blk = runs[fused][0].blocks[0]
-        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu, blk.fused_attention) == (fused,) * 4
+        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu) == (fused,) * 3
     for a, b in zip(runs[True][3], runs[False][3], strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
 
@@ -125,9 +125,6 @@ def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     d = e2e.dims_for("tiny")
     dev = torch.device("cuda")
     tokens = {}
-    monkeypatch.setattr(
-        e2e, "FUSED_ATTENTION", False
-    )  # it needs the fused rotary kernel's layout: off in both
     for fused in (True, False):
         monkeypatch.setattr(e2e, "FUSED_ROPE", fused)
         model, *tokens[fused] = _decode_run(e2e, d, dev)
