@@ -58,7 +58,7 @@ def profile(label: str, make, d: e2e.Dims, context: int, iters: int, dev: torch.
     with torch.inference_mode():
 
         def fn(ids, pos):
-            return model(ids, pos, caches, tables, decode=True)
+            return model(ids, pos, caches, tables, decode=True, span=context // 2 + 1)
 
         step = GraphedStep(fn, [ids, pos])
         us = e2e._time_graph(step, iters)

@@ -330,7 +330,8 @@ def kernels_cmd(
     default=128,
     show_default=True,
     type=click.IntRange(2, None),
-    help="Static KV-cache length for decode (attention reads all of it).",
+    help="Static KV-cache length for decode; the timed step sits at its middle position and attends to the "
+    "positions up to it.",
 )
 @click.option(
     "--throughput",

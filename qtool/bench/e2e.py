@@ -8,7 +8,9 @@ positions and cache writes are device tensors, nothing synchronizes with the hos
 the step's small operations as fused kernels: the rotary embedding with the KV-cache write
 (qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
 (qtool/cuda/rms_norm.py) and the SwiGLU activation (qtool/cuda/swiglu.py). Attention over an FP16 cache is torch's
-`scaled_dot_product_attention` in every format.
+`scaled_dot_product_attention` in every format: a timed decode step is captured at one position, so it attends to
+the cache's first position + 1 positions (`span`) without a mask, as a torch user's decode would; the quantized
+caches (`--throughput`) run their own write and attention kernels.
 
 Families beyond Llama's block (`Dims`):
 
@@ -265,17 +267,21 @@ class Block(nn.Module):
         cache,
         pos: torch.Tensor,
         mask: torch.Tensor | None,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
-        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask None for prefill from position 0. Returns (h, this block's
-        output)."""
+        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask and span None for prefill
+        from position 0. `span` (a one-token decode step over a float16 cache): the step's position + 1, so that
+        attention reads the cache's first `span` positions and no mask; the mask is then not read and may be
+        None. Returns (h, this block's output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         h, qkv = self._norm_linear(h, y, self.n1, self.qkv)
         qkv = self.qk_norm(qkv.view(b, t, d.heads + 2 * d.kv_heads, hd))
         if not isinstance(cache, tuple):
-            a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=mask is not None)
+            decode = mask is not None or span is not None
+            a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=decode)
             return self._mlp(h, a, b, t)
         kc, vc = cache
         if self.fused_rope:
@@ -293,7 +299,13 @@ class Block(nn.Module):
             # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-        if mask is None:  # prefill from position 0: causal over the prompt only
+        if span is not None and t == 1:
+            # The one query is the last of the positions it attends to, so no mask is needed, and SDPA may take its
+            # flash kernel, which a mask rules out; the masked form also reads the whole static cache.
+            a = F.scaled_dot_product_attention(
+                q, kc[:, :, :span], vc[:, :, :span], enable_gqa=d.kv_heads != d.heads
+            )
+        elif mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
@@ -439,19 +451,32 @@ class Decoder(nn.Module):
         caches: list,
         tables: tuple[torch.Tensor, torch.Tensor],
         decode: bool,
+        *,
+        span: int | None = None,
     ) -> torch.Tensor:
         """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
-        (keys, values) float16 or a quantized KVCache. Returns the logits of each sequence's last token [B, V]."""
+        (keys, values) float16 or a quantized KVCache. `span` (decode only): the number of cache positions a
+        one-token step attends to, its position + 1, known on the host because a captured step runs at one
+        position; with it, attention over a float16 cache reads those positions through SDPA without a mask
+        (quantized caches take their kernels either way). Without it, or for several tokens, attention runs over
+        the whole static cache under a mask. Returns the logits of each sequence's last token [B, V]."""
         mask = None
+        if span is not None and not decode:
+            raise ValueError(
+                "span: found a value for a prefill; it is the positions a decode step attends to"
+            )
         if decode:
             c0 = caches[0]
             max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
-            mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
+            if span is not None and not 1 <= span <= max_len:
+                raise ValueError(f"span: found {span}, expected 1 to {max_len} (the cache's length)")
+            if span is None or ids.shape[1] != 1 or not isinstance(c0, tuple):
+                mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h, y = self.embed(ids), None
         if self.d.embed_scale:
             h = h * self.d.hidden**0.5
         for blk, cache in zip(self.blocks, caches, strict=True):
-            h, y = blk(h, y, tables, cache, pos, mask)
+            h, y = blk(h, y, tables, cache, pos, mask, span)
         out = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
         if self.d.final_softcap:
             out = torch.tanh(out / self.d.final_softcap) * self.d.final_softcap
@@ -464,9 +489,11 @@ class Decoder(nn.Module):
         caches: list,
         tables: tuple[torch.Tensor, torch.Tensor],
         decode: bool,
+        *,
+        span: int | None = None,
     ) -> torch.Tensor:
         """The next token per sequence [B] (`logits`' arguments)."""
-        return self.logits(ids, pos, caches, tables, decode).argmax(-1)
+        return self.logits(ids, pos, caches, tables, decode, span=span).argmax(-1)
 
 
 def fp16_linear(device: torch.device):
@@ -626,14 +653,16 @@ def measure_model(
         del step, cache
         torch.cuda.empty_cache()
         out["decode"] = {}
+        # each step sits at the middle of the static cache and attends to the positions up to its own
+        span = context // 2 + 1
         for b in batches:
             cache = caches(b, context)
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
-            pos = torch.tensor([context // 2], device=dev)  # attention spans the whole static cache (masked)
-            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            pos = torch.tensor([context // 2], device=dev)
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True, span=span)  # noqa: E731
             step = make_step(model, fn, [ids, pos])
             us = _time_graph(step, iters)
-            kv_bytes = 2 * d.layers * b * d.kv_heads * context * d.head_dim * 2
+            kv_bytes = 2 * d.layers * b * d.kv_heads * span * d.head_dim * 2
             out["decode"][str(b)] = {
                 "batch": b,
                 "us_per_step": us,

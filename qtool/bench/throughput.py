@@ -229,6 +229,7 @@ def measure_generation(
         out["largest_batch"] = int(largest)
         out["cache_bytes_per_sequence"] = per_seq
         sizes = sorted({int(largest) if b == "max" else int(b) for b in batches})
+        span = prompt + new_tokens // 2 + 1  # the timed step's position + 1
         for b in sizes:
             if b <= 0 or b > largest:
                 out["decode"][str(b)] = {"batch": b, "fits": False}
@@ -237,7 +238,7 @@ def measure_generation(
             cache = _caches(variant, model, b, length, dev)
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
             pos = torch.tensor([prompt + new_tokens // 2], device=dev)
-            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True, span=span)  # noqa: E731
             step = make_step(model, fn, [ids, pos])
             step_us = _time_graph(step, iters)
             total_s = out["prefill"]["us_per_prompt"] * 1e-6 * b + new_tokens * step_us * 1e-6

@@ -42,16 +42,15 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
         for _ in range(d.layers)
     ]
     x = torch.randn(batch, tokens, d.hidden, device=dev, generator=gen).half()
-    if tokens == 1:  # a decode step at position 9 of the cache
-        pos = torch.tensor([9], device=dev)
-        mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
+    if tokens == 1:  # a decode step at position 9 of the cache, attending as the benches time it (span)
+        pos, span = torch.tensor([9], device=dev), 10
     else:  # a prefill from position 0
-        pos, mask = torch.arange(tokens, device=dev), None
+        pos, span = torch.arange(tokens, device=dev), None
 
     def chain() -> torch.Tensor:
         h, y = x, None
         for b, (kc, vc) in zip(model.blocks, caches, strict=True):
-            h, y = b(h, y, tables, (kc, vc), pos, mask)
+            h, y = b(h, y, tables, (kc, vc), pos, None, span)
         # the caches are part of the result: the rotary kernel writes them, attention reads them
         return torch.cat(
             [h.flatten(), y.flatten()] + [c[:, :, : tokens + 9].flatten() for kv in caches for c in kv]
