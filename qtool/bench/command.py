@@ -348,10 +348,11 @@ def kernels_cmd(
 )
 @click.option(
     "--variants",
-    default="fp16,fp8,w4a16,w4a8kv4",
+    default="fp16,fp8,fp8-sdpa,w4a16,w4a8kv4",
     show_default=True,
-    help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
-    "w4a8cq2 (qoq + CQ-2 cache).",
+    help="Formats compared by --throughput: fp16 (FP16 cache, torch SDPA), fp8 (W8A8 + FP8 cache, qtool's "
+    "kernel), fp8-sdpa (W8A8 + FP16 cache, torch SDPA), w4a16 (FP16 cache, torch SDPA), w4a8kv4 (qoq + KV4), "
+    "w4a8cq2 (qoq + CQ-2 cache). The report gives each over FP16 and over the better of fp8 and fp8-sdpa.",
 )
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option(
@@ -388,8 +389,8 @@ def e2e_cmd(
     out: ReportOutput,
 ) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs (eager for
-    the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8, W4A16
-    and W4A8KV4 up to the largest batch that fits."""
+    the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8 (FP8 and
+    FP16 caches), W4A16 and W4A8KV4 up to the largest batch that fits."""
 
     def go() -> None:
         from qtool.bench import e2e, stats
