@@ -1,7 +1,7 @@
 """The baselines the bench reports compare against, on the CPU: each `--throughput` row names the attention it
 runs, and every format's throughput is given over the better of the two FP8 rows (FP8 cache through qtool's
 kernel, FP16 cache through torch SDPA), at its best batch and at each batch, computed from synthetic runs whose
-ratios are known."""
+ratios are known; `e2e` and `attention` tables name the attention their rows run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import re
 
 import pytest
 
+from qtool.bench import attention as ab
+from qtool.bench import e2e
 from qtool.bench import throughput as tp
+from tests.test_bench_plot import _attention_report, _e2e_report
 
 
 def _run(tps: dict[int, float | None], attention: str) -> dict:
@@ -143,3 +146,33 @@ def test_both_fp8_rows_are_default_variants():
     assert {"fp8", "fp8-sdpa"} <= set(opt.default.split(","))
     assert set(opt.default.split(",")) <= set(tp.VARIANTS)
     assert tp.KV_MODE["fp8-sdpa"] == "fp16" and tp.KV_MODE["fp8"] == "fp8"
+
+
+def test_e2e_table_names_the_attention_of_every_row_and_the_decode_span():
+    text = e2e.format_e2e(_e2e_report(True))
+    assert "random weights; attention in every row: torch SDPA (FP16 cache)" in text
+    assert "decode steps at position 64 of the static cache: attention over the 65 positions up to it" in text
+    old = {k: v for k, v in _e2e_report(True).items() if k not in ("attention", "decode_span")}
+    text = e2e.format_e2e(old)
+    assert "attention in every row: not recorded" in text and "decode steps at" not in text
+
+
+def test_attention_table_names_each_rows_attention():
+    r = _attention_report()
+    names = (
+        "fp16-sdpa = torch SDPA (flash), FP16 cache; fp8 = qtool FP8-cache kernel (CUDA cores); int4 = qtool"
+    )
+    # from the heads of a report that did not record the names (H 4 on KVH 2: KV4 on the tensor cores) ...
+    assert f"attention: {names} KV4 kernel (tensor cores)" in ab.format_attention(r)
+    assert "speedup over torch SDPA (flash) on an FP16 cache" in ab.format_attention(r)
+    # ... and as recorded
+    r["attention"] = ab.attention_names(["fp16-sdpa", "fp8", "int4"], 32, 32, 128, "flash")
+    assert f"attention: {names} KV4 kernel (CUDA cores)" in ab.format_attention(r)
+    assert ab.attention_names(["cq2", "cq4", "cq2-lut", "int4-fma", "int8"], 32, 8, 128, "flash") == {
+        "cq2": "qtool CQ-2 kernel (dispatched form)",
+        "cq4": "qtool CQ-4 kernel (dispatched form)",
+        "cq2-lut": "qtool CQ-2 kernel (lut form)",
+        "int4-fma": "qtool KV4 kernel (CUDA cores)",
+        "int8": "qtool INT8-cache kernel (CUDA cores)",
+    }
+    assert "fp16" not in ab.ROWS

@@ -145,6 +145,8 @@ def _e2e_report(torchao: bool) -> dict:
         "group_size": 128,
         "prompt_tokens": 2048,
         "decode_context": 128,
+        "attention": "torch SDPA (FP16 cache)",
+        "decode_span": 65,
         "batches": [1, 16],
         "device": "FakeGPU",
         "runs": runs,

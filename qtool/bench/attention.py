@@ -33,6 +33,34 @@ def _sdpa_backend_name() -> str:
     return "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
 
 
+def attention_names(
+    rows: list[str], heads: int, kv_heads: int, head_dim: int, backend: str
+) -> dict[str, str]:
+    """What each row runs, for the report: SDPA and its backend for the FP16 cache, else qtool's kernel for the
+    cache and the form it runs for these heads (the CQ kernels pick theirs by batch and length)."""
+    from qtool.kv_cache.cuda import attention_kernel
+
+    form = {"fma": "CUDA cores", "tc": "tensor cores"}
+    out = {}
+    for row in rows:
+        if row == "fp16-sdpa":
+            out[row] = f"torch SDPA ({backend}), FP16 cache"
+        elif row in CQ_ROWS:
+            dv, how = CQ_ROWS[row]
+            cache = f"CQ-{8 // dv}"
+            out[row] = (
+                f"qtool {cache} kernel ({how} form)" if how else f"qtool {cache} kernel (dispatched form)"
+            )
+        elif row == "fp16":  # in reports from before it was removed
+            out[row] = "qtool FP16 decode kernel (removed since)"
+        elif row == "int4-fma":
+            out[row] = "qtool KV4 kernel (CUDA cores)"
+        else:
+            name = "KV4" if row == "int4" else f"{row.upper()}-cache"
+            out[row] = f"qtool {name} kernel ({form[attention_kernel(row, heads // kv_heads, head_dim)]})"
+    return out
+
+
 def _cases(
     row: str,
     b: int,
@@ -162,6 +190,7 @@ def run_attention_bench(
                 + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items())
             )
             results.append(entry)
+    backend = _sdpa_backend_name()
     return {
         "schema": ATTENTION_SCHEMA,
         "model": model,
@@ -169,7 +198,8 @@ def run_attention_bench(
         "kv_heads": d.kv_heads,
         "head_dim": d.head_dim,
         "device": torch.cuda.get_device_name(dev),
-        "sdpa_backend": _sdpa_backend_name(),
+        "sdpa_backend": backend,
+        "attention": attention_names(rows, d.heads, d.kv_heads, d.head_dim, backend),
         "torch": torch.__version__,
         "results": results,
     }
@@ -185,14 +215,18 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
             sp = v.get("speedup_vs_sdpa")
             cells.append(f"{v['median_us']:.1f} ({v['tbps']:.2f}){'' if sp is None else f' {sp:.2f}x'}")
         body.append([str(e["batch"]), str(e["context"]), *cells])
+    backend = r.get("sdpa_backend", "default")
+    # reports from before the names were recorded: the same names, from the heads the report gives
+    names = r.get("attention") or attention_names(rows, r["heads"], r["kv_heads"], r["head_dim"], backend)
     return [
         tables.table(
             f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
-            f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
+            f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA ({backend}) on an FP16 cache",
             ["batch", "context", *rows],
             body,
             left=0,
-        )
+        ),
+        "attention: " + "; ".join(f"{x} = {names.get(x, 'not recorded')}" for x in rows),
     ]
 
 

@@ -554,6 +554,7 @@ def torchao_linear(device: torch.device, group_size: int, gen: torch.Generator):
 
 
 TORCHAO = "torchao-int4"
+SDPA_ATTENTION = "torch SDPA (FP16 cache)"
 MIXED = "mixed-2-4-16"
 
 
@@ -738,6 +739,9 @@ def run_e2e(
         "group_size": group_size,
         "prompt_tokens": prompt,
         "decode_context": context,
+        # every run keeps a float16 cache (the quantized caches are --throughput's)
+        "attention": SDPA_ATTENTION,
+        "decode_span": context // 2 + 1,
         "batches": batches,
         "device": torch.cuda.get_device_name(dev),
         "runs": {},
@@ -891,10 +895,19 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         notes.append(
             f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers"
         )
+    # reports from before the attention was recorded decoded through qtool's own FP16 kernel, since removed
+    attention = r.get("attention", "not recorded")
+    if "decode_span" in r:
+        notes.insert(
+            0,
+            f"decode steps at position {r['decode_span'] - 1} of the static cache: attention over the "
+            f"{r['decode_span']} positions up to it, no mask",
+        )
     return [
         tables.table(
             f"e2e {model_label(r)} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
-            f"{r['decode_context']} (static cache), {execution(r)}, random weights",
+            f"{r['decode_context']} (static cache), {execution(r)}, random weights; attention in every row: "
+            f"{attention}",
             cols,
             rows,
         ),

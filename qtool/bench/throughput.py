@@ -31,6 +31,7 @@ from torch import nn
 
 from qtool.bench import plot, tables
 from qtool.bench.e2e import (
+    SDPA_ATTENTION,
     Decoder,
     _time_graph,
     dims_for,
@@ -54,7 +55,6 @@ KV_MODE = {
     "w4a8cq2": "cq2",
 }
 FP8_VARIANTS = ("fp8", "fp8-sdpa")  # FP8 weights; the baseline is the better of the two
-SDPA_ATTENTION = "torch SDPA (FP16 cache)"
 CACHE_KERNEL = {"fp8": "qtool FP8-cache kernel", "int4": "qtool KV4 kernel", "cq2": "qtool CQ-2 kernel"}
 KERNEL_FORM = {"fma": "CUDA cores", "tc": "tensor cores"}
 CQ_VECTOR_SIZE = {"cq2": 4}
