@@ -391,7 +391,8 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         rows.append(
             [
                 v,
-                # reports from before the attention was recorded ran qtool's own FP16 decode kernel, since removed
+                # reports from before the attention was recorded: their FP16-cache rows ran qtool's own FP16
+                # decode kernel, since removed
                 run.get("attention", "not recorded"),
                 *cells,
                 str(run["largest_batch"]),
