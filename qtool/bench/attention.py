@@ -1,10 +1,12 @@
 """`qtool bench attention`: one decode step's attention over a KV cache, FP16 against the quantized caches.
 
 Rows, each timed over the same query and a cache of `context` tokens per sequence (the step attends to all of
-them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report) and
-the quantized-cache kernel (qtool/kv_cache/cuda.py) with FP8, INT8 and INT4 caches, and the vector-quantized caches of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4
-through the dispatched form, CQ-2 through each form (`cq2-lut`, `cq2-direct`). Decode attention reads each cached byte once, so the report gives bytes moved and the
-bandwidth reached next to the time; cache sets rotate so that no call finds its cache in L2.
+them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report),
+the quantized-cache kernel (qtool/kv_cache/cuda.py) with FP8, INT8 and INT4 caches, and the vector-quantized caches
+of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4 through the dispatched form, CQ-2 through each form
+(`cq2-lut`, `cq2-direct`). The report names the kernel and form of each row. Decode attention reads each cached
+byte once, so the report gives bytes moved and the bandwidth reached next to the time; cache sets rotate so that no
+call finds its cache in L2.
 """
 
 from __future__ import annotations

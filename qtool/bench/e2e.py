@@ -927,7 +927,7 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     return plot.Figure(
         f"qtool bench e2e {model_label(r)} on {r['device']}",
         "tokens/s / FP16 tokens/s",
-        "FP16 (cuBLAS)",
+        f"FP16 (cuBLAS, {r['attention']})" if "attention" in r else "FP16 (cuBLAS)",
         [
             plot.Panel(
                 f"W{r['bits']} g{r['group_size'] or 'ch'}, random weights",
