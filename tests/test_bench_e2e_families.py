@@ -95,6 +95,42 @@ def test_prefill_equals_token_by_token_decode(name):
         assert not bool(k[:, :, 6:].any())
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_decode_span_equals_the_masked_form_over_the_static_cache(kv_heads):
+    """A one-token decode step given `span` (its position + 1: SDPA over the cache's first positions, no mask)
+    gives the logits and cache of the masked form over the whole static cache, whose positions past the step hold
+    values that either form would pick up if it read them; a span one short (the step's own key left out) or one
+    long (a stale position read) gives other logits."""
+    d = e2e.Dims(64, 96, 2, 4, kv_heads, 128)
+    model = decoder(d)
+    tables = model.rope_tables(32, CPU)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, d.vocab, (3, 1), generator=g)
+    shape = (3, kv_heads, 16, d.head_dim)
+    stale = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(d.layers)]
+    pos = 9
+
+    def step(span):
+        cache = [(k.clone(), v.clone()) for k, v in stale]
+        with torch.inference_mode():
+            out = model.logits(ids, torch.tensor([pos]), cache, tables, decode=True, span=span)
+        return out, cache
+
+    want, want_cache = step(None)
+    got, got_cache = step(pos + 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the later layers' keys and values come from the earlier layers' attention, equal up to rounding
+    for (k, v), (wk, wv) in zip(got_cache, want_cache, strict=True):
+        torch.testing.assert_close(k, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, wv, rtol=1e-5, atol=1e-5)
+    for wrong in (pos, pos + 2):
+        assert float((step(wrong)[0] - want).abs().max()) > 1e-3, wrong
+    with pytest.raises(ValueError, match="span: found 17, expected 1 to 16"):
+        step(17)
+    with pytest.raises(ValueError, match="span: found a value for a prefill"):
+        model.logits(ids, torch.tensor([0]), stale, tables, decode=False, span=1)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("rows", [(3, 5), (1, 1)], ids=["prefill", "one-token"])
 def test_experts_equal_the_dense_reference(name, rows):

@@ -145,6 +145,8 @@ def _e2e_report(torchao: bool) -> dict:
         "group_size": 128,
         "prompt_tokens": 2048,
         "decode_context": 128,
+        "attention": "torch SDPA (FP16 cache)",
+        "decode_span": 65,
         "batches": [1, 16],
         "device": "FakeGPU",
         "runs": runs,
@@ -155,7 +157,9 @@ def _e2e_report(torchao: bool) -> dict:
 
 
 def _throughput_report() -> dict:
-    def run(tps, largest):
+    from qtool.bench import throughput
+
+    def run(tps, largest, attention):
         return {
             "decode": {
                 str(b): (
@@ -167,9 +171,16 @@ def _throughput_report() -> dict:
             },
             "largest_batch": largest,
             "weight_bytes": 2**30,
+            "attention": attention,
         }
 
-    runs = {"fp16": run((1000.0, None), 16), "w4a16": run((1500.0, 4000.0), 64)}
+    sdpa = throughput.SDPA_ATTENTION
+    runs = {
+        "fp16": run((1000.0, None), 16, sdpa),
+        "fp8": run((1200.0, None), 16, "qtool FP8-cache kernel (CUDA cores)"),
+        "fp8-sdpa": run((1300.0, 2000.0), 64, sdpa),
+        "w4a16": run((1500.0, 4000.0), 64, sdpa),
+    }
     return {
         "schema": "qtool.bench.throughput/1",
         "model": "tiny",
@@ -177,11 +188,7 @@ def _throughput_report() -> dict:
         "new_tokens": 512,
         "device": "FakeGPU",
         "runs": runs,
-        "best": {
-            "fp16": {"batch": 16, "tokens_per_s": 1000.0},
-            "w4a16": {"batch": 64, "tokens_per_s": 4000.0},
-        },
-        "speedup_vs_fp16_at_best": {"fp16": 1.0, "w4a16": 4.0},
+        **throughput.ratios(runs),
     }
 
 
@@ -201,7 +208,7 @@ def _attention_report() -> dict:
             {
                 "batch": b,
                 "context": 1024,
-                "rows": {"fp16-sdpa": row(20.0), "fp16": row(10.0), "int4": row(5.0)},
+                "rows": {"fp16-sdpa": row(20.0), "fp8": row(10.0), "int4": row(5.0)},
             }
             for b in (1, 16)
         ],
@@ -230,7 +237,7 @@ def _attention_report() -> dict:
             ["e2e", "--throughput", "--model-config", "tiny", "--batches", "16,64"],
             "qtool.bench.throughput.run_throughput",
             _throughput_report(),
-            [r"^ *w4a16 +1500 +4000\* +64 +4000 +4\.00x"],
+            [r"^ *w4a16 +torch SDPA \(FP16 cache\) +1500 +4000\* +64 +4000 +4\.00x +2\.00x"],
         ),
         (
             "attention",

@@ -1,11 +1,12 @@
 """`qtool bench attention`: one decode step's attention over a KV cache, FP16 against the quantized caches.
 
 Rows, each timed over the same query and a cache of `context` tokens per sequence (the step attends to all of
-them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report), our
-FP16 decode kernel (qtool/cuda/decode_attention.py) and the quantized-cache kernel (qtool/kv_cache/cuda.py) with
-FP8, INT8 and INT4 caches, and the vector-quantized caches of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4
-through the dispatched form, CQ-2 through each form (`cq2-lut`, `cq2-direct`). Decode attention reads each cached byte once, so the report gives bytes moved and the
-bandwidth reached next to the time; cache sets rotate so that no call finds its cache in L2.
+them): torch's `scaled_dot_product_attention` on an FP16 cache (the backend torch picks, named in the report),
+the quantized-cache kernel (qtool/kv_cache/cuda.py) with FP8, INT8 and INT4 caches, and the vector-quantized caches
+of stage `vq_kv` (qtool/kv_cache/vq_cuda.py): CQ-2 and CQ-4 through the dispatched form, CQ-2 through each form
+(`cq2-lut`, `cq2-direct`). The report names the kernel and form of each row. Decode attention reads each cached
+byte once, so the report gives bytes moved and the bandwidth reached next to the time; cache sets rotate so that no
+call finds its cache in L2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from qtool.bench.e2e import dims_for
 from qtool.bench.timing import Timer
 
 ATTENTION_SCHEMA = "qtool.bench.attention/1"
-ROWS = ("fp16-sdpa", "fp16", "fp8", "int8", "int4", "int4-fma", "cq2", "cq4", "cq2-lut", "cq2-direct")
+ROWS = ("fp16-sdpa", "fp8", "int8", "int4", "int4-fma", "cq2", "cq4", "cq2-lut", "cq2-direct")
 CQ_ROWS = {"cq2": (4, None), "cq4": (2, None), "cq2-lut": (4, "lut"), "cq2-direct": (4, "direct")}  # d, form
 L2_ROTATE_BYTES = 150 * 2**20  # three times the H100's L2: a call never finds the cache it reads there
 
@@ -32,6 +33,34 @@ def _sdpa_backend_name() -> str:
     except ImportError:
         return "default"
     return "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
+
+
+def attention_names(
+    rows: list[str], heads: int, kv_heads: int, head_dim: int, backend: str
+) -> dict[str, str]:
+    """What each row runs, for the report: SDPA and its backend for the FP16 cache, else qtool's kernel for the
+    cache and the form it runs for these heads (the CQ kernels pick theirs by batch and length)."""
+    from qtool.kv_cache.cuda import attention_kernel
+
+    form = {"fma": "CUDA cores", "tc": "tensor cores"}
+    out = {}
+    for row in rows:
+        if row == "fp16-sdpa":
+            out[row] = f"torch SDPA ({backend}), FP16 cache"
+        elif row in CQ_ROWS:
+            dv, how = CQ_ROWS[row]
+            cache = f"CQ-{8 // dv}"
+            out[row] = (
+                f"qtool {cache} kernel ({how} form)" if how else f"qtool {cache} kernel (dispatched form)"
+            )
+        elif row == "fp16":  # in reports from before it was removed
+            out[row] = "qtool FP16 decode kernel (removed since)"
+        elif row == "int4-fma":
+            out[row] = "qtool KV4 kernel (CUDA cores)"
+        else:
+            name = "KV4" if row == "int4" else f"{row.upper()}-cache"
+            out[row] = f"qtool {name} kernel ({form[attention_kernel(row, heads // kv_heads, head_dim)]})"
+    return out
 
 
 def _cases(
@@ -51,22 +80,16 @@ def _cases(
     fns: list[Callable[[], Any]] = []
     nbytes = 0
     for _ in range(sets):
-        if row in ("fp16-sdpa", "fp16"):
+        if row == "fp16-sdpa":
             k = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
             v = torch.randn(b, kvh, length, d, device=dev, generator=gen).half()
             nbytes = 2 * k.numel() * 2
-            if row == "fp16-sdpa":
-                gqa = h != kvh
-                fns.append(
-                    lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, enable_gqa=gqa
-                    )
+            gqa = h != kvh
+            fns.append(
+                lambda q=q, k=k, v=v, gqa=gqa: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=gqa
                 )
-            else:
-                from qtool.cuda.decode_attention import decode_attention
-
-                out = torch.empty(b, 1, h, d, dtype=torch.float16, device=dev)
-                fns.append(lambda q=q, k=k, v=v, out=out: decode_attention(q, k, v, pos, out=out))
+            )
         elif row in CQ_ROWS:
             from qtool.kv_cache import vq_cuda as vqa
 
@@ -120,7 +143,7 @@ def _cases(
 
 
 def _row_bytes(row: str, b: int, kvh: int, d: int, length: int) -> int:
-    if row in ("fp16-sdpa", "fp16"):
+    if row == "fp16-sdpa":
         return 2 * b * kvh * length * d * 2
     if row in CQ_ROWS:
         from qtool.kv_cache.vq_cuda import bytes_per_token as vq_bytes
@@ -164,14 +187,12 @@ def run_attention_bench(
             base = entry["rows"].get("fp16-sdpa", {}).get("median_us")
             for r in entry["rows"].values():
                 r["speedup_vs_sdpa"] = stats.speedup(base, r["median_us"])
-            kern = entry["rows"].get("fp16", {}).get("median_us")
-            for r in entry["rows"].values():
-                r["speedup_vs_fp16_kernel"] = stats.speedup(kern, r["median_us"])
             log(
                 f"b{b} L{length}: "
                 + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in entry["rows"].items())
             )
             results.append(entry)
+    backend = _sdpa_backend_name()
     return {
         "schema": ATTENTION_SCHEMA,
         "model": model,
@@ -179,7 +200,8 @@ def run_attention_bench(
         "kv_heads": d.kv_heads,
         "head_dim": d.head_dim,
         "device": torch.cuda.get_device_name(dev),
-        "sdpa_backend": _sdpa_backend_name(),
+        "sdpa_backend": backend,
+        "attention": attention_names(rows, d.heads, d.kv_heads, d.head_dim, backend),
         "torch": torch.__version__,
         "results": results,
     }
@@ -195,14 +217,18 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
             sp = v.get("speedup_vs_sdpa")
             cells.append(f"{v['median_us']:.1f} ({v['tbps']:.2f}){'' if sp is None else f' {sp:.2f}x'}")
         body.append([str(e["batch"]), str(e["context"]), *cells])
+    backend = r.get("sdpa_backend", "default")
+    # reports from before the names were recorded: the same names, from the heads the report gives
+    names = r.get("attention") or attention_names(rows, r["heads"], r["kv_heads"], r["head_dim"], backend)
     return [
         tables.table(
             f"decode attention, {r['model']} heads (H {r['heads']}, KVH {r['kv_heads']}, D {r['head_dim']}) on "
-            f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA on an FP16 cache",
+            f"{r['device']}: us per step (TB/s read) and speedup over torch SDPA ({backend}) on an FP16 cache",
             ["batch", "context", *rows],
             body,
             left=0,
-        )
+        ),
+        "attention: " + "; ".join(f"{x} = {names.get(x, 'not recorded')}" for x in rows),
     ]
 
 

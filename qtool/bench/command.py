@@ -330,7 +330,8 @@ def kernels_cmd(
     default=128,
     show_default=True,
     type=click.IntRange(2, None),
-    help="Static KV-cache length for decode (attention reads all of it).",
+    help="Static KV-cache length for decode; the timed step sits at its middle position and attends to the "
+    "positions up to it.",
 )
 @click.option(
     "--throughput",
@@ -347,10 +348,11 @@ def kernels_cmd(
 )
 @click.option(
     "--variants",
-    default="fp16,fp8,w4a16,w4a8kv4",
+    default="fp16,fp8,fp8-sdpa,w4a16,w4a8kv4",
     show_default=True,
-    help="Formats compared by --throughput: fp16, fp8 (W8A8 + FP8 cache), w4a16, w4a8kv4 (qoq + KV4), "
-    "w4a8cq2 (qoq + CQ-2 cache).",
+    help="Formats compared by --throughput: fp16 (FP16 cache, torch SDPA), fp8 (W8A8 + FP8 cache, qtool's "
+    "kernel), fp8-sdpa (W8A8 + FP16 cache, torch SDPA), w4a16 (FP16 cache, torch SDPA), w4a8kv4 (qoq + KV4), "
+    "w4a8cq2 (qoq + CQ-2 cache). The report gives each over FP16 and over the better of fp8 and fp8-sdpa.",
 )
 @click.option("--iters", default=50, show_default=True, type=click.IntRange(10, None))
 @click.option(
@@ -387,8 +389,8 @@ def e2e_cmd(
     out: ReportOutput,
 ) -> None:
     """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs (eager for
-    the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8, W4A16
-    and W4A8KV4 up to the largest batch that fits."""
+    the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8 (FP8 and
+    FP16 caches), W4A16 and W4A8KV4 up to the largest batch that fits."""
 
     def go() -> None:
         from qtool.bench import e2e, stats
@@ -574,9 +576,9 @@ def quik_cmd(
 @click.option(
     "--rows",
     "rows",
-    default="fp16-sdpa,fp16,fp8,int8,int4,int4-fma,cq2,cq4",
+    default="fp16-sdpa,fp8,int8,int4,int4-fma,cq2,cq4",
     show_default=True,
-    help="Caches to time: fp16-sdpa (torch), fp16 (our kernel), fp8, int8, int4 (the dispatched form), "
+    help="Caches to time: fp16-sdpa (torch SDPA), fp8, int8, int4 (the dispatched form), "
     "int4-fma (KV4 through the CUDA-core form), cq2, cq4 (vector-quantized caches, the dispatched "
     "form), cq2-lut, cq2-direct (CQ-2 through each form).",
 )
@@ -586,7 +588,7 @@ def quik_cmd(
 def attention_cmd(
     model_config: str, batches: str, contexts: str, rows: str, warmup: int, iters: int, out: ReportOutput
 ) -> None:
-    """Decode attention over an FP16 cache (torch SDPA, our kernel) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
+    """Decode attention over an FP16 cache (torch SDPA) against FP8, INT8, INT4 (KV4) and CQ-2/CQ-4
     (vector-quantized) caches."""
 
     def go() -> None:

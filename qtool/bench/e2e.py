@@ -7,8 +7,10 @@ positions and cache writes are device tensors, nothing synchronizes with the hos
 `nn.Linear` (FP16) or `GroupedIntLinear` (packed), so the comparison isolates the weight format. On a GPU with CuPy, both models run
 the step's small operations as fused kernels: the rotary embedding with the KV-cache write
 (qtool/cuda/rope_cache.py, bit-identical to the torch form here), each residual add with the RMSNorm after it
-(qtool/cuda/rms_norm.py), the SwiGLU activation (qtool/cuda/swiglu.py) and a decode step's attention over the
-cache (qtool/cuda/decode_attention.py).
+(qtool/cuda/rms_norm.py) and the SwiGLU activation (qtool/cuda/swiglu.py). Attention over an FP16 cache is torch's
+`scaled_dot_product_attention` in every format: a timed decode step is captured at one position, so it attends to
+the cache's first position + 1 positions (`span`) without a mask, as a torch user's decode would; the quantized
+caches (`--throughput`) run their own write and attention kernels.
 
 Families beyond Llama's block (`Dims`):
 
@@ -40,9 +42,9 @@ Families beyond Llama's block (`Dims`):
   (SwiGLU through the fused path, no branch norms, and without Gemma's embedding scaling and final logit
   soft-capping, a few elementwise kernels): the difference between the two runs is what the unfused Gemma pieces
   cost. Gemma's norms scale by (1 + w); a norm's weight here stands for 1 + w, the same RMSNorm at no cost.
-  Attention logit soft-capping (tanh on the scores) is left out: `scaled_dot_product_attention` and the decode
-  attention kernels have no soft-cap, and an eager attention for every format would time a different attention
-  than the one the quantized formats are measured in; the report says so. Sliding-window layers are not modelled
+  Attention logit soft-capping (tanh on the scores) is left out: `scaled_dot_product_attention` and the quantized
+  caches' attention kernels have no soft-cap, and an eager attention for every format would time a different
+  attention than the one the quantized formats are measured in; the report says so. Sliding-window layers are not modelled
   either: while a sequence is no longer than the window (Gemma 2: 4096) they attend to exactly what a full layer
   does, and the report says when a run's sequences are longer.
 """
@@ -152,11 +154,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 # Fused kernels on CUDA (set False for the torch forms, e.g. to measure what each saves): rotary embedding + cache
-# write, residual add + RMSNorm, SwiGLU, one-token attention over the cache.
+# write, residual add + RMSNorm, SwiGLU.
 FUSED_ROPE = True
 FUSED_NORM = True
 FUSED_SWIGLU = True
-FUSED_ATTENTION = True
 # A gate/up projection with `forward_swiglu` (mixed-2-4-16: rows interleaved in fours, gate 2j, 2j + 1 then up 2j,
 # 2j + 1; random weights, so only the order is declared) returns the SwiGLU activations itself: at one token the
 # GEMV computes them in its epilogue, so the step has no SwiGLU kernel and writes no gate/up output.
@@ -193,8 +194,6 @@ class Block(nn.Module):
         self.fused_rope = _fusable(FUSED_ROPE, device, hd, 2)
         self.fused_norm = _fusable(FUSED_NORM, device, d.hidden, 8)
         self.fused_swiglu = _fusable(FUSED_SWIGLU, device, d.intermediate, 8)
-        # reads the rotary kernel's query layout
-        self.fused_attention = self.fused_rope and _fusable(FUSED_ATTENTION, device, hd, 2) and hd <= 256
         # q/k/v and gate/up are fused into one linear each (as serving runtimes do): fewer launches per layer,
         # for the FP16 and the quantized model alike.
         self.qkv = make_linear(d.hidden, (d.heads + 2 * d.kv_heads) * hd)
@@ -268,17 +267,21 @@ class Block(nn.Module):
         cache,
         pos: torch.Tensor,
         mask: torch.Tensor | None,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
-        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask None for prefill from position 0. Returns (h, this block's
-        output)."""
+        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask and span None for prefill
+        from position 0. `span` (a one-token decode step over a float16 cache): the step's position + 1, so that
+        attention reads the cache's first `span` positions and no mask; the mask is then not read and may be
+        None. Returns (h, this block's output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         h, qkv = self._norm_linear(h, y, self.n1, self.qkv)
         qkv = self.qk_norm(qkv.view(b, t, d.heads + 2 * d.kv_heads, hd))
         if not isinstance(cache, tuple):
-            a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=mask is not None)
+            decode = mask is not None or span is not None
+            a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=decode)
             return self._mlp(h, a, b, t)
         kc, vc = cache
         if self.fused_rope:
@@ -296,14 +299,14 @@ class Block(nn.Module):
             # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-        if mask is None:  # prefill from position 0: causal over the prompt only
+        if span is not None and t == 1:
+            # The one query is the last of the positions it attends to, so no mask is needed, and SDPA may take its
+            # flash kernel, which a mask rules out; the masked form also reads the whole static cache.
+            a = F.scaled_dot_product_attention(
+                q, kc[:, :, :span], vc[:, :, :span], enable_gqa=d.kv_heads != d.heads
+            )
+        elif mask is None:  # prefill from position 0: causal over the prompt only
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
-        elif self.fused_attention and t == 1:
-            from qtool.cuda.decode_attention import decode_attention
-
-            a = decode_attention(q, kc, vc, pos).transpose(
-                1, 2
-            )  # a view of [B, 1, H, D], as attention returns
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
         return self._mlp(h, a, b, t)
@@ -448,19 +451,32 @@ class Decoder(nn.Module):
         caches: list,
         tables: tuple[torch.Tensor, torch.Tensor],
         decode: bool,
+        *,
+        span: int | None = None,
     ) -> torch.Tensor:
         """ids [B, T]; pos [T] absolute positions (device), within the cache and the tables; caches: per block
-        (keys, values) float16 or a quantized KVCache. Returns the logits of each sequence's last token [B, V]."""
+        (keys, values) float16 or a quantized KVCache. `span` (decode only): the number of cache positions a
+        one-token step attends to, its position + 1, known on the host because a captured step runs at one
+        position; with it, attention over a float16 cache reads those positions through SDPA without a mask
+        (quantized caches take their kernels either way). Without it, or for several tokens, attention runs over
+        the whole static cache under a mask. Returns the logits of each sequence's last token [B, V]."""
         mask = None
+        if span is not None and not decode:
+            raise ValueError(
+                "span: found a value for a prefill; it is the positions a decode step attends to"
+            )
         if decode:
             c0 = caches[0]
             max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
-            mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
+            if span is not None and not 1 <= span <= max_len:
+                raise ValueError(f"span: found {span}, expected 1 to {max_len} (the cache's length)")
+            if span is None or ids.shape[1] != 1 or not isinstance(c0, tuple):
+                mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h, y = self.embed(ids), None
         if self.d.embed_scale:
             h = h * self.d.hidden**0.5
         for blk, cache in zip(self.blocks, caches, strict=True):
-            h, y = blk(h, y, tables, cache, pos, mask)
+            h, y = blk(h, y, tables, cache, pos, mask, span)
         out = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
         if self.d.final_softcap:
             out = torch.tanh(out / self.d.final_softcap) * self.d.final_softcap
@@ -473,9 +489,11 @@ class Decoder(nn.Module):
         caches: list,
         tables: tuple[torch.Tensor, torch.Tensor],
         decode: bool,
+        *,
+        span: int | None = None,
     ) -> torch.Tensor:
         """The next token per sequence [B] (`logits`' arguments)."""
-        return self.logits(ids, pos, caches, tables, decode).argmax(-1)
+        return self.logits(ids, pos, caches, tables, decode, span=span).argmax(-1)
 
 
 def fp16_linear(device: torch.device):
@@ -536,6 +554,7 @@ def torchao_linear(device: torch.device, group_size: int, gen: torch.Generator):
 
 
 TORCHAO = "torchao-int4"
+SDPA_ATTENTION = "torch SDPA (FP16 cache)"
 MIXED = "mixed-2-4-16"
 
 
@@ -635,14 +654,16 @@ def measure_model(
         del step, cache
         torch.cuda.empty_cache()
         out["decode"] = {}
+        # each step sits at the middle of the static cache and attends to the positions up to its own
+        span = context // 2 + 1
         for b in batches:
             cache = caches(b, context)
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
-            pos = torch.tensor([context // 2], device=dev)  # attention spans the whole static cache (masked)
-            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            pos = torch.tensor([context // 2], device=dev)
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True, span=span)  # noqa: E731
             step = make_step(model, fn, [ids, pos])
             us = _time_graph(step, iters)
-            kv_bytes = 2 * d.layers * b * d.kv_heads * context * d.head_dim * 2
+            kv_bytes = 2 * d.layers * b * d.kv_heads * span * d.head_dim * 2
             out["decode"][str(b)] = {
                 "batch": b,
                 "us_per_step": us,
@@ -718,6 +739,9 @@ def run_e2e(
         "group_size": group_size,
         "prompt_tokens": prompt,
         "decode_context": context,
+        # every run keeps a float16 cache (the quantized caches are --throughput's)
+        "attention": SDPA_ATTENTION,
+        "decode_span": context // 2 + 1,
         "batches": batches,
         "device": torch.cuda.get_device_name(dev),
         "runs": {},
@@ -822,7 +846,7 @@ def shape_notes(r: dict[str, Any]) -> list[str]:
     if d.get("attn_softcap"):
         notes.append(
             f"-- attention logit soft-capping ({d['attn_softcap']:g}) left out: the attention kernels "
-            "(SDPA, decode, quantized caches) have none"
+            "(SDPA, the quantized caches' kernels) have none"
         )
     if d.get("sliding_window"):
         w, n = d["sliding_window"], _longest_sequence(r)
@@ -871,10 +895,19 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         notes.append(
             f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers"
         )
+    # reports from before the attention was recorded decoded through qtool's own FP16 kernel, since removed
+    attention = r.get("attention", "not recorded")
+    if "decode_span" in r:
+        notes.insert(
+            0,
+            f"decode steps at position {r['decode_span'] - 1} of the static cache: attention over the "
+            f"{r['decode_span']} positions up to it, no mask",
+        )
     return [
         tables.table(
             f"e2e {model_label(r)} on {r['device']}: prompt {r['prompt_tokens']} tokens, decode context "
-            f"{r['decode_context']} (static cache), {execution(r)}, random weights",
+            f"{r['decode_context']} (static cache), {execution(r)}, random weights; attention in every row: "
+            f"{attention}",
             cols,
             rows,
         ),
@@ -894,7 +927,7 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     return plot.Figure(
         f"qtool bench e2e {model_label(r)} on {r['device']}",
         "tokens/s / FP16 tokens/s",
-        "FP16 (cuBLAS)",
+        f"FP16 (cuBLAS, {r['attention']})" if "attention" in r else "FP16 (cuBLAS)",
         [
             plot.Panel(
                 f"W{r['bits']} g{r['group_size'] or 'ch'}, random weights",

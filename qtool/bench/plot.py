@@ -21,6 +21,9 @@ class Panel:
     kind: str = "line"
     xlabel: str = ""
     peers: tuple[str, ...] = ()  # series drawn as references, not as ours
+    # a panel over another reference than the figure's: what its line at 1.0 is, and its y label
+    reference: str = ""
+    ylabel: str = ""
 
 
 @dataclass
@@ -66,7 +69,7 @@ def _draw(ax, p: Panel, reference: str) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(p.x)
             ax.set_xticklabels([str(x) for x in p.x], fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=0.8, label=f"{reference} (1.0)")
+    ax.axhline(1.0, color="black", linewidth=0.8, label=f"{p.reference or reference} (1.0)")
     ax.set_title(p.title, fontsize=9)
     if p.xlabel:
         ax.set_xlabel(p.xlabel, fontsize=8)
@@ -101,7 +104,7 @@ def write(fig: Figure, path: str) -> None:
     )
     for ax, p in zip(axes.flat, panels, strict=False):
         _draw(ax, p, fig.reference)
-        ax.set_ylabel(fig.ylabel, fontsize=8)
+        ax.set_ylabel(p.ylabel or fig.ylabel, fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()

@@ -3,8 +3,13 @@ generated tokens per sequence) of one Llama-shaped decoder with random weights i
 batch sizes asked for and at the largest batch whose KV cache fits in the GPU's free memory.
 
 Formats: `fp16` (cuBLAS linears, FP16 cache), `fp8` (`torch._scaled_mm` linears with static per-tensor scales,
-FP8 cache), `w4a16` (grouped_int g128 kernels, FP16 cache), `w4a8kv4` (qoq W4A8 kernels, KV4 cache) and `w4a8cq2`
-(qoq W4A8 kernels, CQ-2 vector-quantized cache over random codebooks). The same
+FP8 cache), `fp8-sdpa` (the same linears, FP16 cache), `w4a16` (grouped_int g128 kernels, FP16 cache), `w4a8kv4`
+(qoq W4A8 kernels, KV4 cache) and `w4a8cq2` (qoq W4A8 kernels, CQ-2 vector-quantized cache over random codebooks).
+An FP16 cache is read by torch's `scaled_dot_product_attention`, the others by qtool's kernels for their codes
+(qtool/kv_cache/cuda.py, qtool/kv_cache/vq_cuda.py); each row of the report names its attention. The FP8
+baseline is the better of `fp8` and `fp8-sdpa`: the FP8 cache holds twice the sequences, but its kernel runs on the
+CUDA cores, slow where several query heads share a KV head, while SDPA on the FP16 cache is what a torch user has.
+Each format's throughput is also given over the better FP8 row's, at its best batch and at each batch. The same
 decoder (qtool/bench/e2e.py) runs them all under CUDA graphs, or all eagerly for a mixture-of-experts shape (its
 routing synchronizes with the host: qtool/bench/e2e.py says why), with Qwen3's q/k norms where the shape has them
 (`--no-qk-norm` leaves them out, to measure what they cost) and Gemma 2's GeGLU and branch norms (`--llama-block`
@@ -26,6 +31,7 @@ from torch import nn
 
 from qtool.bench import plot, tables
 from qtool.bench.e2e import (
+    SDPA_ATTENTION,
     Decoder,
     _time_graph,
     dims_for,
@@ -39,8 +45,18 @@ from qtool.bench.e2e import (
 )
 
 THROUGHPUT_SCHEMA = "qtool.bench.throughput/1"
-VARIANTS = ("fp16", "fp8", "w4a16", "w4a8kv4", "w4a8cq2")
-KV_MODE = {"fp16": "fp16", "fp8": "fp8", "w4a16": "fp16", "w4a8kv4": "int4", "w4a8cq2": "cq2"}
+VARIANTS = ("fp16", "fp8", "fp8-sdpa", "w4a16", "w4a8kv4", "w4a8cq2")
+KV_MODE = {
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "fp8-sdpa": "fp16",
+    "w4a16": "fp16",
+    "w4a8kv4": "int4",
+    "w4a8cq2": "cq2",
+}
+FP8_VARIANTS = ("fp8", "fp8-sdpa")  # FP8 weights; the baseline is the better of the two
+CACHE_KERNEL = {"fp8": "qtool FP8-cache kernel", "int4": "qtool KV4 kernel", "cq2": "qtool CQ-2 kernel"}
+KERNEL_FORM = {"fma": "CUDA cores", "tc": "tensor cores"}
 CQ_VECTOR_SIZE = {"cq2": 4}
 PREFILL_PROMPTS = 4
 MEMORY_MARGIN = 3 * 2**30  # the decode step's activations, graph pools, allocator slack
@@ -136,10 +152,24 @@ def head_dim_refusal(variant: str, head_dim: int) -> str | None:
     return None
 
 
+def attention_name(variant: str, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The attention a variant's decode step runs, for the report: SDPA for an FP16 cache, else qtool's kernel
+    for the cache's codes, with the form its dispatch picks for these heads (the CQ-2 kernel picks its form by
+    the batch and the cache's length)."""
+    mode = KV_MODE[variant]
+    if mode == "fp16":
+        return SDPA_ATTENTION
+    if mode in CQ_VECTOR_SIZE:
+        return CACHE_KERNEL[mode]
+    from qtool.kv_cache.cuda import attention_kernel
+
+    return f"{CACHE_KERNEL[mode]} ({KERNEL_FORM[attention_kernel(mode, heads // kv_heads, head_dim)]})"
+
+
 def make_linear(variant: str, device: torch.device, group_size: int | None, gen: torch.Generator):
     if variant == "fp16":
         return fp16_linear(device)
-    if variant == "fp8":
+    if variant in FP8_VARIANTS:
         return lambda k, n: Fp8Linear(k, n, device)
     if variant == "w4a16":
         return quant_linear(device, 4, group_size, gen)
@@ -229,6 +259,7 @@ def measure_generation(
         out["largest_batch"] = int(largest)
         out["cache_bytes_per_sequence"] = per_seq
         sizes = sorted({int(largest) if b == "max" else int(b) for b in batches})
+        span = prompt + new_tokens // 2 + 1  # the timed step's position + 1
         for b in sizes:
             if b <= 0 or b > largest:
                 out["decode"][str(b)] = {"batch": b, "fits": False}
@@ -237,7 +268,7 @@ def measure_generation(
             cache = _caches(variant, model, b, length, dev)
             ids = torch.randint(0, d.vocab, (b, 1), device=dev)
             pos = torch.tensor([prompt + new_tokens // 2], device=dev)
-            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True)  # noqa: E731
+            fn = lambda ids, pos, cache=cache: model(ids, pos, cache, tables, decode=True, span=span)  # noqa: E731
             step = make_step(model, fn, [ids, pos])
             step_us = _time_graph(step, iters)
             total_s = out["prefill"]["us_per_prompt"] * 1e-6 * b + new_tokens * step_us * 1e-6
@@ -292,20 +323,57 @@ def run_throughput(
         res = measure_generation(model, variant, prompt, new_tokens, batches, iters, log)
         res["weight_bytes"] = weight_bytes(model)
         res["kv_cache"] = KV_MODE[variant]
+        res["attention"] = attention_name(variant, d.heads, d.kv_heads, d.head_dim)
         report["runs"][variant] = res
         del model
-    fits = {v: [r for r in res["decode"].values() if r.get("fits")] for v, res in report["runs"].items()}
-    best = {v: max(rs, key=lambda r: r["tokens_per_s"]) for v, rs in fits.items() if rs}
-    report["best"] = {v: {"batch": r["batch"], "tokens_per_s": r["tokens_per_s"]} for v, r in best.items()}
-    if "fp16" in best:
-        report["speedup_vs_fp16_at_best"] = {
-            v: r["tokens_per_s"] / best["fp16"]["tokens_per_s"] for v, r in best.items()
-        }
+    report.update(ratios(report["runs"]))
     return report
+
+
+def ratios(runs: dict[str, Any]) -> dict[str, Any]:
+    """The report's comparisons of the measured `runs`: each variant's best batch (`best`); its best tokens/s
+    over FP16's best (`speedup_vs_fp16_at_best`, where fp16 ran) and over the better FP8 row's best
+    (`best_fp8`, `speedup_vs_best_fp8_at_best`, where fp8 or fp8-sdpa ran); and, at each batch that an FP8 row
+    fits, each variant's tokens/s over the better FP8 row's there (`best_fp8_at_batch`,
+    `speedup_vs_best_fp8_at_batch`: variant -> batch -> ratio, where the variant fits too)."""
+    fits = {v: [e for e in run["decode"].values() if e.get("fits")] for v, run in runs.items()}
+    best = {v: max(es, key=lambda e: e["tokens_per_s"]) for v, es in fits.items() if es}
+    out: dict[str, Any] = {
+        "best": {v: {"batch": e["batch"], "tokens_per_s": e["tokens_per_s"]} for v, e in best.items()}
+    }
+    if "fp16" in best:
+        out["speedup_vs_fp16_at_best"] = {
+            v: e["tokens_per_s"] / best["fp16"]["tokens_per_s"] for v, e in best.items()
+        }
+    fp8 = [v for v in FP8_VARIANTS if v in best]
+    if not fp8:
+        return out
+    ref = max(fp8, key=lambda v: best[v]["tokens_per_s"])
+    out["best_fp8"] = {"variant": ref, **out["best"][ref]}
+    out["speedup_vs_best_fp8_at_best"] = {
+        v: e["tokens_per_s"] / best[ref]["tokens_per_s"] for v, e in best.items()
+    }
+    at_batch: dict[str, dict[str, Any]] = {}
+    per_variant: dict[str, dict[str, float]] = {v: {} for v in runs}
+    for b in sorted({int(b) for run in runs.values() for b in run["decode"]}):
+        here = {v: runs[v]["decode"].get(str(b), {}) for v in FP8_VARIANTS if v in runs}
+        here = {v: e for v, e in here.items() if e.get("fits")}
+        if not here:
+            continue
+        v_ref = max(here, key=lambda v: here[v]["tokens_per_s"])
+        at_batch[str(b)] = {"variant": v_ref, "tokens_per_s": here[v_ref]["tokens_per_s"]}
+        for v, run in runs.items():
+            e = run["decode"].get(str(b), {})
+            if e.get("fits"):
+                per_variant[v][str(b)] = e["tokens_per_s"] / here[v_ref]["tokens_per_s"]
+    out["best_fp8_at_batch"] = at_batch
+    out["speedup_vs_best_fp8_at_batch"] = per_variant
+    return out
 
 
 def report_parts(r: dict[str, Any]) -> list[Any]:
     sizes = sorted({int(b) for run in r["runs"].values() for b in run["decode"]})
+    vs_fp8 = r.get("speedup_vs_best_fp8_at_best")
     rows = []
     for v, run in r["runs"].items():
         cells = []
@@ -323,22 +391,61 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
         rows.append(
             [
                 v,
+                # reports from before the attention was recorded: their FP16-cache rows ran qtool's own FP16
+                # decode kernel, since removed
+                run.get("attention", "not recorded"),
                 *cells,
                 str(run["largest_batch"]),
                 f"{best.get('tokens_per_s', 0):.0f}",
                 tables.num(sp, ".2f", "x"),
+                *([tables.num(vs_fp8.get(v), ".2f", "x")] if vs_fp8 is not None else []),
                 f"{run['weight_bytes'] / 2**30:.2f}",
             ]
         )
-    return [
+    parts: list[Any] = [
         tables.table(
             f"generation throughput, {model_label(r)} (random weights) on {r['device']}: {r['prompt_tokens']} "
             f"prompt + {r['new_tokens']} generated tokens per sequence, {execution(r)}, generated tokens/s "
             "(largest batch that fits marked *)",
-            ["format", *[f"b{b}" for b in sizes], "largest", "best tok/s", "vs fp16", "weights GiB"],
+            [
+                "format",
+                "attention",
+                *[f"b{b}" for b in sizes],
+                "largest",
+                "best tok/s",
+                "vs fp16",
+                *(["vs best FP8"] if vs_fp8 is not None else []),
+                "weights GiB",
+            ],
             rows,
-        ),
-        *shape_notes(r),
+            left=2,
+        )
+    ]
+    if vs_fp8 is not None:
+        ref = r["best_fp8"]
+        parts.append(
+            f"vs best FP8: best tok/s over the better FP8 row's, {ref['variant']} at batch {ref['batch']} "
+            f"({ref['tokens_per_s']:.0f} tok/s)"
+        )
+    parts += _fp8_by_batch(r)
+    return [*parts, *shape_notes(r)]
+
+
+def _fp8_by_batch(r: dict[str, Any]) -> list[Any]:
+    """Each format's tokens/s over the better FP8 row's at the same batch, with that row named per batch."""
+    at = r.get("best_fp8_at_batch")
+    if not at:
+        return []
+    sizes = sorted(at, key=int)
+    per = r["speedup_vs_best_fp8_at_batch"]
+    rows = [[v, *[tables.num(per.get(v, {}).get(b), ".2f", "x") for b in sizes]] for v in r["runs"]]
+    rows.append(["(better FP8 row)", *[at[b]["variant"] for b in sizes]])
+    return [
+        tables.table(
+            "generated tokens/s over the better of fp8 and fp8-sdpa at the same batch",
+            ["format", *[f"b{b}" for b in sizes]],
+            rows,
+        )
     ]
 
 
@@ -348,7 +455,7 @@ def format_throughput(r: dict[str, Any]) -> str:
 
 def figure(r: dict[str, Any]) -> plot.Figure:
     """Generated tokens/s of each format over FP16's at the same batch (where both fit), and at each one's best
-    batch."""
+    batch; where an FP8 row ran, the same over the better FP8 row's."""
     sizes = sorted({int(b) for run in r["runs"].values() for b in run["decode"]})
     fp16 = r["runs"].get("fp16", {}).get("decode", {})
 
@@ -363,14 +470,41 @@ def figure(r: dict[str, Any]) -> plot.Figure:
     }
     best = r.get("speedup_vs_fp16_at_best", {})
     names = [v for v in r["runs"] if v != "fp16" and v in best]
+    panels = [
+        plot.Panel("same batch", sizes, series, xlabel="batch (sequences)"),
+        plot.Panel(
+            "each at its best batch", names, {"best / FP16 best": [best[v] for v in names]}, kind="bar"
+        ),
+    ]
+    at = r.get("best_fp8_at_batch")
+    if at:
+        fp8_sizes = sorted(int(b) for b in at)
+        per = r["speedup_vs_best_fp8_at_batch"]
+        vs = r["speedup_vs_best_fp8_at_best"]
+        reference = "better of fp8 / fp8-sdpa"
+        ylabel = "tokens/s / best FP8 tokens/s"
+        panels += [
+            plot.Panel(
+                "same batch, over the better FP8 row",
+                fp8_sizes,
+                {v: [per.get(v, {}).get(str(b)) for b in fp8_sizes] for v in r["runs"]},
+                xlabel="batch (sequences)",
+                reference=reference,
+                ylabel=ylabel,
+            ),
+            plot.Panel(
+                "each at its best batch, over the best FP8 row",
+                list(vs),
+                {"best / best FP8": list(vs.values())},
+                kind="bar",
+                reference=reference,
+                ylabel=ylabel,
+            ),
+        ]
+    fp16_attention = r["runs"].get("fp16", {}).get("attention")
     return plot.Figure(
         f"qtool bench e2e --throughput {model_label(r)} on {r['device']}",
         "tokens/s / FP16 tokens/s",
-        "FP16 (cuBLAS, FP16 cache)",
-        [
-            plot.Panel("same batch", sizes, series, xlabel="batch (sequences)"),
-            plot.Panel(
-                "each at its best batch", names, {"best / FP16 best": [best[v] for v in names]}, kind="bar"
-            ),
-        ],
+        f"FP16 (cuBLAS, {fp16_attention or 'FP16 cache'})",
+        panels,
     )

@@ -62,7 +62,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
                 "--iters",
                 "10",
             ],
-            lambda r: r["best"],
+            # the default variants: both FP8 rows, and the ratios to the better one at the batch
+            lambda r: (
+                set(r["best"]) == {"fp16", "fp8", "fp8-sdpa", "w4a16", "w4a8kv4"}
+                and r["runs"]["fp8-sdpa"]["attention"] == "torch SDPA (FP16 cache)"
+                and r["speedup_vs_best_fp8_at_batch"]["w4a8kv4"]["4"] > 0
+            ),
         ),
         (
             "attention",
@@ -120,7 +125,7 @@ def test_bench_family_shapes_run_every_format(tmp_path, monkeypatch, dims):
     report = json.loads(out.read_text())
     assert report["cuda_graphs"] is not bool(shape.experts) and report["dims"]["head_dim"] == shape.head_dim
     assert all(sp["decode_b4"] > 0 for sp in report["speedups"].values()) and len(report["speedups"]) == 3
-    variants = "fp16,fp8,w4a16,w4a8kv4,w4a8cq2"
+    variants = "fp16,fp8,fp8-sdpa,w4a16,w4a8kv4,w4a8cq2"
     args = ["e2e", "--throughput", "--model-config", "tiny", "--prompt", "32", "--new-tokens", "8"]
     res = run_cli(
         ["bench", *args, "--batches", "4", "--iters", "10", "--variants", variants, "--json-out", out]

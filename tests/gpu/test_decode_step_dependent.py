@@ -1,4 +1,4 @@
-"""The decode step's fused kernels (RMSNorm, rotary + cache write, attention, SwiGLU) start as programmatic
+"""The decode step's fused kernels (RMSNorm, rotary + cache write, SwiGLU) start as programmatic
 dependents of the kernel ahead, like the projections between them: each may be resident while the one ahead
 still runs, so its reads of that kernel's outputs must wait and go through coherent loads. Whole blocks of the
 bench decoder, chained through their outputs and the KV cache, must give the bits of ordinary launches eagerly
@@ -31,7 +31,7 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
     make = e2e.quant_linear(dev, 4, 128, gen) if weights == "w4" else e2e.fp16_linear(dev)
     model = e2e.Decoder(d, make, dev).eval()
     blk = model.blocks[0]
-    assert blk.fused_norm and blk.fused_rope and blk.fused_swiglu and blk.fused_attention
+    assert blk.fused_norm and blk.fused_rope and blk.fused_swiglu
     length = 16
     tables = model.rope_tables(length, dev)
     caches = [
@@ -42,17 +42,16 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
         for _ in range(d.layers)
     ]
     x = torch.randn(batch, tokens, d.hidden, device=dev, generator=gen).half()
-    if tokens == 1:  # a decode step at position 9 of the cache
-        pos = torch.tensor([9], device=dev)
-        mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
+    if tokens == 1:  # a decode step at position 9 of the cache, attending as the benches time it (span)
+        pos, span = torch.tensor([9], device=dev), 10
     else:  # a prefill from position 0
-        pos, mask = torch.arange(tokens, device=dev), None
+        pos, span = torch.arange(tokens, device=dev), None
 
     def chain() -> torch.Tensor:
         h, y = x, None
         for b, (kc, vc) in zip(model.blocks, caches, strict=True):
-            h, y = b(h, y, tables, (kc, vc), pos, mask)
-        # the caches are part of the result: the rotary kernel writes them, the attention kernel reads them
+            h, y = b(h, y, tables, (kc, vc), pos, None, span)
+        # the caches are part of the result: the rotary kernel writes them, attention reads them
         return torch.cat(
             [h.flatten(), y.flatten()] + [c[:, :, : tokens + 9].flatten() for kv in caches for c in kv]
         )

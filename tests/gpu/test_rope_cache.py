@@ -110,11 +110,11 @@ def test_bench_decoder_fused_kernels_match_torch_forms(monkeypatch):
     dev = torch.device("cuda")
     runs = {}
     for fused in (True, False):
-        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU", "FUSED_ATTENTION"):
+        for flag in ("FUSED_ROPE", "FUSED_NORM", "FUSED_SWIGLU"):
             monkeypatch.setattr(e2e, flag, fused)
         runs[fused] = _decode_run(e2e, d, dev)
         blk = runs[fused][0].blocks[0]
-        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu, blk.fused_attention) == (fused,) * 4
+        assert (blk.fused_rope, blk.fused_norm, blk.fused_swiglu) == (fused,) * 3
     for a, b in zip(runs[True][3], runs[False][3], strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
 
@@ -125,12 +125,42 @@ def test_bench_decoder_same_token_with_and_without_fusion(monkeypatch):
     d = e2e.dims_for("tiny")
     dev = torch.device("cuda")
     tokens = {}
-    monkeypatch.setattr(
-        e2e, "FUSED_ATTENTION", False
-    )  # it needs the fused rotary kernel's layout: off in both
     for fused in (True, False):
         monkeypatch.setattr(e2e, "FUSED_ROPE", fused)
         model, *tokens[fused] = _decode_run(e2e, d, dev)
         assert model.blocks[0].fused_rope is fused
     assert tokens[True][:2] == tokens[False][:2]
     assert all(torch.equal(a, b) for a, b in zip(tokens[True][2], tokens[False][2], strict=True))
+
+
+@pytest.mark.parametrize("model_config", ["tiny", "llama-3-8b"])
+def test_bench_decoder_span_matches_the_masked_step_under_a_graph(model_config):
+    """The decode step the benches capture (SDPA over the cache's first `span` positions after the fused rotary
+    write, no mask) against the masked form over the whole static cache, on a cache whose later positions hold
+    stale values: logits within float16 rounding, replayed from a CUDA graph as the benches time it."""
+    from qtool.bench import e2e
+    from qtool.cuda.graphs import GraphedStep
+
+    d = e2e.dims_for(model_config)
+    d = e2e.Dims(d.hidden, 256, 1, d.heads, d.kv_heads, 1000, head_dim=d.head_dim)  # one layer, small MLP
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = e2e.Decoder(d, e2e.fp16_linear(dev), dev).eval()
+    assert model.blocks[0].fused_rope
+    tables = model.rope_tables(96, dev)
+    stale = torch.randn(2, 3, d.kv_heads, 96, d.head_dim, device=dev).half()
+    ids = torch.randint(0, d.vocab, (3, 1), device=dev)
+    pos = torch.tensor([40], device=dev)
+    logits = {}
+    for span in (None, 41):
+        cache = [(stale[0].clone(), stale[1].clone())]
+        with torch.inference_mode():
+            step = GraphedStep(
+                lambda ids, pos, cache=cache, span=span: model.logits(
+                    ids, pos, cache, tables, decode=True, span=span
+                ),
+                [ids, pos],
+            )
+            logits[span] = synced(step.replay()).float()
+    err = float((logits[41] - logits[None]).norm() / logits[None].norm())
+    assert err < 1e-2, err
