@@ -496,7 +496,7 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 // unnormalized output with its max and sum, and kv_attention_tc_combine merges the S parts the same way.
 // stages of each warp's ring of bulk copies (qtool/kv_cache/cuda.py TC_STAGES)
 #ifndef TC_STAGES
-#define TC_STAGES 4
+#define TC_STAGES 2
 #endif
 // where the rings start in shared memory: after the query rows, their sums and the barriers of NW warps (128-byte
 // aligned)

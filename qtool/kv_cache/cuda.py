@@ -22,18 +22,17 @@ THREADS = 256
 MODES = ("int4", "int8", "fp8")
 BITS = {"int4": 4, "int8": 8, "fp8": 8}
 MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
-# Decode attention forms (kernels/kv_cache/quantized.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the tensor
-# cores (KV4, head dims TC_HEAD_DIMS, from TC_MIN_GROUP query heads per KV head, where `fma`'s 2G FMAs per code
-# outrun the FMA pipe; kernels/NOTES.md, KV4 section)
+# Decode attention forms (kernels/kv_cache/quantized.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the
+# tensor cores (KV4 at head dims TC_HEAD_DIMS, every G: 1.6-1.8x the `fma` form at G = 1 from batch 16, and `fma`'s
+# 2G FMAs per code outrun the FMA pipe from G = 4; kernels/kv_cache/NOTES.md, KV4 section)
 ATTENTION_KERNELS = ("fma", "tc")
 TC_HEAD_DIMS = (64, 128)
-TC_MIN_GROUP = 1
 TC_WARPS = (4, 8)  # warps a block holds: 8 where the (sequence, KV head) pairs alone do not fill the GPU
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
 # The cache is split only where the pairs do not fill the multiprocessors, into at most this many parts: the
-# measured best on an H200 (Llama-2-7B heads at batch 1: 4 parts; Llama-3-8B's 8 pairs: 4 parts, 16 slower; 128
-# pairs: 1 part; kernels/kv_cache/NOTES.md)
+# measured best on an H200 (Llama-2-7B heads at batch 1, 32 pairs: 4 parts, 7.2 us against 9.9 unsplit; 128 pairs:
+# unsplit; kernels/kv_cache/NOTES.md)
 TC_SPLIT_CAP = 4
 # stages of 16 tokens in each warp's ring of bulk copies (the tensor-core form): the steps a warp has in flight
 TC_STAGES = 2
@@ -196,7 +195,7 @@ def words_per_lane(mode: str, group: int, head_dim: int) -> int:
 
 def attention_kernel(mode: str, group: int, head_dim: int) -> str:
     """The decode attention form the dispatch picks (ATTENTION_KERNELS)."""
-    if mode == "int4" and group >= TC_MIN_GROUP and head_dim in TC_HEAD_DIMS:
+    if mode == "int4" and head_dim in TC_HEAD_DIMS:
         return "tc"
     return "fma"
 
