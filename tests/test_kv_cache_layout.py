@@ -62,3 +62,16 @@ def test_unsupported_head_dims_are_refused_in_one_line():
         ValueError, match="KV cache int8: found head_dim 256, expected a multiple of 4 up to 128"
     ):
         kvc.check_shape("int8", 256)
+
+
+def test_tensor_core_attention_splits_the_cache_only_where_pairs_leave_sms_idle():
+    sms = 132  # an H100/H200
+    assert kvc.attention_splits(8, 1024, sms) == 4  # Llama-3-8B, batch 1: capped at 4 parts
+    assert kvc.attention_splits(32, 1024, sms) == 4  # Llama-2-7B, batch 1
+    assert kvc.attention_splits(64, 1024, sms) == 2
+    assert kvc.attention_splits(8, 100, sms) == 1  # a short cache stays one block per pair
+    assert (
+        kvc.attention_splits(128, 1024, sms) == 1
+    )  # Llama-3-8B, batch 16: one block a multiprocessor already
+    assert kvc.attention_splits(5120, 1024, sms) == 1
+    assert kvc.tc_warps(128, sms) == 8 and kvc.tc_warps(512, sms) == 4

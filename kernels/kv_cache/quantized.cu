@@ -469,33 +469,68 @@ KV_WRITE(kv_write_int8, KV_INT8)
 KV_WRITE(kv_write_fp8, KV_FP8)
 
 // ---------------------------------------------------------------------------------------------------------------
-// Decode attention over a KV4 cache on the tensor cores (kv_attention_tc_int4_d*), for G = 2..8 query heads per KV
+// Decode attention over a KV4 cache on the tensor cores (kv_attention_tc_int4_d*), for 1..8 query heads per KV
 // head: the CUDA-core kernel above spends 2G float32 FMAs per code, more than the FMA pipe delivers at DRAM rate
 // once G >= 4 (Llama-3-8B: 0.41x SDPA at batch 64). Here `mma.sync.m16n8k16` (float16 in, float32 accumulate) does
-// both products, the G heads being rows 0..G-1 of its 16-row A operand (rows G..15 zero), so a code costs a
-// fraction of an instruction whatever G is, and the kernel stays bound by the cache's bytes.
-//   Scores (per warp, 16 tokens a step, two 8-token tiles): S = Q·Cᵀ with B = the key codes as exact float16
-//   (0x6400 | nibble, minus 1024, four nibbles of a word per LOP3), then s = qscale · s_n (S - z_n Σq) per token n.
-//   A thread (group g = lane / 4, t = lane % 4) loads its token g's row words t·D/32 .. (one 16-byte load at
-//   D = 128); the channels a conversion puts in a register pair are not the MMA's consecutive k, so the query's A
-//   fragments are gathered in the same order (channels 8w, 8w+4 | 8w+1, 8w+5 for word w's first k-step, 8w+2,
-//   8w+6 | 8w+3, 8w+7 for its second).
-//   Output: O = (P·diag(s))·C - Σ_n p_n s_n z_n with P·diag(s) rounded to float16 as the A operand (the scores'
-//   C fragments are already in its layout: tokens 2t, 2t+1 and 8 + 2t, 9 + 2t of row g) and B the value codes: a
-//   thread loads words g·D/64 .. of tokens 2t, 2t+1, 2t+8, 2t+9 and pairs tokens per register by PRMT, so n-tile m
-//   of the output holds channel 8 (g·D/64 + m / 8) + m % 8 of column g.
-// One block of TC_WARPS warps per (sequence, KV head); warps take 16-token steps in turn and merge through shared
-// memory as above. Where those blocks are too few to fill the GPU (batch 1: Llama-3-8B has 8 KV heads), a grid of
-// S blocks per pair splits the cache along L; each writes its unnormalized output with its max and sum, and
-// kv_attention_tc_combine merges the S parts the same way.
-constexpr int TC_WARPS = 4;
+// both products with the codes as the A operand (16 tokens, or 16 channels, as its rows) and the G heads as the 8
+// columns of B, so every register of A is cache data and a code costs a fraction of an instruction whatever G is.
+// The kernel is bound by the instructions a code costs (conversion, MMA, softmax): they are what to cut.
+//   Scores, transposed (per warp, 16 tokens a step): Sᵀ = C·Qᵀ with A = the key codes as exact float16
+//   (0x6400 | nibble, minus 1024, four nibbles of a word per LOP3): a thread (group g = lane / 4, t = lane % 4)
+//   holds words t·D/32 .. of tokens g and g + 8 (one 16-byte read each at D = 128); the channels a conversion puts
+//   in a register pair are not the MMA's consecutive k, so the query's B fragments are gathered in the same order
+//   (channels 8w, 8w+4 | 8w+1, 8w+5 for word w's first k-step, 8w+2, 8w+6 | 8w+3, 8w+7 for its second). Then
+//   s = qscale · s_n (S - z_n Σq) for tokens g, g + 8 and heads 2t, 2t + 1; the softmax runs per head over the
+//   step's 16 tokens (a max across the 8 groups by three shuffles).
+//   Output, transposed: Oᵀ = Cᵥᵀ·(P·diag(s))ᵀ - Σ_n p_n s_n z_n: B is P·diag(s) rounded to float16 and transposed
+//   in registers (movmatrix: the scores' C fragment of tokens x heads becomes B's heads x tokens), A the value
+//   codes: a thread holds words g·D/64 .. of tokens 2t, 2t+1, 2t+8, 2t+9 and pairs tokens per register by PRMT, so
+//   for word i and byte j, rows g and g + 8 of the m-tile are channels 8 (g·D/64 + i) + 2j and + 1, and the
+//   accumulator's columns are heads 2t, 2t + 1, the same heads as the thread's scores (its rescaling needs no
+//   exchange).
+// One block of NW warps (4, or 8 where the pairs alone do not fill the GPU) per (sequence, KV head); each warp
+// streams its 16-token steps (every NW-th)
+// through a ring of TC_STAGES shared-memory stages filled by bulk copies, which one lane issues TC_STAGES steps
+// ahead, and the warps merge through shared memory at the end. Where those blocks are too few to fill the GPU
+// (batch 1: Llama-3-8B has 8 KV heads), a grid of S blocks per pair splits the cache along L; each writes its
+// unnormalized output with its max and sum, and kv_attention_tc_combine merges the S parts the same way.
+// stages of each warp's ring of bulk copies (qtool/kv_cache/cuda.py TC_STAGES)
+#ifndef TC_STAGES
+#define TC_STAGES 2
+#endif
+// where the rings start in shared memory: after the query rows, their sums and the barriers of NW warps (128-byte
+// aligned)
+#define TC_RING_OFFSET(D, NW) ((16 * (D) + 64 + 8 * TC_STAGES * (NW) + 127) / 128 * 128)
 
-__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a2, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// An 8x8 float16 matrix held as an MMA fragment (lane g·4 + t: row g, columns 2t, 2t + 1), transposed.
+__device__ __forceinline__ u32 movmatrix_t(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// The nibbles at bits 0-3 and 16-19 of w as float16 1024 + c (exact), and those at bits 4-7 and 20-23 as
+// 1024 + 16 c (exact: the spacing of float16 in [1024, 2048) is 1): one LOP3 a pair, no shift. For keys the 1024 is
+// subtracted once per token (with the zero point, through the query's sum), for values by a HSUB2; the factor 16 of
+// the odd channels is divided out of the query (keys) or the output (values), both exactly (powers of two).
+__device__ __forceinline__ u32 nib_lo(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(r) : "r"(w));
+    return r;
+}
+
+__device__ __forceinline__ u32 nib_hi(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(r) : "r"(w));
+    return r;
 }
 
 // nibbles at bits 0-3 and 16-19 of w as two exact float16 values
@@ -523,16 +558,165 @@ __device__ __forceinline__ void ld_words(u32 (&w)[N], const u32* p, bool ok) {
     }
 }
 
+// One warp's 16-token step of the cache as a thread takes it from the warp's shared-memory stage: key words of
+// tokens t0 + g and t0 + 8 + g with their (scale, zero) pairs, value words of tokens t0 + 2t, +1, +8, +9 and the
+// (scale, zero) pairs of values of tokens t0 + g, t0 + 8 + g.
 template <int D>
+struct TcStep {
+    u32 kw[2][D / 32];
+    u32 vw[4][D / 64];
+    u32 kp[2], vp[2];
+};
+
+// A stage of a warp's ring: the step's key rows, value rows, and (scale, zero) words of keys and of values, each
+// run of 16 copied from the 16-byte boundary at or below its first token (up to 3 words ahead of it, 20 slots).
+template <int D>
+struct TcStage {
+    static constexpr int ROW = D / 2;  // bytes per cached row
+    static constexpr int K = 0, V = 16 * ROW, KP = 32 * ROW, VP = 32 * ROW + 80;
+    static constexpr int BYTES = 32 * ROW + 160;
+};
+
+// The step at t0 (its tokens below `hi`) into stage `dst`, completing on `bar`: one thread, four bulk copies.
+template <int D>
+__device__ __forceinline__ void tc_issue(u32 dst, u32 bar, const u32* __restrict__ kc, const u32* __restrict__ vc,
+                                         const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
+                                         int t0, int hi) {
+    using St = TcStage<D>;
+    const u32 nt = (u32)min(16, hi - t0);
+    const size_t a = row0 + t0, a0 = a & ~(size_t)3;
+    const u32 pbytes = (((u32)(a - a0) + nt) * 4 + 15) & ~15u;
+    mbar_arrive_expect_tx(bar, 2 * nt * St::ROW + 2 * pbytes);
+    const char* kb = reinterpret_cast<const char*>(kc) + a * St::ROW;
+    const char* vb = reinterpret_cast<const char*>(vc) + a * St::ROW;
+    bulk_load(dst + St::K, kb, nt * St::ROW, bar);
+    bulk_load(dst + St::V, vb, nt * St::ROW, bar);
+    bulk_load(dst + St::KP, kp + a0, pbytes, bar);
+    bulk_load(dst + St::VP, vp + a0, pbytes, bar);
+}
+
+template <int N>
+__device__ __forceinline__ void lds_words(u32 (&w)[N], u32 addr) {
+    if constexpr (N == 4) {
+        const uint4 v = lds128(addr);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (N == 2) {
+        const uint2 v = lds64(addr);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = lds32(addr);
+    }
+}
+
+// This thread's part of the stage at `src` (the step's first token at word `o` of its parameter runs)
+template <int D>
+__device__ __forceinline__ void tc_read(TcStep<D>& s, u32 src, u32 o, int g, int t) {
+    using St = TcStage<D>;
+    constexpr int KW = D / 32, VW = D / 64;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        lds_words<KW>(s.kw[h], src + St::K + (8 * h + g) * St::ROW + 4 * KW * t);
+        s.kp[h] = lds32(src + St::KP + 4 * (o + 8 * h + g));
+        s.vp[h] = lds32(src + St::VP + 4 * (o + 8 * h + g));
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 r = 2 * t + (j & 1) + 8 * (j >> 1);
+        lds_words<VW>(s.vw[j], src + St::V + r * St::ROW + 4 * VW * g);
+    }
+}
+
+// The running softmax state of one thread for heads 2t and 2t + 1: max, its tokens' share of the sum and of Σ p s z
+// (summed over the groups at the end), and the output fragments (m-tile 4i + j: channels 8 (g·D/64 + i) + 2j and,
+// times 16, + 1).
+template <int D>
+struct TcAcc {
+    float mrun[2], lrun[2], wz[2];
+    float o[D / 16][4];
+};
+
+template <int D>
+__device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, const u32 (&qb)[D / 16][2],
+                                           const float (&qsum)[2], const float (&qbias)[2], float qscale, int t0,
+                                           int hi, int g, int t) {
+    constexpr int KW = D / 32, VW = D / 64;
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};  // tokens g (0, 1) and g + 8 (2, 3) x heads 2t, 2t + 1
+#pragma unroll
+    for (int i = 0; i < KW; ++i) {
+        const u32 w0 = s.kw[0][i], w1 = s.kw[1][i], u0 = w0 >> 8, u1 = w1 >> 8;
+        mma16816(sc, nib_lo(w0), nib_lo(w1), nib_hi(w0), nib_hi(w1), qb[2 * i][0], qb[2 * i][1]);
+        mma16816(sc, nib_lo(u0), nib_lo(u1), nib_hi(u0), nib_hi(u1), qb[2 * i + 1][0], qb[2 * i + 1][1]);
+    }
+    // tokens past the range get no weight: a stage's slots there hold what an earlier step (or nothing) left
+    float x[4], mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const bool in = t0 + 8 * h + g < hi;
+        const float ks = h2f((u16)(s.kp[h] & 0xFFFFu)), kz = h2f((u16)(s.kp[h] >> 16));
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            x[2 * h + e] = in ? qscale * (ks * (sc[2 * h + e] - fmaf(kz, qsum[e], qbias[e])))
+                              : __uint_as_float(0xFF800000u);
+    }
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float m = fmaxf(x[e], x[2 + e]);
+#pragma unroll
+        for (int sh = 4; sh < 32; sh <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, sh));
+        mx[e] = fmaxf(a.mrun[e], m);
+        alpha[e] = fast_exp2(a.mrun[e] - mx[e]);
+        a.mrun[e] = mx[e];
+        a.lrun[e] *= alpha[e];
+        a.wz[e] *= alpha[e];
+    }
+    // the output is rescaled only when some head's max grew in this step (after the first steps, seldom)
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int m4 = 0; m4 < D / 16; ++m4) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) a.o[m4][e] *= alpha[e], a.o[m4][2 + e] *= alpha[e];
+        }
+    }
+    float pw[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const bool in = t0 + 8 * h + g < hi;
+        const float vs = in ? h2f((u16)(s.vp[h] & 0xFFFFu)) : 0.f, vz = in ? h2f((u16)(s.vp[h] >> 16)) : 0.f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float pr = fast_exp2(x[2 * h + e] - mx[e]);
+            a.lrun[e] += pr;
+            pw[2 * h + e] = pr * vs;
+            a.wz[e] = fmaf(pw[2 * h + e], vz, a.wz[e]);
+        }
+    }
+    // B of the output: heads x tokens (2t, 2t + 1 | 2t + 8, 2t + 9), the transposes of the scores' two 8x8 halves
+    const u32 pb0 = movmatrix_t(pack_h2(pw[0], pw[1])), pb1 = movmatrix_t(pack_h2(pw[2], pw[3]));
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 sel = (u32)j | ((u32)(4 + j) << 8);
+            u32 y01, y23;
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(s.vw[0][i]), "r"(s.vw[1][i]), "r"(sel));
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(s.vw[2][i]), "r"(s.vw[3][i]), "r"(sel));
+            // values exact (c and 16c): with the 1024 left in, the accumulator's rounding at 1024 Σ p s came
+            // through the subtraction above float16 rounding of the output
+            mma16816(a.o[4 * i + j], f16x2_sub(nib_lo(y01), 0x64006400u), f16x2_sub(nib_hi(y01), 0x64006400u),
+                     f16x2_sub(nib_lo(y23), 0x64006400u), f16x2_sub(nib_hi(y23), 0x64006400u), pb0, pb1);
+        }
+    }
+}
+
+template <int D, int NW>
 __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
                                                 const u32* __restrict__ vc, const u32* __restrict__ kp,
                                                 const u32* __restrict__ vp, const long long* __restrict__ pos,
                                                 u16* __restrict__ out, int H, int KVH, int L, int G, float qscale,
                                                 int S, float* __restrict__ part) {
-    constexpr int W = D / 8;          // 32-bit words per cached row
-    constexpr int KW = D / 32;        // key words per thread and token: k-steps 2i, 2i + 1 per word
-    constexpr int VW = D / 64;        // value words per thread and token
-    constexpr int NT = D / 8;         // output n-tiles
+    constexpr int KW = D / 32;  // key words per thread and token: k-steps 2i, 2i + 1 per word
+    constexpr int VW = D / 64;  // value words per thread and token
     extern __shared__ float sm[];
     launch_dependents();
     grid_dependency_wait();
@@ -548,141 +732,118 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         lo = min(n, (int)blockIdx.y * chunk);
         hi = min(n, lo + chunk);
     }
-    // the query rows (float16, as written) staged, and Σq per head
+    const size_t row0 = ((size_t)b * KVH + kvh) * L;
+    // shared memory: the query rows [8][D] u16, their sums [8], each warp's TC_STAGES barriers, then each warp's
+    // ring of TC_STAGES stages (which the merge at the end reuses)
+    using St = TcStage<D>;
+    constexpr int STRIDE = 16 * NW;
+    const u32 base = smem_addr(sm);
+    const u32 bars = base + 16 * D + 64 + 8 * TC_STAGES * warp;
+    const u32 ring = base + TC_RING_OFFSET(D, NW) + St::BYTES * TC_STAGES * warp;
+    const int first = lo + 16 * warp;  // this warp's steps: first, first + STRIDE, ... below hi
+    const int steps = first < hi ? (hi - first + STRIDE - 1) / STRIDE : 0;
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < TC_STAGES; ++i) mbar_init(bars + 8 * i, 1);
+        mbar_init_fence();
+        // the first stages' copies go out before the query is staged: their latency overlaps the staging
+        for (int k = 0; k < min(steps, TC_STAGES); ++k)
+            tc_issue<D>(ring + St::BYTES * k, bars + 8 * k, kc, vc, kp, vp, row0, first + k * STRIDE, hi);
+    }
+    // the query rows staged with the odd channels divided by 16 (exactly: they meet key codes times 16), the
+    // sum of each row and 1024 times the sum of its staged form (the 1024 in every key code), the warps taking the
+    // rows in turn
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
     float* qsum_s = sm + 4 * D;           // [8]
+    float* qbias_s = qsum_s + 8;          // [8]
     for (int i = tid; i < 8 * D; i += blockDim.x) {
         const int r = i / D;
-        qs[i] = r < G ? ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G + r) * D + (i % D)) : (u16)0;
+        const u16 v = r < G ? ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G + r) * D + (i % D)) : (u16)0;
+        qs[i] = (i & 1) ? f2h(h2f(v) * 0.0625f) : v;
     }
     __syncthreads();
-    if (warp == 0) {
-        for (int r = 0; r < 8; ++r) {
-            float s = 0.f;
-            for (int d = lane; d < D; d += 32) s += h2f(qs[r * D + d]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) qsum_s[r] = s;
+    for (int r = warp; r < 8; r += NW) {
+        float sum = 0.f, staged = 0.f;
+        for (int d = lane; d < D; d += 32) {
+            const float v = h2f(qs[r * D + d]);
+            staged += v;
+            sum += (d & 1) ? 16.f * v : v;
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            staged += __shfl_xor_sync(0xffffffffu, staged, o);
+        }
+        if (lane == 0) qsum_s[r] = sum, qbias_s[r] = 1024.f * staged;
     }
-    // A fragments of the scores: k-step 2i (word w = KW t + i) and 2i + 1
-    u32 qa[2 * KW][2];
+    // B fragments of the scores (head g): k-step 2i (word w = KW t + i) and 2i + 1
+    u32 qb[2 * KW][2];
 #pragma unroll
     for (int i = 0; i < KW; ++i) {
         const u16* qr = qs + g * D + 8 * (KW * t + i);
-        qa[2 * i][0] = (u32)qr[0] | ((u32)qr[4] << 16);
-        qa[2 * i][1] = (u32)qr[1] | ((u32)qr[5] << 16);
-        qa[2 * i + 1][0] = (u32)qr[2] | ((u32)qr[6] << 16);
-        qa[2 * i + 1][1] = (u32)qr[3] | ((u32)qr[7] << 16);
+        qb[2 * i][0] = (u32)qr[0] | ((u32)qr[4] << 16);
+        qb[2 * i][1] = (u32)qr[1] | ((u32)qr[5] << 16);
+        qb[2 * i + 1][0] = (u32)qr[2] | ((u32)qr[6] << 16);
+        qb[2 * i + 1][1] = (u32)qr[3] | ((u32)qr[7] << 16);
     }
     __syncthreads();
-    const float qsum = qsum_s[g];
-    float mrun = -1.0e30f, lrun = 0.f, wz = 0.f;
-    float o[NT][4];
+    const float qsum[2] = {qsum_s[2 * t], qsum_s[2 * t + 1]}, qbias[2] = {qbias_s[2 * t], qbias_s[2 * t + 1]};
+    TcAcc<D> acc;
 #pragma unroll
-    for (int m = 0; m < NT; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
-    const size_t row0 = ((size_t)b * KVH + kvh) * L;
-    for (int t0 = lo + 16 * warp; t0 < hi; t0 += 16 * TC_WARPS) {
-        // keys: token t0 + g (tile 0) and t0 + 8 + g (tile 1), words KW t ..
-        u32 kw[2][KW];
+    for (int e = 0; e < 2; ++e) acc.mrun[e] = -1.0e30f, acc.lrun[e] = acc.wz[e] = 0.f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = t0 + 8 * h + g;
-            ld_words<KW>(kw[h], kc + (row0 + (r < L ? r : 0)) * W + KW * t, r < L);
-        }
-        // values: tokens t0 + 2t, +1, +8, +9, words VW g ..
-        u32 vw[4][VW], kpr[4], vpr[4];
+    for (int m = 0; m < D / 16; ++m) acc.o[m][0] = acc.o[m][1] = acc.o[m][2] = acc.o[m][3] = 0.f;
+    // each step: wait for its stage, take this thread's part into registers, hand the stage to the copy of the step
+    // TC_STAGES later, compute
+    TcStep<D> st;
+    for (int k = 0; k < steps; ++k) {
+        const int stage = k % TC_STAGES, t0 = first + k * STRIDE;
+        const u32 src = ring + St::BYTES * stage, bar = bars + 8 * stage;
+        mbar_wait(bar, (u32)(k / TC_STAGES) & 1u);
+        tc_read<D>(st, src, (u32)((row0 + t0) & 3), g, t);
+        __syncwarp();
+        if (lane == 0 && k + TC_STAGES < steps)
+            tc_issue<D>(src, bar, kc, vc, kp, vp, row0, t0 + TC_STAGES * STRIDE, hi);
+        tc_compute<D>(acc, st, qb, qsum, qbias, qscale, t0, hi, g, t);
+    }
+    // each head's sums over the eight groups
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
-            const bool ok = r < L;
-            ld_words<VW>(vw[j], vc + (row0 + (ok ? r : 0)) * W + VW * g, ok);
-            kpr[j] = ok ? ld_dep_u32(kp + row0 + r) : 0u;
-            vpr[j] = ok ? ld_dep_u32(vp + row0 + r) : 0u;
-        }
-        float s[2][4];
+    for (int e = 0; e < 2; ++e) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
-#pragma unroll
-            for (int i = 0; i < KW; ++i) {
-                const u32 w = kw[h][i];
-                mma16816(s[h], qa[2 * i][0], qa[2 * i][1], nib2h(w), nib2h(w >> 4));
-                mma16816(s[h], qa[2 * i + 1][0], qa[2 * i + 1][1], nib2h(w >> 8), nib2h(w >> 12));
-            }
-        }
-        // this thread's four tokens: j = 0, 1 (tile 0: 2t, 2t + 1), 2, 3 (tile 1)
-        float sc[4];
-        float mx = mrun;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = t0 + 2 * t + (j & 1) + 8 * (j >> 1);
-            const float ks = h2f((u16)(kpr[j] & 0xFFFFu)), kz = h2f((u16)(kpr[j] >> 16));
-            const float a = s[j >> 1][j & 1];
-            sc[j] = r < hi ? qscale * (ks * (a - kz * qsum)) : __uint_as_float(0xFF800000u);
-            mx = fmaxf(mx, sc[j]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float alpha = fast_exp2(mrun - mx);
-        mrun = mx;
-        lrun *= alpha;
-        wz *= alpha;
-#pragma unroll
-        for (int m = 0; m < NT; ++m) o[m][0] *= alpha, o[m][1] *= alpha;
-        float pw[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float pr = fast_exp2(sc[j] - mx);
-            lrun += pr;
-            pw[j] = pr * h2f((u16)(vpr[j] & 0xFFFFu));
-            wz = fmaf(pw[j], h2f((u16)(vpr[j] >> 16)), wz);
-        }
-        const u32 pa0 = pack_h2(pw[0], pw[1]), pa2 = pack_h2(pw[2], pw[3]);
-#pragma unroll
-        for (int i = 0; i < VW; ++i) {
-#pragma unroll
-            for (int bi = 0; bi < 4; ++bi) {
-                const u32 sel = (u32)bi | ((u32)(4 + bi) << 8);
-                u32 y01, y23;
-                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y01) : "r"(vw[0][i]), "r"(vw[1][i]), "r"(sel));
-                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(y23) : "r"(vw[2][i]), "r"(vw[3][i]), "r"(sel));
-                mma16816(o[8 * i + 2 * bi], pa0, pa2, nib2h(y01), nib2h(y23));
-                mma16816(o[8 * i + 2 * bi + 1], pa0, pa2, nib2h(y01 >> 4), nib2h(y23 >> 4));
-            }
+        for (int sh = 4; sh < 32; sh <<= 1) {
+            acc.lrun[e] += __shfl_xor_sync(0xffffffffu, acc.lrun[e], sh);
+            acc.wz[e] += __shfl_xor_sync(0xffffffffu, acc.wz[e], sh);
         }
     }
-    // the row's sums over its four threads
+    __syncthreads();  // every ring's copies are consumed: the rings are free
+    float* ys = sm + TC_RING_OFFSET(D, NW) / 4;  // [NW][8][D]
+    float* ml = ys + NW * 8 * D;       // [NW][8][2]
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-        lrun += __shfl_xor_sync(0xffffffffu, lrun, x);
-        wz += __shfl_xor_sync(0xffffffffu, wz, x);
-    }
-    __syncthreads();  // the query staging is free
-    float* ys = sm;                     // [TC_WARPS][8][D]
-    float* ml = sm + TC_WARPS * 8 * D;  // [TC_WARPS][8][2]
-    if (g < G) {
+    for (int e = 0; e < 2; ++e) {
+        const int head = 2 * t + e;
+        if (head < G) {
 #pragma unroll
-        for (int m = 0; m < NT; ++m) {
+            for (int i = 0; i < VW; ++i) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = 2 * t + e;  // the B column, i.e. the value thread group whose channels it holds
-                const int ch = 8 * (VW * col + m / 8) + m % 8;
-                ys[(warp * 8 + g) * D + ch] = o[m][e] - wz;
+                for (int j = 0; j < 4; ++j) {
+                    const int ch = 8 * (VW * g + i) + 2 * j;
+                    ys[(warp * 8 + head) * D + ch] = acc.o[4 * i + j][e] - acc.wz[e];
+                    ys[(warp * 8 + head) * D + ch + 1] = acc.o[4 * i + j][2 + e] * 0.0625f - acc.wz[e];
+                }
             }
-        }
-        if (t == 0) {
-            ml[(warp * 8 + g) * 2] = mrun;
-            ml[(warp * 8 + g) * 2 + 1] = lrun;
+            if (g == 0) {
+                ml[(warp * 8 + head) * 2] = acc.mrun[e];
+                ml[(warp * 8 + head) * 2 + 1] = acc.lrun[e];
+            }
         }
     }
     __syncthreads();
     for (int i = tid; i < G * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
         float mxx = -1.0e30f;
-        for (int w = 0; w < TC_WARPS; ++w) mxx = fmaxf(mxx, ml[(w * 8 + r) * 2]);
+        for (int w = 0; w < NW; ++w) mxx = fmaxf(mxx, ml[(w * 8 + r) * 2]);
         float y = 0.f, ls = 0.f;
-        for (int w = 0; w < TC_WARPS; ++w) {
+        for (int w = 0; w < NW; ++w) {
             const float c = fast_exp2(ml[(w * 8 + r) * 2] - mxx);
             y += c * ys[(w * 8 + r) * D + d];
             ls += c * ml[(w * 8 + r) * 2 + 1];
@@ -720,16 +881,21 @@ __device__ __forceinline__ void kv_attention_tc_combine(const float* __restrict_
     }
 }
 
-#define KV_ATTENTION_TC(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) kv_attention_tc_int4_d##D(                          \
+#define KV_ATTENTION_TC(D, NW)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * NW) kv_attention_tc_int4_d##D##_w##NW(                      \
         const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
         const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
         u16* __restrict__ out, int H, int KVH, int L, int G, float qscale, int S, float* __restrict__ part) {    \
-        kv_attention_tc<D>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                            \
-    }                                                                                                              \
+        kv_attention_tc<D, NW>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                        \
+    }
+#define KV_ATTENTION_TC_COMBINE(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) kv_attention_tc_combine_d##D(                                \
         const float* __restrict__ part, u16* __restrict__ out, int H, int KVH, int G, int S) {                     \
         kv_attention_tc_combine<D>(part, out, H, KVH, G, S);                                                       \
     }
-KV_ATTENTION_TC(64)
-KV_ATTENTION_TC(128)
+KV_ATTENTION_TC(64, 4)
+KV_ATTENTION_TC(64, 8)
+KV_ATTENTION_TC(128, 4)
+KV_ATTENTION_TC(128, 8)
+KV_ATTENTION_TC_COMBINE(64)
+KV_ATTENTION_TC_COMBINE(128)

@@ -22,15 +22,20 @@ THREADS = 256
 MODES = ("int4", "int8", "fp8")
 BITS = {"int4": 4, "int8": 8, "fp8": 8}
 MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
-# Decode attention forms (kernels/kv_cache/quantized.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the tensor
-# cores (KV4, head dims TC_HEAD_DIMS, from TC_MIN_GROUP query heads per KV head, where `fma`'s 2G FMAs per code
-# outrun the FMA pipe; kernels/NOTES.md, KV4 section)
+# Decode attention forms (kernels/kv_cache/quantized.cu): `fma` on the CUDA cores (every mode, G = 1..8), `tc` on the
+# tensor cores (KV4 at head dims TC_HEAD_DIMS, every G: 1.6-1.8x the `fma` form at G = 1 from batch 16, and `fma`'s
+# 2G FMAs per code outrun the FMA pipe from G = 4; kernels/kv_cache/NOTES.md, KV4 section)
 ATTENTION_KERNELS = ("fma", "tc")
 TC_HEAD_DIMS = (64, 128)
-TC_MIN_GROUP = 2
-TC_WARPS = 4
+TC_WARPS = (4, 8)  # warps a block holds: 8 where the (sequence, KV head) pairs alone do not fill the GPU
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
 TC_MAX_SPLITS = 32
+# The cache is split only where the pairs do not fill the multiprocessors, into at most this many parts: the
+# measured best on an H200 (Llama-2-7B heads at batch 1, 32 pairs: 4 parts, 7.2 us against 9.9 unsplit; 128 pairs:
+# unsplit; kernels/kv_cache/NOTES.md)
+TC_SPLIT_CAP = 4
+# stages of 16 tokens in each warp's ring of bulk copies (the tensor-core form): the steps a warp has in flight
+TC_STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -153,7 +158,7 @@ def write(
     warps = THREADS // 32
     blocks = max(1, min(-(-vectors // warps), cc.sm_count(dev) * 8))
     dependent_launch.launch(
-        cc.load_module(SOURCE, device=dev).fn(f"kv_write_{cache.mode}"),
+        _module(dev).fn(f"kv_write_{cache.mode}"),
         (blocks,),
         (THREADS,),
         (
@@ -190,9 +195,28 @@ def words_per_lane(mode: str, group: int, head_dim: int) -> int:
 
 def attention_kernel(mode: str, group: int, head_dim: int) -> str:
     """The decode attention form the dispatch picks (ATTENTION_KERNELS)."""
-    if mode == "int4" and group >= TC_MIN_GROUP and head_dim in TC_HEAD_DIMS:
+    if mode == "int4" and head_dim in TC_HEAD_DIMS:
         return "tc"
     return "fma"
+
+
+def _module(dev: int):
+    return cc.load_module(SOURCE, (f"-DTC_STAGES={TC_STAGES}",), device=dev)
+
+
+def tc_shared_bytes(head_dim: int, warps: int) -> int:
+    """Dynamic shared memory of the tensor-core form (kernels/kv_cache/quantized.cu): the query rows, their sums
+    and the barriers, then each warp's ring (its stages: 16 key and 16 value rows, 20 words of parameters each),
+    which the final merge of the warps reuses."""
+    ring_offset = -(-(16 * head_dim + 64 + 8 * TC_STAGES * warps) // 128) * 128
+    stage = 32 * (head_dim // 2) + 160
+    merge = 4 * warps * 8 * (head_dim + 2)
+    return ring_offset + max(warps * TC_STAGES * stage, merge)
+
+
+def tc_warps(pairs: int, sms: int) -> int:
+    """Warps of a tensor-core block: more where the pairs leave multiprocessors idle."""
+    return TC_WARPS[1] if pairs < sms else TC_WARPS[0]
 
 
 @functools.cache
@@ -201,11 +225,12 @@ def _sm_count(device: int) -> int:
 
 
 def attention_splits(pairs: int, length: int, sms: int) -> int:
-    """Parts along the cache for the tensor-core form: enough blocks for every SM when the (sequence, KV head)
-    pairs alone are fewer, each part at least TC_MIN_SPLIT_TOKENS of the cache's capacity, at most TC_MAX_SPLITS."""
+    """Parts along the cache for the tensor-core form: one where the (sequence, KV head) pairs fill the
+    multiprocessors, else enough for one block per multiprocessor up to TC_SPLIT_CAP, each part at least
+    TC_MIN_SPLIT_TOKENS of the cache's capacity."""
     if pairs >= sms:
         return 1
-    return max(1, min(-(-sms // pairs), length // TC_MIN_SPLIT_TOKENS, TC_MAX_SPLITS))
+    return max(1, min(sms // pairs, TC_SPLIT_CAP, length // TC_MIN_SPLIT_TOKENS))
 
 
 def attention(
@@ -216,11 +241,13 @@ def attention(
     wpl: int | None = None,
     kernel: str | None = None,
     splits: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
     kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc); `splits`
-    the tensor-core form's parts along the cache (default: `attention_splits`)."""
+    the tensor-core form's parts along the cache (default: `attention_splits`), `warps` its warps a block
+    (default: `tc_warps`)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if (
@@ -254,21 +281,32 @@ def attention(
                 f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
                 f"expected int4 and a head dim in {TC_HEAD_DIMS}"
             )
+        module = _module(dev)
+        sms = _sm_count(dev)
+        warps = tc_warps(b * kvh, sms) if warps is None else warps
+        if warps not in TC_WARPS:
+            raise ValueError(f"warps: found {warps}, expected one of {TC_WARPS}")
+        fn = module.fn(f"kv_attention_tc_int4_d{d}_w{warps}")
+        smem = tc_shared_bytes(d, warps)
+        cc.allow_shared_memory(fn, smem)
+        # the stages are filled by 16-byte bulk copies of whole rows and parameter runs
+        for name in ("k", "v", "k_params", "v_params"):
+            t = getattr(cache, name)
+            if t.data_ptr() % 16 or not t.is_contiguous():
+                raise ValueError(
+                    f"cache.{name}: found a tensor not contiguous from a 16-byte boundary; expected one"
+                )
         if splits is None:
-            splits = attention_splits(b * kvh, length, _sm_count(dev))
+            splits = attention_splits(b * kvh, length, sms)
         if not 1 <= splits <= TC_MAX_SPLITS:
             raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
-        module = cc.load_module(SOURCE, device=dev)
-        fn = module.fn(f"kv_attention_tc_int4_d{d}")
-        smem = 4 * TC_WARPS * 8 * (d + 2)
-        cc.allow_shared_memory(fn, smem)
         part = torch.empty(
             b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device
         )
         dependent_launch.launch(
             fn,
             (b * kvh, splits),
-            (32 * TC_WARPS,),
+            (32 * warps,),
             (
                 cc.ptr(q),
                 cc.ptr(cache.k),
@@ -297,16 +335,15 @@ def attention(
                 device=dev,
             )
         return out
-    warps = THREADS // 32
-    smem = 4 * max(g * d + g, warps * g * (d + 2))
+    if warps is not None or splits is not None:
+        raise ValueError("kernel fma: found warps or splits, which only the tensor-core form (tc) takes")
+    smem = 4 * max(g * d + g, (THREADS // 32) * g * (d + 2))
     best = words_per_lane(cache.mode, g, d)
     if wpl is None:
         wpl = best
     elif wpl not in (1, best):
         raise ValueError(f"wpl: found {wpl}, expected 1 or {best} for {g} query heads per KV head of {d}")
-    fn = cc.load_module(SOURCE, device=dev).fn(
-        f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else "")
-    )
+    fn = _module(dev).fn(f"kv_attention_{cache.mode}_g{g}" + ("_w2" if wpl == 2 else ""))
     cc.allow_shared_memory(fn, smem)
     dependent_launch.launch(
         fn,

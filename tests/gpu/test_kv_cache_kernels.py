@@ -5,6 +5,8 @@ rounding, for every mode, grouped-query ratio and odd lengths, with every output
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -143,12 +145,14 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
 @pytest.mark.parametrize(
     "b,h,kvh,length,d",
     [
+        (2, 32, 32, 300, 128),  # Llama-2-7B: one query head per KV head
         (3, 32, 8, 200, 128),  # Llama-3-8B: 4 query heads per KV head
         (2, 9, 3, 77, 64),  # SmolLM2: 3
         (1, 8, 1, 1024, 64),  # 8 per KV head
         (3, 4, 2, 129, 64),  # 2 per KV head
         (2, 16, 2, 1, 128),  # a one-position cache
         (2, 56, 8, 333, 128),  # 7 per KV head, a partial last step of every warp
+        (1, 3, 3, 200, 64),  # one per KV head at head dim 64, fewer pairs than any split fills
     ],
 )
 def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
@@ -164,21 +168,44 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
     for p in sorted({0, 15, 16, length // 2, length - 1, length + 5}):
         pos = torch.tensor([p], device="cuda")
         ref = kvc.reference_attention(q, cache, p)
-        # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges
-        for splits in (None, 1, 5, kvc.TC_MAX_SPLITS):
+        # split along the cache as the dispatch picks it, not at all, in parts of uneven and of empty ranges; each
+        # block size
+        for splits, warps in itertools.product((None, 1, 5, kvc.TC_MAX_SPLITS), (None, *kvc.TC_WARPS)):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits))
-            assert bool(torch.isfinite(got).all()), f"unwritten outputs (pos {p}, {splits} splits)"
+            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits, warps=warps))
+            what = f"pos {p}, {splits} splits, {warps} warps"
+            assert bool(torch.isfinite(got).all()), f"unwritten outputs ({what})"
             worst = attention_excess(got, ref)
-            assert worst <= 0, f"tc: beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+            assert worst <= 0, f"tc: beyond float16 rounding ({what}): excess {worst:.3e}"
 
 
-def test_tensor_core_attention_splits_the_cache_when_pairs_are_few():
+def test_tensor_core_attention_ignores_what_lies_past_the_position():
+    """Positions past the step's own hold whatever an earlier, longer sequence left there (here poison codes and
+    NaN scales): no weight reaches them, with the cache split or not."""
     from qtool.kv_cache import cuda as kvc
 
-    assert kvc.attention_splits(8, 1024, 132) == 16  # Llama-3-8B, batch 1: 128 blocks
-    assert kvc.attention_splits(8, 100, 132) == 1  # a short cache stays one block per pair
-    assert kvc.attention_splits(64 * 8, 1024, 132) == 1  # batch 64 fills the GPU already
+    b, h, kvh, length, d = 2, 32, 8, 300, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    cache = _random_cache("int4", b, kvh, length, d, gen)
+    q = (torch.randn(b, h, 1, d, device="cuda", generator=gen) * 0.5).half()
+    for p in (200, 37, 0):  # each poisons more of the cache
+        cache.k[:, :, p + 1 :] = POISON
+        cache.v[:, :, p + 1 :] = POISON
+        cache.k_params[:, :, p + 1 :] = float("nan")
+        cache.v_params[:, :, p + 1 :] = float("nan")
+        ref = kvc.reference_attention(q, cache, p)
+        for splits, warps in itertools.product((1, 3, 7), kvc.TC_WARPS):
+            out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
+            pos = torch.tensor([p], device="cuda")
+            got = synced(kvc.attention(q, cache, pos, out=out, splits=splits, warps=warps))
+            assert bool(torch.isfinite(got).all()), f"non-finite outputs (pos {p}, {splits} splits)"
+            worst = attention_excess(got, ref)
+            assert worst <= 0, f"beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+
+
+def test_tensor_core_attention_refuses_zero_splits():
+    from qtool.kv_cache import cuda as kvc
+
     with pytest.raises(ValueError, match="splits: found 0"):
         cache = kvc.allocate("int4", 1, 2, 64, 64, torch.device("cuda"))
         q = torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda")
