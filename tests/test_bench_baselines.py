@@ -124,19 +124,20 @@ def test_report_without_recorded_attention_says_so():
 
 
 @pytest.mark.parametrize(
-    "variant, heads, kv_heads, name",
+    "variant, heads, kv_heads, head_dim, name",
     [
-        ("fp16", 32, 8, tp.SDPA_ATTENTION),
-        ("fp8-sdpa", 32, 8, tp.SDPA_ATTENTION),
-        ("w4a16", 32, 32, tp.SDPA_ATTENTION),
-        ("fp8", 32, 8, "qtool FP8-cache kernel (CUDA cores)"),
-        ("w4a8kv4", 32, 8, "qtool KV4 kernel (tensor cores)"),
-        ("w4a8kv4", 32, 32, "qtool KV4 kernel (CUDA cores)"),
-        ("w4a8cq2", 32, 8, "qtool CQ-2 kernel"),
+        ("fp16", 32, 8, 128, tp.SDPA_ATTENTION),
+        ("fp8-sdpa", 32, 8, 128, tp.SDPA_ATTENTION),
+        ("w4a16", 32, 32, 128, tp.SDPA_ATTENTION),
+        ("fp8", 32, 8, 128, "qtool FP8-cache kernel (CUDA cores)"),
+        ("w4a8kv4", 32, 8, 128, "qtool KV4 kernel (tensor cores)"),
+        ("w4a8kv4", 32, 32, 128, "qtool KV4 kernel (tensor cores)"),
+        ("w4a8kv4", 32, 32, 96, "qtool KV4 kernel (CUDA cores)"),
+        ("w4a8cq2", 32, 8, 128, "qtool CQ-2 kernel"),
     ],
 )
-def test_attention_names(variant, heads, kv_heads, name):
-    assert tp.attention_name(variant, heads, kv_heads, 128) == name
+def test_attention_names(variant, heads, kv_heads, head_dim, name):
+    assert tp.attention_name(variant, heads, kv_heads, head_dim) == name
 
 
 def test_both_fp8_rows_are_default_variants():
@@ -165,8 +166,8 @@ def test_attention_table_names_each_rows_attention():
     # from the heads of a report that did not record the names (H 4 on KVH 2: KV4 on the tensor cores) ...
     assert f"attention: {names} KV4 kernel (tensor cores)" in ab.format_attention(r)
     assert "speedup over torch SDPA (flash) on an FP16 cache" in ab.format_attention(r)
-    # ... and as recorded
-    r["attention"] = ab.attention_names(["fp16-sdpa", "fp8", "int4"], 32, 32, 128, "flash")
+    # ... and as recorded (head dim 96: KV4 on the CUDA cores)
+    r["attention"] = ab.attention_names(["fp16-sdpa", "fp8", "int4"], 32, 32, 96, "flash")
     assert f"attention: {names} KV4 kernel (CUDA cores)" in ab.format_attention(r)
     assert ab.attention_names(["cq2", "cq4", "cq2-lut", "int4-fma", "int8"], 32, 8, 128, "flash") == {
         "cq2": "qtool CQ-2 kernel (dispatched form)",
