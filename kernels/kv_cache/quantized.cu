@@ -533,30 +533,7 @@ __device__ __forceinline__ u32 nib_hi(u32 w) {
     return r;
 }
 
-// nibbles at bits 0-3 and 16-19 of w as two exact float16 values
-__device__ __forceinline__ u32 nib2h(u32 w) {
-    u32 r;
-    asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(r) : "r"(w));
-    return f16x2_sub(r, 0x64006400u);
-}
-
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
-
-// N (1, 2 or 4) consecutive words written by the kernel ahead, in one coherent load (N-word aligned), or zeros
-template <int N>
-__device__ __forceinline__ void ld_words(u32 (&w)[N], const u32* p, bool ok) {
-    if (!ok) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) w[i] = 0u;
-    } else if constexpr (N == 4) {
-        const uint4 v = ld_dep_v4(p);
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else if constexpr (N == 2) {
-        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-    } else {
-        w[0] = ld_dep_u32(p);
-    }
-}
 
 // One warp's 16-token step of the cache as a thread takes it from the warp's shared-memory stage: key words of
 // tokens t0 + g and t0 + 8 + g with their (scale, zero) pairs, value words of tokens t0 + 2t, +1, +8, +9 and the
