@@ -13,24 +13,7 @@ from qtool.bench import attention as ab
 from qtool.bench import e2e
 from qtool.bench import throughput as tp
 from tests.test_bench_plot import _attention_report, _e2e_report
-
-
-def _run(tps: dict[int, float | None], attention: str) -> dict:
-    largest = max(b for b, t in tps.items() if t)
-    return {
-        "decode": {
-            str(b): (
-                {"batch": b, "fits": True, "tokens_per_s": t, "largest": b == largest}
-                if t
-                else {"batch": b, "fits": False}
-            )
-            for b, t in tps.items()
-        },
-        "largest_batch": largest,
-        "weight_bytes": 2**30,
-        "attention": attention,
-    }
-
+from tests.test_bench_plot import throughput_run as _run
 
 KV4 = "qtool KV4 kernel (tensor cores)"
 FP8_KERNEL = "qtool FP8-cache kernel (CUDA cores)"

@@ -156,30 +156,34 @@ def _e2e_report(torchao: bool) -> dict:
     }
 
 
+def throughput_run(tps: dict[int, float | None], attention: str) -> dict:
+    """One format's run in a throughput report: generated tokens/s per batch (None: the batch did not fit), the
+    largest batch that fits being the largest with a rate."""
+    largest = max(b for b, t in tps.items() if t)
+    return {
+        "decode": {
+            str(b): (
+                {"batch": b, "fits": True, "tokens_per_s": t, "largest": b == largest}
+                if t
+                else {"batch": b, "fits": False}
+            )
+            for b, t in tps.items()
+        },
+        "largest_batch": largest,
+        "weight_bytes": 2**30,
+        "attention": attention,
+    }
+
+
 def _throughput_report() -> dict:
     from qtool.bench import throughput
 
-    def run(tps, largest, attention):
-        return {
-            "decode": {
-                str(b): (
-                    {"batch": b, "fits": True, "tokens_per_s": t, "largest": b == largest}
-                    if t
-                    else {"batch": b, "fits": False}
-                )
-                for b, t in zip((16, 64), tps, strict=True)
-            },
-            "largest_batch": largest,
-            "weight_bytes": 2**30,
-            "attention": attention,
-        }
-
     sdpa = throughput.SDPA_ATTENTION
     runs = {
-        "fp16": run((1000.0, None), 16, sdpa),
-        "fp8": run((1200.0, None), 16, "qtool FP8-cache kernel (CUDA cores)"),
-        "fp8-sdpa": run((1300.0, 2000.0), 64, sdpa),
-        "w4a16": run((1500.0, 4000.0), 64, sdpa),
+        "fp16": throughput_run({16: 1000.0, 64: None}, sdpa),
+        "fp8": throughput_run({16: 1200.0, 64: None}, "qtool FP8-cache kernel (CUDA cores)"),
+        "fp8-sdpa": throughput_run({16: 1300.0, 64: 2000.0}, sdpa),
+        "w4a16": throughput_run({16: 1500.0, 64: 4000.0}, sdpa),
     }
     return {
         "schema": "qtool.bench.throughput/1",
