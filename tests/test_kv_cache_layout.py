@@ -75,3 +75,22 @@ def test_tensor_core_attention_splits_the_cache_only_where_pairs_leave_sms_idle(
     )  # Llama-3-8B, batch 16: one block a multiprocessor already
     assert kvc.attention_splits(5120, 1024, sms) == 1
     assert kvc.tc_warps(128, sms) == 8 and kvc.tc_warps(512, sms) == 4
+
+
+def test_attention_form_refuses_options_of_another_form_in_one_line():
+    assert kvc.attention_form("int4", 1, 128) == "tc"  # one query head per KV head too
+    assert kvc.attention_form("int4", 4, 96) == "fma"  # a head dim the tensor-core form does not take
+    assert kvc.attention_form("fp8", 4, 128) == "fma"
+    assert kvc.attention_form("int4", 4, 128, wpl=1) == "fma"
+    with pytest.raises(ValueError, match=r"splits: found 0, expected 1 to 32"):
+        kvc.attention_form("int4", 2, 64, kernel="tc", splits=0)
+    with pytest.raises(ValueError, match=r"warps: found 5, expected one of \(4, 8\)"):
+        kvc.attention_form("int4", 2, 64, warps=5)
+    with pytest.raises(ValueError, match="kernel fma: found warps or splits"):
+        kvc.attention_form("int4", 2, 64, kernel="fma", splits=2)
+    with pytest.raises(ValueError, match="kernel tc: found a int4 cache of head dim 64, wpl"):
+        kvc.attention_form("int4", 2, 64, kernel="tc", wpl=1)
+    with pytest.raises(ValueError, match="kernel tc: found a fp8 cache of head dim 128"):
+        kvc.attention_form("fp8", 2, 128, kernel="tc")
+    with pytest.raises(ValueError, match="kernel: found 'x'"):
+        kvc.attention_form("int4", 2, 64, kernel="x")

@@ -233,6 +233,35 @@ def attention_splits(pairs: int, length: int, sms: int) -> int:
     return max(1, min(sms // pairs, TC_SPLIT_CAP, length // TC_MIN_SPLIT_TOKENS))
 
 
+def attention_form(
+    mode: str,
+    group: int,
+    head_dim: int,
+    kernel: str | None = None,
+    wpl: int | None = None,
+    splits: int | None = None,
+    warps: int | None = None,
+) -> str:
+    """The form `attention` runs for these arguments (`attention_kernel` unless `kernel` or `wpl` says), after
+    checking that the options asked for belong to it."""
+    if kernel is None:
+        kernel = "fma" if wpl is not None else attention_kernel(mode, group, head_dim)
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel: found {kernel!r}, expected one of {ATTENTION_KERNELS}")
+    if kernel == "fma" and (warps is not None or splits is not None):
+        raise ValueError("kernel fma: found warps or splits, which only the tensor-core form (tc) takes")
+    if kernel == "tc" and (mode != "int4" or head_dim not in TC_HEAD_DIMS or wpl is not None):
+        raise ValueError(
+            f"kernel tc: found a {mode} cache of head dim {head_dim}{', wpl' if wpl else ''}; "
+            f"expected int4 and a head dim in {TC_HEAD_DIMS}"
+        )
+    if warps is not None and warps not in TC_WARPS:
+        raise ValueError(f"warps: found {warps}, expected one of {TC_WARPS}")
+    if splits is not None and not 1 <= splits <= TC_MAX_SPLITS:
+        raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
+    return kernel
+
+
 def attention(
     q: torch.Tensor,
     cache: KVCache,
@@ -269,23 +298,13 @@ def attention(
     _check_arch(cache.mode, q.device)
     h = q.shape[1]
     g = h // kvh
+    kernel = attention_form(cache.mode, g, d, kernel, wpl, splits, warps)
     out = cc.f16_out(out, (b, 1, h, d), q.device)
     dev = cc.device_index(q.device)
-    if kernel is None:
-        kernel = "fma" if wpl is not None else attention_kernel(cache.mode, g, d)
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"kernel: found {kernel!r}, expected one of {ATTENTION_KERNELS}")
     if kernel == "tc":
-        if cache.mode != "int4" or d not in TC_HEAD_DIMS or wpl is not None:
-            raise ValueError(
-                f"kernel tc: found a {cache.mode} cache of head dim {d}{', wpl' if wpl else ''}; "
-                f"expected int4 and a head dim in {TC_HEAD_DIMS}"
-            )
         module = _module(dev)
         sms = _sm_count(dev)
         warps = tc_warps(b * kvh, sms) if warps is None else warps
-        if warps not in TC_WARPS:
-            raise ValueError(f"warps: found {warps}, expected one of {TC_WARPS}")
         fn = module.fn(f"kv_attention_tc_int4_d{d}_w{warps}")
         smem = tc_shared_bytes(d, warps)
         cc.allow_shared_memory(fn, smem)
@@ -298,8 +317,6 @@ def attention(
                 )
         if splits is None:
             splits = attention_splits(b * kvh, length, sms)
-        if not 1 <= splits <= TC_MAX_SPLITS:
-            raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
         part = torch.empty(
             b * kvh * splits * 8 * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device
         )
@@ -335,8 +352,6 @@ def attention(
                 device=dev,
             )
         return out
-    if warps is not None or splits is not None:
-        raise ValueError("kernel fma: found warps or splits, which only the tensor-core form (tc) takes")
     smem = 4 * max(g * d + g, (THREADS // 32) * g * (d + 2))
     best = words_per_lane(cache.mode, g, d)
     if wpl is None:

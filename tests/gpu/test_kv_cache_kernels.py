@@ -203,15 +203,6 @@ def test_tensor_core_attention_ignores_what_lies_past_the_position():
             assert worst <= 0, f"beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
 
 
-def test_tensor_core_attention_refuses_zero_splits():
-    from qtool.kv_cache import cuda as kvc
-
-    with pytest.raises(ValueError, match="splits: found 0"):
-        cache = kvc.allocate("int4", 1, 2, 64, 64, torch.device("cuda"))
-        q = torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda")
-        kvc.attention(q, cache, torch.tensor([3], device="cuda"), kernel="tc", splits=0)
-
-
 def test_write_then_attention_under_dependent_launches_and_a_graph():
     """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
     from qtool.kv_cache import cuda as kvc
