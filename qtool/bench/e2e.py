@@ -266,21 +266,21 @@ class Block(nn.Module):
         tables: tuple[torch.Tensor, torch.Tensor],
         cache,
         pos: torch.Tensor,
-        mask: torch.Tensor | None,
+        decode: bool,
+        mask: torch.Tensor | None = None,
         span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h with the previous block's output y still to be added (None for the first block),
         so that the add runs inside this block's first normalization. `cache`: (keys, values) float16, or a
-        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; mask and span None for prefill
-        from position 0. `span` (a one-token decode step over a float16 cache): the step's position + 1, so that
-        attention reads the cache's first `span` positions and no mask; the mask is then not read and may be
-        None. Returns (h, this block's output)."""
+        quantized qtool.kv_cache.cuda.KVCache or qtool.kv_cache.vq_cuda.VQCache; not `decode`: prefill from
+        position 0. A decode step over a float16 cache attends to the cache's first `span` positions without a mask
+        (`span`: a one-token step's position + 1), else to the whole static cache under `mask`; the quantized
+        caches' kernels take the position from `pos` and need neither. Returns (h, this block's output)."""
         b, t, _ = h.shape
         d, hd = self.d, self.d.head_dim
         h, qkv = self._norm_linear(h, y, self.n1, self.qkv)
         qkv = self.qk_norm(qkv.view(b, t, d.heads + 2 * d.kv_heads, hd))
         if not isinstance(cache, tuple):
-            decode = mask is not None or span is not None
             a = self._quantized_cache_attention(qkv, tables, cache, pos, decode=decode)
             return self._mlp(h, a, b, t)
         kc, vc = cache
@@ -299,14 +299,14 @@ class Block(nn.Module):
             # Static cache [B, KVH, L, D]: write this step's keys at the device-side positions.
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-        if span is not None and t == 1:
+        if not decode:  # prefill from position 0: causal over the prompt only
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
+        elif span is not None and t == 1:
             # The one query is the last of the positions it attends to, so no mask is needed, and SDPA may take its
             # flash kernel, which a mask rules out; the masked form also reads the whole static cache.
             a = F.scaled_dot_product_attention(
                 q, kc[:, :, :span], vc[:, :, :span], enable_gqa=d.kv_heads != d.heads
             )
-        elif mask is None:  # prefill from position 0: causal over the prompt only
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=d.kv_heads != d.heads)
         else:
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=d.kv_heads != d.heads)
         return self._mlp(h, a, b, t)
@@ -470,13 +470,15 @@ class Decoder(nn.Module):
             max_len = c0[0].shape[2] if isinstance(c0, tuple) else c0.length
             if span is not None and not 1 <= span <= max_len:
                 raise ValueError(f"span: found {span}, expected 1 to {max_len} (the cache's length)")
-            if span is None or ids.shape[1] != 1 or not isinstance(c0, tuple):
+            # only a float16 cache read without a span needs the mask (the quantized caches' kernels read the
+            # position from `pos`)
+            if isinstance(c0, tuple) and (span is None or ids.shape[1] != 1):
                 mask = (torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None])[None, None]
         h, y = self.embed(ids), None
         if self.d.embed_scale:
             h = h * self.d.hidden**0.5
         for blk, cache in zip(self.blocks, caches, strict=True):
-            h, y = blk(h, y, tables, cache, pos, mask, span)
+            h, y = blk(h, y, tables, cache, pos, decode, mask, span)
         out = self.lm_head(self.norm(h[:, -1] + y[:, -1]))
         if self.d.final_softcap:
             out = torch.tanh(out / self.d.final_softcap) * self.d.final_softcap
