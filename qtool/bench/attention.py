@@ -40,9 +40,8 @@ def attention_names(
 ) -> dict[str, str]:
     """What each row runs, for the report: SDPA and its backend for the FP16 cache, else qtool's kernel for the
     cache and the form it runs for these heads (the CQ kernels pick theirs by batch and length)."""
-    from qtool.kv_cache.cuda import attention_kernel
+    from qtool.kv_cache.cuda import FORM_NAMES, attention_kernel
 
-    form = {"fma": "CUDA cores", "tc": "tensor cores"}
     out = {}
     for row in rows:
         if row == "fp16-sdpa":
@@ -56,10 +55,12 @@ def attention_names(
         elif row == "fp16":  # in reports from before it was removed
             out[row] = "qtool FP16 decode kernel (removed since)"
         elif row == "int4-fma":
-            out[row] = "qtool KV4 kernel (CUDA cores)"
+            out[row] = f"qtool KV4 kernel ({FORM_NAMES['fma']})"
         else:
             name = "KV4" if row == "int4" else f"{row.upper()}-cache"
-            out[row] = f"qtool {name} kernel ({form[attention_kernel(row, heads // kv_heads, head_dim)]})"
+            out[row] = (
+                f"qtool {name} kernel ({FORM_NAMES[attention_kernel(row, heads // kv_heads, head_dim)]})"
+            )
     return out
 
 

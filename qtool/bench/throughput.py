@@ -56,7 +56,6 @@ KV_MODE = {
 }
 FP8_VARIANTS = ("fp8", "fp8-sdpa")  # FP8 weights; the baseline is the better of the two
 CACHE_KERNEL = {"fp8": "qtool FP8-cache kernel", "int4": "qtool KV4 kernel", "cq2": "qtool CQ-2 kernel"}
-KERNEL_FORM = {"fma": "CUDA cores", "tc": "tensor cores"}
 CQ_VECTOR_SIZE = {"cq2": 4}
 PREFILL_PROMPTS = 4
 MEMORY_MARGIN = 3 * 2**30  # the decode step's activations, graph pools, allocator slack
@@ -161,9 +160,9 @@ def attention_name(variant: str, heads: int, kv_heads: int, head_dim: int) -> st
         return SDPA_ATTENTION
     if mode in CQ_VECTOR_SIZE:
         return CACHE_KERNEL[mode]
-    from qtool.kv_cache.cuda import attention_kernel
+    from qtool.kv_cache.cuda import FORM_NAMES, attention_kernel
 
-    return f"{CACHE_KERNEL[mode]} ({KERNEL_FORM[attention_kernel(mode, heads // kv_heads, head_dim)]})"
+    return f"{CACHE_KERNEL[mode]} ({FORM_NAMES[attention_kernel(mode, heads // kv_heads, head_dim)]})"
 
 
 def make_linear(variant: str, device: torch.device, group_size: int | None, gen: torch.Generator):

@@ -26,6 +26,7 @@ MAX_GROUP = 8  # query heads per KV head the attention kernel holds at once
 # tensor cores (KV4 at head dims TC_HEAD_DIMS, every G: 1.6-1.8x the `fma` form at G = 1 from batch 16, and `fma`'s
 # 2G FMAs per code outrun the FMA pipe from G = 4; kernels/kv_cache/NOTES.md, KV4 section)
 ATTENTION_KERNELS = ("fma", "tc")
+FORM_NAMES = {"fma": "CUDA cores", "tc": "tensor cores"}  # how reports name the forms
 TC_HEAD_DIMS = (64, 128)
 TC_WARPS = (4, 8)  # warps a block holds: 8 where the (sequence, KV head) pairs alone do not fill the GPU
 TC_MIN_SPLIT_TOKENS = 64  # one 16-token step for each of a block's warps
