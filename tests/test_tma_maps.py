@@ -23,3 +23,18 @@ def test_tiled_refuses_in_one_line_naming_the_tensor():
     msg = str(exc.value)
     assert "\n" not in msg
     assert "(3, 39)" in msg and "(40, 1)" in msg and "16-byte aligned" in msg
+
+
+def test_padded_rows_extends_a_view_only_into_storage_it_owns():
+    base = torch.arange(64 * 8, dtype=torch.int8).view(64, 8)
+    v = tma.padded_rows(base[:5], 64)
+    assert v.shape == (64, 8) and v.data_ptr() == base.data_ptr() and torch.equal(v, base)
+    # a multiple already, or storage too short for the next multiple: the tensor itself
+    assert tma.padded_rows(base, 64) is base
+    assert tma.padded_rows(base[60:63], 64).shape == (3, 8)
+    mid = tma.padded_rows(base[10:15], 16)
+    assert mid.shape == (16, 8) and torch.equal(mid, base[10:26])
+    # rows with a stride wider than the row: the last padded row needs only its own bytes
+    wide = torch.zeros(34, 16, dtype=torch.int8)[:, :8]
+    assert tma.padded_rows(wide[:3], 34).shape == (34, 8)
+    assert tma.padded_rows(wide[1:3], 34).shape == (2, 8)

@@ -126,6 +126,22 @@ def tiled(t: torch.Tensor, box_bytes: int, box_rows: int, swizzle: int) -> Tenso
     return m
 
 
+def padded_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`t` (2-D, rows contiguous) with its row count rounded up to `multiple` where its storage already holds those
+    rows, else `t`: a view for a tensor map only. Boxes of `multiple` rows then never cross the tensor's last row;
+    a box that does is filled with zeros past it, which the copy engine serves more slowly (an H200 W4A8 GEMM on 16
+    tokens in 64-token boxes: 44.2 against 55.1 us at 8192 x 28672). What the extra rows hold must not matter to
+    the kernel reading them."""
+    rows = -(-t.shape[0] // multiple) * multiple
+    if rows == t.shape[0] or t.dim() != 2:
+        return t
+    es = t.element_size()
+    room = t.untyped_storage().nbytes() - t.storage_offset() * es
+    if (rows - 1) * t.stride(0) * es + t.shape[1] * es > room:
+        return t
+    return t.as_strided((rows, t.shape[1]), t.stride())
+
+
 class MapCache:
     """Maps by tensor (address, shape, stride) and box: re-encoded only when a tensor moves. Small and bounded,
     because activation buffers come and go with the allocator."""

@@ -379,3 +379,32 @@ def test_gemv_declines_what_it_cannot_take():
     )  # falls back to the GEMM
     synced(y)
     assert y.shape == (1, 64)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "kernel,tokens,split", [("ws", 64, None), ("ws", 64, 3), ("ws", 128, None), ("wsp", 128, None)]
+)
+@pytest.mark.parametrize("m", [1, 16, 33, 65])
+def test_gemm_ignores_the_padding_rows_of_its_activations(kernel, tokens, split, m):
+    """The activation code rows are allocated on to a multiple of 64 and the warp-specialized GEMMs map those rows
+    too (boxes inside the tensor): whatever the rows past M hold, the products and outputs are those of the M
+    tokens, and nothing is written past them."""
+    from qtool.layouts.qoq import cuda as qoq
+
+    n, k = 328, 2048
+    layer = FieldLayer(n, k, 4, 128, bias=True).cuda()
+    p = qoq.prepare(layer)
+    x = _x(m, k)
+    a = _quantized(x, p)
+    rows = a.codes.untyped_storage().nbytes() // p.kp
+    assert rows % qoq.ACT_ROW_PAD == 0 and rows >= m
+    pad = torch.as_strided(a.codes, (rows, p.kp), a.codes.stride())
+    for fill in (127, -128):
+        pad[m:] = fill
+        codes, sx, _ = qoq.quantize_torch(x)
+        acc_ref = _acc_ref(codes, layer)
+        _check_gemm(a, p, layer, acc_ref, sx, tokens=tokens, kernel=kernel, split=split)
+        out = torch.full((m + 8, n), float("nan"), dtype=torch.float16, device="cuda")
+        synced(qoq.gemm(a, p, out=out[:m], tokens=tokens, kernel=kernel, split=split))
+        assert torch.isnan(out[m:]).all(), "a GEMM wrote past its M output rows"

@@ -69,6 +69,8 @@ GEMV_CONFIG = {
 # there it takes at most 2 tokens.
 GEMV_WIDE_MAX_TOKENS = 2
 GEMV_ALL_TOKENS_MAX_WEIGHTS = 4096 * 4096
+# Activation code rows are allocated in multiples of the smallest token tile (empty_activations).
+ACT_ROW_PAD = 64
 WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 128): 6, ("wsp", 256): 4}
 WS_SPLIT_MAX = 16
 # A split tile's shares have at least this many stages: a share ends in a round trip through L2 (its int32 sums,
@@ -250,8 +252,12 @@ class QoQActivations:
 
 
 def empty_activations(m: int, p: QoQPrepared, device: torch.device) -> QoQActivations:
+    """Buffers for m tokens. The code rows' storage runs on to a multiple of ACT_ROW_PAD rows (never written or
+    read as results): the warp-specialized GEMMs map those rows too (tma.padded_rows), so their activation boxes
+    stay inside the tensor."""
+    rows = _round_up(max(m, 1), ACT_ROW_PAD)
     return QoQActivations(
-        codes=torch.empty(m, p.kp, dtype=torch.int8, device=device),
+        codes=torch.empty(rows, p.kp, dtype=torch.int8, device=device)[:m],
         scale=torch.empty(m, dtype=torch.float32, device=device),
         rowsum=torch.empty(m, dtype=torch.int32, device=device),
     )
@@ -520,7 +526,7 @@ def _gemm_ws(
         smem += buffers * 8192
         tiles = min(tiles, blocks or cc.sm_count(idx))
     fn = _module(a.codes.device).fn(f"qoq_gemm_{kernel}_{scheme(p)}_n{tn}_s{stages}")
-    ma = quik._ACT_MAPS.get(a.codes, 128, tn, 128)
+    ma = quik._ACT_MAPS.get(tma.padded_rows(a.codes, tn), 128, tn, 128)
     mw = p.maps.get(p.wq, 64, ROWS, 64)
     tmo = kernel == "wsp" and not raw and quik.TMA_STORE and tma.usable(out)
     mo = quik._OUT_MAPS.get(out, 128, 32, 128) if tmo else ma
