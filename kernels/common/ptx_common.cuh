@@ -161,6 +161,46 @@ __device__ __forceinline__ long long ld_dep_s64(const long long* p) {
     return r;
 }
 
+// Thread-block clusters (sm_90; qtool/cuda/dependent_launch.py launches them). Launched without a cluster, a block
+// is a cluster of one (and below sm_90 always): cluster_dim gives 1 and cluster_pos 0, and a kernel that checks
+// them takes a path that needs no other block.
+__device__ __forceinline__ u32 cluster_dim(int axis) {
+    u32 r = 1;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_nctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_pos(int axis) {
+    u32 r = 0;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+// Every thread of every block of the cluster: writes before it (shared memory included) are visible to the
+// cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory).
+__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
 // Named barrier `ID` for THREADS threads (bar.sync 0 over the whole block is __syncthreads).
 template <int ID, int THREADS>
 __device__ __forceinline__ void bar_sync() {
