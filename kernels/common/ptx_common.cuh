@@ -190,6 +190,29 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// cluster_sync in halves, so work that needs no barrier runs between them. The release of an arrival waits for
+// every earlier write of the thread, global stores included (a GPU-scope fence in the generated code): writes that
+// no other block reads go after it. A kernel that writes into other blocks' shared memory may do so only once
+// every block of the cluster has started: all its threads arrive relaxed (publishing nothing) at the top and wait
+// just before the first such write, which costs next to nothing.
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
 // The float at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory).
 __device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
     float v = 0.f;
@@ -199,6 +222,20 @@ __device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
 #endif
     return v;
+}
+
+// Store v at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory): the
+// push side of an exchange where each block reads only its own shared memory, so no block reads from one that
+// may have exited. Visible to that block after the next cluster_sync. Below sm_90 there are no clusters: rank
+// must be 0, the block itself.
+__device__ __forceinline__ void st_cluster_u32(u32 addr, u32 rank, u32 v) {
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
+#else
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+#endif
 }
 
 // Named barrier `ID` for THREADS threads (bar.sync 0 over the whole block is __syncthreads).
