@@ -161,6 +161,83 @@ __device__ __forceinline__ long long ld_dep_s64(const long long* p) {
     return r;
 }
 
+// Thread-block clusters (sm_90; qtool/cuda/dependent_launch.py launches them). Launched without a cluster, a block
+// is a cluster of one (and below sm_90 always): cluster_dim gives 1 and cluster_pos 0, and a kernel that checks
+// them takes a path that needs no other block.
+__device__ __forceinline__ u32 cluster_dim(int axis) {
+    u32 r = 1;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_nctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u32 cluster_pos(int axis) {
+    u32 r = 0;
+#if __CUDA_ARCH__ >= 900
+    if (axis == 0) asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(r));
+    else asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(r));
+#endif
+    return r;
+}
+
+// Every thread of every block of the cluster: writes before it (shared memory included) are visible to the
+// cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// cluster_sync in halves, so work that needs no barrier runs between them. The release of an arrival waits for
+// every earlier write of the thread, global stores included (a GPU-scope fence in the generated code): writes that
+// no other block reads go after it. A kernel that writes into other blocks' shared memory may do so only once
+// every block of the cluster has started: all its threads arrive relaxed (publishing nothing) at the top and wait
+// just before the first such write, which costs next to nothing.
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory).
+__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// Store v at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory): the
+// push side of an exchange where each block reads only its own shared memory, so no block reads from one that
+// may have exited. Visible to that block after the next cluster_sync. Below sm_90 there are no clusters: rank
+// must be 0, the block itself.
+__device__ __forceinline__ void st_cluster_u32(u32 addr, u32 rank, u32 v) {
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
+#else
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+#endif
+}
+
 // Named barrier `ID` for THREADS threads (bar.sync 0 over the whole block is __syncthreads).
 template <int ID, int THREADS>
 __device__ __forceinline__ void bar_sync() {

@@ -389,45 +389,6 @@ __device__ __forceinline__ uint2 ld_dep64(const u16* p) {
     return r;
 }
 
-// Thread-block clusters (sm_90). Launched without a cluster, a block is a cluster of one: the kernel then takes its
-// ordinary path (the global split-K reduction).
-__device__ __forceinline__ u32 cluster_dim(int axis) {
-    u32 r = 1;
-#if __CUDA_ARCH__ >= 900
-    if (axis == 0) asm("mov.u32 %0, %%cluster_nctaid.x;" : "=r"(r));
-    else asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ u32 cluster_pos(int axis) {
-    u32 r = 0;
-#if __CUDA_ARCH__ >= 900
-    if (axis == 0) asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(r));
-    else asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(r));
-#endif
-    return r;
-}
-
-// Every thread of every block of the cluster: writes before it (shared memory included) are visible to the
-// cluster's blocks after it.
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// The float at this block's shared address `addr` in block `rank` of the cluster (distributed shared memory).
-__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
-    float v = 0.f;
-#if __CUDA_ARCH__ >= 900
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-    return v;
-}
-
 // Half hh of entry `id` through the tiers (rep: this lane's copy of half 0 of entry 0; sh: half hh of entry NREP).
 template <int D, int B, int NREP, int NSH>
 __device__ __forceinline__ uint2 lookup_half(u32 id, const uint2* rep, const uint2* sh, const u16* gbook, int hh) {
