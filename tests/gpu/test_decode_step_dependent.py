@@ -50,7 +50,7 @@ def test_decoder_blocks_give_the_bits_of_ordinary_launches(weights, batch, token
     def chain() -> torch.Tensor:
         h, y = x, None
         for b, (kc, vc) in zip(model.blocks, caches, strict=True):
-            h, y = b(h, y, tables, (kc, vc), pos, None, span)
+            h, y = b(h, y, tables, (kc, vc), pos, tokens == 1, None, span)
         # the caches are part of the result: the rotary kernel writes them, attention reads them
         return torch.cat(
             [h.flatten(), y.flatten()] + [c[:, :, : tokens + 9].flatten() for kv in caches for c in kv]

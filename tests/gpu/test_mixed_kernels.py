@@ -285,7 +285,7 @@ def test_bench_decoder_with_mixed_linears_gives_the_bits_of_ordinary_launches():
     def chain() -> torch.Tensor:
         h, y = x, None
         for b, (kc, vc) in zip(model.blocks, caches, strict=True):
-            h, y = b(h, y, tables, (kc, vc), pos, mask)
+            h, y = b(h, y, tables, (kc, vc), pos, True, mask)
         return torch.cat([h.flatten(), y.flatten()])
 
     with torch.inference_mode():
