@@ -733,10 +733,17 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     u16* qs = reinterpret_cast<u16*>(sm);  // [8][D]
     float* qsum_s = sm + 4 * D;           // [8]
     float* qbias_s = qsum_s + 8;          // [8]
-    for (int i = tid; i < 8 * D; i += blockDim.x) {
-        const int r = i / D;
-        const u16 v = r < G ? ld_dep_u16(q + ((size_t)b * H + (size_t)kvh * G + r) * D + (i % D)) : (u16)0;
-        qs[i] = (i & 1) ? f2h(h2f(v) * 0.0625f) : v;
+    // 16 bytes a thread (D / 8 pieces a row, at most one round trip to memory per thread): staged one half at a
+    // time, a block-wide loop of 2-byte loads took 1.5-5 us of an H200 block's 6-33
+    for (int i = tid; i < D; i += blockDim.x) {
+        const int r = i / (D / 8), c = 8 * (i % (D / 8));
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < G) v = ld_dep_v4(q + ((size_t)b * H + (size_t)kvh * G + r) * D + c);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[j] = (w[j] & 0xFFFFu) | ((u32)f2h(h2f((u16)(w[j] >> 16)) * 0.0625f) << 16);
+        *reinterpret_cast<uint4*>(qs + r * D + c) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     __syncthreads();
     for (int r = warp; r < 8; r += NW) {

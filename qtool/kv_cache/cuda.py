@@ -303,6 +303,7 @@ def attention(
     out = cc.f16_out(out, (b, 1, h, d), q.device)
     dev = cc.device_index(q.device)
     if kernel == "tc":
+        cc.check_f16("q", q, aligned=True)  # the query rows are staged by 16-byte loads
         module = _module(dev)
         sms = _sm_count(dev)
         warps = tc_warps(b * kvh, sms) if warps is None else warps
