@@ -227,6 +227,10 @@ def test_kv_cache_kernels_refuse_bad_input_in_one_line():
         kvc.attention(torch.zeros(1, 18, 1, 64, dtype=torch.float16, device="cuda"), cache, pos)
     with pytest.raises(ValueError, match="pos: found torch.int32"):
         kvc.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda"), cache, pos.int())
+    # the tensor-core form stages the query by 16-byte loads: a query 2 bytes past a boundary is refused
+    shifted = torch.zeros(4 * 64 + 8, dtype=torch.float16, device="cuda")[1:257].view(1, 4, 1, 64)
+    with pytest.raises(ValueError, match="q: .*expected contiguous 16-byte aligned float16"):
+        kvc.attention(shifted, cache, pos, kernel="tc")
 
 
 @pytest.mark.parametrize("variant", ["w4a8kv4", "fp8"])
