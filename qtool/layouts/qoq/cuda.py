@@ -82,6 +82,8 @@ WS_RINGS = {
 }
 WS_SPLIT_MAX = 16
 WS_SMALL_TILES = (16, 32)  # `ws` token tiles the dispatch takes up to their size
+# every token tile some form is built for (`tokens` of gemm)
+TILES_BUILT = frozenset(quik.GEMM_TILES) | {t for _, t in WS_RINGS}
 # A split tile's shares have at least this many stages: a share ends in a round trip through L2 (its int32 sums,
 # the tile's counter, the last block's reads), which shorter shares did not pay for on the H100 (kernels/NOTES.md)
 WS_SPLIT_MIN_STAGES = 10
@@ -426,9 +428,8 @@ def gemm(
         and gemv_codes_reason(a, p) is None
     ):
         return gemv_codes(a, p, out, raw=raw)
-    tiles_built = set(quik.GEMM_TILES) | {t for _, t in WS_RINGS}
-    if tokens is not None and tokens not in tiles_built:
-        raise ValueError(f"tokens: found {tokens}, expected one of {sorted(tiles_built)}")
+    if tokens is not None and tokens not in TILES_BUILT:
+        raise ValueError(f"tokens: found {tokens}, expected one of {sorted(TILES_BUILT)}")
     idx = cc.device_index(dev)
     if kernel is None:
         kernel, tn, pick, pick_whole = gemm_kernel(m, n, a, p, tokens, split, cc.sm_count(idx))
