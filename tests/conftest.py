@@ -84,6 +84,7 @@ def smollm2() -> Path:
                 ],
                 check=True,
                 capture_output=True,
+                timeout=1200,  # a stuck conversion fails here instead of holding every worker waiting on the lock
             )
             tmp.rename(SMOLLM2_CACHE)
     return SMOLLM2_CACHE

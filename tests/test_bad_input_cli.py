@@ -559,7 +559,11 @@ def test_sigint_mid_quantization_in_a_real_process(tmp_path, recipe):
     checkpoint's temporary folder was created) until the signal arrives."""
     marker = tmp_path / "in-block-loop"
     code = f"""
-import time, pathlib
+import time, pathlib, signal
+# as a shell starts it: xdist workers ignore SIGINT, and a child inherits that (set here, not in a preexec_fn,
+# which can deadlock a child forked from a process with threads)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 import qtool.pipeline as p
 real = p._collect
 def held(*a, **k):
@@ -578,8 +582,6 @@ main()
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # as a shell starts it: pytest-xdist workers ignore SIGINT, and a child would inherit that
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         # generous: on a loaded 2-core machine, importing torch and loading the model can take minutes

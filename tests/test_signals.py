@@ -276,7 +276,11 @@ def test_handlers_are_restored_after_a_command(tmp_path):
 # ---- real signals from outside -----------------------------------------------------------------------------------
 
 HOLD = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
+# as a shell starts it: xdist workers ignore SIGINT, and a child inherits that (set here, not in a
+# preexec_fn, which can deadlock a child forked from a process with threads)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 import qtool.pipeline as p
 AT, MARKER = int(sys.argv.pop(1)), pathlib.Path(sys.argv.pop(1))
 real, calls = p._collect, [0]
@@ -292,14 +296,8 @@ main()
 """
 
 
-def run_and_signal(recipe: Path, marker: Path, at: int, signum: int | None, ignore: tuple = ()) -> Run:
+def run_and_signal(recipe: Path, marker: Path, at: int, signum: int | None) -> Run:
     """Run quantize in a child held at its `at`-th statistics step, send `signum` there (None: let it go on)."""
-
-    def setup():
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell starts it (xdist workers ignore SIGINT)
-        for s in ignore:
-            signal.signal(s, signal.SIG_IGN)
-
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(at), str(marker), "quantize", str(recipe), "-q"],
         cwd=ROOT,
@@ -307,7 +305,6 @@ def run_and_signal(recipe: Path, marker: Path, at: int, signum: int | None, igno
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=setup,
     )
     try:
         deadline = time.monotonic() + 600
@@ -343,18 +340,24 @@ def test_a_signal_the_parent_ignores_stays_ignored(tmp_path, reference):
     (tmp_path / "r.yaml").write_text(RECIPE)
     marker = tmp_path / "marker"
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD.replace("time.sleep(900)", "time.sleep(2)"), "1", str(marker)]
+        ["nohup", sys.executable, "-c", HOLD.replace("time.sleep(900)", "time.sleep(2)"), "1", str(marker)]
         + ["quantize", str(tmp_path / "r.yaml"), "-q"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
     )
-    while not marker.exists() and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGHUP)
-    out, err = proc.communicate(timeout=600)
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run never reached the step"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     assert sha256s(tmp_path / "out") == reference
