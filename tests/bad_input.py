@@ -76,6 +76,15 @@ def run_cli(
     return Run(res.exit_code, res.stdout, res.stderr)
 
 
+def reap(*procs: sp.Popen) -> None:
+    """Kill and collect the child processes a test started that are still running: a child left behind would
+    outlive the test (on a GPU it would hold the device)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 def leftovers(path: Path) -> list[Path]:
     """The hidden siblings a write of `path` uses (`.NAME.tmp-PID`, `.NAME.old-PID`) that still exist."""
     path = Path(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, run_cli
+from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, reap, run_cli
 from conftest import FAST_RECIPE, STORIES, TINY_SAMPLE
 
 RECIPE = FAST_RECIPE
@@ -594,8 +594,6 @@ main()
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert_one_line_error(Run(proc.returncode, stdout, stderr), 130, "interrupted", output=out)
     assert not (tmp_path / "a").exists()

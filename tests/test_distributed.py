@@ -32,7 +32,7 @@ import pytest
 
 from qtool.checkpoint.loader import read_config
 
-from bad_input import ROOT, Run, assert_one_line_error
+from bad_input import ROOT, Run, assert_one_line_error, reap
 from conftest import STORIES, TINY_SAMPLE
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
@@ -140,11 +140,8 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_work_folder_resumes(tmp
         res = finish(procs[0], timeout=60)
         finish(procs[1])
         waited = time.monotonic() - t0
-    finally:  # a rank that did not stop must not outlive the test (on a GPU it would hold the device)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    finally:  # a rank that did not stop must not outlive the test
+        reap(*procs)
     line = assert_one_line_error(res, 6, "rank 1", output=tmp_path / "out")
     print(line, f"after {waited:.1f} s")
     assert waited < 3 + 5 + 10, (waited, line)  # timeout, the grace of the main thread, slack for a busy CPU

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, run_cli
+from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, reap, run_cli
 from conftest import FAST_RECIPE, STORIES
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
@@ -316,9 +316,7 @@ def run_and_signal(recipe: Path, marker: Path, at: int, signum: int | None) -> R
             proc.send_signal(signum)
         out, err = proc.communicate(timeout=60 if signum is not None else 900)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     return Run(proc.returncode, out, err)
 
 
@@ -356,8 +354,6 @@ def test_a_signal_the_parent_ignores_stays_ignored(tmp_path, reference):
         proc.send_signal(signal.SIGHUP)
         out, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        reap(proc)
     assert proc.returncode == 0, err
     assert sha256s(tmp_path / "out") == reference
