@@ -76,6 +76,15 @@ def run_cli(
     return Run(res.exit_code, res.stdout, res.stderr)
 
 
+# The first lines of a child process's Python code that must take SIGINT as a process started by a shell does:
+# pytest-xdist workers ignore SIGINT and a child inherits that. Set in the child's code, not in a preexec_fn, which
+# can deadlock a child forked from a process with threads.
+SIGINT_AS_FROM_A_SHELL = """import signal
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+"""
+
+
 def reap(*procs: sp.Popen) -> None:
     """Kill and collect the child processes a test started that are still running: a child left behind would
     outlive the test (on a GPU it would hold the device)."""

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, reap, run_cli
+from bad_input import (
+    ROOT,
+    SIGINT_AS_FROM_A_SHELL,
+    Run,
+    assert_nothing_at,
+    assert_one_line_error,
+    leftovers,
+    reap,
+    run_cli,
+)
 from conftest import FAST_RECIPE, STORIES, TINY_SAMPLE
 
 RECIPE = FAST_RECIPE
@@ -558,12 +567,10 @@ def test_sigint_mid_quantization_in_a_real_process(tmp_path, recipe):
     """A real SIGINT into a real run: the block loop is held at its first block (after the model loaded and the
     checkpoint's temporary folder was created) until the signal arrives."""
     marker = tmp_path / "in-block-loop"
-    code = f"""
-import time, pathlib, signal
-# as a shell starts it: xdist workers ignore SIGINT, and a child inherits that (set here, not in a preexec_fn,
-# which can deadlock a child forked from a process with threads)
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    code = (
+        SIGINT_AS_FROM_A_SHELL
+        + f"""
+import time, pathlib
 import qtool.pipeline as p
 real = p._collect
 def held(*a, **k):
@@ -574,6 +581,7 @@ p._collect = held
 from qtool.cli import main
 main()
 """
+    )
     out = tmp_path / "a" / "ckpt"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "quantize", str(recipe), "-o", str(out), "-q"],

@@ -23,7 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from bad_input import ROOT, Run, assert_nothing_at, assert_one_line_error, leftovers, reap, run_cli
+from bad_input import (
+    ROOT,
+    SIGINT_AS_FROM_A_SHELL,
+    Run,
+    assert_nothing_at,
+    assert_one_line_error,
+    leftovers,
+    reap,
+    run_cli,
+)
 from conftest import FAST_RECIPE, STORIES
 
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K assets not found")
@@ -275,12 +284,10 @@ def test_handlers_are_restored_after_a_command(tmp_path):
 
 # ---- real signals from outside -----------------------------------------------------------------------------------
 
-HOLD = """
-import pathlib, signal, sys, time
-# as a shell starts it: xdist workers ignore SIGINT, and a child inherits that (set here, not in a
-# preexec_fn, which can deadlock a child forked from a process with threads)
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+HOLD = (
+    SIGINT_AS_FROM_A_SHELL
+    + """
+import pathlib, sys, time
 import qtool.pipeline as p
 AT, MARKER = int(sys.argv.pop(1)), pathlib.Path(sys.argv.pop(1))
 real, calls = p._collect, [0]
@@ -294,6 +301,7 @@ p._collect = held
 from qtool.cli import main
 main()
 """
+)
 
 
 def run_and_signal(recipe: Path, marker: Path, at: int, signum: int | None) -> Run:
