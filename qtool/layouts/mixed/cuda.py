@@ -6,6 +6,7 @@ Paths, chosen per call from the token count M and the activation dtype:
 * ``gemv``: the CUDA-core GEMV for 1..GEMV_MAX_M tokens (fp16), the outliers added inside it (``fused``) or by a
   second kernel in the same stream (``spmv``, the paper's separate sparse product; OUTLIERS picks);
 * ``gemm``: more tokens on a Hopper GPU, the tensor-core GEMM reading the tiled streams (outliers in its epilogue);
+  ``gemm_ws`` is its warp-specialized form (kernels/mixed/gemm_ws.cu), which `linear` takes where GEMM_WS is set;
 * ``dequant+cublas``: more tokens elsewhere (or for layers without tiled streams): a kernel writes the dense fp16
   weight (outliers added into it), then cuBLAS multiplies;
 * ``reference``: the torch reference (other dtypes, group sizes other than 16, K not a multiple of 64).
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch
+from qtool.cuda import dependent_launch, tma
 
 SOURCE = "mixed/gemv.cu"
 LAYOUT = "mixed-2-4-16"
@@ -91,6 +92,7 @@ class Prepared:
     scales4: torch.Tensor | None = None
     zeros4: torch.Tensor | None = None
     tiled: Tiled | None = None  # the tiled streams (block4 layers with g2 a multiple of 4)
+    maps: tma.MapCache | None = None  # the warp-specialized GEMM's tensor map of ta
 
     @property
     def has_checkpoint(self) -> bool:
@@ -683,6 +685,133 @@ def gemm(
     return out.reshape(*lead, n)
 
 
+GEMM_WS_SOURCE = "mixed/gemm_ws.cu"
+GEMM_WS_THREADS = 384  # a copy-and-decode warpgroup and two MMA warpgroups
+# token tile -> (copy-ring slots, decoded tiles, blocks per SM its registers are budgeted for), as
+# kernels/mixed/gemm_ws.cu instantiates them: the 16- and 32-token blocks fit twice on a multiprocessor (80 registers
+# a thread at launch, half the shared memory), the others once; each ring as deep as fits, at most 12 copy slots.
+GEMM_WS_BUILT = {16: (12, 2, 2), 32: (9, 2, 2), 64: (12, 3, 1), 128: (8, 3, 1)}
+GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16  # a stage's tiled words (kernels/mixed/tiled.cuh)
+GEMM_WS_STATIC_SMEM = 256  # the kernel's barriers and split-K flag: at most this (ptxas, sm_90a)
+SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
+SMEM_RESERVED = 1024  # per block, taken by the system
+SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
+# False (default): linear's "gemm" path takes the block-synchronous gemm; True: gemm_ws (built and compiled for
+# sm_90a, not yet measured against gemm).
+GEMM_WS = False
+
+
+def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
+    """Dynamic shared memory of a warp-specialized GEMM block: the copy slots (the activation tile, then the tiled
+    words, 1024-byte aligned), the decoded tiles (128 rows x 64 fp16), and slack to align the swizzle atoms
+    (kernels/common/f16_ws_wgmma.cuh F16WsRing)."""
+    slot = -(-(tokens * 128 + GEMM_WS_WORDS) // 1024) * 1024
+    return copy_stages * slot + tile_stages * GEMM_ROWS * 128 + 1024
+
+
+def gemm_ws_fits(tokens: int) -> bool:
+    """Whether the build for `tokens` fits its blocks per SM in shared memory (and its epilogue's transpose tile of
+    TN x 136 halves in its ring)."""
+    sc, sa, blocks = GEMM_WS_BUILT[tokens]
+    smem = gemm_ws_smem(tokens, sc, sa)
+    ring = smem - 1024
+    per_block = smem + GEMM_WS_STATIC_SMEM <= SMEM_BLOCK_MAX
+    return (
+        per_block
+        and blocks * (smem + GEMM_WS_STATIC_SMEM + SMEM_RESERVED) <= SMEM_PER_SM
+        and tokens * 272 <= ring
+    )
+
+
+def gemm_ws_tokens(m: int) -> int:
+    """Token tile of the warp-specialized GEMM for M rows: the smallest built tile holding them all, else the
+    largest."""
+    tiles = sorted(GEMM_WS_BUILT)
+    return next((tn for tn in tiles if m <= tn), tiles[-1])
+
+
+_X_MAPS = tma.MapCache(limit=64)
+
+
+def gemm_ws(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """y = x . W^T (+ bias) + the outliers (mixed_spmv after it) with the warp-specialized tensor-core GEMM on the
+    tiled streams (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows, `tokens`
+    (16, 32, 64 or 128) and `split` (blocks per output tile along K) override the defaults."""
+    from qtool.cuda import split_k
+
+    reason = gemm_reason(p)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}")
+    lead = x.shape[:-1]
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)  # contiguous, 16-byte aligned: what a tensor map needs
+    m, k, n = x2.shape[0], p.in_features, p.out_features
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    tn = gemm_ws_tokens(m) if tokens is None else tokens
+    if tn not in GEMM_WS_BUILT:
+        raise ValueError(f"tokens: found {tn}, expected one of {tuple(GEMM_WS_BUILT)}")
+    sc, sa, _ = GEMM_WS_BUILT[tn]
+    dev = cc.device_index(x.device)
+    fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(f"mixed_gemm_ws_n{tn}_s{sc}_a{sa}")
+    smem = gemm_ws_smem(tn, sc, sa)
+    cc.allow_shared_memory(fn, smem)
+    nblk = k // 64
+    if split is None:
+        blocks = cc.resident_blocks(fn, GEMM_WS_THREADS, smem, dev)
+        split = plan_split(n, m, k, tn, blocks, cc.sm_count(dev))
+    if not 1 <= split <= nblk:
+        raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
+    tiles = -(-n // GEMM_ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * GEMM_ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    t = p.tiled
+    if p.maps is None:
+        p.maps = tma.MapCache(limit=2)
+    # token boxes past M read rows the storage holds where it has them (tma.padded_rows): their products land in
+    # accumulator columns that are never stored
+    mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
+    mta = p.maps.get(t.ta, 16, GEMM_ROWS, 0)
+    dependent_launch.launch(
+        fn,
+        (-(-n // GEMM_ROWS), -(-m // tn), split),
+        (GEMM_WS_THREADS,),
+        (
+            mx,
+            mta,
+            cc.ptr(t.tm),
+            cc.ptr(t.tz),
+            cc.ptr(t.tt),
+            cc.ptr(p.binfo),
+            cc.ptr(_bias(bias, p)),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nblk),
+            cc.i32(p.scale_group_size),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
+    spmv(x2, p, out)
+    return out.reshape(*lead, n)
+
+
 PATHS = ("gemv", "gemm", "dequant+cublas", "reference")
 
 
@@ -705,7 +834,7 @@ def linear(
     if path == "gemv":
         return gemv(x, p, bias)
     if path == "gemm":
-        return gemm(x, p, bias)
+        return gemm_ws(x, p, bias) if GEMM_WS else gemm(x, p, bias)
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
     raise cc.CudaUnavailableError(

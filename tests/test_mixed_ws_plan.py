@@ -1,0 +1,181 @@
+"""The CPU side of the warp-specialized mixed-2-4-16 GEMM (kernels/mixed/gemm_ws.cu, qtool/layouts/mixed/cuda.py
+`gemm_ws`): its builds and their shared memory, the token tiles, and the row decode both Hopper GEMMs share
+(kernels/mixed/tiled.cuh MixedRow), replayed here with the kernel's bit operations and fp16 roundings."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from qtool.layouts.mixed import cuda as mixed
+from qtool.resources import kernels_dir
+
+
+def test_builds_are_the_kernel_entries_and_fit():
+    src = (kernels_dir() / "mixed" / "gemm_ws.cu").read_text()
+    entries = re.findall(r"^MIXED_GEMM_WS_ENTRY\((\d+), (\d+), (\d+), (\d+)\)", src, flags=re.M)
+    assert {int(tn): (int(sc), int(sa), int(b)) for tn, sc, sa, b in entries} == mixed.GEMM_WS_BUILT
+    assert all(mixed.gemm_ws_fits(tn) for tn in mixed.GEMM_WS_BUILT)
+    # copy slots of the activation tile and 3472 bytes of tiled words, 16 KB per decoded tile, the alignment slack
+    assert mixed.gemm_ws_smem(16, 12, 2) == 12 * 6 * 1024 + 2 * 16384 + 1024
+    assert mixed.gemm_ws_smem(128, 8, 3) == 8 * 20 * 1024 + 3 * 16384 + 1024
+    # each ring as deep as fits the blocks per SM its registers allow, up to 12 copy slots
+    for tn, (sc, sa, blocks) in mixed.GEMM_WS_BUILT.items():
+        more = mixed.gemm_ws_smem(tn, sc + 1, sa) + mixed.GEMM_WS_STATIC_SMEM + mixed.SMEM_RESERVED
+        assert blocks * more > mixed.SMEM_PER_SM or sc + 1 > 12, tn
+
+
+def test_token_tiles():
+    assert [mixed.gemm_ws_tokens(m) for m in (1, 16, 17, 32, 33, 64, 100, 128, 300)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+        128,
+        128,
+    ]
+    # Llama-2-7B o_proj at 16 tokens, two blocks per SM on 132 SMs: 32 tiles split 8 ways
+    assert mixed.plan_split(4096, 16, 4096, 16, 2, 132) == 8
+
+
+def _h(bits: np.ndarray) -> np.ndarray:
+    """fp16 values (float64) of half bit patterns."""
+    return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _bits(v: np.ndarray) -> np.ndarray:
+    """float64 values rounded once to fp16 (round to nearest even), as bit patterns."""
+    return v.astype(np.float16).view(np.uint16).astype(np.uint64)
+
+
+def _halves(f, *words: np.ndarray) -> np.ndarray:
+    """f applied to each half of 32-bit words (as fp16 values), rounded once per half: an f16x2 instruction."""
+    with np.errstate(over="ignore", invalid="ignore"):  # the 3e3 scales reach fp16's infinity, as on the GPU
+        lo = _bits(f(*[_h(w & 0xFFFF) for w in words]))
+        hi = _bits(f(*[_h((w >> 16) & 0xFFFF) for w in words]))
+    return lo | (hi << 16)
+
+
+MAG0, MAG4, MAGI = 0x4C004C00, 0x3C003C00, 0x64006400
+
+
+def _finish(m, nz, cu, sc):
+    d = _halves(lambda a, b: a * 64 + b, m, nz)  # h2fma(m, 64, nz): exact
+    if cu is not None:
+        d = _halves(lambda a, b: a * b, d, cu)
+    return _halves(lambda a, b: a * b, d, sc)
+
+
+def _decoded_rows(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int, form: str) -> torch.Tensor:
+    """The dense weight as gemm_ws's decode_stage writes it (form "two": MixedRow::load and ::two, the chunk order
+    of a row) or as gemm.cu's lanes decode their fragments ("pair": MixedRow::pair, one field per shift), each k16
+    step placed at its stripe's columns (kcols), fp16."""
+    nblk = k // 64
+    w = lambda x: x.numpy().astype(np.int64).astype(np.uint64) & 0xFFFFFFFF  # noqa: E731
+    ta, tm = w(t.ta).reshape(n, nblk, 4), w(t.tm).reshape(n, nblk, 2)
+    tz, tt = w(t.tz), w(t.tt).reshape(-1, nblk, 2)
+    rows = np.arange(n)
+    zb = tz[rows // 4] >> (8 * (rows % 4))[:, None].astype(np.uint64)  # [n, nblk]
+    S = tt[rows // g2]  # [n, nblk, 2]
+    W = tm
+    words = [ta[..., 0], ta[..., 1], ta[..., 2], ta[..., 3], W[..., 0]]
+    dense = np.zeros((n, nblk, 4, 16), dtype=np.uint64)
+
+    def prmt_lo(x):
+        return (x & 0xFFFF) * 0x10001
+
+    sc = [prmt_lo(S[..., 0]), prmt_lo(S[..., 0] >> 16), prmt_lo(S[..., 1]), prmt_lo(W[..., 1])]
+    for i in range(4):
+        if i < 3:
+            z = (zb >> (2 * i)) & 3
+            c = (W[..., 1] >> (16 + 4 * i)) & 15
+            u = (S[..., 1] >> (16 + 4 * i)) & 15
+            cu = _halves(lambda a, b: a - b, ((c + u) * 0x10001) | MAGI, np.full_like(c, MAGI))
+        else:
+            z, cu = W[..., 1] >> 28, None
+        nz = z * 0x10001 + 0xE400E400
+        nz4 = (z << 4) * 0x10001 + 0xD400D400
+        v = [None] * 8
+        if form == "pair":
+            for f in range(8):
+                if i < 3:
+                    v[f] = _finish(((words[i] >> (2 * f)) & 0x00030003) | MAG0, nz, cu, sc[i])
+                else:
+                    sh = (words[3] if f < 4 else words[4]) >> (4 * (f & 3))
+                    v[f] = _finish((sh & 0x000F000F) | MAG0, nz, None, sc[3])
+        elif i < 3:
+            for f in (0, 1, 4, 5):
+                sh = words[i] >> (2 * f)
+                v[f] = _finish((sh & 0x00030003) | MAG0, nz, cu, sc[i])
+                v[f + 2] = _finish((sh & 0x00300030) | MAG4, nz4, cu, sc[i])
+        else:
+            for f in (0, 2, 4, 6):
+                sh = (words[3] if f < 4 else words[4]) >> (4 * (f & 3))
+                v[f] = _finish((sh & 0x000F000F) | MAG0, nz, None, sc[3])
+                v[f + 1] = _finish((sh & 0x00F000F0) | MAG4, nz4, None, sc[3])
+        for f in range(8):  # field f: columns 2f, 2f + 1 of the step, low and high half
+            dense[..., i, 2 * f] = v[f] & 0xFFFF
+            dense[..., i, 2 * f + 1] = v[f] >> 16
+    info = w(binfo)
+    pos = np.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], axis=-1).astype(np.int64)  # [nblk, 4]
+    out = np.zeros_like(dense)
+    np.put_along_axis(out, np.broadcast_to(pos[None, :, :, None], dense.shape), dense, axis=2)
+    return torch.from_numpy(out.reshape(n, k).astype(np.uint16).view(np.float16))
+
+
+@pytest.mark.parametrize("form", ["two", "pair"])
+@pytest.mark.parametrize("n,k,g2,scale", [(36, 320, 4, 1.0), (64, 1024, 16, 1e-3), (24, 128, 12, 3e3)])
+def test_row_decode_is_the_reference_cast_bit_for_bit(n, k, g2, scale, form):
+    """Every weight as the exact (q - z)·ŝ rounded once, as layer.dense().half() casts it: random codes, scales
+    spread over the fp16 range (subnormal products at 1e-3, 64·s past fp16's largest at 3e3)."""
+    from qtool.layouts.mixed.layout import MixedWeight
+
+    g = torch.Generator().manual_seed(n * k + g2)
+    s = k // 16
+    is4 = torch.zeros(s, dtype=torch.bool)
+    is4[torch.arange(s // 4) * 4 + torch.randint(0, 4, (s // 4,), generator=g)] = True
+    s4, s2 = s // 4, s - s // 4
+    codes = torch.randint(0, 4, (n, k), generator=g)
+    cols4 = is4.repeat_interleave(16)
+    codes[:, cols4] = torch.randint(0, 16, (n, int(cols4.sum())), generator=g)
+    nh = -(-n // g2)
+    spread = lambda *shape: scale * torch.exp(torch.randn(*shape, generator=g) * 2)  # noqa: E731
+    layer = MixedWeight.from_codes(
+        codes,
+        is4,
+        16,
+        g2,
+        "block4",
+        torch.randint(0, 16, (n, s2), generator=g),
+        torch.randint(0, 4, (n, s2), generator=g),
+        spread(nh, s2),
+        torch.randint(0, 16, (nh, s2), generator=g),
+        spread(n, s4),
+        torch.randint(0, 16, (n, s4), generator=g),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0),
+    )
+    binfo, _ = mixed.block_info(layer.stripe_bits)
+    t = mixed.tiled_streams(
+        layer.qweight_a,
+        layer.qweight_b,
+        layer.scale_codes,
+        layer.zeros2,
+        layer.scales_2nd,
+        layer.zeros_2nd,
+        layer.scales4,
+        layer.zeros4,
+        binfo,
+        g2,
+    )
+    got = _decoded_rows(t, binfo, n, k, g2, form)
+    ref = layer.dense().half()
+    same = (got.view(torch.int16) == ref.view(torch.int16)) | (got.isnan() & ref.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} weights differ"
