@@ -1,4 +1,4 @@
-"""Times the W4A8 GEMM's forms (qtool/layouts/qoq/cuda.py: `sync` with its split-K, `ws` at 64/128/256-token tiles with K
+"""Times the W4A8 GEMM's forms (qtool/layouts/qoq/cuda.py: `sync` with its split-K, `ws` at 16/32/64/128/256-token tiles with K
 split over 1..16 blocks per tile, the persistent `wsp` at 128/256) on codes quantized beforehand, beside cuBLAS
 FP16 and FP8 `_scaled_mm` in the same process (needs a Hopper GPU and cupy). Graph replays over rotated layers
 (qtool.bench.timing), medians; prints one line per (shape, M, scheme) with the dispatched form first, then every
@@ -27,8 +27,8 @@ def forms(m: int, n: int, kt: int, sms: int) -> list[tuple[str, int, int | None,
     persistent wsp at 128 and 256 tokens."""
     out: list[tuple[str, int, int | None, int | None]] = [("sync", 0, None, None)]
     rows = (n + 127) // 128
-    for tn in (64, 128, 256):
-        if tn > max(64, m):
+    for tn in (16, 32, 64, 128, 256):
+        if tn > max(64, m) or (tn < 64 and m > 64):
             continue
         tiles = rows * ((m + tn - 1) // tn)
         for s in (1, 2, 3, 4, 6, 8, 12, 16):

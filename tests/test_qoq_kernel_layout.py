@@ -111,8 +111,8 @@ def test_stage_words_are_the_group_words_stage_major(n, k, g):
 
 
 def test_gemm_form_dispatch(monkeypatch):
-    """The 4-bit GEMM forms by token count and shape (qtool/layouts/qoq/cuda.py gemm_kernel, from the H100 sweep): 64-token
-    `ws` tiles split along K into shares of at least 10 stages within one wave where 128-token tiles would leave
+    """The 4-bit GEMM forms by token count and shape (qtool/layouts/qoq/cuda.py gemm_kernel, from the H100 sweep): 16-,
+    32- and then 64-token `ws` tiles split along K into shares of at least 10 stages within one wave where 128-token tiles would leave
     half the GPU idle, the persistent form at 128 or 256 tokens where they would not, the H200 rule above 512
     tokens, `sync` at GEMV sizes, whenever a split is asked for without a form and for unaligned operands."""
     from qtool.layouts.qoq import cuda as qoq
@@ -127,8 +127,8 @@ def test_gemm_form_dispatch(monkeypatch):
     ms = (4, 5, 16, 64, 65, 128, 256, 512, 2048)
     assert pick(4096, 4096, ms) == [
         ("sync", 64, None, None),
-        ("ws", 64, 3, 0),
-        ("ws", 64, 3, 0),
+        ("ws", 16, 3, 0),
+        ("ws", 16, 3, 0),
         ("ws", 64, 3, 0),
         ("ws", 64, 2, 0),
         ("ws", 64, 2, 0),
@@ -138,8 +138,8 @@ def test_gemm_form_dispatch(monkeypatch):
     ]
     assert pick(4096, 11008, ms) == [
         ("sync", 64, None, None),
-        ("ws", 64, 1, 0),
-        ("ws", 64, 1, 0),
+        ("ws", 16, 1, 0),
+        ("ws", 16, 1, 0),
         ("ws", 64, 1, 0),
         ("wsp", 128, None, None),
         ("wsp", 128, None, None),
@@ -148,14 +148,15 @@ def test_gemm_form_dispatch(monkeypatch):
         ("wsp", 256, None, None),
     ]
     assert pick(11008, 4096, ms)[1:7] == [
-        ("ws", 64, 4, 0),
-        ("ws", 64, 4, 0),
+        ("ws", 16, 4, 0),
+        ("ws", 16, 4, 0),
         ("ws", 64, 4, 0),
         ("ws", 64, 2, 0),
         ("ws", 64, 2, 0),
         ("ws", 64, 1, 0),
     ]
-    assert pick(256, 64, (16,)) == [("ws", 64, 1, 0)]  # two stages: no share would have ten
+    assert pick(256, 64, (16,)) == [("ws", 16, 1, 0)]  # two stages: no share would have ten
+    assert pick(4096, 4096, (17, 32, 33)) == [("ws", 32, 3, 0), ("ws", 32, 3, 0), ("ws", 64, 3, 0)]
     p = types.SimpleNamespace(wq=torch.zeros(1, 1), kp=4096)
     assert qoq.gemm_kernel(512, 4096, a, p, split=1) == ("sync", 256, 1, None)
     assert qoq.gemm_kernel(512, 4096, a, p, tokens=128) == ("ws", 128, None, None)

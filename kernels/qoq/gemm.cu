@@ -208,6 +208,8 @@ QOQ_GEMM_ENTRIES(256, 3, 1)
     QOQ_WS_ENTRY(KIND, PERSIST, g32, 32, TN, ST)           \
     QOQ_WS_ENTRY(KIND, PERSIST, g64, 64, TN, ST)           \
     QOQ_WS_ENTRY(KIND, PERSIST, g128, 128, TN, ST)
+QOQ_WS_ENTRIES(ws, false, 16, 16)  // 16- and 32-token tiles: a quarter / half of the 64-token
+QOQ_WS_ENTRIES(ws, false, 32, 12)  // tile's activation bytes per stage, twice the weight stages in flight
 QOQ_WS_ENTRIES(ws, false, 64, 8)
 QOQ_WS_ENTRIES(ws, false, 128, 6)
 QOQ_WS_ENTRIES(ws, false, 256, 4)

@@ -71,8 +71,17 @@ GEMV_WIDE_MAX_TOKENS = 2
 GEMV_ALL_TOKENS_MAX_WEIGHTS = 4096 * 4096
 # Activation code rows are allocated in multiples of the smallest token tile (empty_activations).
 ACT_ROW_PAD = 64
-WS_RINGS = {("ws", 64): 8, ("ws", 128): 6, ("ws", 256): 4, ("wsp", 128): 6, ("wsp", 256): 4}
+WS_RINGS = {
+    ("ws", 16): 16,
+    ("ws", 32): 12,
+    ("ws", 64): 8,
+    ("ws", 128): 6,
+    ("ws", 256): 4,
+    ("wsp", 128): 6,
+    ("wsp", 256): 4,
+}
 WS_SPLIT_MAX = 16
+WS_SMALL_TILES = (16, 32)  # `ws` token tiles the dispatch takes up to their size
 # A split tile's shares have at least this many stages: a share ends in a round trip through L2 (its int32 sums,
 # the tile's counter, the last block's reads), which shorter shares did not pay for on the H100 (kernels/NOTES.md)
 WS_SPLIT_MIN_STAGES = 10
@@ -348,9 +357,11 @@ def gemm_kernel(
     choice). `sync` wherever the copy engine cannot address the operands, wherever a K split is asked for without
     a form, and up to GEMV_MAX_TOKENS (a model calls the GEMV there). The rule from the H100 sweep
     (kernels/NOTES.md, qoq section; scripts/qoq_gemm_forms.py), up to WS_RULE_MAX_TOKENS:
-      * 64-token tiles (`ws`) while 128-token tiles would leave more than half the SMs idle (up to 64 tokens
-        always), each tile split along K over as many blocks as fit one wave, with shares of at least
-        WS_SPLIT_MIN_STAGES stages (a 4096-row layer: 32 tiles, 3-4 blocks each);
+      * `ws` tiles of 16 or 32 tokens up to that many tokens (fewer activation bytes per stage, more weight
+        stages in flight: the H200 sweep, kernels/qoq/NOTES.md), then 64-token tiles while 128-token tiles would
+        leave more than half the SMs idle (up to 64 tokens always), each tile split along K over as many blocks
+        as fit one wave, with shares of at least WS_SPLIT_MIN_STAGES stages (a 4096-row layer: 32 tiles, 3-4
+        blocks each);
       * otherwise the persistent form at 128 or 256 tokens, whichever needs fewer rounds of tiles weighted by
         its stage time (WSP_STAGE_COST; 256 from 256 tokens).
     Above: the token tile that gives the most tiles within one wave of `sms` blocks (the persistent form for
@@ -364,9 +375,10 @@ def gemm_kernel(
     rows = (n + ROWS - 1) // ROWS
     if m <= WS_RULE_MAX_TOKENS:
         if m <= 64 or 2 * rows * ((m + 127) // 128) < sms:
-            tiles = rows * ((m + 63) // 64)
+            tn = next(t for t in WS_SMALL_TILES + (64,) if m <= t or t == 64)
+            tiles = rows * ((m + tn - 1) // tn)
             kt = p.kp // KP_MULTIPLE
-            return "ws", 64, max(1, min(sms // tiles, kt // WS_SPLIT_MIN_STAGES, WS_SPLIT_MAX)), 0
+            return "ws", tn, max(1, min(sms // tiles, kt // WS_SPLIT_MIN_STAGES, WS_SPLIT_MAX)), 0
         tn = min(
             (t for t in WSP_STAGE_COST if t <= max(m, 128)),
             key=lambda t: (-(-rows * ((m + t - 1) // t) // sms) * WSP_STAGE_COST[t], t),
@@ -414,8 +426,9 @@ def gemm(
         and gemv_codes_reason(a, p) is None
     ):
         return gemv_codes(a, p, out, raw=raw)
-    if tokens is not None and tokens not in quik.GEMM_TILES:
-        raise ValueError(f"tokens: found {tokens}, expected one of {sorted(quik.GEMM_TILES)}")
+    tiles_built = set(quik.GEMM_TILES) | {t for _, t in WS_RINGS}
+    if tokens is not None and tokens not in tiles_built:
+        raise ValueError(f"tokens: found {tokens}, expected one of {sorted(tiles_built)}")
     idx = cc.device_index(dev)
     if kernel is None:
         kernel, tn, pick, pick_whole = gemm_kernel(m, n, a, p, tokens, split, cc.sm_count(idx))
@@ -425,6 +438,8 @@ def gemm(
         tn = tokens or (quik.gemm_tokens(m) if kernel == "sync" else 256 if kernel == "wsp" else 128)
     if kernel not in ("sync", "ws", "wsp"):
         raise ValueError(f"kernel: found {kernel!r}, expected one of gemv, sync, ws, wsp")
+    if kernel == "sync" and tn not in quik.GEMM_TILES:
+        raise ValueError(f"tokens: found {tn} for kernel sync, expected one of {sorted(quik.GEMM_TILES)}")
     kt = p.kp // KP_MULTIPLE
     if kernel in ("ws", "wsp"):
         if kernel == "wsp" and split not in (None, 1):
