@@ -1,5 +1,5 @@
 """The CPU side of the warp-specialized mixed-2-4-16 GEMM (kernels/mixed/gemm_ws.cu, qtool/layouts/mixed/cuda.py
-`gemm_ws`): its builds and their shared memory, the token tiles, and the row decode both Hopper GEMMs share
+`gemm_ws`): its builds (two forms) and their shared memory, the plan, and the row decode both Hopper GEMMs share
 (kernels/mixed/tiled.cuh MixedRow), replayed here with the kernel's bit operations and fp16 roundings."""
 
 from __future__ import annotations
@@ -16,30 +16,49 @@ from qtool.resources import kernels_dir
 
 def test_builds_are_the_kernel_entries_and_fit():
     src = (kernels_dir() / "mixed" / "gemm_ws.cu").read_text()
-    entries = re.findall(r"^MIXED_GEMM_WS_ENTRY\((\d+), (\d+), (\d+), (\d+)\)", src, flags=re.M)
-    assert {int(tn): (int(sc), int(sa), int(b)) for tn, sc, sa, b in entries} == mixed.GEMM_WS_BUILT
-    assert all(mixed.gemm_ws_fits(tn) for tn in mixed.GEMM_WS_BUILT)
+    regs = re.findall(r"^MIXED_GEMM_WS_ENTRY\((\d+), (\d+), (\d+)\)", src, flags=re.M)
+    tile = re.findall(r"^MIXED_GEMM_WST_ENTRY\((\d+), (\d+), (\d+), (\d+)\)", src, flags=re.M)
+    built = {("regs", int(tn)): (int(sc), 0, int(b)) for tn, sc, b in regs}
+    built |= {("tile", int(tn)): (int(sc), int(sa), int(b)) for tn, sc, sa, b in tile}
+    assert built == mixed.GEMM_WS_BUILT
+    assert all(mixed.gemm_ws_fits(f, tn) for f, tn in mixed.GEMM_WS_BUILT)
+    assert {tn for _, tn in mixed.GEMM_WS_BUILT} == set(mixed.GEMM_WS_TOKENS)
+    assert all((f, tn) in mixed.GEMM_WS_BUILT for tn, f in mixed.GEMM_WS_FORM.items())
     # copy slots of the activation tile and 3472 bytes of tiled words, 16 KB per decoded tile, the alignment slack
-    assert mixed.gemm_ws_smem(16, 12, 2) == 12 * 6 * 1024 + 2 * 16384 + 1024
-    assert mixed.gemm_ws_smem(128, 8, 3) == 8 * 20 * 1024 + 3 * 16384 + 1024
+    assert mixed.gemm_ws_smem(16, 7, 4) == 7 * 6 * 1024 + 4 * 16384 + 1024
+    assert mixed.gemm_ws_smem(256, 6, 0) == 6 * 36 * 1024 + 1024
+    assert mixed.gemm_ws_entry("regs", 256) == "mixed_gemm_ws_n256_s6"
+    assert mixed.gemm_ws_entry("tile", 64) == "mixed_gemm_wst_n64_s12_a4"
     # each ring as deep as fits the blocks per SM its registers allow, up to 12 copy slots
-    for tn, (sc, sa, blocks) in mixed.GEMM_WS_BUILT.items():
-        more = mixed.gemm_ws_smem(tn, sc + 1, sa) + mixed.GEMM_WS_STATIC_SMEM + mixed.SMEM_RESERVED
-        assert blocks * more > mixed.SMEM_PER_SM or sc + 1 > 12, tn
+    for (f, tn), (sc, sa, blocks) in mixed.GEMM_WS_BUILT.items():
+        more = mixed.gemm_ws_smem(tn, sc + 1, sa) + mixed.GEMM_WS_STATIC_SMEM
+        too_big = more > mixed.SMEM_BLOCK_MAX or blocks * (more + mixed.SMEM_RESERVED) > mixed.SMEM_PER_SM
+        assert too_big or sc + 1 > 12, (f, tn)
 
 
-def test_token_tiles():
-    assert [mixed.gemm_ws_tokens(m) for m in (1, 16, 17, 32, 33, 64, 100, 128, 300)] == [
-        16,
-        16,
-        32,
-        32,
-        64,
-        64,
-        128,
-        128,
-        128,
+def test_plan():
+    ms = (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 300, 2048)
+    assert [mixed.gemm_ws_plan(m) for m in ms] == [
+        ("tile", 16),
+        ("tile", 16),
+        ("tile", 32),
+        ("tile", 32),
+        ("tile", 64),
+        ("tile", 64),
+        ("regs", 128),
+        ("regs", 128),
+        ("regs", 256),
+        ("regs", 256),
+        ("regs", 256),
+        ("regs", 256),
     ]
+    assert mixed.gemm_ws_plan(5, tokens=64) == ("tile", 64)
+    assert mixed.gemm_ws_plan(5, form="regs") == ("regs", 16)
+    assert mixed.gemm_ws_plan(300, tokens=128, form="tile") == ("tile", 128)
+    with pytest.raises(ValueError, match="tokens, form: found 256, 'tile'"):
+        mixed.gemm_ws_plan(300, form="tile")
+    with pytest.raises(ValueError, match="tokens, form: found 48"):
+        mixed.gemm_ws_plan(40, tokens=48)
     # Llama-2-7B o_proj at 16 tokens, two blocks per SM on 132 SMs: 32 tiles split 8 ways
     assert mixed.plan_split(4096, 16, 4096, 16, 2, 132) == 8
 
@@ -73,8 +92,9 @@ def _finish(m, nz, cu, sc):
 
 
 def _decoded_rows(t: mixed.Tiled, binfo: torch.Tensor, n: int, k: int, g2: int, form: str) -> torch.Tensor:
-    """The dense weight as gemm_ws's decode_stage writes it (form "two": MixedRow::load and ::two, the chunk order
-    of a row) or as gemm.cu's lanes decode their fragments ("pair": MixedRow::pair, one field per shift), each k16
+    """The dense weight as gemm_ws's tile form writes it (form "two": decode_stage, MixedRow::load and ::two, the
+    chunk order of a row) or as its regs form's and gemm.cu's lanes decode their fragments ("pair": MixedRow::pair,
+    one field per shift), each k16
     step placed at its stripe's columns (kcols), fp16."""
     nblk = k // 64
     w = lambda x: x.numpy().astype(np.int64).astype(np.uint64) & 0xFFFFFFFF  # noqa: E731

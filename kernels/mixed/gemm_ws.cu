@@ -1,25 +1,28 @@
 // Warp-specialized tensor-core GEMM on the tiled streams of a `mixed-2-4-16` block4 layer for prefill on Hopper:
-// y = x · Wᵀ (+ bias), the outliers left to mixed_spmv after it (qtool/layouts/mixed/cuda.py `gemm_ws`). The
-// engine (roles, rings, wgmma loop, split-K, epilogue) is common/f16_ws_wgmma.cuh; this file is its decode: the
-// copies of a stage's tiled words and the decode of a weight row into the fp16 A tile.
+// y = x · Wᵀ (+ bias), the outliers left to mixed_spmv after it (qtool/layouts/mixed/cuda.py `gemm_ws`). Two forms
+// on two engines (roles, rings, wgmma loop, split-K, epilogue), this file being their decode (MixedWs):
+//   * regs (mixed_gemm_ws_*, common/f16_ws_wgmma.cuh): a copy warp, and MMA lanes decoding their own A fragments
+//     (`fragments`, gemm.cu's decode) for wgmmas with A from registers; up to 256 tokens;
+//   * tile (mixed_gemm_wst_*, common/f16_ws_tile_wgmma.cuh): two decode warpgroups writing each stage's 128 rows
+//     once into an fp16 tile (`decode_stage`) that wgmma reads from shared memory; up to 128 tokens.
+// Against kernels/mixed/gemm.cu (block-synchronous, its loads one stage ahead of a wait for all of them): no block
+// barrier per stage, a deep ring of copies from warps that do nothing else on the decode's path. Which form where:
+// kernels/mixed/NOTES.md, "Per-stage budget".
 //
-// Against kernels/mixed/gemm.cu (block-synchronous, each MMA lane decoding its own A fragments into registers): the
-// weights are decoded once per stage by the copy warpgroup into shared memory, and the MMA warpgroups only wait and
-// issue wgmmas with both operands from shared memory, so the decode overlaps the tensor cores without a block
-// barrier per stage, and the MMA warpgroups need only their accumulators (the register budget that kept gemm.cu at
-// one block per SM, and the small token tiles, 16 and 32, two blocks per SM).
-//
-// A stage's copies (warp 0): ta (16 bytes per row at a stride of K/4 bytes) by the copy engine, a 16 x 128 box;
-// tm, and per 4-row group tz and tt, by cp.async (8- and 4-byte pieces, below the 16-byte minimum of a bulk copy);
-// binfo. The decoded tile keeps gemm.cu's order: k16 step i is the block's tiled field i (the three 2-bit stripes,
-// then the 4-bit one) and its wgmma reads the activation columns of that stripe's position (binfo), so no code
-// moves. Weights: MixedRow (mixed/tiled.cuh), the reference's fp16 cast bit for bit, as in gemm.cu.
+// A stage's copies (the copy warp): ta (16 bytes per row at a stride of K/4 bytes) by the copy engine, a 16 x 128
+// box; tm, and per 4-row group tz and tt, by cp.async (8- and 4-byte pieces, below the 16-byte minimum of a bulk
+// copy); binfo. The decoded tile and the fragments keep gemm.cu's order: k16 step i is the block's tiled field i
+// (the three 2-bit stripes, then the 4-bit one) and its wgmma reads the activation columns of that stripe's
+// position (binfo), so no code moves. Weights: MixedRow (mixed/tiled.cuh), the reference's fp16 cast bit for bit,
+// as in gemm.cu.
 //
 // Runtime contract (qtool/layouts/mixed/cuda.py checks it): mx maps x fp16 [M, K] (rows 16-byte aligned) as bytes,
 // boxes of 128 bytes x TN rows, 128-byte swizzle; mta maps ta [N, K/16] int32 as bytes, boxes of 16 bytes x 128
 // rows, no swizzle; K = 64·nblk; g2 a multiple of 4; split-K as common/f16_ws_wgmma.cuh f16_ws_body.
+// tiled.cuh's MixedRow::two and ::pair are both in use: decode_stage takes two fields per shift, a lane's fragments
+// two fields of one code word apart (t and t + 4), one shift each.
 
-#include "common/f16_ws_wgmma.cuh"
+#include "common/f16_ws_tile_wgmma.cuh"
 #include "mixed/tiled.cuh"
 
 struct MixedWs {
@@ -34,24 +37,63 @@ struct MixedWs {
     static constexpr int RAW = MixedWords::BYTES;
     static constexpr int TX = 128 * 16;  // ta
 
-    // Rows past N are zero-filled (their outputs are never stored).
-    __device__ static __forceinline__ void copy(const Params& p, u32 w, u32 full, int gs, int n0, int lane) {
-        if (lane == 0) tma_load_2d(w + MixedWords::TA, p.ta, full, 16 * gs, n0);
+    // The copy warp's lanes: rows n0 + 32j + lane (tm) and the 4-row group n0 + 4 lane (tz, tt) as element offsets
+    // of their stage 0, and which of them lie before N (bits 0-3 the rows, 4 the group). Built once, so a stage's
+    // copies are an add and a cp.async each.
+    struct Cursor {
+        int tm[4];
+        int tz, tt;
+        u32 ok;
+        int n0;
+    };
+
+    __device__ static __forceinline__ Cursor cursor(const Params& p, int n0, int lane) {
+        Cursor c;
+        c.ok = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int r = 32 * j + lane, f = n0 + r;
-            const bool ok = f < p.N;
-            cp_async8(w + MixedWords::TM + 8 * r, p.tm + (ok ? (size_t)f * p.nblk + gs : 0), ok ? 8 : 0);
+            const int f = n0 + 32 * j + lane;
+            const bool in = f < p.N;
+            c.tm[j] = in ? f * p.nblk : 0;
+            c.ok |= (u32)in << j;
         }
-        const int row = n0 + 4 * lane;  // this lane's 4-row group
-        const bool ok = row < p.N;
-        cp_async4(w + MixedWords::TZ + 4 * lane, p.tz + (ok ? (size_t)(row >> 2) * p.nblk + gs : 0), ok ? 4 : 0);
-        cp_async8(w + MixedWords::TT + 8 * lane, p.tt + (ok ? (size_t)(row / p.g2) * p.nblk + gs : 0), ok ? 8 : 0);
+        const int row = n0 + 4 * lane;
+        const bool in = row < p.N;
+        c.tz = in ? (row >> 2) * p.nblk : 0;
+        c.tt = in ? row / p.g2 * p.nblk : 0;
+        c.ok |= (u32)in << 4;
+        c.n0 = n0;
+        return c;
+    }
+
+    // Rows past N are zero-filled (their outputs are never stored); their sources stay in bounds (offset 0).
+    __device__ static __forceinline__ void copy(const Params& p, const Cursor& c, u32 w, u32 full, int gs, int lane) {
+        if (lane == 0) tma_load_2d(w + MixedWords::TA, p.ta, full, 16 * gs, c.n0);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            cp_async8(w + MixedWords::TM + 8 * (32 * j + lane), p.tm + c.tm[j] + gs, (c.ok >> j) & 1u ? 8 : 0);
+        const int g = (c.ok >> 4) & 1u ? 4 : 0;
+        cp_async4(w + MixedWords::TZ + 4 * lane, p.tz + c.tz + gs, g);
+        cp_async8(w + MixedWords::TT + 8 * lane, p.tt + c.tt + gs, 2 * g);
         if (lane == 0) cp_async4(w + MixedWords::BI, p.binfo + gs, 4);
     }
 
-    // Row `row`: 8 fields per stripe, two per shift (MixedRow::two), in 16-byte chunks 2i (fields 0-3) and 2i + 1
-    // (fields 4-7) of k16 step i. The 8 rows of a quarter warp hit 8 different chunk positions: no bank conflicts.
+    // gemm.cu's fragments (mg_dequant): fields t and t + 4 of each stripe of rows r0 and r0 + 8.
+    __device__ static __forceinline__ void fragments(u32 w, u32 (&af)[4][4], int r0, int t) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            MixedRow r;
+            r.load(w, r0 + 8 * h);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                af[i][h] = r.pair(i, t);
+                af[i][2 + h] = r.pair(i, t + 4);
+            }
+        }
+    }
+
+    // The tile form's row `row`: 8 fields per stripe, two per shift (MixedRow::two), in 16-byte chunks 2i (fields
+    // 0-3) and 2i + 1 (fields 4-7) of k16 step i. The 8 rows of a quarter warp hit 8 different chunk positions: no bank conflicts.
     __device__ static __forceinline__ void decode_stage(const Params&, u32 w, u32 a, int row) {
         MixedRow r;
         r.load(w, row);
@@ -83,18 +125,34 @@ struct MixedWs {
     }
 };
 
-// mixed_gemm_ws_n{TN}_s{STC}_a{STA}: TN tokens per block, STC copy slots, STA decoded tiles; MINB blocks per SM
-// the registers are budgeted for (qtool/layouts/mixed/cuda.py GEMM_WS_BUILT lists the same).
-#define MIXED_GEMM_WS_ENTRY(TN, STC, STA, MINB)                                                                  \
-    extern "C" __global__ void __launch_bounds__(384, MINB) mixed_gemm_ws_n##TN##_s##STC##_a##STA(              \
+// mixed_gemm_ws_n{TN}_s{STC}: TN tokens per block, STC copy slots; MINB blocks per SM its registers are capped
+// for (qtool/layouts/mixed/cuda.py GEMM_WS_BUILT lists the same).
+#define MIXED_GEMM_WS_ENTRY(TN, STC, MINB)                                                                       \
+    extern "C" __global__ void __maxnreg__(f16_ws_regs<MINB>) mixed_gemm_ws_n##TN##_s##STC(                      \
         const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mta, const uint2* tm, const u32* tz,   \
         const uint2* tt, const u32* binfo, const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, \
         int nblk, int g2) {                                                                                      \
         const MixedWs::Params p{&mta, tm, tz, tt, binfo, N, nblk, g2};                                           \
-        f16_ws_body<MixedWs, TN, STC, STA, MINB>(&mx, p, M, N, nblk, bias, out, ldc, ws, cnt);                   \
+        f16_ws_body<MixedWs, TN, STC>(&mx, p, M, N, nblk, bias, out, ldc, ws, cnt);                              \
     }
 
-MIXED_GEMM_WS_ENTRY(16, 12, 2, 2)
-MIXED_GEMM_WS_ENTRY(32, 9, 2, 2)
-MIXED_GEMM_WS_ENTRY(64, 12, 3, 1)
-MIXED_GEMM_WS_ENTRY(128, 8, 3, 1)
+MIXED_GEMM_WS_ENTRY(16, 12, 2)
+MIXED_GEMM_WS_ENTRY(32, 12, 2)
+MIXED_GEMM_WS_ENTRY(64, 9, 2)
+MIXED_GEMM_WS_ENTRY(128, 11, 1)
+MIXED_GEMM_WS_ENTRY(256, 6, 1)
+
+// mixed_gemm_wst_n{TN}_s{STC}_a{STA}: the tile form (common/f16_ws_tile_wgmma.cuh), STA decoded tiles.
+#define MIXED_GEMM_WST_ENTRY(TN, STC, STA, MINB)                                                                  \
+    extern "C" __global__ void __launch_bounds__(512, MINB) mixed_gemm_wst_n##TN##_s##STC##_a##STA(             \
+        const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mta, const uint2* tm, const u32* tz,   \
+        const uint2* tt, const u32* binfo, const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, \
+        int nblk, int g2) {                                                                                      \
+        const MixedWs::Params p{&mta, tm, tz, tt, binfo, N, nblk, g2};                                           \
+        f16_wst_body<MixedWs, TN, STC, STA>(&mx, p, M, N, nblk, bias, out, ldc, ws, cnt);                        \
+    }
+
+MIXED_GEMM_WST_ENTRY(16, 7, 4, 2)
+MIXED_GEMM_WST_ENTRY(32, 5, 4, 2)
+MIXED_GEMM_WST_ENTRY(64, 12, 4, 1)
+MIXED_GEMM_WST_ENTRY(128, 8, 4, 1)

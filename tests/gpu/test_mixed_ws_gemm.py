@@ -1,7 +1,8 @@
-"""The warp-specialized mixed-2-4-16 GEMM (kernels/mixed/gemm_ws.cu on kernels/common/f16_ws_wgmma.cuh,
-`mixed.gemm_ws`) against the float64 reference of the layer, as test_mixed_kernels.py checks the block-synchronous
-GEMM: odd shapes (N not a multiple of 128, K of 2 to 65 blocks of 64), token counts on both sides of every token
-tile, every tile forced, split-K off, planned and forced, bias, outliers (mixed_spmv after the GEMM).
+"""The warp-specialized mixed-2-4-16 GEMM (kernels/mixed/gemm_ws.cu in its two forms, "regs" on
+kernels/common/f16_ws_wgmma.cuh and "tile" on kernels/common/f16_ws_tile_wgmma.cuh; `mixed.gemm_ws`) against the
+float64 reference of the layer, as test_mixed_kernels.py checks the block-synchronous GEMM: odd shapes (N not a
+multiple of 128, K of 2 to 65 blocks of 64), token counts on both sides of every token tile, every build (form and
+tile) forced, split-K off, planned and forced, bias, outliers (mixed_spmv after the GEMM).
 
 Outputs are poisoned with NaN before each launch, so an element the kernel forgets to write fails the test;
 `synced` makes a faulting launch fail here rather than in a later test. A barrier that never completes hangs the
@@ -15,6 +16,7 @@ import os
 import pytest
 import torch
 
+from qtool.layouts.mixed.cuda import GEMM_WS_BUILT
 from tests.gpu.helpers import dependent_chain_runs, gpu_ready, rel_err, synced
 from tests.gpu.test_mixed_kernels import TOL, random_mixed, reference64
 
@@ -22,8 +24,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reaso
 
 # (N, K, g2): N not a multiple of 128 (the last tile's rows past N), K of 2, 17, 65 and 16 blocks
 ODD = [(12, 128, 4), (200, 1088, 8), (72, 4160, 4), (300, 1024, 12)]
-MS = (1, 5, 16, 17, 33, 64, 100, 128, 300)
-TOKENS = (None, 16, 32, 64, 128)
+MS = (1, 5, 16, 17, 33, 64, 100, 128, 257, 300)
+
+
+BUILDS = [(None, None), *sorted(GEMM_WS_BUILT)]  # (form, tokens); (None, None): the plan
 
 
 @pytest.fixture(autouse=True)
@@ -66,17 +70,14 @@ def test_gemm_ws_matches_the_reference(fraction, nkg):
     for m in MS:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         refs = {b: reference64(layer, x, b) for b in (False, True)}
-        for tokens in TOKENS:
+        for form, tokens in BUILDS:
             for split in (1, None, min(3, nblk), nblk):
                 with_bias = (m + (tokens or 0) + (split or 0)) % 2 == 1
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-                y = synced(
-                    mixed.gemm_ws(
-                        x, p, layer.bias if with_bias else None, out=out, tokens=tokens, split=split
-                    )
-                )
+                bias = layer.bias if with_bias else None
+                y = synced(mixed.gemm_ws(x, p, bias, out=out, tokens=tokens, split=split, form=form))
                 assert y.data_ptr() == out.data_ptr()
-                what = f"seed {seed}, M={m}, tokens {tokens}, split {split}, bias {with_bias}"
+                what = f"seed {seed}, M={m}, {form} {tokens}, split {split}, bias {with_bias}"
                 assert bool(torch.isfinite(y).all()), f"unwritten outputs ({what})"
                 err = rel_err(y, refs[with_bias])
                 assert err < TOL, f"relative error {err:.2e} ({what})"
@@ -84,9 +85,9 @@ def test_gemm_ws_matches_the_reference(fraction, nkg):
 
 
 def test_gemm_ws_real_shape():
-    """A Llama-2-7B down projection: 172 stages, the planned split at 16 and 300 tokens."""
+    """A Llama-2-7B down projection: 172 stages, the planned split and form at 16, 64, 128 and 300 tokens."""
     mixed, layer, p = _layer(4096, 11008, 16, 0.002, 31)
-    for m in (16, 300):
+    for m in (16, 64, 128, 300):
         x = torch.randn(m, 11008, device="cuda", dtype=torch.float16)
         out = torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.float16)
         y = synced(mixed.gemm_ws(x, p, layer.bias, out=out))
@@ -94,34 +95,36 @@ def test_gemm_ws_real_shape():
     _counters_zero()
 
 
-@pytest.mark.parametrize("kernel", ["gemm_ws", "gemm"])
+@pytest.mark.parametrize("kernel", ["gemm_ws regs", "gemm_ws tile", "gemm"])
 def test_decoded_weights_are_the_reference_cast_bit_for_bit(kernel):
     """Identity activations: each output is one weight times 1 plus zeros in fp32, so y^T is the decoded fp16
-    weight itself, which must be the reference's cast bit for bit (both GEMMs decode with mixed/tiled.cuh)."""
+    weight itself, which must be the reference's cast bit for bit (every GEMM decodes with mixed/tiled.cuh)."""
     mixed, layer, p = _layer(200, 1088, 8, 0.0, 41)
     eye = torch.eye(1088, device="cuda", dtype=torch.float16)
     ref = layer.cpu_layout().dense().half()
-    fn = getattr(mixed, kernel)
-    tiles = (16, 128) if kernel == "gemm_ws" else (64, 256)
+    name, _, form = kernel.partition(" ")
+    fn = getattr(mixed, name)
+    kw = {"form": form} if form else {}
+    tiles = {"regs": (16, 256), "tile": (16, 128), "": (64, 256)}[form]
     for tokens in tiles:
         for split in (1, 5):
-            y = synced(fn(eye, p, tokens=tokens, split=split)).cpu()
+            y = synced(fn(eye, p, tokens=tokens, split=split, **kw)).cpu()
             same = y.T == ref
             assert bool(same.all()), f"{kernel}, tokens {tokens}, split {split}: {int((~same).sum())} differ"
     _counters_zero()
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
-def test_gemm_ws_replayed_from_a_cuda_graph_gives_the_eager_bits(tokens):
+@pytest.mark.parametrize("form,tokens", sorted(GEMM_WS_BUILT))
+def test_gemm_ws_replayed_from_a_cuda_graph_gives_the_eager_bits(form, tokens):
     mixed, layer, p = _layer(264, 1024, 8, 0.01, 51)
     m = tokens + 3  # two token tiles, the second mostly past M
     x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
     out = torch.empty(m, 264, device="cuda", dtype=torch.float16)
     for split in (1, 4):
-        eager = synced(mixed.gemm_ws(x, p, layer.bias, tokens=tokens, split=split)).clone()
+        eager = synced(mixed.gemm_ws(x, p, layer.bias, tokens=tokens, split=split, form=form)).clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            mixed.gemm_ws(x, p, layer.bias, out=out, tokens=tokens, split=split)
+            mixed.gemm_ws(x, p, layer.bias, out=out, tokens=tokens, split=split, form=form)
         for _ in range(3):
             out.fill_(float("nan"))
             graph.replay()
@@ -141,7 +144,13 @@ def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
 
     def chain():
         torch.mul(x0, 2.0, out=buf)  # the kernel ahead writes the activations
-        return torch.cat([mixed.gemm_ws(buf, p, tokens=16), mixed.gemm_ws(buf, p, tokens=64, split=1)])
+        return torch.cat(
+            [
+                mixed.gemm_ws(buf, p, tokens=16),
+                mixed.gemm_ws(buf, p, tokens=64, split=1),
+                mixed.gemm_ws(buf, p, tokens=256, split=2),
+            ]
+        )
 
     plain, outs = dependent_chain_runs(chain)
     for o in outs:
@@ -168,8 +177,10 @@ def test_linear_takes_gemm_ws_where_selected(monkeypatch):
 def test_gemm_ws_refuses_what_it_does_not_build():
     mixed, _, p = _layer(12, 128, 4, 0.0, 81)
     x = torch.randn(4, 128, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match="tokens: found 256"):
-        mixed.gemm_ws(x, p, tokens=256)
+    with pytest.raises(ValueError, match="tokens, form: found 48"):
+        mixed.gemm_ws(x, p, tokens=48)
+    with pytest.raises(ValueError, match="tokens, form: found 256, 'tile'"):
+        mixed.gemm_ws(x, p, tokens=256, form="tile")
     with pytest.raises(ValueError, match="split: found 3"):
         mixed.gemm_ws(x, p, split=3)
     assert mixed.gemm_ws(x[:0], p).shape == (0, 12)

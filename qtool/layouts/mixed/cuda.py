@@ -686,13 +686,33 @@ def gemm(
 
 
 GEMM_WS_SOURCE = "mixed/gemm_ws.cu"
-GEMM_WS_THREADS = 384  # a copy-and-decode warpgroup and two MMA warpgroups
-# token tile -> (copy-ring slots, decoded tiles, blocks per SM its registers are budgeted for), as
-# kernels/mixed/gemm_ws.cu instantiates them: the 16- and 32-token blocks fit twice on a multiprocessor (80 registers
-# a thread at launch, half the shared memory), the others once; each ring as deep as fits, at most 12 copy slots.
-GEMM_WS_BUILT = {16: (12, 2, 2), 32: (9, 2, 2), 64: (12, 3, 1), 128: (8, 3, 1)}
+# The two forms of kernels/mixed/gemm_ws.cu: "regs" (common/f16_ws_wgmma.cuh: a copy warp and two MMA warpgroups
+# whose lanes decode their own A fragments) and "tile" (common/f16_ws_tile_wgmma.cuh: two decode warpgroups write
+# an fp16 tile that wgmma reads from shared memory beside two MMA warpgroups). Threads per block:
+GEMM_WS_THREADS = {"regs": 288, "tile": 512}
+# (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM its registers are capped for), as
+# kernels/mixed/gemm_ws.cu instantiates them: each ring as deep as fits those blocks, at most 12 copy slots; the
+# tile form keeps 4 decoded tiles (two being decoded, two read by wgmmas in flight) and stops at 128 tokens (a
+# 512-thread block has 128 registers a thread).
+GEMM_WS_BUILT = {
+    ("regs", 16): (12, 0, 2),
+    ("regs", 32): (12, 0, 2),
+    ("regs", 64): (9, 0, 2),
+    ("regs", 128): (11, 0, 1),
+    ("regs", 256): (6, 0, 1),
+    ("tile", 16): (7, 4, 2),
+    ("tile", 32): (5, 4, 2),
+    ("tile", 64): (12, 4, 1),
+    ("tile", 128): (8, 4, 1),
+}
+GEMM_WS_TOKENS = (16, 32, 64, 128, 256)
+# The form each token tile takes by default, from the per-stage budget (kernels/mixed/NOTES.md): the tile form
+# decodes each row once (about 245 issue cycles a scheduler per stage, shared-memory bound at 312 + 3·TN cycles), the
+# regs form four times over (about 480, the lanes of a row each decoding its constants) but reads no decoded tile
+# and reaches 256 tokens; not yet measured.
+GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs", 256: "regs"}
 GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16  # a stage's tiled words (kernels/mixed/tiled.cuh)
-GEMM_WS_STATIC_SMEM = 256  # the kernel's barriers and split-K flag: at most this (ptxas, sm_90a)
+GEMM_WS_STATIC_SMEM = 512  # the kernels' barriers and split-K flag: at most this (ptxas, sm_90a: 272 bytes)
 SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
 SMEM_RESERVED = 1024  # per block, taken by the system
 SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
@@ -703,16 +723,16 @@ GEMM_WS = False
 
 def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
     """Dynamic shared memory of a warp-specialized GEMM block: the copy slots (the activation tile, then the tiled
-    words, 1024-byte aligned), the decoded tiles (128 rows x 64 fp16), and slack to align the swizzle atoms
-    (kernels/common/f16_ws_wgmma.cuh F16WsRing)."""
+    words, 1024-byte aligned), the decoded tiles of the tile form (128 rows x 64 fp16), and slack to align the
+    swizzle atoms (F16WsRing, F16WstRing)."""
     slot = -(-(tokens * 128 + GEMM_WS_WORDS) // 1024) * 1024
     return copy_stages * slot + tile_stages * GEMM_ROWS * 128 + 1024
 
 
-def gemm_ws_fits(tokens: int) -> bool:
-    """Whether the build for `tokens` fits its blocks per SM in shared memory (and its epilogue's transpose tile of
-    TN x 136 halves in its ring)."""
-    sc, sa, blocks = GEMM_WS_BUILT[tokens]
+def gemm_ws_fits(form: str, tokens: int) -> bool:
+    """Whether the build fits its blocks per SM in shared memory (and its epilogue's transpose tile of TN x 136
+    halves in its ring)."""
+    sc, sa, blocks = GEMM_WS_BUILT[form, tokens]
     smem = gemm_ws_smem(tokens, sc, sa)
     ring = smem - 1024
     per_block = smem + GEMM_WS_STATIC_SMEM <= SMEM_BLOCK_MAX
@@ -723,11 +743,21 @@ def gemm_ws_fits(tokens: int) -> bool:
     )
 
 
-def gemm_ws_tokens(m: int) -> int:
-    """Token tile of the warp-specialized GEMM for M rows: the smallest built tile holding them all, else the
-    largest."""
-    tiles = sorted(GEMM_WS_BUILT)
-    return next((tn for tn in tiles if m <= tn), tiles[-1])
+def gemm_ws_entry(form: str, tokens: int) -> str:
+    """The kernel name of a build (kernels/mixed/gemm_ws.cu's entry macros)."""
+    sc, sa, _ = GEMM_WS_BUILT[form, tokens]
+    return f"mixed_gemm_ws_n{tokens}_s{sc}" if form == "regs" else f"mixed_gemm_wst_n{tokens}_s{sc}_a{sa}"
+
+
+def gemm_ws_plan(m: int, tokens: int | None = None, form: str | None = None) -> tuple[str, int]:
+    """(form, token tile) for M rows: the smallest tile holding them all, else the largest; its default form unless
+    `form` is given, a given `tokens` kept."""
+    tn = next((t for t in GEMM_WS_TOKENS if m <= t), GEMM_WS_TOKENS[-1]) if tokens is None else tokens
+    fm = GEMM_WS_FORM.get(tn, "regs") if form is None else form
+    if (fm, tn) not in GEMM_WS_BUILT:
+        built = sorted(GEMM_WS_BUILT)
+        raise ValueError(f"tokens, form: found {tn}, {fm!r}, expected one of {built}")
+    return fm, tn
 
 
 _X_MAPS = tma.MapCache(limit=64)
@@ -740,10 +770,12 @@ def gemm_ws(
     out: torch.Tensor | None = None,
     tokens: int | None = None,
     split: int | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """y = x . W^T (+ bias) + the outliers (mixed_spmv after it) with the warp-specialized tensor-core GEMM on the
-    tiled streams (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows, `tokens`
-    (16, 32, 64 or 128) and `split` (blocks per output tile along K) override the defaults."""
+    tiled streams (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens`
+    (16 to 256), `form` ("regs" or "tile", GEMM_WS_BUILT) and `split` (blocks per output tile along K) override the
+    defaults (gemm_ws_plan, plan_split)."""
     from qtool.cuda import split_k
 
     reason = gemm_reason(p)
@@ -755,17 +787,16 @@ def gemm_ws(
     out = cc.f16_out(out, (m, n), x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    tn = gemm_ws_tokens(m) if tokens is None else tokens
-    if tn not in GEMM_WS_BUILT:
-        raise ValueError(f"tokens: found {tn}, expected one of {tuple(GEMM_WS_BUILT)}")
-    sc, sa, _ = GEMM_WS_BUILT[tn]
+    fm, tn = gemm_ws_plan(m, tokens, form)
+    sc, sa, _ = GEMM_WS_BUILT[fm, tn]
+    threads = GEMM_WS_THREADS[fm]
     dev = cc.device_index(x.device)
-    fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(f"mixed_gemm_ws_n{tn}_s{sc}_a{sa}")
+    fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(gemm_ws_entry(fm, tn))
     smem = gemm_ws_smem(tn, sc, sa)
     cc.allow_shared_memory(fn, smem)
     nblk = k // 64
     if split is None:
-        blocks = cc.resident_blocks(fn, GEMM_WS_THREADS, smem, dev)
+        blocks = cc.resident_blocks(fn, threads, smem, dev)
         split = plan_split(n, m, k, tn, blocks, cc.sm_count(dev))
     if not 1 <= split <= nblk:
         raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
@@ -787,7 +818,7 @@ def gemm_ws(
     dependent_launch.launch(
         fn,
         (-(-n // GEMM_ROWS), -(-m // tn), split),
-        (GEMM_WS_THREADS,),
+        (threads,),
         (
             mx,
             mta,
