@@ -1,15 +1,18 @@
 """Times the warp-specialized mixed-2-4-16 GEMM's builds (qtool/layouts/mixed/cuda.py `gemm_ws`: the "regs" and
 "tile" forms at each token tile, the planned split and no split) beside cuBLAS FP16 and the block-synchronous
-`gemm` in the same process, on random block4 layers without outliers (needs a Hopper GPU and cupy). Graph replays
+`gemm` in the same process, on random block4 layers, without outliers unless `--outliers` gives their fraction
+(the tile form then also timed with them all in mixed_spmv, `/spmv`) (needs a Hopper GPU and cupy). Graph replays
 over rotated layers (qtool.bench.timing), medians; one line per (shape, M) with cuBLAS, `gemm`, the planned
 `gemm_ws` and the best build, then every build's time.
 
     python scripts/mixed_ws_variants.py [--shapes 4096x4096,4096x11008,11008x4096,8192x28672] [--m 16,64,256,2048]
+        [--outliers 0.002]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -35,6 +38,9 @@ def main() -> None:
     ap.add_argument("--m", default="16,64,256,2048")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-split-off", action="store_true", help="skip the split=1 timing of each build")
+    ap.add_argument(
+        "--outliers", type=float, default=0.0, help="fraction of each layer's weights as outliers"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cases, timer = CudaCases(), CudaTimer()
@@ -46,10 +52,13 @@ def main() -> None:
     rows = []
     for k, n in stats.parse_shapes(args.shapes):
         for m in stats.parse_ints(args.m, "--m"):
-            first = mixed.prepare(random_mixed_weight(k, n, 0.0, cases.dev, cases.gen), keep_checkpoint=False)
+            frac = args.outliers
+            first = mixed.prepare(
+                random_mixed_weight(k, n, frac, cases.dev, cases.gen), keep_checkpoint=False
+            )
             r = rotations(first.nbytes("tiled") + 2 * m * k + 2 * m * n, cases.l2)
             layers = [first] + [
-                mixed.prepare(random_mixed_weight(k, n, 0.0, cases.dev, cases.gen), keep_checkpoint=False)
+                mixed.prepare(random_mixed_weight(k, n, frac, cases.dev, cases.gen), keep_checkpoint=False)
                 for _ in range(r - 1)
             ]
             sets = [
@@ -70,10 +79,11 @@ def main() -> None:
             planned = run(mixed.gemm_ws)
             cells = {}
             for form, tn in builds(m):
-                for split in (None,) if args.no_split_off else (None, 1):
-                    name = f"{form}{tn}" + ("/s1" if split == 1 else "")
+                modes = (None, "spmv") if frac and form == "tile" else (None,)
+                for split, outliers in itertools.product((None,) if args.no_split_off else (None, 1), modes):
+                    name = f"{form}{tn}" + ("/s1" if split == 1 else "") + ("/spmv" if outliers else "")
                     try:
-                        cells[name] = run(mixed.gemm_ws, form=form, tokens=tn, split=split)
+                        cells[name] = run(mixed.gemm_ws, form=form, tokens=tn, split=split, outliers=outliers)
                     except Exception as exc:  # a build that cannot run here: say so, time the rest
                         print(f"    {name}: {type(exc).__name__}: {exc}"[:200])
             best = min(cells, key=cells.get) if cells else None
@@ -90,6 +100,7 @@ def main() -> None:
                     "k": k,
                     "n": n,
                     "m": m,
+                    "outliers": frac,
                     "fp16": fp16,
                     "gemm": old,
                     "gemm_ws": planned,

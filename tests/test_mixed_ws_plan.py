@@ -199,3 +199,139 @@ def test_row_decode_is_the_reference_cast_bit_for_bit(n, k, g2, scale, form):
     ref = layer.dense().half()
     same = (got.view(torch.int16) == ref.view(torch.int16)) | (got.isnan() & ref.isnan())
     assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} weights differ"
+
+
+def _layer_with_outliers(n: int, k: int, rows: torch.Tensor, cols: torch.Tensor, seed: int):
+    """A random block4 layer (g2 4) whose outliers sit at (rows, cols), each in a 2-bit stripe."""
+    from qtool.layouts.mixed.layout import MixedWeight
+
+    g = torch.Generator().manual_seed(seed)
+    s = k // 16
+    is4 = torch.zeros(s, dtype=torch.bool)
+    is4[torch.arange(s // 4) * 4 + torch.randint(0, 4, (s // 4,), generator=g)] = True
+    codes = torch.randint(0, 4, (n, k), generator=g)
+    cols4 = is4.repeat_interleave(16)
+    codes[:, cols4] = torch.randint(0, 16, (n, int(cols4.sum())), generator=g)
+    s2, s4, nh = s - s // 4, s // 4, -(-n // 4)
+    layer = MixedWeight.from_codes(
+        codes,
+        is4,
+        16,
+        4,
+        "block4",
+        torch.randint(0, 16, (n, s2), generator=g),
+        torch.randint(0, 4, (n, s2), generator=g),
+        torch.rand(nh, s2, generator=g) * 0.01 + 1e-3,
+        torch.randint(0, 16, (nh, s2), generator=g),
+        torch.rand(n, s4, generator=g) * 0.01 + 1e-3,
+        torch.randint(0, 16, (n, s4), generator=g),
+        rows,
+        cols,
+        torch.randn(rows.numel(), generator=g) * 0.5,
+    )
+    return layer, is4
+
+
+def _two_bit_positions(is4: torch.Tensor, n: int, count: int, g: torch.Generator):
+    """`count` distinct (rows, cols) in the 2-bit stripes of an [n, 16·len(is4)] weight."""
+    cols2 = torch.nonzero(~is4.repeat_interleave(16)).flatten()
+    flat = torch.randperm(n * cols2.numel(), generator=g)[:count]
+    return flat // cols2.numel(), cols2[flat % cols2.numel()]
+
+
+def _view(layer) -> mixed.Prepared:
+    """The kernel view's outlier fields of a CPU layer (what tile_outliers reads)."""
+    binfo, block4 = mixed.block_info(layer.stripe_bits)
+    return mixed.Prepared(
+        binfo=binfo,
+        rowptr=layer.outlier_rowptr,
+        ocols=layer.outlier_cols,
+        ovals=layer.outlier_values,
+        in_features=layer.in_features,
+        out_features=layer.out_features,
+        scale_group_size=layer.scale_group_size,
+        s2=int(layer.scales_2nd.shape[1]),
+        s4=int(layer.scales4.shape[1]),
+        block4=block4,
+        nnz=int(layer.outlier_values.numel()),
+        source_ptr=0,
+    )
+
+
+def _replay(layer, ot: mixed.TileOutliers) -> tuple[torch.Tensor, list]:
+    """The dense fp16 weight with the tile entries added as the tile form adds them (row r of block b, column
+    16 i + j of stage gs: stripe pos[i] of binfo, channel j; the fp16 sum), and the (row, col) of each entry."""
+    n, k = layer.out_features, layer.in_features
+    nblk, nb = k // 64, -(-n // 128)
+    optr, olist = ot.optr.to(torch.int64), ot.olist.to(torch.int64) & 0xFFFFFFFF
+    assert optr.shape == (nb * nblk + 1,) and int(optr[0]) == 0 and bool((optr[1:] >= optr[:-1]).all())
+    assert int((optr[1:] - optr[:-1]).max()) <= mixed.GEMM_WS_OUT_CAP
+    info = mixed.block_info(layer.stripe_bits)[0].to(torch.int64) & 0xFFFFFFFF
+    pos = torch.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)
+    got, seen = layer.dense().half(), []
+    for key in range(nb * nblk):
+        b, gs = divmod(key, nblk)
+        for e in olist[optr[key] : optr[key + 1]].tolist():
+            off, bits = e & 0xFFFF, e >> 16
+            r, tc = off >> 6, off & 63
+            row, col = 128 * b + r, 64 * gs + 16 * int(pos[gs, tc // 16]) + tc % 16
+            seen.append((row, col))
+            v = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)
+            got[row, col] = (got[row, col].float() + v.float()).half()
+    return got, seen
+
+
+@pytest.mark.parametrize("n,k", [(300, 320), (128, 4096), (36, 128)])
+def test_tile_outliers_land_where_the_dense_weight_adds_them(n, k):
+    """Each entry, read as the tile form reads it, names an outlier of the layer, once; added as the tile adds it,
+    the dense weight is the dequantize kernel's (mixed_outliers_into_dense): the fp16 sum at every outlier."""
+    g = torch.Generator().manual_seed(n + k)
+    # the stripes first (a layer without outliers of the same seed), so that the outliers avoid the 4-bit ones
+    layer, is4 = _layer_with_outliers(
+        n, k, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 7
+    )
+    rows, cols = _two_bit_positions(is4, n, max(1, n * k // 500), g)
+    layer, _ = _layer_with_outliers(n, k, rows, cols, 7)  # same seed: the same stripes and codes
+    ot = mixed.tile_outliers(_view(layer))
+    assert ot is not None and ot.rest is None
+    got, seen = _replay(layer, ot)
+    r0, c0, v0 = layer.outliers()
+    want = layer.dense().half()
+    want[r0, c0] = (want[r0, c0].float() + v0.half().float()).half()
+    assert sorted(seen) == sorted(zip(r0.tolist(), c0.tolist(), strict=True))
+    assert bool((got.view(torch.int16) == want.view(torch.int16)).all())
+
+
+def test_outliers_past_a_block_stage_cap_are_left_to_spmv():
+    """A block-stage with more outliers than the copy slot holds: the first GEMM_WS_OUT_CAP in CSR order go into the
+    tile, the rest into `rest` (a CSR view of only them, for mixed_spmv); together, each outlier once."""
+    n, k = 256, 256
+    g = torch.Generator().manual_seed(3)
+    _, is4 = _layer_with_outliers(n, k, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 5)
+    two = torch.nonzero(~is4[:4].repeat_interleave(16)).flatten()  # block 0's stage 0: its 48 2-bit columns
+    flat = torch.randperm(128 * two.numel(), generator=g)[: mixed.GEMM_WS_OUT_CAP + 9]
+    r1, c1 = _two_bit_positions(is4, n, 200, g)  # and some elsewhere
+    away = (r1 >= 128) | (c1 >= 64)
+    rows = torch.cat([flat // two.numel(), r1[away]])
+    cols = torch.cat([two[flat % two.numel()], c1[away]])
+    layer, _ = _layer_with_outliers(n, k, rows, cols, 5)
+    ot = mixed.tile_outliers(_view(layer))
+    assert ot.rest is not None and ot.rest.nnz == 9
+    _, seen = _replay(layer, ot)
+    assert len(seen) == rows.numel() - 9
+    rest = ot.rest
+    counts = (rest.rowptr[1:] - rest.rowptr[:-1]).to(torch.int64)
+    left = list(
+        zip(
+            torch.repeat_interleave(torch.arange(n), counts).tolist(),
+            (rest.ocols.to(torch.int64) & 0xFFFF).tolist(),
+            strict=True,
+        )
+    )
+    r0, c0, _ = layer.outliers()
+    assert sorted(seen + left) == sorted(zip(r0.tolist(), c0.tolist(), strict=True))
+    assert all(r < 128 and c < 64 for r, c in left)
+    # the CSR order within the block-stage: the kept ones come first
+    in00 = [(r, c) for r, c in zip(r0.tolist(), c0.tolist(), strict=True) if r < 128 and c < 64]
+    assert sorted(left) == sorted(in00[mixed.GEMM_WS_OUT_CAP :])
+    assert mixed.tile_outliers(_view(_layer_with_outliers(n, k, rows[:0], cols[:0], 5)[0])) is None

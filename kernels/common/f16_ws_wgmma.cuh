@@ -27,7 +27,8 @@
 //   TX                                   bytes of them that the copy engine brings (counted on the full barrier)
 //   Cursor, cursor(p, n0, lane)          the copy warp's per-lane state for the block's rows n0.. (built once)
 //   copy(p, cur, w, full, gs, lane)      the copy warp's lanes: global stage gs (64-channel block) into w; bulk
-//                                        copies complete on `full` (the engine adds the lanes' cp.async arrivals)
+//                                        copies complete on `full` (the engine adds the lanes' cp.async arrivals);
+//                                        stages come in increasing order, and copy may advance cur
 //   fragments(w, af, r0, t)              a lane's A fragments of the stage's words at w: af[i] for k16 step i, rows
 //                                        r0 and r0 + 8 of the block, columns 2t, 2t + 1 and 2t + 8, 2t + 9 (wgmma's
 //                                        register A layout: af[i][h] row r0 + 8h, af[i][2 + h] its columns + 8)
@@ -79,7 +80,7 @@ template <class D, int TN, int STC>
 __device__ __forceinline__ void f16_ws_copies(const TmaMap* mx, const typename D::Params& dp, u32 base, u32 bars,
                                               int m0, int n0, int s0, int ns, int lane) {
     using R = F16WsRing<TN, STC, D::RAW>;
-    const typename D::Cursor cur = D::cursor(dp, n0, lane);
+    typename D::Cursor cur = D::cursor(dp, n0, lane);
     auto weights = [&](int p, int c) {
         const u32 full = bars + 8u * (R::FULL + c);
         if (lane == 0) mbar_arrive_expect_tx(full, R::XT + D::TX);

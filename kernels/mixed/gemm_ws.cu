@@ -1,6 +1,7 @@
 // Warp-specialized tensor-core GEMM on the tiled streams of a `mixed-2-4-16` block4 layer for prefill on Hopper:
-// y = x · Wᵀ (+ bias), the outliers left to mixed_spmv after it (qtool/layouts/mixed/cuda.py `gemm_ws`). Two forms
-// on two engines (roles, rings, wgmma loop, split-K, epilogue), this file being their decode (MixedWs):
+// y = x · Wᵀ (+ bias) + the outliers, which the tile form adds into its decoded tile (OUT_CAP below) and mixed_spmv
+// adds after the regs form (qtool/layouts/mixed/cuda.py `gemm_ws`). Two forms on two engines (roles, rings, wgmma
+// loop, split-K, epilogue), this file being their decode (MixedWs):
 //   * regs (mixed_gemm_ws_*, common/f16_ws_wgmma.cuh): a copy warp, and MMA lanes decoding their own A fragments
 //     (`fragments`, gemm.cu's decode) for wgmmas with A from registers; up to 256 tokens;
 //   * tile (mixed_gemm_wst_*, common/f16_ws_tile_wgmma.cuh): two decode warpgroups writing each stage's 128 rows
@@ -25,6 +26,15 @@
 #include "common/f16_ws_tile_wgmma.cuh"
 #include "mixed/tiled.cuh"
 
+// The tile form's outliers, per 128-row block and stage (qtool/layouts/mixed/cuda.py `tile_outliers`): olist holds
+// each block-stage's entries from optr[b·nblk + gs] to optr[b·nblk + gs + 1], at most OUT_CAP, an entry being the
+// outlier's position in the decoded tile (row·64 + column, the column in the tile's field order) in bits 0-15 and its
+// fp16 value in bits 16-31. The copy warp brings a stage's entries into the slot after its words, zero-filled to
+// OUT_CAP (an entry of 0, a zero added at position 0, is skipped); once its warpgroup has decoded the stage, decode
+// thread t adds entry t into the tile as the dequantize kernel adds it into the dense weight (mixed/gemv.cu
+// mixed_outliers_into_dense: the fp16 sum of the two). 128 slots fit in every build's copy slot with no growth.
+constexpr int OUT_CAP = 128;
+
 struct MixedWs {
     struct Params {
         const TmaMap* ta;
@@ -32,9 +42,12 @@ struct MixedWs {
         const u32* tz;
         const uint2* tt;
         const u32* binfo;
+        const int* optr;   // null: no outliers in the tile (the regs form, layers without them, or spmv asked)
+        const u32* olist;
         int N, nblk, g2;
     };
-    static constexpr int RAW = MixedWords::BYTES;
+    static constexpr int OL = MixedWords::BYTES;  // the stage's outlier entries in a copy slot's words
+    static constexpr int RAW = OL + 4 * OUT_CAP;
     static constexpr int TX = 128 * 16;  // ta
 
     // The copy warp's lanes: rows n0 + 32j + lane (tm) and the 4-row group n0 + 4 lane (tz, tt) as element offsets
@@ -43,8 +56,9 @@ struct MixedWs {
     struct Cursor {
         int tm[4];
         int tz, tt;
-        u32 ok;
+        u32 ok;  // bits 8-31: the outlier window's first stage + 32 (a register fewer: the 32-token build spills)
         int n0;
+        int wv;  // the outlier window: lane l holds optr of stage (ok >> 8) - 32 + l (31 stages a load)
     };
 
     __device__ static __forceinline__ Cursor cursor(const Params& p, int n0, int lane) {
@@ -63,11 +77,27 @@ struct MixedWs {
         c.tt = in ? row / p.g2 * p.nblk : 0;
         c.ok |= (u32)in << 4;
         c.n0 = n0;
+        c.wv = 0;
         return c;
     }
 
-    // Rows past N are zero-filled (their outputs are never stored); their sources stay in bounds (offset 0).
-    __device__ static __forceinline__ void copy(const Params& p, const Cursor& c, u32 w, u32 full, int gs, int lane) {
+    // Rows past N are zero-filled (their outputs are never stored); their sources stay in bounds (offset 0). Stages
+    // come in increasing order: the outlier window moves forward only.
+    __device__ static __forceinline__ void copy(const Params& p, Cursor& c, u32 w, u32 full, int gs, int lane) {
+        if (p.olist) {
+            int o = gs + 32 - (int)(c.ok >> 8);
+            if (o >= 31) {  // one load of 32 stage starts for the next 31 stages
+                c.ok = (c.ok & 255u) | ((u32)(gs + 32) << 8);
+                c.wv = p.optr[(c.n0 >> 7) * p.nblk + min(gs + lane, p.nblk)];
+                o = 0;
+            }
+            const int st = __shfl_sync(0xffffffffu, c.wv, o), en = __shfl_sync(0xffffffffu, c.wv, o + 1);
+#pragma unroll
+            for (int j = 0; j < OUT_CAP / 32; ++j) {
+                const int e = st + 32 * j + lane;
+                cp_async4(w + OL + 4 * (32 * j + lane), p.olist + (e < en ? e : st), e < en ? 4 : 0);
+            }
+        }
         if (lane == 0) tma_load_2d(w + MixedWords::TA, p.ta, full, 16 * gs, c.n0);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -94,7 +124,7 @@ struct MixedWs {
 
     // The tile form's row `row`: 8 fields per stripe, two per shift (MixedRow::two), in 16-byte chunks 2i (fields
     // 0-3) and 2i + 1 (fields 4-7) of k16 step i. The 8 rows of a quarter warp hit 8 different chunk positions: no bank conflicts.
-    __device__ static __forceinline__ void decode_stage(const Params&, u32 w, u32 a, int row) {
+    __device__ static __forceinline__ void decode_stage(const Params& p, u32 w, u32 a, int row) {
         MixedRow r;
         r.load(w, row);
         const u32 dst = a + (u32)row * 128u;
@@ -116,6 +146,23 @@ struct MixedWs {
             sts128(dst + (u32)(((2 * i) ^ x) << 4), v[0], v[1], v[2], v[3]);
             sts128(dst + (u32)(((2 * i + 1) ^ x) << 4), v[4], v[5], v[6], v[7]);
         }
+        if (p.olist) {
+            // an entry may fall in any row of the tile: the warpgroup's rows are all written first (named
+            // barrier 2 or 3, one per decode warpgroup; the engine's MMA warpgroups use 1)
+            if (threadIdx.x < 128)
+                bar_sync<2, 128>();
+            else
+                bar_sync<3, 128>();
+            const u32 e = lds32(w + OL + 4u * (u32)row);
+            if (e) {
+                const u32 r = (e >> 6) & 127u, col = e & 63u;
+                const u32 at = a + r * 128u + ((((col >> 3) ^ (r & 7u)) << 4) | ((col & 7u) << 1));
+                u16 h;
+                asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(at));
+                h = f2h(h2f(h) + h2f((u16)(e >> 16)));
+                asm volatile("st.shared.u16 [%0], %1;" ::"r"(at), "h"(h) : "memory");
+            }
+        }
     }
 
     __device__ static __forceinline__ void kcols(u32 w, u32 (&col)[4]) {
@@ -132,7 +179,7 @@ struct MixedWs {
         const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mta, const uint2* tm, const u32* tz,   \
         const uint2* tt, const u32* binfo, const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, \
         int nblk, int g2) {                                                                                      \
-        const MixedWs::Params p{&mta, tm, tz, tt, binfo, N, nblk, g2};                                           \
+        const MixedWs::Params p{&mta, tm, tz, tt, binfo, nullptr, nullptr, N, nblk, g2};                         \
         f16_ws_body<MixedWs, TN, STC>(&mx, p, M, N, nblk, bias, out, ldc, ws, cnt);                              \
     }
 
@@ -146,9 +193,9 @@ MIXED_GEMM_WS_ENTRY(256, 6, 1)
 #define MIXED_GEMM_WST_ENTRY(TN, STC, STA, MINB)                                                                  \
     extern "C" __global__ void __launch_bounds__(512, MINB) mixed_gemm_wst_n##TN##_s##STC##_a##STA(             \
         const __grid_constant__ TmaMap mx, const __grid_constant__ TmaMap mta, const uint2* tm, const u32* tz,   \
-        const uint2* tt, const u32* binfo, const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, \
-        int nblk, int g2) {                                                                                      \
-        const MixedWs::Params p{&mta, tm, tz, tt, binfo, N, nblk, g2};                                           \
+        const uint2* tt, const u32* binfo, const int* optr, const u32* olist, const u16* bias, u16* out, int ldc, \
+        float* ws, int* cnt, int M, int N, int nblk, int g2) {                                                   \
+        const MixedWs::Params p{&mta, tm, tz, tt, binfo, optr, olist, N, nblk, g2};                              \
         f16_wst_body<MixedWs, TN, STC, STA>(&mx, p, M, N, nblk, bias, out, ldc, ws, cnt);                        \
     }
 

@@ -2,7 +2,8 @@
 kernels/common/f16_ws_wgmma.cuh and "tile" on kernels/common/f16_ws_tile_wgmma.cuh; `mixed.gemm_ws`) against the
 float64 reference of the layer, as test_mixed_kernels.py checks the block-synchronous GEMM: odd shapes (N not a
 multiple of 128, K of 2 to 65 blocks of 64), token counts on both sides of every token tile, every build (form and
-tile) forced, split-K off, planned and forced, bias, outliers (mixed_spmv after the GEMM).
+tile) forced, split-K off, planned and forced, bias, outliers (added into the tile form's decoded tiles, or by
+mixed_spmv after the GEMM).
 
 Outputs are poisoned with NaN before each launch, so an element the kernel forgets to write fails the test;
 `synced` makes a faulting launch fail here rather than in a later test. A barrier that never completes hangs the
@@ -11,6 +12,7 @@ launch: run these under a time limit.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -70,14 +72,16 @@ def test_gemm_ws_matches_the_reference(fraction, nkg):
     for m in MS:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         refs = {b: reference64(layer, x, b) for b in (False, True)}
-        for form, tokens in BUILDS:
-            for split in (1, None, min(3, nblk), nblk):
+        for (form, tokens), split in itertools.product(BUILDS, (1, None, min(3, nblk), nblk)):
+            tile = mixed.gemm_ws_plan(m, tokens, form)[0] == "tile"
+            for outliers in (None, "spmv") if fraction and tile else (None,):
                 with_bias = (m + (tokens or 0) + (split or 0)) % 2 == 1
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                 bias = layer.bias if with_bias else None
-                y = synced(mixed.gemm_ws(x, p, bias, out=out, tokens=tokens, split=split, form=form))
+                kw = {"tokens": tokens, "split": split, "form": form, "outliers": outliers}
+                y = synced(mixed.gemm_ws(x, p, bias, out=out, **kw))
                 assert y.data_ptr() == out.data_ptr()
-                what = f"seed {seed}, M={m}, {form} {tokens}, split {split}, bias {with_bias}"
+                what = f"seed {seed}, M={m}, {form} {tokens}, split {split}, bias {with_bias}, {outliers}"
                 assert bool(torch.isfinite(y).all()), f"unwritten outputs ({what})"
                 err = rel_err(y, refs[with_bias])
                 assert err < TOL, f"relative error {err:.2e} ({what})"
@@ -111,6 +115,42 @@ def test_decoded_weights_are_the_reference_cast_bit_for_bit(kernel):
             y = synced(fn(eye, p, tokens=tokens, split=split, **kw)).cpu()
             same = y.T == ref
             assert bool(same.all()), f"{kernel}, tokens {tokens}, split {split}: {int((~same).sum())} differ"
+    _counters_zero()
+
+
+@pytest.mark.parametrize("tokens", [16, 128])
+def test_outliers_in_the_tile_are_the_dequantized_weight_bit_for_bit(tokens):
+    """Identity activations through the tile form with its outliers: y^T is the decoded tile after the outliers
+    were added, which must be the dequantize kernel's weight (the fp16 sum of the cast and the outlier) bit for
+    bit, in every block-stage, with the split stages in two blocks."""
+    mixed, layer, p = _layer(300, 1088, 4, 0.01, 43)
+    assert p.otile is not None and p.otile.rest is None and p.nnz > 300
+    eye = torch.eye(1088, device="cuda", dtype=torch.float16)
+    cpu = layer.cpu_layout()
+    want = cpu.dense().half()
+    r, c, v = cpu.outliers()
+    want[r, c] = (want[r, c].float() + v.half().float()).half()  # mixed_outliers_into_dense's sum
+    for split in (1, 5):
+        y = synced(mixed.gemm_ws(eye, p, tokens=tokens, split=split, form="tile")).cpu()
+        same = y.T == want
+        assert bool(same.all()), f"split {split}: {int((~same).sum())} of {same.numel()} differ"
+    _counters_zero()
+
+
+def test_outliers_past_the_cap_go_to_spmv_beside_the_tile():
+    """5% outliers: about 400 in each block-stage, 128 of them added in the tile and the rest by mixed_spmv after
+    the GEMM (tile_outliers' `rest`); the regs form, which adds none itself, refuses "tile" in one line."""
+    mixed, layer, p = _layer(200, 1088, 8, 0.05, 47)
+    assert p.otile is not None and p.otile.rest is not None and p.otile.rest.nnz > p.nnz // 2
+    for m, split in ((16, 1), (40, 3), (100, None)):
+        x = torch.randn(m, 1088, device="cuda", dtype=torch.float16)
+        out = torch.full((m, 200), float("nan"), device="cuda", dtype=torch.float16)
+        y = synced(mixed.gemm_ws(x, p, layer.bias, out=out, split=split, form="tile"))
+        assert rel_err(y, reference64(layer, x, True)) < TOL, (m, split)
+    with pytest.raises(ValueError, match="outliers: found 'tile' with the regs form, which adds none"):
+        mixed.gemm_ws(x, p, form="regs", outliers="tile")
+    with pytest.raises(ValueError, match="outliers: found 'sparse'"):
+        mixed.gemm_ws(x, p, outliers="sparse")
     _counters_zero()
 
 

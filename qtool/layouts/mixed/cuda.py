@@ -24,6 +24,7 @@ path and `state_dict` read them there), so the layer's GPU memory is its stored 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,7 @@ class Prepared:
     zeros4: torch.Tensor | None = None
     tiled: Tiled | None = None  # the tiled streams (block4 layers with g2 a multiple of 4)
     maps: tma.MapCache | None = None  # the warp-specialized GEMM's tensor map of ta
+    otile: TileOutliers | None = None  # the outliers as the tile form adds them (tile_outliers)
 
     @property
     def has_checkpoint(self) -> bool:
@@ -275,6 +277,66 @@ def tiled_streams(
     )
 
 
+# The tile form's outliers per 128-row block and 64-channel stage (kernels/mixed/gemm_ws.cu OUT_CAP): the copy warp
+# brings this many entries a stage; a block-stage's outliers past them are added by mixed_spmv after the GEMM.
+# SmolLM2-135M's mixed-2-4-16 checkpoint (0.2%): 14.7 a block-stage on average, the most 142 (5 of 210 layers past
+# 128, all o_proj; 48 the median layer's most).
+GEMM_WS_OUT_CAP = 128
+
+
+@dataclass
+class TileOutliers:
+    """A layer's outliers as the tile form of the warp-specialized GEMM adds them into its decoded tiles, and those
+    past the cap (`rest`: the layer's view holding only them, for mixed_spmv; None when there are none)."""
+
+    optr: torch.Tensor  # int32 [ceil(N/128)·K/64 + 1]: block b's stage gs from optr[b·K/64 + gs]
+    olist: torch.Tensor  # int32: row % 128 · 64 + the column in the tile's field order, fp16 bits << 16
+    rest: Prepared | None
+
+
+def tile_outliers(p: Prepared) -> TileOutliers | None:
+    """The CSR outliers of `p` ordered by 128-row block and stage, each entry its position in the decoded tile
+    (where the tile form writes field i of a stage: column 16 i + j for the stripe at binfo position i, so that a
+    column's stripe is found through binfo's inverse) and its fp16 bits: the first GEMM_WS_OUT_CAP of a
+    block-stage in CSR order, the others left to mixed_spmv. Built where p's tensors live; None without outliers."""
+    if p.nnz == 0:
+        return None
+    n, k = p.out_features, p.in_features
+    dev, nblk, nb = p.ovals.device, k // 64, -(-n // GEMM_ROWS)
+    counts = (p.rowptr[1:] - p.rowptr[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(n, device=dev), counts)
+    col = p.ocols.to(torch.int64) & 0xFFFF
+    gs = col // 64
+    info = _words(p.binfo.to(dev))
+    pos = torch.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)  # [nblk, 4]: field -> stripe
+    field = torch.argsort(pos, dim=-1)  # [nblk, 4]: stripe -> field (pos is a permutation of 0..3)
+    tcol = 16 * field[gs, (col % 64) // 16] + col % 16
+    key = (rows // GEMM_ROWS) * nblk + gs
+    order = torch.argsort(key, stable=True)  # CSR order within a block-stage
+    per = torch.bincount(key, minlength=nb * nblk)
+    first = torch.cumsum(per, 0) - per
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(p.nnz, device=dev) - first[key[order]]
+    kept = rank < GEMM_WS_OUT_CAP
+    bits = p.ovals.to(torch.float16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    entry = (rows % GEMM_ROWS) * 64 + tcol + (bits << 16)
+    order = order[kept[order]]
+    optr = torch.cat([per.new_zeros(1), torch.cumsum(per.clamp(max=GEMM_WS_OUT_CAP), 0)])
+    rest = None
+    if not bool(kept.all()):
+        left = ~kept
+        rowptr = torch.cat([counts.new_zeros(1), torch.cumsum(torch.bincount(rows[left], minlength=n), 0)])
+        rest = dataclasses.replace(
+            p,
+            rowptr=rowptr.to(torch.int32),
+            ocols=p.ocols[left].contiguous(),
+            ovals=p.ovals[left].contiguous(),
+            nnz=int(left.sum()),
+            otile=None,
+        )
+    return TileOutliers(optr=optr.to(torch.int32), olist=_int32(entry[order]), rest=rest)
+
+
 def tiled_eligible(block4: bool, scale_group_size: int) -> bool:
     return block4 and scale_group_size % 4 == 0
 
@@ -385,6 +447,8 @@ def prepare(layout, device: torch.device | None = None, keep_checkpoint: bool | 
             p.binfo,
             layout.scale_group_size,
         )
+    if tiled and gemm_capable(dev):
+        p.otile = tile_outliers(p)
     if keep:
         p.qweight_a = qa if qa.data_ptr() % 16 == 0 else qa.clone()
         p.qweight_b, p.scale_codes, p.zeros2, p.scales4, p.zeros4 = qb, sc, z2, s4t, z4
@@ -711,7 +775,8 @@ GEMM_WS_TOKENS = (16, 32, 64, 128, 256)
 # regs form four times over (about 480, the lanes of a row each decoding its constants) but reads no decoded tile
 # and reaches 256 tokens; not yet measured.
 GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs", 256: "regs"}
-GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16  # a stage's tiled words (kernels/mixed/tiled.cuh)
+# a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
+GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
 GEMM_WS_STATIC_SMEM = 512  # the kernels' barriers and split-K flag: at most this (ptxas, sm_90a: 272 bytes)
 SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
 SMEM_RESERVED = 1024  # per block, taken by the system
@@ -771,11 +836,14 @@ def gemm_ws(
     tokens: int | None = None,
     split: int | None = None,
     form: str | None = None,
+    outliers: str | None = None,
 ) -> torch.Tensor:
-    """y = x . W^T (+ bias) + the outliers (mixed_spmv after it) with the warp-specialized tensor-core GEMM on the
-    tiled streams (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens`
-    (16 to 256), `form` ("regs" or "tile", GEMM_WS_BUILT) and `split` (blocks per output tile along K) override the
-    defaults (gemm_ws_plan, plan_split)."""
+    """y = x . W^T (+ bias) + the outliers with the warp-specialized tensor-core GEMM on the tiled streams
+    (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens` (16 to 256),
+    `form` ("regs" or "tile", GEMM_WS_BUILT) and `split` (blocks per output tile along K) override the defaults
+    (gemm_ws_plan, plan_split). `outliers`: "tile" (the tile form's default: it adds them into its decoded tiles,
+    mixed_spmv those past a block-stage's cap, `tile_outliers`) or "spmv" (mixed_spmv after the GEMM: the regs
+    form's only way)."""
     from qtool.cuda import split_k
 
     reason = gemm_reason(p)
@@ -789,6 +857,11 @@ def gemm_ws(
         return out.reshape(*lead, n)
     fm, tn = gemm_ws_plan(m, tokens, form)
     sc, sa, _ = GEMM_WS_BUILT[fm, tn]
+    if outliers not in (None, "tile", "spmv"):
+        raise ValueError(f"outliers: found {outliers!r}, expected tile or spmv")
+    if outliers == "tile" and fm != "tile":
+        raise ValueError("outliers: found 'tile' with the regs form, which adds none; expected spmv")
+    in_tile = p.otile is not None and fm == "tile" and outliers != "spmv"
     threads = GEMM_WS_THREADS[fm]
     dev = cc.device_index(x.device)
     fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(gemm_ws_entry(fm, tn))
@@ -815,6 +888,9 @@ def gemm_ws(
     # accumulator columns that are never stored
     mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
     mta = p.maps.get(t.ta, 16, GEMM_ROWS, 0)
+    olists = ()  # the tile entries' optr and olist (null: no outliers in the tile)
+    if fm == "tile":
+        olists = (cc.ptr(p.otile.optr), cc.ptr(p.otile.olist)) if in_tile else (cc.ptr(None), cc.ptr(None))
     dependent_launch.launch(
         fn,
         (-(-n // GEMM_ROWS), -(-m // tn), split),
@@ -826,6 +902,7 @@ def gemm_ws(
             cc.ptr(t.tz),
             cc.ptr(t.tt),
             cc.ptr(p.binfo),
+            *olists,
             cc.ptr(_bias(bias, p)),
             cc.ptr(out),
             cc.i32(n),
@@ -839,7 +916,10 @@ def gemm_ws(
         shared_mem=smem,
         device=dev,
     )
-    spmv(x2, p, out)
+    if not in_tile:
+        spmv(x2, p, out)
+    elif p.otile.rest is not None:
+        spmv(x2, p.otile.rest, out)
     return out.reshape(*lead, n)
 
 
