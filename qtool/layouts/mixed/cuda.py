@@ -781,9 +781,9 @@ GEMM_WS_STATIC_SMEM = 512  # the kernels' barriers and split-K flag: at most thi
 SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
 SMEM_RESERVED = 1024  # per block, taken by the system
 SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
-# False (default): linear's "gemm" path takes the block-synchronous gemm; True: gemm_ws (built and compiled for
-# sm_90a, not yet measured against gemm).
-GEMM_WS = False
+# 0 (default): linear's "gemm" path takes the block-synchronous gemm; 1: gemm_ws (built and compiled for sm_90a, not
+# yet measured against gemm), so that `qtool bench e2e --mixed` and eval can run it by the environment.
+GEMM_WS = cc.env_int("QTOOL_MIXED_GEMM_WS", 0)
 
 
 def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
