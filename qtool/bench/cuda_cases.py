@@ -76,6 +76,9 @@ def random_packed(
     return qw, scales, zeros
 
 
+WS_FUSIONS = ("direct", "shfl")  # the warp-specialized VQ GEMM's fusions (kernels/vq/gemm_ws.cu F = 0, 1)
+
+
 class CudaCases:
     def __init__(self, device: int | None = None, seed: int = 0) -> None:
         self.dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
@@ -408,7 +411,8 @@ class CudaCases:
 
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
         """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
-        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
+        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), and where it is built the
+        warp-specialized GEMM's (`vq-gemm-ws-<fusion>`); the default dispatched."""
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
         p = self._vq_gemm_layer(k, n, preset, 0)
@@ -417,8 +421,11 @@ class CudaCases:
         fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
         default = vq_gemm.DEFAULT_FUSION[p.config]
         default = default if default in fusions else "direct"
+        ws = [f"vq-gemm-ws-{f}" for f in WS_FUSIONS] if p.config in vq_gemm.WS_CONFIGS else []
+        if ws and vq_gemm.GEMM_WS:
+            default = f"ws-{default}"
         return (
-            [f"vq-gemm-{f}" for f in fusions],
+            [f"vq-gemm-{f}" for f in fusions] + ws,
             f"vq-gemm-{default}",
             nbytes,
             p.residuals * p.index_bits // p.vector_size,
@@ -427,9 +434,14 @@ class CudaCases:
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
-        fusion = path.removeprefix("vq-gemm-")
-        if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
-            raise ValueError(f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>")
+        fusion = path.removeprefix("vq-gemm-").removeprefix("ws-")
+        ws = path.startswith("vq-gemm-ws-")
+        if not path.startswith("vq-gemm-") or fusion not in (WS_FUSIONS if ws else vq_gemm.FUSIONS):
+            raise ValueError(
+                f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}> or "
+                f"vq-gemm-ws-<{'|'.join(WS_FUSIONS)}>"
+            )
+        gemm = vq_gemm.gemm_ws if ws else vq_gemm.gemm
         first = self._vq_gemm_layer(k, n, preset, 0)
         set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         fns = []
@@ -437,7 +449,7 @@ class CudaCases:
             p = self._vq_gemm_layer(k, n, preset, i)
             x = self._randn(m, k)
             out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
-            fns.append(lambda x=x, p=p, out=out: vq_gemm.gemm(x, p, out=out, fusion=fusion))
+            fns.append(lambda x=x, p=p, out=out: gemm(x, p, out=out, fusion=fusion))
         return fns
 
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import split_k
+from qtool.cuda import dependent_launch, split_k, tma
 from qtool.layouts.vq.cuda import Prepared, layer_view, view
 
 SOURCE = "vq/gemm.cu"
@@ -237,6 +237,136 @@ def gemm(
     return out.reshape(*lead, n)
 
 
+WS_SOURCE = "vq/gemm_ws.cu"
+# The warp-specialized GEMM (kernels/vq/gemm_ws.cu on common/f16_ws_wgmma.cuh, the engine of the mixed-2-4-16
+# GEMM's regs form): built for VQ<4, 8, 1> (GPTVQ-2: 2 KiB scopes carried in the ring). Token tile -> (copy-ring
+# slots, blocks per SM its registers are capped for): each ring as deep as fits those blocks, at most 12 slots. A
+# slot holds the activation tile, 128 rows' index words and the scope, rounded up to 1 KiB: 6 KiB at 16 tokens.
+WS_CONFIGS = ((4, 8, 1),)
+WS_BUILT = {16: (12, 2), 32: (12, 2), 64: (9, 2), 128: (11, 1), 256: (6, 1)}
+WS_THREADS = 288  # two MMA warpgroups and the copy warp
+WS_SCOPE_BYTES = 256 * 4 * 2  # one VQ<4, 8, 1> codebook scope (fp16)
+WS_STATIC_SMEM = 512  # the barriers and the split-K flag: at most this (ptxas, sm_90a: 208 bytes)
+SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
+SMEM_RESERVED = 1024  # per block, taken by the system
+SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
+# 0 (default): more than MIN_M - 1 rows take `gemm`; 1: `gemm_ws` where it is built (compiled for sm_90a, not yet
+# measured against `gemm`).
+GEMM_WS = cc.env_int("QTOOL_VQ_GEMM_WS", 0)
+
+
+def ws_smem(tokens: int, copy_stages: int) -> int:
+    """Dynamic shared memory of a warp-specialized block: the copy slots (the activation tile, the 128 rows' index
+    words, the scope's codebook; 1024-byte aligned) and slack to align the swizzle atoms."""
+    slot = -(-(tokens * 128 + ROWS * 16 + WS_SCOPE_BYTES) // 1024) * 1024
+    return copy_stages * slot + 1024
+
+
+def ws_fits(tokens: int) -> bool:
+    """Whether the build fits its blocks per SM in shared memory (and the epilogue's transpose tile of TN x 136
+    halves in its ring)."""
+    sc, blocks = WS_BUILT[tokens]
+    smem = ws_smem(tokens, sc)
+    return (
+        smem + WS_STATIC_SMEM <= SMEM_BLOCK_MAX
+        and blocks * (smem + WS_STATIC_SMEM + SMEM_RESERVED) <= SMEM_PER_SM
+        and tokens * 272 <= smem - 1024
+    )
+
+
+def ws_tokens_for(m: int) -> int:
+    """The warp-specialized GEMM's token tile for M rows: the smallest built tile holding them, else the largest."""
+    tiles = sorted(WS_BUILT)
+    return next((tn for tn in tiles if m <= tn), tiles[-1])
+
+
+_X_MAPS = tma.MapCache(limit=64)
+
+
+def gemm_ws(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+    fusion: str | None = None,
+) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the warp-specialized VQ GEMM (kernels/vq/gemm_ws.cu); the contract of `gemm`: x
+    fp16 [..., K], any number of rows. `tokens` (WS_BUILT), `split` (blocks per output tile along K) and `fusion`
+    ("direct" or "shfl") override the defaults."""
+    if p.config not in WS_CONFIGS:
+        built = ", ".join(f"VQ<{d},{b},{z}>" for d, b, z in WS_CONFIGS)
+        raise cc.CudaUnavailableError(
+            f"{LAYOUT} GEMM (warp-specialized): VQ<{p.vector_size},{p.index_bits},"
+            f"{p.residuals}> (built for {built}); use gemm"
+        )
+    k, n = p.in_features, p.out_features
+    x2 = cc.f16_rows(x, k, LAYOUT)  # contiguous, 16-byte aligned: what a tensor map needs
+    lead = x.shape[:-1]
+    dev = cc.device_index(x.device)
+    reason = device_reason(dev)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
+    if bias is not None and (bias.dtype != torch.float16 or bias.numel() != n or not bias.is_cuda):
+        raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{n}] on CUDA")
+    m = x2.shape[0]
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    tn = ws_tokens_for(m) if tokens is None else tokens
+    if tn not in WS_BUILT:
+        raise ValueError(f"tokens: found {tn}, expected one of {tuple(WS_BUILT)}")
+    fusion = "direct" if fusion is None else fusion
+    if fusion not in ("direct", "shfl"):
+        raise ValueError(f"fusion: found {fusion!r}, expected direct or shfl")
+    sc, _ = WS_BUILT[tn]
+    fn = cc.load_module(WS_SOURCE, device=dev).fn(f"vq_gemm_ws_d4_b8_z1_n{tn}_s{sc}_f{FUSIONS[fusion]}")
+    smem = ws_smem(tn, sc)
+    cc.allow_shared_memory(fn, smem)
+    nst = k // STAGE_COLS
+    if split is None:
+        split = plan_split(n, m, k, tn, cc.resident_blocks(fn, WS_THREADS, smem, dev), cc.sm_count(dev))
+    if not 1 <= split <= nst:
+        raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
+    tiles = -(-n // ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    # token boxes past M read rows the storage holds where it has them (tma.padded_rows): their products land in
+    # accumulator columns that are never stored
+    mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
+    dependent_launch.launch(
+        fn,
+        (-(-n // ROWS), -(-m // tn), split),
+        (WS_THREADS,),
+        (
+            mx,
+            cc.ptr(p.indices),
+            cc.i32(p.indices.shape[-1]),
+            cc.ptr(p.codebooks),
+            cc.i32(p.codebooks.shape[1]),
+            cc.i32(max(p.tile_rows, 1)),
+            cc.i32(p.tile_vecs * p.vector_size // STAGE_COLS),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nst),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
+    return out.reshape(*lead, n)
+
+
 def layer_reason(layer: torch.nn.Module, x: torch.Tensor) -> str | None:
     """Why a VQLinear's forward on `x` cannot take the GEMM (None when it can)."""
     if x.dtype != torch.float16:
@@ -253,4 +383,5 @@ def module_forward(layer: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor | N
         return None
     if not cc.use_kernels(LAYOUT, layer_reason(layer, x2)):
         return None
-    return gemm(x2, prepare_layer(layer))
+    p = prepare_layer(layer)
+    return gemm_ws(x2, p) if GEMM_WS and p.config in WS_CONFIGS else gemm(x2, p)
