@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from qtool.cuda import f16_ws
 from qtool.layouts.mixed import cuda as mixed
 from qtool.resources import kernels_dir
 
@@ -31,9 +32,7 @@ def test_builds_are_the_kernel_entries_and_fit():
     assert mixed.gemm_ws_entry("tile", 64) == "mixed_gemm_wst_n64_s12_a4"
     # each ring as deep as fits the blocks per SM its registers allow, up to 12 copy slots
     for (f, tn), (sc, sa, blocks) in mixed.GEMM_WS_BUILT.items():
-        more = mixed.gemm_ws_smem(tn, sc + 1, sa) + mixed.GEMM_WS_STATIC_SMEM
-        too_big = more > mixed.SMEM_BLOCK_MAX or blocks * (more + mixed.SMEM_RESERVED) > mixed.SMEM_PER_SM
-        assert too_big or sc + 1 > 12, (f, tn)
+        assert f16_ws.deepest(tn, mixed.GEMM_WS_WORDS, sc, sa, blocks), (f, tn)
 
 
 def test_plan():

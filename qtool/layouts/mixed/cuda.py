@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch, tma
+from qtool.cuda import dependent_launch, f16_ws, tma
 
 SOURCE = "mixed/gemv.cu"
 LAYOUT = "mixed-2-4-16"
@@ -753,7 +753,6 @@ GEMM_WS_SOURCE = "mixed/gemm_ws.cu"
 # The two forms of kernels/mixed/gemm_ws.cu: "regs" (common/f16_ws_wgmma.cuh: a copy warp and two MMA warpgroups
 # whose lanes decode their own A fragments) and "tile" (common/f16_ws_tile_wgmma.cuh: two decode warpgroups write
 # an fp16 tile that wgmma reads from shared memory beside two MMA warpgroups). Threads per block:
-GEMM_WS_THREADS = {"regs": 288, "tile": 512}
 # (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM its registers are capped for), as
 # kernels/mixed/gemm_ws.cu instantiates them: each ring as deep as fits those blocks, at most 12 copy slots; the
 # tile form keeps 4 decoded tiles (two being decoded, two read by wgmmas in flight) and stops at 128 tokens (a
@@ -777,35 +776,20 @@ GEMM_WS_TOKENS = (16, 32, 64, 128, 256)
 GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs", 256: "regs"}
 # a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
 GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
-GEMM_WS_STATIC_SMEM = 512  # the kernels' barriers and split-K flag: at most this (ptxas, sm_90a: 272 bytes)
-SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
-SMEM_RESERVED = 1024  # per block, taken by the system
-SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
 # 0 (default): linear's "gemm" path takes the block-synchronous gemm; 1: gemm_ws (built and compiled for sm_90a, not
 # yet measured against gemm), so that `qtool bench e2e --mixed` and eval can run it by the environment.
 GEMM_WS = cc.env_int("QTOOL_MIXED_GEMM_WS", 0)
 
 
 def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
-    """Dynamic shared memory of a warp-specialized GEMM block: the copy slots (the activation tile, then the tiled
-    words, 1024-byte aligned), the decoded tiles of the tile form (128 rows x 64 fp16), and slack to align the
-    swizzle atoms (F16WsRing, F16WstRing)."""
-    slot = -(-(tokens * 128 + GEMM_WS_WORDS) // 1024) * 1024
-    return copy_stages * slot + tile_stages * GEMM_ROWS * 128 + 1024
+    """Dynamic shared memory of a warp-specialized GEMM block (qtool/cuda/f16_ws.py `smem` with this decode's words)."""
+    return f16_ws.smem(tokens, GEMM_WS_WORDS, copy_stages, tile_stages)
 
 
 def gemm_ws_fits(form: str, tokens: int) -> bool:
-    """Whether the build fits its blocks per SM in shared memory (and its epilogue's transpose tile of TN x 136
-    halves in its ring)."""
+    """Whether the build fits its blocks per SM in shared memory (qtool/cuda/f16_ws.py `fits`)."""
     sc, sa, blocks = GEMM_WS_BUILT[form, tokens]
-    smem = gemm_ws_smem(tokens, sc, sa)
-    ring = smem - 1024
-    per_block = smem + GEMM_WS_STATIC_SMEM <= SMEM_BLOCK_MAX
-    return (
-        per_block
-        and blocks * (smem + GEMM_WS_STATIC_SMEM + SMEM_RESERVED) <= SMEM_PER_SM
-        and tokens * 272 <= ring
-    )
+    return f16_ws.fits(tokens, GEMM_WS_WORDS, sc, sa, blocks)
 
 
 def gemm_ws_entry(form: str, tokens: int) -> str:
@@ -862,7 +846,7 @@ def gemm_ws(
     if outliers == "tile" and fm != "tile":
         raise ValueError("outliers: found 'tile' with the regs form, which adds none; expected spmv")
     in_tile = p.otile is not None and fm == "tile" and outliers != "spmv"
-    threads = GEMM_WS_THREADS[fm]
+    threads = f16_ws.THREADS[fm]
     dev = cc.device_index(x.device)
     fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(gemm_ws_entry(fm, tn))
     smem = gemm_ws_smem(tn, sc, sa)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch, split_k, tma
+from qtool.cuda import dependent_launch, f16_ws, split_k, tma
 from qtool.layouts.vq.cuda import Prepared, layer_view, view
 
 SOURCE = "vq/gemm.cu"
@@ -244,34 +244,22 @@ WS_SOURCE = "vq/gemm_ws.cu"
 # slot holds the activation tile, 128 rows' index words and the scope, rounded up to 1 KiB: 6 KiB at 16 tokens.
 WS_CONFIGS = ((4, 8, 1),)
 WS_BUILT = {16: (12, 2), 32: (12, 2), 64: (9, 2), 128: (11, 1), 256: (6, 1)}
-WS_THREADS = 288  # two MMA warpgroups and the copy warp
 WS_SCOPE_BYTES = 256 * 4 * 2  # one VQ<4, 8, 1> codebook scope (fp16)
-WS_STATIC_SMEM = 512  # the barriers and the split-K flag: at most this (ptxas, sm_90a: 208 bytes)
-SMEM_PER_SM = 228 * 1024  # an H100's or H200's shared memory per multiprocessor
-SMEM_RESERVED = 1024  # per block, taken by the system
-SMEM_BLOCK_MAX = 227 * 1024  # the most one block may have
+WS_WORDS = ROWS * 16 + WS_SCOPE_BYTES  # a slot's bytes after the activations: index words, then the scope
 # 0 (default): more than MIN_M - 1 rows take `gemm`; 1: `gemm_ws` where it is built (compiled for sm_90a, not yet
 # measured against `gemm`).
 GEMM_WS = cc.env_int("QTOOL_VQ_GEMM_WS", 0)
 
 
 def ws_smem(tokens: int, copy_stages: int) -> int:
-    """Dynamic shared memory of a warp-specialized block: the copy slots (the activation tile, the 128 rows' index
-    words, the scope's codebook; 1024-byte aligned) and slack to align the swizzle atoms."""
-    slot = -(-(tokens * 128 + ROWS * 16 + WS_SCOPE_BYTES) // 1024) * 1024
-    return copy_stages * slot + 1024
+    """Dynamic shared memory of a warp-specialized block (qtool/cuda/f16_ws.py `smem` with this decode's words)."""
+    return f16_ws.smem(tokens, WS_WORDS, copy_stages)
 
 
 def ws_fits(tokens: int) -> bool:
-    """Whether the build fits its blocks per SM in shared memory (and the epilogue's transpose tile of TN x 136
-    halves in its ring)."""
+    """Whether the build fits its blocks per SM in shared memory (qtool/cuda/f16_ws.py `fits`)."""
     sc, blocks = WS_BUILT[tokens]
-    smem = ws_smem(tokens, sc)
-    return (
-        smem + WS_STATIC_SMEM <= SMEM_BLOCK_MAX
-        and blocks * (smem + WS_STATIC_SMEM + SMEM_RESERVED) <= SMEM_PER_SM
-        and tokens * 272 <= smem - 1024
-    )
+    return f16_ws.fits(tokens, WS_WORDS, sc, 0, blocks)
 
 
 def ws_tokens_for(m: int) -> int:
@@ -326,7 +314,9 @@ def gemm_ws(
     cc.allow_shared_memory(fn, smem)
     nst = k // STAGE_COLS
     if split is None:
-        split = plan_split(n, m, k, tn, cc.resident_blocks(fn, WS_THREADS, smem, dev), cc.sm_count(dev))
+        split = plan_split(
+            n, m, k, tn, cc.resident_blocks(fn, f16_ws.THREADS["regs"], smem, dev), cc.sm_count(dev)
+        )
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
     tiles = -(-n // ROWS) * -(-m // tn)
@@ -343,7 +333,7 @@ def gemm_ws(
     dependent_launch.launch(
         fn,
         (-(-n // ROWS), -(-m // tn), split),
-        (WS_THREADS,),
+        (f16_ws.THREADS["regs"],),
         (
             mx,
             cc.ptr(p.indices),
