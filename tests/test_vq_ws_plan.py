@@ -1,9 +1,11 @@
 """The CPU side of the warp-specialized VQ GEMM (kernels/vq/gemm_ws.cu, qtool/layouts/vq/cuda_gemm.py `gemm_ws`):
-its builds against the kernel's entries, their shared memory, and the token tile it picks."""
+its builds (two forms) against the kernel's entries, their shared memory, the plan, and the engine's sizes."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from qtool.cuda import f16_ws
 from qtool.layouts.vq import cuda_gemm as g
@@ -12,20 +14,36 @@ from qtool.resources import kernels_dir
 
 def test_builds_are_the_kernel_entries_and_fit():
     src = (kernels_dir() / "vq" / "gemm_ws.cu").read_text()
-    entries = re.findall(r"^VQ_GEMM_WS_ENTRIES\((\d+), (\d+), (\d+)\)", src, flags=re.M)
-    assert {int(tn): (int(sc), int(b)) for tn, sc, b in entries} == g.WS_BUILT
-    assert all(g.ws_fits(tn) for tn in g.WS_BUILT)
+    regs = re.findall(r"^VQ_GEMM_WS_ENTRIES\((\d+), (\d+), (\d+)\)", src, flags=re.M)
+    tile = re.findall(r"^VQ_GEMM_WST_ENTRY\((\d+), (\d+), (\d+), (\d+)\)", src, flags=re.M)
+    built = {("regs", int(tn)): (int(sc), 0, int(b)) for tn, sc, b in regs}
+    built |= {("tile", int(tn)): (int(sc), int(sa), int(b)) for tn, sc, sa, b in tile}
+    assert built == g.WS_BUILT
+    assert all(g.ws_fits(f, tn) for f, tn in g.WS_BUILT)
     # a slot: the activation tile, 2 KiB of index words, a 2 KiB scope, rounded up to 1 KiB; then the alignment
-    assert g.ws_smem(16, 12) == 12 * 6 * 1024 + 1024
-    assert g.ws_smem(256, 6) == 6 * 36 * 1024 + 1024
+    assert g.ws_smem("regs", 16) == 12 * 6 * 1024 + 1024
+    assert g.ws_smem("regs", 256) == 6 * 36 * 1024 + 1024
+    assert g.ws_smem("tile", 16) == 7 * 6 * 1024 + 4 * 16384 + 1024
+    assert g.ws_entry("regs", 64, "shfl") == "vq_gemm_ws_d4_b8_z1_n64_s9_f1"
+    assert g.ws_entry("tile", 128, "direct") == "vq_gemm_wst_d4_b8_z1_n128_s8_a4"
     # each ring as deep as fits the blocks per SM its registers allow, up to 12 copy slots
-    for tn, (sc, blocks) in g.WS_BUILT.items():
-        assert f16_ws.deepest(tn, g.WS_WORDS, sc, 0, blocks), tn
+    for (f, tn), (sc, sa, blocks) in g.WS_BUILT.items():
+        assert f16_ws.deepest(tn, g.WS_WORDS, sc, sa, blocks), (f, tn)
 
 
-def test_token_tile():
+def test_plan():
     ms = (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 2048)
-    assert [g.ws_tokens_for(m) for m in ms] == [16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 256]
+    assert [g.ws_plan(m) for m in ms] == [
+        ("regs", t) for t in (16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 256)
+    ]
+    assert [g.ws_plan(m, form="tile")[1] for m in (5, 40, 300)] == [16, 64, 128]
+    assert g.ws_plan(5, tokens=64, form="tile") == ("tile", 64)
+    with pytest.raises(ValueError, match="tokens, form: found 256, 'tile'"):
+        g.ws_plan(300, tokens=256, form="tile")
+    with pytest.raises(ValueError, match="tokens, form: found 48"):
+        g.ws_plan(40, tokens=48)
+    with pytest.raises(ValueError, match="form: found 'rows'"):
+        g.ws_plan(40, form="rows")
 
 
 def test_the_built_configuration_is_the_kernels_and_carries_its_scope_in_the_ring():

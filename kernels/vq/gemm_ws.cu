@@ -13,7 +13,7 @@
 // both 16-byte aligned; K = 64·nst; every 128-row block lies in one row tile (trows a multiple of 128, or >= N) and
 // every stage in one column tile (cst stages a tile); split-K as common/f16_ws_wgmma.cuh f16_ws_body.
 
-#include "common/f16_ws_wgmma.cuh"
+#include "common/f16_ws_tile_wgmma.cuh"
 #include "vq/decode.cuh"
 
 template <class Cfg, int F>
@@ -63,6 +63,23 @@ struct VqWs {
         vq_dequant<Cfg, F>(af, w, w + IT, r0, t);
     }
 
+    // The tile form's row `row` (0..127) of the stage: its 16 vectors' entries in the stage's column order, two
+    // vectors (16 bytes) a chunk, chunk c of the row at ((c ^ (row % 8)) << 4) (the 128-byte swizzle wgmma reads).
+    // The 8 rows of a quarter warp store to 8 different chunk positions.
+    __device__ static __forceinline__ void decode_stage(const Params&, u32 w, u32 a, int row) {
+        const uint4 I = lds128(w + 16u * (u32)row);
+        const u32 words[4] = {I.x, I.y, I.z, I.w};
+        const u32 cb = w + IT, dst = a + 128u * (u32)row;
+        const u32 x = (u32)row & 7u;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const u32 wd = words[c >> 1], sh = 16u * (u32)(c & 1);
+            const uint2 e0 = lds64(cb + 8u * ((wd >> sh) & 255u));
+            const uint2 e1 = lds64(cb + 8u * ((wd >> (sh + 8u)) & 255u));
+            sts128(dst + (((u32)c ^ x) << 4), e0.x, e0.y, e1.x, e1.y);
+        }
+    }
+
     // The fragments keep the stage's column order: k16 step i reads activation columns 16i..16i + 15.
     __device__ static __forceinline__ void kcols(u32, u32 (&col)[4]) {
 #pragma unroll
@@ -87,3 +104,19 @@ VQ_GEMM_WS_ENTRIES(32, 12, 2)
 VQ_GEMM_WS_ENTRIES(64, 9, 2)
 VQ_GEMM_WS_ENTRIES(128, 11, 1)
 VQ_GEMM_WS_ENTRIES(256, 6, 1)
+
+// vq_gemm_wst_d4_b8_z1_n{TN}_s{STC}_a{STA}: the tile form (common/f16_ws_tile_wgmma.cuh: two decode warpgroups
+// writing each stage's 128 rows once into an fp16 tile that wgmma reads from shared memory), STA decoded tiles.
+#define VQ_GEMM_WST_ENTRY(TN, STC, STA, MINB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(512, MINB) vq_gemm_wst_d4_b8_z1_n##TN##_s##STC##_a##STA(         \
+        const __grid_constant__ TmaMap mx, const u32* idx, int ldi, const u16* cb, int C, int trows, int cst,     \
+        const u16* bias, u16* out, int ldc, float* ws, int* cnt, int M, int N, int nst) {                          \
+        using D = VqWs<VqCfg<4, 8, 1>, 0>;                                                                         \
+        const D::Params p{idx, cb, ldi, N, C, trows, cst};                                                         \
+        f16_wst_body<D, TN, STC, STA>(&mx, p, M, N, nst, bias, out, ldc, ws, cnt);                                 \
+    }
+
+VQ_GEMM_WST_ENTRY(16, 7, 4, 2)
+VQ_GEMM_WST_ENTRY(32, 5, 4, 2)
+VQ_GEMM_WST_ENTRY(64, 12, 4, 1)
+VQ_GEMM_WST_ENTRY(128, 8, 4, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -412,7 +413,8 @@ class CudaCases:
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
         """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
         path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), and where it is built the
-        warp-specialized GEMM's (`vq-gemm-ws-<fusion>`); the default dispatched."""
+        warp-specialized GEMM's (regs form `vq-gemm-ws-<fusion>`, tile form `vq-gemm-wst`); the default
+        dispatched."""
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
         p = self._vq_gemm_layer(k, n, preset, 0)
@@ -421,7 +423,11 @@ class CudaCases:
         fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
         default = vq_gemm.DEFAULT_FUSION[p.config]
         default = default if default in fusions else "direct"
-        ws = [f"vq-gemm-ws-{f}" for f in WS_FUSIONS] if p.config in vq_gemm.WS_CONFIGS else []
+        ws = (
+            [f"vq-gemm-ws-{f}" for f in WS_FUSIONS] + ["vq-gemm-wst"]
+            if p.config in vq_gemm.WS_CONFIGS
+            else []
+        )
         if ws and vq_gemm.GEMM_WS:
             default = f"ws-{default}"
         return (
@@ -434,14 +440,15 @@ class CudaCases:
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
-        fusion = path.removeprefix("vq-gemm-").removeprefix("ws-")
-        ws = path.startswith("vq-gemm-ws-")
+        form = "tile" if path == "vq-gemm-wst" else "regs"
+        fusion = "direct" if form == "tile" else path.removeprefix("vq-gemm-").removeprefix("ws-")
+        ws = path.startswith("vq-gemm-ws")
         if not path.startswith("vq-gemm-") or fusion not in (WS_FUSIONS if ws else vq_gemm.FUSIONS):
             raise ValueError(
-                f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}> or "
-                f"vq-gemm-ws-<{'|'.join(WS_FUSIONS)}>"
+                f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>, "
+                f"vq-gemm-ws-<{'|'.join(WS_FUSIONS)}> or vq-gemm-wst"
             )
-        gemm = vq_gemm.gemm_ws if ws else vq_gemm.gemm
+        gemm = functools.partial(vq_gemm.gemm_ws, form=form) if ws else vq_gemm.gemm
         first = self._vq_gemm_layer(k, n, preset, 0)
         set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         fns = []

@@ -1,8 +1,8 @@
-"""The warp-specialized VQ GEMM (kernels/vq/gemm_ws.cu on common/f16_ws_wgmma.cuh; `cuda_gemm.gemm_ws`) against the
+"""The warp-specialized VQ GEMM (kernels/vq/gemm_ws.cu in the engine's two forms; `cuda_gemm.gemm_ws`) against the
 float64 reference of the `vq` layout's `dequantize()`, as test_vq_gemm.py checks the block-synchronous GEMM: GPTVQ-2
 (the built configuration) with ragged row and column tiles, K = 576, a per-tensor codebook and 128-column tiles (a
-codebook switch every two stages), every token tile on both sides of M, split-K off, planned and forced, both
-fusions, bias; and the same bits as the block-synchronous GEMM where both run one share of the same token tile
+codebook switch every two stages), every token tile of both forms on both sides of M, split-K off, planned and
+forced, both fusions of the regs form, bias; and the same bits as the block-synchronous GEMM where both run one share of the same token tile
 (the same decode and the same wgmma order). Outputs are poisoned with NaN before each launch; `synced` makes a
 faulting launch fail here. A barrier that never completes hangs the launch: run these under a time limit.
 """
@@ -39,14 +39,17 @@ def _counters_zero() -> None:
     assert cnt is None or not bool(cnt.any()), "a split-K tile counter was left non-zero"
 
 
-@pytest.mark.parametrize("fusion", ["direct", "shfl"])
+FORMS = [("regs", "direct"), ("regs", "shfl"), ("tile", None)]  # (form, fusion)
+
+
+@pytest.mark.parametrize("form,fusion", FORMS)
 @pytest.mark.parametrize("n,k", ODD)
-def test_odd_shapes(fusion, n, k):
+def test_odd_shapes(form, fusion, n, k):
     layer = vq_layer(n, k, "gptvq-2", reindex=True)
     for m in (1, 5, 17, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        y = run_ws(layer, x, fusion=fusion)
-        assert rel_err(y, reference64(layer, x)) < TOL, (m, fusion)
+        y = run_ws(layer, x, form=form, fusion=fusion)
+        assert rel_err(y, reference64(layer, x)) < TOL, (m, form, fusion)
     _counters_zero()
 
 
@@ -55,14 +58,15 @@ def test_every_token_tile_and_split(tiles):
     from qtool.layouts.vq.cuda_gemm import WS_BUILT
 
     layer = vq_layer(384, 1024, "gptvq-2", reindex=True, tiles=tiles)
-    for tn, split, fusion in itertools.product(WS_BUILT, (1, 3, None, 16), ("direct", "shfl")):
+    for (form, tn), split, fusion in itertools.product(WS_BUILT, (1, 3, None, 16), ("direct", "shfl")):
+        if form == "tile" and fusion == "shfl":
+            continue
         for m in (tn - 3, tn + 5):
             x = torch.randn(m, 1024, device="cuda", dtype=torch.float16)
-            y = run_ws(layer, x, tokens=tn, split=split, fusion=fusion)
+            y = run_ws(layer, x, tokens=tn, split=split, fusion=fusion, form=form)
             err = rel_err(y, reference64(layer, x))
-            assert err < TOL, (
-                f"relative error {err:.2e} (tiles {tiles}, M={m}, {tn}, split {split}, {fusion})"
-            )
+            what = f"tiles {tiles}, M={m}, {form} {tn}, split {split}, {fusion}"
+            assert err < TOL, f"relative error {err:.2e} ({what})"
     _counters_zero()
 
 
@@ -71,12 +75,14 @@ def test_the_block_synchronous_gemms_bits_at_one_share():
 
     layer = vq_layer(640, 1024, "gptvq-2", reindex=True)
     p = prepare_layer(layer)
-    for tn in sorted(set(WS_BUILT) & set(BUILT[4, 8, 1])):
+    for form, tn in sorted(WS_BUILT):
+        if tn not in BUILT[4, 8, 1]:
+            continue
         x = torch.randn(tn + 7, 1024, device="cuda", dtype=torch.float16)
-        for fusion in ("direct", "shfl"):
+        for fusion in ("direct", "shfl") if form == "regs" else ("direct",):
             a = synced(gemm(x, p, tokens=tn, split=1, fusion=fusion))
-            b = synced(gemm_ws(x, p, tokens=tn, split=1, fusion=fusion))
-            assert torch.equal(a, b), f"{tn} tokens, {fusion}: {int((a != b).sum())} elements differ"
+            b = synced(gemm_ws(x, p, tokens=tn, split=1, fusion=fusion, form=form))
+            assert torch.equal(a, b), f"{form} {tn} tokens, {fusion}: {int((a != b).sum())} elements differ"
 
 
 def test_bias_and_llama_shape():
@@ -88,8 +94,8 @@ def test_bias_and_llama_shape():
     _counters_zero()
 
 
-@pytest.mark.parametrize("tokens", [16, 128])
-def test_replayed_from_a_cuda_graph_gives_the_eager_bits(tokens):
+@pytest.mark.parametrize("form,tokens", [("regs", 16), ("regs", 256), ("tile", 16), ("tile", 128)])
+def test_replayed_from_a_cuda_graph_gives_the_eager_bits(form, tokens):
     from qtool.layouts.vq.cuda_gemm import gemm_ws, prepare_layer
 
     layer = vq_layer(384, 1024, "gptvq-2", reindex=True)
@@ -97,10 +103,10 @@ def test_replayed_from_a_cuda_graph_gives_the_eager_bits(tokens):
     x = torch.randn(tokens + 3, 1024, device="cuda", dtype=torch.float16)
     out = torch.empty(tokens + 3, 384, device="cuda", dtype=torch.float16)
     for split in (1, 4):
-        eager = synced(gemm_ws(x, p, tokens=tokens, split=split)).clone()
+        eager = synced(gemm_ws(x, p, tokens=tokens, split=split, form=form)).clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            gemm_ws(x, p, out=out, tokens=tokens, split=split)
+            gemm_ws(x, p, out=out, tokens=tokens, split=split, form=form)
         for _ in range(3):
             out.fill_(float("nan"))
             graph.replay()
@@ -120,7 +126,11 @@ def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
     def chain():
         torch.mul(x0, 2.0, out=buf)  # the kernel ahead writes the activations
         return torch.cat(
-            [gemm_ws(buf, p, tokens=16), gemm_ws(buf, p, tokens=64, split=1), gemm_ws(buf, p, split=2)]
+            [
+                gemm_ws(buf, p, tokens=16),
+                gemm_ws(buf, p, tokens=64, split=1, form="tile"),
+                gemm_ws(buf, p, split=2),
+            ]
         )
 
     plain, outs = dependent_chain_runs(chain)
@@ -155,8 +165,10 @@ def test_what_it_does_not_build_is_refused_in_one_line():
     with pytest.raises(CudaUnavailableError, match=r"VQ<8,12,2> \(built for VQ<4,8,1>\); use gemm"):
         gemm_ws(x, prepare_layer(vq_layer(256, 1024, "aqlm-3", reindex=False)))
     p = prepare_layer(vq_layer(256, 1024, "gptvq-2", reindex=False))
-    with pytest.raises(ValueError, match="tokens: found 48"):
+    with pytest.raises(ValueError, match="tokens, form: found 48"):
         gemm_ws(x, p, tokens=48)
+    with pytest.raises(ValueError, match=r"fusion: found 'shfl', expected direct \(the tile form"):
+        gemm_ws(x, p, form="tile", fusion="shfl")
     with pytest.raises(ValueError, match="split: found 17"):
         gemm_ws(x, p, split=17)
     with pytest.raises(ValueError, match="fusion: found 'replica'"):
