@@ -53,6 +53,56 @@ def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.d
     )
 
 
+def random_vq_weight(k: int, n: int, preset: str, device: torch.device, gen: torch.Generator):
+    """A random re-indexed VQ layer (`VQWeight`) of the preset's configuration (qtool.stages.vq.PRESETS), built on
+    `device`. Codes are drawn with entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule
+    of the layout tests), then every codebook is re-indexed by its scope's access counts as the `vq` stage does, with
+    the tier boundaries that counting gives, so the layer passes the checks a loaded checkpoint's does; codebook
+    entries are random normal (their order carries nothing, so they are not permuted with the codes)."""
+    from qtool.layouts.bitpack import pack_codes
+    from qtool.layouts.vq.layout import VQWeight, tile_counts
+    from qtool.stages.vq import PRESETS
+
+    cfg = PRESETS[preset]
+    d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
+    bits, v = e.bit_length() - 1, k // d
+    r_tiles, c_tiles = tile_counts(n, k, tr, tc)
+    probs = torch.rand(e, device=device, generator=gen) ** 4
+    cdf = torch.cumsum(probs, 0) / probs.sum()
+    u = torch.rand(z, n, v, device=device, generator=gen)
+    codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
+    rt = torch.arange(n, device=device) // (tr or n)
+    ct = torch.arange(v, device=device) * d // (tc or k)
+    scopes = r_tiles * c_tiles
+    scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + torch.arange(z, device=device)[
+        :, None, None
+    ] * scopes
+    flat = scope * e + codes
+    counts = torch.bincount(flat.reshape(-1), minlength=z * scopes * e).reshape(-1, e)
+    order = torch.argsort(-counts, dim=1, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(e, device=device).expand_as(order))
+    codes = rank.reshape(-1)[flat]
+    # tier_bounds of every scope at once, on the host as the checkpoint check computes them
+    c = torch.gather(counts, 1, order).cpu().to(torch.float64)
+    mu, sigma = c.mean(dim=1, keepdim=True), c.std(dim=1, unbiased=False, keepdim=True)
+    tiers = torch.stack([(c > mu + 3 * sigma).sum(1), (c > mu).sum(1)], dim=1).to(torch.int32)
+    books = (torch.randn(r_tiles, c_tiles, z, e, d, device=device, generator=gen) / (z * k) ** 0.5).half()
+    return VQWeight(
+        vector_size=d,
+        entries=e,
+        residuals=z,
+        tile_rows=tr,
+        tile_cols=tc,
+        reindexed=True,
+        in_features=k,
+        out_features=n,
+        indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1),
+        codebooks=books,
+        entry_tiers=tiers.reshape(z, r_tiles, c_tiles, 2).permute(1, 2, 0, 3).contiguous().to(device),
+    )
+
+
 def random_packed(
     n: int,
     k: int,
@@ -294,14 +344,9 @@ class CudaCases:
         return fns
 
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):
-        """A random re-indexed VQ layer of the preset's configuration, built on the GPU. Codes are drawn with
-        entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule of the layout tests),
-        then every codebook is re-indexed by its scope's access counts as the `vq` stage does; codebook entries are
-        random normal. Layers are kept per (shape, preset) and copy, so every M and cache variant times the same
-        weights."""
-        from qtool.layouts.bitpack import pack_codes
+        """A random re-indexed VQ layer of the preset's configuration (random_vq_weight) prepared for the kernels.
+        Layers are kept per (shape, preset) and copy, so every M and cache variant times the same weights."""
         from qtool.layouts.vq import cuda as vq
-        from qtool.layouts.vq.layout import tier_bounds, tile_counts
 
         key = (k, n, preset, copy)
         cache = self.__dict__.setdefault("_vq_layers", {})
@@ -309,45 +354,7 @@ class CudaCases:
             return cache[key]
         if cache and next(iter(cache))[:2] != (k, n):
             cache.clear()  # one shape at a time
-        from qtool.stages.vq import PRESETS
-
-        cfg = PRESETS[preset]
-        d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
-        bits, v = e.bit_length() - 1, k // d
-        r_tiles, c_tiles = tile_counts(n, k, tr, tc)
-        probs = torch.rand(e, device=self.dev, generator=self.gen) ** 4
-        cdf = torch.cumsum(probs, 0) / probs.sum()
-        u = torch.rand(z, n, v, device=self.dev, generator=self.gen)
-        codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
-        rt = torch.arange(n, device=self.dev) // (tr or n)
-        ct = torch.arange(v, device=self.dev) * d // (tc or k)
-        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + torch.arange(z, device=self.dev)[
-            :, None, None
-        ] * (r_tiles * c_tiles)
-        flat = scope * e + codes
-        counts = torch.bincount(flat.reshape(-1), minlength=z * r_tiles * c_tiles * e).reshape(-1, e)
-        order = torch.argsort(-counts, dim=1, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(e, device=self.dev).expand_as(order))
-        codes = rank.reshape(-1)[flat]
-        sorted_counts = torch.gather(counts, 1, order).cpu()
-        hot = max(tier_bounds(c)[0] for c in sorted_counts)
-        books = (
-            torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5
-        ).half()
-        p = vq.Prepared(
-            indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1),
-            codebooks=books,
-            vector_size=d,
-            index_bits=bits,
-            residuals=z,
-            tile_rows=n if tr is None else min(tr, n),
-            tile_vecs=v if tc is None or tc >= k else tc // d,
-            in_features=k,
-            out_features=n,
-            hot=hot,
-            source_ptr=0,
-        )
+        p = vq.prepare(random_vq_weight(k, n, preset, self.dev, self.gen))
         cache[key] = p
         return p
 
