@@ -22,7 +22,8 @@ def test_builds_are_the_kernel_entries_and_fit():
     assert all(g.ws_fits(f, tn) for f, tn in g.WS_BUILT)
     # a slot: the activation tile, 2 KiB of index words, a 2 KiB scope, rounded up to 1 KiB; then the alignment
     assert g.ws_smem("regs", 16) == 12 * 6 * 1024 + 1024
-    assert g.ws_smem("regs", 256) == 6 * 36 * 1024 + 1024
+    assert g.ws_smem("regs", 128) == 11 * 20 * 1024 + 1024
+    assert ("regs", 256) not in g.WS_BUILT
     assert g.ws_smem("tile", 16) == 7 * 6 * 1024 + 4 * 16384 + 1024
     assert g.ws_entry("regs", 64, "shfl") == "vq_gemm_ws_d4_b8_z1_n64_s9_f1"
     assert g.ws_entry("tile", 128, "direct") == "vq_gemm_wst_d4_b8_z1_n128_s8_a4"
@@ -34,7 +35,7 @@ def test_builds_are_the_kernel_entries_and_fit():
 def test_plan():
     ms = (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 2048)
     assert [g.ws_plan(m) for m in ms] == [
-        ("regs", t) for t in (16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 256)
+        ("regs", t) for t in (16, 16, 32, 32, 64, 64, 128, 128, 128, 128, 128)
     ]
     assert [g.ws_plan(m, form="tile")[1] for m in (5, 40, 300)] == [16, 64, 128]
     assert g.ws_plan(5, tokens=64, form="tile") == ("tile", 64)

@@ -3,7 +3,7 @@
 // adds after the regs form (qtool/layouts/mixed/cuda.py `gemm_ws`). Two forms on two engines (roles, rings, wgmma
 // loop, split-K, epilogue), this file being their decode (MixedWs):
 //   * regs (mixed_gemm_ws_*, common/f16_ws_wgmma.cuh): a copy warp, and MMA lanes decoding their own A fragments
-//     (`fragments`, gemm.cu's decode) for wgmmas with A from registers; up to 256 tokens;
+//     (`fragments`, gemm.cu's decode) for wgmmas with A from registers; up to 128 tokens;
 //   * tile (mixed_gemm_wst_*, common/f16_ws_tile_wgmma.cuh): two decode warpgroups writing each stage's 128 rows
 //     once into an fp16 tile (`decode_stage`) that wgmma reads from shared memory; up to 128 tokens.
 // Against kernels/mixed/gemm.cu (block-synchronous, its loads one stage ahead of a wait for all of them): no block
@@ -187,7 +187,6 @@ MIXED_GEMM_WS_ENTRY(16, 12, 2)
 MIXED_GEMM_WS_ENTRY(32, 12, 2)
 MIXED_GEMM_WS_ENTRY(64, 9, 2)
 MIXED_GEMM_WS_ENTRY(128, 11, 1)
-MIXED_GEMM_WS_ENTRY(256, 6, 1)
 
 // mixed_gemm_wst_n{TN}_s{STC}_a{STA}: the tile form (common/f16_ws_tile_wgmma.cuh), STA decoded tiles.
 #define MIXED_GEMM_WST_ENTRY(TN, STC, STA, MINB)                                                                  \

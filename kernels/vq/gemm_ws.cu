@@ -103,7 +103,6 @@ VQ_GEMM_WS_ENTRIES(16, 12, 2)
 VQ_GEMM_WS_ENTRIES(32, 12, 2)
 VQ_GEMM_WS_ENTRIES(64, 9, 2)
 VQ_GEMM_WS_ENTRIES(128, 11, 1)
-VQ_GEMM_WS_ENTRIES(256, 6, 1)
 
 // vq_gemm_wst_d4_b8_z1_n{TN}_s{STC}_a{STA}: the tile form (common/f16_ws_tile_wgmma.cuh: two decode warpgroups
 // writing each stage's 128 rows once into an fp16 tile that wgmma reads from shared memory), STA decoded tiles.

@@ -109,7 +109,7 @@ def test_decoded_weights_are_the_reference_cast_bit_for_bit(kernel):
     name, _, form = kernel.partition(" ")
     fn = getattr(mixed, name)
     kw = {"form": form} if form else {}
-    tiles = {"regs": (16, 256), "tile": (16, 128), "": (64, 256)}[form]
+    tiles = {"regs": (16, 128), "tile": (16, 128), "": (64, 256)}[form]
     for tokens in tiles:
         for split in (1, 5):
             y = synced(fn(eye, p, tokens=tokens, split=split, **kw)).cpu()
@@ -188,7 +188,7 @@ def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
             [
                 mixed.gemm_ws(buf, p, tokens=16),
                 mixed.gemm_ws(buf, p, tokens=64, split=1),
-                mixed.gemm_ws(buf, p, tokens=256, split=2),
+                mixed.gemm_ws(buf, p, tokens=128, split=2),
             ]
         )
 

@@ -94,7 +94,7 @@ def test_bias_and_llama_shape():
     _counters_zero()
 
 
-@pytest.mark.parametrize("form,tokens", [("regs", 16), ("regs", 256), ("tile", 16), ("tile", 128)])
+@pytest.mark.parametrize("form,tokens", [("regs", 16), ("regs", 128), ("tile", 16), ("tile", 128)])
 def test_replayed_from_a_cuda_graph_gives_the_eager_bits(form, tokens):
     from qtool.layouts.vq.cuda_gemm import gemm_ws, prepare_layer
 

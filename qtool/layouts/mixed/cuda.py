@@ -756,24 +756,25 @@ GEMM_WS_SOURCE = "mixed/gemm_ws.cu"
 # (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM its registers are capped for), as
 # kernels/mixed/gemm_ws.cu instantiates them: each ring as deep as fits those blocks, at most 12 copy slots; the
 # tile form keeps 4 decoded tiles (two being decoded, two read by wgmmas in flight) and stops at 128 tokens (a
-# 512-thread block has 128 registers a thread).
+# 512-thread block has 128 registers a thread). The regs form stops at 128 too: an SM's four schedulers hold 16K
+# registers each, so the 9 warps of a block put 3 on one of them (170 registers a thread), and the 256-token tile's
+# 224 registers do not launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES on an H200).
 GEMM_WS_BUILT = {
     ("regs", 16): (12, 0, 2),
     ("regs", 32): (12, 0, 2),
     ("regs", 64): (9, 0, 2),
     ("regs", 128): (11, 0, 1),
-    ("regs", 256): (6, 0, 1),
     ("tile", 16): (7, 4, 2),
     ("tile", 32): (5, 4, 2),
     ("tile", 64): (12, 4, 1),
     ("tile", 128): (8, 4, 1),
 }
-GEMM_WS_TOKENS = (16, 32, 64, 128, 256)
+GEMM_WS_TOKENS = (16, 32, 64, 128)
 # The form each token tile takes by default, from the per-stage budget (kernels/mixed/NOTES.md): the tile form
 # decodes each row once (about 245 issue cycles a scheduler per stage, shared-memory bound at 312 + 3·TN cycles), the
-# regs form four times over (about 480, the lanes of a row each decoding its constants) but reads no decoded tile
-# and reaches 256 tokens; not yet measured.
-GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs", 256: "regs"}
+# regs form four times over (about 480, the lanes of a row each decoding its constants) but reads no decoded tile;
+# not yet measured.
+GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs"}
 # a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
 GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
 # 0 (default): linear's "gemm" path takes the block-synchronous gemm; 1: gemm_ws (built and compiled for sm_90a, not
@@ -823,7 +824,7 @@ def gemm_ws(
     outliers: str | None = None,
 ) -> torch.Tensor:
     """y = x . W^T (+ bias) + the outliers with the warp-specialized tensor-core GEMM on the tiled streams
-    (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens` (16 to 256),
+    (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens` (16 to 128),
     `form` ("regs" or "tile", GEMM_WS_BUILT) and `split` (blocks per output tile along K) override the defaults
     (gemm_ws_plan, plan_split). `outliers`: "tile" (the tile form's default: it adds them into its decoded tiles,
     mixed_spmv those past a block-stage's cap, `tile_outliers`) or "spmv" (mixed_spmv after the GEMM: the regs

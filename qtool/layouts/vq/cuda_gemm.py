@@ -242,7 +242,8 @@ WS_SOURCE = "vq/gemm_ws.cu"
 # built for VQ<4, 8, 1> (GPTVQ-2: 2 KiB scopes carried in the ring) in both of the engine's forms: "regs" (each MMA
 # lane looks up its own A fragments, as gemm.cu's lanes do) and "tile" (two decode warpgroups write each stage's
 # rows once into an fp16 tile that wgmma reads). (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM
-# its registers are capped for): each ring as deep as fits those blocks, at most 12 slots. A slot holds the
+# its registers are capped for): each ring as deep as fits those blocks, at most 12 slots; up to 128 tokens in both
+# forms (the mixed layout's GEMM_WS_BUILT says why). A slot holds the
 # activation tile, 128 rows' index words and the scope, rounded up to 1 KiB: 6 KiB at 16 tokens.
 WS_CONFIGS = ((4, 8, 1),)
 WS_BUILT = {
@@ -250,7 +251,6 @@ WS_BUILT = {
     ("regs", 32): (12, 0, 2),
     ("regs", 64): (9, 0, 2),
     ("regs", 128): (11, 0, 1),
-    ("regs", 256): (6, 0, 1),
     ("tile", 16): (7, 4, 2),
     ("tile", 32): (5, 4, 2),
     ("tile", 64): (12, 4, 1),
