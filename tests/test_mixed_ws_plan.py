@@ -24,7 +24,9 @@ def test_builds_are_the_kernel_entries_and_fit():
     assert built == mixed.GEMM_WS_BUILT
     assert all(mixed.gemm_ws_fits(f, tn) for f, tn in mixed.GEMM_WS_BUILT)
     assert {tn for _, tn in mixed.GEMM_WS_BUILT} == set(mixed.GEMM_WS_TOKENS)
-    assert all((f, tn) in mixed.GEMM_WS_BUILT for tn, f in mixed.GEMM_WS_FORM.items())
+    assert all(
+        (f, tn) in mixed.GEMM_WS_BUILT for f in mixed.GEMM_WS_FORM.values() for tn in mixed.GEMM_WS_TOKENS
+    )
     # copy slots of the activation tile and 3472 bytes of tiled words, 16 KB per decoded tile, the alignment slack
     assert mixed.gemm_ws_smem(16, 7, 4) == 7 * 6 * 1024 + 4 * 16384 + 1024
     assert mixed.gemm_ws_smem(128, 11, 0) == 11 * 20 * 1024 + 1024
@@ -38,21 +40,10 @@ def test_builds_are_the_kernel_entries_and_fit():
 
 def test_plan():
     ms = (1, 16, 17, 32, 33, 64, 65, 128, 129, 256, 300, 2048)
-    assert [mixed.gemm_ws_plan(m) for m in ms] == [
-        ("tile", 16),
-        ("tile", 16),
-        ("tile", 32),
-        ("tile", 32),
-        ("tile", 64),
-        ("tile", 64),
-        ("regs", 128),
-        ("regs", 128),
-        ("regs", 128),
-        ("regs", 128),
-        ("regs", 128),
-        ("regs", 128),
-    ]
-    assert mixed.gemm_ws_plan(5, tokens=64) == ("tile", 64)
+    tiles = [16, 16, 32, 32, 64, 64, 128, 128, 128, 128, 128, 128]
+    assert [mixed.gemm_ws_plan(m) for m in ms] == [("regs", t) for t in tiles]
+    assert [mixed.gemm_ws_plan(m, outliers=True) for m in ms] == [("tile", t) for t in tiles]
+    assert mixed.gemm_ws_plan(5, tokens=64, outliers=True) == ("tile", 64)
     assert mixed.gemm_ws_plan(5, form="regs") == ("regs", 16)
     assert mixed.gemm_ws_plan(300, tokens=128, form="tile") == ("tile", 128)
     assert mixed.gemm_ws_plan(300, form="tile") == ("tile", 128)
@@ -62,6 +53,18 @@ def test_plan():
         mixed.gemm_ws_plan(40, tokens=48)
     # Llama-2-7B o_proj at 16 tokens, two blocks per SM on 132 SMs: 32 tiles split 8 ways
     assert mixed.plan_split(4096, 16, 4096, 16, 2, 132) == 8
+
+
+def test_gemm_path_takes_gemm_ws_up_to_its_limit_or_with_outliers(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(mixed, "GEMM_WS", 1)
+    top = mixed.GEMM_WS_MAX_M
+    plain, spiky = SimpleNamespace(nnz=0), SimpleNamespace(nnz=5)
+    assert [mixed.takes_gemm_ws(m, plain) for m in (17, top, top + 1, 4096)] == [True, True, False, False]
+    assert all(mixed.takes_gemm_ws(m, spiky) for m in (17, top + 1, 4096))
+    monkeypatch.setattr(mixed, "GEMM_WS", 0)
+    assert not any(mixed.takes_gemm_ws(m, p) for m in (17, 4096) for p in (plain, spiky))
 
 
 def _h(bits: np.ndarray) -> np.ndarray:

@@ -303,16 +303,20 @@ class CudaCases:
                 cands.append("mixed-gemv+spmv")
             cands.append("mixed-gemv-direct")  # the GEMV on the checkpoint layout, beside the tiled one
         gemm = mixed.gemm_capable(self.dev)
+        layer = self._mixed_layer(k, n, outlier_fraction)
+        if gemm and m > 1:  # the warp-specialized GEMM from 2 tokens: where it overtakes the GEMV
+            cands.append("mixed-gemm-ws")
         if m >= mixed.GEMV_MAX_M:
             if gemm:
                 cands.append("mixed-gemm")
             cands.append("mixed-dq+cublas")
         if m > mixed.GEMV_MAX_M:
-            dispatched = "mixed-gemm" if gemm else "mixed-dq+cublas"
+            ws = mixed.takes_gemm_ws(m, layer)
+            dispatched = ("mixed-gemm-ws" if ws else "mixed-gemm") if gemm else "mixed-dq+cublas"
         else:
             fused = mixed.outlier_mode() == "fused"
             dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"
-        nbytes = self._mixed_layer(k, n, outlier_fraction).nbytes() + 2 * m * k + 2 * m * n
+        nbytes = layer.nbytes() + 2 * m * k + 2 * m * n
         return cands, dispatched, nbytes
 
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns:
@@ -334,12 +338,14 @@ class CudaCases:
                 )
             elif path == "mixed-gemm":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemm(x, p, out=out))
+            elif path == "mixed-gemm-ws":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemm_ws(x, p, out=out))
             elif path == "mixed-dq+cublas":
                 fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
             else:
                 raise ValueError(
                     f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct, "
-                    "mixed-gemm or mixed-dq+cublas"
+                    "mixed-gemm, mixed-gemm-ws or mixed-dq+cublas"
                 )
         return fns
 

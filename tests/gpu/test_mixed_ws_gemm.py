@@ -73,7 +73,7 @@ def test_gemm_ws_matches_the_reference(fraction, nkg):
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         refs = {b: reference64(layer, x, b) for b in (False, True)}
         for (form, tokens), split in itertools.product(BUILDS, (1, None, min(3, nblk), nblk)):
-            tile = mixed.gemm_ws_plan(m, tokens, form)[0] == "tile"
+            tile = mixed.gemm_ws_plan(m, tokens, form, outliers=fraction > 0)[0] == "tile"
             for outliers in (None, "spmv") if fraction and tile else (None,):
                 with_bias = (m + (tokens or 0) + (split or 0)) % 2 == 1
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
@@ -199,19 +199,22 @@ def test_dependent_launches_read_the_activations_the_kernel_ahead_wrote():
     _counters_zero()
 
 
-def test_linear_takes_gemm_ws_where_selected(monkeypatch):
+@pytest.mark.parametrize("fraction", [0.0, 0.002])
+def test_linear_takes_gemm_ws_where_selected(monkeypatch, fraction):
     mixed = _mixed()
-    layer = random_mixed(256, 2048, 16, "block4", 0.002, 71, bias=True)
+    layer = random_mixed(256, 2048, 16, "block4", fraction, 71, bias=True)
     monkeypatch.setenv("QTOOL_KERNELS", "cuda")
     monkeypatch.setattr(mixed, "GEMM_WS", True)
     calls = []
-    real = mixed.gemm_ws
-    monkeypatch.setattr(mixed, "gemm_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for m in (3, 40, 130):
+    for name in ("gemm_ws", "gemm"):
+        real = getattr(mixed, name)
+        monkeypatch.setattr(mixed, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    for m in (3, 40, 130, 300):
         x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
         y = synced(layer(x))
         assert rel_err(y, reference64(layer, x, True)) < TOL, m
-    assert len(calls) == 2  # 40 and 130 tokens; 3 take the GEMV
+    # 3 tokens take the GEMV; past GEMM_WS_MAX_M an outlier-free layer takes gemm.cu, one with outliers gemm_ws
+    assert calls == ["gemm_ws", "gemm_ws", "gemm_ws" if fraction else "gemm"]
 
 
 def test_gemm_ws_refuses_what_it_does_not_build():

@@ -770,16 +770,19 @@ GEMM_WS_BUILT = {
     ("tile", 128): (8, 4, 1),
 }
 GEMM_WS_TOKENS = (16, 32, 64, 128)
-# The form each token tile takes by default, from the per-stage budget (kernels/mixed/NOTES.md): the tile form
-# decodes each row once (about 245 issue cycles a scheduler per stage, shared-memory bound at 312 + 3·TN cycles), the
-# regs form four times over (about 480, the lanes of a row each decoding its constants) but reads no decoded tile;
-# not yet measured.
-GEMM_WS_FORM = {16: "tile", 32: "tile", 64: "tile", 128: "regs"}
+# The form by default, from one `scripts/mixed_ws_variants.py` run (H200, kernels/mixed/NOTES.md): without outliers
+# the regs form at every token tile (it reads no decoded tile; ahead of the tile form at 15 of the 16 cells of the
+# Llama-2-7B shapes and 8192x28672 at 16-2048 tokens), with outliers the tile form (it adds them in its decoded tile,
+# 2-6x ahead of either GEMM followed by mixed_spmv from 64 tokens up).
+GEMM_WS_FORM = {False: "regs", True: "tile"}
+# The largest M an outlier-free layer sends to gemm_ws; above, gemm.cu's 256-token tiles, which decode each row half
+# as often (the same run: gemm_ws ahead by 1.0-1.3x at 16-256 tokens, gemm.cu by 1.0-1.1x at 2048 on three of four
+# shapes). A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 3-10x slower there).
+GEMM_WS_MAX_M = 256
 # a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
 GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
-# 0 (default): linear's "gemm" path takes the block-synchronous gemm; 1: gemm_ws (built and compiled for sm_90a, not
-# yet measured against gemm), so that `qtool bench e2e --mixed` and eval can run it by the environment.
-GEMM_WS = cc.env_int("QTOOL_MIXED_GEMM_WS", 0)
+# 1 (default): linear's "gemm" path takes gemm_ws where takes_gemm_ws says; 0: always the block-synchronous gemm.cu.
+GEMM_WS = cc.env_int("QTOOL_MIXED_GEMM_WS", 1)
 
 
 def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
@@ -799,11 +802,13 @@ def gemm_ws_entry(form: str, tokens: int) -> str:
     return f"mixed_gemm_ws_n{tokens}_s{sc}" if form == "regs" else f"mixed_gemm_wst_n{tokens}_s{sc}_a{sa}"
 
 
-def gemm_ws_plan(m: int, tokens: int | None = None, form: str | None = None) -> tuple[str, int]:
-    """(form, token tile) for M rows: the smallest tile holding them all, else the largest; its default form unless
-    `form` is given, a given `tokens` kept."""
+def gemm_ws_plan(
+    m: int, tokens: int | None = None, form: str | None = None, outliers: bool = False
+) -> tuple[str, int]:
+    """(form, token tile) for M rows: the smallest tile holding them all, else the largest; GEMM_WS_FORM for a layer
+    with or without `outliers` unless `form` is given, a given `tokens` kept."""
     tn = next((t for t in GEMM_WS_TOKENS if m <= t), GEMM_WS_TOKENS[-1]) if tokens is None else tokens
-    fm = GEMM_WS_FORM.get(tn, "regs") if form is None else form
+    fm = GEMM_WS_FORM[bool(outliers)] if form is None else form
     if (fm, tn) not in GEMM_WS_BUILT:
         built = sorted(GEMM_WS_BUILT)
         raise ValueError(f"tokens, form: found {tn}, {fm!r}, expected one of {built}")
@@ -840,7 +845,7 @@ def gemm_ws(
     out = cc.f16_out(out, (m, n), x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    fm, tn = gemm_ws_plan(m, tokens, form)
+    fm, tn = gemm_ws_plan(m, tokens, form, outliers=p.nnz > 0 and outliers != "spmv")
     sc, sa, _ = GEMM_WS_BUILT[fm, tn]
     if outliers not in (None, "tile", "spmv"):
         raise ValueError(f"outliers: found {outliers!r}, expected tile or spmv")
@@ -911,6 +916,11 @@ def gemm_ws(
 PATHS = ("gemv", "gemm", "dequant+cublas", "reference")
 
 
+def takes_gemm_ws(m: int, p: Prepared) -> bool:
+    """Whether the "gemm" path runs gemm_ws (rather than gemm.cu) for M rows of this layer (GEMM_WS_MAX_M)."""
+    return bool(GEMM_WS) and (p.nnz > 0 or m <= GEMM_WS_MAX_M)
+
+
 def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, gemm_ok: bool = False) -> str:
     """The path a layer takes for M tokens: gemv, gemm (where `gemm_ok`: gemm_reason is None), dequant+cublas or
     reference."""
@@ -930,7 +940,7 @@ def linear(
     if path == "gemv":
         return gemv(x, p, bias)
     if path == "gemm":
-        return gemm_ws(x, p, bias) if GEMM_WS else gemm(x, p, bias)
+        return gemm_ws(x, p, bias) if takes_gemm_ws(m, p) else gemm(x, p, bias)
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
     raise cc.CudaUnavailableError(
