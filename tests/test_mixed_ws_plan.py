@@ -61,7 +61,7 @@ def test_gemm_path_takes_gemm_ws_up_to_its_limit_or_with_outliers(monkeypatch):
     monkeypatch.setattr(mixed, "GEMM_WS", 1)
     top = mixed.GEMM_WS_MAX_M
     plain, spiky = SimpleNamespace(nnz=0), SimpleNamespace(nnz=5)
-    assert [mixed.takes_gemm_ws(m, plain) for m in (17, top, top + 1, 4096)] == [True, True, False, False]
+    assert [mixed.takes_gemm_ws(m, plain) for m in (5, top, top + 1, 4096)] == [True, True, False, False]
     assert all(mixed.takes_gemm_ws(m, spiky) for m in (17, top + 1, 4096))
     monkeypatch.setattr(mixed, "GEMM_WS", 0)
     assert not any(mixed.takes_gemm_ws(m, p) for m in (17, 4096) for p in (plain, spiky))

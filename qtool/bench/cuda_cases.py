@@ -310,9 +310,11 @@ class CudaCases:
             if gemm:
                 cands.append("mixed-gemm")
             cands.append("mixed-dq+cublas")
-        if m > mixed.GEMV_MAX_M:
-            ws = mixed.takes_gemm_ws(m, layer)
-            dispatched = ("mixed-gemm-ws" if ws else "mixed-gemm") if gemm else "mixed-dq+cublas"
+        path = mixed.choose_path(m, torch.float16, 16, k, gemm)
+        if path == "gemm":
+            dispatched = "mixed-gemm-ws" if mixed.takes_gemm_ws(m, layer) else "mixed-gemm"
+        elif path != "gemv":
+            dispatched = "mixed-dq+cublas"
         else:
             fused = mixed.outlier_mode() == "fused"
             dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"

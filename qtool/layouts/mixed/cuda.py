@@ -776,9 +776,14 @@ GEMM_WS_TOKENS = (16, 32, 64, 128)
 # 2-6x ahead of either GEMM followed by mixed_spmv from 64 tokens up).
 GEMM_WS_FORM = {False: "regs", True: "tile"}
 # The largest M an outlier-free layer sends to gemm_ws; above, gemm.cu's 256-token tiles, which decode each row half
-# as often (the same run: gemm_ws ahead by 1.0-1.3x at 16-256 tokens, gemm.cu by 1.0-1.1x at 2048 on three of four
-# shapes). A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 3-10x slower there).
-GEMM_WS_MAX_M = 256
+# as often (the same runs: gemm_ws ahead by 1.0-1.3x at 16-512 tokens, even at 1024, gemm.cu ahead by 1.0-1.1x at
+# 2048 on three of four shapes). A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 3-10x
+# slower there).
+GEMM_WS_MAX_M = 512
+# The most tokens the GEMV takes where gemm_ws runs; from 5 up, gemm_ws. The same kind of run (H200, 4096x4096,
+# 11008x4096, 8192x28672, 0 and 0.2% outliers): the GEMV ahead at 2 and 4 tokens (1.0-2.8x), gemm_ws at 8 (1.2-1.7x)
+# and 16 (2.3-3.5x).
+GEMV_BEFORE_GEMM_WS_M = 4
 # a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
 GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
 # 1 (default): linear's "gemm" path takes gemm_ws where takes_gemm_ws says; 0: always the block-synchronous gemm.cu.
@@ -926,7 +931,7 @@ def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, g
     reference."""
     if unsupported_reason(group_size, in_features) is not None or dtype != torch.float16:
         return "reference"
-    if 1 <= m <= GEMV_MAX_M:
+    if 1 <= m <= (GEMV_BEFORE_GEMM_WS_M if gemm_ok and GEMM_WS else GEMV_MAX_M):
         return "gemv"
     return "gemm" if gemm_ok else "dequant+cublas"
 
