@@ -1037,8 +1037,8 @@ def _layer_path(layer: torch.nn.Module, x: torch.Tensor) -> tuple[str, Prepared 
     p = layer.derived(
         "cuda", make, valid=lambda p: p.source_ptr == layer.qweight_a.data_ptr() and p.device == x.device
     )
-    if path == "dequant+cublas" and gemm_reason(p) is None:
-        path = "gemm"
+    if gemm_reason(p) is None:  # the GEMM runs here: it takes over from the GEMV where it is faster too
+        path = choose_path(m, x.dtype, layer.group_size, layer.in_features, gemm_ok=True)
     return path, p
 
 
