@@ -181,9 +181,19 @@ def test_bytes_the_gemv_reads_on_each_layout():
     assert abs(p.nbytes("tiled") - stored) < 0.01 * stored and p.nbytes("tiled") < p.nbytes("direct")
 
 
-def test_gemm_path_tiles_and_shared_memory():
+def test_gemm_path_tiles_and_shared_memory(monkeypatch):
+    monkeypatch.setattr(mixed, "GEMM_WS", 0)  # gemm.cu: the GEMV up to GEMV_MAX_M
     assert mixed.choose_path(17, torch.float16, 16, 4096, gemm_ok=True) == "gemm"
     assert mixed.choose_path(16, torch.float16, 16, 4096, gemm_ok=True) == "gemv"
+    monkeypatch.setattr(mixed, "GEMM_WS", 1)  # gemm_ws: the GEMV up to GEMV_BEFORE_GEMM_WS_M
+    top = mixed.GEMV_BEFORE_GEMM_WS_M
+    assert [mixed.choose_path(m, torch.float16, 16, 4096, gemm_ok=True) for m in (1, top, top + 1, 16)] == [
+        "gemv",
+        "gemv",
+        "gemm",
+        "gemm",
+    ]
+    assert mixed.choose_path(top + 1, torch.float16, 16, 4096) == "gemv"  # no GEMM on this GPU
     assert mixed.choose_path(300, torch.bfloat16, 16, 4096, gemm_ok=True) == "reference"
     assert [mixed.gemm_tokens(m) for m in (17, 64, 65, 128, 200, 5000)] == [64, 64, 128, 128, 256, 256]
     # ring stages of 24 bytes per row (ta, tm), 12 per four-row group (tz, tt), binfo, and TN activation rows

@@ -131,28 +131,25 @@ def test_vq_option():
 
 @pytest.mark.parametrize("preset, k, n", [("gptvq-2", 576, 300), ("aqlm-3", 1024, 64)])
 def test_bench_layers_are_reindexed_vq_layers(preset, k, n):
-    """The bench's random layers (built where the bench runs; here on the CPU) hold valid indices whose access
-    counts fall with the entry index in every scope, as the `vq` stage writes them, and the hot boundary of the
-    skew."""
+    """The bench's random layers (random_vq_weight, built where the bench runs; here on the CPU) hold valid indices
+    whose access counts fall with the entry index in every scope, as the `vq` stage writes them, and the hot
+    boundary of the skew, which the kernels' view takes."""
     import torch
 
-    from qtool.bench.cuda_cases import CudaCases
-    from qtool.layouts.bitpack import unpack_codes
+    from qtool.bench.cuda_cases import random_vq_weight
     from qtool.layouts.vq.layout import entry_counts, tier_bounds
     from qtool.stages.vq import PRESETS
 
-    class Where:
-        dev = torch.device("cpu")
-        gen = torch.Generator().manual_seed(0)
-
-    p = CudaCases._vq_layer(Where(), k, n, preset, 0)
+    p = random_vq_weight(k, n, preset, torch.device("cpu"), torch.Generator().manual_seed(0))
     cfg = PRESETS[preset]
     z, d = cfg["residuals"], cfg["vector_size"]
     assert p.codebooks.shape[2:] == (z, cfg["entries"], d) and p.codebooks.dtype == torch.float16
-    codes = unpack_codes(p.indices.reshape(z * n, -1), p.index_bits, k // d).reshape(z, n, k // d)
+    codes = p.codes()
+    assert codes.shape == (z, n, k // d)
     counts = entry_counts(codes, cfg["entries"], d, cfg["tile_rows"], cfg["tile_cols"])
     assert bool((counts[..., 1:] <= counts[..., :-1]).all())
-    assert p.hot == max(tier_bounds(c)[0] for c in counts.reshape(-1, cfg["entries"])) > 0
+    hot = int(p.entry_tiers[..., 0].max())
+    assert hot == max(tier_bounds(c)[0] for c in counts.reshape(-1, cfg["entries"])) > 0
 
 
 class _FakeBuild:

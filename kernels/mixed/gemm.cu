@@ -12,8 +12,8 @@
 // wgmma reads the activation columns of that stripe's position (binfo), so no field is moved. A lane holds rows
 // g and g + 8 (g = lane / 4) and the column pairs 2t, 2t + 1 and 2t + 8, 2t + 9 (t = lane % 4): in the tiled
 // order these are fields t and t + 4 of a code word (pair n = codes 2n, 2n + 1 in the two halves), one shift and
-// one mask each. The weight is exactly the reference's fp16 cast: (q - z)/64 exact in fp16, times 64·ŝ exact in
-// fp32 ((c + u)·64·s2 or 64·s4), rounded once to fp16.
+// one mask each. The weight is exactly the reference's fp16 cast, the exact (q - z)·ŝ rounded once (MixedRow,
+// mixed/tiled.cuh, which kernels/mixed/gemm_ws.cu decodes with too).
 //
 // Outliers (CSR, only in 2-bit stripes) are added to the float32 accumulators before the store: each lane walks
 // the CSR segments of its two rows and multiplies the values by its tokens' activations at those columns.
@@ -24,32 +24,19 @@
 
 #include "common/ptx_common.cuh"
 #include "common/wgmma_epilogue.cuh"
+#include "mixed/tiled.cuh"
 
-constexpr u32 MAG0 = 0x4C004C00u;  // 16.0 twice: a code at bits 0-3 of a half reads 16 + c/64
-
-// (a & MASK) | mag in one LOP3 (kernels/mixed/gemv.cu andor)
-template <u32 MASK>
-__device__ __forceinline__ u32 andor(u32 a, u32 mag) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(mag));
-    return r;
-}
-
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// One ring stage: TN activation rows (128 bytes each, swizzled), then per weight row its ta (16 bytes) and tm
-// (8 bytes) words, per 4-row group its tz (4) and tt (8) words, and the block's binfo word.
+// One ring stage: TN activation rows (128 bytes each, swizzled), then the 128 rows' tiled words (MixedWords).
 template <int TN>
 struct MTile {
     static constexpr int XT = TN * 128;
-    static constexpr int AO = XT;              // ta [128]
-    static constexpr int MO = AO + 128 * 16;   // tm [128]
-    static constexpr int ZO = MO + 128 * 8;    // tz [32]
-    static constexpr int TO = ZO + 32 * 4;     // tt [32]
-    static constexpr int IO = TO + 32 * 8;     // binfo
-    static constexpr int SB = (IO + 16 + 1023) / 1024 * 1024;
+    static constexpr int WO = XT;                          // MixedWords
+    static constexpr int AO = WO + MixedWords::TA;         // ta [128]
+    static constexpr int MO = WO + MixedWords::TM;         // tm [128]
+    static constexpr int ZO = WO + MixedWords::TZ;         // tz [32]
+    static constexpr int TO = WO + MixedWords::TT;         // tt [32]
+    static constexpr int IO = WO + MixedWords::BI;         // binfo
+    static constexpr int SB = (WO + MixedWords::BYTES + 1023) / 1024 * 1024;
 };
 
 struct MArgs {
@@ -95,38 +82,20 @@ __device__ __forceinline__ void mg_load_stage(const MArgs& a, u32 st, int gs, in
     }
 }
 
-// (q - z)/64 pair (exact) times f = 64·scale (exact in fp32), rounded once to fp16 per weight.
-__device__ __forceinline__ u32 scaled_pair(u32 p, u32 zh, float f) {
-    const u32 v = f16x2_sub(p, zh);
-    return f2h2(h2f((u16)(v & 0xFFFFu)) * f, h2f((u16)(v >> 16)) * f);
-}
-
-// This lane's A fragments of one stage: af[i] = field i (2-bit stripes 0-2, the 4-bit stripe 3) of rows r0, r0 + 8.
+// This lane's A fragments of one stage: af[i] = field i (2-bit stripes 0-2, the 4-bit stripe 3) of rows r0, r0 + 8:
+// fields t (columns 2t, 2t + 1) and t + 4 (2t + 8, 2t + 9) of each stripe.
 template <int TN>
 __device__ __forceinline__ void mg_dequant(u32 (&af)[4][4], u32 st, int r0, int t) {
     using T = MTile<TN>;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 8 * h;
-        const uint4 A = lds128(st + T::AO + row * 16);
-        const uint2 W = lds64(st + T::MO + row * 8);
-        const u32 zb = (lds32(st + T::ZO + (row >> 2) * 4) >> (8 * (row & 3))) & 0xFFu;
-        const uint2 S = lds64(st + T::TO + (row >> 2) * 8);
-        const float s2[3] = {h2f((u16)(S.x & 0xFFFFu)) * 64.f, h2f((u16)(S.x >> 16)) * 64.f,
-                             h2f((u16)(S.y & 0xFFFFu)) * 64.f};
-        const u32 w2[3] = {A.x, A.y, A.z};
+        MixedRow w;
+        w.load(st + T::WO, r0 + 8 * h);
 #pragma unroll
-        for (int i = 0; i < 3; ++i) {
-            const u32 c = (W.y >> (16 + 4 * i)) & 15u, u = (S.y >> (16 + 4 * i)) & 15u;
-            const float f = (float)(c + u) * s2[i];  // exact: 64·(c + u)·s2, c + u <= 30
-            const u32 zh = ((zb >> (2 * i)) & 3u) * 0x10001u + MAG0;
-            af[i][h] = scaled_pair(andor<0x00030003u>(w2[i] >> (2 * t), MAG0), zh, f);
-            af[i][2 + h] = scaled_pair(andor<0x00030003u>(w2[i] >> (2 * t + 8), MAG0), zh, f);
+        for (int i = 0; i < 4; ++i) {
+            af[i][h] = w.pair(i, t);
+            af[i][2 + h] = w.pair(i, t + 4);
         }
-        const float f4 = h2f((u16)(W.y & 0xFFFFu)) * 64.f;
-        const u32 zh4 = (W.y >> 28) * 0x10001u + MAG0;
-        af[3][h] = scaled_pair(andor<0x000F000Fu>(A.w >> (4 * t), MAG0), zh4, f4);
-        af[3][2 + h] = scaled_pair(andor<0x000F000Fu>(W.x >> (4 * t), MAG0), zh4, f4);
     }
 }
 

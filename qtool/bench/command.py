@@ -151,17 +151,17 @@ def _torchao_group(text: str) -> int | None:
 
 
 def _vq_presets(text: str) -> list[str]:
-    """--vq: VQ presets, or none."""
-    from qtool.bench.kernels import VQ_BITS
+    """--vq: presets of qtool.stages.vq.PRESETS, or none."""
+    from qtool.stages.vq import PRESETS
 
     if text.strip().lower() in ("", "none-rows"):
         return []
     out = []
     for part in text.split(","):
         name = part.strip().lower()
-        if name not in VQ_BITS:
+        if name not in PRESETS:
             raise BenchError(
-                f"--vq: found {part.strip()!r}, expected presets among {', '.join(VQ_BITS)}, comma-separated"
+                f"--vq: found {part.strip()!r}, expected presets among {', '.join(PRESETS)}, comma-separated"
             )
         out.append(name)
     return list(dict.fromkeys(out))
@@ -370,6 +370,15 @@ def kernels_cmd(
     help="Also run the decoder on mixed-2-4-16 linears (block4, g1 = g2 = 16, 25% 4-bit), one run per "
     "outlier fraction, comma-separated (e.g. 0,0.002); 'none-rows' or empty: none.",
 )
+@click.option(
+    "--vq",
+    "vq",
+    default="none-rows",
+    show_default=True,
+    help="Also run the decoder on random VQ linears, one run per preset (gptvq-2, aqlm-3), comma-separated: "
+    "the VQ GEMV up to 16 rows, the fused GEMM above (Hopper); the preset's vectors and codebook tiles must "
+    "divide every linear's features (and K a multiple of 64 for the GEMM); 'none-rows' or empty: none.",
+)
 @report_options
 def e2e_cmd(
     model_config: str,
@@ -384,11 +393,12 @@ def e2e_cmd(
     iters: int,
     torchao: bool,
     mixed: str,
+    vq: str,
     qk_norm: bool,
     llama_block: bool,
     out: ReportOutput,
 ) -> None:
-    """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4), same decoder, CUDA graphs (eager for
+    """Prefill and decode tokens/s, FP16 vs grouped_int (and torchao int4, mixed-2-4-16, VQ), same decoder, CUDA graphs (eager for
     the mixture-of-experts shapes), peak GPU memory; with --throughput, generated tokens/s of FP16, FP8 (FP8 and
     FP16 caches), W4A16 and W4A8KV4 up to the largest batch that fits."""
 
@@ -416,6 +426,12 @@ def e2e_cmd(
         bl = stats.parse_ints(batches or "1,16,64", "--batches")
         prompt_n = prompt or 2048
         mixed_fractions = _fractions(mixed)
+        presets = _vq_presets(vq)
+        dims = e2e.dims_for(model_config, qk_norm, llama_block)
+        for preset in presets:
+            problem = e2e.vq_problem(preset, dims, max(prompt_n, *bl))
+            if problem is not None:
+                raise BenchError(f"--vq: {preset} does not fit {model_config}'s linears: {problem}")
         _need_gpu()
         with out:
             report = e2e.run_e2e(
@@ -431,6 +447,7 @@ def e2e_cmd(
                 mixed=tuple(mixed_fractions),
                 qk_norm=qk_norm,
                 llama_block=llama_block,
+                vq=tuple(presets),
             )
             out.finish(report, [], e2e.report_parts, e2e.figure)
 

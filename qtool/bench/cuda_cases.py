@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -52,6 +53,56 @@ def random_mixed_weight(k: int, n: int, outlier_fraction: float, device: torch.d
     )
 
 
+def random_vq_weight(k: int, n: int, preset: str, device: torch.device, gen: torch.Generator):
+    """A random re-indexed VQ layer (`VQWeight`) of the preset's configuration (qtool.stages.vq.PRESETS), built on
+    `device`. Codes are drawn with entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule
+    of the layout tests), then every codebook is re-indexed by its scope's access counts as the `vq` stage does, with
+    the tier boundaries that counting gives, so the layer passes the checks a loaded checkpoint's does; codebook
+    entries are random normal (their order carries nothing, so they are not permuted with the codes)."""
+    from qtool.layouts.bitpack import pack_codes
+    from qtool.layouts.vq.layout import VQWeight, tile_counts
+    from qtool.stages.vq import PRESETS
+
+    cfg = PRESETS[preset]
+    d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
+    bits, v = e.bit_length() - 1, k // d
+    r_tiles, c_tiles = tile_counts(n, k, tr, tc)
+    probs = torch.rand(e, device=device, generator=gen) ** 4
+    cdf = torch.cumsum(probs, 0) / probs.sum()
+    u = torch.rand(z, n, v, device=device, generator=gen)
+    codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
+    rt = torch.arange(n, device=device) // (tr or n)
+    ct = torch.arange(v, device=device) * d // (tc or k)
+    scopes = r_tiles * c_tiles
+    scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + torch.arange(z, device=device)[
+        :, None, None
+    ] * scopes
+    flat = scope * e + codes
+    counts = torch.bincount(flat.reshape(-1), minlength=z * scopes * e).reshape(-1, e)
+    order = torch.argsort(-counts, dim=1, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(e, device=device).expand_as(order))
+    codes = rank.reshape(-1)[flat]
+    # tier_bounds of every scope at once, on the host as the checkpoint check computes them
+    c = torch.gather(counts, 1, order).cpu().to(torch.float64)
+    mu, sigma = c.mean(dim=1, keepdim=True), c.std(dim=1, unbiased=False, keepdim=True)
+    tiers = torch.stack([(c > mu + 3 * sigma).sum(1), (c > mu).sum(1)], dim=1).to(torch.int32)
+    books = (torch.randn(r_tiles, c_tiles, z, e, d, device=device, generator=gen) / (z * k) ** 0.5).half()
+    return VQWeight(
+        vector_size=d,
+        entries=e,
+        residuals=z,
+        tile_rows=tr,
+        tile_cols=tc,
+        reindexed=True,
+        in_features=k,
+        out_features=n,
+        indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1),
+        codebooks=books,
+        entry_tiers=tiers.reshape(z, r_tiles, c_tiles, 2).permute(1, 2, 0, 3).contiguous().to(device),
+    )
+
+
 def random_packed(
     n: int,
     k: int,
@@ -74,6 +125,9 @@ def random_packed(
     if not symmetric:
         zeros = torch.randint(0, 1 << bits, (n, groups), dtype=torch.uint8, device=device, generator=gen)
     return qw, scales, zeros
+
+
+WS_FUSIONS = ("direct", "shfl")  # the warp-specialized VQ GEMM's fusions (kernels/vq/gemm_ws.cu F = 0, 1)
 
 
 class CudaCases:
@@ -249,16 +303,22 @@ class CudaCases:
                 cands.append("mixed-gemv+spmv")
             cands.append("mixed-gemv-direct")  # the GEMV on the checkpoint layout, beside the tiled one
         gemm = mixed.gemm_capable(self.dev)
+        layer = self._mixed_layer(k, n, outlier_fraction)
+        if gemm and m > 1:  # the warp-specialized GEMM from 2 tokens: where it overtakes the GEMV
+            cands.append("mixed-gemm-ws")
         if m >= mixed.GEMV_MAX_M:
             if gemm:
                 cands.append("mixed-gemm")
             cands.append("mixed-dq+cublas")
-        if m > mixed.GEMV_MAX_M:
-            dispatched = "mixed-gemm" if gemm else "mixed-dq+cublas"
+        path = mixed.choose_path(m, torch.float16, 16, k, gemm)
+        if path == "gemm":
+            dispatched = "mixed-gemm-ws" if mixed.takes_gemm_ws(m, layer) else "mixed-gemm"
+        elif path != "gemv":
+            dispatched = "mixed-dq+cublas"
         else:
             fused = mixed.outlier_mode() == "fused"
             dispatched = "mixed-gemv" if fused or outlier_fraction == 0 else "mixed-gemv+spmv"
-        nbytes = self._mixed_layer(k, n, outlier_fraction).nbytes() + 2 * m * k + 2 * m * n
+        nbytes = layer.nbytes() + 2 * m * k + 2 * m * n
         return cands, dispatched, nbytes
 
     def mixed(self, k: int, n: int, m: int, outlier_fraction: float, path: str) -> Fns:
@@ -280,24 +340,21 @@ class CudaCases:
                 )
             elif path == "mixed-gemm":
                 fns.append(lambda x=x, p=p, out=out: mixed.gemm(x, p, out=out))
+            elif path == "mixed-gemm-ws":
+                fns.append(lambda x=x, p=p, out=out: mixed.gemm_ws(x, p, out=out))
             elif path == "mixed-dq+cublas":
                 fns.append(lambda x=x, p=p: mixed.dequant_matmul(x, p))
             else:
                 raise ValueError(
                     f"path: found {path!r}, expected mixed-gemv, mixed-gemv+spmv, mixed-gemv-direct, "
-                    "mixed-gemm or mixed-dq+cublas"
+                    "mixed-gemm, mixed-gemm-ws or mixed-dq+cublas"
                 )
         return fns
 
     def _vq_layer(self, k: int, n: int, preset: str, copy: int):
-        """A random re-indexed VQ layer of the preset's configuration, built on the GPU. Codes are drawn with
-        entry probabilities u^4 (u uniform, one draw per entry: a few hot entries, the rule of the layout tests),
-        then every codebook is re-indexed by its scope's access counts as the `vq` stage does; codebook entries are
-        random normal. Layers are kept per (shape, preset) and copy, so every M and cache variant times the same
-        weights."""
-        from qtool.layouts.bitpack import pack_codes
+        """A random re-indexed VQ layer of the preset's configuration (random_vq_weight) prepared for the kernels.
+        Layers are kept per (shape, preset) and copy, so every M and cache variant times the same weights."""
         from qtool.layouts.vq import cuda as vq
-        from qtool.layouts.vq.layout import tier_bounds, tile_counts
 
         key = (k, n, preset, copy)
         cache = self.__dict__.setdefault("_vq_layers", {})
@@ -305,45 +362,7 @@ class CudaCases:
             return cache[key]
         if cache and next(iter(cache))[:2] != (k, n):
             cache.clear()  # one shape at a time
-        from qtool.stages.vq import PRESETS
-
-        cfg = PRESETS[preset]
-        d, e, z, tr, tc = (cfg[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
-        bits, v = e.bit_length() - 1, k // d
-        r_tiles, c_tiles = tile_counts(n, k, tr, tc)
-        probs = torch.rand(e, device=self.dev, generator=self.gen) ** 4
-        cdf = torch.cumsum(probs, 0) / probs.sum()
-        u = torch.rand(z, n, v, device=self.dev, generator=self.gen)
-        codes = torch.searchsorted(cdf, u).clamp_(max=e - 1)
-        rt = torch.arange(n, device=self.dev) // (tr or n)
-        ct = torch.arange(v, device=self.dev) * d // (tc or k)
-        scope = (rt[:, None] * c_tiles + ct[None, :]).expand(z, n, v) + torch.arange(z, device=self.dev)[
-            :, None, None
-        ] * (r_tiles * c_tiles)
-        flat = scope * e + codes
-        counts = torch.bincount(flat.reshape(-1), minlength=z * r_tiles * c_tiles * e).reshape(-1, e)
-        order = torch.argsort(-counts, dim=1, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(e, device=self.dev).expand_as(order))
-        codes = rank.reshape(-1)[flat]
-        sorted_counts = torch.gather(counts, 1, order).cpu()
-        hot = max(tier_bounds(c)[0] for c in sorted_counts)
-        books = (
-            torch.randn(r_tiles, c_tiles, z, e, d, device=self.dev, generator=self.gen) / (z * k) ** 0.5
-        ).half()
-        p = vq.Prepared(
-            indices=pack_codes(codes.reshape(z * n, v), bits).reshape(z, n, -1),
-            codebooks=books,
-            vector_size=d,
-            index_bits=bits,
-            residuals=z,
-            tile_rows=n if tr is None else min(tr, n),
-            tile_vecs=v if tc is None or tc >= k else tc // d,
-            in_features=k,
-            out_features=n,
-            hot=hot,
-            source_ptr=0,
-        )
+        p = vq.prepare(random_vq_weight(k, n, preset, self.dev, self.gen))
         cache[key] = p
         return p
 
@@ -408,7 +427,9 @@ class CudaCases:
 
     def vq_gemm_paths(self, k: int, n: int, m: int, preset: str) -> tuple[list[str], str, int, int]:
         """(candidate paths, the dispatched one, bytes a call must move, index bits per weight) of a VQ GEMM row: one
-        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), the default dispatched."""
+        path per way the decoded entries reach the MMA fragments (`vq-gemm-<fusion>`), and where it is built the
+        warp-specialized GEMM's (regs form `vq-gemm-ws-<fusion>`, tile form `vq-gemm-wst`); the default
+        dispatched."""
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
         p = self._vq_gemm_layer(k, n, preset, 0)
@@ -417,8 +438,15 @@ class CudaCases:
         fusions = [f for f in vq_gemm.FUSIONS if vq_gemm.fusion_reason(p, f, tn) is None]
         default = vq_gemm.DEFAULT_FUSION[p.config]
         default = default if default in fusions else "direct"
+        ws = (
+            [f"vq-gemm-ws-{f}" for f in WS_FUSIONS] + ["vq-gemm-wst"]
+            if p.config in vq_gemm.WS_CONFIGS
+            else []
+        )
+        if ws and vq_gemm.GEMM_WS:
+            default = f"ws-{default}"
         return (
-            [f"vq-gemm-{f}" for f in fusions],
+            [f"vq-gemm-{f}" for f in fusions] + ws,
             f"vq-gemm-{default}",
             nbytes,
             p.residuals * p.index_bits // p.vector_size,
@@ -427,9 +455,15 @@ class CudaCases:
     def vq_gemm(self, k: int, n: int, m: int, preset: str, path: str) -> Fns:
         from qtool.layouts.vq import cuda_gemm as vq_gemm
 
-        fusion = path.removeprefix("vq-gemm-")
-        if not path.startswith("vq-gemm-") or fusion not in vq_gemm.FUSIONS:
-            raise ValueError(f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>")
+        form = "tile" if path == "vq-gemm-wst" else "regs"
+        fusion = "direct" if form == "tile" else path.removeprefix("vq-gemm-").removeprefix("ws-")
+        ws = path.startswith("vq-gemm-ws")
+        if not path.startswith("vq-gemm-") or fusion not in (WS_FUSIONS if ws else vq_gemm.FUSIONS):
+            raise ValueError(
+                f"path: found {path!r}, expected vq-gemm-<{'|'.join(vq_gemm.FUSIONS)}>, "
+                f"vq-gemm-ws-<{'|'.join(WS_FUSIONS)}> or vq-gemm-wst"
+            )
+        gemm = functools.partial(vq_gemm.gemm_ws, form=form) if ws else vq_gemm.gemm
         first = self._vq_gemm_layer(k, n, preset, 0)
         set_bytes = first.indices.numel() * 4 + first.codebooks.numel() * 2 + 2 * m * k + 2 * m * n
         fns = []
@@ -437,7 +471,7 @@ class CudaCases:
             p = self._vq_gemm_layer(k, n, preset, i)
             x = self._randn(m, k)
             out = torch.empty(m, n, device=self.dev, dtype=torch.float16)
-            fns.append(lambda x=x, p=p, out=out: vq_gemm.gemm(x, p, out=out, fusion=fusion))
+            fns.append(lambda x=x, p=p, out=out: gemm(x, p, out=out, fusion=fusion))
         return fns
 
     def w4a8(self, k: int, n: int, m: int, group_size: int | None, path: str) -> Fns:

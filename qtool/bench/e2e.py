@@ -572,6 +572,65 @@ def mixed_linear(device: torch.device, outlier_fraction: float, gen: torch.Gener
     return lambda k, n: MixedLinear(random_mixed_weight(k, n, outlier_fraction, device, gen))
 
 
+def linear_shapes(d: Dims) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every kind of linear the decoder builds with the run's format (an
+    expert's gate/up and down have the dense MLP's shapes)."""
+    return [
+        ("qkv", d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim),
+        ("o", d.heads * d.head_dim, d.hidden),
+        ("gate_up", d.hidden, 2 * d.intermediate),
+        ("down", d.intermediate, d.hidden),
+    ]
+
+
+def vq_problem(preset: str, d: Dims, max_rows: int) -> str | None:
+    """Why the preset's VQ layers cannot run every linear of the decoder through the VQ kernels (None: they can):
+    vectors and codebook tiles must divide the linears' features, the decode GEMV must take the layer, and the
+    fused GEMM too where a step has more rows than the GEMV takes (`max_rows`: the prompt or the largest batch).
+    A layer the kernels refuse would run the torch reference, and the row would time that instead."""
+    from qtool.layouts.vq import cuda as vq
+    from qtool.layouts.vq import cuda_gemm as vq_gemm
+    from qtool.stages.vq import PRESETS
+
+    c = PRESETS[preset]
+    dv, e, z, tr, tc = (c[f] for f in ("vector_size", "entries", "residuals", "tile_rows", "tile_cols"))
+    for name, k, n in linear_shapes(d):
+        where = f"the {name} projection ({k} -> {n})"
+        if k % dv:
+            return f"{where}: in_features {k}, expected a multiple of vector_size {dv}"
+        if tc is not None and k > tc and k % tc:
+            return f"{where}: in_features {k}, expected a multiple of tile_cols {tc}"
+        if tr is not None and n > tr and n % tr:
+            return f"{where}: out_features {n}, expected a multiple of tile_rows {tr}"
+        reason = vq.unsupported_reason(dv, e.bit_length() - 1, tc, k)
+        if reason is None and max_rows > vq.GEMV_MAX_M:
+            reason = vq_gemm.unsupported_reason(dv, e, z, k, tr, tc)
+        if reason is not None:
+            return f"{where}: the VQ kernels cannot run {reason}"
+    return None
+
+
+def vq_linear(device: torch.device, preset: str, gen: torch.Generator):
+    """Random re-indexed VQ linears of the preset (random_vq_weight), run as a loaded checkpoint's VQLinear runs:
+    the GEMV up to 16 rows, the fused GEMM above (qtool/layouts/vq/module.py)."""
+    from qtool.bench.cuda_cases import random_vq_weight
+    from qtool.layouts.vq.module import VQLinear
+
+    return lambda k, n: VQLinear(random_vq_weight(k, n, preset, device, gen))
+
+
+def vq_note(preset: str) -> str:
+    from qtool.stages.vq import PRESETS
+
+    c = PRESETS[preset]
+    scope = "tensor" if c["tile_rows"] is None else f"{c['tile_rows']}x{c['tile_cols']} tile"
+    bits = c["residuals"] * (c["entries"].bit_length() - 1) / c["vector_size"]
+    return (
+        f"{preset}: VQ<{c['vector_size']},{c['entries'].bit_length() - 1},{c['residuals']}> per {scope} "
+        f"({bits:g} index bits per weight), random re-indexed codes; the GEMV up to 16 rows, the fused GEMM above"
+    )
+
+
 class EagerStep:
     """`fn(*inputs)` run kernel by kernel from Python at each replay, for a step that synchronizes with the host
     (MoE routing) and so cannot be captured; the same interface as GraphedStep."""
@@ -703,15 +762,27 @@ def torchao_skip_reason(bits: int, group_size: int | None, d: Dims, dev: torch.d
     if bits != 4:
         return f"torchao int4 is a 4-bit format, found --bits {bits}"
     reason = tg.available(dev)
-    shapes = [
-        (d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim),
-        (d.heads * d.head_dim, d.hidden),
-        (d.hidden, 2 * d.intermediate),
-        (d.intermediate, d.hidden),
-    ]
-    for k, n in shapes:
+    for _, k, n in linear_shapes(d):
         reason = reason or tg.unsupported_reason(k, n, group_size)
     return reason
+
+
+def vq_reason(presets: tuple[str, ...], d: Dims, max_rows: int, dev: torch.device) -> None:
+    """Raises BenchError where a VQ run would time the torch reference instead of the VQ kernels: a preset that
+    does not fit the linears, no CuPy, or (with a step over 16 rows) no Hopper GPU for the fused GEMM."""
+    from qtool.cuda import compile as cc
+    from qtool.layouts.vq import cuda as vq
+    from qtool.layouts.vq import cuda_gemm as vq_gemm
+
+    for preset in presets:
+        problem = vq_problem(preset, d, max_rows)
+        if problem is not None:
+            raise BenchError(f"--vq: {preset} does not fit the model's linears: {problem}")
+    reason = None if cc.cupy_available() else "CuPy is not available to build the VQ kernels"
+    if reason is None and max_rows > vq.GEMV_MAX_M:
+        reason = vq_gemm.device_reason(dev.index)
+    if reason is not None:
+        raise BenchError(f"--vq: {', '.join(presets)} cannot run on the VQ kernels here: {reason}")
 
 
 def run_e2e(
@@ -727,6 +798,7 @@ def run_e2e(
     mixed: tuple[float, ...] = (),
     qk_norm: bool = True,
     llama_block: bool = False,
+    vq: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from qtool.bench.stats import E2E_SCHEMA
 
@@ -759,6 +831,10 @@ def run_e2e(
             log(f"{TORCHAO}: not run ({reason})")
     fractions = {mixed_label(f): f for f in mixed}
     labels += list(fractions)
+    if vq:
+        vq_reason(vq, d, max(prompt, *batches), dev)
+        report["vq_presets"] = list(vq)
+    labels += list(vq)
     for label in labels:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -769,6 +845,8 @@ def run_e2e(
             if label == TORCHAO
             else mixed_linear(dev, fractions[label], gen)
             if label in fractions
+            else vq_linear(dev, label, gen)
+            if label in vq
             else quant_linear(dev, bits, group_size, gen)
         )
         model = Decoder(d, make, dev).eval()
@@ -893,6 +971,7 @@ def report_parts(r: dict[str, Any]) -> list[Any]:
     if r.get("torchao_skipped"):
         notes.append(f"{TORCHAO} not run: {r['torchao_skipped']}")
     notes += shape_notes(r)
+    notes += [vq_note(p) for p in r.get("vq_presets", []) if p in r["runs"]]
     if any(label.startswith(MIXED) for label in r["runs"]):
         notes.append(
             f"{MIXED}: block4, g1 = g2 = 16, 25% 4-bit stripes, with the given fraction of fp16 outliers"

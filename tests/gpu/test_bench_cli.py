@@ -135,6 +135,29 @@ def test_bench_family_shapes_run_every_format(tmp_path, monkeypatch, dims):
     assert set(report["best"]) == set(variants.split(","))
 
 
+def test_bench_e2e_vq_runs(tmp_path, monkeypatch):
+    """`bench e2e --vq`: a run per preset on random VQ linears, the decode GEMV and the prefill GEMM captured in the
+    step, with its row in every part of the report."""
+    from qtool.bench import e2e
+
+    # an MLP width that 256-column codebook tiles and the GEMM's 64-column stages divide
+    monkeypatch.setitem(e2e.MODEL_DIMS, "tiny", e2e.Dims(256, 768, 2, 4, 2, 1000))
+    png, out = tmp_path / "vq.png", tmp_path / "vq.json"
+    args = ["e2e", "--model-config", "tiny", "--prompt", "64", "--batches", "1,4", "--iters", "10"]
+    res = run_cli(
+        ["bench", *args, "--no-torchao", "--vq", "gptvq-2,aqlm-3", "--plot", png, "--json-out", out]
+    )
+    assert res.exit_code == 0, res.output
+    assert_png(png)
+    report = json.loads(out.read_text())
+    for preset in ("gptvq-2", "aqlm-3"):
+        run = report["runs"][preset]
+        assert run["prefill"]["tokens_per_s"] > 0 and run["decode"]["4"]["tokens_per_s"] > 0
+        assert 0 < run["weight_bytes"] < report["runs"]["fp16"]["weight_bytes"]
+        assert report["speedups"][preset]["decode_b1"] > 0
+        assert f"{preset} / fp16" in res.output
+
+
 @pytest.mark.parametrize("k, n, m, group_size", [(4096, 4096, 1, 128), (1024, 512, 64, 32), (256, 8, 3, 256)])
 def test_torchao_int4_matches_its_dequantized_reference_on_cuda(k, n, m, group_size):
     from qtool.bench import tinygemm as tg

@@ -6,6 +6,7 @@ Paths, chosen per call from the token count M and the activation dtype:
 * ``gemv``: the CUDA-core GEMV for 1..GEMV_MAX_M tokens (fp16), the outliers added inside it (``fused``) or by a
   second kernel in the same stream (``spmv``, the paper's separate sparse product; OUTLIERS picks);
 * ``gemm``: more tokens on a Hopper GPU, the tensor-core GEMM reading the tiled streams (outliers in its epilogue);
+  ``gemm_ws`` is its warp-specialized form (kernels/mixed/gemm_ws.cu), which `linear` takes where GEMM_WS is set;
 * ``dequant+cublas``: more tokens elsewhere (or for layers without tiled streams): a kernel writes the dense fp16
   weight (outliers added into it), then cuBLAS multiplies;
 * ``reference``: the torch reference (other dtypes, group sizes other than 16, K not a multiple of 64).
@@ -23,13 +24,14 @@ path and `state_dict` read them there), so the layer's GPU memory is its stored 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from qtool.cuda import compile as cc
-from qtool.cuda import dependent_launch
+from qtool.cuda import dependent_launch, f16_ws, tma
 
 SOURCE = "mixed/gemv.cu"
 LAYOUT = "mixed-2-4-16"
@@ -91,6 +93,8 @@ class Prepared:
     scales4: torch.Tensor | None = None
     zeros4: torch.Tensor | None = None
     tiled: Tiled | None = None  # the tiled streams (block4 layers with g2 a multiple of 4)
+    maps: tma.MapCache | None = None  # the warp-specialized GEMM's tensor map of ta
+    otile: TileOutliers | None = None  # the outliers as the tile form adds them (tile_outliers)
 
     @property
     def has_checkpoint(self) -> bool:
@@ -273,6 +277,66 @@ def tiled_streams(
     )
 
 
+# The tile form's outliers per 128-row block and 64-channel stage (kernels/mixed/gemm_ws.cu OUT_CAP): the copy warp
+# brings this many entries a stage; a block-stage's outliers past them are added by mixed_spmv after the GEMM.
+# SmolLM2-135M's mixed-2-4-16 checkpoint (0.2%): 14.7 a block-stage on average, the most 142 (5 of 210 layers past
+# 128, all o_proj; 48 the median layer's most).
+GEMM_WS_OUT_CAP = 128
+
+
+@dataclass
+class TileOutliers:
+    """A layer's outliers as the tile form of the warp-specialized GEMM adds them into its decoded tiles, and those
+    past the cap (`rest`: the layer's view holding only them, for mixed_spmv; None when there are none)."""
+
+    optr: torch.Tensor  # int32 [ceil(N/128)·K/64 + 1]: block b's stage gs from optr[b·K/64 + gs]
+    olist: torch.Tensor  # int32: row % 128 · 64 + the column in the tile's field order, fp16 bits << 16
+    rest: Prepared | None
+
+
+def tile_outliers(p: Prepared) -> TileOutliers | None:
+    """The CSR outliers of `p` ordered by 128-row block and stage, each entry its position in the decoded tile
+    (where the tile form writes field i of a stage: column 16 i + j for the stripe at binfo position i, so that a
+    column's stripe is found through binfo's inverse) and its fp16 bits: the first GEMM_WS_OUT_CAP of a
+    block-stage in CSR order, the others left to mixed_spmv. Built where p's tensors live; None without outliers."""
+    if p.nnz == 0:
+        return None
+    n, k = p.out_features, p.in_features
+    dev, nblk, nb = p.ovals.device, k // 64, -(-n // GEMM_ROWS)
+    counts = (p.rowptr[1:] - p.rowptr[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(n, device=dev), counts)
+    col = p.ocols.to(torch.int64) & 0xFFFF
+    gs = col // 64
+    info = _words(p.binfo.to(dev))
+    pos = torch.stack([(info >> (24 + 2 * i)) & 3 for i in range(4)], dim=-1)  # [nblk, 4]: field -> stripe
+    field = torch.argsort(pos, dim=-1)  # [nblk, 4]: stripe -> field (pos is a permutation of 0..3)
+    tcol = 16 * field[gs, (col % 64) // 16] + col % 16
+    key = (rows // GEMM_ROWS) * nblk + gs
+    order = torch.argsort(key, stable=True)  # CSR order within a block-stage
+    per = torch.bincount(key, minlength=nb * nblk)
+    first = torch.cumsum(per, 0) - per
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(p.nnz, device=dev) - first[key[order]]
+    kept = rank < GEMM_WS_OUT_CAP
+    bits = p.ovals.to(torch.float16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    entry = (rows % GEMM_ROWS) * 64 + tcol + (bits << 16)
+    order = order[kept[order]]
+    optr = torch.cat([per.new_zeros(1), torch.cumsum(per.clamp(max=GEMM_WS_OUT_CAP), 0)])
+    rest = None
+    if not bool(kept.all()):
+        left = ~kept
+        rowptr = torch.cat([counts.new_zeros(1), torch.cumsum(torch.bincount(rows[left], minlength=n), 0)])
+        rest = dataclasses.replace(
+            p,
+            rowptr=rowptr.to(torch.int32),
+            ocols=p.ocols[left].contiguous(),
+            ovals=p.ovals[left].contiguous(),
+            nnz=int(left.sum()),
+            otile=None,
+        )
+    return TileOutliers(optr=optr.to(torch.int32), olist=_int32(entry[order]), rest=rest)
+
+
 def tiled_eligible(block4: bool, scale_group_size: int) -> bool:
     return block4 and scale_group_size % 4 == 0
 
@@ -383,6 +447,8 @@ def prepare(layout, device: torch.device | None = None, keep_checkpoint: bool | 
             p.binfo,
             layout.scale_group_size,
         )
+    if tiled and gemm_capable(dev):
+        p.otile = tile_outliers(p)
     if keep:
         p.qweight_a = qa if qa.data_ptr() % 16 == 0 else qa.clone()
         p.qweight_b, p.scale_codes, p.zeros2, p.scales4, p.zeros4 = qb, sc, z2, s4t, z4
@@ -683,7 +749,181 @@ def gemm(
     return out.reshape(*lead, n)
 
 
+GEMM_WS_SOURCE = "mixed/gemm_ws.cu"
+# The two forms of kernels/mixed/gemm_ws.cu: "regs" (common/f16_ws_wgmma.cuh: a copy warp and two MMA warpgroups
+# whose lanes decode their own A fragments) and "tile" (common/f16_ws_tile_wgmma.cuh: two decode warpgroups write
+# an fp16 tile that wgmma reads from shared memory beside two MMA warpgroups). Threads per block:
+# (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM its registers are capped for), as
+# kernels/mixed/gemm_ws.cu instantiates them: each ring as deep as fits those blocks, at most 12 copy slots; the
+# tile form keeps 4 decoded tiles (two being decoded, two read by wgmmas in flight) and stops at 128 tokens (a
+# 512-thread block has 128 registers a thread). The regs form stops at 128 too: an SM's four schedulers hold 16K
+# registers each, so the 9 warps of a block put 3 on one of them (170 registers a thread), and the 256-token tile's
+# 224 registers do not launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES on an H200).
+GEMM_WS_BUILT = {
+    ("regs", 16): (12, 0, 2),
+    ("regs", 32): (12, 0, 2),
+    ("regs", 64): (9, 0, 2),
+    ("regs", 128): (11, 0, 1),
+    ("tile", 16): (7, 4, 2),
+    ("tile", 32): (5, 4, 2),
+    ("tile", 64): (12, 4, 1),
+    ("tile", 128): (8, 4, 1),
+}
+GEMM_WS_TOKENS = (16, 32, 64, 128)
+# The form by default, from one `scripts/mixed_ws_variants.py` run (H200, kernels/mixed/NOTES.md): without outliers
+# the regs form at every token tile (it reads no decoded tile; ahead of the tile form at 15 of the 16 cells of the
+# Llama-2-7B shapes and 8192x28672 at 16-2048 tokens), with outliers the tile form (it adds them in its decoded tile,
+# 2-6x ahead of either GEMM followed by mixed_spmv from 64 tokens up).
+GEMM_WS_FORM = {False: "regs", True: "tile"}
+# The largest M an outlier-free layer sends to gemm_ws; above, gemm.cu's 256-token tiles, which decode each row half
+# as often (the same runs: gemm_ws ahead by 1.0-1.3x at 16-512 tokens, even at 1024, gemm.cu ahead by 1.0-1.1x at
+# 2048 on three of four shapes). A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 3-10x
+# slower there).
+GEMM_WS_MAX_M = 512
+# The most tokens the GEMV takes where gemm_ws runs; from 5 up, gemm_ws. The same kind of run (H200, 4096x4096,
+# 11008x4096, 8192x28672, 0 and 0.2% outliers): the GEMV ahead at 2 and 4 tokens (1.0-2.8x), gemm_ws at 8 (1.2-1.7x)
+# and 16 (2.3-3.5x).
+GEMV_BEFORE_GEMM_WS_M = 4
+# a stage's tiled words (kernels/mixed/tiled.cuh MixedWords) and the tile form's outlier entries (OUT_CAP)
+GEMM_WS_WORDS = 128 * 16 + 128 * 8 + 32 * 4 + 32 * 8 + 16 + 4 * 128
+# 1 (default): linear's "gemm" path takes gemm_ws where takes_gemm_ws says; 0: always the block-synchronous gemm.cu.
+GEMM_WS = cc.env_int("QTOOL_MIXED_GEMM_WS", 1)
+
+
+def gemm_ws_smem(tokens: int, copy_stages: int, tile_stages: int) -> int:
+    """Dynamic shared memory of a warp-specialized GEMM block (qtool/cuda/f16_ws.py `smem` with this decode's words)."""
+    return f16_ws.smem(tokens, GEMM_WS_WORDS, copy_stages, tile_stages)
+
+
+def gemm_ws_fits(form: str, tokens: int) -> bool:
+    """Whether the build fits its blocks per SM in shared memory (qtool/cuda/f16_ws.py `fits`)."""
+    sc, sa, blocks = GEMM_WS_BUILT[form, tokens]
+    return f16_ws.fits(tokens, GEMM_WS_WORDS, sc, sa, blocks)
+
+
+def gemm_ws_entry(form: str, tokens: int) -> str:
+    """The kernel name of a build (kernels/mixed/gemm_ws.cu's entry macros)."""
+    sc, sa, _ = GEMM_WS_BUILT[form, tokens]
+    return f"mixed_gemm_ws_n{tokens}_s{sc}" if form == "regs" else f"mixed_gemm_wst_n{tokens}_s{sc}_a{sa}"
+
+
+def gemm_ws_plan(
+    m: int, tokens: int | None = None, form: str | None = None, outliers: bool = False
+) -> tuple[str, int]:
+    """(form, token tile) for M rows: the smallest tile holding them all, else the largest; GEMM_WS_FORM for a layer
+    with or without `outliers` unless `form` is given, a given `tokens` kept."""
+    tn = next((t for t in GEMM_WS_TOKENS if m <= t), GEMM_WS_TOKENS[-1]) if tokens is None else tokens
+    fm = GEMM_WS_FORM[bool(outliers)] if form is None else form
+    if (fm, tn) not in GEMM_WS_BUILT:
+        built = sorted(GEMM_WS_BUILT)
+        raise ValueError(f"tokens, form: found {tn}, {fm!r}, expected one of {built}")
+    return fm, tn
+
+
+_X_MAPS = tma.MapCache(limit=64)
+
+
+def gemm_ws(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+    form: str | None = None,
+    outliers: str | None = None,
+) -> torch.Tensor:
+    """y = x . W^T (+ bias) + the outliers with the warp-specialized tensor-core GEMM on the tiled streams
+    (kernels/mixed/gemm_ws.cu); the contract of `gemm`: x fp16 [..., K], any number of rows. `tokens` (16 to 128),
+    `form` ("regs" or "tile", GEMM_WS_BUILT) and `split` (blocks per output tile along K) override the defaults
+    (gemm_ws_plan, plan_split). `outliers`: "tile" (the tile form's default: it adds them into its decoded tiles,
+    mixed_spmv those past a block-stage's cap, `tile_outliers`) or "spmv" (mixed_spmv after the GEMM: the regs
+    form's only way)."""
+    from qtool.cuda import split_k
+
+    reason = gemm_reason(p)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}")
+    lead = x.shape[:-1]
+    x2 = cc.f16_rows(x, p.in_features, LAYOUT)  # contiguous, 16-byte aligned: what a tensor map needs
+    m, k, n = x2.shape[0], p.in_features, p.out_features
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    fm, tn = gemm_ws_plan(m, tokens, form, outliers=p.nnz > 0 and outliers != "spmv")
+    sc, sa, _ = GEMM_WS_BUILT[fm, tn]
+    if outliers not in (None, "tile", "spmv"):
+        raise ValueError(f"outliers: found {outliers!r}, expected tile or spmv")
+    if outliers == "tile" and fm != "tile":
+        raise ValueError("outliers: found 'tile' with the regs form, which adds none; expected spmv")
+    in_tile = p.otile is not None and fm == "tile" and outliers != "spmv"
+    threads = f16_ws.THREADS[fm]
+    dev = cc.device_index(x.device)
+    fn = cc.load_module(GEMM_WS_SOURCE, device=dev).fn(gemm_ws_entry(fm, tn))
+    smem = gemm_ws_smem(tn, sc, sa)
+    cc.allow_shared_memory(fn, smem)
+    nblk = k // 64
+    if split is None:
+        blocks = cc.resident_blocks(fn, threads, smem, dev)
+        split = plan_split(n, m, k, tn, blocks, cc.sm_count(dev))
+    if not 1 <= split <= nblk:
+        raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
+    tiles = -(-n // GEMM_ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * GEMM_ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    t = p.tiled
+    if p.maps is None:
+        p.maps = tma.MapCache(limit=2)
+    # token boxes past M read rows the storage holds where it has them (tma.padded_rows): their products land in
+    # accumulator columns that are never stored
+    mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
+    mta = p.maps.get(t.ta, 16, GEMM_ROWS, 0)
+    olists = ()  # the tile entries' optr and olist (null: no outliers in the tile)
+    if fm == "tile":
+        olists = (cc.ptr(p.otile.optr), cc.ptr(p.otile.olist)) if in_tile else (cc.ptr(None), cc.ptr(None))
+    dependent_launch.launch(
+        fn,
+        (-(-n // GEMM_ROWS), -(-m // tn), split),
+        (threads,),
+        (
+            mx,
+            mta,
+            cc.ptr(t.tm),
+            cc.ptr(t.tz),
+            cc.ptr(t.tt),
+            cc.ptr(p.binfo),
+            *olists,
+            cc.ptr(_bias(bias, p)),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nblk),
+            cc.i32(p.scale_group_size),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
+    if not in_tile:
+        spmv(x2, p, out)
+    elif p.otile.rest is not None:
+        spmv(x2, p.otile.rest, out)
+    return out.reshape(*lead, n)
+
+
 PATHS = ("gemv", "gemm", "dequant+cublas", "reference")
+
+
+def takes_gemm_ws(m: int, p: Prepared) -> bool:
+    """Whether the "gemm" path runs gemm_ws (rather than gemm.cu) for M rows of this layer (GEMM_WS_MAX_M)."""
+    return bool(GEMM_WS) and (p.nnz > 0 or m <= GEMM_WS_MAX_M)
 
 
 def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, gemm_ok: bool = False) -> str:
@@ -691,7 +931,7 @@ def choose_path(m: int, dtype: torch.dtype, group_size: int, in_features: int, g
     reference."""
     if unsupported_reason(group_size, in_features) is not None or dtype != torch.float16:
         return "reference"
-    if 1 <= m <= GEMV_MAX_M:
+    if 1 <= m <= (GEMV_BEFORE_GEMM_WS_M if gemm_ok and GEMM_WS else GEMV_MAX_M):
         return "gemv"
     return "gemm" if gemm_ok else "dequant+cublas"
 
@@ -705,7 +945,7 @@ def linear(
     if path == "gemv":
         return gemv(x, p, bias)
     if path == "gemm":
-        return gemm(x, p, bias)
+        return gemm_ws(x, p, bias) if takes_gemm_ws(m, p) else gemm(x, p, bias)
     if path == "dequant+cublas":
         return dequant_matmul(x, p, bias)
     raise cc.CudaUnavailableError(
@@ -797,8 +1037,8 @@ def _layer_path(layer: torch.nn.Module, x: torch.Tensor) -> tuple[str, Prepared 
     p = layer.derived(
         "cuda", make, valid=lambda p: p.source_ptr == layer.qweight_a.data_ptr() and p.device == x.device
     )
-    if path == "dequant+cublas" and gemm_reason(p) is None:
-        path = "gemm"
+    if gemm_reason(p) is None:  # the GEMM runs here: it takes over from the GEMV where it is faster too
+        path = choose_path(m, x.dtype, layer.group_size, layer.in_features, gemm_ok=True)
     return path, p
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qtool.cuda import compile as cc
-from qtool.cuda import split_k
+from qtool.cuda import dependent_launch, f16_ws, split_k, tma
 from qtool.layouts.vq.cuda import Prepared, layer_view, view
 
 SOURCE = "vq/gemm.cu"
@@ -237,6 +237,156 @@ def gemm(
     return out.reshape(*lead, n)
 
 
+WS_SOURCE = "vq/gemm_ws.cu"
+# The warp-specialized GEMM (kernels/vq/gemm_ws.cu on the engine the mixed-2-4-16 GEMM runs on, qtool/cuda/f16_ws.py),
+# built for VQ<4, 8, 1> (GPTVQ-2: 2 KiB scopes carried in the ring) in both of the engine's forms: "regs" (each MMA
+# lane looks up its own A fragments, as gemm.cu's lanes do) and "tile" (two decode warpgroups write each stage's
+# rows once into an fp16 tile that wgmma reads). (form, token tile) -> (copy-ring slots, decoded tiles, blocks per SM
+# its registers are capped for): each ring as deep as fits those blocks, at most 12 slots; up to 128 tokens in both
+# forms (the mixed layout's GEMM_WS_BUILT says why). A slot holds the
+# activation tile, 128 rows' index words and the scope, rounded up to 1 KiB: 6 KiB at 16 tokens.
+WS_CONFIGS = ((4, 8, 1),)
+WS_BUILT = {
+    ("regs", 16): (12, 0, 2),
+    ("regs", 32): (12, 0, 2),
+    ("regs", 64): (9, 0, 2),
+    ("regs", 128): (11, 0, 1),
+    ("tile", 16): (7, 4, 2),
+    ("tile", 32): (5, 4, 2),
+    ("tile", 64): (12, 4, 1),
+    ("tile", 128): (8, 4, 1),
+}
+# The default form: "regs", which moves no decoded tile through shared memory (a GPTVQ-2 row's decode is 16 lookups
+# either way, against the mixed layout's ~245 instructions, where the tile form decodes each row once); not yet
+# measured against "tile".
+WS_FORM = "regs"
+WS_SCOPE_BYTES = 256 * 4 * 2  # one VQ<4, 8, 1> codebook scope (fp16)
+WS_WORDS = ROWS * 16 + WS_SCOPE_BYTES  # a slot's bytes after the activations: index words, then the scope
+# 0 (default): more than MIN_M - 1 rows take `gemm`; 1: `gemm_ws` where it is built (compiled for sm_90a, not yet
+# measured against `gemm`).
+GEMM_WS = cc.env_int("QTOOL_VQ_GEMM_WS", 0)
+
+
+def ws_smem(form: str, tokens: int) -> int:
+    """Dynamic shared memory of a warp-specialized build (qtool/cuda/f16_ws.py `smem` with this decode's words)."""
+    sc, sa, _ = WS_BUILT[form, tokens]
+    return f16_ws.smem(tokens, WS_WORDS, sc, sa)
+
+
+def ws_fits(form: str, tokens: int) -> bool:
+    """Whether the build fits its blocks per SM in shared memory (qtool/cuda/f16_ws.py `fits`)."""
+    sc, sa, blocks = WS_BUILT[form, tokens]
+    return f16_ws.fits(tokens, WS_WORDS, sc, sa, blocks)
+
+
+def ws_entry(form: str, tokens: int, fusion: str) -> str:
+    """The kernel name of a build (kernels/vq/gemm_ws.cu's entry macros; the tile form decodes whole entries)."""
+    sc, sa, _ = WS_BUILT[form, tokens]
+    if form == "tile":
+        return f"vq_gemm_wst_d4_b8_z1_n{tokens}_s{sc}_a{sa}"
+    return f"vq_gemm_ws_d4_b8_z1_n{tokens}_s{sc}_f{FUSIONS[fusion]}"
+
+
+def ws_plan(m: int, tokens: int | None = None, form: str | None = None) -> tuple[str, int]:
+    """(form, token tile) for M rows: the smallest tile of the form holding them all, else its largest; WS_FORM
+    unless `form` is given, a given `tokens` kept."""
+    fm = WS_FORM if form is None else form
+    tiles = [tn for f, tn in sorted(WS_BUILT) if f == fm]
+    if not tiles:
+        raise ValueError(f"form: found {fm!r}, expected regs or tile")
+    tn = next((t for t in tiles if m <= t), tiles[-1]) if tokens is None else tokens
+    if (fm, tn) not in WS_BUILT:
+        raise ValueError(f"tokens, form: found {tn}, {fm!r}, expected one of {sorted(WS_BUILT)}")
+    return fm, tn
+
+
+_X_MAPS = tma.MapCache(limit=64)
+
+
+def gemm_ws(
+    x: torch.Tensor,
+    p: Prepared,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    split: int | None = None,
+    fusion: str | None = None,
+    form: str | None = None,
+) -> torch.Tensor:
+    """y = x . W^T (+ bias) with the warp-specialized VQ GEMM (kernels/vq/gemm_ws.cu); the contract of `gemm`: x
+    fp16 [..., K], any number of rows. `form` ("regs" or "tile"), `tokens` (WS_BUILT), `split` (blocks per output
+    tile along K) and `fusion` (the regs form's: "direct" or "shfl") override the defaults (ws_plan,
+    plan_split)."""
+    if p.config not in WS_CONFIGS:
+        built = ", ".join(f"VQ<{d},{b},{z}>" for d, b, z in WS_CONFIGS)
+        raise cc.CudaUnavailableError(
+            f"{LAYOUT} GEMM (warp-specialized): VQ<{p.vector_size},{p.index_bits},"
+            f"{p.residuals}> (built for {built}); use gemm"
+        )
+    k, n = p.in_features, p.out_features
+    x2 = cc.f16_rows(x, k, LAYOUT)  # contiguous, 16-byte aligned: what a tensor map needs
+    lead = x.shape[:-1]
+    dev = cc.device_index(x.device)
+    reason = device_reason(dev)
+    if reason is not None:
+        raise cc.CudaUnavailableError(f"{LAYOUT} GEMM: {reason}; use the reference path")
+    if bias is not None and (bias.dtype != torch.float16 or bias.numel() != n or not bias.is_cuda):
+        raise ValueError(f"bias: found {bias.dtype} {list(bias.shape)}, expected torch.float16 [{n}] on CUDA")
+    m = x2.shape[0]
+    out = cc.f16_out(out, (m, n), x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    fm, tn = ws_plan(m, tokens, form)
+    if fusion not in (None, "direct", "shfl") or (fm == "tile" and fusion == "shfl"):
+        expected = "direct (the tile form decodes whole entries)" if fm == "tile" else "direct or shfl"
+        raise ValueError(f"fusion: found {fusion!r}, expected {expected}")
+    fn = cc.load_module(WS_SOURCE, device=dev).fn(ws_entry(fm, tn, fusion or "direct"))
+    smem = ws_smem(fm, tn)
+    cc.allow_shared_memory(fn, smem)
+    threads = f16_ws.THREADS[fm]
+    nst = k // STAGE_COLS
+    if split is None:
+        split = plan_split(n, m, k, tn, cc.resident_blocks(fn, threads, smem, dev), cc.sm_count(dev))
+    if not 1 <= split <= nst:
+        raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
+    tiles = -(-n // ROWS) * -(-m // tn)
+    ws = cnt = None
+    if split > 1:
+        bufs = split_k.workspace(dev, split * tiles * ROWS * tn, tiles)
+        if bufs is None:  # no growing during CUDA-graph capture
+            split = 1
+        else:
+            ws, cnt = bufs
+    # token boxes past M read rows the storage holds where it has them (tma.padded_rows): their products land in
+    # accumulator columns that are never stored
+    mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
+    dependent_launch.launch(
+        fn,
+        (-(-n // ROWS), -(-m // tn), split),
+        (threads,),
+        (
+            mx,
+            cc.ptr(p.indices),
+            cc.i32(p.indices.shape[-1]),
+            cc.ptr(p.codebooks),
+            cc.i32(p.codebooks.shape[1]),
+            cc.i32(max(p.tile_rows, 1)),
+            cc.i32(p.tile_vecs * p.vector_size // STAGE_COLS),
+            cc.ptr(bias),
+            cc.ptr(out),
+            cc.i32(n),
+            cc.ptr(ws),
+            cc.ptr(cnt),
+            cc.i32(m),
+            cc.i32(n),
+            cc.i32(nst),
+        ),
+        shared_mem=smem,
+        device=dev,
+    )
+    return out.reshape(*lead, n)
+
+
 def layer_reason(layer: torch.nn.Module, x: torch.Tensor) -> str | None:
     """Why a VQLinear's forward on `x` cannot take the GEMM (None when it can)."""
     if x.dtype != torch.float16:
@@ -253,4 +403,5 @@ def module_forward(layer: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor | N
         return None
     if not cc.use_kernels(LAYOUT, layer_reason(layer, x2)):
         return None
-    return gemm(x2, prepare_layer(layer))
+    p = prepare_layer(layer)
+    return gemm_ws(x2, p) if GEMM_WS and p.config in WS_CONFIGS else gemm(x2, p)
