@@ -776,9 +776,9 @@ GEMM_WS_TOKENS = (16, 32, 64, 128)
 # 2-6x ahead of either GEMM followed by mixed_spmv from 64 tokens up).
 GEMM_WS_FORM = {False: "regs", True: "tile"}
 # The largest M an outlier-free layer sends to gemm_ws; above, gemm.cu's 256-token tiles, which decode each row half
-# as often (the same runs: gemm_ws ahead by 1.0-1.3x at 16-512 tokens, even at 1024, gemm.cu ahead by 1.0-1.1x at
-# 2048 on three of four shapes). A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 3-10x
-# slower there).
+# as often. The same runs (kernels/mixed/NOTES.md): gemm_ws ahead of gemm.cu by 1.3-1.5x at 16 tokens, at 256 on
+# three of four shapes and at 512 on the three timed, behind by 3-7% at 64 on three; even at 1024, gemm.cu ahead at
+# 2048 on three of four. A layer with outliers always takes gemm_ws (gemm.cu adds them by mixed_spmv: 1.8-5x slower).
 GEMM_WS_MAX_M = 512
 # The most tokens the GEMV takes where gemm_ws runs; from 5 up, gemm_ws. The same kind of run (H200, 4096x4096,
 # 11008x4096, 8192x28672, 0 and 0.2% outliers): the GEMV ahead at 2 and 4 tokens (1.0-2.8x), gemm_ws at 8 (1.2-1.7x)

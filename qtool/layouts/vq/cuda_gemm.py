@@ -257,13 +257,13 @@ WS_BUILT = {
     ("tile", 128): (8, 4, 1),
 }
 # The default form: "regs", which moves no decoded tile through shared memory (a GPTVQ-2 row's decode is 16 lookups
-# either way, against the mixed layout's ~245 instructions, where the tile form decodes each row once); not yet
-# measured against "tile".
+# either way, against the mixed layout's ~245 instructions, where the tile form decodes each row once); ahead of
+# "tile" at 11 of the 12 cells timed (kernels/vq/NOTES.md).
 WS_FORM = "regs"
 WS_SCOPE_BYTES = 256 * 4 * 2  # one VQ<4, 8, 1> codebook scope (fp16)
 WS_WORDS = ROWS * 16 + WS_SCOPE_BYTES  # a slot's bytes after the activations: index words, then the scope
-# 0 (default): more than MIN_M - 1 rows take `gemm`; 1: `gemm_ws` where it is built (compiled for sm_90a, not yet
-# measured against `gemm`).
+# 0 (default): more than MIN_M - 1 rows take `gemm`; 1: `gemm_ws` where it is built (kernels/vq/NOTES.md: ahead of
+# `gemm` at 5 of 12 cells of the Llama-2-7B shapes and 8192x28672, behind by up to 14% at the others).
 GEMM_WS = cc.env_int("QTOOL_VQ_GEMM_WS", 0)
 
 
