@@ -86,11 +86,34 @@ def test_attention_form_refuses_options_of_another_form_in_one_line():
         kvc.attention_form("int4", 2, 64, kernel="tc", splits=0)
     with pytest.raises(ValueError, match=r"warps: found 5, expected one of \(4, 8\)"):
         kvc.attention_form("int4", 2, 64, warps=5)
-    with pytest.raises(ValueError, match="kernel fma: found warps or splits"):
+    with pytest.raises(ValueError, match="kernel fma: found warps, splits, copy_steps or early_stages"):
         kvc.attention_form("int4", 2, 64, kernel="fma", splits=2)
+    with pytest.raises(ValueError, match="kernel fma: found warps, splits, copy_steps or early_stages"):
+        kvc.attention_form("int4", 2, 64, kernel="fma", copy_steps=2)
+    with pytest.raises(ValueError, match=r"copy_steps: found 3, expected one of \(1, 2, 4\)"):
+        kvc.attention_form("int4", 2, 64, copy_steps=3)
+    assert kvc.attention_form("int4", 2, 64, copy_steps=4) == "tc"
     with pytest.raises(ValueError, match="kernel tc: found a int4 cache of head dim 64, wpl"):
         kvc.attention_form("int4", 2, 64, kernel="tc", wpl=1)
     with pytest.raises(ValueError, match="kernel tc: found a fp8 cache of head dim 128"):
         kvc.attention_form("fp8", 2, 128, kernel="tc")
     with pytest.raises(ValueError, match="kernel: found 'x'"):
         kvc.attention_form("int4", 2, 64, kernel="x")
+
+
+def test_tensor_core_entries_and_their_shared_memory():
+    """The one-step form keeps its entry names and its shared memory; the stages of CS steps hold CS steps' rows
+    and parameter runs of 16 CS + 4 words (kernels/kv_cache/quantized.cu TcStage)."""
+    assert kvc.tc_entry(128, 8) == "kv_attention_tc_int4_d128_w8"
+    assert kvc.tc_entry(64, 4, 4) == "kv_attention_tc_int4_d64_w4_c4"
+    # the dispatched steps a stage: 4 with 8 warps, 2 with 4 (head dim 128, measured), 1 at head dim 64
+    assert [kvc.tc_copy_steps(128, w) for w in kvc.TC_WARPS] == [2, 4]
+    assert [kvc.tc_copy_steps(64, w) for w in kvc.TC_WARPS] == [1, 1]
+    assert kvc.TC_EARLY_STAGES == 1
+    # D = 128, 4 warps: query rows, sums and barriers (2176 bytes), then 4 rings of 2 stages
+    assert kvc.tc_shared_bytes(128, 4) == 2176 + 4 * 2 * (32 * 64 + 160)
+    assert kvc.tc_shared_bytes(128, 4, 2) == 2176 + 4 * 2 * (2 * 32 * 64 + 2 * 4 * 36)
+    assert kvc.tc_shared_bytes(128, 8, 4) == 2304 + 8 * 2 * (4 * 32 * 64 + 2 * 4 * 68)
+    # the merge (NW x 8 rows of D + 2 floats) never outgrows the rings
+    for d, w, cs in ((64, 4, 1), (64, 8, 1), (128, 4, 1), (128, 8, 1)):
+        assert kvc.tc_shared_bytes(d, w, cs) >= 4 * w * 8 * (d + 2)

@@ -494,6 +494,8 @@ KV_WRITE(kv_write_fp8, KV_FP8)
 // ahead, and the warps merge through shared memory at the end. Where those blocks are too few to fill the GPU
 // (batch 1: Llama-3-8B has 8 KV heads), a grid of S blocks per pair splits the cache along L; each writes its
 // unnormalized output with its max and sum, and kv_attention_tc_combine merges the S parts the same way.
+// The _c{CS} entries fill a stage with CS consecutive steps, four copies in all (key rows, value rows, each
+// parameter run), where the one-step form issues four a step: a warp then takes a contiguous run of steps.
 // stages of each warp's ring of bulk copies (qtool/kv_cache/cuda.py TC_STAGES)
 #ifndef TC_STAGES
 #define TC_STAGES 2
@@ -545,22 +547,25 @@ struct TcStep {
     u32 kp[2], vp[2];
 };
 
-// A stage of a warp's ring: the step's key rows, value rows, and (scale, zero) words of keys and of values, each
-// run of 16 copied from the 16-byte boundary at or below its first token (up to 3 words ahead of it, 20 slots).
-template <int D>
+// A stage of a warp's ring: CS consecutive steps' key rows, value rows, and (scale, zero) words of keys and of
+// values, each run of 16 CS copied from the 16-byte boundary at or below its first token (up to 3 words ahead of it,
+// 16 CS + 4 slots).
+template <int D, int CS = 1>
 struct TcStage {
-    static constexpr int ROW = D / 2;  // bytes per cached row
-    static constexpr int K = 0, V = 16 * ROW, KP = 32 * ROW, VP = 32 * ROW + 80;
-    static constexpr int BYTES = 32 * ROW + 160;
+    static constexpr int ROW = D / 2;                 // bytes per cached row
+    static constexpr int PW = 4 * (16 * CS + 4);      // bytes of one parameter run
+    static constexpr int K = 0, V = 16 * CS * ROW, KP = 32 * CS * ROW, VP = KP + PW;
+    static constexpr int BYTES = KP + 2 * PW;
 };
 
-// The step at t0 (its tokens below `hi`) into stage `dst`, completing on `bar`: one thread, four bulk copies.
-template <int D>
+// The CS steps from t0 (their tokens below `hi`) into stage `dst`, completing on `bar`: one thread, four bulk
+// copies (keys and values, and their parameters, are four tensors).
+template <int D, int CS = 1>
 __device__ __forceinline__ void tc_issue(u32 dst, u32 bar, const u32* __restrict__ kc, const u32* __restrict__ vc,
                                          const u32* __restrict__ kp, const u32* __restrict__ vp, size_t row0,
                                          int t0, int hi) {
-    using St = TcStage<D>;
-    const u32 nt = (u32)min(16, hi - t0);
+    using St = TcStage<D, CS>;
+    const u32 nt = (u32)min(16 * CS, hi - t0);
     const size_t a = row0 + t0, a0 = a & ~(size_t)3;
     const u32 pbytes = (((u32)(a - a0) + nt) * 4 + 15) & ~15u;
     mbar_arrive_expect_tx(bar, 2 * nt * St::ROW + 2 * pbytes);
@@ -585,21 +590,22 @@ __device__ __forceinline__ void lds_words(u32 (&w)[N], u32 addr) {
     }
 }
 
-// This thread's part of the stage at `src` (the step's first token at word `o` of its parameter runs)
-template <int D>
-__device__ __forceinline__ void tc_read(TcStep<D>& s, u32 src, u32 o, int g, int t) {
-    using St = TcStage<D>;
+// This thread's part of step j of the stage at `src` (the stage's first token at word `o` of its parameter runs)
+template <int D, int CS = 1>
+__device__ __forceinline__ void tc_read(TcStep<D>& s, u32 src, u32 o, int j, int g, int t) {
+    using St = TcStage<D, CS>;
     constexpr int KW = D / 32, VW = D / 64;
+    const u32 r0 = 16 * j;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        lds_words<KW>(s.kw[h], src + St::K + (8 * h + g) * St::ROW + 4 * KW * t);
-        s.kp[h] = lds32(src + St::KP + 4 * (o + 8 * h + g));
-        s.vp[h] = lds32(src + St::VP + 4 * (o + 8 * h + g));
+        lds_words<KW>(s.kw[h], src + St::K + (r0 + 8 * h + g) * St::ROW + 4 * KW * t);
+        s.kp[h] = lds32(src + St::KP + 4 * (o + r0 + 8 * h + g));
+        s.vp[h] = lds32(src + St::VP + 4 * (o + r0 + 8 * h + g));
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u32 r = 2 * t + (j & 1) + 8 * (j >> 1);
-        lds_words<VW>(s.vw[j], src + St::V + r * St::ROW + 4 * VW * g);
+    for (int i = 0; i < 4; ++i) {
+        const u32 r = r0 + 2 * t + (i & 1) + 8 * (i >> 1);
+        lds_words<VW>(s.vw[i], src + St::V + r * St::ROW + 4 * VW * g);
     }
 }
 
@@ -686,12 +692,12 @@ __device__ __forceinline__ void tc_compute(TcAcc<D>& a, const TcStep<D>& s, cons
     }
 }
 
-template <int D, int NW>
+template <int D, int NW, int CS>
 __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const u32* __restrict__ kc,
                                                 const u32* __restrict__ vc, const u32* __restrict__ kp,
                                                 const u32* __restrict__ vp, const long long* __restrict__ pos,
                                                 u16* __restrict__ out, int H, int KVH, int L, int G, float qscale,
-                                                int S, float* __restrict__ part) {
+                                                int S, float* __restrict__ part, int early) {
     constexpr int KW = D / 32;  // key words per thread and token: k-steps 2i, 2i + 1 per word
     constexpr int VW = D / 64;  // value words per thread and token
     extern __shared__ float sm[];
@@ -712,20 +718,34 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
     const size_t row0 = ((size_t)b * KVH + kvh) * L;
     // shared memory: the query rows [8][D] u16, their sums [8], each warp's TC_STAGES barriers, then each warp's
     // ring of TC_STAGES stages (which the merge at the end reuses)
-    using St = TcStage<D>;
-    constexpr int STRIDE = 16 * NW;
+    using St = TcStage<D, CS>;
     const u32 base = smem_addr(sm);
     const u32 bars = base + 16 * D + 64 + 8 * TC_STAGES * warp;
     const u32 ring = base + TC_RING_OFFSET(D, NW) + St::BYTES * TC_STAGES * warp;
-    const int first = lo + 16 * warp;  // this warp's steps: first, first + STRIDE, ... below hi
-    const int steps = first < hi ? (hi - first + STRIDE - 1) / STRIDE : 0;
+    // This warp's tokens: from first, below end, in stages STRIDE apart. One step a stage (CS = 1): every NW-th step
+    // of the block's range. CS steps a stage: a stage is one copy from each tensor, so its steps must be consecutive
+    // tokens, and the warp takes a contiguous run of the block's steps (the last warps' runs may be shorter or
+    // empty; the merge at the end does not depend on which warp saw which token).
+    int first, end;
+    constexpr int STRIDE = CS == 1 ? 16 * NW : 16 * CS;
+    if constexpr (CS == 1) {
+        first = lo + 16 * warp;
+        end = hi;
+    } else {
+        const int per = ((hi - lo + 15) / 16 + NW - 1) / NW;  // steps a warp
+        first = min(hi, lo + 16 * per * warp);
+        end = min(hi, first + 16 * per);
+    }
+    const int stages = first < end ? (end - first + STRIDE - 1) / STRIDE : 0;
     if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < TC_STAGES; ++i) mbar_init(bars + 8 * i, 1);
         mbar_init_fence();
-        // the first stages' copies go out before the query is staged: their latency overlaps the staging
-        for (int k = 0; k < min(steps, TC_STAGES); ++k)
-            tc_issue<D>(ring + St::BYTES * k, bars + 8 * k, kc, vc, kp, vp, row0, first + k * STRIDE, hi);
+        // the first stages' copies go out before the query is staged: their latency overlaps the staging. With CS
+        // steps a stage, `early` of them (the rest once the query is staged): the first stage alone holds CS steps
+        // of work, and the copies lane 0 issues here delay its warp's share of the staging
+        for (int k = 0; k < min(stages, CS == 1 ? TC_STAGES : early); ++k)
+            tc_issue<D, CS>(ring + St::BYTES * k, bars + 8 * k, kc, vc, kp, vp, row0, first + k * STRIDE, end);
     }
     // the query rows staged with the odd channels divided by 16 (exactly: they meet key codes times 16), the
     // sum of each row and 1024 times the sum of its staged form (the 1024 in every key code), the warps taking the
@@ -771,24 +791,48 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
         qb[2 * i + 1][1] = (u32)qr[3] | ((u32)qr[7] << 16);
     }
     __syncthreads();
+    if constexpr (CS > 1) {
+        if (lane == 0)
+            for (int k = early; k < min(stages, TC_STAGES); ++k)
+                tc_issue<D, CS>(ring + St::BYTES * k, bars + 8 * k, kc, vc, kp, vp, row0, first + k * STRIDE, end);
+    }
     const float qsum[2] = {qsum_s[2 * t], qsum_s[2 * t + 1]}, qbias[2] = {qbias_s[2 * t], qbias_s[2 * t + 1]};
     TcAcc<D> acc;
 #pragma unroll
     for (int e = 0; e < 2; ++e) acc.mrun[e] = -1.0e30f, acc.lrun[e] = acc.wz[e] = 0.f;
 #pragma unroll
     for (int m = 0; m < D / 16; ++m) acc.o[m][0] = acc.o[m][1] = acc.o[m][2] = acc.o[m][3] = 0.f;
-    // each step: wait for its stage, take this thread's part into registers, hand the stage to the copy of the step
-    // TC_STAGES later, compute
     TcStep<D> st;
-    for (int k = 0; k < steps; ++k) {
-        const int stage = k % TC_STAGES, t0 = first + k * STRIDE;
-        const u32 src = ring + St::BYTES * stage, bar = bars + 8 * stage;
-        mbar_wait(bar, (u32)(k / TC_STAGES) & 1u);
-        tc_read<D>(st, src, (u32)((row0 + t0) & 3), g, t);
-        __syncwarp();
-        if (lane == 0 && k + TC_STAGES < steps)
-            tc_issue<D>(src, bar, kc, vc, kp, vp, row0, t0 + TC_STAGES * STRIDE, hi);
-        tc_compute<D>(acc, st, qb, qsum, qbias, qscale, t0, hi, g, t);
+    if constexpr (CS == 1) {
+        // each step: wait for its stage, take this thread's part into registers, hand the stage to the copy of the
+        // step TC_STAGES later, compute
+        for (int k = 0; k < stages; ++k) {
+            const int stage = k % TC_STAGES, t0 = first + k * STRIDE;
+            const u32 src = ring + St::BYTES * stage, bar = bars + 8 * stage;
+            mbar_wait(bar, (u32)(k / TC_STAGES) & 1u);
+            tc_read<D>(st, src, (u32)((row0 + t0) & 3), 0, g, t);
+            __syncwarp();
+            if (lane == 0 && k + TC_STAGES < stages)
+                tc_issue<D>(src, bar, kc, vc, kp, vp, row0, t0 + TC_STAGES * STRIDE, end);
+            tc_compute<D>(acc, st, qb, qsum, qbias, qscale, t0, end, g, t);
+        }
+    } else {
+        const int steps = first < end ? (end - first + 15) / 16 : 0;
+        const u32 o = (u32)((row0 + first) & 3);  // every stage starts a multiple of 16 tokens after the first
+        // per step: wait for its stage at the stage's first step, take this thread's part into registers, after the
+        // stage's last step is read hand the stage to the copies of the stage TC_STAGES later, compute
+        for (int k = 0; k < steps; ++k) {
+            const int c = k / CS, j = k % CS, stage = c % TC_STAGES, t0 = first + 16 * k;
+            const u32 src = ring + St::BYTES * stage, bar = bars + 8 * stage;
+            if (j == 0) mbar_wait(bar, (u32)(c / TC_STAGES) & 1u);
+            tc_read<D, CS>(st, src, o, j, g, t);
+            if (j == CS - 1 || k == steps - 1) {
+                __syncwarp();
+                if (lane == 0 && (c + TC_STAGES) * CS < steps)
+                    tc_issue<D, CS>(src, bar, kc, vc, kp, vp, row0, first + (c + TC_STAGES) * STRIDE, end);
+            }
+            tc_compute<D>(acc, st, qb, qsum, qbias, qscale, t0, end, g, t);
+        }
     }
     // each head's sums over the eight groups
 #pragma unroll
@@ -833,7 +877,10 @@ __device__ __forceinline__ void kv_attention_tc(const u16* __restrict__ q, const
             ls += c * ml[(w * 8 + r) * 2 + 1];
         }
         if (S == 1) {
-            out[((size_t)b * H + (size_t)kvh * G + r) * D + d] = f2h(y / ls);
+            // H = KVH G, so row b H + kvh G is bk G: the _c entries then hold no quotient across the loop (D = 64
+            // at 4 warps spilled b at 72 registers)
+            const size_t row = CS == 1 ? (size_t)b * H + (size_t)kvh * G : (size_t)bk * G;
+            out[(row + r) * D + d] = f2h(y / ls);
         } else {  // unnormalized, with its max and sum, for kv_attention_tc_combine
             float* pr = part + (((size_t)bk * S + blockIdx.y) * 8 + r) * (D + 2);
             pr[d] = y;
@@ -870,7 +917,19 @@ __device__ __forceinline__ void kv_attention_tc_combine(const float* __restrict_
         const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
         const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
         u16* __restrict__ out, int H, int KVH, int L, int G, float qscale, int S, float* __restrict__ part) {    \
-        kv_attention_tc<D, NW>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part);                        \
+        kv_attention_tc<D, NW, 1>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part, TC_STAGES);         \
+    }
+// CS steps a stage: half (CS = 2) or a quarter (CS = 4) of the copies a step, CS times the shared memory in a
+// warp's ring; `early`: the stages (1 .. TC_STAGES) whose copies go out before the query is staged. MINB: the blocks
+// a multiprocessor that the one-step entry's registers allow (NVRTC 12.9, sm_90a: 108 at D = 128, 72 / 77 at D = 64
+// with 4 / 8 warps), so that the registers cost no block (the shared memory may: kv_cache/NOTES.md).
+#define KV_ATTENTION_TC_C(D, NW, CS, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * NW, MINB) kv_attention_tc_int4_d##D##_w##NW##_c##CS(        \
+        const u16* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,                        \
+        const u32* __restrict__ kp, const u32* __restrict__ vp, const long long* __restrict__ pos,                 \
+        u16* __restrict__ out, int H, int KVH, int L, int G, float qscale, int S, float* __restrict__ part,      \
+        int early) {                                                                                                \
+        kv_attention_tc<D, NW, CS>(q, kc, vc, kp, vp, pos, out, H, KVH, L, G, qscale, S, part, early);             \
     }
 #define KV_ATTENTION_TC_COMBINE(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) kv_attention_tc_combine_d##D(                                \
@@ -881,5 +940,13 @@ KV_ATTENTION_TC(64, 4)
 KV_ATTENTION_TC(64, 8)
 KV_ATTENTION_TC(128, 4)
 KV_ATTENTION_TC(128, 8)
+KV_ATTENTION_TC_C(64, 4, 2, 7)
+KV_ATTENTION_TC_C(64, 8, 2, 3)
+KV_ATTENTION_TC_C(128, 4, 2, 4)
+KV_ATTENTION_TC_C(128, 8, 2, 2)
+KV_ATTENTION_TC_C(64, 4, 4, 7)
+KV_ATTENTION_TC_C(64, 8, 4, 3)
+KV_ATTENTION_TC_C(128, 4, 4, 4)
+KV_ATTENTION_TC_C(128, 8, 4, 2)
 KV_ATTENTION_TC_COMBINE(64)
 KV_ATTENTION_TC_COMBINE(128)

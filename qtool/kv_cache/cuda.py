@@ -37,6 +37,14 @@ TC_MAX_SPLITS = 32
 TC_SPLIT_CAP = 4
 # stages of 16 tokens in each warp's ring of bulk copies (the tensor-core form): the steps a warp has in flight
 TC_STAGES = 2
+# 16-token steps a stage of that ring holds, filled by four bulk copies (key rows, value rows, their two parameter
+# runs): 1 (entries without `_c`: four copies a step, every NW-th step a warp) or 2, 4 (entries `_c2`, `_c4`: half or
+# a quarter of the copies, a warp's steps contiguous, CS times the ring's shared memory). None: `tc_copy_steps`.
+TC_COPY_STEPS: int | None = None
+TC_COPY_STEP_CHOICES = (1, 2, 4)
+# stages of each ring whose copies the `_c` entries issue before the query is staged (1 .. TC_STAGES; the rest right
+# after it); None: all of them, as the one-step form does
+TC_EARLY_STAGES: int | None = 1
 LOG2E = 1.4426950408889634
 
 
@@ -205,12 +213,12 @@ def _module(dev: int):
     return cc.load_module(SOURCE, (f"-DTC_STAGES={TC_STAGES}",), device=dev)
 
 
-def tc_shared_bytes(head_dim: int, warps: int) -> int:
+def tc_shared_bytes(head_dim: int, warps: int, copy_steps: int = 1) -> int:
     """Dynamic shared memory of the tensor-core form (kernels/kv_cache/quantized.cu): the query rows, their sums
-    and the barriers, then each warp's ring (its stages: 16 key and 16 value rows, 20 words of parameters each),
-    which the final merge of the warps reuses."""
+    and the barriers, then each warp's ring (its stages: 16 key and 16 value rows a step, 16 + 4 words of
+    parameters a step and run, plus 4), which the final merge of the warps reuses."""
     ring_offset = -(-(16 * head_dim + 64 + 8 * TC_STAGES * warps) // 128) * 128
-    stage = 32 * (head_dim // 2) + 160
+    stage = 32 * copy_steps * (head_dim // 2) + 2 * 4 * (16 * copy_steps + 4)
     merge = 4 * warps * 8 * (head_dim + 2)
     return ring_offset + max(warps * TC_STAGES * stage, merge)
 
@@ -234,6 +242,24 @@ def attention_splits(pairs: int, length: int, sms: int) -> int:
     return max(1, min(sms // pairs, TC_SPLIT_CAP, length // TC_MIN_SPLIT_TOKENS))
 
 
+def tc_copy_steps(head_dim: int, warps: int) -> int:
+    """Steps a ring stage holds by default (TC_COPY_STEPS unless None). One `scripts/kv4_attention_variants.py` run
+    (H200, head dim 128, 1024 tokens, the first stage copied early; kernels/kv_cache/NOTES.md): 4 ahead where a block
+    has 8 warps (Llama-3-8B heads at batch 1 / 16: 8.6 / 12.6 us against 10.8 / 15.8 with one step; Llama-2-7B at
+    batch 1 7.4 against 7.1), 2 ahead with 4 warps (batch 16-160 of Llama-2-7B heads, 64-160 of Llama-3-8B: 4-8%).
+    Head dim 64 keeps one step (not timed)."""
+    if TC_COPY_STEPS is not None:
+        return TC_COPY_STEPS
+    if head_dim != 128:
+        return 1
+    return 4 if warps == TC_WARPS[1] else 2
+
+
+def tc_entry(head_dim: int, warps: int, copy_steps: int = 1) -> str:
+    """The tensor-core form's kernel for these options."""
+    return f"kv_attention_tc_int4_d{head_dim}_w{warps}" + (f"_c{copy_steps}" if copy_steps > 1 else "")
+
+
 def attention_form(
     mode: str,
     group: int,
@@ -242,6 +268,8 @@ def attention_form(
     wpl: int | None = None,
     splits: int | None = None,
     warps: int | None = None,
+    copy_steps: int | None = None,
+    early_stages: int | None = None,
 ) -> str:
     """The form `attention` runs for these arguments (`attention_kernel` unless `kernel` or `wpl` says), after
     checking that the options asked for belong to it."""
@@ -249,8 +277,11 @@ def attention_form(
         kernel = "fma" if wpl is not None else attention_kernel(mode, group, head_dim)
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"kernel: found {kernel!r}, expected one of {ATTENTION_KERNELS}")
-    if kernel == "fma" and (warps is not None or splits is not None):
-        raise ValueError("kernel fma: found warps or splits, which only the tensor-core form (tc) takes")
+    if kernel == "fma" and any(x is not None for x in (warps, splits, copy_steps, early_stages)):
+        raise ValueError(
+            "kernel fma: found warps, splits, copy_steps or early_stages, which only the tensor-core form (tc) "
+            "takes"
+        )
     if kernel == "tc" and (mode != "int4" or head_dim not in TC_HEAD_DIMS or wpl is not None):
         raise ValueError(
             f"kernel tc: found a {mode} cache of head dim {head_dim}{', wpl' if wpl else ''}; "
@@ -260,6 +291,8 @@ def attention_form(
         raise ValueError(f"warps: found {warps}, expected one of {TC_WARPS}")
     if splits is not None and not 1 <= splits <= TC_MAX_SPLITS:
         raise ValueError(f"splits: found {splits}, expected 1 to {TC_MAX_SPLITS}")
+    if copy_steps is not None and copy_steps not in TC_COPY_STEP_CHOICES:
+        raise ValueError(f"copy_steps: found {copy_steps}, expected one of {TC_COPY_STEP_CHOICES}")
     return kernel
 
 
@@ -272,12 +305,16 @@ def attention(
     kernel: str | None = None,
     splits: int | None = None,
     warps: int | None = None,
+    copy_steps: int | None = None,
+    early_stages: int | None = None,
 ) -> torch.Tensor:
     """One decode step: q float16 [B, H, 1, D] attends to cache positions 0..pos (pos int64 [1]). Returns (or
     fills `out`) float16 [B, 1, H, D], the layout the output projection reads. `wpl` forces the CUDA-core
     kernel's words per lane (1, or 2 where `words_per_lane` allows it); `kernel` the form (fma, tc); `splits`
     the tensor-core form's parts along the cache (default: `attention_splits`), `warps` its warps a block
-    (default: `tc_warps`)."""
+    (default: `tc_warps`), `copy_steps` the steps a stage of its rings holds (TC_COPY_STEP_CHOICES; default
+    `tc_copy_steps`), `early_stages` with more than one step a stage: the stages copied before the query is staged
+    (default TC_EARLY_STAGES)."""
     cc.check_f16("q", q)
     b, kvh, length, d = cache.batch, cache.kv_heads, cache.length, cache.head_dim
     if (
@@ -299,7 +336,7 @@ def attention(
     _check_arch(cache.mode, q.device)
     h = q.shape[1]
     g = h // kvh
-    kernel = attention_form(cache.mode, g, d, kernel, wpl, splits, warps)
+    kernel = attention_form(cache.mode, g, d, kernel, wpl, splits, warps, copy_steps, early_stages)
     out = cc.f16_out(out, (b, 1, h, d), q.device)
     dev = cc.device_index(q.device)
     if kernel == "tc":
@@ -307,8 +344,20 @@ def attention(
         module = _module(dev)
         sms = _sm_count(dev)
         warps = tc_warps(b * kvh, sms) if warps is None else warps
-        fn = module.fn(f"kv_attention_tc_int4_d{d}_w{warps}")
-        smem = tc_shared_bytes(d, warps)
+        copy_steps = tc_copy_steps(d, warps) if copy_steps is None else copy_steps
+        if copy_steps not in TC_COPY_STEP_CHOICES:  # the module constant, set by hand
+            raise ValueError(f"TC_COPY_STEPS: found {copy_steps}, expected one of {TC_COPY_STEP_CHOICES}")
+        if copy_steps == 1 and early_stages is not None:
+            raise ValueError(
+                f"early_stages: found {early_stages} with one step a stage, which copies all {TC_STAGES} stages "
+                "early; expected it only with copy_steps 2 or 4"
+            )
+        early = early_stages if early_stages is not None else TC_EARLY_STAGES
+        early = TC_STAGES if early is None else early
+        if not 1 <= early <= TC_STAGES:
+            raise ValueError(f"early_stages: found {early}, expected 1 to {TC_STAGES}")
+        fn = module.fn(tc_entry(d, warps, copy_steps))
+        smem = tc_shared_bytes(d, warps, copy_steps)
         cc.allow_shared_memory(fn, smem)
         # the stages are filled by 16-byte bulk copies of whole rows and parameter runs
         for name in ("k", "v", "k_params", "v_params"):
@@ -341,6 +390,7 @@ def attention(
                 cc.f32(LOG2E / math.sqrt(d)),
                 cc.i32(splits),
                 cc.ptr(part),
+                *((cc.i32(early),) if copy_steps > 1 else ()),
             ),
             shared_mem=smem,
             device=dev,

@@ -1,7 +1,9 @@
 """Quantized KV cache kernels (qtool/kv_cache/cuda.py): the write is bit-identical to the torch form (rotary
 embedding in float16 arithmetic, then qtool/kv_cache/quantized.py `quantize_kv`) and touches only its positions; the
 decode attention over a cache of random codes matches float64 attention over the dequantized cache within float16
-rounding, for every mode, grouped-query ratio and odd lengths, with every output written."""
+rounding, for every mode, grouped-query ratio and odd lengths, with every output written. The tensor-core form's tests
+run each of its stage sizes (`copy_steps`: one step a stage, the dispatched form, and the entries of 2 and 4, these
+with every stage copied before the query is staged and with one)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from tests.gpu.helpers import (
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_ready() is not None, reason=str(gpu_ready()))]
+
+COPY_STEPS = (1, 2, 4)  # qtool/kv_cache/cuda.py TC_COPY_STEP_CHOICES
+# (copy_steps, early_stages): each stage size, and the larger ones with one stage copied ahead of the query's staging
+STAGINGS = [(1, None), (2, None), (4, None), (2, 1), (4, 1)]
 
 
 def _poisoned(mode, b, kvh, length, d):
@@ -155,7 +161,8 @@ def test_attention_matches_float64_reference(mode, b, h, kvh, length, d):
         (1, 3, 3, 200, 64),  # one per KV head at head dim 64, fewer pairs than any split fills
     ],
 )
-def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
+@pytest.mark.parametrize("copy_steps,early", STAGINGS)
+def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d, copy_steps, early):
     """The KV4 tensor-core form (float16 products of the exact codes with the query, P·s rounded to float16) stays
     within the CUDA-core form's bound against float64, at every position of the cache, and it is what the dispatch
     takes for these caches."""
@@ -172,14 +179,27 @@ def test_tensor_core_attention_matches_float64_reference(b, h, kvh, length, d):
         # block size
         for splits, warps in itertools.product((None, 1, 5, kvc.TC_MAX_SPLITS), (None, *kvc.TC_WARPS)):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
-            got = synced(kvc.attention(q, cache, pos, out=out, kernel="tc", splits=splits, warps=warps))
-            what = f"pos {p}, {splits} splits, {warps} warps"
+            got = synced(
+                kvc.attention(
+                    q,
+                    cache,
+                    pos,
+                    out=out,
+                    kernel="tc",
+                    splits=splits,
+                    warps=warps,
+                    copy_steps=copy_steps,
+                    early_stages=early,
+                )
+            )
+            what = f"pos {p}, {splits} splits, {warps} warps, {copy_steps} steps a stage, {early} early"
             assert bool(torch.isfinite(got).all()), f"unwritten outputs ({what})"
             worst = attention_excess(got, ref)
             assert worst <= 0, f"tc: beyond float16 rounding ({what}): excess {worst:.3e}"
 
 
-def test_tensor_core_attention_ignores_what_lies_past_the_position():
+@pytest.mark.parametrize("copy_steps,early", STAGINGS)
+def test_tensor_core_attention_ignores_what_lies_past_the_position(copy_steps, early):
     """Positions past the step's own hold whatever an earlier, longer sequence left there (here poison codes and
     NaN scales): no weight reaches them, with the cache split or not."""
     from qtool.kv_cache import cuda as kvc
@@ -197,16 +217,32 @@ def test_tensor_core_attention_ignores_what_lies_past_the_position():
         for splits, warps in itertools.product((1, 3, 7), kvc.TC_WARPS):
             out = torch.full((b, 1, h, d), float("nan"), dtype=torch.float16, device="cuda")
             pos = torch.tensor([p], device="cuda")
-            got = synced(kvc.attention(q, cache, pos, out=out, splits=splits, warps=warps))
-            assert bool(torch.isfinite(got).all()), f"non-finite outputs (pos {p}, {splits} splits)"
+            got = synced(
+                kvc.attention(
+                    q,
+                    cache,
+                    pos,
+                    out=out,
+                    splits=splits,
+                    warps=warps,
+                    copy_steps=copy_steps,
+                    early_stages=early,
+                )
+            )
+            what = f"pos {p}, {splits} splits, {warps} warps, {copy_steps} steps a stage, {early} early"
+            assert bool(torch.isfinite(got).all()), f"non-finite outputs ({what})"
             worst = attention_excess(got, ref)
-            assert worst <= 0, f"beyond float16 rounding at pos {p}, {splits} splits: excess {worst:.3e}"
+            assert worst <= 0, f"beyond float16 rounding ({what}): excess {worst:.3e}"
 
 
-def test_write_then_attention_under_dependent_launches_and_a_graph():
-    """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it."""
+@pytest.mark.parametrize("copy_steps,early", STAGINGS)
+def test_write_then_attention_under_dependent_launches_and_a_graph(copy_steps, early, monkeypatch):
+    """The decode step's pair (write at pos, attend to 0..pos) chained as the runtime runs it, with each stage size
+    of the tensor-core form (set as the module's defaults)."""
     from qtool.kv_cache import cuda as kvc
 
+    monkeypatch.setattr(kvc, "TC_COPY_STEPS", copy_steps)
+    monkeypatch.setattr(kvc, "TC_EARLY_STAGES", early)
     check_write_then_attention_chain(
         kvc, lambda gen, b, kvh, length, d: kvc.allocate("int4", b, kvh, length, d, torch.device("cuda"))
     )
@@ -229,12 +265,34 @@ def test_kv_cache_kernels_refuse_bad_input_in_one_line():
         kvc.attention(torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda"), cache, pos.int())
     # the tensor-core form stages the query by 16-byte loads: a query 2 bytes past a boundary is refused
     shifted = torch.zeros(4 * 64 + 8, dtype=torch.float16, device="cuda")[1:257].view(1, 4, 1, 64)
-    with pytest.raises(ValueError, match="q: .*expected contiguous 16-byte aligned float16"):
-        kvc.attention(shifted, cache, pos, kernel="tc")
+    for copy_steps in COPY_STEPS:
+        with pytest.raises(ValueError, match="q: .*expected contiguous 16-byte aligned float16"):
+            kvc.attention(shifted, cache, pos, kernel="tc", copy_steps=copy_steps)
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="copy_steps: found 3, expected one of"):
+        kvc.attention(q, cache, pos, kernel="tc", copy_steps=3)
+    with pytest.raises(ValueError, match="early_stages: found 1 with one step a stage"):
+        kvc.attention(q, cache, pos, kernel="tc", copy_steps=1, early_stages=1)
+    with pytest.raises(ValueError, match=r"early_stages: found 0, expected 1 to \d"):
+        kvc.attention(q, cache, pos, kernel="tc", copy_steps=2, early_stages=0)
+    with pytest.raises(ValueError, match="kernel fma: found warps, splits, copy_steps or early_stages"):
+        kvc.attention(q, cache, pos, kernel="fma", copy_steps=2)
+    # the stages are filled by 16-byte bulk copies: a cache tensor off a 16-byte boundary is refused
+    odd = kvc.allocate("int4", 1, 2, 8, 64, torch.device("cuda"))
+    odd.k_params = torch.zeros(1 * 2 * 8 * 2 + 2, dtype=torch.float16, device="cuda")[2:].view(1, 2, 8, 2)
+    for copy_steps in COPY_STEPS:
+        with pytest.raises(ValueError, match="cache.k_params: found a tensor not contiguous from a 16-byte"):
+            kvc.attention(q, odd, pos, kernel="tc", copy_steps=copy_steps)
 
 
-@pytest.mark.parametrize("variant", ["w4a8kv4", "fp8"])
-def test_bench_decoder_runs_quantized_caches_under_graphs(variant):
+@pytest.mark.parametrize(
+    "variant,copy_steps,early", [*(("w4a8kv4", c, e) for c, e in STAGINGS), ("fp8", 1, None)]
+)
+def test_bench_decoder_runs_quantized_caches_under_graphs(variant, copy_steps, early, monkeypatch):
     """The throughput bench's decoder on KV4/FP8 caches with W4A8/FP8 linears: check_bench_decoder_under_graphs
-    (key codes [B, KVH, L, bytes])."""
+    (key codes [B, KVH, L, bytes]), KV4 with each stage size of the tensor-core form."""
+    from qtool.kv_cache import cuda as kvc
+
+    monkeypatch.setattr(kvc, "TC_COPY_STEPS", copy_steps)
+    monkeypatch.setattr(kvc, "TC_EARLY_STAGES", early)
     check_bench_decoder_under_graphs(variant, lambda k: k.movedim(2, -1))
