@@ -29,6 +29,17 @@ def workspace(dev: int, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Te
     return ws
 
 
+def split_buffers(
+    dev: int, split: int, tiles: int, rows: int, tn: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(split, partials, counters) for `tiles` output tiles of rows x tn split `split` ways; no split where the
+    workspace cannot grow (during CUDA-graph capture)."""
+    if split == 1:
+        return 1, None, None
+    bufs = workspace(dev, split * tiles * rows * tn, tiles)
+    return (1, None, None) if bufs is None else (split, *bufs)
+
+
 def counters(dev: int) -> torch.Tensor | None:
     """The device's tile counters (tests: all zero between launches)."""
     ws = _WORKSPACE.get(dev)

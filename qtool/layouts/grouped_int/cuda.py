@@ -521,17 +521,6 @@ def wsp_full_tiles(tiles: int, grid: int) -> int:
     return tiles
 
 
-def _split_workspace(
-    dev: int, split: int, tiles: int, rows: int, tn: int
-) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-    """(split, partials, counters) for `tiles` output tiles split `split` ways; no split where the workspace
-    cannot grow (during CUDA-graph capture)."""
-    if split == 1:
-        return 1, None, None
-    bufs = split_k.workspace(dev, split * tiles * rows * tn, tiles)
-    return (1, None, None) if bufs is None else (split, *bufs)
-
-
 def _mma_ws(
     x2: torch.Tensor,
     p: Prepared,
@@ -582,7 +571,7 @@ def _mma_ws(
             device=dev,
         )
         return
-    split, ws, cnt = _split_workspace(dev, split, tiles, 128, tn)
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, 128, tn)
     cc.launch(
         fn,
         (-(-n // 128), -(-m // tn), split),
@@ -720,7 +709,7 @@ def mma(
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of 64 codes)")
     tiles = -(-n // rows) * -(-m // tn)
-    split, ws, cnt = _split_workspace(dev, split, tiles, rows, tn)
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, rows, tn)
     grid = (-(-n // rows), -(-m // tn), split)
     cc.launch(
         fn,

@@ -708,13 +708,7 @@ def gemm(
     if not 1 <= split <= nblk:
         raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
     tiles = -(-n // GEMM_ROWS) * -(-m // tn)
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(dev, split * tiles * GEMM_ROWS * tn, tiles)
-        if bufs is None:  # no growing during CUDA-graph capture
-            split = 1
-        else:
-            ws, cnt = bufs
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, GEMM_ROWS, tn)
     t = p.tiled
     cc.launch(
         fn,
@@ -869,13 +863,7 @@ def gemm_ws(
     if not 1 <= split <= nblk:
         raise ValueError(f"split: found {split}, expected 1..{nblk} (64-channel blocks)")
     tiles = -(-n // GEMM_ROWS) * -(-m // tn)
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(dev, split * tiles * GEMM_ROWS * tn, tiles)
-        if bufs is None:  # no growing during CUDA-graph capture
-            split = 1
-        else:
-            ws, cnt = bufs
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, GEMM_ROWS, tn)
     t = p.tiled
     if p.maps is None:
         p.maps = tma.MapCache(limit=2)

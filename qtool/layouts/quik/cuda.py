@@ -655,13 +655,7 @@ def gemm(
         )
     if not 1 <= split <= max(1, steps):
         raise ValueError(f"split: found {split}, expected 1..{max(1, steps)} (the layer's stages)")
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(idx, split * tiles * ROWS * tn, tiles)
-        if bufs is None:  # it would have to grow during CUDA-graph capture
-            split = 1
-        else:
-            ws, cnt = bufs
+    split, ws, cnt = split_k.split_buffers(idx, split, tiles, ROWS, tn)
     _dependent_launch(
         fn,
         grid + (split,),

@@ -199,13 +199,7 @@ def gemm(
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
     tiles = -(-n // ROWS) * -(-m // tn)
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(dev, split * tiles * ROWS * tn, tiles)
-        if bufs is None:  # no growing during CUDA-graph capture
-            split = 1
-        else:
-            ws, cnt = bufs
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, ROWS, tn)
     trows = max(p.tile_rows, 1)
     cst = p.tile_vecs * p.vector_size // STAGE_COLS
     c_tiles = p.codebooks.shape[1]
@@ -350,13 +344,7 @@ def gemm_ws(
     if not 1 <= split <= nst:
         raise ValueError(f"split: found {split}, expected 1..{nst} (stages of {STAGE_COLS} columns)")
     tiles = -(-n // ROWS) * -(-m // tn)
-    ws = cnt = None
-    if split > 1:
-        bufs = split_k.workspace(dev, split * tiles * ROWS * tn, tiles)
-        if bufs is None:  # no growing during CUDA-graph capture
-            split = 1
-        else:
-            ws, cnt = bufs
+    split, ws, cnt = split_k.split_buffers(dev, split, tiles, ROWS, tn)
     # token boxes past M read rows the storage holds where it has them (tma.padded_rows): their products land in
     # accumulator columns that are never stored
     mx = _X_MAPS.get(tma.padded_rows(x2, tn), 128, tn, 128)
